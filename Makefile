@@ -1,0 +1,37 @@
+# The two commands a newcomer runs: `make conformance` and `make test`.
+# Both create .venv on first use and install the package (editable) with its
+# test extras; the CPU build of torch is pinned through constraints-cpu.txt.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.llmexport-installed
+PIP    := $(BIN)/python -m pip
+JOBS   ?= auto
+
+.PHONY: install test lint conformance bench clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c constraints-cpu.txt -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n $(JOBS) tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src pytest_exportcheck tests benchmarks examples
+	$(BIN)/mypy
+
+conformance: $(STAMP)
+	$(BIN)/python -m pytest -n $(JOBS) --export-targets=all --export-only \
+		--export-report=conformance-report.json
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_export_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json

@@ -1,0 +1,68 @@
+"""llmexport: export decoder LMs through pluggable export targets and per-module exporters.
+
+Public facade. Heavy libraries (torch, transformers, onnx) are imported lazily,
+so ``import llmexport`` is cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmexport.errors import (
+    ExportError,
+    ExportFailedError,
+    InvalidInputError,
+    InvalidModelError,
+    LLMExportError,
+    OutputExistsError,
+    PluginLoadError,
+    QuantizationError,
+    RegistryConflictError,
+    RegistryError,
+    TiedWeightsError,
+    UnclaimedModuleError,
+    UnknownNameError,
+    UnknownOptionError,
+    UnsupportedFormatError,
+)
+from llmexport.registry import Registry, RegistryEntry, load_entry_point_registry
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ExportError",
+    "ExportFailedError",
+    "InvalidInputError",
+    "InvalidModelError",
+    "LLMExportError",
+    "OutputExistsError",
+    "PluginLoadError",
+    "QuantizationError",
+    "Registry",
+    "RegistryConflictError",
+    "RegistryEntry",
+    "RegistryError",
+    "TiedWeightsError",
+    "UnclaimedModuleError",
+    "UnknownNameError",
+    "UnknownOptionError",
+    "UnsupportedFormatError",
+    "__version__",
+    "export_model",
+    "load_exported",
+    "load_entry_point_registry",
+]
+
+
+def export_model(name: str, model: Any, output_path: Any, **kwargs: Any) -> Any:
+    """Export ``model`` with target ``name``; see :func:`llmexport.export.export_model`."""
+    from llmexport.export import export_model as _export_model
+
+    return _export_model(name, model, output_path, **kwargs)
+
+
+def load_exported(name: str, path: Any, **kwargs: Any) -> Any:
+    """Load an artifact in its target's runtime; see :func:`llmexport.export.load_exported`."""
+    from llmexport.export import load_exported as _load_exported
+
+    return _load_exported(name, path, **kwargs)
