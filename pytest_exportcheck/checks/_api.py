@@ -75,6 +75,9 @@ class TargetCase:
             this target/variant, cached by the plugin; checks should use it instead
             of calling ``export_model`` when the artifact can be shared.
         seed: model seed.
+        goldens: a golden store (``pytest_exportcheck.goldens``) honouring
+            ``--export-goldens-dir`` / ``--export-update-goldens``, or ``None``.
+        options: the resolved plugin options (read-only), for checks that need them.
     """
 
     target: str
@@ -85,6 +88,8 @@ class TargetCase:
     workdir: Path
     export: Callable[..., Path] | None = None
     seed: int = 0
+    goldens: Any = None
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def target_id(self) -> str:
@@ -94,12 +99,19 @@ class TargetCase:
 
 @dataclass
 class ExporterCase:
-    """A module exporter under test: its registry position and match keys."""
+    """A module exporter under test, by its name in the module-exporter registry.
+
+    ``model_name`` is set for per-model exporter checks; ``goldens`` and
+    ``options`` as in :class:`TargetCase`.
+    """
 
     name: str
     workdir: Path
     device: str = "cpu"
     seed: int = 0
+    model_name: str | None = None
+    goldens: Any = None
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
