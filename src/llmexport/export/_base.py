@@ -163,14 +163,17 @@ def get_target_info(name_or_factory: str | Callable[..., Any]) -> TargetInfo:
     if isinstance(name_or_factory, str):
         ensure_exporters_registered()
         factory = EXPORT_REGISTRY.get(name_or_factory)
-        info = getattr(factory, _INFO_ATTR, None)
-        if info is None:  # registered without a declaration: defaults, named after the target
+        declared = getattr(factory, _INFO_ATTR, None)
+        if not isinstance(declared, TargetInfo):
+            # Registered without a declaration: defaults, runtime named after the target.
             return TargetInfo(name=name_or_factory, runtime=name_or_factory)
-        return info if info.name == name_or_factory else replace(info, name=name_or_factory)
+        if declared.name == name_or_factory:
+            return declared
+        return replace(declared, name=name_or_factory)
     info = getattr(name_or_factory, _INFO_ATTR, None)
-    if info is None:
+    if not isinstance(info, TargetInfo):
         raise TypeError(f"{name_or_factory!r} has no target declaration; use @export_target")
-    return info  # type: ignore[no-any-return]
+    return info
 
 
 def _validate_factory(name: str, obj: Any) -> Callable[..., Any]:

@@ -35,7 +35,8 @@ def extract_logits(output: Any, *, where: str = "model") -> torch.Tensor:
             + "; expected logits: a float tensor [batch, seq, vocab], a (logits, cache) tuple, "
             "or an object with a .logits tensor"
         )
-    return logits
+    result: torch.Tensor = logits
+    return result
 
 
 class ExportCacheWrapper(nn.Module):

@@ -1,0 +1,238 @@
+"""Registry semantics and entry-point discovery through real dist-info metadata."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmexport import (
+    PluginLoadError,
+    Registry,
+    RegistryConflictError,
+    UnknownNameError,
+    load_entry_point_registry,
+)
+from llmexport.registry import PluginWarning
+from tests._distinfo import make_distribution
+
+
+def a() -> str:
+    return "a"
+
+
+def b() -> str:
+    return "b"
+
+
+def test_register_and_get_round_trip() -> None:
+    reg: Registry[object] = Registry("widget")
+    assert reg.register("x", a) is a
+    assert reg.get("x") is a
+    assert "x" in reg
+    assert len(reg) == 1
+    assert reg.entry("x").provider == "registered in code"
+
+
+def test_same_object_twice_is_a_no_op_but_a_different_object_conflicts() -> None:
+    reg: Registry[object] = Registry("widget")
+    reg.register("x", a, builtin=True)
+    reg.register("x", a)
+    with pytest.raises(RegistryConflictError) as info:
+        reg.register("x", b, distribution="thirdparty 2.0")
+    message = str(info.value)
+    assert "llmexport (built in)" in message
+    assert "thirdparty 2.0" in message
+    assert reg.get("x") is a
+
+
+def test_unknown_name_lists_available_sorted_and_is_a_value_error() -> None:
+    reg: Registry[object] = Registry("widget")
+    for name in ("zeta", "alpha", "mid"):
+        reg.register(name, object())
+    with pytest.raises(ValueError, match="unknown widget 'nope'") as info:
+        reg.get("nope")
+    assert isinstance(info.value, UnknownNameError)
+    assert info.value.available == ["alpha", "mid", "zeta"]
+    assert "alpha, mid, zeta" in str(info.value)
+    assert reg.names() == ["alpha", "mid", "zeta"]
+
+
+def test_empty_name_is_refused() -> None:
+    reg: Registry[object] = Registry("widget")
+    with pytest.raises(ValueError, match="non-empty string"):
+        reg.register("", a)
+
+
+def test_validator_converts_and_rejects() -> None:
+    def validate(name: str, obj: object) -> int:
+        if not isinstance(obj, int):
+            raise TypeError(f"{name} must be an int")
+        return obj * 10
+
+    reg: Registry[int] = Registry("number", validate)
+    assert reg.validate("n", 4) == 40
+    with pytest.raises(TypeError, match="must be an int"):
+        reg.validate("n", "x")
+
+
+@pytest.fixture
+def plugin_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    root = tmp_path / "site"
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delenv("LLMEXPORT_DISABLE_PLUGINS", raising=False)
+    yield root
+    for mod in [m for m in sys.modules if m.startswith("plug_")]:
+        del sys.modules[mod]
+
+
+def _group() -> str:
+    return f"llmexport.test_{uuid.uuid4().hex[:8]}"
+
+
+def _install(root: Path, group: str) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    make_distribution(
+        root,
+        "good-plugin",
+        {group: {"zz_good": "plug_good:value", "aa_good": "plug_good:other"}},
+        {"plug_good.py": "value = 'good'\nother = 'other'\n"},
+    )
+    make_distribution(
+        root,
+        "broken-plugin",
+        {group: {"mm_broken": "plug_broken:value"}},
+        {"plug_broken.py": "raise ImportError('missing dependency: frobnicate')\n"},
+        version="0.3",
+    )
+
+
+def test_entry_points_load_sorted_and_idempotent(plugin_path: Path) -> None:
+    group = _group()
+    make_distribution(
+        plugin_path,
+        "good-plugin",
+        {group: {"zz_good": "plug_good:value", "aa_good": "plug_good:other"}},
+        {"plug_good.py": "value = 'good'\nother = 'other'\n"},
+    )
+    reg: Registry[str] = Registry("thing")
+    assert load_entry_point_registry(group, reg) == ["aa_good", "zz_good"]
+    assert reg.get("zz_good") == "good"
+    entry = reg.entry("aa_good")
+    assert entry.distribution == "good-plugin 1.0"
+    assert entry.entry_point == "plug_good:other"
+    assert load_entry_point_registry(group, reg) == []  # idempotent
+    assert reg.names() == ["aa_good", "zz_good"]
+
+
+def test_broken_plugin_is_wrapped_and_does_not_hide_others(plugin_path: Path) -> None:
+    group = _group()
+    _install(plugin_path, group)
+    reg: Registry[str] = Registry("thing")
+    with pytest.raises(PluginLoadError) as info:
+        load_entry_point_registry(group, reg)
+    err = info.value
+    assert err.distribution == "broken-plugin 0.3"
+    assert "mm_broken" in str(err)
+    assert "missing dependency: frobnicate" in str(err)
+    assert isinstance(err.__cause__, ImportError)
+    # Raised only after every other plugin was loaded.
+    assert reg.names() == ["aa_good", "zz_good"]
+    # Looking the broken name up re-raises its load error instead of "unknown".
+    with pytest.raises(PluginLoadError, match=r"broken-plugin 0\.3"):
+        reg.get("mm_broken")
+    assert list(reg.failed()) == ["mm_broken"]
+
+
+def test_collect_mode_warns_instead_of_raising(plugin_path: Path) -> None:
+    group = _group()
+    _install(plugin_path, group)
+    reg: Registry[str] = Registry("thing")
+    with pytest.warns(PluginWarning, match="broken-plugin"):
+        loaded = load_entry_point_registry(group, reg, raise_errors=False)
+    assert loaded == ["aa_good", "zz_good"]
+    assert len(reg.plugin_errors) == 1
+
+
+def test_validation_failure_is_a_plugin_load_error(plugin_path: Path) -> None:
+    group = _group()
+    make_distribution(
+        plugin_path, "bad-value", {group: {"x": "plug_bad:value"}}, {"plug_bad.py": "value = 3\n"}
+    )
+
+    def must_be_str(name: str, obj: object) -> str:
+        if not isinstance(obj, str):
+            raise TypeError(f"{name}: expected str, got {type(obj).__name__}")
+        return obj
+
+    reg: Registry[str] = Registry("thing", must_be_str)
+    with pytest.raises(PluginLoadError, match="expected str, got int"):
+        load_entry_point_registry(group, reg)
+
+
+def test_entry_point_claiming_a_builtin_name_raises_naming_the_distribution(
+    plugin_path: Path,
+) -> None:
+    group = _group()
+    make_distribution(
+        plugin_path, "squatter", {group: {"onnx": "plug_squat:value"}}, {"plug_squat.py": "value = 'fake'\n"}
+    )
+    reg: Registry[str] = Registry("export target")
+    reg.register("onnx", "real", builtin=True)
+    with pytest.raises(RegistryConflictError) as info:
+        load_entry_point_registry(group, reg)
+    assert "squatter 1.0" in str(info.value)
+    assert "llmexport (built in)" in str(info.value)
+    assert reg.get("onnx") == "real"
+
+
+def test_kill_switch_skips_discovery(plugin_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    group = _group()
+    _install(plugin_path, group)
+    monkeypatch.setenv("LLMEXPORT_DISABLE_PLUGINS", "1")
+    reg: Registry[str] = Registry("thing")
+    assert load_entry_point_registry(group, reg) == []
+    assert len(reg) == 0
+
+
+def _run(code: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    import os
+
+    env = {**os.environ, **env_extra}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False, timeout=120
+    )
+
+
+def test_onnx_resolves_without_any_plugin_machinery() -> None:
+    code = (
+        "from llmexport.export import EXPORT_REGISTRY, ensure_exporters_registered\n"
+        "ensure_exporters_registered()\n"
+        "print(EXPORT_REGISTRY.names())\n"
+        "print(EXPORT_REGISTRY.entry('onnx').provider)\n"
+    )
+    proc = _run(code, {"LLMEXPORT_DISABLE_PLUGINS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    names, provider = proc.stdout.strip().splitlines()[-2:]
+    assert names == "['onnx']"
+    assert provider == "llmexport (built in)"
+
+
+def test_builtin_entry_point_targets_are_discovered_with_their_distribution() -> None:
+    code = (
+        "from llmexport.export import EXPORT_REGISTRY, RUNTIME_REGISTRY, ensure_exporters_registered\n"
+        "ensure_exporters_registered()\n"
+        "for n in ('torchscript', 'torch_export'):\n"
+        "    print(n, EXPORT_REGISTRY.entry(n).provider, n in RUNTIME_REGISTRY)\n"
+    )
+    proc = _run(code, {"LLMEXPORT_DISABLE_PLUGINS": "0"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("torchscript llmexport ")
+    assert lines[0].endswith("True")
+    assert lines[1].startswith("torch_export llmexport ")
+    assert lines[1].endswith("True")
