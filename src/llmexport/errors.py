@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "ExportError",
     "ExportFailedError",
+    "InvalidConfigError",
     "InvalidInputError",
     "InvalidModelError",
     "LLMExportError",
@@ -91,6 +92,10 @@ class UnknownOptionError(LLMExportError, TypeError):
             f"{where} got unexpected keyword argument(s) {', '.join(map(repr, self.unknown))}; "
             f"accepted: {', '.join(self.accepted) or '(none)'}."
         )
+
+
+class InvalidConfigError(LLMExportError, ValueError):
+    """A model configuration holds values that cannot build a model (e.g. heads not dividing hidden)."""
 
 
 class ExportError(LLMExportError):
