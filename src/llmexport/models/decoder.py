@@ -138,7 +138,9 @@ class Attention(nn.Module):
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
-        hidden, self.num_heads, self.head_dim = config.hidden_size, config.num_heads, config.head_dim
+        hidden = config.hidden_size
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.q_proj = nn.Linear(hidden, hidden, bias=False)
         self.k_proj = nn.Linear(hidden, hidden, bias=False)
@@ -147,7 +149,8 @@ class Attention(nn.Module):
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         # [B, S, hidden] -> [B, H, S, D]; unflatten uses constants only, never B or S.
-        return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        heads: torch.Tensor = x.unflatten(-1, (self.num_heads, self.head_dim))
+        return heads.transpose(1, 2)
 
     def forward(
         self,
@@ -165,7 +168,8 @@ class Attention(nn.Module):
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale + attn_bias
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).flatten(2)
-        return self.o_proj(out), (k, v)
+        output: torch.Tensor = self.o_proj(out)
+        return output, (k, v)
 
 
 class SwiGLU(nn.Module):
@@ -179,7 +183,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the gated MLP."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        output: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return output
 
 
 class DecoderLayer(nn.Module):
@@ -245,7 +250,9 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: DecoderConfig | None = None, **overrides: Any) -> None:
         super().__init__()
-        config = (config if config is not None else self._default_config()).with_overrides(overrides)
+        config = (config if config is not None else self._default_config()).with_overrides(
+            overrides
+        )
         self.config: DecoderConfig = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.pos_encoding = PositionalEncoding(config.hidden_size, config.max_position_embeddings)
@@ -284,13 +291,15 @@ class DecoderModel(nn.Module):
         past_len = 0 if past_key_values is None else past_key_values[0][0].size(2)
         hidden = self.pos_encoding(self.embed_tokens(input_ids), past_len)
         q_len = input_ids.size(1)
-        bias = causal_attention_bias(q_len, past_len + q_len, attention_mask, hidden.dtype, hidden.device)
+        bias = causal_attention_bias(
+            q_len, past_len + q_len, attention_mask, hidden.dtype, hidden.device
+        )
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, layer in enumerate(self.layers):
             past = None if past_key_values is None else past_key_values[i]
             hidden, kv = layer(hidden, bias, past)
             cache.append(kv)
-        logits = self.lm_head(self.norm(hidden))
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))
         if use_cache:
             return logits, tuple(cache)
         return logits

@@ -75,27 +75,54 @@ _FAMILIES: dict[str, _Family] = {
         "MixtralConfig",
         "MixtralForCausalLM",
         # Mixtral's intermediate_size *is* the expert size.
-        {**_COMMON, "intermediate_size": _MOE_INTERMEDIATE, "num_local_experts": 4,
-         "num_experts_per_tok": 2},
+        {
+            **_COMMON,
+            "intermediate_size": _MOE_INTERMEDIATE,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
     ),
     "qwen2_moe": _Family(
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
-        {**_COMMON, "moe_intermediate_size": _MOE_INTERMEDIATE, "num_experts": 4,
-         "num_experts_per_tok": 2, "shared_expert_intermediate_size": 256},
+        {
+            **_COMMON,
+            "moe_intermediate_size": _MOE_INTERMEDIATE,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_expert_intermediate_size": 256,
+        },
     ),
     "qwen3_moe": _Family(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
-        {**_COMMON, "moe_intermediate_size": _MOE_INTERMEDIATE, "num_experts": 4,
-         "num_experts_per_tok": 2},
+        {
+            **_COMMON,
+            "moe_intermediate_size": _MOE_INTERMEDIATE,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+        },
     ),
     "gpt_oss": _Family(
         "GptOssConfig",
         "GptOssForCausalLM",
         # GptOss' intermediate_size *is* the expert size.
-        {**_COMMON, "intermediate_size": _MOE_INTERMEDIATE, "num_local_experts": 4,
-         "num_experts_per_tok": 2},
+        # Keep GptOss' YaRN rope, scaled so that factor == max_positions / original.
+        {
+            **_COMMON,
+            "intermediate_size": _MOE_INTERMEDIATE,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4,
+            },
+        },
     ),
 }
 

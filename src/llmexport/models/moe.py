@@ -43,11 +43,15 @@ class IterableMoEConfig(DecoderConfig):
 class MoEBlock(nn.Module):
     """Top-k routed SwiGLU experts: router ``gate`` (hidden -> experts) and ``experts``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int
+    ) -> None:
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.experts = nn.ModuleList(
+            SwiGLU(hidden_size, intermediate_size) for _ in range(num_experts)
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Sum of every expert's output weighted by its (renormalized) top-k router softmax."""
@@ -78,4 +82,6 @@ class IterableMoEModel(DecoderModel):
             raise InvalidConfigError(
                 f"IterableMoEModel needs an IterableMoEConfig, got {type(config).__name__}"
             )
-        return MoEBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.top_k)
+        return MoEBlock(
+            config.hidden_size, config.moe_intermediate_size, config.num_experts, config.top_k
+        )

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import transformers
 from torch import nn
 
 from llmexport.models._init import seeded_init_
@@ -136,8 +137,6 @@ def model_traits(model: nn.Module) -> frozenset[str]:
     - ``"moe"``: some submodule is named ``experts`` (iterable or fused);
     - ``"tied"``: some parameter is reachable under two names.
     """
-    import transformers
-
     traits: set[str] = set()
     if isinstance(model, transformers.PreTrainedModel):
         traits.add("hf")

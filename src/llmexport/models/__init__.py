@@ -1,0 +1,53 @@
+"""Toy models with reproducible weights: the rows of the export conformance matrix.
+
+- :class:`DecoderModel` / :class:`IterableMoEModel`: plain-torch decoder LMs
+  with Llama-style module names, tied or untied embeddings, and a KV cache.
+- :func:`tiny_hf_model`: tiny transformers models of :data:`HF_FAMILIES`, built
+  from configs (never downloaded).
+- :func:`seeded_init_`: weights from numpy's PCG64, the same bytes on every
+  torch version and device.
+- :data:`MODEL_REGISTRY`, :func:`build_model`, :func:`model_names`: families by
+  name, extensible through the ``llmexport.models`` entry-point group.
+"""
+
+from llmexport.models._init import seeded_init_
+from llmexport.models.decoder import (
+    SCRIPT_FAILURE_REASON,
+    DecoderConfig,
+    DecoderModel,
+    KVCache,
+    PositionalEncoding,
+)
+from llmexport.models.hf import HF_FAMILIES, tiny_hf_model
+from llmexport.models.moe import IterableMoEConfig, IterableMoEModel
+from llmexport.models.registry import (
+    MODEL_REGISTRY,
+    MODELS_GROUP,
+    ModelFactory,
+    build_model,
+    ensure_models_registered,
+    model_names,
+    model_traits,
+    register_builtin_models,
+)
+
+__all__ = [
+    "HF_FAMILIES",
+    "MODELS_GROUP",
+    "MODEL_REGISTRY",
+    "SCRIPT_FAILURE_REASON",
+    "DecoderConfig",
+    "DecoderModel",
+    "IterableMoEConfig",
+    "IterableMoEModel",
+    "KVCache",
+    "ModelFactory",
+    "PositionalEncoding",
+    "build_model",
+    "ensure_models_registered",
+    "model_names",
+    "model_traits",
+    "register_builtin_models",
+    "seeded_init_",
+    "tiny_hf_model",
+]
