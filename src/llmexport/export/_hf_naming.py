@@ -38,7 +38,7 @@ class CheckpointNamer:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self._model = model
+        self._model: Any = model
         self._renamings: list[Any] = []
         self._converters: list[Any] = []
         self._expert_patterns: dict[str, str] = {}
@@ -83,7 +83,7 @@ class CheckpointNamer:
             yield new_name, value.contiguous()
 
 
-def _conversions(model: nn.Module) -> list[Any]:
+def _conversions(model: Any) -> list[Any]:
     """transformers' forward weight conversions for ``model`` (empty if none or not HF)."""
     if not hasattr(model, "config") or not hasattr(model, "base_model_prefix"):
         return []

@@ -212,4 +212,4 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         for name in order:
             t = tensors[name].contiguous()
             if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)

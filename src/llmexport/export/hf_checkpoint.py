@@ -1,0 +1,527 @@
+"""The ``hf_checkpoint`` export target: a (quantized) Hugging Face checkpoint directory.
+
+Layout (see ``docs/checkpoint-format.md``)::
+
+    out/
+      model.safetensors                  # or model-0000i-of-0000N.safetensors + index
+      model.safetensors.index.json       # only when sharded
+      config.json                        # the model's config (+ quantization_config)
+      generation_config.json             # when the model can generate
+      hf_quant_config.json               # only when quantized, modelopt format
+
+The export driver (:func:`llmexport.modules.export_quantized_state`) walks the
+model one module at a time and hands every tensor to a sink; here the sink
+renames it to the name the model's own ``save_pretrained`` writes and feeds the
+streaming shard writer, so no full state dict is ever built. The directory is
+assembled in a temporary sibling and swapped in atomically.
+
+Only transformers ``PreTrainedModel`` instances are accepted: the checkpoint's
+``config.json`` must name a model class that the runtime (and vLLM, TensorRT-LLM,
+SGLang, transformers) can rebuild. A plain torch decoder gets a clear reason.
+
+The runtime :func:`load_hf_checkpoint` rebuilds the model class from
+``config.json``, dequantizes every quantized weight back to float with the same
+function the fake quantizer uses, re-applies static FP8 input / KV-cache
+quantization with the stored scales, and returns ``input_ids -> logits``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmexport.errors import (
+    ExportFailedError,
+    InvalidInputError,
+    InvalidModelError,
+    UnsupportedFormatError,
+)
+from llmexport.export._base import atomic_output, export_target
+from llmexport.export._hf_naming import CheckpointNamer
+from llmexport.export._safetensors_writer import (
+    INDEX_NAME,
+    SINGLE_FILE_NAME,
+    ShardedSafetensorsWriter,
+)
+from llmexport.export._wrapper import extract_logits
+
+__all__ = [
+    "CHECKPOINT_FORMATS",
+    "HF_QUANT_CONFIG_NAME",
+    "build_hf_checkpoint_exporter",
+    "export_hf_checkpoint",
+    "load_hf_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
+#: ``format=`` values: the ModelOpt layout, or compressed-tensors' FP8 ``float-quantized``.
+CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")
+
+_FP8_MAX = 448.0
+_SCALE_LEAVES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "k_scale", "v_scale")
+
+# ModelOpt's `quantization_config` groups per algorithm (modelopt.torch.export.convert_hf_config).
+_FP8_ARGS = {"dynamic": False, "num_bits": 8, "type": "float"}
+_GROUP_CONFIGS: dict[str, Callable[[int | None], dict[str, Any]]] = {
+    "FP8": lambda gs: {"input_activations": dict(_FP8_ARGS), "weights": dict(_FP8_ARGS)},
+    "NVFP4": lambda gs: {
+        "input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": gs or 16},
+        "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": gs or 16},
+    },
+    "W4A16_AWQ": lambda gs: {"weights": {"dynamic": False, "num_bits": 4, "type": "int", "group_size": gs or 128}},
+    "W8A16": lambda gs: {"weights": {"dynamic": False, "num_bits": 8, "type": "int"}},
+}
+
+
+# --------------------------------------------------------------------------- target declaration
+
+
+def _hf_accepts(model: Any) -> str | None:
+    """Why this target cannot take ``model``, or ``None``."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return "transformers is not installed"
+    if not isinstance(model, PreTrainedModel):
+        return (
+            f"{type(model).__name__} is not a transformers PreTrainedModel; a Hugging Face "
+            "checkpoint needs a config.json naming a model class that loaders can rebuild "
+            "(export plain torch models with onnx, torch_export or torchscript)"
+        )
+    return None
+
+
+def build_hf_checkpoint_exporter() -> Callable[..., Path]:
+    """Entry point of ``llmexport.export_backends``: the declared ``hf_checkpoint`` factory."""
+    return export_hf_checkpoint
+
+
+@export_target(
+    "hf_checkpoint",
+    runtime="hf_checkpoint",
+    # Unquantized: the checkpoint holds the same float weights, the diff is 0.
+    # Quantized: fake-quant and dequantized weights are equal bit for bit, the rest
+    # is op order (folded AWQ pre_quant_scale, NVFP4 dynamic activations); see docs.
+    atol=1e-4,
+    rtol=1e-3,
+    capabilities={"quantized", "multi_file"},
+    artifact="directory",
+    accepts=_hf_accepts,
+    description="Hugging Face checkpoint directory (safetensors shards; ModelOpt or compressed-tensors quantization)",
+)
+def export_hf_checkpoint(
+    model: nn.Module,
+    output_path: Path,
+    *,
+    format: str = "modelopt",
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    is_qlora: bool = False,
+    example_inputs: Any = None,
+    safe_serialization: bool = True,
+) -> Path:
+    """Write ``model`` (quantized with :func:`llmexport.quant.quantize`, or not) as an HF checkpoint.
+
+    Args:
+        model: a transformers ``PreTrainedModel``; never modified.
+        output_path: the checkpoint directory. An existing non-empty directory is
+            refused unless ``overwrite=True``, which replaces it atomically.
+        format: ``"modelopt"`` (vLLM / TensorRT-LLM / SGLang) or
+            ``"compressed-tensors"`` (FP8 ``float-quantized``, transformers).
+        max_shard_size: bytes per shard, an int or ``"500MB"``-style string.
+        dtype: cast unquantized floating tensors to this dtype (default: as in the model).
+        overwrite: replace an existing non-empty directory.
+        is_qlora: drop LoRA adapters and write ``base_layer`` weights under the base names.
+        example_inputs: accepted for API uniformity; nothing is traced.
+        safe_serialization: must be true: the checkpoint is safetensors only, never pickle.
+
+    Returns:
+        ``output_path``.
+    """
+    del example_inputs  # weights only: there is nothing to trace
+    if not safe_serialization:
+        raise InvalidInputError(
+            "hf_checkpoint writes safetensors only (pickle checkpoints can run code on load); "
+            "drop safe_serialization=False"
+        )
+    if format not in CHECKPOINT_FORMATS:
+        raise InvalidInputError(f"format must be one of {', '.join(CHECKPOINT_FORMATS)}, got {format!r}")
+    reason = _hf_accepts(model)
+    if reason:
+        raise InvalidModelError(f"hf_checkpoint cannot export this model: {reason}")
+    from llmexport.modules import export_quantized_state
+
+    output = Path(output_path)
+    with atomic_output(output, directory=True, overwrite=overwrite) as staging:
+        writer = ShardedSafetensorsWriter(staging, max_shard_size=max_shard_size)
+        sink = _CheckpointSink(CheckpointNamer(model), writer, format)
+        try:
+            summary = export_quantized_state(model, sink, format=format, dtype=dtype, is_qlora=is_qlora)
+        finally:
+            sink.close()
+        written = writer.finish()
+        quant = _quantization_section(summary)
+        _write_configs(model, staging, dtype, quant, format)
+        logger.info(
+            "hf_checkpoint: wrote %d tensors (%d bytes) in %d file(s) to %s",
+            len(written.weight_map), written.total_size, len(written.files), output,
+        )
+    return output
+
+
+class _CheckpointSink:
+    """The driver's sink: rename to checkpoint names (and the format's layout), then write."""
+
+    def __init__(self, namer: CheckpointNamer, writer: ShardedSafetensorsWriter, format: str) -> None:
+        self._namer = namer
+        self._writer = writer
+        self._compressed_tensors = format == "compressed-tensors"
+        self._closed = False
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Accept one tensor from the export driver."""
+        if self._closed:
+            raise ExportFailedError(f"tensor {name!r} arrived after the export finished")
+        for ckpt_name, value in self._namer.rename(name, tensor):
+            if self._compressed_tensors:
+                ckpt_name, value = _to_compressed_tensors(ckpt_name, value)
+            self._writer.add(ckpt_name, value)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+_KV_SCALE = re.compile(r"^(?P<attn>.*)\.(?P<proj>[kv])_proj\.(?P=proj)_scale$")
+
+
+def _to_compressed_tensors(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """compressed-tensors layout: per-tensor scales have shape ``[1]``; KV scales sit on the attention."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("weight_scale", "input_scale", "k_scale", "v_scale") and tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    match = _KV_SCALE.match(name)
+    if match:
+        name = f"{match['attn']}.{match['proj']}_scale"
+    return name, tensor
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def _quantization_section(summary: Any) -> dict[str, Any] | None:
+    """The ``quantization`` section of ``hf_quant_config.json``; ``None`` for an unquantized model."""
+    quant_algo = getattr(summary, "quant_algo", None)
+    kv_algo = getattr(summary, "kv_cache_quant_algo", None)
+    if quant_algo is None and kv_algo is None:
+        return None
+    section: dict[str, Any] = {
+        "quant_algo": quant_algo,
+        "kv_cache_quant_algo": kv_algo,
+        "exclude_modules": sorted(getattr(summary, "exclude_modules", None) or []),
+    }
+    group_size = getattr(summary, "group_size", None)
+    if group_size:
+        section["group_size"] = group_size
+    if quant_algo == "W4A16_AWQ":
+        section.update(has_zero_point=False, pre_quant_scale=True)
+    layers = getattr(summary, "quantized_layers", None)
+    if quant_algo == "MIXED_PRECISION" and layers:
+        section["quantized_layers"] = {k: dict(v) for k, v in sorted(dict(layers).items())}
+    return section
+
+
+def _producer() -> dict[str, str]:
+    from llmexport import __version__
+
+    return {"name": "llmexport", "version": __version__}
+
+
+def modelopt_quantization_config(quant: Mapping[str, Any]) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config`` for the ModelOpt layout (as ModelOpt writes it)."""
+    algo = quant.get("quant_algo")
+    config: dict[str, Any] = {}
+    if algo == "MIXED_PRECISION":
+        by_config: dict[tuple[tuple[str, Any], ...], list[str]] = {}
+        for layer, cfg in quant.get("quantized_layers", {}).items():
+            by_config.setdefault(tuple(sorted(cfg.items())), []).append(layer)
+        groups = {}
+        for i, (key, layers) in enumerate(by_config.items()):
+            cfg = dict(key)
+            groups[f"group_{i}"] = {**_group_config(cfg["quant_algo"], cfg.get("group_size")), "targets": sorted(layers)}
+        config["config_groups"] = groups
+        config["quantized_layers"] = quant.get("quantized_layers", {})
+    elif algo is not None:
+        config["config_groups"] = {"group_0": {**_group_config(algo, quant.get("group_size")), "targets": ["Linear"]}}
+    config["ignore"] = list(quant.get("exclude_modules") or [])
+    if algo:
+        config["quant_algo"] = algo
+    kv = quant.get("kv_cache_quant_algo")
+    if kv:
+        config["kv_cache_scheme"] = dict(_FP8_ARGS) if kv == "FP8" else kv
+    config["producer"] = _producer()
+    config["quant_method"] = "modelopt"
+    return config
+
+
+def _group_config(algo: str, group_size: int | None) -> dict[str, Any]:
+    try:
+        return _GROUP_CONFIGS[algo](group_size)
+    except KeyError:
+        raise UnsupportedFormatError(
+            f"no quantization_config group is defined for quant_algo {algo!r}; "
+            f"known: {', '.join(sorted(_GROUP_CONFIGS))}"
+        ) from None
+
+
+def compressed_tensors_quantization_config(quant: Mapping[str, Any]) -> dict[str, Any]:
+    """``quantization_config`` for compressed-tensors' FP8 ``float-quantized`` format."""
+    if quant.get("quant_algo") not in ("FP8", None):
+        raise UnsupportedFormatError(
+            f"format='compressed-tensors' writes FP8 per-tensor (float-quantized) only, but the model "
+            f"is quantized as {quant.get('quant_algo')!r}; use format='modelopt' or quantize with 'fp8'"
+        )
+    args = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+    groups = {}
+    if quant.get("quant_algo") == "FP8":
+        groups["group_0"] = {
+            "targets": ["Linear"],
+            "weights": dict(args),
+            "input_activations": dict(args),
+            "format": "float-quantized",
+        }
+    ignore = [_ct_ignore_entry(m) for m in quant.get("exclude_modules") or []]
+    kv = quant.get("kv_cache_quant_algo")
+    if kv not in (None, "FP8"):
+        raise UnsupportedFormatError(f"compressed-tensors output supports an FP8 KV cache only, got {kv!r}")
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": ignore,
+        "kv_cache_scheme": dict(args) if kv == "FP8" else None,
+    }
+
+
+def _ct_ignore_entry(pattern: str) -> str:
+    """A ModelOpt wildcard (``*.mlp.gate``) becomes a compressed-tensors ``re:`` pattern."""
+    if "*" not in pattern:
+        return pattern
+    return "re:" + ".*".join(re.escape(part) for part in pattern.split("*")) + "$"
+
+
+def _write_configs(
+    model: Any, directory: Path, dtype: torch.dtype | None, quant: dict[str, Any] | None, format: str
+) -> None:
+    """config.json (+ quantization_config), generation_config.json, hf_quant_config.json."""
+    config: Any = copy.deepcopy(model.config)  # save_pretrained mutates the model's config; we do not
+    model_dtype = dtype or _floating_dtype(model)
+    config.dtype = str(model_dtype).removeprefix("torch.")
+    config.architectures = [type(model).__name__]
+    if quant is not None:
+        config.quantization_config = (
+            compressed_tensors_quantization_config(quant)
+            if format == "compressed-tensors"
+            else modelopt_quantization_config(quant)
+        )
+        if format == "modelopt":
+            hf_quant = {"producer": _producer(), "quantization": quant}
+            (directory / HF_QUANT_CONFIG_NAME).write_text(json.dumps(hf_quant, indent=4) + "\n")
+    config.save_pretrained(directory)
+    can_generate = getattr(model, "can_generate", None)
+    generation_config = getattr(model, "generation_config", None)
+    if callable(can_generate) and can_generate() and generation_config is not None:
+        generation_config.save_pretrained(directory)
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+# --------------------------------------------------------------------------- runtime
+
+
+def load_hf_checkpoint(artifact: Path, *, device: str | torch.device = "cpu") -> Callable[[torch.Tensor], torch.Tensor]:
+    """Runtime of ``hf_checkpoint``: rebuild, dequantize, and return ``input_ids -> logits``.
+
+    The model class comes from ``config.json``'s ``architectures``; quantized
+    weights are dequantized to float exactly as the fake quantizer computes them;
+    static FP8 input scales and KV-cache scales are applied as forward hooks, as a
+    serving engine applies them. Runs with ``use_cache=False``.
+    """
+    directory = Path(artifact)
+    model = _rebuild_model(directory, torch.device(device))
+    model_device = torch.device(device)
+
+    def run(input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            output = model(input_ids.to(model_device), use_cache=False)
+        return extract_logits(output, where=f"hf_checkpoint {directory.name}")
+
+    return run
+
+
+def _rebuild_model(directory: Path, device: torch.device) -> Any:
+    import transformers
+
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise InvalidInputError(f"{directory} is not a Hugging Face checkpoint: it has no config.json")
+    config = transformers.AutoConfig.from_pretrained(directory)
+    quant_config = getattr(config, "quantization_config", None)
+    if quant_config is not None:
+        del config.quantization_config  # we dequantize ourselves; transformers must not
+    arch = (config.architectures or [None])[0]
+    model_cls = getattr(transformers, arch, None) if arch else None
+    if model_cls is None:
+        raise InvalidInputError(
+            f"{config_path} names architecture {arch!r}, which this transformers "
+            f"({transformers.__version__}) does not have; install a version that does"
+        )
+    tensors = dict(_read_checkpoint(directory))
+    group_size = _group_size(directory)
+    weights, activation_scales = _dequantize_state(tensors, group_size)
+    model = model_cls.from_pretrained(None, config=config, state_dict=weights, dtype=config.dtype or torch.float32)
+    model.eval().to(device)
+    _install_activation_hooks(model, activation_scales)
+    return model
+
+
+def _read_checkpoint(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = directory / INDEX_NAME
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / SINGLE_FILE_NAME).is_file():
+        files = [SINGLE_FILE_NAME]
+    else:
+        raise InvalidInputError(f"{directory} holds neither {SINGLE_FILE_NAME} nor {INDEX_NAME}")
+    for file in files:
+        with safe_open(str(directory / file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield key, f.get_tensor(key)
+
+
+def _group_size(directory: Path) -> int | None:
+    path = directory / HF_QUANT_CONFIG_NAME
+    if not path.is_file():
+        return None
+    size = json.loads(path.read_text()).get("quantization", {}).get("group_size")
+    return int(size) if size else None
+
+
+def _dequantize_state(
+    tensors: dict[str, torch.Tensor], group_size: int | None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(float weights under checkpoint names, activation/KV scales by scale name)."""
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in _SCALE_LEAVES:
+            weight = tensors.get(f"{prefix}.weight")
+            fp8_input = leaf == "input_scale" and weight is not None and weight.dtype == torch.float8_e4m3fn
+            if fp8_input or leaf in ("k_scale", "v_scale"):
+                scales[name] = tensor.float().reshape(())
+            continue
+        if leaf == "weight" and f"{prefix}.weight_scale" in tensors:
+            weights[name] = _dequantize_weight(prefix, tensors, group_size)
+        else:
+            weights[name] = tensor
+    return weights, scales
+
+
+def _dequantize_weight(prefix: str, tensors: Mapping[str, torch.Tensor], group_size: int | None) -> torch.Tensor:
+    """One module's float weight from its stored codes and scales (``llmexport.quant.dequantize``)."""
+    from llmexport.quant import QuantFormat, QuantizedTensor, dequantize
+
+    data = tensors[f"{prefix}.weight"]
+    scale = tensors[f"{prefix}.weight_scale"]
+    scale_2 = tensors.get(f"{prefix}.weight_scale_2")
+    fmt = _STORED_FORMATS.get((data.dtype, scale_2 is not None))
+    if fmt is None:
+        raise UnsupportedFormatError(
+            f"{prefix}.weight is stored as {data.dtype} with weight_scale {tuple(scale.shape)}; "
+            "expected FP8 (float8_e4m3fn), NVFP4 (uint8 + weight_scale_2), INT4 AWQ (uint8) or INT8 (int8)"
+        )
+    fmt = QuantFormat(fmt)
+    block: int | None = None
+    shape: tuple[int, ...]
+    if fmt is QuantFormat.NVFP4:
+        shape = (data.shape[0], data.shape[1] * 2)
+        block = shape[1] // scale.shape[-1]
+    elif fmt is QuantFormat.INT4:
+        shape = (data.shape[0] * 2, data.shape[1])
+        block = group_size or shape[1] // scale.shape[-1]
+    else:
+        shape = tuple(data.shape)
+        scale = scale.reshape(()) if fmt is QuantFormat.FP8 else scale.reshape(-1)
+    q = QuantizedTensor(fmt, data, scale.float() if fmt is not QuantFormat.NVFP4 else scale,
+                        scale_2, block, tuple(shape), torch.float32)
+    weight: torch.Tensor = dequantize(q)
+    pre_quant_scale = tensors.get(f"{prefix}.pre_quant_scale")
+    if pre_quant_scale is not None:  # AWQ: y = (x * s) @ W^T == x @ (W * s)^T
+        weight = weight * pre_quant_scale.float().reshape(1, -1)
+    return weight
+
+
+#: (stored weight dtype, has weight_scale_2) -> QuantFormat value.
+_STORED_FORMATS: dict[tuple[torch.dtype, bool], str] = {
+    (torch.float8_e4m3fn, False): "fp8",
+    (torch.uint8, True): "nvfp4",
+    (torch.uint8, False): "int4",
+    (torch.int8, False): "int8",
+}
+
+
+def _fp8_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Static per-tensor FP8 quantize-dequantize, saturating at +-448."""
+    s = scale.to(x.device, torch.float32)
+    q = (x.float() / s).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * s).to(x.dtype)
+
+
+def _install_activation_hooks(model: nn.Module, scales: Mapping[str, torch.Tensor]) -> None:
+    """FP8 input scales (pre-hooks) and KV-cache scales (output hooks) on the modules that own them."""
+    modules = dict(model.named_modules())
+    for name, scale in scales.items():
+        prefix, _, leaf = name.rpartition(".")
+        module = modules.get(prefix)
+        if module is None:
+            # fused experts and compressed-tensors' attention-level KV scales have no
+            # single module to hook; their weights are still dequantized exactly
+            logger.debug("no module %r for %s; scale not applied in the runtime", prefix, name)
+            continue
+        if leaf == "input_scale" and isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(_input_hook(scale))
+        elif leaf in ("k_scale", "v_scale"):
+            module.register_forward_hook(_output_hook(scale))
+
+
+def _input_hook(scale: torch.Tensor) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (_fp8_fake_quant(args[0], scale), *args[1:])
+
+    return hook
+
+
+def _output_hook(scale: torch.Tensor) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+        return _fp8_fake_quant(output, scale)
+
+    return hook

@@ -1,0 +1,183 @@
+"""The ``hf_checkpoint`` target and runtime, through ``export_model`` / ``load_exported``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import llmexport
+from llmexport.errors import InvalidInputError, InvalidModelError, OutputExistsError
+from llmexport.export import get_target_info
+from llmexport.models import HF_FAMILIES, DecoderConfig, DecoderModel, tiny_hf_model
+
+TARGET = "hf_checkpoint"
+
+
+def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory (single file or sharded), by name."""
+    index = directory / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(directory / file), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for key in f.keys():  # noqa: SIM118
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def assert_same_tensors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert sorted(ours) == sorted(ref)
+    for name, tensor in ref.items():
+        got = ours[name]
+        assert (got.dtype, tuple(got.shape)) == (tensor.dtype, tuple(tensor.shape)), name
+        assert torch.equal(got.view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    return tiny_hf_model("llama", seed=0)
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_unquantized_checkpoint_equals_save_pretrained(family: str, tmp_path: Path) -> None:
+    model = tiny_hf_model(family, seed=1)
+    model.save_pretrained(tmp_path / "ref")
+    out = llmexport.export_model(TARGET, model, tmp_path / "ours")
+
+    assert_same_tensors(read_checkpoint(out), read_checkpoint(tmp_path / "ref"))
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((out / name).read_text()) == json.loads((tmp_path / "ref" / name).read_text())
+    assert not (out / "hf_quant_config.json").exists()
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def test_mixtral_uses_the_original_checkpoint_names(tmp_path: Path) -> None:
+    out = llmexport.export_model(TARGET, tiny_hf_model("mixtral", seed=0), tmp_path / "ckpt")
+    names = read_checkpoint(out)
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names
+    assert not any(".mlp." in n or "gate_up_proj" in n for n in names)
+
+
+def test_tied_embedding_is_written_once(tmp_path: Path) -> None:
+    out = llmexport.export_model(TARGET, tiny_hf_model("llama_tied", seed=0), tmp_path / "ckpt")
+    names = read_checkpoint(out)
+    assert "model.embed_tokens.weight" in names
+    assert "lm_head.weight" not in names
+
+
+@pytest.mark.parametrize("max_shard_size", [200_000, "0.2MB"])
+def test_shards_fill_in_order_and_index_covers_every_tensor(
+    llama: Any, tmp_path: Path, max_shard_size: int | str
+) -> None:
+    out = llmexport.export_model(TARGET, llama, tmp_path / "ckpt", max_shard_size=max_shard_size)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    count = len(shards)
+    assert count > 1
+    assert shards == [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    assert sorted(set(index["weight_map"].values())) == shards
+    tensors = read_checkpoint(out)
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    for shard in shards:
+        with safe_open(str(out / shard), framework="pt") as f:
+            sizes = [f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()]  # noqa: SIM118
+        assert len(sizes) == 1 or sum(sizes) <= 200_000
+    assert not list(out.glob("*.partial"))
+
+
+def test_dtype_casts_floating_tensors(llama: Any, tmp_path: Path) -> None:
+    out = llmexport.export_model(TARGET, llama, tmp_path / "ckpt", dtype=torch.bfloat16)
+    assert {t.dtype for t in read_checkpoint(out).values()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_unquantized_roundtrip_logits_match(tmp_path: Path) -> None:
+    model = tiny_hf_model("qwen2_moe", seed=2).eval()
+    out = llmexport.export_model(TARGET, model, tmp_path / "ckpt", max_shard_size="100KB")
+    run = llmexport.load_exported(TARGET, out, device="cpu")
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+    # same weights; the runtime builds the model with transformers' default (sdpa)
+    # attention where the toy uses eager, so only float op order differs
+    torch.testing.assert_close(run(ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_existing_directory_is_refused_then_replaced_with_overwrite(llama: Any, tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "keep.txt").write_text("old")
+    with pytest.raises(OutputExistsError, match="overwrite=True"):
+        llmexport.export_model(TARGET, llama, target)
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+
+    llmexport.export_model(TARGET, llama, target, overwrite=True)
+    assert not (target / "keep.txt").exists()
+    assert (target / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary left beside it
+
+
+def test_failure_midway_leaves_no_partial_checkpoint(
+    llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import llmexport.modules
+
+    def half_then_fail(model: Any, sink: Any, **kwargs: Any) -> Any:
+        for name, tensor in list(model.state_dict().items())[:5]:
+            sink.add(name, tensor)
+        raise RuntimeError("exporter exploded midway")
+
+    target = tmp_path / "ckpt"
+    llmexport.export_model(TARGET, llama, target, max_shard_size=10_000)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    monkeypatch.setattr(llmexport.modules, "export_quantized_state", half_then_fail)
+    with pytest.raises(RuntimeError, match="midway"):
+        llmexport.export_model(TARGET, llama, target, overwrite=True, max_shard_size=10_000)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_plain_torch_model_is_refused_with_a_reason(tmp_path: Path) -> None:
+    model = DecoderModel(DecoderConfig())
+    reason = get_target_info(TARGET).accepts(model)  # type: ignore[misc]
+    assert reason is not None
+    assert "PreTrainedModel" in reason
+    with pytest.raises(InvalidModelError, match=r"config\.json"):
+        llmexport.export_model(TARGET, model, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"format": "gguf"}, "format must be one of"),
+        ({"safe_serialization": False}, "safetensors only"),
+        ({"max_shard_size": "lots"}, "is not a size"),
+        ({"max_shard_size": 0}, "positive"),
+    ],
+)
+def test_bad_options_are_rejected_before_writing(
+    llama: Any, tmp_path: Path, kwargs: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=match):
+        llmexport.export_model(TARGET, llama, tmp_path / "ckpt", **kwargs)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_target_declares_directory_artifact_and_capabilities() -> None:
+    info = get_target_info(TARGET)
+    assert info.artifact == "directory"
+    assert {"quantized", "multi_file"} <= info.capabilities
+    assert info.runtime == TARGET
