@@ -8,7 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from llmexport.errors import InvalidConfigError, UnknownNameError, UnknownOptionError
+from llmexport.errors import (
+    InvalidConfigError,
+    InvalidInputError,
+    UnknownNameError,
+    UnknownOptionError,
+)
 from llmexport.models import (
     HF_FAMILIES,
     MODELS_GROUP,
@@ -80,6 +85,15 @@ def test_seeded_init_norm_gains_around_one_and_weights_at_std() -> None:
     weight = model.layers[0].mlp.up_proj.weight
     assert abs(weight.mean().item()) < 0.002
     assert 0.019 < weight.std().item() < 0.021
+
+
+@pytest.mark.parametrize("name", ["decoder", "llama"])
+def test_building_leaves_torch_global_rng_alone(name: str) -> None:
+    torch.manual_seed(11)
+    expected = torch.rand(4)
+    torch.manual_seed(11)
+    build_model(name)
+    torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
 
 
 def test_seeded_init_casts_to_the_parameter_dtype() -> None:
@@ -173,6 +187,14 @@ def test_masked_tokens_do_not_reach_real_tokens() -> None:
     assert not torch.allclose(a[:, 3:], unmasked[:, 3:])
 
 
+def test_positions_past_the_table_are_refused() -> None:
+    model = build_model("decoder", max_position_embeddings=16)
+    with torch.no_grad():
+        _, cache = model(_ids(1, 10), use_cache=True)
+        with pytest.raises(InvalidInputError, match="max_position_embeddings"):
+            model(_ids(1, 7), past_key_values=cache)
+
+
 def test_other_batch_and_sequence_lengths() -> None:
     model = build_model("iterable_moe")
     with torch.no_grad():
@@ -194,6 +216,7 @@ def test_hf_family_builds_tiny_float32_eval_and_forwards(family: str) -> None:
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # TorchScript's notes on annotations
 def test_torchscript_claim_holds_on_installed_torch() -> None:
     if SCRIPT_FAILURE_REASON is None:
         torch.jit.script(DecoderModel())

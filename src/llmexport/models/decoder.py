@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from llmexport.errors import InvalidConfigError, UnknownOptionError
+from llmexport.errors import InvalidConfigError, InvalidInputError, UnknownOptionError
 
 __all__ = [
     "SCRIPT_FAILURE_REASON",
@@ -110,6 +110,12 @@ def _sinusoid_table(num_positions: int, dim: int) -> torch.Tensor:
     return torch.from_numpy(table.astype(np.float32))
 
 
+def _is_eager() -> bool:
+    """False while tracing or exporting, where a Python check on a size would add a guard."""
+    tracing = torch.jit.is_tracing()  # type: ignore[attr-defined]  # public, not re-exported
+    return not (tracing or torch.compiler.is_compiling())
+
+
 class PositionalEncoding(nn.Module):
     """Adds fixed sinusoidal position embeddings to ``hidden_states [batch, seq, hidden]``.
 
@@ -117,7 +123,8 @@ class PositionalEncoding(nn.Module):
     Rows are looked up with ``F.embedding`` on ``arange(offset, offset + seq)``
     rather than sliced, so no exporter sees a guard ``seq <= max_positions``: the
     sequence dimension stays fully dynamic under ``torch.export``, ONNX dynamo and
-    ``torch.jit.trace``.
+    ``torch.jit.trace``. In eager mode, positions past the table raise
+    :class:`~llmexport.errors.InvalidInputError`.
     """
 
     pe: torch.Tensor
@@ -129,7 +136,14 @@ class PositionalEncoding(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """``hidden_states`` plus the encodings of positions ``offset .. offset + seq - 1``."""
-        positions = torch.arange(hidden_states.size(1), device=hidden_states.device) + offset
+        seq = hidden_states.size(1)
+        if _is_eager() and offset + seq > self.max_positions:
+            raise InvalidInputError(
+                f"positions {offset}..{offset + seq - 1} exceed the {self.max_positions} "
+                "positions of the sinusoidal table; shorten the input or build the model "
+                "with a larger max_position_embeddings"
+            )
+        positions = torch.arange(seq, device=hidden_states.device) + offset
         return hidden_states + F.embedding(positions, self.pe).to(hidden_states.dtype)
 
 

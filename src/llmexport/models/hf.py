@@ -21,11 +21,19 @@ it to a traceable one themselves):
   ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``, a clamped SwiGLU
   (``swiglu_limit``, ``swiglu_alpha``); the router ``mlp.router`` has a weight and
   a bias, and attention has per-head ``sinks``. Its layers alternate sliding and
-  full attention.
+  full attention (``sliding_window`` 128, the whole tiny context), and it keeps
+  YaRN rope scaled to the 128 positions.
 
-The eager experts forward loops over the experts hit by the batch
-(``nonzero``), a data-dependent shape that tracers cannot export as is.
+The experts forward is dispatched on ``config._experts_implementation``, which
+transformers 5.24 resolves to ``"grouped_mm"`` when nothing is requested (also on
+CPU): tokens are sorted by expert and run through ``torch._grouped_mm`` (or its
+fallback). ``"eager"`` loops over the experts hit by the batch (``nonzero``, a
+data-dependent shape); ``"batched_mm"`` gathers each token's top-k expert weights.
+Switch with ``model.set_experts_implementation(...)`` and read it back with
+``model.get_experts_implementation()``.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import logging
@@ -37,7 +45,7 @@ from typing import Any
 import torch
 import transformers
 
-from llmexport.errors import UnknownNameError, UnknownOptionError
+from llmexport.errors import TiedWeightsError, UnknownNameError, UnknownOptionError
 from llmexport.models._init import seeded_init_
 
 __all__ = ["HF_FAMILIES", "tiny_hf_model"]
@@ -59,21 +67,17 @@ _MOE_INTERMEDIATE = 128
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
-    """How to build one family: transformers class names and its tiny config values."""
+    """How to build one family: its transformers config class and tiny config values."""
 
     config_class: str
-    model_class: str
     config: Mapping[str, Any]
 
 
 _FAMILIES: dict[str, _Family] = {
-    "llama": _Family("LlamaConfig", "LlamaForCausalLM", {**_COMMON, "tie_word_embeddings": False}),
-    "llama_tied": _Family(
-        "LlamaConfig", "LlamaForCausalLM", {**_COMMON, "tie_word_embeddings": True}
-    ),
+    "llama": _Family("LlamaConfig", {**_COMMON, "tie_word_embeddings": False}),
+    "llama_tied": _Family("LlamaConfig", {**_COMMON, "tie_word_embeddings": True}),
     "mixtral": _Family(
         "MixtralConfig",
-        "MixtralForCausalLM",
         # Mixtral's intermediate_size *is* the expert size.
         {
             **_COMMON,
@@ -84,7 +88,6 @@ _FAMILIES: dict[str, _Family] = {
     ),
     "qwen2_moe": _Family(
         "Qwen2MoeConfig",
-        "Qwen2MoeForCausalLM",
         {
             **_COMMON,
             "moe_intermediate_size": _MOE_INTERMEDIATE,
@@ -95,7 +98,6 @@ _FAMILIES: dict[str, _Family] = {
     ),
     "qwen3_moe": _Family(
         "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
         {
             **_COMMON,
             "moe_intermediate_size": _MOE_INTERMEDIATE,
@@ -105,7 +107,6 @@ _FAMILIES: dict[str, _Family] = {
     ),
     "gpt_oss": _Family(
         "GptOssConfig",
-        "GptOssForCausalLM",
         # GptOss' intermediate_size *is* the expert size.
         # Keep GptOss' YaRN rope, scaled so that factor == max_positions / original.
         {
@@ -152,7 +153,7 @@ def _make_config(spec: _Family, overrides: Mapping[str, Any]) -> Any:
     return config_cls(**{**spec.config, **overrides})
 
 
-def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> Any:
+def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
     """A tiny transformers causal LM of ``family``, with weights from :func:`seeded_init_`.
 
     ``family`` is one of :data:`HF_FAMILIES`; ``overrides`` update its config
@@ -168,10 +169,28 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> Any:
     spec = _family(family)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     config = _make_config(spec, overrides)
-    model_cls = getattr(transformers, spec.model_class)
     start = time.perf_counter()
-    model = model_cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
-    model.tie_weights()
+    # transformers' own init draws from torch's global RNG; keep the caller's stream intact.
+    with torch.random.fork_rng(devices=[]):
+        model: transformers.PreTrainedModel = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager", dtype=torch.float32
+        )
     seeded_init_(model, seed, std=config.initializer_range)
+    _check_tied(model, family)
+    model.eval()
     logger.debug("built tiny %s in %.3f s", family, time.perf_counter() - start)
-    return model.eval()
+    return model
+
+
+def _check_tied(model: transformers.PreTrainedModel, family: str) -> None:
+    """A config that ties word embeddings must leave one shared parameter, not two copies."""
+    if not model.config.tie_word_embeddings:
+        return
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head.weight is not embed.weight:
+        raise TiedWeightsError(
+            f"tiny {family!r} model: config.tie_word_embeddings=True but lm_head.weight and "
+            "embed_tokens.weight are two tensors after building; transformers did not tie "
+            "them, so an exporter would see two diverging copies. Report this with the "
+            f"transformers version ({transformers.__version__})."
+        )

@@ -11,6 +11,8 @@ outside each token's top-k. No boolean indexing or data-dependent shapes, so it
 exports with dynamic batch and sequence like the dense model.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 from typing import Any
 

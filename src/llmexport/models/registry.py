@@ -6,11 +6,14 @@ the ``llmexport.models`` entry-point group. A family is a factory
 ``(seed: int = 0, **overrides) -> nn.Module`` whose weights depend on ``seed`` only.
 """
 
+from __future__ import annotations
+
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 import transformers
 from torch import nn
 
@@ -62,7 +65,9 @@ class _PlainFactory:
     defaults: tuple[tuple[str, Any], ...] = ()
 
     def __call__(self, seed: int = 0, **overrides: Any) -> nn.Module:
-        model = self.model_class(**{**dict(self.defaults), **overrides})
+        # torch's default init draws from the global RNG; keep the caller's stream intact.
+        with torch.random.fork_rng(devices=[]):
+            model = self.model_class(**{**dict(self.defaults), **overrides})
         return seeded_init_(model, seed).eval()
 
 
