@@ -161,8 +161,8 @@ def quantize_tensor(
 ) -> QuantizedTensor:
     """Quantize ``x`` (last dimension = input features) to ``fmt``.
 
-    ``amax`` is the calibrated per-tensor amax for FP8 (broadcastable to ``x``:
-    0-d, or ``[E, 1, 1]`` for stacked experts) and the global amax for NVFP4;
+    ``amax`` is the calibrated per-tensor amax for FP8 and the global amax for
+    NVFP4 (0-d, or ``[E, 1, 1]`` for stacked experts ``[E, out, in]``);
     INT4 (per group of ``block_size``) and INT8 (per row) derive theirs from ``x``.
     """
     if fmt is QuantFormat.FP8:
@@ -204,7 +204,7 @@ def _quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor, block: int, where: str)
         raise UnsupportedFormatError(f"{where}: nvfp4 packs pairs, got odd shape {tuple(x.shape)}")
     blocks = _blocks(x, block, QuantFormat.NVFP4, where)
     scale_2 = safe_scale(amax, FP4_MAX * FP8_MAX, where=where)
-    s2 = scale_2.reshape(*scale_2.shape, 1) if scale_2.dim() else scale_2
+    s2 = scale_2  # 0-d, or [E, 1, 1] for stacked experts: broadcasts over the blocks
     block_scale = blocks.abs().amax(dim=-1) / (FP4_MAX * s2)
     block_scale = torch.where(block_scale == 0, torch.ones_like(block_scale), block_scale)
     scale_fp8 = block_scale.to(torch.float8_e4m3fn)
@@ -233,15 +233,15 @@ def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_int4(x: torch.Tensor, group: int, where: str) -> QuantizedTensor:
-    if x.dim() != 2 or x.shape[0] % 2:
+    if x.dim() < 2 or x.shape[-2] % 2:
         raise UnsupportedFormatError(
-            f"{where}: int4 packs pairs of rows of a 2-D weight, got shape {tuple(x.shape)}"
+            f"{where}: int4 packs pairs of rows (dim -2), got shape {tuple(x.shape)}"
         )
     groups = _blocks(x, group, QuantFormat.INT4, where)
     scale = safe_scale(groups.abs().amax(dim=-1), INT4_MAX, where=where)
     codes = (groups / scale.unsqueeze(-1)).round().clamp(-8, 7).to(torch.int8).reshape(x.shape)
     nibbles = (codes & 0x0F).to(torch.uint8)
-    packed = nibbles[0::2] | (nibbles[1::2] << 4)
+    packed = nibbles[..., 0::2, :] | (nibbles[..., 1::2, :] << 4)
     return QuantizedTensor(QuantFormat.INT4, packed, scale, None, group, tuple(x.shape), x.dtype)
 
 
@@ -266,10 +266,10 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     if q.format is QuantFormat.INT4:
         low = (q.data & 0x0F).to(torch.int8)
         high = (q.data >> 4).to(torch.int8)
-        codes = torch.stack((low, high), dim=1).reshape(q.shape)
+        codes = torch.stack((low, high), dim=-2).reshape(q.shape)
         codes = torch.where(codes > 7, codes - 16, codes).to(torch.float32)
         block = q.block_size or q.shape[-1]
-        groups = codes.reshape(q.shape[0], -1, block) * q.scale.unsqueeze(-1)
+        groups = codes.reshape(*q.shape[:-1], -1, block) * q.scale.unsqueeze(-1)
         return groups.reshape(q.shape).to(out)
     return (q.data.to(torch.float32) * q.scale.unsqueeze(-1)).to(out)
 
@@ -279,7 +279,6 @@ def _dequantize_nvfp4(q: QuantizedTensor) -> torch.Tensor:
         raise ValueError("an nvfp4 QuantizedTensor needs scale_2 and block_size")
     codes = torch.stack((q.data & 0x0F, q.data >> 4), dim=-1).reshape(q.shape)
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.long()]
-    s2 = q.scale_2.reshape(*q.scale_2.shape, 1) if q.scale_2.dim() else q.scale_2
-    block_scale = q.scale.to(torch.float32) * s2
+    block_scale = q.scale.to(torch.float32) * q.scale_2
     blocks = values.reshape(*q.shape[:-1], -1, q.block_size) * block_scale.unsqueeze(-1)
     return blocks.reshape(q.shape)
