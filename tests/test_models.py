@@ -195,6 +195,18 @@ def test_positions_past_the_table_are_refused() -> None:
             model(_ids(1, 7), past_key_values=cache)
 
 
+def test_inconsistent_inputs_are_refused_with_what_to_pass() -> None:
+    model = build_model("decoder")
+    with torch.no_grad():
+        _, cache = model(_ids(2, 4), use_cache=True)
+        with pytest.raises(InvalidInputError, match=r"past \+ seq\] = \[2, 5\]"):
+            model(_ids(2, 1), attention_mask=torch.ones(2, 1), past_key_values=cache)
+        with pytest.raises(InvalidInputError, match="one \\(key, value\\) pair per layer"):
+            model(_ids(2, 1), past_key_values=cache[:1])
+        with pytest.raises(InvalidInputError, match="integer token ids"):
+            model(torch.rand(2, 4))
+
+
 def test_other_batch_and_sequence_lengths() -> None:
     model = build_model("iterable_moe")
     with torch.no_grad():

@@ -303,6 +303,8 @@ class DecoderModel(nn.Module):
         tokens (``[batch, past + seq]``, 1 = real token).
         """
         past_len = 0 if past_key_values is None else past_key_values[0][0].size(2)
+        if _is_eager():
+            self._check_inputs(input_ids, attention_mask, past_key_values, past_len)
         hidden = self.pos_encoding(self.embed_tokens(input_ids), past_len)
         q_len = input_ids.size(1)
         bias = causal_attention_bias(
@@ -317,3 +319,28 @@ class DecoderModel(nn.Module):
         if use_cache:
             return logits, tuple(cache)
         return logits
+
+    def _check_inputs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: KVCache | None,
+        past_len: int,
+    ) -> None:
+        """Eager-only checks that turn shape mistakes into errors that say what to pass."""
+        if input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise InvalidInputError(
+                f"input_ids must be integer token ids [batch, seq], got a {input_ids.dtype} "
+                f"tensor of shape {tuple(input_ids.shape)}"
+            )
+        if past_key_values is not None and len(past_key_values) != len(self.layers):
+            raise InvalidInputError(
+                f"past_key_values has {len(past_key_values)} entries, expected one (key, value) "
+                f"pair per layer ({len(self.layers)}); pass the kv_cache a previous call returned"
+            )
+        expected = (input_ids.size(0), past_len + input_ids.size(1))
+        if attention_mask is not None and tuple(attention_mask.shape) != expected:
+            raise InvalidInputError(
+                f"attention_mask must be [batch, past + seq] = {list(expected)}, got "
+                f"{list(attention_mask.shape)}; with past_key_values it covers the cached tokens too"
+            )
