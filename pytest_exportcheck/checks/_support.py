@@ -1,0 +1,229 @@
+"""Shared steps of the checks: toy models, inputs, eager logits, artifacts, failure text.
+
+Private to :mod:`pytest_exportcheck.checks`; every check goes through these so that
+"the eager reference", "the deterministic inputs" and "the shared artifact" mean
+the same thing in every check.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from llmexport.export import (
+    ExportCacheWrapper,
+    TargetInfo,
+    ensure_exporters_registered,
+    export_model,
+    get_target_info,
+    infer_vocab_size,
+    load_exported,
+    make_input_ids,
+    runtime_loader,
+)
+from llmexport.export._base import accepted_kwargs
+from llmexport.models import build_model, model_names
+from pytest_exportcheck.checks._api import CheckResult, TargetCase
+
+__all__ = [
+    "DEFAULT_MODELS",
+    "TRACED_SHAPE",
+    "CheckAbort",
+    "artifact_name",
+    "build_case_model",
+    "default_model_name",
+    "eager_logits",
+    "error_text",
+    "export_fresh",
+    "input_ids_for",
+    "load_runtime",
+    "run_runtime",
+    "shared_artifact",
+]
+
+#: Families tried, in order, for checks that need one model and are not per model.
+DEFAULT_MODELS = ("decoder", "llama")
+#: ``(batch, seq)`` of the example inputs every built-in target traces with.
+TRACED_SHAPE = (2, 8)
+_TRACEBACK_LINES = 12
+
+T = TypeVar("T")
+C = TypeVar("C")
+
+
+class CheckAbort(Exception):
+    """Raised inside a check to stop it with a ready :class:`CheckResult`."""
+
+    def __init__(self, result: CheckResult) -> None:
+        super().__init__(result.message)
+        self.result = result
+
+
+def error_text(err: BaseException) -> str:
+    """``Type: message`` plus the last lines of the traceback (the cause chain included)."""
+    lines = "".join(traceback.format_exception(err)).rstrip().splitlines()
+    tail = "\n".join(lines[-_TRACEBACK_LINES:])
+    return f"{type(err).__name__}: {err}\n{tail}"
+
+
+def attempt(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``; an exception fails the check with ``what`` and the error."""
+    try:
+        return fn(*args, **kwargs)
+    except CheckAbort:
+        raise
+    except Exception as err:
+        raise CheckAbort(
+            CheckResult.failed(f"{what} raised {error_text(err)}", error=type(err).__name__)
+        ) from err
+
+
+def aborts_to_result(fn: Callable[[C], CheckResult]) -> Callable[[C], CheckResult]:
+    """Decorate a check body so a :class:`CheckAbort` anywhere in it becomes its result."""
+
+    @functools.wraps(fn)
+    def wrapper(case: C) -> CheckResult:
+        try:
+            return fn(case)
+        except CheckAbort as abort:
+            return abort.result
+
+    return wrapper
+
+
+def target_info(case: TargetCase) -> TargetInfo:
+    """The declaration of ``case.target`` (a lookup failure fails the check)."""
+    ensure_exporters_registered()
+    return attempt(f"looking up target {case.target!r}", get_target_info, case.target)
+
+
+def require_device(case: TargetCase, info: TargetInfo) -> None:
+    """Skip when the case runs on a device the target does not declare (``cuda``)."""
+    if case.device != "cpu" and not info.has("cuda"):
+        raise CheckAbort(
+            CheckResult.skipped(
+                f"target {case.target_id!r} does not declare the 'cuda' capability; "
+                f"it is not run on {case.device}"
+            )
+        )
+    if case.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CheckAbort(CheckResult.skipped(f"{case.device} requested but CUDA is not available"))
+
+
+def build_case_model(case: TargetCase, name: str) -> nn.Module:
+    """Family ``name`` with ``case.seed``, on ``case.device``; skips when the target refuses it."""
+    model = attempt(f"building toy model {name!r}", build_model, name, seed=case.seed)
+    model = model.eval().to(case.device)
+    reason = accepts_reason(case.target, model)
+    if reason:
+        raise CheckAbort(CheckResult.skipped(f"target {case.target_id!r} does not take {name!r}: {reason}"))
+    return model
+
+
+def accepts_reason(target: str, model: nn.Module) -> str | None:
+    """The target's declared reason for refusing ``model``, or ``None``."""
+    info = get_target_info(target)
+    return info.accepts(model) if info.accepts is not None else None
+
+
+def default_model_name(case: TargetCase) -> str:
+    """``case.model_name``, else the first of :data:`DEFAULT_MODELS` (then any family) the target takes."""
+    if case.model_name:
+        return case.model_name
+    available = model_names()
+    candidates = [n for n in DEFAULT_MODELS if n in available] + [
+        n for n in available if n not in DEFAULT_MODELS
+    ]
+    for name in candidates:
+        try:
+            model = build_model(name, seed=case.seed)
+        except Exception:  # a broken third-party family must not hide the others
+            continue
+        if not accepts_reason(case.target, model):
+            return name
+    raise CheckAbort(
+        CheckResult.skipped(f"target {case.target_id!r} accepts none of the toy models {available}")
+    )
+
+
+def input_ids_for(model: nn.Module, batch: int, seq: int, seed: int, device: str) -> torch.Tensor:
+    """Deterministic ids ``[batch, seq]`` from the model's vocabulary (numpy PCG64)."""
+    return make_input_ids(infer_vocab_size(model), batch, seq, seed=seed, device=device)
+
+
+def eager_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The reference: the model under :class:`ExportCacheWrapper` (``use_cache=False``, logits)."""
+    with torch.no_grad():
+        logits: torch.Tensor = attempt("running the eager model", ExportCacheWrapper(model), input_ids)
+    return logits.detach()
+
+
+def artifact_name(info: TargetInfo) -> str:
+    """File (or directory) name the checks export to: ``model`` + the declared suffix."""
+    return "model" if info.artifact == "directory" else f"model{info.suffix}"
+
+
+def export_fresh(
+    case: TargetCase, model: nn.Module, directory: Path, **extra: Any
+) -> Path:
+    """Export ``model`` with the case's target and variant kwargs into ``directory`` (not cached)."""
+    info = get_target_info(case.target)
+    directory.mkdir(parents=True, exist_ok=True)
+    kwargs = {**dict(case.export_kwargs), **extra}
+    output = directory / artifact_name(info)
+    return attempt(
+        f"export with target {case.target_id!r}", export_model, case.target, model, output, **kwargs
+    )
+
+
+def shared_artifact(case: TargetCase, model_name: str, **extra: Any) -> Path:
+    """The artifact of family ``model_name``, cached by the plugin when ``case.export`` is set."""
+    if case.export is not None:
+        what = f"export of {model_name!r} with target {case.target_id!r}"
+        return Path(attempt(what, case.export, model_name, **extra))
+    model = build_case_model(case, model_name)
+    return export_fresh(case, model, case.workdir / "shared" / model_name, **extra)
+
+
+def runtime_kwargs(case: TargetCase) -> dict[str, Any]:
+    """``device=...`` for the runtime loader when it takes one (always off the CPU)."""
+    names, var_kw = accepted_kwargs(runtime_loader(case.target), skip=1)
+    if case.device != "cpu" or "device" in names or var_kw:
+        return {"device": case.device}
+    return {}
+
+
+def load_runtime(case: TargetCase, artifact: Path) -> Callable[[torch.Tensor], Any]:
+    """The artifact loaded in the target's own runtime."""
+    what = f"loading {artifact.name} in the runtime of {case.target_id!r}"
+    return attempt(what, load_exported, case.target, artifact, **runtime_kwargs(case))
+
+
+def run_runtime(runtime: Callable[[torch.Tensor], Any], input_ids: torch.Tensor) -> torch.Tensor:
+    """Call the runtime; it must return one logits tensor (torch or numpy), nothing else."""
+    out = attempt(f"running the runtime on input_ids {list(input_ids.shape)}", runtime, input_ids)
+    if isinstance(out, np.ndarray):
+        return torch.from_numpy(out)
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    raise CheckAbort(
+        CheckResult.failed(
+            f"the runtime returned {_describe(out)}; expected one logits tensor "
+            "[batch, seq, vocab] (did the export trace the model without ExportCacheWrapper?)"
+        )
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    if isinstance(value, Mapping):
+        return f"a mapping with keys {sorted(map(str, value))}"
+    return f"a {type(value).__name__}"

@@ -1,0 +1,198 @@
+"""Public Hypothesis strategies for export tests: toy model configs and module class trees.
+
+Use them in your own tests of an export target or a module exporter::
+
+    from hypothesis import given
+    from pytest_exportcheck.strategies import decoder_configs, model_settings
+
+    @model_settings(max_examples=3)
+    @given(decoder_configs())
+    def test_my_target_roundtrips(config):
+        ...
+
+Anything that builds or exports a model must run under :func:`model_settings`
+(``deadline=None``): Hypothesis's default 200 ms deadline fails every export.
+Explicit values apply on top of the active profile, so ``--hypothesis-profile``
+and ``--hypothesis-seed`` keep working.
+"""
+
+from __future__ import annotations
+
+import copy
+import keyword
+import math
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+if TYPE_CHECKING:
+    from llmexport.models import DecoderConfig
+
+__all__ = [
+    "GENERATED_MODULE",
+    "class_names",
+    "decoder_configs",
+    "model_settings",
+    "module_class_trees",
+    "reclass",
+]
+
+#: ``__module__`` of every class :func:`module_class_trees` creates.
+GENERATED_MODULE = "pytest_exportcheck.generated"
+
+M = TypeVar("M")
+
+_PREFIXES = ("", "My", "Fast", "Custom", "_", "Hf", "Fused", "Quant")
+_SUFFIXES = ("", "V2", "MoE", "Fused", "_", "Impl", "Base", "Linear")
+
+
+def model_settings(max_examples: int = 5, **overrides: Any) -> settings:
+    """Settings for tests and checks that build or export models.
+
+    ``deadline=None``, few examples, the ``too_slow`` / ``data_too_large``
+    health checks off. Values not given here come from the active profile at
+    call time, so call it where the test is defined (after pytest configured
+    Hypothesis), not at import time of a plugin.
+    """
+    options: dict[str, Any] = {
+        "deadline": None,
+        "max_examples": max_examples,
+        "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+    }
+    options.update(overrides)
+    return settings(**options)
+
+
+def _identifiers() -> st.SearchStrategy[str]:
+    return st.from_regex(r"[A-Z][A-Za-z0-9]{0,11}", fullmatch=True)
+
+
+def class_names(
+    contains: Sequence[str] = (), *, avoid: Collection[str] = ()
+) -> st.SearchStrategy[str]:
+    """Valid class names; with ``contains``, also names embedding one of those strings.
+
+    An embedding name is ``prefix + key + suffix`` with a non-empty prefix or
+    suffix (``MyQuantLinear``, ``QuantLinearMoE``), so it contains the key as a
+    substring without being equal to it: exactly what a substring dispatcher
+    mistakes for a match. Names in ``avoid`` (and every name in ``contains``)
+    are never produced.
+    """
+    excluded = set(avoid) | set(contains)
+    choices: list[st.SearchStrategy[str]] = [_identifiers()]
+    if contains:
+        choices.append(
+            st.builds(
+                lambda p, k, s: p + k + s,
+                st.sampled_from(_PREFIXES),
+                st.sampled_from(list(contains)),
+                st.sampled_from(_SUFFIXES),
+            )
+        )
+    return st.one_of(*choices).filter(
+        lambda name: name not in excluded and name.isidentifier() and not keyword.iskeyword(name)
+    )
+
+
+def _make_class(name: str, bases: tuple[type, ...]) -> type:
+    return type(name, bases, {"__module__": GENERATED_MODULE, "__qualname__": name})
+
+
+@st.composite
+def _class_tree(
+    draw: st.DrawFn,
+    base_classes: Sequence[type],
+    contains: Sequence[str],
+    avoid: Collection[str],
+    max_depth: int,
+) -> type:
+    names = class_names(contains, avoid=avoid)
+    cls = draw(st.sampled_from(list(base_classes)))
+    for _ in range(draw(st.integers(1, max_depth))):
+        bases: tuple[type, ...] = (cls,)
+        if draw(st.booleans()):
+            # A plain mixin first in the bases: the MRO is no longer a single chain.
+            bases = (_make_class(draw(names), (object,)), cls)
+        cls = _make_class(draw(names), bases)
+    return cls
+
+
+def module_class_trees(
+    base_classes: Sequence[type] | None = None,
+    *,
+    contains: Sequence[str] = (),
+    avoid: Collection[str] = (),
+    max_depth: int = 3,
+) -> st.SearchStrategy[type]:
+    """Freshly created subclasses of one of ``base_classes`` (default ``nn.Module``).
+
+    Each example is a chain of 1..``max_depth`` new classes with generated names
+    (see :func:`class_names`; ``contains`` adds names embedding those keys,
+    ``avoid`` excludes names), some with a plain mixin placed before the parent
+    so the MRO branches. The classes add no attributes, so an existing instance
+    can be moved onto one with :func:`reclass`.
+    """
+    if base_classes is None:
+        from torch import nn
+
+        base_classes = (nn.Module,)
+    if not base_classes:
+        raise ValueError("module_class_trees needs at least one base class")
+    if max_depth < 1:
+        raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+    return _class_tree(tuple(base_classes), tuple(contains), frozenset(avoid), max_depth)
+
+
+def reclass(instance: M, cls: type) -> M:
+    """A shallow copy of ``instance`` whose class is ``cls`` (a subclass of its class).
+
+    Parameters and buffers are shared with ``instance``; nothing is mutated.
+    """
+    if not isinstance(cls, type) or not issubclass(cls, type(instance)):
+        raise TypeError(
+            f"reclass needs a subclass of {type(instance).__name__}, got {cls!r}; "
+            "draw it from module_class_trees([type(instance)])"
+        )
+    clone = copy.copy(instance)
+    clone.__class__ = cls
+    return clone
+
+
+@st.composite
+def _decoder_configs(draw: st.DrawFn, multiple_of: int, fixed: dict[str, Any]) -> DecoderConfig:
+    from llmexport.models import DecoderConfig
+
+    if multiple_of > 1:
+        unit = math.lcm(8, multiple_of)
+        hidden = draw(st.sampled_from([unit, 2 * unit]))
+        intermediate = draw(st.sampled_from([unit, 2 * unit]))
+    else:
+        hidden = draw(st.sampled_from([8, 16, 32]))
+        intermediate = draw(st.sampled_from([8, 16, 32, 64]))
+    heads = draw(st.sampled_from([h for h in (1, 2, 4) if hidden % h == 0]))
+    values: dict[str, Any] = {
+        "vocab_size": draw(st.integers(8, 64)),
+        "hidden_size": hidden,
+        "num_layers": draw(st.integers(1, 2)),
+        "num_heads": heads,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": draw(st.sampled_from([16, 32, 64])),
+        "tie_embeddings": draw(st.booleans()),
+    }
+    values.update(fixed)
+    return DecoderConfig(**values)
+
+
+def decoder_configs(multiple_of: int = 1, **fixed: Any) -> st.SearchStrategy[DecoderConfig]:
+    """Small valid :class:`~llmexport.models.DecoderConfig` values, tied and untied.
+
+    Hidden sizes 8-32 (``multiple_of=128``: 128 or 256, so NVFP4 blocks of 16 and
+    INT4 AWQ groups of 128 fit), 1-4 heads dividing it, 1-2 layers, vocab 8-64,
+    ``tie_embeddings`` either way. ``fixed`` pins fields, e.g.
+    ``decoder_configs(tie_embeddings=True)``.
+    """
+    if multiple_of < 1:
+        raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
+    return _decoder_configs(multiple_of, dict(fixed))

@@ -1,0 +1,328 @@
+"""Target checks called directly (no plugin): real targets pass, deliberately broken ones fail.
+
+The broken targets are small ``torch.jit.trace`` exporters registered for one
+test in the real registries, each wrong in one way; the check that names that
+fault must fail with a message that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llmexport.errors import RegistryConflictError
+from llmexport.export import (
+    EXPORT_REGISTRY,
+    RUNTIME_REGISTRY,
+    ExportCacheWrapper,
+    atomic_output,
+    ensure_exporters_registered,
+    export_model,
+    export_target,
+    resolve_example_inputs,
+)
+from pytest_exportcheck.checks import CHECKS, CheckResult, TargetCase
+from pytest_exportcheck.checks.targets import SENTINEL_BYTES
+
+FAKE = "exportcheck_fake"
+
+
+def run(check_id: str, case: TargetCase) -> CheckResult:
+    return CHECKS[check_id].fn(case)
+
+
+def make_case(tmp_path: Path, target: str, model: str | None = "decoder", **kwargs: Any) -> TargetCase:
+    workdir = tmp_path / "work"
+    workdir.mkdir(exist_ok=True)
+    return TargetCase(target, None, kwargs, model, "cpu", workdir)
+
+
+def cached_export(case: TargetCase, directory: Path) -> Callable[..., Path]:
+    """What the plugin provides: an export per model name, done once."""
+    cache: dict[str, Path] = {}
+
+    def export(model_name: str, **extra: Any) -> Path:
+        if model_name not in cache:
+            from llmexport.models import build_model
+
+            suffix = ".onnx" if case.target == "onnx" else ".pt"
+            out = directory / model_name / f"model{suffix}"
+            cache[model_name] = export_model(
+                case.target, build_model(model_name), out, **case.export_kwargs, **extra
+            )
+        return cache[model_name]
+
+    return export
+
+
+# ----------------------------------------------------------------------------- fake targets
+
+
+def _trace(model: torch.nn.Module, example_inputs: Any, wrap: bool = True) -> torch.jit.ScriptModule:
+    inputs = resolve_example_inputs(model, example_inputs)
+    module = ExportCacheWrapper(model) if wrap else model
+    with torch.no_grad():
+        return torch.jit.trace(module, inputs[:1], strict=False, check_trace=False)
+
+
+def good_export(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
+    with atomic_output(output_path) as staged:
+        torch.jit.save(_trace(model, example_inputs), str(staged))
+    return Path(output_path)
+
+
+def jit_loader(artifact: Path, *, device: str = "cpu") -> Callable[[torch.Tensor], Any]:
+    module = torch.jit.load(str(artifact), map_location=device)
+
+    def run_module(ids: torch.Tensor) -> Any:
+        with torch.no_grad():
+            return module(ids)
+
+    return run_module
+
+
+def perturbing_loader(artifact: Path, *, device: str = "cpu") -> Callable[[torch.Tensor], Any]:
+    inner = jit_loader(artifact, device=device)
+    return lambda ids: inner(ids) + 1e-2
+
+
+def nan_loader(artifact: Path, *, device: str = "cpu") -> Callable[[torch.Tensor], Any]:
+    inner = jit_loader(artifact, device=device)
+
+    def run_nan(ids: torch.Tensor) -> torch.Tensor:
+        out = inner(ids).clone()
+        out[0, 0, 0] = float("nan")
+        return out
+
+    return run_nan
+
+
+def in_place_export(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
+    """Writes the artifact directly at its final path: a failure leaves a half-written file."""
+    with open(output_path, "wb") as handle:
+        handle.write(b"PK\x03\x04 half-written")
+        torch.jit.save(_trace(model, example_inputs), handle)
+    return Path(output_path)
+
+
+def swallowing_export(model: torch.nn.Module, output_path: Path, **kwargs: Any) -> Path:
+    """Takes **kwargs and silently ignores the ones it does not know."""
+    return good_export(model, output_path, example_inputs=kwargs.get("example_inputs"))
+
+
+def unwrapped_export(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
+    """Traces the model itself, so a (logits, cache) forward stays a tuple in the artifact."""
+    with atomic_output(output_path) as staged:
+        torch.jit.save(_trace(model, example_inputs, wrap=False), str(staged))
+    return Path(output_path)
+
+
+def littering_export(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
+    good_export(model, output_path, example_inputs=example_inputs)
+    (Path(output_path).parent / "export.log").write_text("done\n")
+    return Path(output_path)
+
+
+def salted_export(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
+    """Each export stores a different random offset the runtime adds: not deterministic."""
+    with atomic_output(output_path) as staged:
+        salt = json.dumps(random.random())
+        torch.jit.save(_trace(model, example_inputs), str(staged), _extra_files={"salt": salt})
+    return Path(output_path)
+
+
+def salted_loader(artifact: Path, *, device: str = "cpu") -> Callable[[torch.Tensor], Any]:
+    files = {"salt": ""}
+    module = torch.jit.load(str(artifact), map_location=device, _extra_files=files)
+    salt = json.loads(files["salt"])
+    return lambda ids: module(ids) + salt
+
+
+@pytest.fixture
+def fake_target() -> Iterator[Callable[..., str]]:
+    """Register a fake target (and its runtime) under one name for one test, then remove it."""
+    ensure_exporters_registered()
+    registered: list[str] = []
+
+    def register(
+        factory: Callable[..., Path],
+        loader: Callable[..., Any] = jit_loader,
+        **info: Any,
+    ) -> str:
+        declared = export_target(FAKE, suffix=".pt", **info)(factory)
+        EXPORT_REGISTRY.register(FAKE, declared)
+        registered.append("export")
+        RUNTIME_REGISTRY.register(FAKE, loader)
+        registered.append("runtime")
+        return FAKE
+
+    yield register
+    if "export" in registered:
+        EXPORT_REGISTRY.unregister(FAKE)
+    if "runtime" in registered:
+        RUNTIME_REGISTRY.unregister(FAKE)
+
+
+# ----------------------------------------------------------------------------- a good target passes
+
+
+@pytest.mark.parametrize(
+    "check_id",
+    [
+        "plugin_loads",
+        "registered",
+        "artifact_contract",
+        "roundtrip_logits",
+        "dynamic_shapes",
+        "cache_wrapper",
+        "deterministic",
+        "atomic_failure",
+        "unknown_kwargs",
+    ],
+)
+def test_a_correct_target_passes_every_check(
+    tmp_path: Path, fake_target: Callable[..., str], check_id: str
+) -> None:
+    target = fake_target(good_export, capabilities={"dynamic_shapes"})
+    result = run(check_id, make_case(tmp_path, target))
+    assert result.status == "pass", result.message
+
+
+def test_onnx_roundtrip_and_failure_checks_pass(tmp_path: Path) -> None:
+    case = make_case(tmp_path, "onnx")
+    case.export = cached_export(case, tmp_path / "cache")
+    for check_id in ("registered", "roundtrip_logits", "unknown_kwargs"):
+        result = run(check_id, case)
+        assert result.status == "pass", f"{check_id}: {result.message}"
+    assert "max abs" in run("roundtrip_logits", case).message
+
+
+def test_a_target_refusing_the_model_is_a_counted_skip(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    target = fake_target(good_export, accepts=lambda model: "only takes llamas")
+    result = run("roundtrip_logits", make_case(tmp_path, target, "decoder"))
+    assert result.status == "skip"
+    assert "only takes llamas" in result.message
+
+
+def test_capability_gap_is_a_skip_with_the_reason(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+    target = fake_target(good_export)  # no dynamic_shapes declared
+    result = run("dynamic_shapes", make_case(tmp_path, target))
+    assert result.status == "skip"
+    assert "dynamic_shapes" in result.message
+
+
+# ----------------------------------------------------------------------------- broken targets fail
+
+
+def test_perturbed_logits_fail_roundtrip_with_the_numbers(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    target = fake_target(good_export, perturbing_loader, atol=1e-4, rtol=1e-4)
+    result = run("roundtrip_logits", make_case(tmp_path, target))
+    assert result.status == "fail"
+    assert "max abs 0.01" in result.message
+    assert "max rel" in result.message
+    assert "100% of 4096 elements" in result.message
+    assert result.details["max_abs"] == pytest.approx(1e-2, rel=1e-3)
+
+
+def test_nan_in_the_runtime_output_fails_roundtrip(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+    target = fake_target(good_export, nan_loader, atol=1.0, rtol=1.0)
+    result = run("roundtrip_logits", make_case(tmp_path, target))
+    assert result.status == "fail"
+    assert "1 NaN/inf" in result.message
+
+
+def test_in_place_writer_fails_atomic_failure(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+    target = fake_target(in_place_export)
+    result = run("atomic_failure", make_case(tmp_path, target, model=None))
+    assert result.status == "fail"
+    assert "left ['model.pt']" in result.message
+
+
+def test_swallowed_kwargs_fail_unknown_kwargs(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+    target = fake_target(swallowing_export)
+    result = run("unknown_kwargs", make_case(tmp_path, target, model=None))
+    assert result.status == "fail"
+    assert "export accepted the unknown option 'example_input'" in result.message
+
+
+def test_tuple_output_fails_cache_wrapper(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+    target = fake_target(unwrapped_export)
+    result = run("cache_wrapper", make_case(tmp_path, target, model=None))
+    assert result.status == "fail"
+    assert "returned a tuple of 2 items" in result.message
+
+
+def test_files_next_to_the_artifact_fail_artifact_contract(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    target = fake_target(littering_export)
+    result = run("artifact_contract", make_case(tmp_path, target, model=None))
+    assert result.status == "fail"
+    assert "['export.log']" in result.message
+
+
+def test_companion_files_are_allowed_for_multi_file_targets(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    def with_data(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
+        with atomic_output(output_path) as staged:
+            torch.jit.save(_trace(model, example_inputs), str(staged))
+            staged.with_name(staged.name + ".data").write_bytes(b"weights")
+        return Path(output_path)
+
+    target = fake_target(with_data, capabilities={"multi_file"})
+    result = run("artifact_contract", make_case(tmp_path, target, model=None))
+    assert result.status == "pass", result.message
+    assert result.details["companions"] == ["model.pt.data"]
+
+
+def test_salted_exports_fail_deterministic(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+    target = fake_target(salted_export, salted_loader)
+    result = run("deterministic", make_case(tmp_path, target, model=None))
+    assert result.status == "fail"
+    assert "different outputs" in result.message
+
+
+def test_unregistered_runtime_fails_registered(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+    target = fake_target(good_export, runtime="nowhere")
+    result = run("registered", make_case(tmp_path, target, model=None))
+    assert result.status == "fail"
+    assert "runtime 'nowhere' is not registered" in result.message
+
+
+def test_variant_with_refused_options_fails_registered(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    target = fake_target(good_export, variants={"fast": {"fast": True}})
+    result = run("registered", make_case(tmp_path, target, model=None))
+    assert result.status == "fail"
+    assert "variant 'fast'" in result.message
+
+
+def test_conflicting_entry_point_fails_plugin_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ensure_exporters_registered()
+    conflict = RegistryConflictError("export target", "onnx", "llmexport (built in)", "evil-plugin 1.0")
+    monkeypatch.setattr(EXPORT_REGISTRY, "plugin_errors", [conflict])
+    result = run("plugin_loads", make_case(tmp_path, "onnx", model=None))
+    assert result.status == "fail"
+    assert "evil-plugin 1.0" in result.message
+
+
+def test_sentinel_survives_a_correct_target(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+    target = fake_target(good_export)
+    case = make_case(tmp_path, target, model=None)
+    assert run("atomic_failure", case).status == "pass"
+    assert (case.workdir / "atomic_existing" / "model.pt").read_bytes() == SENTINEL_BYTES
+    assert list((case.workdir / "atomic_fresh").iterdir()) == []

@@ -1,0 +1,113 @@
+"""The public Hypothesis strategies generate what they promise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from torch import nn
+
+from llmexport.models import DecoderConfig, DecoderModel
+from pytest_exportcheck.strategies import (
+    GENERATED_MODULE,
+    class_names,
+    decoder_configs,
+    model_settings,
+    module_class_trees,
+    reclass,
+)
+
+
+@model_settings(max_examples=30)
+@given(class_names(["QuantLinear"], avoid={"Avoided"}))
+def test_class_names_are_identifiers_never_equal_to_a_key(name: str) -> None:
+    assert name.isidentifier()
+    assert name not in {"QuantLinear", "Avoided"}
+
+
+def test_class_names_embed_the_key_as_a_substring() -> None:
+    seen: list[str] = []
+
+    @model_settings(max_examples=60)
+    @given(class_names(["QuantLinear"]))
+    def collect(name: str) -> None:
+        seen.append(name)
+
+    collect()
+    assert any("QuantLinear" in name for name in seen)
+
+
+@model_settings(max_examples=30)
+@given(module_class_trees([nn.Linear, nn.Embedding], contains=["Linear"], max_depth=3))
+def test_class_trees_are_fresh_subclasses_of_a_base(cls: type) -> None:
+    assert issubclass(cls, (nn.Linear, nn.Embedding))
+    assert cls not in (nn.Linear, nn.Embedding)
+    assert cls.__module__ == GENERATED_MODULE
+    generated = [k for k in cls.__mro__ if k.__module__ == GENERATED_MODULE]
+    assert 1 <= len(generated) <= 6  # up to 3 levels, each possibly with a mixin
+
+
+@model_settings(max_examples=10)
+@given(module_class_trees([nn.Linear]))
+def test_reclass_moves_an_instance_onto_a_generated_subclass(cls: type) -> None:
+    linear = nn.Linear(3, 2)
+    moved = reclass(linear, cls)
+    assert type(moved) is cls
+    assert type(linear) is nn.Linear
+    assert moved.weight is linear.weight
+    x = torch.ones(1, 3)
+    assert torch.equal(moved(x), linear(x))
+
+
+def test_reclass_refuses_an_unrelated_class() -> None:
+    with pytest.raises(TypeError, match="subclass of Linear"):
+        reclass(nn.Linear(1, 1), nn.Embedding)
+
+
+def test_class_trees_validate_their_arguments() -> None:
+    with pytest.raises(ValueError, match="max_depth"):
+        module_class_trees([nn.Linear], max_depth=0)
+    with pytest.raises(ValueError, match="at least one base"):
+        module_class_trees([])
+
+
+@model_settings(max_examples=5)
+@given(decoder_configs())
+def test_decoder_configs_build_models_that_run(config: DecoderConfig) -> None:
+    model = DecoderModel(config)
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    logits = model(ids)
+    assert isinstance(logits, torch.Tensor)
+    assert logits.shape == (1, 3, config.vocab_size)
+    assert (model.lm_head.weight is model.embed_tokens.weight) == config.tie_embeddings
+
+
+@model_settings(max_examples=10)
+@given(decoder_configs(multiple_of=128, tie_embeddings=True))
+def test_decoder_configs_honour_multiple_of_and_fixed_fields(config: DecoderConfig) -> None:
+    assert config.hidden_size % 128 == 0
+    assert config.intermediate_size % 128 == 0
+    assert config.tie_embeddings
+
+
+def test_decoder_configs_cover_tied_and_untied() -> None:
+    ties: set[bool] = set()
+
+    @model_settings(max_examples=30)
+    @given(decoder_configs())
+    def collect(config: DecoderConfig) -> None:
+        ties.add(config.tie_embeddings)
+
+    collect()
+    assert ties == {True, False}
+
+
+def test_model_settings_disable_the_deadline() -> None:
+    assert model_settings().deadline is None
+    assert model_settings(max_examples=2).max_examples == 2
+    assert model_settings(derandomize=True).derandomize
+
+
+def test_decoder_configs_reject_bad_multiple_of() -> None:
+    with pytest.raises(ValueError, match="multiple_of"):
+        decoder_configs(multiple_of=0)
