@@ -1,5 +1,28 @@
-"""pytest-exportcheck: a conformance suite for llmexport export targets and module exporters."""
+"""pytest-exportcheck: a conformance suite for llmexport export targets and module exporters.
 
-__all__ = ["__version__"]
+Installed with llmexport, the pytest plugin ``exportcheck`` is passive until an
+``--export-*`` selection is given: ``pytest --export-targets=all`` runs every check
+over every registered export target and module exporter. Checks are plain functions
+in :mod:`pytest_exportcheck.checks`, usable without pytest.
+
+Importing this package imports neither torch nor llmexport.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+__all__ = ["HYPOTHESIS_PROFILE", "ExportCheckWarning", "__version__"]
 
 __version__ = "0.1.0"
+
+#: The Hypothesis profile (``deadline=None``, few examples) that exportcheck items run
+#: under unless the user chose a profile (``--hypothesis-profile``).
+HYPOTHESIS_PROFILE = "exportcheck"
+
+
+class ExportCheckWarning(pytest.PytestWarning):
+    """An exportcheck configuration problem that does not stop the run.
+
+    For example an expected-failure entry that matches no conformance item.
+    """

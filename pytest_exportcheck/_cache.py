@@ -1,0 +1,276 @@
+"""The artifact cache behind ``TargetCase.export``: in session, and across runs on disk.
+
+An artifact is keyed by everything that can change it: target, variant and extra
+export kwargs, model family, seed, a fingerprint of the built model (class, config,
+state-dict names, shapes, dtypes and bytes), the source of the package that
+provides the target, and the versions of Python, llmexport, torch, transformers,
+onnx and onnxruntime.
+
+Layout: ``<root>/<key>/`` holds ``meta.json`` and ``out/<artifact>`` (plus whatever
+the target writes beside it, e.g. ONNX external data). An entry is built in a
+temporary sibling and published with one ``os.replace`` of the directory, so a
+reader never sees half an entry; two xdist workers that race on a key serialize
+on a lock file where ``fcntl`` exists, and otherwise the loser discards its copy.
+Cached files are made read-only: checks must copy before they modify.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import stat
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ArtifactCache", "model_fingerprint", "source_digest"]
+
+logger = logging.getLogger(__name__)
+
+#: Bump when the layout or the key changes.
+CACHE_FORMAT = 1
+
+_VERSIONED = ("llmexport", "torch", "transformers", "onnx", "onnxruntime", "onnxscript")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@cache
+def library_versions() -> tuple[tuple[str, str | None], ...]:
+    """Versions of Python and of the libraries an artifact depends on."""
+    python = ".".join(map(str, sys.version_info[:3]))
+    return (("python", python), *((d, _version(d)) for d in _VERSIONED))
+
+
+@cache
+def source_digest(module_name: str) -> str:
+    """sha256 over the ``.py`` files of the top-level package that defines ``module_name``.
+
+    Editing a target's code (or anything else in its package) invalidates its
+    cached artifacts, even in an editable install whose version never changes.
+    """
+    top = module_name.split(".", 1)[0]
+    module = sys.modules.get(top)
+    digest = hashlib.sha256(top.encode())
+    location = getattr(module, "__file__", None)
+    if location is None:
+        return digest.hexdigest()
+    path = Path(location)
+    files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
+    for file in files:
+        digest.update(str(file.relative_to(path.parent)).encode())
+        with contextlib.suppress(OSError):
+            digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def model_fingerprint(model: Any) -> str:
+    """sha256 of a model's class, config and state dict (names, shapes, dtypes, bytes)."""
+    import torch
+
+    digest = hashlib.sha256()
+    cls = type(model)
+    digest.update(f"{cls.__module__}.{cls.__qualname__}".encode())
+    config = getattr(model, "config", None)
+    if config is not None:
+        to_json = getattr(config, "to_json_string", None)
+        text = to_json(use_diff=False) if callable(to_json) else repr(config)
+        digest.update(text.encode())
+    for name, tensor in model.state_dict().items():
+        host = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{tuple(host.shape)}:{host.dtype}".encode())
+        digest.update(host.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _canonical(value: Any) -> Any:
+    """A JSON-able, deterministic stand-in for an export kwarg value."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(repr(v) for v in value)
+    if type(value).__module__.startswith("torch") and hasattr(value, "shape"):
+        from pytest_exportcheck.goldens import tensor_digest
+
+        return {"tensor": tensor_digest(value)}
+    return f"{type(value).__module__}.{type(value).__qualname__}:{value!r}"
+
+
+class ArtifactCache:
+    """Exports a toy model with a target once per key; ``root=None`` keeps it in session only.
+
+    Args:
+        session_dir: scratch directory of this run (always used for in-session entries
+            when there is no ``root``).
+        root: the cross-run cache directory (``.pytest_cache/d/exportcheck/artifacts``),
+            or ``None`` for ``--export-no-cache``.
+        build_model: ``(name, seed) -> nn.Module``.
+    """
+
+    def __init__(
+        self, session_dir: Path, root: Path | None, build_model: Callable[[str, int], Any]
+    ) -> None:
+        self.session_dir = session_dir
+        self.root = root
+        self.build_model = build_model
+        self._memo: dict[str, Path | BaseException] = {}
+        self._fingerprints: dict[tuple[str, int], str] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def key(
+        self, target: str, factory: Callable[..., Any], kwargs: Mapping[str, Any], model: str, seed: int
+    ) -> str:
+        """The cache key of one export (hex sha256)."""
+        material = {
+            "format": CACHE_FORMAT,
+            "target": target,
+            "kwargs": _canonical(dict(kwargs)),
+            "model": model,
+            "seed": seed,
+            "model_fingerprint": self._fingerprint(model, seed),
+            "source": source_digest(getattr(factory, "__module__", None) or "?"),
+            "versions": library_versions(),
+        }
+        text = json.dumps(material, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def _fingerprint(self, model: str, seed: int) -> str:
+        if (model, seed) not in self._fingerprints:
+            self._fingerprints[(model, seed)] = model_fingerprint(self.build_model(model, seed))
+        return self._fingerprints[(model, seed)]
+
+    def export(
+        self,
+        target: str,
+        kwargs: Mapping[str, Any],
+        model: str,
+        *,
+        seed: int = 0,
+        suffix: str = "",
+        directory: bool = False,
+    ) -> Path:
+        """The artifact of ``model`` exported with ``target`` and ``kwargs`` (read-only, shared).
+
+        A failed export is remembered for the session and raised again, so a broken
+        target costs one export attempt per key, not one per check.
+        """
+        from llmexport.export import EXPORT_REGISTRY
+
+        key = self.key(target, EXPORT_REGISTRY.get(target), kwargs, model, seed)
+        with self._lock:
+            known = self._memo.get(key)
+        if isinstance(known, BaseException):
+            raise known
+        if known is not None:
+            self.hits += 1
+            return known
+        try:
+            path = self._load_or_export(key, target, kwargs, model, seed, suffix, directory)
+        except Exception as err:
+            with self._lock:
+                self._memo[key] = err
+            raise
+        with self._lock:
+            self._memo[key] = path
+        return path
+
+    def _load_or_export(
+        self,
+        key: str,
+        target: str,
+        kwargs: Mapping[str, Any],
+        model: str,
+        seed: int,
+        suffix: str,
+        directory: bool,
+    ) -> Path:
+        root = self.root if self.root is not None else self.session_dir
+        entry = root / key
+        with _file_lock(root / f"{key}.lock"):
+            hit = _read_entry(entry)
+            if hit is not None:
+                self.hits += 1
+                return hit
+            self.misses += 1
+            staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+            try:
+                name = "artifact" if directory else f"model{suffix}"
+                artifact = self._export(target, kwargs, model, seed, staging / "out" / name)
+                meta = {"target": target, "model": model, "seed": seed,
+                        "artifact": str(artifact.relative_to(staging / "out"))}
+                (staging / "meta.json").write_text(json.dumps(meta, sort_keys=True))
+                _make_read_only(staging / "out")
+                with contextlib.suppress(OSError):  # another worker published it first
+                    os.replace(staging, entry)
+            finally:
+                if staging.exists():
+                    _remove(staging)
+            published = _read_entry(entry)
+            if published is None:  # pragma: no cover - only if the published entry vanished
+                raise RuntimeError(f"artifact cache entry {entry} disappeared after publishing")
+            return published
+
+    def _export(self, target: str, kwargs: Mapping[str, Any], model: str, seed: int, out: Path) -> Path:
+        from llmexport.export import export_model
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        logger.info("exporting %s with %s%s", model, target, f" {dict(kwargs)}" if kwargs else "")
+        path = export_model(target, self.build_model(model, seed), out, **kwargs)
+        return Path(path).resolve()
+
+
+def _read_entry(entry: Path) -> Path | None:
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    artifact = entry / "out" / str(meta.get("artifact", ""))
+    return artifact if artifact.exists() else None
+
+
+def _make_read_only(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file():
+            path.chmod(path.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _remove(path: Path) -> None:
+    # Read-only files in a writable directory are removable on POSIX.
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive inter-process lock on ``path`` (no-op where ``fcntl`` is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: racing writers are resolved by os.replace
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -1,0 +1,233 @@
+"""Command-line options, their ini twins, and the resolved :class:`Options`.
+
+Every ``--export-*`` option has an ini key of the same name with ``_`` for ``-``
+(``--export-targets`` / ``export_targets``); the command line wins. Imports only pytest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["DEVICES", "Options", "Selection", "add_options"]
+
+#: Devices ``--export-device`` accepts.
+DEVICES = ("cpu", "cuda")
+
+GROUP = "exportcheck"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A name selection: ``all``, an explicit list, or nothing."""
+
+    all: bool = False
+    names: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> Selection:
+        """``"all"`` -> every name; ``"none"`` or ``""`` -> nothing; ``"a,b"`` -> those names."""
+        parts = sorted({p.strip() for p in text.split(",") if p.strip()})
+        if parts == ["all"]:
+            return cls(all=True)
+        if parts in ([], ["none"]):
+            return cls()
+        if "all" in parts or "none" in parts:
+            raise pytest.UsageError(
+                f"'all' and 'none' cannot be combined with names, got {text!r}; "
+                "pass either 'all', 'none' or a comma-separated list of names"
+            )
+        return cls(names=tuple(parts))
+
+    def resolve(self, available: Iterable[str], *, what: str, option: str) -> list[str]:
+        """The selected names, sorted; an unknown name is a usage error listing the known ones."""
+        known = sorted(set(available))
+        if self.all:
+            return known
+        unknown = [n for n in self.names if n not in known]
+        if unknown:
+            raise pytest.UsageError(
+                f"{option}: unknown {what} {', '.join(map(repr, unknown))}; "
+                f"available: {', '.join(known) or '(none)'}, or 'all'"
+            )
+        return list(self.names)
+
+    def __str__(self) -> str:
+        return "all" if self.all else (",".join(self.names) or "none")
+
+
+@dataclass(frozen=True)
+class _Spec:
+    flag: str
+    help: str
+    kind: str  # "str" | "bool" | "path"
+    metavar: str | None = None
+    default: str = ""
+
+    @property
+    def ini(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+_SPECS: tuple[_Spec, ...] = (
+    _Spec("--export-targets", "export targets to check: 'all' or a,b (activates the suite; "
+          "'all' also selects every module exporter)", "str", "all|a,b"),
+    _Spec("--export-exporters", "module exporters to check: 'all', 'none' or a,b "
+          "(activates the suite)", "str", "all|a,b"),
+    _Spec("--export-models", "toy model families (rows of the matrix): 'all' or a,b "
+          "(default: all, built in and plugin-registered)", "str", "all|a,b", "all"),
+    _Spec("--export-checks", "check ids to run: 'all' or a,b (default: all; see docs/checks.md)",
+          "str", "all|a,b", "all"),
+    _Spec("--export-device", "device(s) the roundtrips run on: cpu, cuda or cpu,cuda "
+          "(default: cpu)", "str", "cpu|cuda", "cpu"),
+    _Spec("--export-require-device", "fail, instead of skip, items whose device is missing",
+          "bool"),
+    _Spec("--export-xfails-file", "JSON file {item-id-pattern: reason} of expected failures",
+          "path", "PATH"),
+    _Spec("--export-update-goldens", "rewrite golden files instead of comparing", "bool"),
+    _Spec("--export-goldens-dir", "golden files directory (default: goldens/ under rootdir)",
+          "path", "DIR"),
+    _Spec("--export-report", "write the conformance matrix and per-item records as JSON",
+          "path", "PATH.json"),
+    _Spec("--export-no-cache", "do not reuse exported artifacts across runs", "bool"),
+    _Spec("--export-only", "run only the conformance suite; the repo's own tests are "
+          "not collected", "bool"),
+)
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Add the ``exportcheck`` option group and the ini twins."""
+    group = parser.getgroup(GROUP, "exportcheck: export conformance suite (llmexport)")
+    for spec in _SPECS:
+        dest = spec.ini
+        if spec.kind == "bool":
+            group.addoption(spec.flag, action="store_true", default=None, dest=dest, help=spec.help)
+            parser.addini(spec.ini, f"default of {spec.flag}", type="bool", default=False)
+        else:
+            group.addoption(spec.flag, action="store", default=None, dest=dest,
+                            metavar=spec.metavar, help=spec.help)
+            parser.addini(spec.ini, f"default of {spec.flag}", type="string", default=spec.default)
+
+
+def _value(config: pytest.Config, spec: _Spec) -> Any:
+    """Command line first, then the ini key; ``None`` when neither is set."""
+    value = config.getoption(spec.ini)
+    if value is not None:
+        return value
+    ini = config.getini(spec.ini)
+    if spec.kind == "bool":
+        return bool(ini)
+    return ini if ini not in ("", None) else None
+
+
+def _path(config: pytest.Config, spec: _Spec) -> Path | None:
+    """A path option: relative to the invocation dir (command line) or the ini file's dir."""
+    cli = config.getoption(spec.ini)
+    if cli is not None:
+        return (config.invocation_params.dir / str(cli)).resolve()
+    ini = config.getini(spec.ini)
+    if not ini:
+        return None
+    base = config.inipath.parent if config.inipath else config.rootpath
+    return (base / str(ini)).resolve()
+
+
+@dataclass(frozen=True)
+class Options:
+    """The resolved ``--export-*`` options of one pytest run."""
+
+    targets: Selection | None
+    exporters: Selection | None
+    models: Selection
+    checks: Selection
+    devices: tuple[str, ...]
+    require_device: bool
+    xfails_file: Path | None
+    update_goldens: bool
+    goldens_dir: Path | None
+    report: Path | None
+    no_cache: bool
+    only: bool
+
+    @property
+    def active(self) -> bool:
+        """True when the conformance suite runs (targets or exporters were selected)."""
+        return self.targets is not None or self.exporters is not None
+
+    @property
+    def target_selection(self) -> Selection:
+        """Targets to check; unset means none."""
+        return self.targets or Selection()
+
+    @property
+    def exporter_selection(self) -> Selection:
+        """Exporters to check; unset means all with ``--export-targets=all``, else none."""
+        if self.exporters is not None:
+            return self.exporters
+        return Selection(all=True) if self.targets is not None and self.targets.all else Selection()
+
+    @classmethod
+    def from_config(cls, config: pytest.Config) -> Options:
+        """Read and validate the options (a bad value is a ``pytest.UsageError``)."""
+        specs = {s.ini: s for s in _SPECS}
+
+        def selection(name: str) -> Selection | None:
+            raw = _value(config, specs[name])
+            return None if raw is None else Selection.parse(str(raw))
+
+        devices = _parse_devices(str(_value(config, specs["export_device"]) or "cpu"))
+        options = cls(
+            targets=selection("export_targets"),
+            exporters=selection("export_exporters"),
+            models=selection("export_models") or Selection(all=True),
+            checks=selection("export_checks") or Selection(all=True),
+            devices=devices,
+            require_device=bool(_value(config, specs["export_require_device"])),
+            xfails_file=_path(config, specs["export_xfails_file"]),
+            update_goldens=bool(_value(config, specs["export_update_goldens"])),
+            goldens_dir=_path(config, specs["export_goldens_dir"]),
+            report=_path(config, specs["export_report"]),
+            no_cache=bool(_value(config, specs["export_no_cache"])),
+            only=bool(_value(config, specs["export_only"])),
+        )
+        if options.only and not options.active:
+            raise pytest.UsageError(
+                "--export-only needs --export-targets or --export-exporters "
+                "(e.g. --export-targets=all); otherwise nothing would run"
+            )
+        return options
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-compatible view, for the report header, the JSON report and check cases."""
+        def path(p: Path | None) -> str | None:
+            return None if p is None else str(p)
+
+        return {
+            "targets": str(self.target_selection),
+            "exporters": str(self.exporter_selection),
+            "models": str(self.models),
+            "checks": str(self.checks),
+            "device": ",".join(self.devices),
+            "require_device": self.require_device,
+            "xfails_file": path(self.xfails_file),
+            "update_goldens": self.update_goldens,
+            "goldens_dir": path(self.goldens_dir),
+            "report": path(self.report),
+            "no_cache": self.no_cache,
+            "only": self.only,
+        }
+
+
+def _parse_devices(text: str) -> tuple[str, ...]:
+    parts: Sequence[str] = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in DEVICES]
+    if unknown or not parts:
+        raise pytest.UsageError(
+            f"--export-device: unknown device {', '.join(map(repr, unknown)) or repr(text)}; "
+            f"expected one or more of {', '.join(DEVICES)} (comma-separated)"
+        )
+    return tuple(d for d in DEVICES if d in parts)

@@ -1,0 +1,262 @@
+"""The conformance matrix and JSON report, built from test reports on the controller.
+
+Every exportcheck item carries its coordinates (check, scope, matrix column,
+model, device) in ``item.user_properties`` under ``"exportcheck"``, and the
+check's message and details under ``"exportcheck.result"``. ``user_properties``
+travel with each ``TestReport`` from xdist workers to the controller, so
+:class:`ReportBuilder.add`, fed from ``pytest_runtest_logreport``, sees the same
+records with or without xdist. Imports only pytest and the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = [
+    "OUTCOMES",
+    "PROPERTY",
+    "RESULT_PROPERTY",
+    "ItemRecord",
+    "ReportBuilder",
+    "jsonable",
+    "render_matrix",
+    "write_json_atomic",
+]
+
+PROPERTY = "exportcheck"
+RESULT_PROPERTY = "exportcheck.result"
+#: Outcomes of an item, in matrix order.
+OUTCOMES = ("pass", "fail", "xfail", "skip")
+REPORT_FORMAT = 1
+_SCOPE_TITLES = {"target": "target", "exporter": "exporter"}
+_FLAGS = (("fail", "F"), ("xfail", "x"), ("skip", "s"))
+_SKIP_PREFIX = "Skipped: "
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with numbers as float/int, non-finite floats as strings, the rest as str."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        return number if math.isfinite(number) else str(number)
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [jsonable(v) for v in value]
+        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
+    item = getattr(value, "item", None)  # 0-d tensors and numpy scalars
+    if callable(item):
+        try:
+            return jsonable(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(value)
+
+
+@dataclass
+class ItemRecord:
+    """One exportcheck item as seen by the controller."""
+
+    id: str
+    nodeid: str
+    check: str
+    scope: str
+    column: str
+    check_index: int = 0
+    model: str | None = None
+    device: str | None = None
+    outcome: str = "pass"
+    duration: float = 0.0
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        """The JSON record (without the internal sort index)."""
+        data = asdict(self)
+        del data["check_index"]
+        data["duration"] = round(self.duration, 4)
+        return data
+
+
+class ReportBuilder:
+    """Accumulates :class:`ItemRecord` from test reports and renders the matrix."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, ItemRecord] = {}
+
+    def add(self, report: pytest.TestReport) -> None:
+        """Fold one phase report (setup, call or teardown) of an exportcheck item in."""
+        props = dict(report.user_properties)
+        meta = props.get(PROPERTY)
+        if not isinstance(meta, dict):
+            return
+        record = self.records.get(report.nodeid)
+        if record is None:
+            record = ItemRecord(
+                id=str(meta["id"]), nodeid=report.nodeid, check=str(meta["check"]),
+                scope=str(meta["scope"]), column=str(meta["column"]),
+                check_index=int(meta.get("check_index", 0)),
+                model=meta.get("model"), device=meta.get("device"), outcome="",
+            )
+            self.records[report.nodeid] = record
+        record.duration += report.duration
+        result = props.get(RESULT_PROPERTY) if report.when == "call" else None
+        if isinstance(result, dict):
+            record.message = str(result.get("message", ""))
+            record.details = dict(result.get("details", {}))
+        _fold_outcome(record, report, check_failed=isinstance(result, dict)
+                      and result.get("status") == "fail")
+
+    def matrix(self) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
+        """``{scope: {column: {check: {outcome: count}}}}``, sorted."""
+        out: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
+        for rec in self._sorted():
+            cell = out.setdefault(rec.scope, {}).setdefault(rec.column, {}).setdefault(
+                rec.check, dict.fromkeys(OUTCOMES, 0)
+            )
+            cell[rec.outcome or "pass"] += 1
+        return {s: {c: out[s][c] for c in sorted(out[s])} for s in sorted(out)}
+
+    def totals(self) -> dict[str, int]:
+        """Item counts per outcome."""
+        counts = Counter(r.outcome or "pass" for r in self.records.values())
+        return {o: counts.get(o, 0) for o in OUTCOMES}
+
+    def skip_reasons(self) -> list[tuple[str, int]]:
+        """Distinct skip reasons with their counts, most frequent first."""
+        counts = Counter(r.message for r in self.records.values() if r.outcome == "skip")
+        return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+    def to_json(self, **header: Any) -> dict[str, Any]:
+        """The JSON report: ``header`` fields, matrix, totals, per-item records."""
+        return {
+            "format": REPORT_FORMAT,
+            **header,
+            "matrix": self.matrix(),
+            "totals": self.totals(),
+            "items": [r.as_json() for r in sorted(self.records.values(), key=lambda r: r.nodeid)],
+        }
+
+    def summary_lines(self, width: int) -> list[str]:
+        """Terminal lines: one matrix per scope, totals and skip reasons."""
+        if not self.records:
+            return ["no exportcheck items ran"]
+        lines: list[str] = []
+        order = {r.check: (r.check_index, r.check) for r in self.records.values()}
+        for scope, columns in self.matrix().items():
+            checks = sorted({c for cells in columns.values() for c in cells}, key=order.__getitem__)
+            title = f"check \\ {_SCOPE_TITLES.get(scope, scope)}"
+            lines += render_matrix(title, checks, columns, width)
+            lines.append("")
+        totals = self.totals()
+        lines.append(
+            f"{sum(totals.values())} items: "
+            + ", ".join(f"{totals[o]} {_WORDS[o]}" for o in OUTCOMES)
+            + "  (cells: passed/total; F failed, x xfailed, s skipped)"
+        )
+        for reason, count in self.skip_reasons()[:5]:
+            lines.append(f"  skipped {count}x: {reason}")
+        return lines
+
+    def _sorted(self) -> Iterable[ItemRecord]:
+        return sorted(self.records.values(), key=lambda r: r.nodeid)
+
+
+_WORDS = {"pass": "passed", "fail": "failed", "xfail": "xfailed", "skip": "skipped"}
+
+
+def _fold_outcome(record: ItemRecord, report: pytest.TestReport, *, check_failed: bool) -> None:
+    if report.failed:
+        record.outcome = "fail"
+        if not (check_failed and report.when == "call"):
+            # a crash, a setup/teardown error, or an XPASS(strict): pytest's own line
+            record.message = _failure_message(report)
+    elif report.skipped and record.outcome != "fail":
+        if hasattr(report, "wasxfail"):
+            record.outcome = "xfail"
+            record.message = record.message or str(report.wasxfail)
+        else:
+            record.outcome = "skip"
+            record.message = _skip_reason(report)
+    elif report.when == "call" and not record.outcome:
+        record.outcome = "pass"
+
+
+def _failure_message(report: pytest.TestReport) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = getattr(crash, "message", None) or str(report.longrepr)
+    return str(message).strip()[:2000]
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return str(reason).removeprefix(_SKIP_PREFIX)
+
+
+def _cell(counts: Mapping[str, int] | None) -> str:
+    if not counts:
+        return "-"
+    total = sum(counts.values())
+    text = f"{counts['pass']}/{total}"
+    flags = " ".join(f"{flag}{counts[o]}" for o, flag in _FLAGS if counts[o])
+    return f"{text} {flags}" if flags else text
+
+
+def render_matrix(
+    title: str,
+    rows: list[str],
+    columns: Mapping[str, Mapping[str, Mapping[str, int]]],
+    width: int,
+) -> list[str]:
+    """A check (rows) x target/exporter (columns) table, split into blocks fitting ``width``."""
+    label_width = max(len(title), *(len(r) for r in rows))
+    names = list(columns)
+    cells = {c: {r: _cell(columns[c].get(r)) for r in rows} for c in names}
+    widths = {c: max(len(c), *(len(v) for v in cells[c].values())) for c in names}
+    blocks: list[list[str]] = [[]]
+    used = label_width
+    for name in names:
+        if blocks[-1] and used + 2 + widths[name] > width:
+            blocks.append([])
+            used = label_width
+        blocks[-1].append(name)
+        used += 2 + widths[name]
+    lines: list[str] = []
+    for block in blocks:
+        if lines:
+            lines.append("")
+        lines.append(title.ljust(label_width) + "".join("  " + c.rjust(widths[c]) for c in block))
+        for row in rows:
+            lines.append(
+                row.ljust(label_width) + "".join("  " + cells[c][row].rjust(widths[c]) for c in block)
+            )
+    return lines
+
+
+def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
+    """Write ``data`` as indented JSON to ``path`` via a temporary sibling and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

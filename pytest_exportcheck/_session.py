@@ -1,0 +1,434 @@
+"""The state of one exportcheck run; every hook in ``plugin.py`` hands off to it.
+
+Created in ``pytest_configure`` only when the suite is active, so everything here
+may import llmexport (and through it torch). Runs in every process: the xdist
+controller uses it for the header, the warnings about unmatched expected
+failures, the matrix and the JSON report; workers (and a run without xdist) use
+it to create and run the items.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import re
+from collections.abc import Iterator, Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import pytest_exportcheck
+from pytest_exportcheck import HYPOTHESIS_PROFILE, ExportCheckWarning
+from pytest_exportcheck._cache import ArtifactCache, library_versions
+from pytest_exportcheck._collect import (
+    COLLECTOR_NAME,
+    PLUGIN_LOADS,
+    CheckFailed,
+    ExportCheckCollector,
+    ExportCheckItem,
+    ItemSpec,
+    Plan,
+    TargetPlan,
+    plan,
+)
+from pytest_exportcheck._discovery import Discovery, PluginFailure, discover
+from pytest_exportcheck._options import DEVICES, Options, Selection
+from pytest_exportcheck._report import RESULT_PROPERTY, ReportBuilder, jsonable, write_json_atomic
+from pytest_exportcheck._xfails import XfailBook, load_xfails_file
+from pytest_exportcheck.checks._api import CHECKS, CheckResult, CheckSpec, ExporterCase, TargetCase
+
+__all__ = ["ExportCheckSession", "build_toy_model"]
+
+logger = logging.getLogger(__name__)
+
+#: Seed of every toy model the suite builds.
+SEED = 0
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+class ExportCheckSession:
+    """Options, discovery, planning, running and reporting of one pytest run."""
+
+    def __init__(self, config: pytest.Config, options: Options) -> None:
+        self.config = config
+        self.options = options
+        self.report = ReportBuilder()
+        self.xfails = XfailBook()
+        self._accepts: dict[tuple[str, str], str | None] = {}
+        self._plan: Plan | None = None
+
+    # -- configure ----------------------------------------------------------
+    def start(self) -> None:
+        """Discover plugins, validate the selection and the xfails; register the profile."""
+        self._plan = self._resolve_plan()
+        self._collect_xfails()
+        _register_hypothesis_profile()
+        if not _is_worker(self.config):
+            self._warn_unmatched_xfails()
+
+    @cached_property
+    def discovery(self) -> Discovery:
+        """Every registry, loaded once."""
+        import pytest_exportcheck.checks  # noqa: F401 - registers the check catalogue
+
+        return discover()
+
+    def _failures(self, kind: str) -> dict[str, list[PluginFailure]]:
+        out: dict[str, list[PluginFailure]] = {}
+        for failure in self.discovery.failures:
+            if failure.kind == kind:
+                out.setdefault(failure.name, []).append(failure)
+        return out
+
+    def _resolve_plan(self, *, everything: bool = False) -> Plan:
+        """The selected (or, with ``everything``, all possible) targets, exporters, models."""
+        d, o = self.discovery, self.options
+        everything_sel = Selection(all=True)
+        target_failures = self._failures("target")
+        runtime_failures = self._failures("runtime")
+        exporter_failures = self._failures("module exporter")
+        model_failures = self._failures("model family")
+        targets = (everything_sel if everything else o.target_selection).resolve(
+            [*d.targets, *target_failures], what="export target", option="--export-targets")
+        exporters = (everything_sel if everything else o.exporter_selection).resolve(
+            [*d.exporters, *exporter_failures], what="module exporter", option="--export-exporters")
+        models = (everything_sel if everything else o.models).resolve(
+            [*d.models, *model_failures], what="model family", option="--export-models")
+        check_ids = (everything_sel if everything else o.checks).resolve(
+            [*CHECKS, PLUGIN_LOADS], what="check", option="--export-checks")
+        runtimes_used = {d.targets[t].runtime for t in targets if t in d.targets}
+        extra = {
+            f"model:{m}": _failure_text(model_failures[m]) for m in models if m in model_failures
+        } | {
+            f"runtime:{r}": _failure_text(fs)
+            for r, fs in runtime_failures.items()
+            if r not in runtimes_used and (o.target_selection.all or everything)
+        }
+        return Plan(
+            checks=tuple(CHECKS[c] for c in CHECKS if c in check_ids),
+            targets=tuple(self._target_plan(t, target_failures, runtime_failures) for t in targets),
+            exporters=tuple(exporters),
+            exporter_failures={n: _failure_text(fs) for n, fs in exporter_failures.items()},
+            extra_failures=extra if PLUGIN_LOADS in check_ids else {},
+            models=tuple(m for m in models if m in d.models),
+            devices=DEVICES if everything else o.devices,
+        )
+
+    def _target_plan(
+        self,
+        name: str,
+        target_failures: Mapping[str, list[PluginFailure]],
+        runtime_failures: Mapping[str, list[PluginFailure]],
+    ) -> TargetPlan:
+        if name not in self.discovery.targets:
+            return TargetPlan(name, failure=_failure_text(target_failures[name]), loaded=False)
+        info = self.discovery.targets[name]
+        problems = [*target_failures.get(name, []), *runtime_failures.get(info.runtime, [])]
+        rows = tuple((row.variant, row.export_kwargs) for row in self.discovery.rows(name))
+        return TargetPlan(name, rows, info.capabilities,
+                          failure=_failure_text(problems) if problems else None)
+
+    def _collect_xfails(self) -> None:
+        for name, info in self.discovery.targets.items():
+            self.xfails.add(info.expected_failures, source=f"TargetInfo of {name!r}", scope=name)
+        for name, exporter in self.discovery.exporters.items():
+            declared = getattr(exporter, "expected_failures", None) or {}
+            if not isinstance(declared, Mapping):
+                raise pytest.UsageError(
+                    f"module exporter {name!r}: expected_failures must be a mapping "
+                    f"{{check id or item id pattern: reason}}, got {type(declared).__name__}"
+                )
+            self.xfails.add(declared, source=f"module exporter {name!r}", scope=name)
+        if self.options.xfails_file is not None:
+            self.xfails.add(load_xfails_file(self.options.xfails_file),
+                            source=str(self.options.xfails_file), scope=None)
+
+    def _warn_unmatched_xfails(self) -> None:
+        universe = [(s.name, s.check, s.column) for s in plan(self._resolve_plan(everything=True))]
+        for rule in self.xfails.unmatched(universe):
+            self.config.issue_config_time_warning(
+                ExportCheckWarning(
+                    f"expected failure {rule.pattern!r} ({rule.source}) matches no exportcheck "
+                    "item; fix the check id or item id pattern, or remove the entry"
+                ),
+                stacklevel=2,
+            )
+
+    # -- header -------------------------------------------------------------
+    def report_header(self) -> list[str]:
+        """Options, library versions, CUDA and every discovered plugin, for the header."""
+        options = " ".join(f"{k}={v}" for k, v in self.environment()["options"].items())
+        versions = ", ".join(f"{n} {v or '-'}" for n, v in library_versions())
+        lines = [f"exportcheck: {options}", f"exportcheck versions: {versions}; {self._cuda()}"]
+        by_kind: dict[str, dict[str, list[str]]] = {}
+        for record in self.discovery.plugins:
+            by_kind.setdefault(record.kind, {}).setdefault(record.provider, []).append(record.name)
+        for kind, providers in by_kind.items():
+            listed = "; ".join(f"{p}: {', '.join(ns)}" for p, ns in sorted(providers.items()))
+            lines.append(f"exportcheck {_PLURAL.get(kind, kind)}: {listed}")
+        for failure in self.discovery.failures:
+            what = "claims a taken name" if failure.conflict else "FAILED to load"
+            lines.append(f"exportcheck {failure.kind} {failure.name!r} from "
+                         f"{failure.distribution} {what}: see plugin_loads")
+        return lines
+
+    def environment(self) -> dict[str, Any]:
+        """Header data shared by the terminal header and the JSON report."""
+        return {
+            "options": {**self.options.as_dict(), "goldens_dir": str(self.goldens_dir)},
+            "environment": {
+                **{n: v for n, v in library_versions()},
+                "pytest_exportcheck": pytest_exportcheck.__version__,
+                "cuda": self._cuda(),
+            },
+            "plugins": [
+                {"kind": r.kind, "name": r.name, "provider": r.provider}
+                for r in self.discovery.plugins
+            ],
+            "plugin_failures": [
+                {"kind": f.kind, "name": f.name, "distribution": f.distribution,
+                 "message": f.message}
+                for f in self.discovery.failures
+            ],
+        }
+
+    @staticmethod
+    def _cuda() -> str:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "CUDA not available"
+        return f"CUDA available ({torch.cuda.device_count()}x {torch.cuda.get_device_name(0)})"
+
+    # -- collection ---------------------------------------------------------
+    def ignore_collect(self, path: Path) -> bool | None:
+        """With ``--export-only``, nothing of the repo is collected (explicit file args aside)."""
+        return True if self.options.only else None
+
+    def modify_items(self, session: pytest.Session, items: list[pytest.Item]) -> None:
+        """Append the planned items (with their skip / xfail marks); deselect the rest with --export-only."""
+        if self._plan is None:  # pragma: no cover - start() runs in pytest_configure
+            raise RuntimeError("exportcheck: modify_items before start")
+        collector = ExportCheckCollector.from_parent(session, name=COLLECTOR_NAME,
+                                                     nodeid=COLLECTOR_NAME)
+        new = [self._item(collector, spec) for spec in plan(self._plan)]
+        # Count them in "collected N items" like any collected node.
+        session.ihook.pytest_collectreport(
+            report=pytest.CollectReport(collector.nodeid, "passed", None, list(new))
+        )
+        if self.options.only and items:
+            session.config.hook.pytest_deselected(items=list(items))
+            items[:] = []
+        items.extend(new)
+
+    def _item(self, collector: ExportCheckCollector, spec: ItemSpec) -> ExportCheckItem:
+        check = CHECKS.get(spec.check)
+        item: ExportCheckItem = ExportCheckItem.from_parent(
+            collector, name=spec.name, spec=spec, runner=self.run_item,
+            check_fn=check.fn if check is not None else None,
+        )
+        if spec.skip:
+            item.add_marker(pytest.mark.skip(reason=spec.skip))
+        rules = self.xfails.match(spec.name, spec.check, spec.column)
+        if rules:
+            reason = "; ".join(f"{r.reason} [{r.source}]" for r in rules)
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+        return item
+
+    # -- running ------------------------------------------------------------
+    def run_item(self, item: ExportCheckItem) -> None:
+        """Run one item: check its device, build its case, call its check, record the result."""
+        spec = item.spec
+        if spec.check == PLUGIN_LOADS:
+            result = (CheckResult.failed(spec.failure) if spec.failure
+                      else CheckResult.passed(f"{spec.column} loaded"))
+        else:
+            self._require_device(spec.device)
+            check = CHECKS[spec.check]
+            case = self._case(item, check)
+            with _hypothesis_profile():
+                result = check.fn(case)
+            if not isinstance(result, CheckResult):
+                raise TypeError(
+                    f"check {spec.check!r} returned {type(result).__name__}; "
+                    "a check must return a CheckResult"
+                )
+        item.user_properties.append((RESULT_PROPERTY, {
+            "status": result.status, "message": result.message,
+            "details": jsonable(dict(result.details)),
+        }))
+        if result.status == "skip":
+            pytest.skip(result.message or f"check {spec.check!r} skipped without a reason")
+        if result.status == "fail":
+            raise CheckFailed(result)
+
+    def _require_device(self, device: str | None) -> None:
+        if device != "cuda":
+            return
+        import torch
+
+        if torch.cuda.is_available():
+            return
+        reason = "CUDA is not available on this machine (torch.cuda.is_available() is False)"
+        if self.options.require_device:
+            pytest.fail(f"{reason}, and --export-require-device is set", pytrace=False)
+        pytest.skip(reason)
+
+    def _case(self, item: ExportCheckItem, check: CheckSpec) -> TargetCase | ExporterCase:
+        spec = item.spec
+        common: dict[str, Any] = {
+            "workdir": self._workdir(spec.name),
+            "seed": SEED,
+            "goldens": self.goldens,
+            "options": self.options.as_dict(),
+        }
+        if check.scope == "exporter":
+            if spec.exporter is None:  # pragma: no cover - plan() sets it
+                raise RuntimeError(f"exporter item {spec.name} has no exporter")
+            return ExporterCase(name=spec.exporter, device=spec.device or "cpu",
+                                model_name=spec.model, **common)
+        if spec.target is None:  # pragma: no cover - plan() sets it
+            raise RuntimeError(f"target item {spec.name} has no target")
+        if spec.model is not None:
+            self._require_accepted(spec.target, spec.model)
+        return TargetCase(
+            target=spec.target, variant=spec.variant, export_kwargs=dict(spec.export_kwargs),
+            model_name=spec.model, device=spec.device or "cpu",
+            export=functools.partial(self._export, spec), **common,
+        )
+
+    def _require_accepted(self, target: str, model: str) -> None:
+        accepts = self.discovery.targets[target].accepts
+        if accepts is None:
+            return
+        if (target, model) not in self._accepts:
+            self._accepts[(target, model)] = accepts(build_toy_model(model, SEED))
+        reason = self._accepts[(target, model)]
+        if reason:
+            pytest.skip(f"target {target!r} does not accept model {model!r}: {reason}")
+
+    def _export(self, spec: ItemSpec, model_name: str, **extra: Any) -> Path:
+        """``TargetCase.export``: the cached artifact of ``model_name`` for this target row."""
+        if spec.target is None:  # pragma: no cover
+            raise RuntimeError(f"item {spec.name} has no target to export with")
+        info = self.discovery.targets[spec.target]
+        return self.cache.export(
+            spec.target, {**spec.export_kwargs, **extra}, model_name, seed=SEED,
+            suffix=info.suffix, directory=info.artifact == "directory",
+        )
+
+    @cached_property
+    def cache(self) -> ArtifactCache:
+        """Cross-run artifact cache (pytest cache dir) unless --export-no-cache or no cacheprovider."""
+        root: Path | None = None
+        cache = getattr(self.config, "cache", None)
+        if cache is not None and not self.options.no_cache:
+            root = cache.mkdir("exportcheck") / "artifacts"
+            root.mkdir(parents=True, exist_ok=True)
+        return ArtifactCache(self._tmp_factory().mktemp("exportcheck-artifacts"), root,
+                             build_toy_model)
+
+    @cached_property
+    def goldens_dir(self) -> Path:
+        """--export-goldens-dir, else ``goldens/`` under rootdir, else the package's own."""
+        if self.options.goldens_dir is not None:
+            return self.options.goldens_dir
+        local = self.config.rootpath / "goldens"
+        if local.is_dir():
+            return local
+        return Path(pytest_exportcheck.__file__).parent / "goldens"
+
+    @cached_property
+    def goldens(self) -> Any:
+        """The golden store handed to every case."""
+        from pytest_exportcheck.goldens import GoldenStore
+
+        return GoldenStore(self.goldens_dir, update=self.options.update_goldens)
+
+    def _tmp_factory(self) -> pytest.TempPathFactory:
+        # pytest keeps its session TempPathFactory on the config (the tmp_path_factory
+        # fixture returns the same object); using it keeps --basetemp and retention.
+        factory: pytest.TempPathFactory = self.config._tmp_path_factory  # type: ignore[attr-defined]
+        return factory
+
+    def _workdir(self, name: str) -> Path:
+        return self._tmp_factory().mktemp(re.sub(r"[\W]", "_", name)[:40], numbered=True)
+
+    # -- reporting ----------------------------------------------------------
+    def add_report(self, report: pytest.TestReport) -> None:
+        """Fold a test report into the matrix (controller / single process only)."""
+        if not _is_worker(self.config):
+            self.report.add(report)
+
+    def terminal_summary(self, terminal: Any) -> None:
+        """Write the matrix section of the terminal summary."""
+        if _is_worker(self.config):
+            return
+        terminal.write_sep("=", "exportcheck conformance matrix")
+        width = self.config.get_terminal_writer().fullwidth
+        for line in self.report.summary_lines(width):
+            terminal.write_line(line)
+        if self.options.report is not None:
+            terminal.write_line(f"JSON report: {self.options.report}")
+
+    def finish(self) -> None:
+        """Write the JSON report and call ``pytest_exportcheck_report`` (controller only)."""
+        if _is_worker(self.config):
+            return
+        data = self.report.to_json(**self.environment())
+        if self.options.report is not None:
+            write_json_atomic(self.options.report, data)
+        self.config.hook.pytest_exportcheck_report(config=self.config, report=data)
+
+
+_PLURAL = {"target": "targets", "runtime": "runtimes", "module exporter": "module exporters",
+           "model family": "model families"}
+
+
+def _failure_text(failures: list[PluginFailure]) -> str:
+    return "\n".join(f.message for f in failures)
+
+
+def build_toy_model(name: str, seed: int) -> Any:
+    """A toy model family from ``llmexport.models``, in eval mode."""
+    from llmexport.models import build_model
+
+    return build_model(name, seed=seed)
+
+
+def _register_hypothesis_profile() -> None:
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # pragma: no cover - hypothesis is a test dependency
+        return
+    settings.register_profile(
+        HYPOTHESIS_PROFILE,
+        deadline=None,
+        max_examples=10,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        print_blob=True,
+    )
+
+
+@contextlib.contextmanager
+def _hypothesis_profile() -> Iterator[None]:
+    """Run under the exportcheck profile unless the user loaded one (--hypothesis-profile)."""
+    try:
+        from hypothesis import settings
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    if settings.get_current_profile_name() != "default":
+        yield
+        return
+    settings.load_profile(HYPOTHESIS_PROFILE)
+    try:
+        yield
+    finally:
+        settings.load_profile("default")

@@ -1,0 +1,238 @@
+"""The exportcheck pytest plugin, driven end to end through ``pytester``.
+
+Runs that need an isolated registry (a fake third-party plugin discovered through a
+real ``*.dist-info``) use ``runpytest_subprocess``; each of those imports torch, so
+they are few and each checks many things at once. Demo checks registered by the
+generated ``conftest.py`` exercise the plugin machinery independently of the real
+check catalogue.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._fakeplugin import DIST, install
+
+DEMO_CHECKS = '''
+import hypothesis
+
+from pytest_exportcheck.checks._api import CheckResult, check
+
+
+@check("demo_pass", scope="target", per_model=True)
+def demo_pass(case):
+    """Exports through the cached case.export and passes (fake targets only: fast)."""
+    if case.target != "good":
+        return CheckResult.skipped("demo_pass exports only the fake 'good' target")
+    path = case.export(case.model_name)
+    return CheckResult.passed("exported", artifact=path.name, read_only=not path.stat().st_mode & 0o222)
+
+
+@check("demo_fail", scope="target")
+def demo_fail(case):
+    """Always fails with numbers."""
+    return CheckResult.failed("logits differ beyond tolerance", max_abs=0.5, mismatch_pct=12.5)
+
+
+@check("demo_xpass", scope="target")
+def demo_xpass(case):
+    """Always passes (declared as an expected failure by the fake plugin)."""
+    return CheckResult.passed()
+
+
+@check("demo_kv", scope="target", needs=("kv_cache",))
+def demo_kv(case):
+    """Needs a capability no fake target declares."""
+    return CheckResult.passed()
+
+
+@check("demo_settings", scope="target")
+def demo_settings(case):
+    """Reports the Hypothesis settings it runs under and the device."""
+    current = hypothesis.settings()
+    return CheckResult.passed(
+        deadline=str(current.deadline), max_examples=current.max_examples, device=case.device
+    )
+'''
+
+CONFTEST = (
+    DEMO_CHECKS
+    + 'hypothesis.settings.register_profile("mine", deadline=1234, max_examples=3)\n'
+)
+
+
+def _env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, site: Path) -> Path:
+    """Put the fake distribution on the subprocesses' path; returns the export log."""
+    counter = pytester.path / "exports.log"
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("FAKEPLUGIN_COUNTER", str(counter))
+    return counter
+
+
+def _exports(counter: Path) -> list[str]:
+    return counter.read_text().split() if counter.exists() else []
+
+
+def _items(report: Path) -> dict[str, dict[str, Any]]:
+    data = json.loads(report.read_text())
+    return {item["id"]: item for item in data["items"]}
+
+
+def _without_durations(report: Path) -> dict[str, Any]:
+    data = json.loads(report.read_text())
+    for item in data["items"]:
+        item.pop("duration")
+    data.pop("options")  # the report path differs between the runs
+    return data
+
+
+def test_passive_without_an_export_option(pytester: pytest.Pytester) -> None:
+    """Installed but not asked: no items, no torch import, options in --help."""
+    pytester.makeconftest(
+        "import sys\n"
+        "def pytest_sessionfinish(session):\n"
+        "    open('torch_imported.txt', 'w').write(str('torch' in sys.modules))\n"
+    )
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    assert (pytester.path / "torch_imported.txt").read_text() == "False"
+    assert "exportcheck" not in result.stdout.str()
+
+    help_text = pytester.runpytest("--help").stdout.str()
+    assert "exportcheck: export conformance suite" in help_text
+    for option in ("--export-targets", "--export-exporters", "--export-models", "--export-device",
+                   "--export-require-device", "--export-xfails-file", "--export-update-goldens",
+                   "--export-goldens-dir", "--export-report", "--export-no-cache",
+                   "--export-only", "export_targets (string)"):
+        assert option in help_text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--export-targets=onnx,nope"], "unknown export target 'nope'; available: "),
+        (["--export-targets=onnx", "--export-models=nope"], "unknown model family 'nope'"),
+        (["--export-targets=onnx", "--export-device=tpu"], "unknown device 'tpu'"),
+        (["--export-targets=onnx", "--export-checks=nope"], "unknown check 'nope'"),
+        (["--export-only"], "--export-only needs --export-targets"),
+        (["--export-targets=onnx", "--export-xfails-file=missing.json"], "does not exist"),
+    ],
+)
+def test_bad_option_is_a_usage_error(pytester: pytest.Pytester, args: list[str], message: str) -> None:
+    result = pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}*"])
+
+
+def test_fake_third_party_plugin(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin installed through a real dist-info is discovered, checked and reported.
+
+    The same suite runs three times in one directory: without xdist, with ``-n 2``
+    (reusing the first run's cached artifacts) and with ``--export-no-cache``.
+    """
+    counter = _env(pytester, monkeypatch, install(pytester.path / "site"))
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_own="def test_own_test():\n    pass\n")
+    (pytester.path / "xfails.json").write_text(json.dumps({
+        "demo_settings[good-cuda]": "file entry: no CUDA here",
+        "demo_pass[nothing-*]": "matches nothing: must warn",
+    }))
+    common = [
+        "--export-targets=good,broken,onnx", "--export-models=tiny", "--export-device=cpu,cuda",
+        "--export-checks=plugin_loads,demo_pass,demo_fail,demo_xpass,demo_kv,demo_settings",
+        "--export-xfails-file=xfails.json", "-rA",
+    ]
+
+    first = pytester.runpytest_subprocess(*common, "--export-report=serial.json", "-n", "0")
+    out = first.stdout.str()
+    assert first.ret == pytest.ExitCode.TESTS_FAILED
+    # header: options, versions, every plugin with its distribution, failures
+    first.stdout.fnmatch_lines([
+        "exportcheck: targets=broken,good,onnx *models=tiny * device=cpu,cuda *",
+        "exportcheck versions: python *, llmexport *, torch *, transformers *, onnx *, "
+        "onnxruntime *; CUDA *",
+        f"exportcheck targets: *{DIST}: good, inplace, perturb, swallow*",
+        f"exportcheck model families: *{DIST}: tiny*",
+        f"exportcheck target 'broken' from {DIST} FAILED to load*",
+        f"exportcheck target 'onnx' from {DIST} claims a taken name*",
+    ])
+    # the repo's own test runs alongside; the matrix is printed
+    assert "PASSED test_own.py::test_own_test" in out
+    first.stdout.fnmatch_lines([
+        "*= exportcheck conformance matrix =*",
+        r"check \ target * broken * good * onnx",
+        "plugin_loads * 0/1 F1 * 1/1 * 0/1 F1",
+        "demo_pass * - * 1/2 s1 * 0/2 s2",
+        "demo_fail * - * 0/2 x1 s1 * 0/2 F1 s1",
+        "*items: * passed, * failed, * xfailed, * skipped *",
+    ])
+    first.stdout.fnmatch_lines([
+        "*ExportCheckWarning: expected failure 'no_such_check' (TargetInfo of 'good') matches no*",
+        "*ExportCheckWarning: expected failure 'demo_pass[[]nothing-*]' * matches no*",
+    ])
+
+    items = _items(pytester.path / "serial.json")
+    broken = items["plugin_loads[broken]"]
+    assert broken["outcome"] == "fail"
+    assert DIST in broken["message"]
+    assert "ImportError: fakeplugin_broken needs libfoo" in broken["message"]
+    assert items["plugin_loads[onnx]"]["outcome"] == "fail"
+    assert "'onnx' is already registered by llmexport (built in)" in items["plugin_loads[onnx]"]["message"]
+    assert items["plugin_loads[good]"]["outcome"] == "pass"
+    assert "demo_pass[broken-tiny-cpu]" not in items  # a target that failed to load gets no checks
+    # pass, with a read-only cached artifact; cuda skips without CUDA
+    assert items["demo_pass[good-tiny-cpu]"]["details"] == {"artifact": "model.pt", "read_only": True}
+    assert items["demo_pass[good-tiny-cuda]"]["outcome"] == "skip"
+    assert "CUDA is not available" in items["demo_pass[good-tiny-cuda]"]["message"]
+    # failure text and numbers; expected failures from TargetInfo are strict
+    assert items["demo_fail[onnx-cpu]"]["outcome"] == "fail"
+    assert items["demo_fail[onnx-cpu]"]["details"] == {"max_abs": 0.5, "mismatch_pct": 12.5}
+    assert "logits differ beyond tolerance\n  max_abs: 0.5" in out
+    assert items["demo_fail[good-cpu]"]["outcome"] == "xfail"
+    assert items["demo_xpass[good-cpu]"]["outcome"] == "fail"
+    assert "[XPASS(strict)] declared but the check passes" in items["demo_xpass[good-cpu]"]["message"]
+    assert items["demo_xpass[onnx-cpu]"]["outcome"] == "pass"
+    # capability gaps are counted skips with a reason
+    assert items["demo_kv[good-cpu]"]["outcome"] == "skip"
+    assert "capability gap: target 'good' does not declare 'kv_cache'" in items["demo_kv[good-cpu]"]["message"]
+    assert items["demo_settings[good-cuda]"]["outcome"] == "skip"  # skip wins over the file's xfail
+    # the exportcheck Hypothesis profile applies while no profile was chosen
+    assert items["demo_settings[good-cpu]"]["details"]["deadline"] == "None"
+    assert _exports(counter) == ["good"]  # one export, shared by every check that needs it
+
+    second = pytester.runpytest_subprocess(*common, "--export-report=parallel.json", "-n", "2")
+    assert second.ret == pytest.ExitCode.TESTS_FAILED
+    assert _without_durations(pytester.path / "parallel.json") == _without_durations(
+        pytester.path / "serial.json"
+    )
+    assert _exports(counter) == ["good"]  # the cross-run cache served both workers
+
+    third = pytester.runpytest_subprocess(
+        *common, "--export-no-cache", "--export-only", "--export-require-device",
+        "--hypothesis-profile=mine", "--export-report=third.json",
+    )
+    assert third.ret == pytest.ExitCode.TESTS_FAILED
+    assert "test_own_test" not in third.stdout.str()
+    assert _exports(counter) == ["good", "good"]
+    items = _items(pytester.path / "third.json")
+    assert items["demo_pass[good-tiny-cuda]"]["outcome"] == "fail"
+    assert "--export-require-device is set" in items["demo_pass[good-tiny-cuda]"]["message"]
+    assert items["demo_settings[good-cpu]"]["details"]["deadline"] == "0:00:01.234000"
+
+
+def test_suite_runs_in_an_empty_directory(pytester: pytest.Pytester) -> None:
+    """No test file, no conftest: --export-targets=all runs the suite and exits 0 when all pass."""
+    result = pytester.runpytest_subprocess(
+        "--export-targets=all", "--export-checks=plugin_loads", "-p", "no:cacheprovider"
+    )
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines([
+        "collected * items",
+        "*= exportcheck conformance matrix =*",
+        "plugin_loads * 1/1 * 1/1 *",
+    ])
+    assert "onnx" in result.stdout.str()
