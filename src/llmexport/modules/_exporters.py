@@ -250,9 +250,10 @@ def builtin_module_exporters() -> list[ModuleExporter]:
 def register_builtin_module_exporters(registry: ExportModuleRegistry) -> list[ModuleExporter]:
     """Register the built-in exporters into ``registry`` (in order); returns them.
 
-    Order: MoE linear (``"QuantMoELinear"``), linear (``"QuantLinear"``, exact
-    name, so it never claims a ``QuantMoELinear``), embedding, BMM experts, fused
-    experts, iterable experts (``ModuleList`` + predicate), catch-all containers.
+    Order: MoE linear (``"QuantMoELinear"``) before linear (``"QuantLinear"``,
+    which a ``QuantMoELinear`` also matches through its MRO), embedding, BMM
+    experts, fused experts, iterable experts (``ModuleList`` + predicate),
+    catch-all containers.
     Idempotent: registering again replaces the entries in place.
     """
     exporters = builtin_module_exporters()

@@ -4,9 +4,10 @@ Matching rules (each has a test named after it in ``tests/test_module_registry.p
 
 1. Entries are tried in order; the first entry that matches wins.
 2. A class key matches when it is in ``type(module).__mro__``.
-3. A string key matches a class ``__name__`` in the MRO *exactly* (never a
-   substring: ``"QuantLinear"`` does not match ``QuantMoELinear`` by name, though
-   the class key ``QuantLinear`` matches it through the MRO).
+3. A string key equals the ``__name__`` of a class in the MRO (never a substring:
+   ``"MoELinear"`` matches nothing, ``"QuantMoELinear"`` does not match a plain
+   ``QuantLinear``; ``"QuantLinear"`` matches ``QuantMoELinear``, which subclasses
+   it, exactly as the class key ``QuantLinear`` does).
 4. An entry with keys and a predicate matches only when both do; an entry with a
    predicate alone asks only the predicate.
 5. Registering an exporter again (the same instance, or another instance of the

@@ -98,8 +98,8 @@ class QuantLinear(QuantModule, nn.Linear):
 class QuantMoELinear(QuantLinear):
     """A :class:`QuantLinear` that is one projection of one expert in an iterable MoE.
 
-    Its own class so that the MoE-linear exporter claims it by exact class name
-    while the plain ``"QuantLinear"`` name key does not.
+    Its own class so that the MoE-linear exporter (registered before the linear
+    one) claims it by its class name.
     """
 
 

@@ -1,0 +1,310 @@
+"""Fake quantization: formats, scales, recipes and quantize() on the toy and HF families."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from llmexport.errors import QuantizationError, UnknownNameError, UnsupportedFormatError
+from llmexport.export import make_input_ids
+from llmexport.models import DecoderModel, IterableMoEModel, tiny_hf_model
+from llmexport.quant import (
+    QuantBMMExperts,
+    QuantFormat,
+    QuantFusedExperts,
+    QuantLinear,
+    QuantModule,
+    QuantMoELinear,
+    TensorQuantizer,
+    dequantize,
+    is_quantized_module,
+    quantize,
+    quantize_tensor,
+)
+
+FAMILIES = ["llama", "llama_tied", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
+RECIPES = ["fp8", "nvfp4", "int4_awq", "int8_wo", "fp8+fp8_kv"]
+
+
+def _hf(family: str) -> nn.Module:
+    return tiny_hf_model(family, 0, num_hidden_layers=1)
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(ids)
+    out = out[0] if isinstance(out, tuple) else getattr(out, "logits", out)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+# -- formats -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("fmt", "block", "shape"),
+    [
+        (QuantFormat.FP8, None, (8, 32)),
+        (QuantFormat.NVFP4, 16, (8, 32)),
+        (QuantFormat.INT4, 16, (8, 32)),
+        (QuantFormat.INT8, None, (8, 32)),
+        (QuantFormat.NVFP4, 16, (3, 8, 32)),
+        (QuantFormat.INT4, 16, (3, 8, 32)),
+    ],
+)
+def test_fake_quant_equals_dequantized_real_quant(
+    fmt: QuantFormat, block: int | None, shape: tuple[int, ...]
+) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    quantizer = TensorQuantizer(fmt, block_size=block)
+    quantizer.collect(x)
+    fake = quantizer(x)
+    real = quantizer.quantize(x)
+    assert torch.equal(fake, dequantize(real))
+    assert fake.dtype == x.dtype
+    assert fake.shape == x.shape
+    assert (fake - x).abs().max() < x.abs().max() / 2  # it is a quantization of x
+
+
+def test_fp8_layout_and_scale_is_amax_over_448() -> None:
+    x = torch.tensor([[1.0, -2.0], [0.5, 4.0]])
+    q = quantize_tensor(x, QuantFormat.FP8, amax=torch.tensor(4.0))
+    assert q.data.dtype == torch.float8_e4m3fn
+    assert q.data.shape == (2, 2)
+    assert q.scale.dtype == torch.float32
+    assert q.scale.dim() == 0
+    assert q.scale.item() == pytest.approx(4.0 / 448)
+    assert q.data.float().abs().max().item() == 448.0
+
+
+def test_nvfp4_packs_even_column_in_low_nibble_with_fp8_block_scales() -> None:
+    # One block of 16 with amax 6: weight_scale_2 = 6 / (6 * 448), block scale = 448.
+    x = torch.zeros(1, 16)
+    x[0, 0], x[0, 1], x[0, 2] = 1.0, -6.0, 0.5
+    q = quantize_tensor(x, QuantFormat.NVFP4, amax=torch.tensor(6.0), block_size=16)
+    assert q.data.dtype == torch.uint8
+    assert q.data.shape == (1, 8)
+    assert q.scale.dtype == torch.float8_e4m3fn
+    assert q.scale.shape == (1, 1)
+    assert q.scale_2 is not None
+    assert q.scale_2.item() == pytest.approx(6.0 / (6 * 448))
+    # code(1.0) = 2, code(-6.0) = 0b1111: byte = (15 << 4) | 2; code(0.5) = 1.
+    assert q.data[0, 0].item() == (15 << 4) | 2
+    assert q.data[0, 1].item() == 1
+    assert torch.equal(dequantize(q), x)
+
+
+def test_e2m1_rounds_ties_to_even() -> None:
+    scale2 = torch.tensor(6.0)  # block scale 448 * scale_2 = 1: values map to themselves
+    x = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0] + [6.0] + [0.0] * 7])
+    q = quantize_tensor(x, QuantFormat.NVFP4, amax=scale2, block_size=16)
+    got = dequantize(q)[0, :9].tolist()
+    assert got == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0]
+
+
+def test_int4_packs_pairs_of_rows_with_group_scales() -> None:
+    x = torch.tensor([[7.0, -7.0], [-8.0 * 7 / 8, 3.5]]).repeat(1, 8)  # [2, 16]
+    q = quantize_tensor(x, QuantFormat.INT4, block_size=16)
+    assert q.data.dtype == torch.uint8
+    assert q.data.shape == (1, 16)
+    assert q.scale.shape == (2, 1)
+    assert q.scale[0, 0].item() == pytest.approx(1.0)
+    # row 0 col 0 = 7 (low nibble), row 1 col 0 = -7 (0b1001, high nibble)
+    assert q.data[0, 0].item() == 7 | (9 << 4)
+
+
+def test_int8_per_row_scale() -> None:
+    x = torch.tensor([[127.0, -1.0], [0.0, 254.0]])
+    q = quantize_tensor(x, QuantFormat.INT8)
+    assert q.data.dtype == torch.int8
+    assert q.scale.tolist() == [1.0, 2.0]
+    assert torch.equal(dequantize(q), x)
+
+
+def test_zero_amax_gives_scale_one_and_zeros() -> None:
+    quantizer = TensorQuantizer(QuantFormat.FP8, label="m.weight_quantizer")
+    zeros = torch.zeros(4, 4)
+    quantizer.collect(zeros)
+    assert quantizer.scale.item() == 1.0
+    q = quantizer.quantize(zeros)
+    assert torch.isfinite(q.scale).all()
+    assert torch.equal(dequantize(q), zeros)
+    nv = quantize_tensor(torch.zeros(2, 16), QuantFormat.NVFP4, amax=torch.tensor(0.0), block_size=16)
+    assert nv.scale_2 is not None
+    assert nv.scale_2.item() == 1.0
+    assert torch.isfinite(nv.scale.float()).all()
+    assert (nv.scale.float() > 0).all()
+
+
+def test_tiny_nvfp4_block_never_gets_a_zero_scale() -> None:
+    x = torch.zeros(2, 16)
+    x[0, 0] = 1000.0
+    x[1, 0] = 1e-12  # its block scale underflows float8
+    q = quantize_tensor(x, QuantFormat.NVFP4, block_size=16)
+    assert (q.scale.float() > 0).all()
+    assert torch.isfinite(dequantize(q)).all()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_amax_raises_naming_the_quantizer(bad: float) -> None:
+    quantizer = TensorQuantizer(QuantFormat.FP8, label="layers.0.q_proj.input_quantizer")
+    quantizer.amax = torch.tensor(bad)
+    with pytest.raises(QuantizationError, match=r"layers\.0\.q_proj\.input_quantizer.*not finite"):
+        _ = quantizer.scale
+    with pytest.raises(QuantizationError, match="not finite"):
+        quantizer.quantize(torch.ones(2, 2))
+
+
+def test_uncalibrated_activation_quantizer_raises() -> None:
+    quantizer = TensorQuantizer(QuantFormat.FP8, label="x.input_quantizer")
+    with pytest.raises(QuantizationError, match="never calibrated"):
+        quantizer(torch.ones(2))
+
+
+# -- quantize() ----------------------------------------------------------------
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_recipe_on_every_family_runs_close_to_the_float_model(family: str, recipe: str) -> None:
+    model = _hf(family)
+    ids = make_input_ids(model.config.vocab_size)
+    with torch.no_grad():
+        reference = _logits(model, ids)
+        quantized = quantize(model, recipe)
+        out = _logits(quantized, ids)
+    assert quantized is model  # in place by default
+    assert any(is_quantized_module(m) for m in model.modules())
+    assert torch.isfinite(out).all()
+    rel = (out - reference).norm() / reference.norm()
+    assert 0 < rel < 0.5
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4", "int8_wo"])
+def test_recipes_on_toy_decoder_and_iterable_moe(recipe: str) -> None:
+    for cls in (DecoderModel, IterableMoEModel):
+        model = cls(num_layers=1)
+        ids = make_input_ids(model.config.vocab_size)
+        with torch.no_grad():
+            reference = _logits(model, ids)
+            out = _logits(quantize(model, recipe), ids)
+        assert 0 < (out - reference).norm() / reference.norm() < 0.5
+
+
+def test_default_excludes_lm_head_routers_and_embeddings() -> None:
+    model = quantize(_hf("qwen2_moe"), "fp8")
+    names = {n for n, m in model.named_modules() if isinstance(m, QuantModule)}
+    assert not any("lm_head" in n or "embed" in n for n in names)
+    assert not any(n.endswith((".gate", "shared_expert_gate")) for n in names)
+    assert "model.layers.0.mlp.shared_expert.down_proj" in names
+    assert isinstance(model.model.layers[0].mlp.experts, QuantFusedExperts)
+
+
+def test_experts_wrappers_keep_the_original_class_in_the_mro() -> None:
+    mixtral = quantize(_hf("mixtral"), "fp8")
+    experts = mixtral.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "QuantMixtralExperts"
+    assert "MixtralExperts" in {c.__name__ for c in type(experts).__mro__}
+    gpt = quantize(_hf("gpt_oss"), "fp8")
+    assert isinstance(gpt.model.layers[0].mlp.experts, QuantBMMExperts)
+    moe = quantize(IterableMoEModel(num_layers=1), "fp8")
+    assert isinstance(moe.layers[0].mlp.experts[0].gate_proj, QuantMoELinear)
+    assert type(moe.layers[0].self_attn.q_proj) is QuantLinear
+
+
+def test_quantizers_disabled_reproduce_the_float_model() -> None:
+    model = _hf("gpt_oss")
+    ids = make_input_ids(model.config.vocab_size)
+    with torch.no_grad():
+        reference = _logits(model, ids)
+        quantize(model, "fp8")
+        for module in model.modules():
+            if isinstance(module, TensorQuantizer):
+                module.enabled = False
+        assert torch.allclose(_logits(model, ids), reference, atol=1e-5)
+
+
+def test_inplace_false_returns_a_converted_copy() -> None:
+    model = DecoderModel(num_layers=1)
+    copy = quantize(model, "fp8", inplace=False)
+    assert copy is not model
+    assert not any(isinstance(m, QuantModule) for m in model.modules())
+    assert isinstance(copy.layers[0].self_attn.q_proj, QuantLinear)
+
+
+def test_unknown_recipe_lists_the_known_ones() -> None:
+    with pytest.raises(UnknownNameError, match=r"'fp6'.*available: fp8, fp8_kv, int4_awq"):
+        quantize(DecoderModel(num_layers=1), "fp6")
+    with pytest.raises(UnknownNameError):
+        quantize(DecoderModel(num_layers=1), {"*": "fp8", "*.mlp.*": "int3"})
+
+
+@pytest.mark.parametrize(("recipe", "dim"), [("nvfp4", 40), ("int4_awq", 96)])
+def test_unsupported_dimension_names_module_shape_and_format(recipe: str, dim: int) -> None:
+    model = DecoderModel(num_layers=1, intermediate_size=dim)
+    with pytest.raises(UnsupportedFormatError, match=rf"layers\.0\.mlp\.down_proj.*{recipe}.*{dim} in"):
+        quantize(model, recipe)
+    assert not any(isinstance(m, QuantModule) for m in model.modules())  # nothing converted
+
+
+def test_mixed_precision_overrides_and_exclusions() -> None:
+    model = quantize(
+        DecoderModel(num_layers=1),
+        {"*": "fp8", "*.mlp.*": "nvfp4", "*.o_proj": None},
+        exclude=["*.v_proj"],
+    )
+    layer = model.layers[0]
+    assert layer.self_attn.q_proj.quant_algo == "FP8"
+    assert layer.mlp.down_proj.quant_algo == "NVFP4"
+    assert not isinstance(layer.self_attn.o_proj, QuantModule)
+    assert not isinstance(layer.self_attn.v_proj, QuantModule)
+
+
+def test_embedding_quantized_only_when_named() -> None:
+    model = quantize(DecoderModel(num_layers=1), {"*": "fp8", "embed_tokens": "int8_wo"})
+    assert model.embed_tokens.quant_algo == "W8A16"
+    ids = make_input_ids(model.config.vocab_size)
+    assert torch.isfinite(_logits(model, ids)).all()
+
+
+def test_fused_linears_share_input_and_weight_amax() -> None:
+    model = quantize(DecoderModel(num_layers=1), "fp8")
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        assert len({float(m.input_quantizer.amax) for m in group}) == 1
+        assert len({float(m.weight_quantizer.amax) for m in group}) == 1
+    assert float(attn.o_proj.weight_quantizer.amax) == float(attn.o_proj.weight.detach().abs().max())
+
+
+def test_kv_cache_quantizers_on_k_and_v_with_scale_at_least_one() -> None:
+    model = quantize(DecoderModel(num_layers=1), "fp8+fp8_kv")
+    attn = model.layers[0].self_attn
+    assert attn.k_proj.output_quantizer.kv_role == "k"
+    assert attn.v_proj.output_quantizer.kv_role == "v"
+    assert not attn.q_proj.output_quantizer.enabled
+    assert attn.k_proj.output_quantizer.scale.item() >= 1.0
+    kv_only = quantize(DecoderModel(num_layers=1), "fp8_kv")
+    assert kv_only.layers[0].self_attn.k_proj.quant_algo is None
+    assert is_quantized_module(kv_only.layers[0].self_attn.k_proj)
+    assert not isinstance(kv_only.layers[0].self_attn.q_proj, QuantModule)
+
+
+def test_awq_pre_quant_scale_is_shared_by_a_fused_group() -> None:
+    model = quantize(DecoderModel(num_layers=1, hidden_size=128, intermediate_size=256), "int4_awq")
+    attn = model.layers[0].self_attn
+    pqs = attn.q_proj.input_quantizer.pre_quant_scale
+    assert pqs is not None
+    assert pqs.shape == (128,)
+    assert (pqs > 0).all()
+    assert torch.equal(pqs, attn.k_proj.input_quantizer.pre_quant_scale)
+    assert not attn.q_proj.input_quantizer.enabled  # W4A16: activations stay float
+
+
+def test_calibration_that_misses_modules_is_an_error() -> None:
+    model = DecoderModel(num_layers=1)
+    with pytest.raises(QuantizationError, match="calibration never reached"):
+        quantize(model, "fp8", calibrate=lambda m: None)
+
+
+def test_quantizing_twice_is_refused() -> None:
+    model = quantize(DecoderModel(num_layers=1), "fp8")
+    with pytest.raises(QuantizationError, match="already quantized"):
+        quantize(model, "fp8")
