@@ -25,7 +25,9 @@ __all__ = ["CheckpointNamer"]
 
 logger = logging.getLogger(__name__)
 
-_SPLIT_EXPERT = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<leaf>\w+)$")
+_SPLIT_EXPERT = re.compile(
+    r"^(?P<prefix>.*)\.experts\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<leaf>\w+)$"
+)
 
 
 class CheckpointNamer:

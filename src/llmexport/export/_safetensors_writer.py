@@ -57,8 +57,18 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -133,7 +143,9 @@ class ShardedSafetensorsWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue ``tensor`` under ``name``; writes the current shard when it is full."""
         if self._finished:
-            raise ExportFailedError(f"cannot add {name!r}: the checkpoint writer is already finished")
+            raise ExportFailedError(
+                f"cannot add {name!r}: the checkpoint writer is already finished"
+            )
         if name in self._names:
             raise ExportFailedError(
                 f"tensor name {name!r} was emitted twice; every checkpoint tensor needs a unique name "
@@ -172,10 +184,17 @@ class ShardedSafetensorsWriter:
             weight_map.update(dict.fromkeys(names, final))
         index_file = None
         if count > 1:
-            index = {"metadata": {"total_size": self._total_size}, "weight_map": dict(sorted(weight_map.items()))}
-            (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            index = {
+                "metadata": {"total_size": self._total_size},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            (self.directory / INDEX_NAME).write_text(
+                json.dumps(index, indent=2, sort_keys=True) + "\n"
+            )
             index_file = INDEX_NAME
-        return WriteSummary(files=files, weight_map=weight_map, total_size=self._total_size, index_file=index_file)
+        return WriteSummary(
+            files=files, weight_map=weight_map, total_size=self._total_size, index_file=index_file
+        )
 
     def _flush(self) -> None:
         shard = self._current
@@ -186,7 +205,9 @@ class ShardedSafetensorsWriter:
         self._written.append((path, list(shard.tensors)))
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> None:
     """Write ``tensors`` to ``path`` in the safetensors format without copying their data.
 
     Tensors are laid out by element size (largest first), then by name, so every

@@ -33,7 +33,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -67,18 +67,31 @@ HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
 #: ``format=`` values: the ModelOpt layout, or compressed-tensors' FP8 ``float-quantized``.
 CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")
 
-_FP8_MAX = 448.0
-_SCALE_LEAVES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "k_scale", "v_scale")
+_SCALE_LEAVES = (
+    "weight_scale",
+    "weight_scale_2",
+    "input_scale",
+    "pre_quant_scale",
+    "k_scale",
+    "v_scale",
+)
 
 # ModelOpt's `quantization_config` groups per algorithm (modelopt.torch.export.convert_hf_config).
 _FP8_ARGS = {"dynamic": False, "num_bits": 8, "type": "float"}
 _GROUP_CONFIGS: dict[str, Callable[[int | None], dict[str, Any]]] = {
     "FP8": lambda gs: {"input_activations": dict(_FP8_ARGS), "weights": dict(_FP8_ARGS)},
     "NVFP4": lambda gs: {
-        "input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": gs or 16},
+        "input_activations": {
+            "dynamic": False,
+            "num_bits": 4,
+            "type": "float",
+            "group_size": gs or 16,
+        },
         "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": gs or 16},
     },
-    "W4A16_AWQ": lambda gs: {"weights": {"dynamic": False, "num_bits": 4, "type": "int", "group_size": gs or 128}},
+    "W4A16_AWQ": lambda gs: {
+        "weights": {"dynamic": False, "num_bits": 4, "type": "int", "group_size": gs or 128}
+    },
     "W8A16": lambda gs: {"weights": {"dynamic": False, "num_bits": 8, "type": "int"}},
 }
 
@@ -123,7 +136,7 @@ def export_hf_checkpoint(
     model: nn.Module,
     output_path: Path,
     *,
-    format: str = "modelopt",
+    format: Literal["modelopt", "compressed-tensors"] = "modelopt",
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
@@ -156,7 +169,9 @@ def export_hf_checkpoint(
             "drop safe_serialization=False"
         )
     if format not in CHECKPOINT_FORMATS:
-        raise InvalidInputError(f"format must be one of {', '.join(CHECKPOINT_FORMATS)}, got {format!r}")
+        raise InvalidInputError(
+            f"format must be one of {', '.join(CHECKPOINT_FORMATS)}, got {format!r}"
+        )
     reason = _hf_accepts(model)
     if reason:
         raise InvalidModelError(f"hf_checkpoint cannot export this model: {reason}")
@@ -167,7 +182,9 @@ def export_hf_checkpoint(
         writer = ShardedSafetensorsWriter(staging, max_shard_size=max_shard_size)
         sink = _CheckpointSink(CheckpointNamer(model), writer, format)
         try:
-            summary = export_quantized_state(model, sink, format=format, dtype=dtype, is_qlora=is_qlora)
+            summary = export_quantized_state(
+                model, sink, format=format, dtype=dtype, is_qlora=is_qlora
+            )
         finally:
             sink.close()
         written = writer.finish()
@@ -175,7 +192,10 @@ def export_hf_checkpoint(
         _write_configs(model, staging, dtype, quant, format)
         logger.info(
             "hf_checkpoint: wrote %d tensors (%d bytes) in %d file(s) to %s",
-            len(written.weight_map), written.total_size, len(written.files), output,
+            len(written.weight_map),
+            written.total_size,
+            len(written.files),
+            output,
         )
     return output
 
@@ -183,7 +203,9 @@ def export_hf_checkpoint(
 class _CheckpointSink:
     """The driver's sink: rename to checkpoint names (and the format's layout), then write."""
 
-    def __init__(self, namer: CheckpointNamer, writer: ShardedSafetensorsWriter, format: str) -> None:
+    def __init__(
+        self, namer: CheckpointNamer, writer: ShardedSafetensorsWriter, format: str
+    ) -> None:
         self._namer = namer
         self._writer = writer
         self._compressed_tensors = format == "compressed-tensors"
@@ -258,11 +280,16 @@ def modelopt_quantization_config(quant: Mapping[str, Any]) -> dict[str, Any]:
         groups = {}
         for i, (key, layers) in enumerate(by_config.items()):
             cfg = dict(key)
-            groups[f"group_{i}"] = {**_group_config(cfg["quant_algo"], cfg.get("group_size")), "targets": sorted(layers)}
+            groups[f"group_{i}"] = {
+                **_group_config(cfg["quant_algo"], cfg.get("group_size")),
+                "targets": sorted(layers),
+            }
         config["config_groups"] = groups
         config["quantized_layers"] = quant.get("quantized_layers", {})
     elif algo is not None:
-        config["config_groups"] = {"group_0": {**_group_config(algo, quant.get("group_size")), "targets": ["Linear"]}}
+        config["config_groups"] = {
+            "group_0": {**_group_config(algo, quant.get("group_size")), "targets": ["Linear"]}
+        }
     config["ignore"] = list(quant.get("exclude_modules") or [])
     if algo:
         config["quant_algo"] = algo
@@ -291,7 +318,13 @@ def compressed_tensors_quantization_config(quant: Mapping[str, Any]) -> dict[str
             f"format='compressed-tensors' writes FP8 per-tensor (float-quantized) only, but the model "
             f"is quantized as {quant.get('quant_algo')!r}; use format='modelopt' or quantize with 'fp8'"
         )
-    args = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+    args = {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": "tensor",
+        "symmetric": True,
+        "dynamic": False,
+    }
     groups = {}
     if quant.get("quant_algo") == "FP8":
         groups["group_0"] = {
@@ -303,7 +336,9 @@ def compressed_tensors_quantization_config(quant: Mapping[str, Any]) -> dict[str
     ignore = [_ct_ignore_entry(m) for m in quant.get("exclude_modules") or []]
     kv = quant.get("kv_cache_quant_algo")
     if kv not in (None, "FP8"):
-        raise UnsupportedFormatError(f"compressed-tensors output supports an FP8 KV cache only, got {kv!r}")
+        raise UnsupportedFormatError(
+            f"compressed-tensors output supports an FP8 KV cache only, got {kv!r}"
+        )
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -322,10 +357,16 @@ def _ct_ignore_entry(pattern: str) -> str:
 
 
 def _write_configs(
-    model: Any, directory: Path, dtype: torch.dtype | None, quant: dict[str, Any] | None, format: str
+    model: Any,
+    directory: Path,
+    dtype: torch.dtype | None,
+    quant: dict[str, Any] | None,
+    format: str,
 ) -> None:
     """config.json (+ quantization_config), generation_config.json, hf_quant_config.json."""
-    config: Any = copy.deepcopy(model.config)  # save_pretrained mutates the model's config; we do not
+    config: Any = copy.deepcopy(
+        model.config
+    )  # save_pretrained mutates the model's config; we do not
     model_dtype = dtype or _floating_dtype(model)
     config.dtype = str(model_dtype).removeprefix("torch.")
     config.architectures = [type(model).__name__]
@@ -355,7 +396,9 @@ def _floating_dtype(model: nn.Module) -> torch.dtype:
 # --------------------------------------------------------------------------- runtime
 
 
-def load_hf_checkpoint(artifact: Path, *, device: str | torch.device = "cpu") -> Callable[[torch.Tensor], torch.Tensor]:
+def load_hf_checkpoint(
+    artifact: Path, *, device: str | torch.device = "cpu"
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """Runtime of ``hf_checkpoint``: rebuild, dequantize, and return ``input_ids -> logits``.
 
     The model class comes from ``config.json``'s ``architectures``; quantized
@@ -380,7 +423,9 @@ def _rebuild_model(directory: Path, device: torch.device) -> Any:
 
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise InvalidInputError(f"{directory} is not a Hugging Face checkpoint: it has no config.json")
+        raise InvalidInputError(
+            f"{directory} is not a Hugging Face checkpoint: it has no config.json"
+        )
     config = transformers.AutoConfig.from_pretrained(directory)
     quant_config = getattr(config, "quantization_config", None)
     if quant_config is not None:
@@ -395,7 +440,11 @@ def _rebuild_model(directory: Path, device: torch.device) -> Any:
     tensors = dict(_read_checkpoint(directory))
     group_size = _group_size(directory)
     weights, activation_scales = _dequantize_state(tensors, group_size)
-    model = model_cls.from_pretrained(None, config=config, state_dict=weights, dtype=config.dtype or torch.float32)
+    if not _has_conversion_table(config):
+        weights = _fuse_bmm_experts(weights)
+    model = model_cls.from_pretrained(
+        None, config=config, state_dict=weights, dtype=config.dtype or torch.float32
+    )
     model.eval().to(device)
     _install_activation_hooks(model, activation_scales)
     return model
@@ -425,19 +474,34 @@ def _group_size(directory: Path) -> int | None:
     return int(size) if size else None
 
 
+def _activation_format(prefix: str, leaf: str, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """The format an ``input_scale`` / ``k_scale`` / ``v_scale`` quantizes to, or ``None``."""
+    from llmexport.quant import QuantFormat
+
+    if leaf in ("k_scale", "v_scale"):
+        return QuantFormat.FP8
+    weight = tensors.get(f"{prefix}.weight")
+    if leaf != "input_scale" or weight is None:
+        return None
+    if weight.dtype == torch.float8_e4m3fn:
+        return QuantFormat.FP8
+    if f"{prefix}.weight_scale_2" in tensors:
+        return QuantFormat.NVFP4
+    return None
+
+
 def _dequantize_state(
     tensors: dict[str, torch.Tensor], group_size: int | None
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[Any, torch.Tensor]]]:
     """(float weights under checkpoint names, activation/KV scales by scale name)."""
     weights: dict[str, torch.Tensor] = {}
-    scales: dict[str, torch.Tensor] = {}
+    scales: dict[str, tuple[Any, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         prefix, _, leaf = name.rpartition(".")
         if leaf in _SCALE_LEAVES:
-            weight = tensors.get(f"{prefix}.weight")
-            fp8_input = leaf == "input_scale" and weight is not None and weight.dtype == torch.float8_e4m3fn
-            if fp8_input or leaf in ("k_scale", "v_scale"):
-                scales[name] = tensor.float().reshape(())
+            fmt = _activation_format(prefix, leaf, tensors)
+            if fmt is not None:
+                scales[name] = (fmt, tensor.float().reshape(()))
             continue
         if leaf == "weight" and f"{prefix}.weight_scale" in tensors:
             weights[name] = _dequantize_weight(prefix, tensors, group_size)
@@ -446,7 +510,9 @@ def _dequantize_state(
     return weights, scales
 
 
-def _dequantize_weight(prefix: str, tensors: Mapping[str, torch.Tensor], group_size: int | None) -> torch.Tensor:
+def _dequantize_weight(
+    prefix: str, tensors: Mapping[str, torch.Tensor], group_size: int | None
+) -> torch.Tensor:
     """One module's float weight from its stored codes and scales (``llmexport.quant.dequantize``)."""
     from llmexport.quant import QuantFormat, QuantizedTensor, dequantize
 
@@ -471,13 +537,70 @@ def _dequantize_weight(prefix: str, tensors: Mapping[str, torch.Tensor], group_s
     else:
         shape = tuple(data.shape)
         scale = scale.reshape(()) if fmt is QuantFormat.FP8 else scale.reshape(-1)
-    q = QuantizedTensor(fmt, data, scale.float() if fmt is not QuantFormat.NVFP4 else scale,
-                        scale_2, block, tuple(shape), torch.float32)
+    q = QuantizedTensor(
+        fmt,
+        data,
+        scale.float() if fmt is not QuantFormat.NVFP4 else scale,
+        scale_2,
+        block,
+        tuple(shape),
+        torch.float32,
+    )
     weight: torch.Tensor = dequantize(q)
     pre_quant_scale = tensors.get(f"{prefix}.pre_quant_scale")
     if pre_quant_scale is not None:  # AWQ: y = (x * s) @ W^T == x @ (W * s)^T
         weight = weight * pre_quant_scale.float().reshape(1, -1)
     return weight
+
+
+_SPLIT_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<leaf>weight|bias)$"
+)
+
+
+def _has_conversion_table(config: Any) -> bool:
+    """True when transformers itself merges split experts of this model type on load."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return False
+    return get_checkpoint_conversion_mapping(config.model_type) is not None
+
+
+def _fuse_bmm_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert ``[out, in]`` linears back into BMM experts (GptOss layout).
+
+    ``gate_up_proj [E, H, 2I]`` with gate in the even and up in the odd columns,
+    ``down_proj [E, I, H]``, biases ``gate_up_proj_bias [E, 2I]``, ``down_proj_bias [E, H]``:
+    the inverse of the split the BMM-experts exporter writes, for models that
+    transformers has no conversion table for.
+    """
+    groups: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}
+    fused = {}
+    for name, tensor in weights.items():
+        match = _SPLIT_EXPERT.match(name)
+        if match is None:
+            fused[name] = tensor
+            continue
+        groups.setdefault((match["prefix"], match["proj"], match["leaf"]), {})[int(match["e"])] = (
+            tensor
+        )
+    for (prefix, proj, leaf), by_expert in groups.items():
+        if proj == "up":
+            continue
+        stacked = torch.stack([by_expert[e] for e in sorted(by_expert)])
+        if leaf == "weight":
+            stacked = stacked.transpose(1, 2)
+        suffix = "" if leaf == "weight" else "_bias"
+        if proj == "down":
+            fused[f"{prefix}.down_proj{suffix}"] = stacked.contiguous()
+            continue
+        up_by_expert = groups[(prefix, "up", leaf)]
+        up = torch.stack([up_by_expert[e] for e in sorted(up_by_expert)])
+        up = up.transpose(1, 2) if leaf == "weight" else up
+        gate_up = torch.stack((stacked, up), dim=-1).flatten(-2)  # interleave along the last dim
+        fused[f"{prefix}.gate_up_proj{suffix}"] = gate_up.contiguous()
+    return fused
 
 
 #: (stored weight dtype, has weight_scale_2) -> QuantFormat value.
@@ -489,17 +612,28 @@ _STORED_FORMATS: dict[tuple[torch.dtype, bool], str] = {
 }
 
 
-def _fp8_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Static per-tensor FP8 quantize-dequantize, saturating at +-448."""
-    s = scale.to(x.device, torch.float32)
-    q = (x.float() / s).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * s).to(x.dtype)
+def _fake_quant(x: torch.Tensor, fmt: Any, scale: torch.Tensor) -> torch.Tensor:
+    """Static activation quantize-dequantize with ``llmexport.quant`` (the fake quantizer's code).
+
+    The stored scale is ``amax / maxbound`` (FP8: 448; NVFP4: 6 * 448).
+    """
+    from llmexport.quant import FP8_MAX, QuantFormat, dequantize, quantize_tensor
+
+    nvfp4 = fmt is QuantFormat.NVFP4
+    amax = scale.to(x.device, torch.float32) * (FP8_MAX * fmt.maxbound if nvfp4 else FP8_MAX)
+    q = quantize_tensor(
+        x, fmt, amax=amax, block_size=16 if nvfp4 else None, where="runtime activation"
+    )
+    result: torch.Tensor = dequantize(q, x.dtype)
+    return result
 
 
-def _install_activation_hooks(model: nn.Module, scales: Mapping[str, torch.Tensor]) -> None:
+def _install_activation_hooks(
+    model: nn.Module, scales: Mapping[str, tuple[Any, torch.Tensor]]
+) -> None:
     """FP8 input scales (pre-hooks) and KV-cache scales (output hooks) on the modules that own them."""
     modules = dict(model.named_modules())
-    for name, scale in scales.items():
+    for name, (fmt, scale) in scales.items():
         prefix, _, leaf = name.rpartition(".")
         module = modules.get(prefix)
         if module is None:
@@ -508,20 +642,20 @@ def _install_activation_hooks(model: nn.Module, scales: Mapping[str, torch.Tenso
             logger.debug("no module %r for %s; scale not applied in the runtime", prefix, name)
             continue
         if leaf == "input_scale" and isinstance(module, nn.Linear):
-            module.register_forward_pre_hook(_input_hook(scale))
+            module.register_forward_pre_hook(_input_hook(fmt, scale))
         elif leaf in ("k_scale", "v_scale"):
-            module.register_forward_hook(_output_hook(scale))
+            module.register_forward_hook(_output_hook(fmt, scale))
 
 
-def _input_hook(scale: torch.Tensor) -> Callable[..., Any]:
+def _input_hook(fmt: Any, scale: torch.Tensor) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (_fp8_fake_quant(args[0], scale), *args[1:])
+        return (_fake_quant(args[0], fmt, scale), *args[1:])
 
     return hook
 
 
-def _output_hook(scale: torch.Tensor) -> Callable[..., Any]:
+def _output_hook(fmt: Any, scale: torch.Tensor) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-        return _fp8_fake_quant(output, scale)
+        return _fake_quant(output, fmt, scale)
 
     return hook
