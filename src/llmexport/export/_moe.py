@@ -55,7 +55,9 @@ def experts_implementations(model: nn.Module) -> list[dict[str, str | None]]:
 
 
 @contextlib.contextmanager
-def traceable_model(model: nn.Module, experts: str | None = TRACEABLE_EXPERTS) -> Iterator[nn.Module]:
+def traceable_model(
+    model: nn.Module, experts: str | None = TRACEABLE_EXPERTS
+) -> Iterator[nn.Module]:
     """Yield ``model`` in eval mode with traceable MoE experts; restore both on exit.
 
     ``experts=None`` leaves the experts implementation alone. The model object is

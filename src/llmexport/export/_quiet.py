@@ -24,11 +24,14 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from warnings import WarningMessage
 
-__all__ = ["CapturedNoise", "quiet_exporter"]
+__all__ = ["CapturedNoise", "quiet_exporter", "warn_caller"]
 
 logger = logging.getLogger("llmexport.export")
 
@@ -40,38 +43,36 @@ _NOISY_LOGGERS = (
     "torch.fx.experimental.symbolic_shapes",
     "torch._dynamo",
     "onnxscript",
+    "onnx_ir",
     "transformers",
 )
-
-#: Modules whose DeprecationWarning / FutureWarning are about the libraries, not the user's model.
-_LIBRARY_PREFIXES = ("torch", "transformers", "onnxscript", "onnx", "onnx_ir", "llmexport")
 
 
 @dataclass
 class CapturedNoise:
     """What one export printed and warned, collected by :func:`quiet_exporter`."""
 
-    warnings: list[warnings.WarningMessage] = field(default_factory=list)
+    warnings: list[WarningMessage] = field(default_factory=list)
     stdout: str = ""
     stderr: str = ""
 
-    def of_category(self, category: type[Warning]) -> list[warnings.WarningMessage]:
+    def of_category(self, category: type[Warning]) -> list[WarningMessage]:
         """The captured warnings that are instances of ``category``."""
         return [w for w in self.warnings if issubclass(w.category, category)]
 
 
-def _is_tracer_warning(category: type[Warning]) -> bool:
-    return category.__name__ == "TracerWarning"
+def _is_library_noise(message: WarningMessage) -> bool:
+    """Deprecation chatter and tracer notes.
 
-
-def _is_library_noise(message: warnings.WarningMessage) -> bool:
-    """Deprecation chatter raised by torch / transformers / onnx internals, and tracer notes."""
-    if _is_tracer_warning(message.category):
-        return True
-    if not issubclass(message.category, (DeprecationWarning, FutureWarning)):
-        return False
-    filename = message.filename.replace("\\", "/")
-    return any(f"/{prefix}/" in filename for prefix in _LIBRARY_PREFIXES)
+    During an export nothing but the exporter and the model's forward runs; a
+    deprecation the forward itself triggers also fires in the user's eager runs,
+    so every ``DeprecationWarning`` / ``FutureWarning`` / ``TracerWarning`` seen
+    here is about library internals (torch.jit, torch.onnx, pytree, transformers).
+    """
+    category = message.category
+    return category.__name__ == "TracerWarning" or issubclass(
+        category, (DeprecationWarning, FutureWarning)
+    )
 
 
 @contextlib.contextmanager
@@ -104,6 +105,7 @@ def quiet_exporter(target: str) -> Iterator[CapturedNoise]:
             _quiet_loggers(_NOISY_LOGGERS),
         ):
             warnings.simplefilter("always")
+            captured.warnings = records  # the live list: a target can inspect it mid-export
             try:
                 yield captured
             finally:
@@ -132,3 +134,14 @@ def _report(target: str, captured: CapturedNoise) -> None:
             logger.debug("%s exporter output: %s", target, line)
         for w in noise:
             logger.debug("%s exporter warning: %s: %s", target, w.category.__name__, w.message)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def warn_caller(warning: Warning) -> None:
+    """Emit ``warning`` attributed to the first frame outside llmexport (the user's call)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    warnings.warn(warning, stacklevel=level + 1)
