@@ -138,7 +138,13 @@ class ArtifactCache:
         self.misses = 0
 
     def key(
-        self, target: str, factory: Callable[..., Any], kwargs: Mapping[str, Any], model: str, seed: int
+        self,
+        target: str,
+        factory: Callable[..., Any],
+        kwargs: Mapping[str, Any],
+        model: str,
+        seed: int,
+        device: str,
     ) -> str:
         """The cache key of one export (hex sha256)."""
         material = {
@@ -147,6 +153,7 @@ class ArtifactCache:
             "kwargs": _canonical(dict(kwargs)),
             "model": model,
             "seed": seed,
+            "device": device,
             "model_fingerprint": self._fingerprint(model, seed),
             "source": source_digest(getattr(factory, "__module__", None) or "?"),
             "versions": library_versions(),
@@ -166,17 +173,20 @@ class ArtifactCache:
         model: str,
         *,
         seed: int = 0,
+        device: str = "cpu",
         suffix: str = "",
         directory: bool = False,
     ) -> Path:
-        """The artifact of ``model`` exported with ``target`` and ``kwargs`` (read-only, shared).
+        """The artifact of ``model`` (built on ``device``) exported with ``target`` and ``kwargs``.
+
+        The returned path is shared between checks and runs and read-only.
 
         A failed export is remembered for the session and raised again, so a broken
         target costs one export attempt per key, not one per check.
         """
         from llmexport.export import EXPORT_REGISTRY
 
-        key = self.key(target, EXPORT_REGISTRY.get(target), kwargs, model, seed)
+        key = self.key(target, EXPORT_REGISTRY.get(target), kwargs, model, seed, device)
         with self._lock:
             known = self._memo.get(key)
         if isinstance(known, BaseException):
@@ -185,7 +195,7 @@ class ArtifactCache:
             self.hits += 1
             return known
         try:
-            path = self._load_or_export(key, target, kwargs, model, seed, suffix, directory)
+            path = self._load_or_export(key, target, kwargs, (model, seed, device), suffix, directory)
         except Exception as err:
             with self._lock:
                 self._memo[key] = err
@@ -199,8 +209,7 @@ class ArtifactCache:
         key: str,
         target: str,
         kwargs: Mapping[str, Any],
-        model: str,
-        seed: int,
+        model: tuple[str, int, str],
         suffix: str,
         directory: bool,
     ) -> Path:
@@ -215,8 +224,8 @@ class ArtifactCache:
             staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
             try:
                 name = "artifact" if directory else f"model{suffix}"
-                artifact = self._export(target, kwargs, model, seed, staging / "out" / name)
-                meta = {"target": target, "model": model, "seed": seed,
+                artifact = self._export(target, kwargs, model, staging / "out" / name)
+                meta = {"target": target, "model": list(model),
                         "artifact": str(artifact.relative_to(staging / "out"))}
                 (staging / "meta.json").write_text(json.dumps(meta, sort_keys=True))
                 _make_read_only(staging / "out")
@@ -230,12 +239,16 @@ class ArtifactCache:
                 raise RuntimeError(f"artifact cache entry {entry} disappeared after publishing")
             return published
 
-    def _export(self, target: str, kwargs: Mapping[str, Any], model: str, seed: int, out: Path) -> Path:
+    def _export(
+        self, target: str, kwargs: Mapping[str, Any], model: tuple[str, int, str], out: Path
+    ) -> Path:
         from llmexport.export import export_model
 
+        name, seed, device = model
         out.parent.mkdir(parents=True, exist_ok=True)
-        logger.info("exporting %s with %s%s", model, target, f" {dict(kwargs)}" if kwargs else "")
-        path = export_model(target, self.build_model(model, seed), out, **kwargs)
+        logger.info("exporting %s with %s%s", name, target, f" {dict(kwargs)}" if kwargs else "")
+        built = self.build_model(name, seed).to(device)
+        path = export_model(target, built, out, **kwargs)
         return Path(path).resolve()
 
 

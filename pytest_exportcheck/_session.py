@@ -245,12 +245,13 @@ class ExportCheckSession:
     def run_item(self, item: ExportCheckItem) -> None:
         """Run one item: check its device, build its case, call its check, record the result."""
         spec = item.spec
-        if spec.check == PLUGIN_LOADS:
-            result = (CheckResult.failed(spec.failure) if spec.failure
-                      else CheckResult.passed(f"{spec.column} loaded"))
+        check = CHECKS.get(spec.check)
+        if spec.failure is not None:  # a plugin_loads item of a plugin that failed to load
+            result = CheckResult.failed(spec.failure)
+        elif check is None:  # plugin_loads without a catalogue function: discovery said fine
+            result = CheckResult.passed(f"{spec.column} loaded")
         else:
             self._require_device(spec.device)
-            check = CHECKS[spec.check]
             case = self._case(item, check)
             with _hypothesis_profile():
                 result = check.fn(case)
@@ -320,7 +321,8 @@ class ExportCheckSession:
         info = self.discovery.targets[spec.target]
         return self.cache.export(
             spec.target, {**spec.export_kwargs, **extra}, model_name, seed=SEED,
-            suffix=info.suffix, directory=info.artifact == "directory",
+            device=spec.device or "cpu", suffix=info.suffix,
+            directory=info.artifact == "directory",
         )
 
     @cached_property

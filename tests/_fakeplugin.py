@@ -42,11 +42,15 @@ def _inputs(model, example_inputs):
     return make_input_ids(infer_vocab_size(model), batch=1, seq=4, seed=0)
 
 
-def _save(model, path, example_inputs):
+def _trace(model, example_inputs):
     wrapped = ExportCacheWrapper(model).eval()
     with torch.no_grad():
         wrapped(_inputs(model, example_inputs))  # like a trace: a model that raises fails here
-    torch.save(wrapped, path)
+    return wrapped
+
+
+def _save(model, path, example_inputs):
+    torch.save(_trace(model, example_inputs), path)
 
 
 COMMON = dict(atol=1e-5, rtol=1e-5, capabilities={"dynamic_shapes", "cuda"}, suffix=".pt")
@@ -93,9 +97,8 @@ def load_perturb(artifact, *, device="cpu"):
 @export_target("inplace", runtime="good", **COMMON)
 def export_inplace(model, output_path, *, example_inputs=None):
     _count("inplace")
-    with open(output_path, "wb") as f:  # FAULT (atomic_failure): no temp file
-        f.write(b"half-written")
-        _save(model, f, example_inputs)
+    with open(output_path, "wb") as f:  # FAULT (atomic_failure): truncated before the trace
+        torch.save(_trace(model, example_inputs), f)
     return Path(output_path)
 
 

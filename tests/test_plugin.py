@@ -131,8 +131,8 @@ def test_bad_option_is_a_usage_error(pytester: pytest.Pytester, args: list[str],
 def test_fake_third_party_plugin(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     """A plugin installed through a real dist-info is discovered, checked and reported.
 
-    The same suite runs three times in one directory: without xdist, with ``-n 2``
-    (reusing the first run's cached artifacts) and with ``--export-no-cache``.
+    The same suite runs twice in one directory: without xdist, then with ``-n 2``,
+    which reuses the first run's cached artifacts and writes the same JSON report.
     """
     counter = _env(pytester, monkeypatch, install(pytester.path / "site"))
     pytester.makeconftest(CONFTEST)
@@ -211,14 +211,27 @@ def test_fake_third_party_plugin(pytester: pytest.Pytester, monkeypatch: pytest.
     )
     assert _exports(counter) == ["good"]  # the cross-run cache served both workers
 
-    third = pytester.runpytest_subprocess(
-        *common, "--export-no-cache", "--export-only", "--export-require-device",
-        "--hypothesis-profile=mine", "--export-report=third.json",
+
+
+def test_export_only_no_cache_require_device_and_user_profile(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--export-only hides the repo's tests; --export-no-cache keeps nothing across runs;
+    --export-require-device fails what would skip; the user's Hypothesis profile wins."""
+    counter = _env(pytester, monkeypatch, install(pytester.path / "site"))
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_own="def test_own_test():\n    pass\n")
+    result = pytester.runpytest_subprocess(
+        "--export-targets=good", "--export-models=tiny", "--export-device=cpu,cuda",
+        "--export-checks=demo_pass,demo_settings", "--export-no-cache", "--export-only",
+        "--export-require-device", "--hypothesis-profile=mine", "--export-report=report.json",
     )
-    assert third.ret == pytest.ExitCode.TESTS_FAILED
-    assert "test_own_test" not in third.stdout.str()
-    assert _exports(counter) == ["good", "good"]
-    items = _items(pytester.path / "third.json")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    assert "test_own_test" not in result.stdout.str()
+    assert _exports(counter) == ["good"]
+    assert not list((pytester.path / ".pytest_cache").rglob("meta.json"))
+    items = _items(pytester.path / "report.json")
+    assert items["demo_pass[good-tiny-cpu]"]["outcome"] == "pass"
     assert items["demo_pass[good-tiny-cuda]"]["outcome"] == "fail"
     assert "--export-require-device is set" in items["demo_pass[good-tiny-cuda]"]["message"]
     assert items["demo_settings[good-cpu]"]["details"]["deadline"] == "0:00:01.234000"
@@ -236,3 +249,43 @@ def test_suite_runs_in_an_empty_directory(pytester: pytest.Pytester) -> None:
         "plugin_loads * 1/1 * 1/1 *",
     ])
     assert "onnx" in result.stdout.str()
+
+
+def test_faulty_plugins_are_caught_by_the_check_named_after_their_fault(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each fake target that is wrong on purpose fails exactly the check naming its fault."""
+    _env(pytester, monkeypatch, install(pytester.path / "site"))
+    faults = {"perturb": "roundtrip_logits", "inplace": "atomic_failure", "swallow": "unknown_kwargs"}
+    result = pytester.runpytest_subprocess(
+        "--export-targets=good,perturb,inplace,swallow", "--export-models=tiny",
+        f"--export-checks={','.join(sorted(set(faults.values())))}",
+        "--export-report=report.json", "-p", "no:cacheprovider",
+    )
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    items = _items(pytester.path / "report.json")
+    failed = sorted(i for i, rec in items.items() if rec["outcome"] == "fail")
+    assert failed == [
+        "atomic_failure[inplace-cpu]", "roundtrip_logits[perturb-tiny-cpu]",
+        "unknown_kwargs[swallow-cpu]",
+    ]
+    assert "max abs" in items["roundtrip_logits[perturb-tiny-cpu]"]["message"]
+    assert items["roundtrip_logits[good-tiny-cpu]"]["outcome"] == "pass"
+
+
+def test_ini_twins_configure_the_suite(pytester: pytest.Pytester) -> None:
+    """Each option has an ini key of the same name; the command line wins over it."""
+    pytester.makeini(
+        "[pytest]\n"
+        "export_targets = onnx,torchscript\n"
+        "export_checks = plugin_loads\n"
+        "export_report = from-ini.json\n"
+    )
+    result = pytester.runpytest("--export-targets=onnx")
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(["exportcheck: targets=onnx *checks=plugin_loads *"])
+    data = json.loads((pytester.path / "from-ini.json").read_text())
+    assert [item["id"] for item in data["items"]] == ["plugin_loads[onnx]"]
+    assert data["matrix"] == {
+        "target": {"onnx": {"plugin_loads": {"pass": 1, "fail": 0, "xfail": 0, "skip": 0}}}
+    }
