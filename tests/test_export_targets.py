@@ -18,7 +18,6 @@ from torch import nn
 
 import llmexport
 from llmexport.export import get_target_info, infer_vocab_size, make_input_ids
-from llmexport.export._moe import experts_implementations
 from llmexport.export.torchscript import SCRIPT_EXPECTED_FAILURES
 from llmexport.models import build_model, model_names
 
@@ -52,6 +51,12 @@ class Exported:
     state_before: dict[str, torch.Tensor]
     experts_before: list[dict[str, str | None]]
     training_before: list[bool]
+
+
+def experts_implementations(model: nn.Module) -> list[dict[str, str | None]]:
+    """transformers' own snapshot of the MoE kernel choice (empty for non-transformers models)."""
+    get = getattr(model, "get_experts_implementation", None)
+    return [dict(get())] if callable(get) else []
 
 
 def _eager(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -178,6 +178,30 @@ def _legacy_graph_log_captured(noise: CapturedNoise) -> Iterator[None]:
         set_enabled(was_enabled)
 
 
+def _consolidate_external_data(path: Path) -> None:
+    """Store every weight of ``path`` in one ``<file>.data`` beside it.
+
+    The legacy exporter ignores ``external_data=True`` below 2 GiB and, above it,
+    writes one file per tensor; the dynamo exporter writes ``<file>.data``. This
+    gives legacy artifacts the same layout. ``path`` is the staged file, alone in
+    its staging directory, so every other file there is one of its tensors.
+    """
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=True)
+    for stray in path.parent.iterdir():
+        if stray != path:
+            stray.unlink()
+    onnx.save_model(
+        proto,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=f"{path.name}.data",
+        size_threshold=0,
+    )
+
+
 def _warn_legacy_trace(job: ExportJob, dynamic: bool) -> None:
     tracer = [w for w in job.noise.warnings if w.category.__name__ == "TracerWarning"]
     if not (dynamic and tracer):
@@ -283,6 +307,8 @@ def export_onnx_target(
         with _legacy_graph_log_captured(job.noise) if not dynamo else contextlib.nullcontext():
             torch.onnx.export(wrapper, args, str(job.staged), **options)
         if not dynamo:
+            if use_external:
+                _consolidate_external_data(job.staged)
             _warn_legacy_trace(job, dynamic)
     return Path(output_path)
 

@@ -1,0 +1,193 @@
+"""Bad input to the built-in targets: clear errors, and nothing on disk is lost.
+
+Everything goes through ``llmexport.export_model`` / ``load_exported``, the way a
+user calls it. The models here fail before (or early inside) the exporter, so the
+file stays fast.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import llmexport
+from llmexport.errors import (
+    ExportFailedError,
+    InvalidInputError,
+    InvalidModelError,
+    UnknownOptionError,
+)
+from llmexport.models import build_model
+
+TARGETS = ("onnx", "torchscript", "torch_export")
+SENTINEL = b"previous artifact: must survive a failed export\n"
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::llmexport.export.torchscript.TorchScriptDeprecationWarning"
+)
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+class _RaisesInForward(nn.Module):
+    """Fails midway: the embedding runs, then the forward raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        raise _Boom(f"deliberate failure after embedding {tuple(hidden.shape)}")
+
+
+class _NoLogits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids + 1  # an integer tensor, not logits
+
+
+def _listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_misspelled_kwarg_is_a_type_error_naming_target_and_options(
+    tmp_path: Path, target: str
+) -> None:
+    with pytest.raises(
+        TypeError, match=rf"'{target}'.*'example_input'.*accepted:.*example_inputs"
+    ) as info:
+        llmexport.export_model(target, build_model("decoder"), tmp_path / "x", example_input=None)
+    assert isinstance(info.value, UnknownOptionError)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_forward_without_logits_is_an_invalid_model_error(tmp_path: Path, target: str) -> None:
+    with pytest.raises(InvalidModelError, match="expected logits"):
+        llmexport.export_model(target, _NoLogits(), tmp_path / "x")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_float_example_inputs_are_an_invalid_input_error(tmp_path: Path, target: str) -> None:
+    with pytest.raises(InvalidInputError, match=r"integer tensor"):
+        llmexport.export_model(
+            target, build_model("decoder"), tmp_path / "x", example_inputs=torch.rand(2, 8)
+        )
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_not_a_module_is_an_invalid_model_error(tmp_path: Path, target: str) -> None:
+    with pytest.raises(InvalidModelError, match=r"torch\.nn\.Module"):
+        llmexport.export_model(target, lambda ids: ids, tmp_path / "x")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_failure_midway_leaves_no_file_and_keeps_the_previous_artifact(
+    tmp_path: Path, target: str
+) -> None:
+    out = tmp_path / "model.bin"
+    out.write_bytes(SENTINEL)
+    with pytest.raises(
+        ExportFailedError, match=rf"{target} export of _RaisesInForward failed"
+    ) as info:
+        llmexport.export_model(target, _RaisesInForward(), out)
+    chain: list[BaseException] = []
+    err: BaseException | None = info.value
+    while err is not None:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    assert any(isinstance(e, _Boom) for e in chain), [type(e).__name__ for e in chain]
+    assert out.read_bytes() == SENTINEL
+    assert _listing(tmp_path) == ["model.bin"]  # no temporaries left behind
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_failed_export_restores_experts_and_train_mode(tmp_path: Path, target: str) -> None:
+    model = build_model("qwen3_moe")
+    model.train()
+
+    def fail(module: nn.Module, args: object) -> None:
+        raise _Boom("lm_head refuses to run")
+
+    model.lm_head.register_forward_pre_hook(fail)
+    assert model.get_experts_implementation() == {"": "grouped_mm"}
+    with pytest.raises(ExportFailedError):
+        llmexport.export_model(target, model, tmp_path / "m")
+    assert model.get_experts_implementation() == {"": "grouped_mm"}
+    assert all(m.training for m in model.modules())
+    assert not any(tmp_path.iterdir())
+
+
+def test_unknown_target_lists_the_available_ones(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"onnx.*torch_export.*torchscript"):
+        llmexport.export_model("onnxx", build_model("decoder"), tmp_path / "x")
+
+
+def test_bad_option_values_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError, match="method must be"):
+        llmexport.export_model("torchscript", build_model("decoder"), tmp_path / "x", method="jit")
+    with pytest.raises(InvalidInputError, match="opset"):
+        llmexport.export_model("onnx", build_model("decoder"), tmp_path / "x", opset="20")
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return llmexport.export_model(
+        "torchscript", build_model("decoder"), tmp_path_factory.mktemp("ts") / "d.pt"
+    )
+
+
+def test_runtime_refuses_float_input_ids(traced: Path) -> None:
+    runtime = llmexport.load_exported("torchscript", traced)
+    with pytest.raises(InvalidInputError, match=r"torchscript runtime: .*integer"):
+        runtime(torch.rand(1, 4))
+
+
+def test_runtime_unknown_kwarg_and_missing_file(traced: Path, tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="runtime of target 'torchscript'"):
+        llmexport.load_exported("torchscript", traced, devcie="cpu")
+    with pytest.raises(FileNotFoundError, match="no TorchScript file"):
+        llmexport.load_exported("torchscript", tmp_path / "missing.pt")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("target", ["torchscript", "torch_export"])
+def test_cuda_runtime_without_cuda_says_so(traced: Path, target: str) -> None:
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        llmexport.load_exported(target, traced, device="cuda")
+
+
+def test_export_prints_nothing_and_logs_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="llmexport")
+    llmexport.export_model("onnx", build_model("decoder"), tmp_path / "d.onnx", optimize=False)
+    captured = capsys.readouterr()
+    assert "[torch.onnx]" not in captured.out + captured.err
+    assert "torchvision" not in captured.out + captured.err
+    ours = [r for r in caplog.records if r.name.startswith("llmexport")]
+    assert len(ours) <= 1, [r.getMessage() for r in ours]
+
+
+def test_torchscript_folds_deprecations_into_one_warning(tmp_path: Path) -> None:
+    from llmexport.export.torchscript import TorchScriptDeprecationWarning
+
+    with pytest.warns(TorchScriptDeprecationWarning) as record:
+        llmexport.export_model("torchscript", build_model("decoder"), tmp_path / "d.pt")
+    ours = [w for w in record if issubclass(w.category, TorchScriptDeprecationWarning)]
+    assert len(ours) == 1
+    assert ours[0].filename == __file__  # attributed to the caller, not to llmexport
+    assert not [w for w in record if issubclass(w.category, DeprecationWarning)]
