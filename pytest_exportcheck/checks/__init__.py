@@ -14,7 +14,7 @@ This package imports torch; the pytest plugin imports it only when one of its
 options is given.
 """
 
-from pytest_exportcheck.checks import targets
+from pytest_exportcheck.checks import exporters, golden_checks, targets
 from pytest_exportcheck.checks._api import (
     CHECKS,
     CheckResult,
@@ -35,6 +35,8 @@ __all__ = [
     "TargetCase",
     "check",
     "compare_logits",
+    "exporters",
     "get_check",
+    "golden_checks",
     "targets",
 ]

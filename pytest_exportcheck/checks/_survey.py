@@ -1,0 +1,331 @@
+"""What the module exporters do with the toy models: claims and recorded export calls.
+
+Every selected toy model is quantized with every recipe of :data:`SURVEY_RECIPES`
+that fits it, then exported with ``export_quantized_state`` through a *copy* of
+the dispatch registry whose exporters are wrapped in recorders. A recorder
+notes, for each ``export`` call, which exporter ran on which module, the tensor
+names it wrote and whether the module's state changed. The global registry and
+the models' exporters are never modified.
+
+The survey is computed once per process for a given registry state, model
+selection and seed (the exporter checks share it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from llmexport.errors import UnsupportedFormatError
+from llmexport.models import MODEL_REGISTRY, build_model, model_names
+from llmexport.modules import (
+    EXPORT_MODULE_REGISTRY,
+    MODULE_EXPORTER_REGISTRY,
+    ExportContext,
+    ExporterEntry,
+    ExportModuleRegistry,
+    ModuleExporter,
+    ensure_module_exporters_registered,
+    export_quantized_state,
+)
+from llmexport.quant import is_quantized_module, quantize
+from pytest_exportcheck.checks._api import CheckResult, ExporterCase
+from pytest_exportcheck.checks._support import CheckAbort, error_text
+
+__all__ = [
+    "SCALE_LEAVES",
+    "SURVEY_RECIPES",
+    "Claim",
+    "ExportCall",
+    "QuantizedModel",
+    "Survey",
+    "copy_registry",
+    "exporter_entry",
+    "exporter_names",
+    "selected_models",
+    "survey_for",
+    "survey_of",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Recipes every toy model is quantized with (combinations that do not fit a model are skipped).
+SURVEY_RECIPES = ("fp8", "nvfp4", "int4_awq", "int8_wo", "fp8+fp8_kv")
+#: Tensor-name leaves that are scales: never zero, never NaN/inf.
+SCALE_LEAVES = ("weight_scale", "weight_scale_2", "input_scale", "k_scale", "v_scale")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A module of a quantized toy model and the exporter the registry dispatches it to."""
+
+    model: str
+    recipe: str
+    name: str
+    module: nn.Module
+    quantized: bool
+    exporter: str | None
+
+
+@dataclass(frozen=True)
+class ExportCall:
+    """One ``exporter.export(name, module, ctx)`` call made by the driver."""
+
+    exporter: str
+    model: str
+    recipe: str
+    module_name: str
+    module_type: str
+    quantized: bool
+    names: tuple[str, ...]
+    mutated: tuple[str, ...]
+    error: str | None = None
+
+
+@dataclass
+class QuantizedModel:
+    """One toy model x recipe: the quantized model, its claims, the export and its tensors."""
+
+    model_name: str
+    recipe: str
+    model: nn.Module
+    claims: list[Claim] = field(default_factory=list)
+    calls: list[ExportCall] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class Survey:
+    """Everything the exporter checks read (see the module docstring)."""
+
+    models: tuple[str, ...]
+    quantized: list[QuantizedModel]
+    skipped: dict[str, str]
+
+    def claims_of(self, exporter: str) -> list[Claim]:
+        """Every module dispatched to ``exporter``."""
+        return [c for q in self.quantized for c in q.claims if c.exporter == exporter]
+
+    def calls_of(self, exporter: str) -> list[ExportCall]:
+        """Every export call of ``exporter``."""
+        return [c for q in self.quantized for c in q.calls if c.exporter == exporter]
+
+
+def exporter_names() -> dict[int, str]:
+    """``id(exporter) -> name`` for every named exporter (``MODULE_EXPORTER_REGISTRY``)."""
+    ensure_module_exporters_registered()
+    return {id(e.obj): e.name for e in MODULE_EXPORTER_REGISTRY.entries()}
+
+
+def _name_of(exporter: ModuleExporter, names: Mapping[int, str]) -> str:
+    return names.get(id(exporter), exporter.display_name)
+
+
+def exporter_entry(case: ExporterCase) -> tuple[ModuleExporter, ExporterEntry, int]:
+    """The exporter named ``case.name``, its dispatch entry and position; a failed result if absent."""
+    ensure_module_exporters_registered()
+    try:
+        exporter = MODULE_EXPORTER_REGISTRY.get(case.name)
+    except Exception as err:
+        raise CheckAbort(CheckResult.failed(f"module exporter {case.name!r}: {error_text(err)}")) from err
+    for index, entry in enumerate(EXPORT_MODULE_REGISTRY.entries()):
+        if entry.exporter is exporter:
+            return exporter, entry, index
+    raise CheckAbort(
+        CheckResult.failed(
+            f"module exporter {case.name!r} is registered by name but has no entry in "
+            "EXPORT_MODULE_REGISTRY, so it never claims a module; register it with "
+            "EXPORT_MODULE_REGISTRY.register(exporter, *keys, predicate=...)"
+        )
+    )
+
+
+def copy_registry(
+    entries: Iterable[ExporterEntry] | None = None,
+    wrap: Any = None,
+) -> ExportModuleRegistry:
+    """A new registry with ``entries`` (default: the global ones) in the same order.
+
+    ``wrap(exporter) -> exporter`` replaces each exporter (e.g. by a recorder).
+    """
+    registry = type(EXPORT_MODULE_REGISTRY)()
+    for entry in EXPORT_MODULE_REGISTRY.entries() if entries is None else entries:
+        exporter = entry.exporter if wrap is None else wrap(entry.exporter)
+        registry.register(exporter, *entry.keys, predicate=entry.predicate)
+    return registry
+
+
+def selected_models(case: ExporterCase) -> tuple[str, ...]:
+    """The toy families of ``--export-models`` (``case.options["models"]``), else all."""
+    available = model_names()
+    raw = str(case.options.get("models", "all") or "all")
+    if raw == "all":
+        return tuple(available)
+    wanted = [m.strip() for m in raw.split(",") if m.strip()]
+    return tuple(m for m in wanted if m in available)
+
+
+# ----------------------------------------------------------------------------- recording
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def _changed(before: Mapping[str, torch.Tensor], module: nn.Module) -> tuple[str, ...]:
+    after = module.state_dict(keep_vars=True)
+    changed = sorted(set(before) ^ set(after))
+    for key in sorted(set(before) & set(after)):
+        a, b = before[key], after[key].detach()
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            changed.append(key)
+    return tuple(changed)
+
+
+class _Recorder:
+    """Collects export calls; the sink attributes every tensor to the running call."""
+
+    def __init__(self, model: str, recipe: str) -> None:
+        self.model, self.recipe = model, recipe
+        self.calls: list[ExportCall] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._current: list[str] | None = None
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.tensors[name] = tensor
+        if self._current is not None:
+            self._current.append(name)
+
+    @contextlib.contextmanager
+    def call(self, exporter: str, name: str, module: nn.Module) -> Iterator[None]:
+        written: list[str] = []
+        before = _state(module)
+        self._current = written
+        error: str | None = None
+        try:
+            yield
+        except Exception as err:
+            error = error_text(err)
+            raise
+        finally:
+            self._current = None
+            mutated = _changed(before, module)
+            if mutated:  # undo it: the quantized models are shared by every check
+                module.load_state_dict(before, strict=False)
+            self.calls.append(
+                ExportCall(exporter, self.model, self.recipe, name, type(module).__name__,
+                           is_quantized_module(module), tuple(written), mutated, error)
+            )
+
+
+class _RecordingExporter(ModuleExporter):
+    """Delegates to an exporter and records its export calls (one subclass per exporter)."""
+
+    exports_unquantized: ClassVar[bool] = False
+
+    def __init__(self, inner: ModuleExporter, label: str, recorder: _Recorder) -> None:
+        self.inner, self.label, self.recorder = inner, label, recorder
+
+    def prepare_moe_inputs(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
+        self.inner.prepare_moe_inputs(name, module, ctx)
+
+    def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
+        with self.recorder.call(self.label, name, module):
+            self.inner.export(name, module, ctx)
+
+
+def _recording_registry(recorder: _Recorder, names: Mapping[int, str]) -> ExportModuleRegistry:
+    def wrap(exporter: ModuleExporter) -> ModuleExporter:
+        cls = type(
+            f"Recording_{type(exporter).__name__}_{id(exporter)}",
+            (_RecordingExporter,),
+            {"exports_unquantized": bool(getattr(exporter, "exports_unquantized", False))},
+        )
+        wrapped: ModuleExporter = cls(exporter, _name_of(exporter, names), recorder)
+        return wrapped
+
+    return copy_registry(wrap=wrap)
+
+
+# ----------------------------------------------------------------------------- the survey
+
+
+def _quantize(model_name: str, recipe: str, seed: int) -> nn.Module | str:
+    """The quantized model (cached), or why it could not be built."""
+    return _quantize_cached(model_name, id(MODEL_REGISTRY.get(model_name)), recipe, seed)
+
+
+@functools.lru_cache(maxsize=64)
+def _quantize_cached(model_name: str, factory_id: int, recipe: str, seed: int) -> nn.Module | str:
+    # Quantization does not depend on the exporter registry, so fakes registered
+    # by tests or plugins re-run only dispatch and export. A recorder restores a
+    # module an exporter modified, so a cached model stays as quantized.
+    try:
+        model = build_model(model_name, seed=seed)
+        return quantize(model, recipe)
+    except UnsupportedFormatError as err:
+        return f"{recipe} does not fit {model_name}: {err}"
+    except Exception as err:
+        logger.warning("quantizing %s with %s failed: %s", model_name, recipe, err)
+        return f"quantizing {model_name} with {recipe} raised {type(err).__name__}: {err}"
+
+
+def _survey_one(model_name: str, recipe: str, model: nn.Module, names: Mapping[int, str]) -> QuantizedModel:
+    result = QuantizedModel(model_name, recipe, model)
+    for name, module in model.named_modules():
+        exporter = EXPORT_MODULE_REGISTRY.match(module)
+        quantized = is_quantized_module(module)
+        if exporter is not None or quantized:
+            label = None if exporter is None else _name_of(exporter, names)
+            result.claims.append(Claim(model_name, recipe, name, module, quantized, label))
+    recorder = _Recorder(model_name, recipe)
+    try:
+        export_quantized_state(model, recorder, registry=_recording_registry(recorder, names))
+    except Exception as err:
+        result.error = error_text(err)
+    result.calls, result.tensors = recorder.calls, recorder.tensors
+    return result
+
+
+def _registry_state() -> tuple[Any, ...]:
+    return tuple(
+        (id(e.exporter), e.keys, id(e.predicate)) for e in EXPORT_MODULE_REGISTRY.entries()
+    ) + tuple(sorted(exporter_names().items()))
+
+
+@functools.lru_cache(maxsize=8)
+def _survey(
+    models: tuple[str, ...], recipes: tuple[str, ...], seed: int, state: tuple[Any, ...]
+) -> Survey:
+    names = exporter_names()
+    quantized: list[QuantizedModel] = []
+    skipped: dict[str, str] = {}
+    for model_name in models:
+        for recipe in recipes:
+            model = _quantize(model_name, recipe, seed)
+            if isinstance(model, str):
+                skipped[f"{model_name}/{recipe}"] = model
+                continue
+            quantized.append(_survey_one(model_name, recipe, model, names))
+    return Survey(models, quantized, skipped)
+
+
+def survey_of(
+    models: tuple[str, ...], seed: int = 0, recipes: tuple[str, ...] = SURVEY_RECIPES
+) -> Survey:
+    """The (cached) survey of ``models`` x ``recipes`` with the current registry."""
+    ensure_module_exporters_registered()
+    return _survey(tuple(models), tuple(recipes), seed, _registry_state())
+
+
+def survey_for(case: ExporterCase) -> Survey:
+    """The survey of the case's selected toy models (``--export-models``)."""
+    return survey_of(selected_models(case), case.seed)
