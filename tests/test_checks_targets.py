@@ -326,3 +326,12 @@ def test_sentinel_survives_a_correct_target(tmp_path: Path, fake_target: Callabl
     assert run("atomic_failure", case).status == "pass"
     assert (case.workdir / "atomic_existing" / "model.pt").read_bytes() == SENTINEL_BYTES
     assert list((case.workdir / "atomic_fresh").iterdir()) == []
+
+
+def test_every_check_is_documented_with_its_scope() -> None:
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "checks.md").read_text()
+    target_section, exporter_section = docs.split("## Module-exporter checks")
+    for spec in CHECKS.values():
+        assert spec.doc, f"{spec.id} has no docstring"
+        section = target_section if spec.scope == "target" else exporter_section
+        assert f"| `{spec.id}` |" in section, f"{spec.id} is not in the {spec.scope} table"
