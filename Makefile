@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(JOBS) tests
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src pytest_exportcheck tests benchmarks examples

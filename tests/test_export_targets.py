@@ -40,6 +40,13 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore::llmexport.export.torchscript.TorchScriptDeprecationWarning"
 )
 SUFFIX = {"onnx": ".onnx", "torchscript": ".pt", "torch_export": ".pt2"}
+# Tests of one (target, model) pair share one export; under `--dist loadgroup` they
+# run on the same xdist worker so the module-scoped cache is hit instead of re-exporting.
+PAIRS = [
+    pytest.param(target, name, marks=pytest.mark.xdist_group(f"export-{target}-{name}"))
+    for target in TARGETS
+    for name in BUILTIN_MODELS
+]
 TRACED = (2, 8)
 OTHER_SHAPES = ((1, 5), (3, 11))
 
@@ -91,8 +98,7 @@ def test_every_builtin_model_is_covered() -> None:
     assert set(BUILTIN_MODELS) <= set(model_names())
 
 
-@pytest.mark.parametrize("name", BUILTIN_MODELS)
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(("target", "name"), PAIRS)
 def test_roundtrip_logits_at_traced_and_other_shapes(
     exported: Callable[[str, str], Exported], target: str, name: str
 ) -> None:
@@ -110,8 +116,7 @@ def test_roundtrip_logits_at_traced_and_other_shapes(
         torch.testing.assert_close(actual, expected, atol=info.atol, rtol=info.rtol)
 
 
-@pytest.mark.parametrize("name", BUILTIN_MODELS)
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(("target", "name"), PAIRS)
 def test_export_leaves_the_model_unchanged(
     exported: Callable[[str, str], Exported], target: str, name: str
 ) -> None:

@@ -110,10 +110,14 @@ def _sinusoid_table(num_positions: int, dim: int) -> torch.Tensor:
     return torch.from_numpy(table.astype(np.float32))
 
 
+# Public, but not re-exported for type checkers. Aliased at module level so the type
+# comment stays out of any function body TorchScript parses.
+_jit_is_tracing = torch.jit.is_tracing  # type: ignore[attr-defined]
+
+
 def _is_eager() -> bool:
     """False while tracing or exporting, where a Python check on a size would add a guard."""
-    tracing = torch.jit.is_tracing()  # type: ignore[attr-defined]  # public, not re-exported
-    return not (tracing or torch.compiler.is_compiling())
+    return not (_jit_is_tracing() or torch.compiler.is_compiling())
 
 
 class PositionalEncoding(nn.Module):
