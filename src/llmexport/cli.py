@@ -165,15 +165,14 @@ def _module_exporters() -> list[dict[str, str]]:
     except ImportError:  # pragma: no cover - partial install
         return []
     modules.ensure_module_exporters_registered()
-    registry = modules.MODULE_EXPORTER_REGISTRY
+    providers = {e.name: e.provider for e in modules.MODULE_EXPORTER_REGISTRY.entries()}
     rows = []
-    for entry in registry.entries():
-        keys = getattr(entry.obj, "keys", ())
-        rows.append({
-            "name": entry.name,
-            "keys": ", ".join(k if isinstance(k, str) else k.__name__ for k in keys) or "(predicate)",
-            "provider": entry.provider,
-        })
+    for entry in modules.EXPORT_MODULE_REGISTRY.entries():  # match order: first match wins
+        name = getattr(entry.exporter, "name", type(entry.exporter).__name__)
+        keys = ", ".join(k if isinstance(k, str) else k.__name__ for k in entry.keys)
+        if entry.predicate is not None:
+            keys = f"{keys} + predicate" if keys else "predicate"
+        rows.append({"name": name, "keys": keys, "provider": providers.get(name, "registered in code")})
     return rows
 
 

@@ -17,6 +17,7 @@ __all__ = [
     "PluginLoadError",
     "QuantizationError",
     "RegistryConflictError",
+    "RuntimeUnavailableError",
     "RegistryError",
     "TiedWeightsError",
     "UnclaimedModuleError",
@@ -104,6 +105,10 @@ class ExportError(LLMExportError):
 
 class ExportFailedError(ExportError):
     """The underlying exporter (torch.onnx, torch.jit, torch.export, ...) failed."""
+
+
+class RuntimeUnavailableError(LLMExportError, RuntimeError):
+    """The requested runtime device (e.g. ``cuda``) is not available on this machine."""
 
 
 class InvalidModelError(ExportError, TypeError):

@@ -33,7 +33,7 @@ from llmexport.errors import (
     ExportFailedError,
     InvalidInputError,
     InvalidModelError,
-    LLMExportError,
+    RuntimeUnavailableError,
 )
 from llmexport.export._base import atomic_output
 from llmexport.export._inputs import resolve_example_inputs
@@ -49,10 +49,6 @@ __all__ = [
     "export_session",
     "resolve_device",
 ]
-
-
-class RuntimeUnavailableError(LLMExportError, RuntimeError):
-    """The requested runtime device (e.g. ``cuda``) is not available on this machine."""
 
 
 @dataclass

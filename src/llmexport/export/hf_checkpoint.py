@@ -420,6 +420,7 @@ def load_hf_checkpoint(
 
 def _rebuild_model(directory: Path, device: torch.device) -> Any:
     import transformers
+    from transformers.utils import logging as hf_logging
 
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -442,9 +443,15 @@ def _rebuild_model(directory: Path, device: torch.device) -> Any:
     weights, activation_scales = _dequantize_state(tensors, group_size)
     if not _has_conversion_table(config):
         weights = _fuse_bmm_experts(weights)
-    model = model_cls.from_pretrained(
-        None, config=config, state_dict=weights, dtype=config.dtype or torch.float32
-    )
+    progress = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a runtime load is not a download: no bar per call
+    try:
+        model = model_cls.from_pretrained(
+            None, config=config, state_dict=weights, dtype=config.dtype or torch.float32
+        )
+    finally:
+        if progress:
+            hf_logging.enable_progress_bar()
     model.eval().to(device)
     _install_activation_hooks(model, activation_scales)
     return model
