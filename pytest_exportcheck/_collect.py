@@ -121,11 +121,15 @@ def plan(p: Plan) -> list[ItemSpec]:
     exporter_checks = [s for s in p.checks if s.scope == "exporter" and s.id != PLUGIN_LOADS]
     items: list[ItemSpec] = []
     for target in sorted(p.targets, key=lambda t: t.name):
-        items.append(ItemSpec(PLUGIN_LOADS, "target", target.name, (target.name,),
-                              target=target.name, failure=target.failure, check_index=-1))
         if not target.loaded:
+            items.append(ItemSpec(PLUGIN_LOADS, "target", target.name, (target.name,),
+                                  target=target.name, failure=target.failure, check_index=-1))
             continue
         for variant, kwargs in target.rows:
+            column = f"{target.name}:{variant}" if variant else target.name
+            items.append(ItemSpec(PLUGIN_LOADS, "target", column, (column,), target=target.name,
+                                  variant=variant, export_kwargs=kwargs, failure=target.failure,
+                                  check_index=-1))
             items += _target_items(target, variant, kwargs, target_checks, p, index)
     for param, failure in sorted(p.extra_failures.items()):
         items.append(ItemSpec(PLUGIN_LOADS, "target", param, (param,), failure=failure,

@@ -338,11 +338,15 @@ class ExportCheckSession:
 
     @cached_property
     def goldens_dir(self) -> Path:
-        """--export-goldens-dir, else ``goldens/`` under rootdir, else the package's own."""
+        """--export-goldens-dir, else ``goldens/`` under rootdir, else the package's own.
+
+        ``--export-update-goldens`` never writes into the installed package: without
+        a goldens directory it creates ``goldens/`` under rootdir.
+        """
         if self.options.goldens_dir is not None:
             return self.options.goldens_dir
         local = self.config.rootpath / "goldens"
-        if local.is_dir():
+        if local.is_dir() or self.options.update_goldens:
             return local
         return Path(pytest_exportcheck.__file__).parent / "goldens"
 

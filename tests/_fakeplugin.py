@@ -29,6 +29,7 @@ from llmexport.export import (
     ExportCacheWrapper, atomic_output, export_target, infer_vocab_size, make_input_ids,
 )
 from llmexport.models import build_model
+from llmexport.modules import QuantLinearExporter
 
 
 def _count(name):
@@ -110,6 +111,31 @@ def export_swallow(model, output_path, example_inputs=None, **ignored):  # FAULT
     return Path(output_path)
 
 
+class OutsideExporter(QuantLinearExporter):
+    """Also writes a copy outside its module's prefix (FAULT: export_contract), and says so."""
+
+    name = "outside"
+    keys = ("QuantLinear",)
+    prepend = True
+    expected_failures = {"export_contract": "declared by the exporter: writes a stray copy"}
+
+    def export(self, name, module, ctx):
+        super().export(name, module, ctx)
+        ctx.emit(f"stray.{name}.copy", module.weight)
+
+
+class ZeroScaleExporter(QuantLinearExporter):
+    """Emits a zero weight_scale for MoE expert linears (FAULT: export_contract)."""
+
+    name = "zeroscale"
+    keys = ("QuantMoELinear",)
+    prepend = True
+
+    def export(self, name, module, ctx):
+        ctx.emit_plain(f"{name}.weight", module.weight)
+        ctx.emit_scale(f"{name}.weight_scale", torch.zeros(()))
+
+
 def build_tiny(seed=0, **overrides):
     """A third-party toy model family (delegates to the built-in plain decoder)."""
     return build_model("decoder", seed, **overrides)
@@ -133,6 +159,11 @@ ENTRY_POINTS = {
         "perturb": "fakeplugin:load_perturb",
     },
     "llmexport.models": {"tiny": "fakeplugin:build_tiny"},
+    "llmexport.module_exporters": {
+        "outside": "fakeplugin:OutsideExporter",
+        "zeroscale": "fakeplugin:ZeroScaleExporter",
+        "brokenexp": "fakeplugin_broken:Exporter",
+    },
 }
 
 

@@ -254,23 +254,29 @@ def test_suite_runs_in_an_empty_directory(pytester: pytest.Pytester) -> None:
 def test_faulty_plugins_are_caught_by_the_check_named_after_their_fault(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each fake target that is wrong on purpose fails exactly the check naming its fault."""
+    """Each fake target or exporter that is wrong on purpose fails the check naming its fault."""
     _env(pytester, monkeypatch, install(pytester.path / "site"))
-    faults = {"perturb": "roundtrip_logits", "inplace": "atomic_failure", "swallow": "unknown_kwargs"}
     result = pytester.runpytest_subprocess(
-        "--export-targets=good,perturb,inplace,swallow", "--export-models=tiny",
-        f"--export-checks={','.join(sorted(set(faults.values())))}",
+        "--export-targets=good,perturb,inplace,swallow", "--export-models=iterable_moe",
+        "--export-exporters=outside,zeroscale,brokenexp",
+        "--export-checks=plugin_loads,roundtrip_logits,atomic_failure,unknown_kwargs,export_contract",
         "--export-report=report.json", "-p", "no:cacheprovider",
     )
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     items = _items(pytester.path / "report.json")
     failed = sorted(i for i, rec in items.items() if rec["outcome"] == "fail")
     assert failed == [
-        "atomic_failure[inplace-cpu]", "roundtrip_logits[perturb-tiny-cpu]",
-        "unknown_kwargs[swallow-cpu]",
+        "atomic_failure[inplace-cpu]", "export_contract[zeroscale]", "plugin_loads[brokenexp]",
+        "roundtrip_logits[perturb-iterable_moe-cpu]", "unknown_kwargs[swallow-cpu]",
     ]
-    assert "max abs" in items["roundtrip_logits[perturb-tiny-cpu]"]["message"]
-    assert items["roundtrip_logits[good-tiny-cpu]"]["outcome"] == "pass"
+    assert "max abs" in items["roundtrip_logits[perturb-iterable_moe-cpu]"]["message"]
+    assert items["roundtrip_logits[good-iterable_moe-cpu]"]["outcome"] == "pass"
+    assert "holds a zero scale" in items["export_contract[zeroscale]"]["message"]
+    # the exporter's own expected_failures attribute: strict, so the fault was caught
+    assert items["export_contract[outside]"]["outcome"] == "xfail"
+    assert "wrote outside its prefix" in items["export_contract[outside]"]["message"]
+    assert DIST in items["plugin_loads[brokenexp]"]["message"]
+    result.stdout.fnmatch_lines([r"check \ exporter * brokenexp * outside * zeroscale"])
 
 
 def test_ini_twins_configure_the_suite(pytester: pytest.Pytester) -> None:
