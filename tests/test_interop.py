@@ -37,13 +37,6 @@ def _calibration_batch(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (measured with ModelOpt 0.47): ModelOpt's export re-quantizes layers that share "
-    "an input with one weight_scale/input_scale (q/k/v, gate/up) and its calibration gives other "
-    "input amaxes; it also lists model.embed_tokens in exclude_modules. llmexport keeps "
-    "per-layer scales. Names, dtypes and shapes match.",
-)
 def test_fp8_checkpoint_equals_modelopt(tmp_path: Path) -> None:
     mtq = pytest.importorskip("modelopt.torch.quantization")
     modelopt_export = pytest.importorskip("modelopt.torch.export")

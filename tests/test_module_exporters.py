@@ -72,7 +72,11 @@ def test_fp8_layout_matches_modelopt() -> None:
     assert "layers.0.self_attn.v_proj.v_scale" in tensors
     assert tensors["lm_head.weight"].dtype == torch.float32
     config = summary.quantization_config()  # type: ignore[attr-defined]
-    assert config == {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    assert config == {
+        "quant_algo": "FP8",
+        "kv_cache_quant_algo": "FP8",
+        "exclude_modules": ["embed_tokens", "lm_head"],
+    }
 
 
 @pytest.mark.parametrize(

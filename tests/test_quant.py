@@ -265,13 +265,41 @@ def test_embedding_quantized_only_when_named() -> None:
     assert torch.isfinite(_logits(model, ids)).all()
 
 
-def test_fused_linears_share_input_and_weight_amax() -> None:
+def test_fused_linears_share_input_amax_and_fp8_keeps_per_layer_weight_scales() -> None:
     model = quantize(DecoderModel(num_layers=1), "fp8")
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
         assert len({float(m.input_quantizer.amax) for m in group}) == 1
+        for m in group:  # FP8: one weight_scale per layer, as ModelOpt writes it
+            assert float(m.weight_quantizer.amax) == float(m.weight.detach().abs().max())
+
+
+def test_nvfp4_fused_linears_share_the_per_tensor_weight_amax() -> None:
+    model = quantize(DecoderModel(num_layers=1), "nvfp4")
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
         assert len({float(m.weight_quantizer.amax) for m in group}) == 1
+        assert len({float(m.input_quantizer.amax) for m in group}) == 1
     assert float(attn.o_proj.weight_quantizer.amax) == float(attn.o_proj.weight.detach().abs().max())
+
+
+def test_calibration_sees_full_precision_activations() -> None:
+    """Weight fake-quant is paused while amax is collected (ModelOpt's max calibration)."""
+    from llmexport.export import infer_vocab_size, make_input_ids
+    from llmexport.models import build_model
+
+    reference = build_model("decoder", seed=0, num_layers=2)
+    seen: list[float] = []
+
+    def record(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        seen.append(float(args[0].abs().max()))
+
+    hook = reference.layers[1].self_attn.o_proj.register_forward_pre_hook(record)
+    with torch.no_grad():
+        reference(make_input_ids(infer_vocab_size(reference)))
+    hook.remove()
+    model = quantize(build_model("decoder", seed=0, num_layers=2), "fp8")
+    assert float(model.layers[1].self_attn.o_proj.input_quantizer.amax) == seen[0]
 
 
 def test_kv_cache_quantizers_on_k_and_v_with_scale_at_least_one() -> None:

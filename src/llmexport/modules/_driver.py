@@ -92,7 +92,10 @@ def export_quantized_state(
         exporter = registry.match(module)
         if exporter is not None and exporter.exports_unquantized:
             exporter.export(name, module, ctx)
-        if _is_linear_like(module) and not (is_qlora and _LORA_PREFIX in name):
+        # Unquantized linear-like modules and embeddings are listed as excluded,
+        # as ModelOpt lists them (lm_head, routers, embed_tokens).
+        linear_like = _is_linear_like(module) or isinstance(module, nn.Embedding)
+        if linear_like and not (is_qlora and _LORA_PREFIX in name):
             ctx.quant_config.exclude(name)
     return ctx.quant_config.summary(ctx.written, ctx.num_bytes)
 

@@ -300,14 +300,26 @@ def _calibrate(
         if isinstance(module, QuantLinear):
             parent = name.rsplit(".", 1)[0] if "." in name else ""
             handles.append(module.register_forward_pre_hook(_group_hook(seen, keep_alive, parent)))
+    # As ModelOpt's max calibration: every quantizer is transparent while the
+    # statistics are collected, so activations downstream are full precision
+    # (weight fake-quant during calibration would shift every later amax).
+    calibrating = {id(q) for q in quantizers}
+    paused = [
+        m for m in model.modules()
+        if isinstance(m, TensorQuantizer) and m.enabled and id(m) not in calibrating
+    ]
     for quantizer in quantizers:
         quantizer.calibrating = True
+    for quantizer in paused:
+        quantizer.enabled = False
     try:
         with torch.no_grad():
             (calibrate or _default_calibrate)(model)
     finally:
         for quantizer in quantizers:
             quantizer.calibrating = False
+        for quantizer in paused:
+            quantizer.enabled = True
         for handle in handles:
             handle.remove()
         keep_alive.clear()
@@ -381,7 +393,13 @@ def _unify_groups(model: nn.Module, groups: list[list[QuantLinear]]) -> None:
             quantizers = [getattr(m, attr) for m in group]
             if not all(q.enabled and q.amax is not None and q.amax.dim() == 0 for q in quantizers):
                 continue
-            if quantizers[0].format not in (QuantFormat.FP8, QuantFormat.NVFP4):
+            # Inputs are shared for FP8 and NVFP4; per-tensor weight amax only for NVFP4
+            # (one weight_scale_2 per fused GEMM). FP8 keeps one weight_scale per layer,
+            # as ModelOpt 0.47 writes it (tests/test_interop.py compares the bytes).
+            shareable = (QuantFormat.FP8, QuantFormat.NVFP4)
+            if attr == "weight_quantizer":
+                shareable = (QuantFormat.NVFP4,)
+            if quantizers[0].format not in shareable:
                 continue
             shared = torch.stack([q.amax for q in quantizers]).amax()
             for quantizer in quantizers:
