@@ -40,6 +40,7 @@ RESULT_PROPERTY = "exportcheck.result"
 OUTCOMES = ("pass", "fail", "xfail", "skip")
 REPORT_FORMAT = 1
 _SCOPE_TITLES = {"target": "target", "exporter": "exporter"}
+_SCOPE_ORDER = {"target": 0, "exporter": 1}
 _FLAGS = (("fail", "F"), ("xfail", "x"), ("skip", "s"))
 _SKIP_PREFIX = "Skipped: "
 
@@ -129,7 +130,8 @@ class ReportBuilder:
                 rec.check, dict.fromkeys(OUTCOMES, 0)
             )
             cell[rec.outcome or "pass"] += 1
-        return {s: {c: out[s][c] for c in sorted(out[s])} for s in sorted(out)}
+        scopes = sorted(out, key=lambda s: (_SCOPE_ORDER.get(s, len(_SCOPE_ORDER)), s))
+        return {s: {c: out[s][c] for c in sorted(out[s])} for s in scopes}
 
     def totals(self) -> dict[str, int]:
         """Item counts per outcome."""

@@ -10,11 +10,13 @@ check catalogue.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._distinfo import make_distribution
 from tests._fakeplugin import DIST, install
 
 DEMO_CHECKS = '''
@@ -295,3 +297,24 @@ def test_ini_twins_configure_the_suite(pytester: pytest.Pytester) -> None:
     assert data["matrix"] == {
         "target": {"onnx": {"plugin_loads": {"pass": 1, "fail": 0, "xfail": 0, "skip": 0}}}
     }
+
+
+def test_example_plugin_passes_the_suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/llmexport-plugin-example, installed from its own pyproject's entry points,
+    passes every check when its author runs plain ``pytest`` with its ini selection."""
+    tomllib = pytest.importorskip("tomllib")
+    example = Path(__file__).parents[1] / "examples" / "llmexport-plugin-example"
+    project = tomllib.loads((example / "pyproject.toml").read_text())["project"]
+    site = pytester.path / "site"
+    make_distribution(site, project["name"], project["entry-points"], version=project["version"])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(example / "src")]))
+    (pytester.path / "pyproject.toml").write_text((example / "pyproject.toml").read_text())
+
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "error::DeprecationWarning")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.stdout.fnmatch_lines([
+        "exportcheck: targets=example_traced exporters=example_marked_linear models=example_tiny *",
+        "exportcheck targets: *llmexport-plugin-example 0.1.0: example_traced*",
+        "roundtrip_logits * 1/1",
+        "export_contract * 1/1",
+    ])
