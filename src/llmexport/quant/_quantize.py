@@ -396,7 +396,7 @@ def _unify_groups(model: nn.Module, groups: list[list[QuantLinear]]) -> None:
             # Inputs are shared for FP8 and NVFP4; per-tensor weight amax only for NVFP4
             # (one weight_scale_2 per fused GEMM). FP8 keeps one weight_scale per layer,
             # as ModelOpt 0.47 writes it (tests/test_interop.py compares the bytes).
-            shareable = (QuantFormat.FP8, QuantFormat.NVFP4)
+            shareable: tuple[QuantFormat, ...] = (QuantFormat.FP8, QuantFormat.NVFP4)
             if attr == "weight_quantizer":
                 shareable = (QuantFormat.NVFP4,)
             if quantizers[0].format not in shareable:
