@@ -152,13 +152,14 @@ class ExportCheckSession:
     def _warn_unmatched_xfails(self) -> None:
         universe = [(s.name, s.check, s.column) for s in plan(self._resolve_plan(everything=True))]
         for rule in self.xfails.unmatched(universe):
-            self.config.issue_config_time_warning(
-                ExportCheckWarning(
-                    f"expected failure {rule.pattern!r} ({rule.source}) matches no exportcheck "
-                    "item; fix the check id or item id pattern, or remove the entry"
-                ),
-                stacklevel=2,
+            warning = ExportCheckWarning(
+                f"expected failure {rule.pattern!r} ({rule.source}) matches no exportcheck "
+                "item; fix the check id or item id pattern, or remove the entry"
             )
+            try:
+                self.config.issue_config_time_warning(warning, stacklevel=2)
+            except ExportCheckWarning as err:  # -W error::...ExportCheckWarning
+                raise pytest.UsageError(str(err)) from err
 
     # -- header -------------------------------------------------------------
     def report_header(self) -> list[str]:

@@ -16,6 +16,12 @@ from typing import Any
 
 import pytest
 
+# In-process pytester runs drop the modules they imported when they end; import
+# what the suite loads once here, so those runs reuse it (and its registries).
+import llmexport.export
+import llmexport.models
+import llmexport.modules  # noqa: F401
+import pytest_exportcheck.checks  # noqa: F401
 from tests._distinfo import make_distribution
 from tests._fakeplugin import DIST, install
 
@@ -122,9 +128,15 @@ def test_passive_without_an_export_option(pytester: pytest.Pytester) -> None:
         (["--export-targets=onnx", "--export-checks=nope"], "unknown check 'nope'"),
         (["--export-only"], "--export-only needs --export-targets"),
         (["--export-targets=onnx", "--export-xfails-file=missing.json"], "does not exist"),
+        (["--export-targets=onnx", "--export-xfails-file=list.json"], "must hold one JSON object"),
+        (["--export-targets=onnx", "--export-xfails-file=typo.json",
+          "-W", "error::pytest_exportcheck.ExportCheckWarning"],
+         "expected failure 'roundtrip_logit' (*typo.json) matches no exportcheck item"),
     ],
 )
 def test_bad_option_is_a_usage_error(pytester: pytest.Pytester, args: list[str], message: str) -> None:
+    (pytester.path / "list.json").write_text('["roundtrip_logits"]')
+    (pytester.path / "typo.json").write_text('{"roundtrip_logit": "misspelled check id"}')
     result = pytester.runpytest(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*{message}*"])
