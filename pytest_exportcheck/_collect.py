@@ -26,8 +26,10 @@ __all__ = [
     "CheckFailed",
     "ExportCheckCollector",
     "ExportCheckItem",
+    "ExporterPlan",
     "ItemSpec",
     "Plan",
+    "TargetPlan",
     "plan",
 ]
 
@@ -102,13 +104,25 @@ class TargetPlan:
 
 
 @dataclass(frozen=True)
+class ExporterPlan:
+    """One selected module exporter; ``failure`` and ``loaded`` as in :class:`TargetPlan`."""
+
+    name: str
+    failure: str | None = None
+    loaded: bool = True
+
+
+@dataclass(frozen=True)
 class Plan:
-    """Inputs of :func:`plan`: selected names, resolved against what is installed."""
+    """Inputs of :func:`plan`: selected names, resolved against what is installed.
+
+    ``extra_failures`` are failing ``plugin_loads`` items of plugins that are no
+    target or exporter row (``model:<name>``, ``runtime:<name>``).
+    """
 
     checks: tuple[CheckSpec, ...]
     targets: tuple[TargetPlan, ...] = ()
-    exporters: tuple[str, ...] = ()
-    exporter_failures: Mapping[str, str] = field(default_factory=dict)
+    exporters: tuple[ExporterPlan, ...] = ()
     extra_failures: Mapping[str, str] = field(default_factory=dict)
     models: tuple[str, ...] = ()
     devices: tuple[str, ...] = ("cpu",)
@@ -134,16 +148,17 @@ def plan(p: Plan) -> list[ItemSpec]:
     for param, failure in sorted(p.extra_failures.items()):
         items.append(ItemSpec(PLUGIN_LOADS, "target", param, (param,), failure=failure,
                               check_index=-1))
-    for exporter in sorted(p.exporters):
-        load_error = p.exporter_failures.get(exporter)
-        if load_error is not None:
-            items.append(ItemSpec(PLUGIN_LOADS, "exporter", exporter, (exporter,),
-                                  exporter=exporter, failure=load_error, check_index=-1))
+    for exporter in sorted(p.exporters, key=lambda e: e.name):
+        name = exporter.name
+        if exporter.failure is not None:
+            items.append(ItemSpec(PLUGIN_LOADS, "exporter", name, (name,), exporter=name,
+                                  failure=exporter.failure, check_index=-1))
+        if not exporter.loaded:
             continue
         for spec in exporter_checks:
             for model in p.models if spec.per_model else (None,):
-                params = (exporter,) if model is None else (exporter, model)
-                items.append(ItemSpec(spec.id, "exporter", exporter, params, exporter=exporter,
+                params = (name,) if model is None else (name, model)
+                items.append(ItemSpec(spec.id, "exporter", name, params, exporter=name,
                                       model=model, device="cpu", check_index=index[spec.id]))
     return items
 

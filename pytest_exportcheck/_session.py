@@ -29,6 +29,7 @@ from pytest_exportcheck._collect import (
     CheckFailed,
     ExportCheckCollector,
     ExportCheckItem,
+    ExporterPlan,
     ItemSpec,
     Plan,
     TargetPlan,
@@ -89,50 +90,60 @@ class ExportCheckSession:
     def _resolve_plan(self, *, everything: bool = False) -> Plan:
         """The selected (or, with ``everything``, all possible) targets, exporters, models."""
         d, o = self.discovery, self.options
-        everything_sel = Selection(all=True)
-        target_failures = self._failures("target")
-        runtime_failures = self._failures("runtime")
-        exporter_failures = self._failures("module exporter")
-        model_failures = self._failures("model family")
-        targets = (everything_sel if everything else o.target_selection).resolve(
-            [*d.targets, *target_failures], what="export target", option="--export-targets")
-        exporters = (everything_sel if everything else o.exporter_selection).resolve(
-            [*d.exporters, *exporter_failures], what="module exporter", option="--export-exporters")
-        models = (everything_sel if everything else o.models).resolve(
-            [*d.models, *model_failures], what="model family", option="--export-models")
-        check_ids = (everything_sel if everything else o.checks).resolve(
-            [*CHECKS, PLUGIN_LOADS], what="check", option="--export-checks")
-        runtimes_used = {d.targets[t].runtime for t in targets if t in d.targets}
-        extra = {
-            f"model:{m}": _failure_text(model_failures[m]) for m in models if m in model_failures
-        } | {
-            f"runtime:{r}": _failure_text(fs)
-            for r, fs in runtime_failures.items()
-            if r not in runtimes_used and (o.target_selection.all or everything)
-        }
+
+        def pick(selection: Selection, available: list[str], what: str, option: str) -> list[str]:
+            chosen = Selection(all=True) if everything else selection
+            return chosen.resolve(available, what=what, option=option)
+
+        failed = {kind: self._failures(kind) for kind in _KINDS}
+        targets = pick(o.target_selection, [*d.targets, *failed["target"]],
+                       "export target", "--export-targets")
+        exporters = pick(o.exporter_selection, [*d.exporters, *failed["module exporter"]],
+                         "module exporter", "--export-exporters")
+        models = pick(o.models, [*d.models, *failed["model family"]],
+                      "model family", "--export-models")
+        check_ids = pick(o.checks, [*CHECKS, PLUGIN_LOADS], "check", "--export-checks")
         return Plan(
             checks=tuple(CHECKS[c] for c in CHECKS if c in check_ids),
-            targets=tuple(self._target_plan(t, target_failures, runtime_failures) for t in targets),
-            exporters=tuple(exporters),
-            exporter_failures={n: _failure_text(fs) for n, fs in exporter_failures.items()},
-            extra_failures=extra if PLUGIN_LOADS in check_ids else {},
+            targets=tuple(self._target_plan(t, failed) for t in targets),
+            exporters=tuple(
+                ExporterPlan(e, _failure_text(failed["module exporter"].get(e, [])),
+                             loaded=e in d.exporters)
+                for e in exporters
+            ),
+            extra_failures=(
+                self._extra_failures(targets, models, failed, everything)
+                if PLUGIN_LOADS in check_ids else {}
+            ),
             models=tuple(m for m in models if m in d.models),
             devices=DEVICES if everything else o.devices,
         )
 
-    def _target_plan(
+    def _extra_failures(
         self,
-        name: str,
-        target_failures: Mapping[str, list[PluginFailure]],
-        runtime_failures: Mapping[str, list[PluginFailure]],
+        targets: list[str],
+        models: list[str],
+        failed: Mapping[str, Mapping[str, list[PluginFailure]]],
+        everything: bool,
+    ) -> dict[str, str]:
+        """Failing plugin_loads of selected model families and of runtimes no target uses."""
+        used = {self.discovery.targets[t].runtime for t in targets if t in self.discovery.targets}
+        extra = {f"model:{m}": _failure_text(failed["model family"][m])
+                 for m in models if m in failed["model family"]}
+        if everything or self.options.target_selection.all:
+            extra |= {f"runtime:{r}": _failure_text(fs)
+                      for r, fs in failed["runtime"].items() if r not in used}
+        return {k: v for k, v in extra.items() if v is not None}
+
+    def _target_plan(
+        self, name: str, failed: Mapping[str, Mapping[str, list[PluginFailure]]]
     ) -> TargetPlan:
         if name not in self.discovery.targets:
-            return TargetPlan(name, failure=_failure_text(target_failures[name]), loaded=False)
+            return TargetPlan(name, failure=_failure_text(failed["target"][name]), loaded=False)
         info = self.discovery.targets[name]
-        problems = [*target_failures.get(name, []), *runtime_failures.get(info.runtime, [])]
+        problems = [*failed["target"].get(name, []), *failed["runtime"].get(info.runtime, [])]
         rows = tuple((row.variant, row.export_kwargs) for row in self.discovery.rows(name))
-        return TargetPlan(name, rows, info.capabilities,
-                          failure=_failure_text(problems) if problems else None)
+        return TargetPlan(name, rows, info.capabilities, failure=_failure_text(problems))
 
     def _collect_xfails(self) -> None:
         for name, info in self.discovery.targets.items():
@@ -375,7 +386,7 @@ class ExportCheckSession:
 
     def terminal_summary(self, terminal: Any) -> None:
         """Write the matrix section of the terminal summary."""
-        if _is_worker(self.config):
+        if _is_worker(self.config) or self.config.option.collectonly:
             return
         terminal.write_sep("=", "exportcheck conformance matrix")
         width = self.config.get_terminal_writer().fullwidth
@@ -394,12 +405,14 @@ class ExportCheckSession:
         self.config.hook.pytest_exportcheck_report(config=self.config, report=data)
 
 
+_KINDS = ("target", "runtime", "module exporter", "model family")
 _PLURAL = {"target": "targets", "runtime": "runtimes", "module exporter": "module exporters",
            "model family": "model families"}
 
 
-def _failure_text(failures: list[PluginFailure]) -> str:
-    return "\n".join(f.message for f in failures)
+def _failure_text(failures: list[PluginFailure]) -> str | None:
+    """The messages of ``failures``, one per line; ``None`` when there are none."""
+    return "\n".join(f.message for f in failures) or None
 
 
 def build_toy_model(name: str, seed: int) -> Any:

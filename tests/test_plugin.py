@@ -294,16 +294,24 @@ def test_faulty_plugins_are_caught_by_the_check_named_after_their_fault(
 
 
 def test_ini_twins_configure_the_suite(pytester: pytest.Pytester) -> None:
-    """Each option has an ini key of the same name; the command line wins over it."""
+    """Each option has an ini key of the same name; the command line wins over it.
+    The pytest_exportcheck_report hook receives the report."""
     pytester.makeini(
         "[pytest]\n"
         "export_targets = onnx,torchscript\n"
         "export_checks = plugin_loads\n"
         "export_report = from-ini.json\n"
     )
+    pytester.makeconftest(
+        "import json\n"
+        "def pytest_exportcheck_report(config, report):\n"
+        "    open('hook.json', 'w').write(json.dumps(report['totals']))\n"
+    )
     result = pytester.runpytest("--export-targets=onnx")
     assert result.ret == pytest.ExitCode.OK
     result.stdout.fnmatch_lines(["exportcheck: targets=onnx *checks=plugin_loads *"])
+    hook = json.loads((pytester.path / "hook.json").read_text())
+    assert hook == {"pass": 1, "fail": 0, "xfail": 0, "skip": 0}
     data = json.loads((pytester.path / "from-ini.json").read_text())
     assert [item["id"] for item in data["items"]] == ["plugin_loads[onnx]"]
     assert data["matrix"] == {
