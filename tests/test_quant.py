@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from llmexport.errors import QuantizationError, UnknownNameError, UnsupportedFormatError
@@ -23,6 +25,7 @@ from llmexport.quant import (
     is_quantized_module,
     quantize,
     quantize_tensor,
+    wrap_module,
 )
 
 FAMILIES = ["llama", "llama_tied", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
@@ -159,6 +162,91 @@ def test_uncalibrated_activation_quantizer_raises() -> None:
     quantizer = TensorQuantizer(QuantFormat.FP8, label="x.input_quantizer")
     with pytest.raises(QuantizationError, match="never calibrated"):
         quantizer(torch.ones(2))
+
+
+@pytest.mark.parametrize(("fmt", "block"), [(QuantFormat.NVFP4, 16), (QuantFormat.INT4, 16)])
+def test_fake_quant_keeps_the_layout_of_a_transposed_weight(fmt: QuantFormat, block: int) -> None:
+    stored = torch.randn(3, 32, 16, generator=torch.Generator().manual_seed(0))  # [E, in, out]
+    canonical = stored.transpose(-1, -2)  # the [E, out, in] view BMM experts quantize
+    quantizer = TensorQuantizer(fmt, axis=0, block_size=block)
+    quantizer.collect(canonical)
+    fake = quantizer(canonical)
+    assert fake.stride() == canonical.stride()
+    assert torch.equal(fake, dequantize(quantizer.quantize(canonical)))
+
+
+@given(
+    amax=st.floats(min_value=2.0**-60, max_value=2.0**60, width=32),
+    fmt=st.sampled_from([QuantFormat.FP8, QuantFormat.NVFP4]),
+)
+def test_a_loaded_scale_quantizes_exactly_like_the_quantizer_that_exported_it(
+    amax: float, fmt: QuantFormat
+) -> None:
+    x = torch.linspace(-1.5, 1.5, 32).reshape(2, 16) * amax
+    calibrated = TensorQuantizer(fmt, block_size=16)
+    calibrated.amax = torch.tensor(amax)
+    loaded = TensorQuantizer(QuantFormat.FP8, enabled=False, min_scale=1.0)
+    loaded.load_scale(calibrated.scale, fmt, block_size=16)
+    assert (loaded.enabled, loaded.format) == (True, fmt)
+    # bit for bit, also where scale * maxbound / maxbound does not give the scale back
+    assert loaded.scale.item() == calibrated.scale.item()
+    assert torch.equal(loaded(x), calibrated(x))
+
+
+@given(scale=st.floats(min_value=2.0**-60, max_value=2.0**60, width=32))
+def test_a_loaded_fp8_scale_is_used_as_stored(scale: float) -> None:
+    # any float32 scale, including ones that are not amax / 448 of a float32 amax
+    x = torch.linspace(-300.0, 300.0, 64) * scale
+    stored = torch.tensor(scale)
+    quantizer = TensorQuantizer(QuantFormat.FP8, enabled=False)
+    quantizer.load_scale(stored, "fp8")
+    assert quantizer.scale.item() == scale
+    # what a serving engine computes with a static input_scale
+    expected = (x / stored).to(torch.float8_e4m3fn).to(torch.float32) * stored
+    assert torch.equal(quantizer(x), expected)
+
+
+@pytest.mark.parametrize(
+    ("scale", "fmt", "match"),
+    [
+        (torch.tensor(0.0), QuantFormat.FP8, "finite positive"),
+        (torch.tensor(math.nan), QuantFormat.FP8, "finite positive"),
+        (torch.ones(2), QuantFormat.FP8, "one finite positive number"),
+        (torch.tensor(1.0), QuantFormat.INT8, "FP8 or NVFP4"),
+    ],
+)
+def test_load_scale_refuses_what_no_exporter_writes(
+    scale: torch.Tensor, fmt: QuantFormat, match: str
+) -> None:
+    quantizer = TensorQuantizer(QuantFormat.FP8, enabled=False, label="m.input_quantizer")
+    with pytest.raises(QuantizationError, match=match):
+        quantizer.load_scale(scale, fmt)
+    assert not quantizer.enabled
+
+
+def test_wrap_module_computes_what_the_module_did_until_a_scale_is_loaded() -> None:
+    model = _hf("qwen3_moe")
+    ids = make_input_ids(model.config.vocab_size)
+    experts = model.model.layers[0].mlp.experts
+    linear = model.model.layers[0].self_attn.o_proj
+    with torch.no_grad():
+        model.set_experts_implementation("eager")  # the wrapper's own loop over experts
+        reference = _logits(model, ids)
+        assert isinstance(wrap_module(experts, "experts"), QuantFusedExperts)
+        assert isinstance(wrap_module(linear, "o_proj"), QuantLinear)
+        assert not any(is_quantized_module(m) for m in model.modules())
+        assert torch.equal(_logits(model, ids), reference)
+        experts.input_quantizer_of("down_proj").load_scale(torch.tensor(0.01), "fp8")
+        assert is_quantized_module(experts)
+        assert not torch.equal(_logits(model, ids), reference)
+
+
+def test_wrap_module_refuses_modules_without_a_wrapper() -> None:
+    with pytest.raises(UnsupportedFormatError, match=r"conv \(Conv1d\) has no quantized wrapper"):
+        wrap_module(nn.Conv1d(2, 2, 1), "conv")
+    linear = wrap_module(nn.Linear(2, 2), "fc")
+    with pytest.raises(QuantizationError, match="already quantized"):
+        wrap_module(linear, "fc")
 
 
 # -- quantize() ----------------------------------------------------------------

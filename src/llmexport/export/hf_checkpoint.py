@@ -21,8 +21,9 @@ SGLang, transformers) can rebuild. A plain torch decoder gets a clear reason.
 
 The runtime :func:`load_hf_checkpoint` rebuilds the model class from
 ``config.json``, dequantizes every quantized weight back to float with the same
-function the fake quantizer uses, re-applies static FP8 input / KV-cache
-quantization with the stored scales, and returns ``input_ids -> logits``.
+function the fake quantizer uses, re-applies static input / KV-cache
+quantization with the stored scales (:func:`llmexport.quant.wrap_module`), and
+returns ``input_ids -> logits``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -122,9 +123,9 @@ def build_hf_checkpoint_exporter() -> Callable[..., Path]:
 @export_target(
     "hf_checkpoint",
     runtime="hf_checkpoint",
-    # Unquantized: the checkpoint holds the same float weights, the diff is 0.
-    # Quantized: fake-quant and dequantized weights are equal bit for bit, the rest
-    # is op order (folded AWQ pre_quant_scale, NVFP4 dynamic activations); see docs.
+    # Unquantized: the same float weights, the diff is 0. Quantized: measured 0 for
+    # FP8 / NVFP4 / INT8 on every tiny family, < 4e-7 for AWQ (folded pre_quant_scale);
+    # the bound is looser for any user model (op order, attention kernels); see docs.
     atol=1e-4,
     rtol=1e-3,
     capabilities={"quantized", "multi_file"},
@@ -403,8 +404,10 @@ def load_hf_checkpoint(
 
     The model class comes from ``config.json``'s ``architectures``; quantized
     weights are dequantized to float exactly as the fake quantizer computes them;
-    static FP8 input scales and KV-cache scales are applied as forward hooks, as a
-    serving engine applies them. Runs with ``use_cache=False``.
+    static input scales (FP8, NVFP4; of linears and of fused experts) and FP8
+    KV-cache scales are re-applied by :mod:`llmexport.quant`'s own quantized
+    modules, loaded with the stored scales, as a serving engine applies them.
+    Attention runs ``eager`` (the reference implementation) and ``use_cache=False``.
     """
     directory = Path(artifact)
     model = _rebuild_model(directory, torch.device(device))
@@ -447,13 +450,17 @@ def _rebuild_model(directory: Path, device: torch.device) -> Any:
     hf_logging.disable_progress_bar()  # a runtime load is not a download: no bar per call
     try:
         model = model_cls.from_pretrained(
-            None, config=config, state_dict=weights, dtype=config.dtype or torch.float32
+            None,
+            config=config,
+            state_dict=weights,
+            dtype=config.dtype or torch.float32,
+            attn_implementation="eager",
         )
     finally:
         if progress:
             hf_logging.enable_progress_bar()
     model.eval().to(device)
-    _install_activation_hooks(model, activation_scales)
+    _StaticQuantization(model, activation_scales, set(tensors)).apply(model)
     return model
 
 
@@ -481,34 +488,48 @@ def _group_size(directory: Path) -> int | None:
     return int(size) if size else None
 
 
-def _activation_format(prefix: str, leaf: str, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """The format an ``input_scale`` / ``k_scale`` / ``v_scale`` quantizes to, or ``None``."""
+class _ActivationScale(NamedTuple):
+    """A static activation scale of the checkpoint: its format, value and NVFP4 block."""
+
+    format: Any  # llmexport.quant.QuantFormat
+    scale: torch.Tensor
+    block_size: int | None = None
+
+
+def _activation_scale(
+    prefix: str, leaf: str, tensor: torch.Tensor, tensors: Mapping[str, torch.Tensor]
+) -> _ActivationScale | None:
+    """What an ``input_scale`` / ``k_scale`` / ``v_scale`` quantizes to, or ``None`` (not one)."""
     from llmexport.quant import QuantFormat
 
+    scale = tensor.float()
     if leaf in ("k_scale", "v_scale"):
-        return QuantFormat.FP8
+        return _ActivationScale(QuantFormat.FP8, scale)
     weight = tensors.get(f"{prefix}.weight")
     if leaf != "input_scale" or weight is None:
         return None
     if weight.dtype == torch.float8_e4m3fn:
-        return QuantFormat.FP8
-    if f"{prefix}.weight_scale_2" in tensors:
-        return QuantFormat.NVFP4
+        return _ActivationScale(QuantFormat.FP8, scale)
+    block_scale = tensors.get(f"{prefix}.weight_scale")
+    if f"{prefix}.weight_scale_2" in tensors and block_scale is not None:
+        # packed [out, in / 2] codes with one block scale per `block` inputs
+        block = weight.shape[-1] * 2 // block_scale.shape[-1]
+        return _ActivationScale(QuantFormat.NVFP4, scale, block)
     return None
 
 
 def _dequantize_state(
     tensors: dict[str, torch.Tensor], group_size: int | None
-) -> tuple[dict[str, torch.Tensor], dict[str, tuple[Any, torch.Tensor]]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, _ActivationScale]]:
     """(float weights under checkpoint names, activation/KV scales by scale name)."""
     weights: dict[str, torch.Tensor] = {}
-    scales: dict[str, tuple[Any, torch.Tensor]] = {}
+    scales: dict[str, _ActivationScale] = {}
     for name, tensor in tensors.items():
         prefix, _, leaf = name.rpartition(".")
         if leaf in _SCALE_LEAVES:
-            fmt = _activation_format(prefix, leaf, tensors)
-            if fmt is not None:
-                scales[name] = (fmt, tensor.float().reshape(()))
+            activation = _activation_scale(prefix, leaf, tensor, tensors)
+            if activation is not None:
+                scales[name] = activation
             continue
         if leaf == "weight" and f"{prefix}.weight_scale" in tensors:
             weights[name] = _dequantize_weight(prefix, tensors, group_size)
@@ -619,50 +640,105 @@ _STORED_FORMATS: dict[tuple[torch.dtype, bool], str] = {
 }
 
 
-def _fake_quant(x: torch.Tensor, fmt: Any, scale: torch.Tensor) -> torch.Tensor:
-    """Static activation quantize-dequantize with ``llmexport.quant`` (the fake quantizer's code).
+class _StaticQuantization:
+    """Re-applies a checkpoint's static activation scales to the rebuilt model.
 
-    The stored scale is ``amax / maxbound`` (FP8: 448; NVFP4: 6 * 448).
+    Every module that owns a scale is converted with :func:`llmexport.quant.wrap_module`
+    (weights pass through: they are already dequantized) and the scale is loaded
+    into its input / KV quantizer with :meth:`TensorQuantizer.load_scale`, so the
+    runtime runs the fake quantizer's own forward: ``nn.Linear`` input and KV-cache
+    scales, and the per-projection input scales of fused / BMM experts (shared by
+    the experts of a block). Fused experts whose weights were quantized are
+    wrapped even without activation scales, so that they route tokens exactly as
+    the fake-quantized experts do. Checkpoint names of a module's scales come
+    from the export's own :class:`CheckpointNamer` applied to the rebuilt model.
     """
-    from llmexport.quant import FP8_MAX, QuantFormat, dequantize, quantize_tensor
 
-    nvfp4 = fmt is QuantFormat.NVFP4
-    amax = scale.to(x.device, torch.float32) * (FP8_MAX * fmt.maxbound if nvfp4 else FP8_MAX)
-    q = quantize_tensor(
-        x, fmt, amax=amax, block_size=16 if nvfp4 else None, where="runtime activation"
-    )
-    result: torch.Tensor = dequantize(q, x.dtype)
-    return result
+    def __init__(
+        self, model: nn.Module, scales: Mapping[str, _ActivationScale], tensor_names: set[str]
+    ) -> None:
+        self._namer = CheckpointNamer(model)
+        self._placeholder = torch.empty(())  # rename() maps names; the tensor is not used
+        self._scales = scales
+        self._tensor_names = tensor_names
+        self._used: set[str] = set()
 
+    def apply(self, model: nn.Module) -> None:
+        """Wrap and load every scale; warn about scales no module owns."""
+        from llmexport.quant import is_fused_experts
 
-def _install_activation_hooks(
-    model: nn.Module, scales: Mapping[str, tuple[Any, torch.Tensor]]
-) -> None:
-    """FP8 input scales (pre-hooks) and KV-cache scales (output hooks) on the modules that own them."""
-    modules = dict(model.named_modules())
-    for name, (fmt, scale) in scales.items():
-        prefix, _, leaf = name.rpartition(".")
-        module = modules.get(prefix)
-        if module is None:
-            # fused experts and compressed-tensors' attention-level KV scales have no
-            # single module to hook; their weights are still dequantized exactly
-            logger.debug("no module %r for %s; scale not applied in the runtime", prefix, name)
-            continue
-        if leaf == "input_scale" and isinstance(module, nn.Linear):
-            module.register_forward_pre_hook(_input_hook(fmt, scale))
-        elif leaf in ("k_scale", "v_scale"):
-            module.register_forward_hook(_output_hook(fmt, scale))
+        for name, module in list(model.named_modules()):
+            if is_fused_experts(module):
+                self._experts(name, module)
+            elif isinstance(module, nn.Linear):
+                self._linear(name, module)
+        unused = sorted(set(self._scales) - self._used)
+        if unused:
+            logger.warning(
+                "hf_checkpoint runtime: %d activation scale(s) belong to no module of the "
+                "rebuilt model and are not applied: %s",
+                len(unused),
+                ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else ""),
+            )
 
+    def _checkpoint_name(self, name: str) -> str:
+        return next(iter(self._namer.rename(name, self._placeholder)))[0]
 
-def _input_hook(fmt: Any, scale: torch.Tensor) -> Callable[..., Any]:
-    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (_fake_quant(args[0], fmt, scale), *args[1:])
+    def _take(self, *names: str) -> _ActivationScale | None:
+        """The first scale stored under one of ``names`` (in-model names), marked used."""
+        for name in names:
+            key = self._checkpoint_name(name)
+            if key in self._scales:
+                self._used.add(key)
+                return self._scales[key]
+        return None
 
-    return hook
+    def _linear(self, name: str, module: nn.Linear) -> None:
+        from llmexport.quant import QuantLinear, wrap_module
 
+        attention, _, leaf = name.rpartition(".")
+        role = {"k_proj": "k", "v_proj": "v"}.get(leaf)
+        inputs = self._take(f"{name}.input_scale")
+        # ModelOpt stores KV scales on k_proj / v_proj, compressed-tensors on the attention
+        kv = self._take(f"{name}.{role}_scale", f"{attention}.{role}_scale") if role else None
+        if inputs is None and kv is None:
+            return
+        wrapper = cast(QuantLinear, wrap_module(module, name))
+        if inputs is not None:
+            quantizer = wrapper.input_quantizer
+            quantizer.load_scale(inputs.scale, inputs.format, block_size=inputs.block_size)
+        if kv is not None:
+            wrapper.output_quantizer.load_scale(kv.scale, kv.format)
 
-def _output_hook(fmt: Any, scale: torch.Tensor) -> Callable[..., Any]:
-    def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-        return _fake_quant(output, fmt, scale)
+    def _experts(self, name: str, module: nn.Module) -> None:
+        from llmexport.quant import QuantExperts, wrap_module
 
-    return hook
+        gate_up: torch.Tensor = module.get_parameter("gate_up_proj")
+        count = gate_up.shape[0]
+        per_projection = {
+            "gate_up_proj": [
+                self._take(f"{name}.{e}.{linear}.input_scale")
+                for e in range(count)
+                for linear in ("gate_proj", "up_proj")
+            ],
+            "down_proj": [self._take(f"{name}.{e}.down_proj.input_scale") for e in range(count)],
+        }
+        quantized = self._checkpoint_name(f"{name}.0.down_proj.weight_scale") in self._tensor_names
+        if not quantized and all(s is None for found in per_projection.values() for s in found):
+            return
+        wrapper = cast(QuantExperts, wrap_module(module, name))
+        for projection, found in per_projection.items():
+            present = [s for s in found if s is not None]
+            if not present:
+                continue
+            if len({s.format for s in present}) > 1 or len(present) < len(found):
+                raise UnsupportedFormatError(
+                    f"{name}.{projection}: the experts' input scales are missing for some "
+                    "experts or mix formats; the experts of one block share one static input "
+                    "quantizer, so every expert needs an input_scale of the same format"
+                )
+            # one shared input quantizer per projection: the block's largest scale
+            # (what the exporter writes for every expert, and what vLLM uses)
+            scale = torch.stack([s.scale.reshape(()) for s in present]).amax()
+            quantizer = wrapper.input_quantizer_of(projection)
+            quantizer.load_scale(scale, present[0].format, block_size=present[0].block_size)

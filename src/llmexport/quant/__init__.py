@@ -29,7 +29,12 @@ from llmexport.quant._modules import (
     is_fused_experts,
     is_quantized_module,
 )
-from llmexport.quant._quantize import iterable_expert_lists, quantize, unify_expert_input_amax
+from llmexport.quant._quantize import (
+    iterable_expert_lists,
+    quantize,
+    unify_expert_input_amax,
+    wrap_module,
+)
 from llmexport.quant._quantizer import TensorQuantizer
 from llmexport.quant._recipe import (
     ALGORITHMS,
@@ -69,4 +74,5 @@ __all__ = [
     "recipe_names",
     "safe_scale",
     "unify_expert_input_amax",
+    "wrap_module",
 ]

@@ -158,24 +158,41 @@ def quantize_tensor(
     amax: torch.Tensor | None = None,
     block_size: int | None = None,
     where: str = "tensor",
+    scale: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` (last dimension = input features) to ``fmt``.
 
     ``amax`` is the calibrated per-tensor amax for FP8 and the global amax for
     NVFP4 (0-d, or ``[E, 1, 1]`` for stacked experts ``[E, out, in]``);
     INT4 (per group of ``block_size``) and INT8 (per row) derive theirs from ``x``.
+    ``scale`` replaces ``amax`` with the per-tensor scale itself (FP8 ``scale``,
+    NVFP4 ``scale_2``), used as it is: a scale read back from a checkpoint
+    (not every float32 scale is ``amax / maxbound`` of some float32 amax).
     """
     if fmt is QuantFormat.FP8:
-        return _quantize_fp8(x, _require_amax(x, amax), where)
+        return _quantize_fp8(x, _per_tensor_scale(x, amax, scale, FP8_MAX, where), where)
     if fmt is QuantFormat.NVFP4:
-        return _quantize_nvfp4(x, _require_amax(x, amax), _require_block(block_size, fmt), where)
+        block = _require_block(block_size, fmt)
+        scale_2 = _per_tensor_scale(x, amax, scale, FP4_MAX * FP8_MAX, where)
+        return _quantize_nvfp4(x, scale_2, block, where)
     if fmt is QuantFormat.INT4:
         return _quantize_int4(x, _require_block(block_size, fmt), where)
     return _quantize_int8(x, where)
 
 
-def _require_amax(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
-    return x.detach().abs().amax().float() if amax is None else amax
+def _per_tensor_scale(
+    x: torch.Tensor,
+    amax: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    divisor: float,
+    where: str,
+) -> torch.Tensor:
+    """``scale`` as given, else ``safe_scale(amax)`` (``amax`` defaults to ``max |x|``)."""
+    if scale is not None:
+        return scale.detach().to(torch.float32)
+    if amax is None:
+        amax = x.detach().abs().amax().float()
+    return safe_scale(amax, divisor, where=where)
 
 
 def _require_block(block_size: int | None, fmt: QuantFormat) -> int:
@@ -184,8 +201,7 @@ def _require_block(block_size: int | None, fmt: QuantFormat) -> int:
     return block_size
 
 
-def _quantize_fp8(x: torch.Tensor, amax: torch.Tensor, where: str) -> QuantizedTensor:
-    scale = safe_scale(amax, FP8_MAX, where=where)
+def _quantize_fp8(x: torch.Tensor, scale: torch.Tensor, where: str) -> QuantizedTensor:
     data = (x.detach().to(torch.float32) / scale).to(torch.float8_e4m3fn)
     return QuantizedTensor(QuantFormat.FP8, data, scale, shape=tuple(x.shape), dtype=x.dtype)
 
@@ -199,11 +215,10 @@ def _blocks(x: torch.Tensor, block: int, fmt: QuantFormat, where: str) -> torch.
     return x.detach().to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor, block: int, where: str) -> QuantizedTensor:
+def _quantize_nvfp4(x: torch.Tensor, scale_2: torch.Tensor, block: int, where: str) -> QuantizedTensor:
     if x.shape[-1] % 2:
         raise UnsupportedFormatError(f"{where}: nvfp4 packs pairs, got odd shape {tuple(x.shape)}")
     blocks = _blocks(x, block, QuantFormat.NVFP4, where)
-    scale_2 = safe_scale(amax, FP4_MAX * FP8_MAX, where=where)
     s2 = scale_2  # 0-d, or [E, 1, 1] for stacked experts: broadcasts over the blocks
     block_scale = blocks.abs().amax(dim=-1) / (FP4_MAX * s2)
     block_scale = torch.where(block_scale == 0, torch.ones_like(block_scale), block_scale)

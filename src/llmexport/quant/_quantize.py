@@ -28,7 +28,7 @@ from llmexport.quant._modules import (
 from llmexport.quant._quantizer import TensorQuantizer
 from llmexport.quant._recipe import ALGORITHMS, Algorithm, QuantRecipe, RecipeLike
 
-__all__ = ["iterable_expert_lists", "quantize", "unify_expert_input_amax"]
+__all__ = ["iterable_expert_lists", "quantize", "unify_expert_input_amax", "wrap_module"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,37 @@ def quantize(
     _check_calibrated(model)
     logger.info("quantized %d module(s) of %s", len(conversions), type(model).__name__)
     return model
+
+
+def wrap_module(module: nn.Module, name: str = "") -> QuantModule:
+    """Convert one module in place to its quantized wrapper, every quantizer disabled.
+
+    ``module`` is an ``nn.Linear`` (-> :class:`QuantLinear`), ``nn.Embedding``
+    (-> :class:`QuantEmbedding`) or transformers-5 fused / BMM experts (->
+    ``Quant<Experts>``, a :class:`QuantFusedExperts` / :class:`QuantBMMExperts`).
+    Disabled quantizers pass tensors through, so the wrapper computes what the
+    module did (through the wrapper's forward); enable single quantizers with
+    :meth:`TensorQuantizer.load_scale`. This is how a checkpoint runtime
+    re-applies exported activation scales to weights it has already dequantized.
+    ``name`` labels the quantizers in error messages.
+
+    Raises:
+        QuantizationError: ``module`` is already quantized.
+        UnsupportedFormatError: ``module`` has no quantized wrapper.
+    """
+    where = name or type(module).__name__
+    if isinstance(module, QuantModule):
+        raise QuantizationError(f"{where} is already quantized ({type(module).__name__})")
+    kind = _kind(where, module, {})
+    if kind is None:
+        raise UnsupportedFormatError(
+            f"{where} ({type(module).__name__}) has no quantized wrapper; expected an "
+            "nn.Linear or nn.Embedding without a custom forward, or transformers-5 fused experts"
+        )
+    _convert(_Conversion(name, module, None, None, kind))
+    if not isinstance(module, QuantModule):  # pragma: no cover - _convert always swaps the class
+        raise QuantizationError(f"{where}: conversion did not produce a quantized wrapper")
+    return module
 
 
 # -- planning -----------------------------------------------------------------

@@ -41,6 +41,7 @@ class TensorQuantizer(nn.Module):
 
     amax: torch.Tensor | None
     pre_quant_scale: torch.Tensor | None
+    static_scale: torch.Tensor | None
 
     def __init__(
         self,
@@ -67,6 +68,9 @@ class TensorQuantizer(nn.Module):
         self.channel_amax: torch.Tensor | None = None
         self.register_buffer("amax", None)
         self.register_buffer("pre_quant_scale", None)
+        #: A per-tensor scale used as is instead of one derived from ``amax``
+        #: (set by :meth:`load_scale` from a checkpoint).
+        self.register_buffer("static_scale", None)
 
     # -- calibration -------------------------------------------------------
     @property
@@ -91,9 +95,10 @@ class TensorQuantizer(nn.Module):
             )
 
     def reset_amax(self) -> None:
-        """Forget the calibrated amax."""
+        """Forget the calibrated amax (and a loaded :attr:`static_scale`)."""
         self.amax = None
         self.channel_amax = None
+        self.static_scale = None
 
     # -- quantization ------------------------------------------------------
     def _amax_for(
@@ -125,23 +130,34 @@ class TensorQuantizer(nn.Module):
 
         ``index`` picks one entry of a per-axis amax (e.g. one expert's slice of
         stacked expert weights); ``amax`` replaces the calibrated amax (an
-        exporter's unified value) without modifying the quantizer.
+        exporter's unified value) without modifying the quantizer. A loaded
+        :attr:`static_scale` is used as it is unless ``amax`` is given.
         """
+        where = self.label or "quantizer"
+        if amax is None and self.static_scale is not None:
+            return quantize_tensor(
+                x, self.format, scale=self.static_scale, block_size=self.block_size, where=where
+            )
         return quantize_tensor(
             x,
             self.format,
             amax=self._amax_for(x, index, amax),
             block_size=self.block_size,
-            where=self.label or "quantizer",
+            where=where,
         )
 
     def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
         """``dequantize(quantize(x))`` in ``x``'s dtype.
 
         Exactly the tensor a loader gets by dequantizing the exported form (no
-        gradient flows: this is post-training quantization, not QAT).
+        gradient flows: this is post-training quantization, not QAT). Laid out like
+        ``x`` (a transposed view stays transposed), so a matmul with it runs the
+        same kernel as with a loader's dequantized weight stored in ``x``'s layout.
         """
-        return dequantize(self.quantize(x), x.dtype)
+        out = dequantize(self.quantize(x), x.dtype)
+        if out.stride() != x.stride():  # NVFP4 / INT4 unpack into a contiguous tensor
+            out = torch.empty_like(x).copy_(out)
+        return out
 
     @property
     def scale(self) -> torch.Tensor:
@@ -149,8 +165,11 @@ class TensorQuantizer(nn.Module):
 
         FP8 / INT: ``amax / maxbound``; NVFP4: ``amax / (6 * 448)`` (its second-level
         scale, exported as ``weight_scale_2`` / ``input_scale``). Safe: a zero amax
-        gives 1.0 and a NaN/inf amax raises :class:`QuantizationError`.
+        gives 1.0 and a NaN/inf amax raises :class:`QuantizationError`. A loaded
+        :attr:`static_scale` is returned as it is.
         """
+        if self.static_scale is not None:
+            return self.static_scale
         return self.scale_from(self.amax)
 
     def scale_from(self, amax: torch.Tensor | None) -> torch.Tensor:
@@ -161,8 +180,47 @@ class TensorQuantizer(nn.Module):
             )
         if self.min_scale is not None:
             amax = torch.clamp(amax, min=self.min_scale * FP8_MAX)
-        divisor = self.format.maxbound * (FP8_MAX if self.format is QuantFormat.NVFP4 else 1.0)
-        return safe_scale(amax, divisor, where=self.label or "quantizer")
+        return safe_scale(amax, self._divisor(), where=self.label or "quantizer")
+
+    def _divisor(self) -> float:
+        """``amax / scale``: the format's maxbound (NVFP4: ``6 * 448``, its two levels)."""
+        return self.format.maxbound * (FP8_MAX if self.format is QuantFormat.NVFP4 else 1.0)
+
+    def load_scale(
+        self, scale: torch.Tensor, fmt: QuantFormat | str, *, block_size: int | None = None
+    ) -> None:
+        """Enable this quantizer as a static one whose :attr:`scale` is an exported ``scale``.
+
+        ``scale`` becomes :attr:`static_scale` and is used as it is (FP8: the
+        ``input_scale`` / ``k_scale``; NVFP4 activations: the per-tensor second-level
+        scale), so a checkpoint's activation scale quantizes exactly as the quantizer
+        that exported it: deriving it back from ``amax = scale * maxbound`` would not
+        (``fl(fl(s * 448) / 448) != s`` for some float32 ``s``). ``amax`` is set to
+        ``scale * maxbound`` for information; ``min_scale`` is dropped.
+
+        Raises :class:`QuantizationError` for a scale that is not a single finite,
+        positive number, or an INT format (activations are FP8 or NVFP4).
+        """
+        fmt = QuantFormat(fmt)
+        where = self.label or "quantizer"
+        if fmt not in (QuantFormat.FP8, QuantFormat.NVFP4):
+            raise QuantizationError(
+                f"{where}: static activation scales are FP8 or NVFP4, got {fmt}; "
+                "INT formats quantize weights only"
+            )
+        value = scale.detach().to(torch.float32)
+        if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) <= 0:
+            raise QuantizationError(
+                f"{where}: an exported activation scale must be one finite positive number, "
+                f"got shape {tuple(scale.shape)} value(s) {value.flatten()[:4].tolist()}; "
+                "the checkpoint is corrupt or was not written by a per-tensor exporter"
+            )
+        self.format = fmt
+        self.block_size = block_size
+        self.min_scale = None
+        self.static_scale = value.reshape(())
+        self.amax = self.static_scale * self._divisor()
+        self.enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Calibrate or fake-quantize ``x`` (identity when disabled)."""
