@@ -350,24 +350,23 @@ class ExportCheckSession:
 
     @cached_property
     def goldens_dir(self) -> Path:
-        """--export-goldens-dir, else ``goldens/`` under rootdir, else the package's own.
+        """--export-goldens-dir, else ``goldens/`` under rootdir.
 
-        ``--export-update-goldens`` never writes into the installed package: without
-        a goldens directory it creates ``goldens/`` under rootdir.
+        Goldens missing there are read from the package's own (built-in exporters);
+        ``--export-update-goldens`` writes only here, never into the installed package.
         """
         if self.options.goldens_dir is not None:
             return self.options.goldens_dir
-        local = self.config.rootpath / "goldens"
-        if local.is_dir() or self.options.update_goldens:
-            return local
-        return Path(pytest_exportcheck.__file__).parent / "goldens"
+        return self.config.rootpath / "goldens"
 
     @cached_property
     def goldens(self) -> Any:
         """The golden store handed to every case."""
-        from pytest_exportcheck.goldens import GoldenStore
+        from pytest_exportcheck.goldens import BUILTIN_GOLDENS, GoldenStore
 
-        return GoldenStore(self.goldens_dir, update=self.options.update_goldens)
+        return GoldenStore(
+            self.goldens_dir, update=self.options.update_goldens, fallbacks=(BUILTIN_GOLDENS,)
+        )
 
     def _tmp_factory(self) -> pytest.TempPathFactory:
         # pytest keeps its session TempPathFactory on the config (the tmp_path_factory

@@ -24,11 +24,12 @@ import difflib
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytest_exportcheck.checks._api import CheckResult
+if TYPE_CHECKING:  # the check package imports this module: no import cycle at run time
+    from pytest_exportcheck.checks._api import CheckResult
 
 __all__ = [
     "GOLDEN_SUFFIX",
@@ -94,18 +95,30 @@ def safetensors_digest(directory: Path) -> dict[str, dict[str, Any]]:
     return dict(sorted(digest.items()))
 
 
+#: Goldens of the built-in module exporters, shipped inside the package
+#: (``pytest_exportcheck/_goldens`` is the repo's ``goldens/`` directory).
+BUILTIN_GOLDENS = Path(__file__).resolve().parent / "_goldens"
+
+
 class GoldenStore:
     """Golden files under ``directory``; ``update=True`` rewrites instead of comparing.
 
     Args:
         directory: where ``<name>.json`` files live (``goldens/`` of the repo, or
-            ``--export-goldens-dir``).
+            ``--export-goldens-dir``); updates are written here.
         update: ``--export-update-goldens``: write every compared golden and pass.
+        fallbacks: read-only directories consulted, in order, for a golden that
+            ``directory`` does not have (the goldens of the built-in exporters
+            shipped with the package, :data:`BUILTIN_GOLDENS`), so a third-party
+            repo with its own ``goldens/`` still checks the built-ins.
     """
 
-    def __init__(self, directory: str | Path, update: bool = False) -> None:
+    def __init__(
+        self, directory: str | Path, update: bool = False, fallbacks: Sequence[str | Path] = ()
+    ) -> None:
         self.directory = Path(directory)
         self.update = update
+        self.fallbacks = tuple(Path(f) for f in fallbacks if Path(f) != Path(directory))
 
     def __repr__(self) -> str:
         return f"GoldenStore({str(self.directory)!r}, update={self.update})"
@@ -123,9 +136,22 @@ class GoldenStore:
         """Where a mismatching result of ``name`` is written (``<name>.obtained``)."""
         return self.directory / f"{name}{OBTAINED_SUFFIX}"
 
+    def _existing(self, name: str) -> Path:
+        """The golden file to compare with: ``directory``'s, else the first fallback's."""
+        golden = self.path(name)
+        if golden.exists():
+            return golden
+        for directory in self.fallbacks:
+            candidate = directory / golden.relative_to(self.directory)
+            if candidate.exists():
+                return candidate
+        return golden
+
     def check(self, name: str, data: Mapping[str, Any]) -> CheckResult:
         """Compare ``data`` with the golden ``name``; see the module docstring for outcomes."""
-        golden = self.path(name)
+        from pytest_exportcheck.checks._api import CheckResult
+
+        golden = self.path(name) if self.update else self._existing(name)
         obtained = self.obtained_path(name)
         text = dump_golden(data)
         if self.update:

@@ -87,3 +87,23 @@ def test_safetensors_digest_covers_every_shard(tmp_path: Path) -> None:
     save_file({"a": a}, str(tmp_path / "extra.safetensors"))
     with pytest.raises(ValueError, match="more than one shard"):
         safetensors_digest(tmp_path)
+
+
+def test_fallback_goldens_are_read_but_never_written(tmp_path: Path) -> None:
+    shipped, local = tmp_path / "shipped", tmp_path / "local"
+    GoldenStore(shipped, update=True).check("fp8/x", {"a": 1})
+    before = (shipped / "fp8" / "x.json").read_text()
+    store = GoldenStore(local, fallbacks=(shipped,))
+    assert store.check("fp8/x", {"a": 1}).status == "pass"
+    mismatch = store.check("fp8/x", {"a": 2})
+    assert mismatch.status == "fail"
+    assert str(shipped / "fp8" / "x.json") in mismatch.message
+    assert GoldenStore(local, update=True, fallbacks=(shipped,)).check("fp8/x", {"a": 2}).ok
+    assert (local / "fp8" / "x.json").exists()
+    assert (shipped / "fp8" / "x.json").read_text() == before
+
+
+def test_builtin_goldens_ship_inside_the_package() -> None:
+    from pytest_exportcheck.goldens import BUILTIN_GOLDENS
+
+    assert (BUILTIN_GOLDENS / "fp8_buffers" / "quant_linear.json").is_file()
