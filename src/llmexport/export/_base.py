@@ -265,7 +265,9 @@ def accepted_kwargs(fn: Callable[..., Any], skip: int = 2) -> tuple[list[str], b
     return names, var_kw
 
 
-def check_kwargs(where: str, fn: Callable[..., Any], kwargs: Mapping[str, Any], skip: int = 2) -> None:
+def check_kwargs(
+    where: str, fn: Callable[..., Any], kwargs: Mapping[str, Any], skip: int = 2
+) -> None:
     """Raise :class:`UnknownOptionError` (a ``TypeError``) for kwargs ``fn`` does not accept.
 
     Functions with ``**kwargs`` are responsible for their own checking.

@@ -32,7 +32,10 @@ def infer_vocab_size(model: nn.Module) -> int:
 
 
 def make_input_ids(
-    vocab_size: int, batch: int = DEFAULT_BATCH, seq: int = DEFAULT_SEQ, seed: int = 0,
+    vocab_size: int,
+    batch: int = DEFAULT_BATCH,
+    seq: int = DEFAULT_SEQ,
+    seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> torch.Tensor:
     """Deterministic ``input_ids`` [batch, seq] (int64), identical on every torch version and device.
@@ -53,7 +56,11 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def resolve_example_inputs(
-    model: nn.Module, example_inputs: Any = None, *, batch: int = DEFAULT_BATCH, seq: int = DEFAULT_SEQ
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    batch: int = DEFAULT_BATCH,
+    seq: int = DEFAULT_SEQ,
 ) -> tuple[torch.Tensor, ...]:
     """Normalize ``example_inputs`` to a tuple of tensors whose first is integer ``input_ids``.
 
@@ -62,9 +69,13 @@ def resolve_example_inputs(
     if example_inputs is None:
         ids = make_input_ids(infer_vocab_size(model), batch, seq, device=_model_device(model))
         return (ids,)
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    inputs = (
+        tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    )
     if not inputs:
-        raise InvalidInputError("example_inputs is empty; expected an input_ids tensor [batch, seq]")
+        raise InvalidInputError(
+            "example_inputs is empty; expected an input_ids tensor [batch, seq]"
+        )
     ids = inputs[0]
     if not isinstance(ids, torch.Tensor):
         raise InvalidInputError(

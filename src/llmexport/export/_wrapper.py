@@ -31,7 +31,11 @@ def extract_logits(output: Any, *, where: str = "model") -> torch.Tensor:
     if logits is None or not logits.is_floating_point() or logits.dim() < 2:
         raise InvalidModelError(
             f"{where} forward returned {type(output).__name__}"
-            + (f" with a {tuple(logits.shape)} {logits.dtype} tensor" if isinstance(logits, torch.Tensor) else "")
+            + (
+                f" with a {tuple(logits.shape)} {logits.dtype} tensor"
+                if isinstance(logits, torch.Tensor)
+                else ""
+            )
             + "; expected logits: a float tensor [batch, seq, vocab], a (logits, cache) tuple, "
             "or an object with a .logits tensor"
         )
@@ -57,7 +61,9 @@ class ExportCacheWrapper(nn.Module):
             self._kwargs["use_cache"] = False
         self._accepts_mask = "attention_mask" in params
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         kwargs = dict(self._kwargs)
         if attention_mask is not None and self._accepts_mask:
             kwargs["attention_mask"] = attention_mask
