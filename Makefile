@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.llmexport-installed
+INTEROP_STAMP := $(VENV)/.llmexport-interop-installed
 PIP    := $(BIN)/python -m pip
 JOBS   ?= auto
 
@@ -17,9 +18,15 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PIP) install --quiet -c constraints-cpu.txt -e '.[test]'
 	@touch $(STAMP)
 
+# The reference implementations (nvidia-modelopt, compressed-tensors) for the
+# interop tests: test-only, never runtime dependencies of the package.
+$(INTEROP_STAMP): $(STAMP)
+	$(PIP) install --quiet -c constraints-cpu.txt -e '.[test,interop]'
+	@touch $(INTEROP_STAMP)
+
 install: $(STAMP)
 
-test: $(STAMP)
+test: $(INTEROP_STAMP)
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup tests
 
 lint: $(STAMP)
