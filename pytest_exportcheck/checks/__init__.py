@@ -14,6 +14,7 @@ This package imports torch; the pytest plugin imports it only when one of its
 options is given.
 """
 
+from llmexport.export._compare import LogitsComparison, compare_logits
 from pytest_exportcheck.checks import exporters, golden_checks, targets
 from pytest_exportcheck.checks._api import (
     CHECKS,
@@ -24,7 +25,6 @@ from pytest_exportcheck.checks._api import (
     check,
     get_check,
 )
-from pytest_exportcheck.checks._numeric import LogitsComparison, compare_logits
 
 __all__ = [
     "CHECKS",

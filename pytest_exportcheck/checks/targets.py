@@ -29,9 +29,9 @@ from llmexport.export import (
     load_exported,
 )
 from llmexport.export._base import accepted_kwargs
+from llmexport.export._compare import compare_logits
 from llmexport.models import DecoderModel, seeded_init_
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
-from pytest_exportcheck.checks._numeric import compare_logits
 from pytest_exportcheck.checks._support import (
     TRACED_SHAPE,
     CheckAbort,

@@ -194,7 +194,13 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from llmexport.export import export_model, extract_logits, load_exported, make_input_ids
+    from llmexport.export import (
+        compare_logits,
+        export_model,
+        extract_logits,
+        load_exported,
+        make_input_ids,
+    )
     from llmexport.export._inputs import infer_vocab_size
 
     options = _parse_options(args.option)
@@ -218,15 +224,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
         kwargs = {"use_cache": False} if "use_cache" in model.forward.__code__.co_varnames else {}
         expected = extract_logits(model(ids, **kwargs)).float()
         actual = torch.as_tensor(load_exported(args.target, path)(ids)).float()
-    diff = (actual - expected).abs()
-    max_abs = float(diff.max())
-    max_rel = float((diff / expected.abs().clamp_min(1e-12)).max())
-    ok = bool(torch.all(diff <= info.atol + info.rtol * expected.abs()))
-    print(
-        f"verify: max abs diff {max_abs:.3e}, max rel diff {max_rel:.3e} "
-        f"(tolerance atol={info.atol:g} rtol={info.rtol:g}): {'OK' if ok else 'MISMATCH'}"
-    )
-    return 0 if ok else 1
+    comparison = compare_logits(actual, expected, info.atol, info.rtol)
+    print(f"verify: {comparison.summary()}: {'OK' if comparison.passed else 'MISMATCH'}")
+    return 0 if comparison.passed else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from llmexport.export._base import (
     load_exported,
     runtime_loader,
 )
+from llmexport.export._compare import LogitsComparison, compare_logits
 from llmexport.export._inputs import infer_vocab_size, make_input_ids, resolve_example_inputs
 from llmexport.export._wrapper import ExportCacheWrapper, extract_logits
 
@@ -30,11 +31,13 @@ __all__ = [
     "RUNTIME_REGISTRY",
     "ExportCacheWrapper",
     "ExportFactory",
+    "LogitsComparison",
     "RuntimeCallable",
     "RuntimeLoader",
     "TargetInfo",
     "atomic_output",
     "check_kwargs",
+    "compare_logits",
     "ensure_exporters_registered",
     "export_model",
     "export_target",

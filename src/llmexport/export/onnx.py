@@ -44,6 +44,7 @@ from torch import nn
 
 from llmexport.errors import InvalidInputError, InvalidModelError
 from llmexport.export._base import export_target
+from llmexport.export._compare import compare_logits
 from llmexport.export._inputs import resolve_example_inputs
 from llmexport.export._moe import traceable_model
 from llmexport.export._quiet import CapturedNoise, warn_caller
@@ -542,16 +543,6 @@ class OnnxVerification:
         return text + (f" ({self.error})" if self.error else "")
 
 
-def _compare(
-    actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float
-) -> tuple[float, float, float]:
-    diff = (actual.double() - expected.double()).abs()
-    ref = expected.double().abs()
-    rel = diff / ref.clamp_min(torch.finfo(torch.float32).tiny)
-    bad = ~(diff <= atol + rtol * ref)  # NaN counts as a mismatch
-    return float(diff.max()), float(rel.max()), float(bad.double().mean())
-
-
 def verify_onnx(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -602,16 +593,16 @@ def verify_onnx(
             False,
             "shape mismatch",
         )
-    max_abs, max_rel, mismatch = _compare(actual, expected, atol, rtol)
+    comparison = compare_logits(actual, expected, atol, rtol)
     return OnnxVerification(
         file,
         True,
-        max_abs,
-        max_rel,
-        mismatch,
+        comparison.max_abs,
+        comparison.max_rel,
+        comparison.mismatch_pct / 100.0,
         tuple(expected.shape),
         tuple(actual.shape),
         atol,
         rtol,
-        passed=mismatch == 0.0,
+        passed=comparison.passed,
     )

@@ -1,4 +1,7 @@
-"""One logits comparison for every check: max abs, max rel, mismatch %, NaN/inf are failures.
+"""One logits comparison for the whole project: max abs, max rel, mismatch %; NaN/inf fail.
+
+Used by :func:`llmexport.export.onnx.verify_onnx`, ``llmexport export --verify`` and
+every conformance check, so a number means the same thing wherever it is printed.
 
 The comparison is ``|actual - expected| <= atol + rtol * |expected|`` elementwise
 (the convention of :class:`llmexport.export.TargetInfo` and ``torch.isclose``),
