@@ -80,6 +80,16 @@ def test_fp8_layout_and_scale_is_amax_over_448() -> None:
     assert q.data.float().abs().max().item() == 448.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_codes_of_a_large_weight_are_the_elementwise_cast(dtype: torch.dtype) -> None:
+    # 600k elements: quantized in several cache-sized steps, plus a partial last one
+    x = (torch.randn(600, 1000, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    q = quantize_tensor(x, QuantFormat.FP8, amax=x.abs().amax().float())
+    expected = (x.to(torch.float32) / q.scale).to(torch.float8_e4m3fn)
+    assert (q.data.shape, q.data.is_contiguous()) == (x.shape, True)
+    assert torch.equal(q.data.view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_nvfp4_packs_even_column_in_low_nibble_with_fp8_block_scales() -> None:
     # One block of 16 with amax 6: weight_scale_2 = 6 / (6 * 448), block scale = 448.
     x = torch.zeros(1, 16)

@@ -201,9 +201,39 @@ def _require_block(block_size: int | None, fmt: QuantFormat) -> int:
     return block_size
 
 
+#: Elements per step of the chunked CPU FP8 cast: a 1 MiB float32 scratch that stays in cache.
+_FP8_CHUNK = 1 << 18
+
+
 def _quantize_fp8(x: torch.Tensor, scale: torch.Tensor, where: str) -> QuantizedTensor:
-    data = (x.detach().to(torch.float32) / scale).to(torch.float8_e4m3fn)
+    x = x.detach()
+    if x.device.type == "cpu" and scale.numel() == 1 and x.is_contiguous() and x.numel() > _FP8_CHUNK:
+        data = _fp8_codes_chunked(x, scale)
+    else:
+        data = (x.to(torch.float32) / scale).to(torch.float8_e4m3fn)
     return QuantizedTensor(QuantFormat.FP8, data, scale, shape=tuple(x.shape), dtype=x.dtype)
+
+
+def _fp8_codes_chunked(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(x.float() / scale).to(float8_e4m3fn)`` through one small reused float32 scratch.
+
+    The same elementwise float32 division and cast, so the same bytes; but no
+    full-size float32 temporaries, whose fresh pages (zeroed by the kernel on
+    first touch) cost more than the arithmetic on a large weight.
+    """
+    flat = x.reshape(-1)
+    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    codes = data.view(-1)
+    scratch = torch.empty(_FP8_CHUNK, dtype=torch.float32)
+    for start in range(0, flat.numel(), _FP8_CHUNK):
+        chunk = flat[start : start + _FP8_CHUNK]
+        buf = scratch[: chunk.numel()]
+        if chunk.dtype == torch.float32:
+            torch.div(chunk, scale, out=buf)
+        else:  # widen first: a float32 0-d scale would not promote a bf16 chunk
+            buf.copy_(chunk).div_(scale)
+        codes[start : start + chunk.numel()].copy_(buf)
+    return data
 
 
 def _blocks(x: torch.Tensor, block: int, fmt: QuantFormat, where: str) -> torch.Tensor:
