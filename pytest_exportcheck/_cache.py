@@ -1,10 +1,16 @@
 """The artifact cache behind ``TargetCase.export``: in session, and across runs on disk.
 
 An artifact is keyed by everything that can change it: target, variant and extra
-export kwargs, model family, seed, a fingerprint of the built model (class, config,
-state-dict names, shapes, dtypes and bytes), the source of the package that
-provides the target, and the versions of Python, llmexport, torch, transformers,
-onnx and onnxruntime.
+export kwargs, model family and seed (or, for a model a check built itself, its
+class), a fingerprint of the built model (class, config, state-dict names,
+shapes, dtypes and bytes), the source of the package that provides the target
+and of the one that defines the model's class (unless a versioned library
+below), and the versions of Python, llmexport, torch, transformers, onnx and
+onnxruntime.
+
+The export runs into an empty directory, which must afterwards hold the
+returned artifact (and whatever it wrote next to it): a returned path that does
+not exist or lies elsewhere fails with :class:`ArtifactPathError`.
 
 Layout: ``<root>/<key>/`` holds ``meta.json`` and ``out/<artifact>`` (plus whatever
 the target writes beside it, e.g. ONNX external data). An entry is built in a
@@ -32,12 +38,14 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ArtifactCache", "model_fingerprint", "source_digest"]
+from llmexport.errors import ExportError
+
+__all__ = ["ArtifactCache", "ArtifactPathError", "code_digest", "model_fingerprint", "source_digest"]
 
 logger = logging.getLogger(__name__)
 
 #: Bump when the layout or the key changes.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 _VERSIONED = ("llmexport", "torch", "transformers", "onnx", "onnxruntime", "onnxscript")
 
@@ -47,6 +55,10 @@ def _version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+class ArtifactPathError(ExportError):
+    """An export returned a path that does not exist or is not in its output directory."""
 
 
 @cache
@@ -97,6 +109,14 @@ def model_fingerprint(model: Any) -> str:
     return digest.hexdigest()
 
 
+def code_digest(cls: type) -> str:
+    """:func:`source_digest` of the package defining ``cls``; its version for a versioned library."""
+    top = cls.__module__.split(".", 1)[0]
+    if top in _VERSIONED and top != "llmexport":
+        return f"{top}=={_version(top)}"
+    return source_digest(cls.__module__)
+
+
 def _canonical(value: Any) -> Any:
     """A JSON-able, deterministic stand-in for an export kwarg value."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -142,19 +162,21 @@ class ArtifactCache:
         target: str,
         factory: Callable[..., Any],
         kwargs: Mapping[str, Any],
-        model: str,
+        model: Any,
         seed: int,
         device: str,
     ) -> str:
-        """The cache key of one export (hex sha256)."""
+        """The cache key of one export (hex sha256); ``model``: a family name or a model."""
         material = {
             "format": CACHE_FORMAT,
             "target": target,
             "kwargs": _canonical(dict(kwargs)),
-            "model": model,
-            "seed": seed,
+            "model": model if isinstance(model, str) else _class_name(type(model)),
+            "seed": seed if isinstance(model, str) else None,
             "device": device,
-            "model_fingerprint": self._fingerprint(model, seed),
+            "model_fingerprint": (
+                self._fingerprint(model, seed) if isinstance(model, str) else _fingerprint_of(model)
+            ),
             "source": source_digest(getattr(factory, "__module__", None) or "?"),
             "versions": library_versions(),
         }
@@ -163,23 +185,25 @@ class ArtifactCache:
 
     def _fingerprint(self, model: str, seed: int) -> str:
         if (model, seed) not in self._fingerprints:
-            self._fingerprints[(model, seed)] = model_fingerprint(self.build_model(model, seed))
+            self._fingerprints[(model, seed)] = _fingerprint_of(self.build_model(model, seed))
         return self._fingerprints[(model, seed)]
 
     def export(
         self,
         target: str,
         kwargs: Mapping[str, Any],
-        model: str,
+        model: Any,
         *,
         seed: int = 0,
         device: str = "cpu",
         suffix: str = "",
         directory: bool = False,
     ) -> Path:
-        """The artifact of ``model`` (built on ``device``) exported with ``target`` and ``kwargs``.
+        """The artifact of ``model`` exported with ``target`` and ``kwargs``.
 
-        The returned path is shared between checks and runs and read-only.
+        ``model`` is a toy family name (built with ``seed`` on ``device``) or a
+        model instance (exported as it is; ``seed`` is ignored). The returned path
+        is shared between checks and runs and read-only.
 
         A failed export is remembered for the session and raised again, so a broken
         target costs one export attempt per key, not one per check.
@@ -209,7 +233,7 @@ class ArtifactCache:
         key: str,
         target: str,
         kwargs: Mapping[str, Any],
-        model: tuple[str, int, str],
+        model: tuple[Any, int, str],
         suffix: str,
         directory: bool,
     ) -> Path:
@@ -225,7 +249,8 @@ class ArtifactCache:
             try:
                 name = "artifact" if directory else f"model{suffix}"
                 artifact = self._export(target, kwargs, model, staging / "out" / name)
-                meta = {"target": target, "model": list(model),
+                label = model[0] if isinstance(model[0], str) else _class_name(type(model[0]))
+                meta = {"target": target, "model": [label, *model[1:]],
                         "artifact": str(artifact.relative_to(staging / "out"))}
                 (staging / "meta.json").write_text(json.dumps(meta, sort_keys=True))
                 _make_read_only(staging / "out")
@@ -240,16 +265,37 @@ class ArtifactCache:
             return published
 
     def _export(
-        self, target: str, kwargs: Mapping[str, Any], model: tuple[str, int, str], out: Path
+        self, target: str, kwargs: Mapping[str, Any], model: tuple[Any, int, str], out: Path
     ) -> Path:
         from llmexport.export import export_model
 
         name, seed, device = model
         out.parent.mkdir(parents=True, exist_ok=True)
-        logger.info("exporting %s with %s%s", name, target, f" {dict(kwargs)}" if kwargs else "")
-        built = self.build_model(name, seed).to(device)
-        path = export_model(target, built, out, **kwargs)
-        return Path(path).resolve()
+        label = name if isinstance(name, str) else _class_name(type(name))
+        logger.info("exporting %s with %s%s", label, target, f" {dict(kwargs)}" if kwargs else "")
+        built = self.build_model(name, seed).to(device) if isinstance(name, str) else name
+        returned = Path(export_model(target, built, out, **kwargs))
+        path = returned.resolve()
+        if not path.exists():
+            raise ArtifactPathError(
+                f"exporting {label!r} with target {target!r} returned {returned}, which does not "
+                "exist; return the path of the artifact the export wrote"
+            )
+        if path.parent != out.parent.resolve():
+            raise ArtifactPathError(
+                f"exporting {label!r} with target {target!r} to {out} returned {returned}, not a "
+                f"path in the output directory {out.parent}; write the artifact there"
+            )
+        return path
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _fingerprint_of(model: Any) -> str:
+    """:func:`model_fingerprint` plus the :func:`code_digest` of the model's class."""
+    return f"{model_fingerprint(model)}:{code_digest(type(model))}"
 
 
 def _read_entry(entry: Path) -> Path | None:

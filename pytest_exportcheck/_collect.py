@@ -171,17 +171,27 @@ def _target_items(
     p: Plan,
     index: Mapping[str, int],
 ) -> list[ItemSpec]:
+    """The row's items: checks without a model, then per (model, device) every per-model check.
+
+    Adjacent items of one model share its artifact and loaded runtime; xdist's
+    ``--dist load`` hands out runs of consecutive items, so they mostly land on
+    one worker, which then loads the artifact once.
+    """
     column = f"{target.name}:{variant}" if variant else target.name
+    checks = list(checks)
+    combos: list[tuple[CheckSpec, str | None, str]] = [
+        (spec, None, device) for spec in checks if not spec.per_model for device in p.devices
+    ]
+    combos += [(spec, model, device) for model in p.models for device in p.devices
+               for spec in checks if spec.per_model]
     items: list[ItemSpec] = []
-    for spec in checks:
-        for model in p.models if spec.per_model else (None,):
-            for device in p.devices:
-                params = (column, device) if model is None else (column, model, device)
-                items.append(ItemSpec(
-                    spec.id, "target", column, params, target=target.name, variant=variant,
-                    export_kwargs=kwargs, model=model, device=device,
-                    skip=_capability_gap(target, spec, device), check_index=index[spec.id],
-                ))
+    for spec, model, device in combos:
+        params = (column, device) if model is None else (column, model, device)
+        items.append(ItemSpec(
+            spec.id, "target", column, params, target=target.name, variant=variant,
+            export_kwargs=kwargs, model=model, device=device,
+            skip=_capability_gap(target, spec, device), check_index=index[spec.id],
+        ))
     return items
 
 

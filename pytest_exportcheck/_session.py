@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import re
 from collections.abc import Iterator, Mapping
 from functools import cached_property
@@ -70,7 +71,9 @@ class ExportCheckSession:
         self._plan = self._resolve_plan()
         self._collect_xfails()
         _register_hypothesis_profile()
-        if not _is_worker(self.config):
+        if _is_worker(self.config):
+            _share_cpus_between_workers(self.config)
+        else:
             self._warn_unmatched_xfails()
 
     @cached_property
@@ -313,7 +316,8 @@ class ExportCheckSession:
         return TargetCase(
             target=spec.target, variant=spec.variant, export_kwargs=dict(spec.export_kwargs),
             model_name=spec.model, device=spec.device or "cpu",
-            export=functools.partial(self._export, spec), **common,
+            export=functools.partial(self._export, spec),
+            export_instance=functools.partial(self._export, spec), **common,
         )
 
     def _require_accepted(self, target: str, model: str) -> None:
@@ -326,13 +330,16 @@ class ExportCheckSession:
         if reason:
             pytest.skip(f"target {target!r} does not accept model {model!r}: {reason}")
 
-    def _export(self, spec: ItemSpec, model_name: str, **extra: Any) -> Path:
-        """``TargetCase.export``: the cached artifact of ``model_name`` for this target row."""
+    def _export(self, spec: ItemSpec, model: Any, **extra: Any) -> Path:
+        """``TargetCase.export`` / ``export_instance``: the cached artifact for this target row.
+
+        ``model`` is a toy family name or a model a check built itself.
+        """
         if spec.target is None:  # pragma: no cover
             raise RuntimeError(f"item {spec.name} has no target to export with")
         info = self.discovery.targets[spec.target]
         return self.cache.export(
-            spec.target, {**spec.export_kwargs, **extra}, model_name, seed=SEED,
+            spec.target, {**spec.export_kwargs, **extra}, model, seed=SEED,
             device=spec.device or "cpu", suffix=info.suffix,
             directory=info.artifact == "directory",
         )
@@ -419,6 +426,33 @@ def build_toy_model(name: str, seed: int) -> Any:
     from llmexport.models import build_model
 
     return build_model(name, seed=seed)
+
+
+#: Environment variables with which a user fixes the thread count; they win over the share.
+_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _share_cpus_between_workers(config: pytest.Config) -> None:
+    """Give each xdist worker its share of the CPUs for torch's intra-op thread pool.
+
+    torch sizes its pool to every core of the machine in every process, so with
+    ``-n auto`` N workers run N x cores spinning OpenMP threads on the cores:
+    measured on 2 cores, quantizing and exporting the toy models got 10-20x slower
+    than with one thread per worker. A thread count the user fixed through
+    ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` is kept.
+    """
+    if any(os.environ.get(name) for name in _THREAD_ENV):
+        return
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1) or 1)
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    share = max(1, cpus // workers)
+    import torch
+
+    if share < torch.get_num_threads():
+        logger.info("exportcheck worker: torch threads %d -> %d (%d workers)",
+                    torch.get_num_threads(), share, workers)
+        torch.set_num_threads(share)
 
 
 def _register_hypothesis_profile() -> None:

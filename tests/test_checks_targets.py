@@ -271,6 +271,38 @@ def test_files_next_to_the_artifact_fail_artifact_contract(
     assert "['export.log']" in result.message
 
 
+def test_files_next_to_a_cached_artifact_fail_artifact_contract(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    """With the plugin's shared export, the export's own directory is inspected."""
+    target = fake_target(littering_export)
+    case = make_case(tmp_path, target, model=None)
+    case.export = cached_export(case, tmp_path / "cache")
+    result = run("artifact_contract", case)
+    assert result.status == "fail"
+    assert "['export.log']" in result.message
+
+
+def test_a_path_outside_the_output_directory_fails_artifact_contract_through_the_cache(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    """The plugin's cache refuses an artifact returned outside its export directory."""
+    from pytest_exportcheck._cache import ArtifactCache
+    from pytest_exportcheck._session import build_toy_model
+
+    def elsewhere(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
+        target = Path(output_path).parent.parent / "elsewhere.pt"
+        return good_export(model, target, example_inputs=example_inputs)
+
+    target = fake_target(elsewhere)
+    cache = ArtifactCache(tmp_path / "session", tmp_path / "root", build_toy_model)
+    case = make_case(tmp_path, target, model=None)
+    case.export = lambda model, **extra: cache.export(target, extra, model, suffix=".pt")
+    result = run("artifact_contract", case)
+    assert result.status == "fail"
+    assert "not a path in the output directory" in result.message
+
+
 def test_companion_files_are_allowed_for_multi_file_targets(
     tmp_path: Path, fake_target: Callable[..., str]
 ) -> None:
@@ -289,6 +321,19 @@ def test_companion_files_are_allowed_for_multi_file_targets(
 def test_salted_exports_fail_deterministic(tmp_path: Path, fake_target: Callable[..., str]) -> None:
     target = fake_target(salted_export, salted_loader)
     result = run("deterministic", make_case(tmp_path, target, model=None))
+    assert result.status == "fail"
+    assert "different outputs" in result.message
+
+
+def test_salted_export_differs_from_its_cached_artifact(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    """A cached artifact (from this run or an earlier one) against a fresh export still fails."""
+    target = fake_target(salted_export, salted_loader)
+    case = make_case(tmp_path, target, model=None)
+    case.export = cached_export(case, tmp_path / "cache")
+    case.export("decoder")  # e.g. cached by an earlier run
+    result = run("deterministic", case)
     assert result.status == "fail"
     assert "different outputs" in result.message
 

@@ -338,3 +338,25 @@ def test_example_plugin_passes_the_suite(pytester: pytest.Pytester, monkeypatch:
         "roundtrip_logits * 1/1",
         "export_contract * 1/1",
     ])
+
+
+def test_cached_exports_serve_the_next_run_except_the_fresh_one_deterministic_needs(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """artifact_contract and cache_wrapper use cached artifacts (the toy model's, and the
+    check's own ``(logits, cache)`` model's), so a second run exports only the one fresh
+    copy ``deterministic`` compares the cached artifact with."""
+    counter = _env(pytester, monkeypatch, install(pytester.path / "site"))
+    args = ["--export-targets=good", "--export-models=tiny",
+            "--export-checks=artifact_contract,cache_wrapper,deterministic",
+            "--export-report=report.json"]
+    first = pytester.runpytest_subprocess(*args)
+    assert first.ret == pytest.ExitCode.OK, first.stdout.str()
+    # decoder (artifact_contract and deterministic share it), cache_wrapper's model, the fresh one
+    assert _exports(counter) == ["good"] * 3
+    second = pytester.runpytest_subprocess(*args)
+    assert second.ret == pytest.ExitCode.OK, second.stdout.str()
+    assert _exports(counter) == ["good"] * 4
+    items = _items(pytester.path / "report.json")
+    assert items["artifact_contract[good-cpu]"]["details"] == {"companions": []}
+    assert "identical outputs" in items["deterministic[good-cpu]"]["message"]

@@ -73,11 +73,16 @@ class TargetCase:
         workdir: an empty directory the check may write into.
         export: ``(model_name, **extra_kwargs) -> Path`` exporting that family with
             this target/variant, cached by the plugin; checks should use it instead
-            of calling ``export_model`` when the artifact can be shared.
+            of calling ``export_model`` when the artifact can be shared. The
+            artifact is exported into an empty directory of its own (so its
+            directory holds exactly what the export wrote) and must not be modified.
         seed: model seed.
         goldens: a golden store (``pytest_exportcheck.goldens``) honouring
             ``--export-goldens-dir`` / ``--export-update-goldens``, or ``None``.
         options: the resolved plugin options (read-only), for checks that need them.
+        export_instance: ``(model, **extra_kwargs) -> Path``: like ``export``, for
+            a model the check built itself (cached by its class, config, weights
+            and source); ``None``: checks export such models afresh.
     """
 
     target: str
@@ -90,6 +95,7 @@ class TargetCase:
     seed: int = 0
     goldens: Any = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    export_instance: Callable[..., Path] | None = None
 
     @property
     def target_id(self) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,8 +43,10 @@ __all__ = [
     "eager_logits",
     "error_text",
     "export_fresh",
+    "export_instance",
     "input_ids_for",
     "load_runtime",
+    "load_shared_runtime",
     "run_runtime",
     "shared_artifact",
 ]
@@ -192,6 +195,15 @@ def shared_artifact(case: TargetCase, model_name: str, **extra: Any) -> Path:
     return export_fresh(case, model, case.workdir / "shared" / model_name, **extra)
 
 
+def export_instance(case: TargetCase, model: nn.Module, directory: Path, **extra: Any) -> Path:
+    """``model`` (built by the check) exported with the case's target: cached by the plugin
+    when ``case.export_instance`` is set, else afresh into ``directory``."""
+    if case.export_instance is not None:
+        what = f"export of {type(model).__name__} with target {case.target_id!r}"
+        return Path(attempt(what, case.export_instance, model, **extra))
+    return export_fresh(case, model, directory, **extra)
+
+
 def runtime_kwargs(case: TargetCase) -> dict[str, Any]:
     """``device=...`` for the runtime loader when it takes one (always off the CPU)."""
     names, var_kw = accepted_kwargs(runtime_loader(case.target), skip=1)
@@ -204,6 +216,32 @@ def load_runtime(case: TargetCase, artifact: Path) -> Callable[[torch.Tensor], A
     """The artifact loaded in the target's own runtime."""
     what = f"loading {artifact.name} in the runtime of {case.target_id!r}"
     return attempt(what, load_exported, case.target, artifact, **runtime_kwargs(case))
+
+
+#: Loaded runtimes of shared artifacts, most recent last (see :func:`load_shared_runtime`).
+_SHARED_RUNTIMES: OrderedDict[tuple[Any, ...], Callable[[torch.Tensor], Any]] = OrderedDict()
+_SHARED_RUNTIMES_KEPT = 4
+
+
+def load_shared_runtime(case: TargetCase, artifact: Path) -> Callable[[torch.Tensor], Any]:
+    """:func:`load_runtime` of a shared artifact, reused by the next checks of this process.
+
+    Only for artifacts from ``case.export`` (the plugin's read-only cache): the
+    per-model checks of one artifact (``roundtrip_logits``, ``dynamic_shapes``)
+    then load it once. The last few are kept; anything else loads afresh.
+    """
+    if case.export is None:
+        return load_runtime(case, artifact)
+    kwargs = runtime_kwargs(case)
+    stat = artifact.stat()
+    key = (case.target, str(artifact), stat.st_mtime_ns, stat.st_size, repr(sorted(kwargs.items())))
+    runtime = _SHARED_RUNTIMES.pop(key, None)
+    if runtime is None:
+        runtime = load_runtime(case, artifact)
+    _SHARED_RUNTIMES[key] = runtime
+    while len(_SHARED_RUNTIMES) > _SHARED_RUNTIMES_KEPT:
+        _SHARED_RUNTIMES.popitem(last=False)
+    return runtime
 
 
 def run_runtime(runtime: Callable[[torch.Tensor], Any], input_ids: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,10 @@ from pytest_exportcheck.checks._support import (
     eager_logits,
     error_text,
     export_fresh,
+    export_instance,
     input_ids_for,
     load_runtime,
+    load_shared_runtime,
     require_device,
     run_runtime,
     shared_artifact,
@@ -211,14 +213,19 @@ def artifact_contract(case: TargetCase) -> CheckResult:
     inside it, be a non-empty file (``artifact="file"``) or a non-empty directory
     (``artifact="directory"``), and be the only entry there, except companion files
     of a ``multi_file`` target named ``<artifact>.<something>`` (``model.onnx.data``).
-    Leftover temporaries (``.model.onnx.*.tmp``) fail.
+    Leftover temporaries (``.model.onnx.*.tmp``) fail. Under the plugin this is the
+    shared (cached) export, which the cache runs into an empty directory of its own
+    and refuses when the returned path does not exist or lies elsewhere.
     """
     info = target_info(case)
     require_device(case, info)
     name = default_model_name(case)
-    model = build_case_model(case, name)
-    out_dir = case.workdir / "artifact_contract"
-    path = export_fresh(case, model, out_dir)
+    if case.export is not None:
+        path = shared_artifact(case, name)
+        out_dir = path.parent  # the export's own directory (TargetCase.export)
+    else:
+        out_dir = case.workdir / "artifact_contract"
+        path = export_fresh(case, build_case_model(case, name), out_dir)
     problems: list[str] = []
     if not path.exists():
         return CheckResult.failed(f"export returned {path}, which does not exist")
@@ -279,7 +286,7 @@ def roundtrip_logits(case: TargetCase) -> CheckResult:
     require_device(case, info)
     name = default_model_name(case)
     model = build_case_model(case, name)
-    runtime = load_runtime(case, shared_artifact(case, name))
+    runtime = load_shared_runtime(case, shared_artifact(case, name))
     return _roundtrip(case, info, model, runtime, TRACED_SHAPE)
 
 
@@ -298,7 +305,7 @@ def dynamic_shapes(case: TargetCase) -> CheckResult:
     require_device(case, info)
     name = default_model_name(case)
     model = build_case_model(case, name)
-    runtime = load_runtime(case, shared_artifact(case, name))
+    runtime = load_shared_runtime(case, shared_artifact(case, name))
     passed: list[str] = []
     for shape in DYNAMIC_SHAPES:
         result = _roundtrip(case, info, model, runtime, shape)
@@ -345,8 +352,7 @@ def cache_wrapper(case: TargetCase) -> CheckResult:
         raw = model(input_ids_for(model, 1, 2, seed=0, device=case.device))
     if not (isinstance(raw, tuple) and len(raw) == 2):  # the premise of the check
         return CheckResult.failed(f"the test model returned {type(raw).__name__}, not (logits, cache)")
-    path = export_fresh(case, model, case.workdir / "cache_wrapper")
-    runtime = load_runtime(case, path)
+    runtime = load_runtime(case, export_instance(case, model, case.workdir / "cache_wrapper"))
     return _roundtrip(case, info, model, runtime, TRACED_SHAPE)
 
 
@@ -366,7 +372,7 @@ def deterministic(case: TargetCase) -> CheckResult:
     first = shared_artifact(case, name)
     second = export_fresh(case, model, case.workdir / "deterministic")
     ids = input_ids_for(model, *TRACED_SHAPE, seed=case.seed + _IDS_SEED, device=case.device)
-    a = run_runtime(load_runtime(case, first), ids)
+    a = run_runtime(load_shared_runtime(case, first), ids)
     b = run_runtime(load_runtime(case, second), ids)
     result = compare_logits(b, a, 0.0, 0.0)
     same_bytes = _digest(first) == _digest(second)
