@@ -12,6 +12,11 @@ JOBS   ?= auto
 
 .PHONY: install test lint conformance bench clean
 
+# Let the venv keep compiled bytecode even where the environment disables it:
+# every pytest process (one per xdist worker) would otherwise recompile torch's,
+# hypothesis' and pytest's imports on each run, ~1.5 s per process.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip

@@ -89,11 +89,27 @@ def test_checks_leave_the_global_registry_alone(tmp_path: Path) -> None:
     assert EXPORT_MODULE_REGISTRY.entries() == before
 
 
-def test_an_exporter_claiming_nothing_skips_with_the_reason(tmp_path: Path) -> None:
-    result = run("export_contract", "quant_embedding", tmp_path)
+class ClaimsNothing(ModuleExporter):
+    name = "claims_nothing"
+
+    def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
+        raise AssertionError("never dispatched: no toy model has a NoSuchQuantModule")
+
+
+def test_an_exporter_claiming_nothing_skips_with_the_reason(
+    tmp_path: Path, register_exporter: Callable[..., str]
+) -> None:
+    name = register_exporter(ClaimsNothing(), "NoSuchQuantModule")
+    result = run("export_contract", name, tmp_path)
     assert result.status == "skip"
     assert "claims no module of the toy models" in result.message
     assert "conformance_examples()" in result.message
+
+
+def test_quant_embedding_is_checked_through_its_conformance_examples(tmp_path: Path) -> None:
+    for check_id in ("export_contract", "mro_match"):
+        result = run(check_id, "quant_embedding", tmp_path)
+        assert result.status == "pass", result.message
 
 
 def test_shipped_goldens_match(tmp_path: Path) -> None:

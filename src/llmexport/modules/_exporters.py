@@ -119,6 +119,23 @@ class QuantEmbeddingExporter(ModuleExporter):
         if module.quant_algo:
             ctx.quant_config.add_layer(name, module.quant_algo, module.group_size)
 
+    def conformance_examples(self) -> list[nn.Module]:
+        """Quantized embeddings for the conformance suite.
+
+        The built-in recipes leave embeddings in full precision (as ModelOpt's
+        defaults do), so no toy model has one; these are built explicitly.
+        """
+        from llmexport.models import seeded_init_
+        from llmexport.quant import quantize
+
+        examples: list[nn.Module] = []
+        for seed, recipe in enumerate(("int8_wo", "fp8")):
+            holder = nn.ModuleDict({"embed_tokens": nn.Embedding(256, 128)})
+            seeded_init_(holder, seed)
+            quantize(holder, {"embed_tokens": recipe}, calibrate=lambda _m: None)
+            examples.append(holder["embed_tokens"])
+        return examples
+
 
 class FusedExpertsExporter(ModuleExporter):
     """Stacked experts split per expert into ``{name}.{e}.{gate,up,down}_proj.*``.
