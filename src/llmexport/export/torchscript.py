@@ -17,6 +17,7 @@ per export.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -104,7 +105,13 @@ def _warn_deprecated(noise: CapturedNoise, method: str) -> None:
 
 
 def _script(model: nn.Module) -> torch.jit.ScriptModule:
-    return torch.jit.script(model)  # type: ignore[no-any-return]
+    with warnings.catch_warnings():
+        # An advisory about attributes annotated in __init__ (transformers' models and
+        # ours do this); it is not a scripting failure and says nothing actionable.
+        warnings.filterwarnings(
+            "ignore", message="The TorchScript type system doesn't support instance-level"
+        )
+        return torch.jit.script(model)  # type: ignore[no-any-return]
 
 
 def _trace(model: nn.Module, inputs: tuple[torch.Tensor, ...], check_trace: bool) -> Any:
