@@ -36,6 +36,7 @@ test: $(INTEROP_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src pytest_exportcheck tests benchmarks examples
+	$(BIN)/ruff format --check src pytest_exportcheck tests benchmarks examples
 	$(BIN)/mypy
 
 conformance: $(STAMP)

@@ -70,7 +70,9 @@ def _build_and_calibrate(exporter: str) -> Any:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
     model.config.architectures = ["LlamaForCausalLM"]
-    batch = torch.randint(0, CONFIG["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))
+    batch = torch.randint(
+        0, CONFIG["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0)
+    )
 
     def calibrate(m: Any) -> None:
         with torch.no_grad():
@@ -135,7 +137,9 @@ def raw_write(nbytes: int, path: Path) -> float:
 def _run_child(exporter: str, out: Path) -> dict[str, float] | None:
     proc = subprocess.run(
         [sys.executable, __file__, "--child", exporter, str(out)],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if proc.returncode != 0:
         print(f"{exporter}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
@@ -177,24 +181,33 @@ def main() -> int:
             nbytes = int(results["llmexport"]["bytes"])
             raw = min(raw_write(nbytes, Path(tmp) / f"raw-{i}.bin") for i in range(args.repeat))
             results["raw_write"] = {
-                "seconds": raw, "cpu_seconds": raw, "bytes": nbytes, "added_rss_mb": 0.0
+                "seconds": raw,
+                "cpu_seconds": raw,
+                "bytes": nbytes,
+                "added_rss_mb": 0.0,
             }
 
     for name, r in results.items():
         r["mb_per_s"] = r["bytes"] / 1e6 / r["seconds"]
-        print(f"{name:10s} {r['seconds']:7.3f} s  (cpu {r['cpu_seconds']:6.3f} s)  "
-              f"{r['mb_per_s']:8.0f} MB/s  +{r['added_rss_mb']:7.1f} MB RSS  "
-              f"({r['bytes'] / 1e6:.0f} MB)")
+        print(
+            f"{name:10s} {r['seconds']:7.3f} s  (cpu {r['cpu_seconds']:6.3f} s)  "
+            f"{r['mb_per_s']:8.0f} MB/s  +{r['added_rss_mb']:7.1f} MB RSS  "
+            f"({r['bytes'] / 1e6:.0f} MB)"
+        )
     if "modelopt" in results and "llmexport" in results:
         ours, theirs = results["llmexport"], results["modelopt"]
         speedup = theirs["seconds"] / ours["seconds"]
         cpu_speedup = theirs["cpu_seconds"] / ours["cpu_seconds"]
         mem = ours["added_rss_mb"] / max(theirs["added_rss_mb"], 1e-9)
-        print(f"speed vs ModelOpt: {speedup:.2f}x wall, {cpu_speedup:.2f}x cpu (goal >= 2x); "
-              f"added RSS vs ModelOpt: {mem:.2f}x (goal <= 0.5x)")
+        print(
+            f"speed vs ModelOpt: {speedup:.2f}x wall, {cpu_speedup:.2f}x cpu (goal >= 2x); "
+            f"added RSS vs ModelOpt: {mem:.2f}x (goal <= 0.5x)"
+        )
         results["ratios"] = {"speedup": speedup, "cpu_speedup": cpu_speedup, "added_rss_ratio": mem}
     if "raw_write" in results and "llmexport" in results:
-        print(f"llmexport at {results['llmexport']['mb_per_s'] / results['raw_write']['mb_per_s']:.0%} of raw write speed")
+        print(
+            f"llmexport at {results['llmexport']['mb_per_s'] / results['raw_write']['mb_per_s']:.0%} of raw write speed"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -40,7 +40,13 @@ from typing import Any
 
 from llmexport.errors import ExportError
 
-__all__ = ["ArtifactCache", "ArtifactPathError", "code_digest", "model_fingerprint", "source_digest"]
+__all__ = [
+    "ArtifactCache",
+    "ArtifactPathError",
+    "code_digest",
+    "model_fingerprint",
+    "source_digest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +225,9 @@ class ArtifactCache:
             self.hits += 1
             return known
         try:
-            path = self._load_or_export(key, target, kwargs, (model, seed, device), suffix, directory)
+            path = self._load_or_export(
+                key, target, kwargs, (model, seed, device), suffix, directory
+            )
         except Exception as err:
             with self._lock:
                 self._memo[key] = err
@@ -250,8 +258,11 @@ class ArtifactCache:
                 name = "artifact" if directory else f"model{suffix}"
                 artifact = self._export(target, kwargs, model, staging / "out" / name)
                 label = model[0] if isinstance(model[0], str) else _class_name(type(model[0]))
-                meta = {"target": target, "model": [label, *model[1:]],
-                        "artifact": str(artifact.relative_to(staging / "out"))}
+                meta = {
+                    "target": target,
+                    "model": [label, *model[1:]],
+                    "artifact": str(artifact.relative_to(staging / "out")),
+                }
                 (staging / "meta.json").write_text(json.dumps(meta, sort_keys=True))
                 _make_read_only(staging / "out")
                 with contextlib.suppress(OSError):  # another worker published it first

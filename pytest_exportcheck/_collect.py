@@ -136,30 +136,69 @@ def plan(p: Plan) -> list[ItemSpec]:
     items: list[ItemSpec] = []
     for target in sorted(p.targets, key=lambda t: t.name):
         if not target.loaded:
-            items.append(ItemSpec(PLUGIN_LOADS, "target", target.name, (target.name,),
-                                  target=target.name, failure=target.failure, check_index=-1))
+            items.append(
+                ItemSpec(
+                    PLUGIN_LOADS,
+                    "target",
+                    target.name,
+                    (target.name,),
+                    target=target.name,
+                    failure=target.failure,
+                    check_index=-1,
+                )
+            )
             continue
         for variant, kwargs in target.rows:
             column = f"{target.name}:{variant}" if variant else target.name
-            items.append(ItemSpec(PLUGIN_LOADS, "target", column, (column,), target=target.name,
-                                  variant=variant, export_kwargs=kwargs, failure=target.failure,
-                                  check_index=-1))
+            items.append(
+                ItemSpec(
+                    PLUGIN_LOADS,
+                    "target",
+                    column,
+                    (column,),
+                    target=target.name,
+                    variant=variant,
+                    export_kwargs=kwargs,
+                    failure=target.failure,
+                    check_index=-1,
+                )
+            )
             items += _target_items(target, variant, kwargs, target_checks, p, index)
     for param, failure in sorted(p.extra_failures.items()):
-        items.append(ItemSpec(PLUGIN_LOADS, "target", param, (param,), failure=failure,
-                              check_index=-1))
+        items.append(
+            ItemSpec(PLUGIN_LOADS, "target", param, (param,), failure=failure, check_index=-1)
+        )
     for exporter in sorted(p.exporters, key=lambda e: e.name):
         name = exporter.name
         if exporter.failure is not None:
-            items.append(ItemSpec(PLUGIN_LOADS, "exporter", name, (name,), exporter=name,
-                                  failure=exporter.failure, check_index=-1))
+            items.append(
+                ItemSpec(
+                    PLUGIN_LOADS,
+                    "exporter",
+                    name,
+                    (name,),
+                    exporter=name,
+                    failure=exporter.failure,
+                    check_index=-1,
+                )
+            )
         if not exporter.loaded:
             continue
         for spec in exporter_checks:
             for model in p.models if spec.per_model else (None,):
                 params = (name,) if model is None else (name, model)
-                items.append(ItemSpec(spec.id, "exporter", name, params, exporter=name,
-                                      model=model, device="cpu", check_index=index[spec.id]))
+                items.append(
+                    ItemSpec(
+                        spec.id,
+                        "exporter",
+                        name,
+                        params,
+                        exporter=name,
+                        model=model,
+                        device="cpu",
+                        check_index=index[spec.id],
+                    )
+                )
     return items
 
 
@@ -182,16 +221,31 @@ def _target_items(
     combos: list[tuple[CheckSpec, str | None, str]] = [
         (spec, None, device) for spec in checks if not spec.per_model for device in p.devices
     ]
-    combos += [(spec, model, device) for model in p.models for device in p.devices
-               for spec in checks if spec.per_model]
+    combos += [
+        (spec, model, device)
+        for model in p.models
+        for device in p.devices
+        for spec in checks
+        if spec.per_model
+    ]
     items: list[ItemSpec] = []
     for spec, model, device in combos:
         params = (column, device) if model is None else (column, model, device)
-        items.append(ItemSpec(
-            spec.id, "target", column, params, target=target.name, variant=variant,
-            export_kwargs=kwargs, model=model, device=device,
-            skip=_capability_gap(target, spec, device), check_index=index[spec.id],
-        ))
+        items.append(
+            ItemSpec(
+                spec.id,
+                "target",
+                column,
+                params,
+                target=target.name,
+                variant=variant,
+                export_kwargs=kwargs,
+                model=model,
+                device=device,
+                skip=_capability_gap(target, spec, device),
+                check_index=index[spec.id],
+            )
+        )
     return items
 
 

@@ -74,28 +74,69 @@ class _Spec:
 
 
 _SPECS: tuple[_Spec, ...] = (
-    _Spec("--export-targets", "export targets to check: 'all' or a,b (activates the suite; "
-          "'all' also selects every module exporter)", "str", "all|a,b"),
-    _Spec("--export-exporters", "module exporters to check: 'all', 'none' or a,b "
-          "(activates the suite)", "str", "all|a,b"),
-    _Spec("--export-models", "toy model families (rows of the matrix): 'all' or a,b "
-          "(default: all, built in and plugin-registered)", "str", "all|a,b", "all"),
-    _Spec("--export-checks", "check ids to run: 'all' or a,b (default: all; see docs/checks.md)",
-          "str", "all|a,b", "all"),
-    _Spec("--export-device", "device(s) the roundtrips run on: cpu, cuda or cpu,cuda "
-          "(default: cpu)", "str", "cpu|cuda", "cpu"),
-    _Spec("--export-require-device", "fail, instead of skip, items whose device is missing",
-          "bool"),
-    _Spec("--export-xfails-file", "JSON file {item-id-pattern: reason} of expected failures",
-          "path", "PATH"),
+    _Spec(
+        "--export-targets",
+        "export targets to check: 'all' or a,b (activates the suite; "
+        "'all' also selects every module exporter)",
+        "str",
+        "all|a,b",
+    ),
+    _Spec(
+        "--export-exporters",
+        "module exporters to check: 'all', 'none' or a,b (activates the suite)",
+        "str",
+        "all|a,b",
+    ),
+    _Spec(
+        "--export-models",
+        "toy model families (rows of the matrix): 'all' or a,b "
+        "(default: all, built in and plugin-registered)",
+        "str",
+        "all|a,b",
+        "all",
+    ),
+    _Spec(
+        "--export-checks",
+        "check ids to run: 'all' or a,b (default: all; see docs/checks.md)",
+        "str",
+        "all|a,b",
+        "all",
+    ),
+    _Spec(
+        "--export-device",
+        "device(s) the roundtrips run on: cpu, cuda or cpu,cuda (default: cpu)",
+        "str",
+        "cpu|cuda",
+        "cpu",
+    ),
+    _Spec(
+        "--export-require-device", "fail, instead of skip, items whose device is missing", "bool"
+    ),
+    _Spec(
+        "--export-xfails-file",
+        "JSON file {item-id-pattern: reason} of expected failures",
+        "path",
+        "PATH",
+    ),
     _Spec("--export-update-goldens", "rewrite golden files instead of comparing", "bool"),
-    _Spec("--export-goldens-dir", "golden files directory (default: goldens/ under rootdir)",
-          "path", "DIR"),
-    _Spec("--export-report", "write the conformance matrix and per-item records as JSON",
-          "path", "PATH.json"),
+    _Spec(
+        "--export-goldens-dir",
+        "golden files directory (default: goldens/ under rootdir)",
+        "path",
+        "DIR",
+    ),
+    _Spec(
+        "--export-report",
+        "write the conformance matrix and per-item records as JSON",
+        "path",
+        "PATH.json",
+    ),
     _Spec("--export-no-cache", "do not reuse exported artifacts across runs", "bool"),
-    _Spec("--export-only", "run only the conformance suite; the repo's own tests are "
-          "not collected", "bool"),
+    _Spec(
+        "--export-only",
+        "run only the conformance suite; the repo's own tests are not collected",
+        "bool",
+    ),
 )
 
 
@@ -108,8 +149,14 @@ def add_options(parser: pytest.Parser) -> None:
             group.addoption(spec.flag, action="store_true", default=None, dest=dest, help=spec.help)
             parser.addini(spec.ini, f"default of {spec.flag}", type="bool", default=False)
         else:
-            group.addoption(spec.flag, action="store", default=None, dest=dest,
-                            metavar=spec.metavar, help=spec.help)
+            group.addoption(
+                spec.flag,
+                action="store",
+                default=None,
+                dest=dest,
+                metavar=spec.metavar,
+                help=spec.help,
+            )
             parser.addini(spec.ini, f"default of {spec.flag}", type="string", default=spec.default)
 
 
@@ -203,6 +250,7 @@ class Options:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-compatible view, for the report header, the JSON report and check cases."""
+
         def path(p: Path | None) -> str | None:
             return None if p is None else str(p)
 

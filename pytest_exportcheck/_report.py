@@ -108,10 +108,15 @@ class ReportBuilder:
         record = self.records.get(report.nodeid)
         if record is None:
             record = ItemRecord(
-                id=str(meta["id"]), nodeid=report.nodeid, check=str(meta["check"]),
-                scope=str(meta["scope"]), column=str(meta["column"]),
+                id=str(meta["id"]),
+                nodeid=report.nodeid,
+                check=str(meta["check"]),
+                scope=str(meta["scope"]),
+                column=str(meta["column"]),
                 check_index=int(meta.get("check_index", 0)),
-                model=meta.get("model"), device=meta.get("device"), outcome="",
+                model=meta.get("model"),
+                device=meta.get("device"),
+                outcome="",
             )
             self.records[report.nodeid] = record
         record.duration += report.duration
@@ -119,15 +124,18 @@ class ReportBuilder:
         if isinstance(result, dict):
             record.message = str(result.get("message", ""))
             record.details = dict(result.get("details", {}))
-        _fold_outcome(record, report, check_failed=isinstance(result, dict)
-                      and result.get("status") == "fail")
+        _fold_outcome(
+            record, report, check_failed=isinstance(result, dict) and result.get("status") == "fail"
+        )
 
     def matrix(self) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
         """``{scope: {column: {check: {outcome: count}}}}``, sorted."""
         out: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
         for rec in self._sorted():
-            cell = out.setdefault(rec.scope, {}).setdefault(rec.column, {}).setdefault(
-                rec.check, dict.fromkeys(OUTCOMES, 0)
+            cell = (
+                out.setdefault(rec.scope, {})
+                .setdefault(rec.column, {})
+                .setdefault(rec.check, dict.fromkeys(OUTCOMES, 0))
             )
             cell[rec.outcome or "pass"] += 1
         scopes = sorted(out, key=lambda s: (_SCOPE_ORDER.get(s, len(_SCOPE_ORDER)), s))
@@ -245,7 +253,8 @@ def render_matrix(
         lines.append(title.ljust(label_width) + "".join("  " + c.rjust(widths[c]) for c in block))
         for row in rows:
             lines.append(
-                row.ljust(label_width) + "".join("  " + cells[c][row].rjust(widths[c]) for c in block)
+                row.ljust(label_width)
+                + "".join("  " + cells[c][row].rjust(widths[c]) for c in block)
             )
     return lines
 

@@ -99,24 +99,32 @@ class ExportCheckSession:
             return chosen.resolve(available, what=what, option=option)
 
         failed = {kind: self._failures(kind) for kind in _KINDS}
-        targets = pick(o.target_selection, [*d.targets, *failed["target"]],
-                       "export target", "--export-targets")
-        exporters = pick(o.exporter_selection, [*d.exporters, *failed["module exporter"]],
-                         "module exporter", "--export-exporters")
-        models = pick(o.models, [*d.models, *failed["model family"]],
-                      "model family", "--export-models")
+        targets = pick(
+            o.target_selection, [*d.targets, *failed["target"]], "export target", "--export-targets"
+        )
+        exporters = pick(
+            o.exporter_selection,
+            [*d.exporters, *failed["module exporter"]],
+            "module exporter",
+            "--export-exporters",
+        )
+        models = pick(
+            o.models, [*d.models, *failed["model family"]], "model family", "--export-models"
+        )
         check_ids = pick(o.checks, [*CHECKS, PLUGIN_LOADS], "check", "--export-checks")
         return Plan(
             checks=tuple(CHECKS[c] for c in CHECKS if c in check_ids),
             targets=tuple(self._target_plan(t, failed) for t in targets),
             exporters=tuple(
-                ExporterPlan(e, _failure_text(failed["module exporter"].get(e, [])),
-                             loaded=e in d.exporters)
+                ExporterPlan(
+                    e, _failure_text(failed["module exporter"].get(e, [])), loaded=e in d.exporters
+                )
                 for e in exporters
             ),
             extra_failures=(
                 self._extra_failures(targets, models, failed, everything)
-                if PLUGIN_LOADS in check_ids else {}
+                if PLUGIN_LOADS in check_ids
+                else {}
             ),
             models=tuple(m for m in models if m in d.models),
             devices=DEVICES if everything else o.devices,
@@ -131,11 +139,17 @@ class ExportCheckSession:
     ) -> dict[str, str]:
         """Failing plugin_loads of selected model families and of runtimes no target uses."""
         used = {self.discovery.targets[t].runtime for t in targets if t in self.discovery.targets}
-        extra = {f"model:{m}": _failure_text(failed["model family"][m])
-                 for m in models if m in failed["model family"]}
+        extra = {
+            f"model:{m}": _failure_text(failed["model family"][m])
+            for m in models
+            if m in failed["model family"]
+        }
         if everything or self.options.target_selection.all:
-            extra |= {f"runtime:{r}": _failure_text(fs)
-                      for r, fs in failed["runtime"].items() if r not in used}
+            extra |= {
+                f"runtime:{r}": _failure_text(fs)
+                for r, fs in failed["runtime"].items()
+                if r not in used
+            }
         return {k: v for k, v in extra.items() if v is not None}
 
     def _target_plan(
@@ -160,8 +174,11 @@ class ExportCheckSession:
                 )
             self.xfails.add(declared, source=f"module exporter {name!r}", scope=name)
         if self.options.xfails_file is not None:
-            self.xfails.add(load_xfails_file(self.options.xfails_file),
-                            source=str(self.options.xfails_file), scope=None)
+            self.xfails.add(
+                load_xfails_file(self.options.xfails_file),
+                source=str(self.options.xfails_file),
+                scope=None,
+            )
 
     def _warn_unmatched_xfails(self) -> None:
         universe = [(s.name, s.check, s.column) for s in plan(self._resolve_plan(everything=True))]
@@ -189,8 +206,10 @@ class ExportCheckSession:
             lines.append(f"exportcheck {_PLURAL.get(kind, kind)}: {listed}")
         for failure in self.discovery.failures:
             what = "claims a taken name" if failure.conflict else "FAILED to load"
-            lines.append(f"exportcheck {failure.kind} {failure.name!r} from "
-                         f"{failure.distribution} {what}: see plugin_loads")
+            lines.append(
+                f"exportcheck {failure.kind} {failure.name!r} from "
+                f"{failure.distribution} {what}: see plugin_loads"
+            )
         return lines
 
     def environment(self) -> dict[str, Any]:
@@ -207,8 +226,12 @@ class ExportCheckSession:
                 for r in self.discovery.plugins
             ],
             "plugin_failures": [
-                {"kind": f.kind, "name": f.name, "distribution": f.distribution,
-                 "message": f.message}
+                {
+                    "kind": f.kind,
+                    "name": f.name,
+                    "distribution": f.distribution,
+                    "message": f.message,
+                }
                 for f in self.discovery.failures
             ],
         }
@@ -230,8 +253,9 @@ class ExportCheckSession:
         """Append the planned items (with their skip / xfail marks); deselect the rest with --export-only."""
         if self._plan is None:  # pragma: no cover - start() runs in pytest_configure
             raise RuntimeError("exportcheck: modify_items before start")
-        collector = ExportCheckCollector.from_parent(session, name=COLLECTOR_NAME,
-                                                     nodeid=COLLECTOR_NAME)
+        collector = ExportCheckCollector.from_parent(
+            session, name=COLLECTOR_NAME, nodeid=COLLECTOR_NAME
+        )
         new = [self._item(collector, spec) for spec in plan(self._plan)]
         # Count them in "collected N items" like any collected node.
         session.ihook.pytest_collectreport(
@@ -245,7 +269,10 @@ class ExportCheckSession:
     def _item(self, collector: ExportCheckCollector, spec: ItemSpec) -> ExportCheckItem:
         check = CHECKS.get(spec.check)
         item: ExportCheckItem = ExportCheckItem.from_parent(
-            collector, name=spec.name, spec=spec, runner=self.run_item,
+            collector,
+            name=spec.name,
+            spec=spec,
+            runner=self.run_item,
             check_fn=check.fn if check is not None else None,
         )
         if spec.skip:
@@ -275,10 +302,16 @@ class ExportCheckSession:
                     f"check {spec.check!r} returned {type(result).__name__}; "
                     "a check must return a CheckResult"
                 )
-        item.user_properties.append((RESULT_PROPERTY, {
-            "status": result.status, "message": result.message,
-            "details": jsonable(dict(result.details)),
-        }))
+        item.user_properties.append(
+            (
+                RESULT_PROPERTY,
+                {
+                    "status": result.status,
+                    "message": result.message,
+                    "details": jsonable(dict(result.details)),
+                },
+            )
+        )
         if result.status == "skip":
             pytest.skip(result.message or f"check {spec.check!r} skipped without a reason")
         if result.status == "fail":
@@ -307,17 +340,22 @@ class ExportCheckSession:
         if check.scope == "exporter":
             if spec.exporter is None:  # pragma: no cover - plan() sets it
                 raise RuntimeError(f"exporter item {spec.name} has no exporter")
-            return ExporterCase(name=spec.exporter, device=spec.device or "cpu",
-                                model_name=spec.model, **common)
+            return ExporterCase(
+                name=spec.exporter, device=spec.device or "cpu", model_name=spec.model, **common
+            )
         if spec.target is None:  # pragma: no cover - plan() sets it
             raise RuntimeError(f"target item {spec.name} has no target")
         if spec.model is not None:
             self._require_accepted(spec.target, spec.model)
         return TargetCase(
-            target=spec.target, variant=spec.variant, export_kwargs=dict(spec.export_kwargs),
-            model_name=spec.model, device=spec.device or "cpu",
+            target=spec.target,
+            variant=spec.variant,
+            export_kwargs=dict(spec.export_kwargs),
+            model_name=spec.model,
+            device=spec.device or "cpu",
             export=functools.partial(self._export, spec),
-            export_instance=functools.partial(self._export, spec), **common,
+            export_instance=functools.partial(self._export, spec),
+            **common,
         )
 
     def _require_accepted(self, target: str, model: str) -> None:
@@ -339,8 +377,12 @@ class ExportCheckSession:
             raise RuntimeError(f"item {spec.name} has no target to export with")
         info = self.discovery.targets[spec.target]
         return self.cache.export(
-            spec.target, {**spec.export_kwargs, **extra}, model, seed=SEED,
-            device=spec.device or "cpu", suffix=info.suffix,
+            spec.target,
+            {**spec.export_kwargs, **extra},
+            model,
+            seed=SEED,
+            device=spec.device or "cpu",
+            suffix=info.suffix,
             directory=info.artifact == "directory",
         )
 
@@ -352,8 +394,9 @@ class ExportCheckSession:
         if cache is not None and not self.options.no_cache:
             root = cache.mkdir("exportcheck") / "artifacts"
             root.mkdir(parents=True, exist_ok=True)
-        return ArtifactCache(self._tmp_factory().mktemp("exportcheck-artifacts"), root,
-                             build_toy_model)
+        return ArtifactCache(
+            self._tmp_factory().mktemp("exportcheck-artifacts"), root, build_toy_model
+        )
 
     @cached_property
     def goldens_dir(self) -> Path:
@@ -412,8 +455,12 @@ class ExportCheckSession:
 
 
 _KINDS = ("target", "runtime", "module exporter", "model family")
-_PLURAL = {"target": "targets", "runtime": "runtimes", "module exporter": "module exporters",
-           "model family": "model families"}
+_PLURAL = {
+    "target": "targets",
+    "runtime": "runtimes",
+    "module exporter": "module exporters",
+    "model family": "model families",
+}
 
 
 def _failure_text(failures: list[PluginFailure]) -> str | None:
@@ -450,8 +497,12 @@ def _share_cpus_between_workers(config: pytest.Config) -> None:
     import torch
 
     if share < torch.get_num_threads():
-        logger.info("exportcheck worker: torch threads %d -> %d (%d workers)",
-                    torch.get_num_threads(), share, workers)
+        logger.info(
+            "exportcheck worker: torch threads %d -> %d (%d workers)",
+            torch.get_num_threads(),
+            share,
+            workers,
+        )
         torch.set_num_threads(share)
 
 

@@ -71,7 +71,9 @@ def tensor_digest(tensor: Any) -> dict[str, Any]:
     }
 
 
-def tensors_digest(tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, dict[str, Any]]:
+def tensors_digest(
+    tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+) -> dict[str, dict[str, Any]]:
     """name -> :func:`tensor_digest` for a mapping (or pairs) of tensors, sorted by name."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     return {name: tensor_digest(value) for name, value in sorted(items, key=lambda kv: kv[0])}
@@ -90,7 +92,9 @@ def safetensors_digest(directory: Path) -> dict[str, dict[str, Any]]:
         with safe_open(str(shard), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 if name in digest:
-                    raise ValueError(f"tensor {name!r} appears in more than one shard of {directory}")
+                    raise ValueError(
+                        f"tensor {name!r} appears in more than one shard of {directory}"
+                    )
                 digest[name] = tensor_digest(handle.get_tensor(name))
     return dict(sorted(digest.items()))
 

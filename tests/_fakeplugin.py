@@ -141,9 +141,9 @@ def build_tiny(seed=0, **overrides):
     return build_model("decoder", seed, **overrides)
 '''
 
-BROKEN = '''
+BROKEN = """
 raise ImportError("fakeplugin_broken needs libfoo, which is not installed")
-'''
+"""
 
 ENTRY_POINTS = {
     "llmexport.export_backends": {
@@ -170,7 +170,9 @@ ENTRY_POINTS = {
 def install(site: Path) -> Path:
     """Write the distribution into ``site`` (a directory to put on ``PYTHONPATH``)."""
     make_distribution(
-        site, "fakeplugin", ENTRY_POINTS,
+        site,
+        "fakeplugin",
+        ENTRY_POINTS,
         {"fakeplugin.py": PLUGIN, "fakeplugin_broken.py": BROKEN},
     )
     return site

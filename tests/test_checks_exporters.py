@@ -31,7 +31,9 @@ REPO_GOLDENS = Path(__file__).resolve().parents[1] / "goldens"
 FAKE = "exportcheck_fake_exporter"
 
 
-def run(check_id: str, name: str, tmp_path: Path, models: str = "decoder", **kwargs: Any) -> CheckResult:
+def run(
+    check_id: str, name: str, tmp_path: Path, models: str = "decoder", **kwargs: Any
+) -> CheckResult:
     case = ExporterCase(name, tmp_path, options={"models": models}, **kwargs)
     return CHECKS[check_id].fn(case)
 
@@ -43,7 +45,9 @@ def register_exporter() -> Iterator[Callable[..., str]]:
     order = EXPORT_MODULE_REGISTRY.exporters()
     added: list[ModuleExporter] = []
 
-    def register(exporter: ModuleExporter, *keys: Any, predicate: Any = None, prepend: bool = False) -> str:
+    def register(
+        exporter: ModuleExporter, *keys: Any, predicate: Any = None, prepend: bool = False
+    ) -> str:
         MODULE_EXPORTER_REGISTRY.register(FAKE, exporter)
         EXPORT_MODULE_REGISTRY.register(exporter, *keys, predicate=predicate, prepend=prepend)
         added.append(exporter)
@@ -125,7 +129,9 @@ def test_golden_mismatch_is_reported_with_a_diff(tmp_path: Path) -> None:
     assert run("golden_fp8_buffers", "quant_linear", tmp_path, goldens=store).status == "pass"
     golden = tmp_path / "goldens" / "fp8_buffers" / "quant_linear.json"
     golden.write_text(golden.read_text().replace('"float8_e4m3fn"', '"int8"', 1))
-    result = run("golden_fp8_buffers", "quant_linear", tmp_path, goldens=GoldenStore(tmp_path / "goldens"))
+    result = run(
+        "golden_fp8_buffers", "quant_linear", tmp_path, goldens=GoldenStore(tmp_path / "goldens")
+    )
     assert result.status == "fail"
     assert '-      "dtype": "int8"' in result.message
     assert golden.with_suffix(".obtained").exists()
@@ -141,7 +147,9 @@ class NoOpExporter(ModuleExporter):
         return None
 
 
-def test_fully_shadowed_exporter_fails_reachable(tmp_path: Path, register_exporter: Callable[..., str]) -> None:
+def test_fully_shadowed_exporter_fails_reachable(
+    tmp_path: Path, register_exporter: Callable[..., str]
+) -> None:
     name = register_exporter(NoOpExporter(), "QuantLinear")
     result = run("reachable", name, tmp_path)
     assert result.status == "fail"
@@ -149,7 +157,9 @@ def test_fully_shadowed_exporter_fails_reachable(tmp_path: Path, register_export
     assert "quant_linear" in result.message
 
 
-def test_substring_matcher_fails_name_match(tmp_path: Path, register_exporter: Callable[..., str]) -> None:
+def test_substring_matcher_fails_name_match(
+    tmp_path: Path, register_exporter: Callable[..., str]
+) -> None:
     class SubstringExporter(QuantLinearExporter):
         name = "substring"
 
@@ -162,7 +172,9 @@ def test_substring_matcher_fails_name_match(tmp_path: Path, register_exporter: C
     assert "QuantLinear" in result.message
 
 
-def test_exact_type_predicate_fails_mro_match(tmp_path: Path, register_exporter: Callable[..., str]) -> None:
+def test_exact_type_predicate_fails_mro_match(
+    tmp_path: Path, register_exporter: Callable[..., str]
+) -> None:
     from llmexport.quant import QuantLinear
 
     class ExactTypeExporter(QuantLinearExporter):
@@ -176,7 +188,9 @@ def test_exact_type_predicate_fails_mro_match(tmp_path: Path, register_exporter:
     assert "is dispatched to" in result.message
 
 
-def test_raising_predicate_fails_predicate_match(tmp_path: Path, register_exporter: Callable[..., str]) -> None:
+def test_raising_predicate_fails_predicate_match(
+    tmp_path: Path, register_exporter: Callable[..., str]
+) -> None:
     def predicate(module: nn.Module) -> bool:
         return bool(module[0].weight_quantizer.enabled)  # type: ignore[index]
 
@@ -246,7 +260,9 @@ def test_unshared_expert_input_scales_fail_moe_inputs(
     assert "input_scale" in result.message
 
 
-def test_writing_a_tied_copy_fails_tied_weights(tmp_path: Path, register_exporter: Callable[..., str]) -> None:
+def test_writing_a_tied_copy_fails_tied_weights(
+    tmp_path: Path, register_exporter: Callable[..., str]
+) -> None:
     class HeadExporter(NoOpExporter):
         name = "head"
         exports_unquantized = True
@@ -302,7 +318,9 @@ class OddExporter(ModuleExporter):
         ctx.emit_scale(f"{name}.weight_scale", torch.tensor(float("nan")))
 
 
-def test_conformance_examples_are_checked(tmp_path: Path, register_exporter: Callable[..., str]) -> None:
+def test_conformance_examples_are_checked(
+    tmp_path: Path, register_exporter: Callable[..., str]
+) -> None:
     name = register_exporter(OddExporter(), "OddQuant")
     result = run("export_contract", name, tmp_path)
     assert result.status == "fail"

@@ -37,7 +37,9 @@ def run(check_id: str, case: TargetCase) -> CheckResult:
     return CHECKS[check_id].fn(case)
 
 
-def make_case(tmp_path: Path, target: str, model: str | None = "decoder", **kwargs: Any) -> TargetCase:
+def make_case(
+    tmp_path: Path, target: str, model: str | None = "decoder", **kwargs: Any
+) -> TargetCase:
     workdir = tmp_path / "work"
     workdir.mkdir(exist_ok=True)
     return TargetCase(target, None, kwargs, model, "cpu", workdir)
@@ -64,7 +66,9 @@ def cached_export(case: TargetCase, directory: Path) -> Callable[..., Path]:
 # ----------------------------------------------------------------------------- fake targets
 
 
-def _trace(model: torch.nn.Module, example_inputs: Any, wrap: bool = True) -> torch.jit.ScriptModule:
+def _trace(
+    model: torch.nn.Module, example_inputs: Any, wrap: bool = True
+) -> torch.jit.ScriptModule:
     inputs = resolve_example_inputs(model, example_inputs)
     module = ExportCacheWrapper(model) if wrap else model
     with torch.no_grad():
@@ -103,7 +107,9 @@ def nan_loader(artifact: Path, *, device: str = "cpu") -> Callable[[torch.Tensor
     return run_nan
 
 
-def in_place_export(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
+def in_place_export(
+    model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None
+) -> Path:
     """Writes the artifact directly at its final path: a failure leaves a half-written file."""
     with open(output_path, "wb") as handle:
         handle.write(b"PK\x03\x04 half-written")
@@ -116,14 +122,18 @@ def swallowing_export(model: torch.nn.Module, output_path: Path, **kwargs: Any) 
     return good_export(model, output_path, example_inputs=kwargs.get("example_inputs"))
 
 
-def unwrapped_export(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
+def unwrapped_export(
+    model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None
+) -> Path:
     """Traces the model itself, so a (logits, cache) forward stays a tuple in the artifact."""
     with atomic_output(output_path) as staged:
         torch.jit.save(_trace(model, example_inputs, wrap=False), str(staged))
     return Path(output_path)
 
 
-def littering_export(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
+def littering_export(
+    model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None
+) -> Path:
     good_export(model, output_path, example_inputs=example_inputs)
     (Path(output_path).parent / "export.log").write_text("done\n")
     return Path(output_path)
@@ -212,7 +222,9 @@ def test_a_target_refusing_the_model_is_a_counted_skip(
     assert "only takes llamas" in result.message
 
 
-def test_capability_gap_is_a_skip_with_the_reason(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+def test_capability_gap_is_a_skip_with_the_reason(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
     target = fake_target(good_export)  # no dynamic_shapes declared
     result = run("dynamic_shapes", make_case(tmp_path, target))
     assert result.status == "skip"
@@ -234,21 +246,27 @@ def test_perturbed_logits_fail_roundtrip_with_the_numbers(
     assert result.details["max_abs"] == pytest.approx(1e-2, rel=1e-3)
 
 
-def test_nan_in_the_runtime_output_fails_roundtrip(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+def test_nan_in_the_runtime_output_fails_roundtrip(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
     target = fake_target(good_export, nan_loader, atol=1.0, rtol=1.0)
     result = run("roundtrip_logits", make_case(tmp_path, target))
     assert result.status == "fail"
     assert "1 NaN/inf" in result.message
 
 
-def test_in_place_writer_fails_atomic_failure(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+def test_in_place_writer_fails_atomic_failure(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
     target = fake_target(in_place_export)
     result = run("atomic_failure", make_case(tmp_path, target, model=None))
     assert result.status == "fail"
     assert "left ['model.pt']" in result.message
 
 
-def test_swallowed_kwargs_fail_unknown_kwargs(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+def test_swallowed_kwargs_fail_unknown_kwargs(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
     target = fake_target(swallowing_export)
     result = run("unknown_kwargs", make_case(tmp_path, target, model=None))
     assert result.status == "fail"
@@ -338,7 +356,9 @@ def test_salted_export_differs_from_its_cached_artifact(
     assert "different outputs" in result.message
 
 
-def test_unregistered_runtime_fails_registered(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+def test_unregistered_runtime_fails_registered(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
     target = fake_target(good_export, runtime="nowhere")
     result = run("registered", make_case(tmp_path, target, model=None))
     assert result.status == "fail"
@@ -358,14 +378,18 @@ def test_conflicting_entry_point_fails_plugin_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ensure_exporters_registered()
-    conflict = RegistryConflictError("export target", "onnx", "llmexport (built in)", "evil-plugin 1.0")
+    conflict = RegistryConflictError(
+        "export target", "onnx", "llmexport (built in)", "evil-plugin 1.0"
+    )
     monkeypatch.setattr(EXPORT_REGISTRY, "plugin_errors", [conflict])
     result = run("plugin_loads", make_case(tmp_path, "onnx", model=None))
     assert result.status == "fail"
     assert "evil-plugin 1.0" in result.message
 
 
-def test_sentinel_survives_a_correct_target(tmp_path: Path, fake_target: Callable[..., str]) -> None:
+def test_sentinel_survives_a_correct_target(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
     target = fake_target(good_export)
     case = make_case(tmp_path, target, model=None)
     assert run("atomic_failure", case).status == "pass"

@@ -40,7 +40,9 @@ def assert_same_tensors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tens
     for name, tensor in ref.items():
         got = ours[name]
         assert (got.dtype, tuple(got.shape)) == (tensor.dtype, tuple(tensor.shape)), name
-        assert torch.equal(got.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+        assert torch.equal(
+            got.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)
+        ), name
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,9 @@ def test_unquantized_checkpoint_equals_save_pretrained(family: str, tmp_path: Pa
 
     assert_same_tensors(read_checkpoint(out), read_checkpoint(tmp_path / "ref"))
     for name in ("config.json", "generation_config.json"):
-        assert json.loads((out / name).read_text()) == json.loads((tmp_path / "ref" / name).read_text())
+        assert json.loads((out / name).read_text()) == json.loads(
+            (tmp_path / "ref" / name).read_text()
+        )
     assert not (out / "hf_quant_config.json").exists()
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
 
@@ -89,7 +93,9 @@ def test_shards_fill_in_order_and_index_covers_every_tensor(
     assert sorted(set(index["weight_map"].values())) == shards
     tensors = read_checkpoint(out)
     assert set(index["weight_map"]) == set(tensors)
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in tensors.values()
+    )
     for shard in shards:
         with safe_open(str(out / shard), framework="pt") as f:
             sizes = [f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()]  # noqa: SIM118
@@ -107,14 +113,18 @@ def test_unquantized_roundtrip_logits_match(tmp_path: Path) -> None:
     model = tiny_hf_model("qwen2_moe", seed=2).eval()
     out = llmexport.export_model(TARGET, model, tmp_path / "ckpt", max_shard_size="100KB")
     run = llmexport.load_exported(TARGET, out, device="cpu")
-    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits
     # same weights, same (eager) attention and experts code: the same floats
     assert torch.equal(run(ids), expected)
 
 
-def test_existing_directory_is_refused_then_replaced_with_overwrite(llama: Any, tmp_path: Path) -> None:
+def test_existing_directory_is_refused_then_replaced_with_overwrite(
+    llama: Any, tmp_path: Path
+) -> None:
     target = tmp_path / "ckpt"
     target.mkdir()
     (target / "keep.txt").write_text("old")
@@ -190,13 +200,17 @@ def quantized(family: str, recipe: str, seed: int = 0) -> tuple[Any, torch.Tenso
     from llmexport.quant import quantize
 
     model = tiny_hf_model(family, seed=seed).eval()
-    batch = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(seed))
+    batch = torch.randint(
+        0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(seed)
+    )
     with torch.no_grad():
         quantize(model, recipe, calibrate=lambda m: m(batch))
     return model, batch
 
 
-def roundtrip_logits(model: Any, batch: torch.Tensor, out: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def roundtrip_logits(
+    model: Any, batch: torch.Tensor, out: Path
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(the runtime's logits, the fake-quantized model's logits) on ``batch``."""
     run = llmexport.load_exported(TARGET, out)
     with torch.no_grad():
@@ -212,9 +226,16 @@ def test_fp8_checkpoint_layout_and_configs(tmp_path: Path) -> None:
     assert tensors[f"{proj}.weight"].dtype == torch.float8_e4m3fn
     assert tensors[f"{proj}.weight"].shape == model.get_submodule(proj).weight.shape
     for leaf in ("weight_scale", "input_scale", "k_scale"):
-        assert (tensors[f"{proj}.{leaf}"].dtype, tensors[f"{proj}.{leaf}"].shape) == (torch.float32, ())
+        assert (tensors[f"{proj}.{leaf}"].dtype, tensors[f"{proj}.{leaf}"].shape) == (
+            torch.float32,
+            (),
+        )
     assert tensors["lm_head.weight"].dtype == torch.float32
-    assert all(torch.isfinite(t.float()).all() and (t != 0).all() for n, t in tensors.items() if n.endswith("_scale"))
+    assert all(
+        torch.isfinite(t.float()).all() and (t != 0).all()
+        for n, t in tensors.items()
+        if n.endswith("_scale")
+    )
 
     hf_quant = json.loads((out / "hf_quant_config.json").read_text())
     assert hf_quant["producer"]["name"] == "llmexport"
@@ -254,7 +275,9 @@ def test_mixtral_quantized_experts_use_the_original_names(tmp_path: Path) -> Non
     tensors = read_checkpoint(out)
     w1 = "model.layers.0.block_sparse_moe.experts.2.w1"
     assert tensors[f"{w1}.weight"].dtype == torch.float8_e4m3fn
-    assert torch.equal(tensors[f"{w1}.weight_scale"], tensors[w1.replace("w1", "w3") + ".weight_scale"])
+    assert torch.equal(
+        tensors[f"{w1}.weight_scale"], tensors[w1.replace("w1", "w3") + ".weight_scale"]
+    )
     assert tensors["model.layers.0.block_sparse_moe.gate.weight"].dtype == torch.float32
 
 

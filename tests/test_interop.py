@@ -60,7 +60,9 @@ def test_fp8_checkpoint_equals_modelopt(tmp_path: Path) -> None:
     assert sorted(ours) == sorted(ref)
     for name, tensor in ref.items():
         assert (ours[name].dtype, ours[name].shape) == (tensor.dtype, tensor.shape), name
-        assert torch.equal(ours[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+        assert torch.equal(
+            ours[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)
+        ), name
 
     ours_cfg = json.loads((ours_dir / "hf_quant_config.json").read_text())
     ref_cfg = json.loads((tmp_path / "modelopt" / "hf_quant_config.json").read_text())
@@ -80,7 +82,9 @@ def test_compressed_tensors_checkpoint_loads_in_transformers(tmp_path: Path) -> 
     model = tiny_hf_model("llama", seed=0).eval()
     batch = _calibration_batch(model.config.vocab_size)
     quantize(model, "fp8", calibrate=lambda m: m(batch))
-    out = llmexport.export_model("hf_checkpoint", model, tmp_path / "ct", format="compressed-tensors")
+    out = llmexport.export_model(
+        "hf_checkpoint", model, tmp_path / "ct", format="compressed-tensors"
+    )
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     stored = _tensors(out)

@@ -50,11 +50,17 @@ def test_fp8_fake_quant_weights_equal_dequantized_export_bit_for_bit(family: str
                 assert torch.equal(fake, _fp8_dequant(tensors, name)), name
                 checked += 1
             elif isinstance(module, QuantExperts):
-                gate_up = module.gate_up_proj_weight_quantizer(module.canonical_weight("gate_up_proj"))
+                gate_up = module.gate_up_proj_weight_quantizer(
+                    module.canonical_weight("gate_up_proj")
+                )
                 down = module.down_proj_weight_quantizer(module.canonical_weight("down_proj"))
                 for e in range(module.num_experts):
                     gate, up = module.split_gate_up(gate_up[e], dim=-2)
-                    for proj, fake in (("gate_proj", gate), ("up_proj", up), ("down_proj", down[e])):
+                    for proj, fake in (
+                        ("gate_proj", gate),
+                        ("up_proj", up),
+                        ("down_proj", down[e]),
+                    ):
                         assert torch.equal(fake, _fp8_dequant(tensors, f"{name}.{e}.{proj}"))
                         checked += 1
     assert checked >= 7
@@ -82,15 +88,28 @@ def test_fp8_layout_matches_modelopt() -> None:
 @pytest.mark.parametrize(
     ("recipe", "weight_dtype", "weight_shape", "extra"),
     [
-        ("nvfp4", torch.uint8, (256, 64), {"weight_scale": ((256, 8), torch.float8_e4m3fn),
-                                           "weight_scale_2": ((), torch.float32)}),
-        ("int4_awq", torch.uint8, (128, 128), {"weight_scale": ((256, 1), torch.float32),
-                                               "pre_quant_scale": ((128,), torch.float32)}),
+        (
+            "nvfp4",
+            torch.uint8,
+            (256, 64),
+            {
+                "weight_scale": ((256, 8), torch.float8_e4m3fn),
+                "weight_scale_2": ((), torch.float32),
+            },
+        ),
+        (
+            "int4_awq",
+            torch.uint8,
+            (128, 128),
+            {"weight_scale": ((256, 1), torch.float32), "pre_quant_scale": ((128,), torch.float32)},
+        ),
         ("int8_wo", torch.int8, (256, 128), {"weight_scale": ((256,), torch.float32)}),
     ],
 )
 def test_other_formats_layouts(
-    recipe: str, weight_dtype: torch.dtype, weight_shape: tuple[int, ...],
+    recipe: str,
+    weight_dtype: torch.dtype,
+    weight_shape: tuple[int, ...],
     extra: dict[str, tuple[tuple[int, ...], torch.dtype]],
 ) -> None:
     tensors, summary = _export(quantize(DecoderModel(num_layers=1), recipe))
@@ -101,7 +120,10 @@ def test_other_formats_layouts(
         assert tuple(tensors[f"{prefix}.{suffix}"].shape) == shape, suffix
         assert tensors[f"{prefix}.{suffix}"].dtype == dtype, suffix
     config = summary.quantization_config()  # type: ignore[attr-defined]
-    assert config["quant_algo"] == {"nvfp4": "NVFP4", "int4_awq": "W4A16_AWQ", "int8_wo": "W8A16"}[recipe]
+    assert (
+        config["quant_algo"]
+        == {"nvfp4": "NVFP4", "int4_awq": "W4A16_AWQ", "int8_wo": "W8A16"}[recipe]
+    )
 
 
 def test_mixed_precision_summary_lists_quantized_layers() -> None:
@@ -131,8 +153,10 @@ def test_fused_experts_share_input_scale_and_gate_up_weight_scale() -> None:
     inputs |= {float(tensors[f"{prefix}.{e}.up_proj.input_scale"]) for e in range(4)}
     assert len(inputs) == 1
     for e in range(4):
-        assert torch.equal(tensors[f"{prefix}.{e}.gate_proj.weight_scale"],
-                           tensors[f"{prefix}.{e}.up_proj.weight_scale"])
+        assert torch.equal(
+            tensors[f"{prefix}.{e}.gate_proj.weight_scale"],
+            tensors[f"{prefix}.{e}.up_proj.weight_scale"],
+        )
     slice_ = summary.canonical_modules[f"{prefix}.2.up_proj"]  # type: ignore[attr-defined]
     assert (slice_.module, slice_.expert, slice_.projection) == (prefix, 2, "up_proj")
     assert "model.layers.0.mlp.gate" in summary.exclude_modules  # type: ignore[attr-defined]
@@ -149,7 +173,9 @@ def test_bmm_experts_split_interleaved_gate_up_with_biases() -> None:
     assert tensors[f"{prefix}.gate_proj.weight"].shape == (128, 128)  # [I, H]
     assert tensors[f"{prefix}.down_proj.weight"].shape == (128, 128)  # [H, I]
     gate_rows = experts.gate_up_proj[1].T[0::2]
-    assert torch.allclose(_fp8_dequant(tensors, f"{prefix}.gate_proj"), gate_rows, rtol=0.07, atol=1e-3)
+    assert torch.allclose(
+        _fp8_dequant(tensors, f"{prefix}.gate_proj"), gate_rows, rtol=0.07, atol=1e-3
+    )
 
 
 def test_iterable_experts_share_one_input_scale_per_projection() -> None:
@@ -158,8 +184,10 @@ def test_iterable_experts_share_one_input_scale_per_projection() -> None:
         scales = {float(tensors[f"layers.0.mlp.experts.{e}.{proj}.input_scale"]) for e in range(4)}
         assert len(scales) == 1, proj
     for e in range(4):
-        assert torch.equal(tensors[f"layers.0.mlp.experts.{e}.gate_proj.weight_scale"],
-                           tensors[f"layers.0.mlp.experts.{e}.up_proj.weight_scale"])
+        assert torch.equal(
+            tensors[f"layers.0.mlp.experts.{e}.gate_proj.weight_scale"],
+            tensors[f"layers.0.mlp.experts.{e}.up_proj.weight_scale"],
+        )
     assert "layers.0.mlp.gate" in summary.exclude_modules  # type: ignore[attr-defined]
 
 
@@ -192,22 +220,31 @@ def test_a_third_party_exporter_takes_over_with_prepend() -> None:
     assert "layers.0.self_attn.q_proj.weight" not in tensors
 
 
-@pytest.mark.parametrize("model_fn", [
-    lambda: tiny_hf_model("llama_tied", 0, num_hidden_layers=1),
-    lambda: DecoderModel(num_layers=1, tie_embeddings=True),
-])
+@pytest.mark.parametrize(
+    "model_fn",
+    [
+        lambda: tiny_hf_model("llama_tied", 0, num_hidden_layers=1),
+        lambda: DecoderModel(num_layers=1, tie_embeddings=True),
+    ],
+)
 def test_tied_weights_written_once_under_the_source_name(model_fn: object) -> None:
     model = quantize(model_fn(), "fp8")  # type: ignore[operator]
     tensors, _ = _export(model)
     assert "lm_head.weight" not in tensors
-    embed = "model.embed_tokens.weight" if "model.embed_tokens.weight" in tensors else "embed_tokens.weight"
+    embed = (
+        "model.embed_tokens.weight"
+        if "model.embed_tokens.weight" in tensors
+        else "embed_tokens.weight"
+    )
     assert torch.equal(tensors[embed], model.get_submodule(embed.rsplit(".", 1)[0]).weight)
 
 
 def test_declared_ties_that_differ_raise() -> None:
     model = DecoderModel(num_layers=1, tie_embeddings=True)
     model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach() + 1.0)
-    with pytest.raises(TiedWeightsError, match=r"'lm_head.weight' is declared tied to 'embed_tokens.weight'"):
+    with pytest.raises(
+        TiedWeightsError, match=r"'lm_head.weight' is declared tied to 'embed_tokens.weight'"
+    ):
         _export(model)
 
 

@@ -70,7 +70,9 @@ def test_string_key_matches_class_names_exactly_never_substrings() -> None:
     assert registry3.match(QuantMoELinear(4, 4)) is None
 
 
-def test_name_key_quantmoelinear_does_not_claim_quantlinear_but_class_key_quantlinear_claims_both() -> None:
+def test_name_key_quantmoelinear_does_not_claim_quantlinear_but_class_key_quantlinear_claims_both() -> (
+    None
+):
     registry = ExportModuleRegistry()
     moe = registry.register(ExpA(), "QuantMoELinear")
     assert registry.match(QuantLinear(4, 4)) is None
@@ -183,10 +185,19 @@ def test_builtin_order_and_names() -> None:
     registry = ExportModuleRegistry()
     exporters = register_builtin_module_exporters(registry)
     names = [e.display_name for e in registry.exporters()]
-    assert names == [e.display_name for e in exporters] == [
-        "quant_moe_linear", "quant_linear", "quant_embedding", "bmm_experts",
-        "fused_experts", "iterable_experts", "iterable_catch_all",
-    ]
+    assert (
+        names
+        == [e.display_name for e in exporters]
+        == [
+            "quant_moe_linear",
+            "quant_linear",
+            "quant_embedding",
+            "bmm_experts",
+            "fused_experts",
+            "iterable_experts",
+            "iterable_catch_all",
+        ]
+    )
     assert registry.match(QuantMoELinear(4, 4)).display_name == "quant_moe_linear"  # type: ignore[union-attr]
     assert registry.match(QuantLinear(4, 4)).display_name == "quant_linear"  # type: ignore[union-attr]
     assert registry.match(nn.ModuleList()).display_name == "iterable_catch_all"  # type: ignore[union-attr]

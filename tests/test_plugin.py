@@ -68,8 +68,7 @@ def demo_settings(case):
 '''
 
 CONFTEST = (
-    DEMO_CHECKS
-    + 'hypothesis.settings.register_profile("mine", deadline=1234, max_examples=3)\n'
+    DEMO_CHECKS + 'hypothesis.settings.register_profile("mine", deadline=1234, max_examples=3)\n'
 )
 
 
@@ -112,10 +111,20 @@ def test_passive_without_an_export_option(pytester: pytest.Pytester) -> None:
 
     help_text = pytester.runpytest("--help").stdout.str()
     assert "exportcheck: export conformance suite" in help_text
-    for option in ("--export-targets", "--export-exporters", "--export-models", "--export-device",
-                   "--export-require-device", "--export-xfails-file", "--export-update-goldens",
-                   "--export-goldens-dir", "--export-report", "--export-no-cache",
-                   "--export-only", "export_targets (string)"):
+    for option in (
+        "--export-targets",
+        "--export-exporters",
+        "--export-models",
+        "--export-device",
+        "--export-require-device",
+        "--export-xfails-file",
+        "--export-update-goldens",
+        "--export-goldens-dir",
+        "--export-report",
+        "--export-no-cache",
+        "--export-only",
+        "export_targets (string)",
+    ):
         assert option in help_text
 
 
@@ -129,12 +138,20 @@ def test_passive_without_an_export_option(pytester: pytest.Pytester) -> None:
         (["--export-only"], "--export-only needs --export-targets"),
         (["--export-targets=onnx", "--export-xfails-file=missing.json"], "does not exist"),
         (["--export-targets=onnx", "--export-xfails-file=list.json"], "must hold one JSON object"),
-        (["--export-targets=onnx", "--export-xfails-file=typo.json",
-          "-W", "error::pytest_exportcheck.ExportCheckWarning"],
-         "expected failure 'roundtrip_logit' (*typo.json) matches no exportcheck item"),
+        (
+            [
+                "--export-targets=onnx",
+                "--export-xfails-file=typo.json",
+                "-W",
+                "error::pytest_exportcheck.ExportCheckWarning",
+            ],
+            "expected failure 'roundtrip_logit' (*typo.json) matches no exportcheck item",
+        ),
     ],
 )
-def test_bad_option_is_a_usage_error(pytester: pytest.Pytester, args: list[str], message: str) -> None:
+def test_bad_option_is_a_usage_error(
+    pytester: pytest.Pytester, args: list[str], message: str
+) -> None:
     (pytester.path / "list.json").write_text('["roundtrip_logits"]')
     (pytester.path / "typo.json").write_text('{"roundtrip_logit": "misspelled check id"}')
     result = pytester.runpytest(*args)
@@ -142,7 +159,9 @@ def test_bad_option_is_a_usage_error(pytester: pytest.Pytester, args: list[str],
     result.stderr.fnmatch_lines([f"*{message}*"])
 
 
-def test_fake_third_party_plugin(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fake_third_party_plugin(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A plugin installed through a real dist-info is discovered, checked and reported.
 
     The same suite runs twice in one directory: without xdist, then with ``-n 2``,
@@ -151,43 +170,56 @@ def test_fake_third_party_plugin(pytester: pytest.Pytester, monkeypatch: pytest.
     counter = _env(pytester, monkeypatch, install(pytester.path / "site"))
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_own="def test_own_test():\n    pass\n")
-    (pytester.path / "xfails.json").write_text(json.dumps({
-        "demo_settings[good-cuda]": "file entry: no CUDA here",
-        "demo_pass[nothing-*]": "matches nothing: must warn",
-    }))
+    (pytester.path / "xfails.json").write_text(
+        json.dumps(
+            {
+                "demo_settings[good-cuda]": "file entry: no CUDA here",
+                "demo_pass[nothing-*]": "matches nothing: must warn",
+            }
+        )
+    )
     common = [
-        "--export-targets=good,broken,onnx", "--export-models=tiny", "--export-device=cpu,cuda",
+        "--export-targets=good,broken,onnx",
+        "--export-models=tiny",
+        "--export-device=cpu,cuda",
         "--export-checks=plugin_loads,demo_pass,demo_fail,demo_xpass,demo_kv,demo_settings",
-        "--export-xfails-file=xfails.json", "-rA",
+        "--export-xfails-file=xfails.json",
+        "-rA",
     ]
 
     first = pytester.runpytest_subprocess(*common, "--export-report=serial.json", "-n", "0")
     out = first.stdout.str()
     assert first.ret == pytest.ExitCode.TESTS_FAILED
     # header: options, versions, every plugin with its distribution, failures
-    first.stdout.fnmatch_lines([
-        "exportcheck: targets=broken,good,onnx *models=tiny * device=cpu,cuda *",
-        "exportcheck versions: python *, llmexport *, torch *, transformers *, onnx *, "
-        "onnxruntime *; CUDA *",
-        f"exportcheck targets: *{DIST}: good, inplace, perturb, swallow*",
-        f"exportcheck model families: *{DIST}: tiny*",
-        f"exportcheck target 'broken' from {DIST} FAILED to load*",
-        f"exportcheck target 'onnx' from {DIST} claims a taken name*",
-    ])
+    first.stdout.fnmatch_lines(
+        [
+            "exportcheck: targets=broken,good,onnx *models=tiny * device=cpu,cuda *",
+            "exportcheck versions: python *, llmexport *, torch *, transformers *, onnx *, "
+            "onnxruntime *; CUDA *",
+            f"exportcheck targets: *{DIST}: good, inplace, perturb, swallow*",
+            f"exportcheck model families: *{DIST}: tiny*",
+            f"exportcheck target 'broken' from {DIST} FAILED to load*",
+            f"exportcheck target 'onnx' from {DIST} claims a taken name*",
+        ]
+    )
     # the repo's own test runs alongside; the matrix is printed
     assert "PASSED test_own.py::test_own_test" in out
-    first.stdout.fnmatch_lines([
-        "*= exportcheck conformance matrix =*",
-        r"check \ target * broken * good * onnx",
-        "plugin_loads * 0/1 F1 * 1/1 * 0/1 F1",
-        "demo_pass * - * 1/2 s1 * 0/2 s2",
-        "demo_fail * - * 0/2 x1 s1 * 0/2 F1 s1",
-        "*items: * passed, * failed, * xfailed, * skipped *",
-    ])
-    first.stdout.fnmatch_lines([
-        "*ExportCheckWarning: expected failure 'no_such_check' (TargetInfo of 'good') matches no*",
-        "*ExportCheckWarning: expected failure 'demo_pass[[]nothing-*]' * matches no*",
-    ])
+    first.stdout.fnmatch_lines(
+        [
+            "*= exportcheck conformance matrix =*",
+            r"check \ target * broken * good * onnx",
+            "plugin_loads * 0/1 F1 * 1/1 * 0/1 F1",
+            "demo_pass * - * 1/2 s1 * 0/2 s2",
+            "demo_fail * - * 0/2 x1 s1 * 0/2 F1 s1",
+            "*items: * passed, * failed, * xfailed, * skipped *",
+        ]
+    )
+    first.stdout.fnmatch_lines(
+        [
+            "*ExportCheckWarning: expected failure 'no_such_check' (TargetInfo of 'good') matches no*",
+            "*ExportCheckWarning: expected failure 'demo_pass[[]nothing-*]' * matches no*",
+        ]
+    )
 
     items = _items(pytester.path / "serial.json")
     broken = items["plugin_loads[broken]"]
@@ -195,11 +227,17 @@ def test_fake_third_party_plugin(pytester: pytest.Pytester, monkeypatch: pytest.
     assert DIST in broken["message"]
     assert "ImportError: fakeplugin_broken needs libfoo" in broken["message"]
     assert items["plugin_loads[onnx]"]["outcome"] == "fail"
-    assert "'onnx' is already registered by llmexport (built in)" in items["plugin_loads[onnx]"]["message"]
+    assert (
+        "'onnx' is already registered by llmexport (built in)"
+        in items["plugin_loads[onnx]"]["message"]
+    )
     assert items["plugin_loads[good]"]["outcome"] == "pass"
     assert "demo_pass[broken-tiny-cpu]" not in items  # a target that failed to load gets no checks
     # pass, with a read-only cached artifact; cuda skips without CUDA
-    assert items["demo_pass[good-tiny-cpu]"]["details"] == {"artifact": "model.pt", "read_only": True}
+    assert items["demo_pass[good-tiny-cpu]"]["details"] == {
+        "artifact": "model.pt",
+        "read_only": True,
+    }
     assert items["demo_pass[good-tiny-cuda]"]["outcome"] == "skip"
     assert "CUDA is not available" in items["demo_pass[good-tiny-cuda]"]["message"]
     # failure text and numbers; expected failures from TargetInfo are strict
@@ -208,11 +246,16 @@ def test_fake_third_party_plugin(pytester: pytest.Pytester, monkeypatch: pytest.
     assert "logits differ beyond tolerance\n  max_abs: 0.5" in out
     assert items["demo_fail[good-cpu]"]["outcome"] == "xfail"
     assert items["demo_xpass[good-cpu]"]["outcome"] == "fail"
-    assert "[XPASS(strict)] declared but the check passes" in items["demo_xpass[good-cpu]"]["message"]
+    assert (
+        "[XPASS(strict)] declared but the check passes" in items["demo_xpass[good-cpu]"]["message"]
+    )
     assert items["demo_xpass[onnx-cpu]"]["outcome"] == "pass"
     # capability gaps are counted skips with a reason
     assert items["demo_kv[good-cpu]"]["outcome"] == "skip"
-    assert "capability gap: target 'good' does not declare 'kv_cache'" in items["demo_kv[good-cpu]"]["message"]
+    assert (
+        "capability gap: target 'good' does not declare 'kv_cache'"
+        in items["demo_kv[good-cpu]"]["message"]
+    )
     assert items["demo_settings[good-cuda]"]["outcome"] == "skip"  # skip wins over the file's xfail
     # the exportcheck Hypothesis profile applies while no profile was chosen
     assert items["demo_settings[good-cpu]"]["details"]["deadline"] == "None"
@@ -226,7 +269,6 @@ def test_fake_third_party_plugin(pytester: pytest.Pytester, monkeypatch: pytest.
     assert _exports(counter) == ["good"]  # the cross-run cache served both workers
 
 
-
 def test_export_only_no_cache_require_device_and_user_profile(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -236,9 +278,15 @@ def test_export_only_no_cache_require_device_and_user_profile(
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_own="def test_own_test():\n    pass\n")
     result = pytester.runpytest_subprocess(
-        "--export-targets=good", "--export-models=tiny", "--export-device=cpu,cuda",
-        "--export-checks=demo_pass,demo_settings", "--export-no-cache", "--export-only",
-        "--export-require-device", "--hypothesis-profile=mine", "--export-report=report.json",
+        "--export-targets=good",
+        "--export-models=tiny",
+        "--export-device=cpu,cuda",
+        "--export-checks=demo_pass,demo_settings",
+        "--export-no-cache",
+        "--export-only",
+        "--export-require-device",
+        "--hypothesis-profile=mine",
+        "--export-report=report.json",
     )
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     assert "test_own_test" not in result.stdout.str()
@@ -257,11 +305,13 @@ def test_suite_runs_in_an_empty_directory(pytester: pytest.Pytester) -> None:
         "--export-targets=all", "--export-checks=plugin_loads", "-p", "no:cacheprovider"
     )
     assert result.ret == pytest.ExitCode.OK
-    result.stdout.fnmatch_lines([
-        "collected * items",
-        "*= exportcheck conformance matrix =*",
-        "plugin_loads * 1/1 * 1/1 *",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "collected * items",
+            "*= exportcheck conformance matrix =*",
+            "plugin_loads * 1/1 * 1/1 *",
+        ]
+    )
     assert "onnx" in result.stdout.str()
 
 
@@ -271,17 +321,23 @@ def test_faulty_plugins_are_caught_by_the_check_named_after_their_fault(
     """Each fake target or exporter that is wrong on purpose fails the check naming its fault."""
     _env(pytester, monkeypatch, install(pytester.path / "site"))
     result = pytester.runpytest_subprocess(
-        "--export-targets=good,perturb,inplace,swallow", "--export-models=iterable_moe",
+        "--export-targets=good,perturb,inplace,swallow",
+        "--export-models=iterable_moe",
         "--export-exporters=outside,zeroscale,brokenexp",
         "--export-checks=plugin_loads,roundtrip_logits,atomic_failure,unknown_kwargs,export_contract",
-        "--export-report=report.json", "-p", "no:cacheprovider",
+        "--export-report=report.json",
+        "-p",
+        "no:cacheprovider",
     )
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     items = _items(pytester.path / "report.json")
     failed = sorted(i for i, rec in items.items() if rec["outcome"] == "fail")
     assert failed == [
-        "atomic_failure[inplace-cpu]", "export_contract[zeroscale]", "plugin_loads[brokenexp]",
-        "roundtrip_logits[perturb-iterable_moe-cpu]", "unknown_kwargs[swallow-cpu]",
+        "atomic_failure[inplace-cpu]",
+        "export_contract[zeroscale]",
+        "plugin_loads[brokenexp]",
+        "roundtrip_logits[perturb-iterable_moe-cpu]",
+        "unknown_kwargs[swallow-cpu]",
     ]
     assert "max abs" in items["roundtrip_logits[perturb-iterable_moe-cpu]"]["message"]
     assert items["roundtrip_logits[good-iterable_moe-cpu]"]["outcome"] == "pass"
@@ -319,7 +375,9 @@ def test_ini_twins_configure_the_suite(pytester: pytest.Pytester) -> None:
     }
 
 
-def test_example_plugin_passes_the_suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_example_plugin_passes_the_suite(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """examples/llmexport-plugin-example, installed from its own pyproject's entry points,
     passes every check when its author runs plain ``pytest`` with its ini selection."""
     tomllib = pytest.importorskip("tomllib")
@@ -330,14 +388,18 @@ def test_example_plugin_passes_the_suite(pytester: pytest.Pytester, monkeypatch:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(example / "src")]))
     (pytester.path / "pyproject.toml").write_text((example / "pyproject.toml").read_text())
 
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "error::DeprecationWarning")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-W", "error::DeprecationWarning"
+    )
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
-    result.stdout.fnmatch_lines([
-        "exportcheck: targets=example_traced exporters=example_marked_linear models=example_tiny *",
-        "exportcheck targets: *llmexport-plugin-example 0.1.0: example_traced*",
-        "roundtrip_logits * 1/1",
-        "export_contract * 1/1",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "exportcheck: targets=example_traced exporters=example_marked_linear models=example_tiny *",
+            "exportcheck targets: *llmexport-plugin-example 0.1.0: example_traced*",
+            "roundtrip_logits * 1/1",
+            "export_contract * 1/1",
+        ]
+    )
 
 
 def test_cached_exports_serve_the_next_run_except_the_fresh_one_deterministic_needs(
@@ -347,9 +409,12 @@ def test_cached_exports_serve_the_next_run_except_the_fresh_one_deterministic_ne
     check's own ``(logits, cache)`` model's), so a second run exports only the one fresh
     copy ``deterministic`` compares the cached artifact with."""
     counter = _env(pytester, monkeypatch, install(pytester.path / "site"))
-    args = ["--export-targets=good", "--export-models=tiny",
-            "--export-checks=artifact_contract,cache_wrapper,deterministic",
-            "--export-report=report.json"]
+    args = [
+        "--export-targets=good",
+        "--export-models=tiny",
+        "--export-checks=artifact_contract,cache_wrapper,deterministic",
+        "--export-report=report.json",
+    ]
     first = pytester.runpytest_subprocess(*args)
     assert first.ret == pytest.ExitCode.OK, first.stdout.str()
     # decoder (artifact_contract and deterministic share it), cache_wrapper's model, the fresh one

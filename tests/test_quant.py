@@ -142,7 +142,9 @@ def test_zero_amax_gives_scale_one_and_zeros() -> None:
     q = quantizer.quantize(zeros)
     assert torch.isfinite(q.scale).all()
     assert torch.equal(dequantize(q), zeros)
-    nv = quantize_tensor(torch.zeros(2, 16), QuantFormat.NVFP4, amax=torch.tensor(0.0), block_size=16)
+    nv = quantize_tensor(
+        torch.zeros(2, 16), QuantFormat.NVFP4, amax=torch.tensor(0.0), block_size=16
+    )
     assert nv.scale_2 is not None
     assert nv.scale_2.item() == 1.0
     assert torch.isfinite(nv.scale.float()).all()
@@ -262,7 +264,9 @@ def test_wrap_module_refuses_modules_without_a_wrapper() -> None:
 # -- quantize() ----------------------------------------------------------------
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_recipe_on_every_family_runs_close_to_the_float_model(family: str, recipe: str) -> None:
+def test_every_recipe_on_every_family_runs_close_to_the_float_model(
+    family: str, recipe: str
+) -> None:
     model = _hf(family)
     ids = make_input_ids(model.config.vocab_size)
     with torch.no_grad():
@@ -338,7 +342,9 @@ def test_unknown_recipe_lists_the_known_ones() -> None:
 @pytest.mark.parametrize(("recipe", "dim"), [("nvfp4", 40), ("int4_awq", 96)])
 def test_unsupported_dimension_names_module_shape_and_format(recipe: str, dim: int) -> None:
     model = DecoderModel(num_layers=1, intermediate_size=dim)
-    with pytest.raises(UnsupportedFormatError, match=rf"layers\.0\.mlp\.down_proj.*{recipe}.*{dim} in"):
+    with pytest.raises(
+        UnsupportedFormatError, match=rf"layers\.0\.mlp\.down_proj.*{recipe}.*{dim} in"
+    ):
         quantize(model, recipe)
     assert not any(isinstance(m, QuantModule) for m in model.modules())  # nothing converted
 
@@ -378,7 +384,9 @@ def test_nvfp4_fused_linears_share_the_per_tensor_weight_amax() -> None:
     for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
         assert len({float(m.weight_quantizer.amax) for m in group}) == 1
         assert len({float(m.input_quantizer.amax) for m in group}) == 1
-    assert float(attn.o_proj.weight_quantizer.amax) == float(attn.o_proj.weight.detach().abs().max())
+    assert float(attn.o_proj.weight_quantizer.amax) == float(
+        attn.o_proj.weight.detach().abs().max()
+    )
 
 
 def test_calibration_sees_full_precision_activations() -> None:

@@ -179,7 +179,10 @@ def test_entry_point_claiming_a_builtin_name_raises_naming_the_distribution(
 ) -> None:
     group = _group()
     make_distribution(
-        plugin_path, "squatter", {group: {"onnx": "plug_squat:value"}}, {"plug_squat.py": "value = 'fake'\n"}
+        plugin_path,
+        "squatter",
+        {group: {"onnx": "plug_squat:value"}},
+        {"plug_squat.py": "value = 'fake'\n"},
     )
     reg: Registry[str] = Registry("export target")
     reg.register("onnx", "real", builtin=True)
@@ -204,7 +207,12 @@ def _run(code: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess[st
 
     env = {**os.environ, **env_extra}
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False, timeout=120
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=120,
     )
 
 

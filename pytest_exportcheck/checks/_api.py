@@ -144,7 +144,9 @@ def check(
     def decorate(fn: Callable[[Any], CheckResult]) -> Callable[[Any], CheckResult]:
         if id in CHECKS and CHECKS[id].fn is not fn:
             raise ValueError(f"check id {id!r} is registered twice")
-        CHECKS[id] = CheckSpec(id, scope, fn, per_model, frozenset(needs), (fn.__doc__ or "").strip())
+        CHECKS[id] = CheckSpec(
+            id, scope, fn, per_model, frozenset(needs), (fn.__doc__ or "").strip()
+        )
         return fn
 
     return decorate

@@ -126,7 +126,9 @@ def build_case_model(case: TargetCase, name: str) -> nn.Module:
     model = model.eval().to(case.device)
     reason = accepts_reason(case.target, model)
     if reason:
-        raise CheckAbort(CheckResult.skipped(f"target {case.target_id!r} does not take {name!r}: {reason}"))
+        raise CheckAbort(
+            CheckResult.skipped(f"target {case.target_id!r} does not take {name!r}: {reason}")
+        )
     return model
 
 
@@ -164,7 +166,9 @@ def input_ids_for(model: nn.Module, batch: int, seq: int, seed: int, device: str
 def eager_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """The reference: the model under :class:`ExportCacheWrapper` (``use_cache=False``, logits)."""
     with torch.no_grad():
-        logits: torch.Tensor = attempt("running the eager model", ExportCacheWrapper(model), input_ids)
+        logits: torch.Tensor = attempt(
+            "running the eager model", ExportCacheWrapper(model), input_ids
+        )
     return logits.detach()
 
 
@@ -173,9 +177,7 @@ def artifact_name(info: TargetInfo) -> str:
     return "model" if info.artifact == "directory" else f"model{info.suffix}"
 
 
-def export_fresh(
-    case: TargetCase, model: nn.Module, directory: Path, **extra: Any
-) -> Path:
+def export_fresh(case: TargetCase, model: nn.Module, directory: Path, **extra: Any) -> Path:
     """Export ``model`` with the case's target and variant kwargs into ``directory`` (not cached)."""
     info = get_target_info(case.target)
     directory.mkdir(parents=True, exist_ok=True)

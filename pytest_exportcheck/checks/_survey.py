@@ -135,7 +135,9 @@ def exporter_entry(case: ExporterCase) -> tuple[ModuleExporter, ExporterEntry, i
     try:
         exporter = MODULE_EXPORTER_REGISTRY.get(case.name)
     except Exception as err:
-        raise CheckAbort(CheckResult.failed(f"module exporter {case.name!r}: {error_text(err)}")) from err
+        raise CheckAbort(
+            CheckResult.failed(f"module exporter {case.name!r}: {error_text(err)}")
+        ) from err
     for index, entry in enumerate(EXPORT_MODULE_REGISTRY.entries()):
         if entry.exporter is exporter:
             return exporter, entry, index
@@ -221,8 +223,17 @@ class _Recorder:
             if mutated:  # undo it: the quantized models are shared by every check
                 module.load_state_dict(before, strict=False)
             self.calls.append(
-                ExportCall(exporter, self.model, self.recipe, name, type(module).__name__,
-                           is_quantized_module(module), tuple(written), mutated, error)
+                ExportCall(
+                    exporter,
+                    self.model,
+                    self.recipe,
+                    name,
+                    type(module).__name__,
+                    is_quantized_module(module),
+                    tuple(written),
+                    mutated,
+                    error,
+                )
             )
 
 
@@ -278,7 +289,9 @@ def _quantize_cached(model_name: str, factory_id: int, recipe: str, seed: int) -
         return f"quantizing {model_name} with {recipe} raised {type(err).__name__}: {err}"
 
 
-def _survey_one(model_name: str, recipe: str, model: nn.Module, names: Mapping[int, str]) -> QuantizedModel:
+def _survey_one(
+    model_name: str, recipe: str, model: nn.Module, names: Mapping[int, str]
+) -> QuantizedModel:
     result = QuantizedModel(model_name, recipe, model)
     for name, module in model.named_modules():
         exporter = EXPORT_MODULE_REGISTRY.match(module)

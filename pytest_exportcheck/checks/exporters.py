@@ -107,7 +107,9 @@ def _hook_examples(case: ExporterCase, exporter: ModuleExporter) -> list[nn.Modu
     return examples
 
 
-def _examples(case: ExporterCase, exporter: ModuleExporter, survey: Survey) -> list[tuple[str, nn.Module]]:
+def _examples(
+    case: ExporterCase, exporter: ModuleExporter, survey: Survey
+) -> list[tuple[str, nn.Module]]:
     """``(label, module)`` claimed by the exporter: one per module type, then the hook's."""
     seen: set[type] = set()
     found: list[tuple[str, nn.Module]] = []
@@ -186,7 +188,9 @@ def mro_match(case: ExporterCase) -> CheckResult:
         failure = _run_property(_subclass_property(registry, exporter, module, label, avoid))
         if failure:
             return CheckResult.failed(failure)
-    return CheckResult.passed(f"{len(examples)} claimed type(s), generated subclasses still claimed")
+    return CheckResult.passed(
+        f"{len(examples)} claimed type(s), generated subclasses still claimed"
+    )
 
 
 # ----------------------------------------------------------------------------- name_match
@@ -251,7 +255,9 @@ def name_match(case: ExporterCase) -> CheckResult:
 # ----------------------------------------------------------------------------- predicate_match
 
 
-def _all_modules(survey: Survey, examples: list[tuple[str, nn.Module]]) -> Iterable[tuple[str, nn.Module]]:
+def _all_modules(
+    survey: Survey, examples: list[tuple[str, nn.Module]]
+) -> Iterable[tuple[str, nn.Module]]:
     for q in survey.quantized:
         for name, module in q.model.named_modules():
             yield f"{q.model_name}/{q.recipe}:{name}", module
@@ -358,7 +364,9 @@ def precedence(case: ExporterCase) -> CheckResult:
         problems.append("a new entry was not appended last")
     lost = [type(m).__name__ for m in modules if appended.match(m) is not exporter]
     if lost:
-        problems.append(f"an appended entry with the same keys took {lost} away (first match must win)")
+        problems.append(
+            f"an appended entry with the same keys took {lost} away (first match must win)"
+        )
     if problems:
         return CheckResult.failed(f"{entry.describe()}: " + "; ".join(problems))
     note = f" on {len(modules)} claimed type(s)" if modules else " (order only: no claimed module)"
@@ -444,11 +452,15 @@ def claims_all_quantized(case: ExporterCase) -> CheckResult:
     ]
     problems = []
     if unclaimed:
-        problems.append(f"registry-wide: {len(unclaimed)} quantized module(s) unclaimed: {_listed(unclaimed)}")
+        problems.append(
+            f"registry-wide: {len(unclaimed)} quantized module(s) unclaimed: {_listed(unclaimed)}"
+        )
     if driver_errors:
         problems.append(f"registry-wide: {_listed(driver_errors)}")
     if dropped:
-        problems.append(f"{case.name} claims quantized modules but writes nothing: {_listed(dropped)}")
+        problems.append(
+            f"{case.name} claims quantized modules but writes nothing: {_listed(dropped)}"
+        )
     total = sum(1 for q in survey.quantized for c in q.claims if c.quantized)
     if problems:
         return CheckResult.failed("; ".join(problems), unclaimed=len(unclaimed))
@@ -552,11 +564,16 @@ def export_contract(case: ExporterCase) -> CheckResult:
         problems.extend(_direct_export(exporter, f"example{i}", module))
     for label, module in examples:
         if is_quantized_module(module):
-            problems.extend(f"zero amax, {label}: {p}" for p in _direct_export(exporter, "zeroed", _zeroed(module)))
+            problems.extend(
+                f"zero amax, {label}: {p}"
+                for p in _direct_export(exporter, "zeroed", _zeroed(module))
+            )
     if problems:
         return CheckResult.failed(f"{case.name}: {_listed(problems)}", problems=len(problems))
     written = sum(len(c.names) for c in calls)
-    return CheckResult.passed(f"{len(calls)} export call(s), {written} tensors, {len(hooks)} example(s)")
+    return CheckResult.passed(
+        f"{len(calls)} export call(s), {written} tensors, {len(hooks)} example(s)"
+    )
 
 
 # ----------------------------------------------------------------------------- moe_inputs
@@ -600,7 +617,9 @@ def _moe_problems(q: QuantizedModel, names: set[str]) -> tuple[int, list[str]]:
             for expert, g in per_expert.items():
                 u = up.get(expert)
                 if u is not None and g.numel() == 1 and u.numel() == 1 and not torch.equal(g, u):
-                    problems.append(f"{where}: {block}.{expert} {pair[0]}/{pair[1]} differ in {leaf}")
+                    problems.append(
+                        f"{where}: {block}.{expert} {pair[0]}/{pair[1]} differ in {leaf}"
+                    )
     return len(scales), problems
 
 
@@ -626,7 +645,9 @@ def moe_inputs(case: ExporterCase) -> CheckResult:
             groups += n
             problems.extend(found)
     if not groups:
-        return CheckResult.skipped(f"module exporter {case.name!r} writes no MoE expert scales in the toy models")
+        return CheckResult.skipped(
+            f"module exporter {case.name!r} writes no MoE expert scales in the toy models"
+        )
     if problems:
         return CheckResult.failed(f"{case.name}: {_listed(problems)}", problems=len(problems))
     return CheckResult.passed(f"{groups} expert scale groups consistent")
@@ -674,7 +695,9 @@ def _untied_copy(model_name: str, seed: int) -> tuple[nn.Module, str] | None:
     target = groups[0][-1]
     owner, _, leaf = target.rpartition(".")
     param = model.get_submodule(owner).get_parameter(leaf)
-    setattr(model.get_submodule(owner), leaf, nn.Parameter(param.detach() + 0.5, requires_grad=False))
+    setattr(
+        model.get_submodule(owner), leaf, nn.Parameter(param.detach() + 0.5, requires_grad=False)
+    )
     return model, target
 
 
@@ -693,7 +716,9 @@ def tied_weights(case: ExporterCase) -> CheckResult:
     exporter_entry(case)
     survey = survey_for(case)
     relevant = [
-        q for q in survey.quantized if _tie_groups(q.model) and any(c.exporter == case.name for c in q.calls)
+        q
+        for q in survey.quantized
+        if _tie_groups(q.model) and any(c.exporter == case.name for c in q.calls)
     ]
     if not relevant:
         return CheckResult.skipped(
@@ -711,9 +736,13 @@ def tied_weights(case: ExporterCase) -> CheckResult:
         except TiedWeightsError:
             continue
         except Exception as err:
-            problems.append(f"{model_name} with {target} untied: raised {type(err).__name__}, not TiedWeightsError")
+            problems.append(
+                f"{model_name} with {target} untied: raised {type(err).__name__}, not TiedWeightsError"
+            )
             continue
-        problems.append(f"{model_name} with {target} changed but still declared tied: exported without error")
+        problems.append(
+            f"{model_name} with {target} changed but still declared tied: exported without error"
+        )
     if problems:
         return CheckResult.failed(f"{case.name}: {_listed(problems)}", problems=len(problems))
     return CheckResult.passed(f"{len(relevant)} tied quantized model(s): one copy, nothing dropped")

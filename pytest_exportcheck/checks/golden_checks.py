@@ -60,7 +60,9 @@ def golden_fp8_buffers(case: ExporterCase) -> CheckResult:
     q = quantized[0]
     names = _written_by(q, case.name)
     if not names:
-        return CheckResult.skipped(f"module exporter {case.name!r} writes nothing for the {recipe} {model!r}")
+        return CheckResult.skipped(
+            f"module exporter {case.name!r} writes nothing for the {recipe} {model!r}"
+        )
     data: dict[str, Any] = {
         "model": model,
         "recipe": recipe,

@@ -190,7 +190,9 @@ def _listing(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
 
 
-def _companions(artifact: Path, names: Iterable[str], info: TargetInfo) -> tuple[list[str], list[str]]:
+def _companions(
+    artifact: Path, names: Iterable[str], info: TargetInfo
+) -> tuple[list[str], list[str]]:
     """(allowed companion files, unexpected files) among ``names`` besides the artifact."""
     allowed: list[str] = []
     stray: list[str] = []
@@ -234,7 +236,9 @@ def artifact_contract(case: TargetCase) -> CheckResult:
     if info.artifact == "file" and not (path.is_file() and path.stat().st_size > 0):
         problems.append(f"declared artifact='file' but {path.name} is not a non-empty file")
     if info.artifact == "directory" and not (path.is_dir() and any(path.iterdir())):
-        problems.append(f"declared artifact='directory' but {path.name} is not a non-empty directory")
+        problems.append(
+            f"declared artifact='directory' but {path.name} is not a non-empty directory"
+        )
     companions, stray = _companions(path, _listing(out_dir), info)
     if stray:
         problems.append(
@@ -324,7 +328,10 @@ class _CacheByDefault(nn.Module):
         self.config = decoder.config
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, use_cache: bool = True
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        use_cache: bool = True,
     ) -> Any:
         return self.decoder(input_ids, attention_mask=attention_mask, use_cache=use_cache)
 
@@ -347,11 +354,15 @@ def cache_wrapper(case: TargetCase) -> CheckResult:
     model = _CacheByDefault(decoder).eval().to(case.device)
     reason = accepts_reason(case.target, model)
     if reason:
-        return CheckResult.skipped(f"target {case.target_id!r} does not take a plain decoder: {reason}")
+        return CheckResult.skipped(
+            f"target {case.target_id!r} does not take a plain decoder: {reason}"
+        )
     with torch.no_grad():
         raw = model(input_ids_for(model, 1, 2, seed=0, device=case.device))
     if not (isinstance(raw, tuple) and len(raw) == 2):  # the premise of the check
-        return CheckResult.failed(f"the test model returned {type(raw).__name__}, not (logits, cache)")
+        return CheckResult.failed(
+            f"the test model returned {type(raw).__name__}, not (logits, cache)"
+        )
     runtime = load_runtime(case, export_instance(case, model, case.workdir / "cache_wrapper"))
     return _roundtrip(case, info, model, runtime, TRACED_SHAPE)
 
@@ -406,8 +417,21 @@ class InjectedExportFailure(RuntimeError):
 
 
 _METADATA_OPS = frozenset(
-    {"__get__", "__repr__", "__format__", "__hash__", "size", "dim", "numel", "nelement",
-     "element_size", "stride", "is_contiguous", "is_floating_point", "data_ptr"}
+    {
+        "__get__",
+        "__repr__",
+        "__format__",
+        "__hash__",
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "element_size",
+        "stride",
+        "is_contiguous",
+        "is_floating_point",
+        "data_ptr",
+    }
 )
 
 
@@ -553,7 +577,9 @@ def unknown_kwargs(case: TargetCase) -> CheckResult:
     bad = {MISSPELLED_KWARG: None}
     problems: list[str] = []
     try:
-        export_model(case.target, model, directory / artifact_name(info), **case.export_kwargs, **bad)
+        export_model(
+            case.target, model, directory / artifact_name(info), **case.export_kwargs, **bad
+        )
     except Exception as err:
         problems.extend(_refusal_problems("export", err))
     else:

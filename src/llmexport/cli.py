@@ -27,7 +27,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (DEBUG)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p_list = sub.add_parser("list", help="list targets, runtimes, module exporters and model families")
+    p_list = sub.add_parser(
+        "list", help="list targets, runtimes, module exporters and model families"
+    )
     p_list.add_argument("--json", action="store_true", help="machine-readable output")
 
     p_exp = sub.add_parser("export", help="export a model with a target")
@@ -131,16 +133,29 @@ def _cmd_list(as_json: bool) -> int:
         for err in reg.plugin_errors
     ]
     if as_json:
-        print(json.dumps(
-            {"targets": targets, "runtimes": runtimes, "module_exporters": exporters,
-             "models": models, "failed_plugins": failed},
-            indent=2,
-        ))
+        print(
+            json.dumps(
+                {
+                    "targets": targets,
+                    "runtimes": runtimes,
+                    "module_exporters": exporters,
+                    "models": models,
+                    "failed_plugins": failed,
+                },
+                indent=2,
+            )
+        )
         return 0
     print("Export targets:")
     rows: list[tuple[str, ...]] = [
-        (t["name"], t["runtime"] + ("" if t["runtime_available"] else " (missing!)"), t["artifact"],
-         ",".join(t["capabilities"]) or "-", f"atol={t['atol']:g} rtol={t['rtol']:g}", t["provider"])
+        (
+            t["name"],
+            t["runtime"] + ("" if t["runtime_available"] else " (missing!)"),
+            t["artifact"],
+            ",".join(t["capabilities"]) or "-",
+            f"atol={t['atol']:g} rtol={t['rtol']:g}",
+            t["provider"],
+        )
         for t in targets
     ]
     _table(("name", "runtime", "artifact", "capabilities", "tolerance", "provided by"), rows)
@@ -148,7 +163,10 @@ def _cmd_list(as_json: bool) -> int:
     _table(("name", "provided by"), [(r["name"], r["provider"]) for r in runtimes])
     if exporters:
         print("\nModule exporters (match order):")
-        _table(("name", "keys", "provided by"), [(e["name"], e["keys"], e["provider"]) for e in exporters])
+        _table(
+            ("name", "keys", "provided by"),
+            [(e["name"], e["keys"], e["provider"]) for e in exporters],
+        )
     if models:
         print("\nModel families:")
         _table(("name", "provided by"), [(m["name"], m["provider"]) for m in models])
@@ -172,7 +190,9 @@ def _module_exporters() -> list[dict[str, str]]:
         keys = ", ".join(k if isinstance(k, str) else k.__name__ for k in entry.keys)
         if entry.predicate is not None:
             keys = f"{keys} + predicate" if keys else "predicate"
-        rows.append({"name": name, "keys": keys, "provider": providers.get(name, "registered in code")})
+        rows.append(
+            {"name": name, "keys": keys, "provider": providers.get(name, "registered in code")}
+        )
     return rows
 
 
@@ -212,8 +232,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     path = export_model(args.target, model, args.out, **options)
     elapsed = time.perf_counter() - start
-    size = sum(p.stat().st_size for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
-    print(f"exported {args.model} with {args.target} -> {path} ({size / 1e6:.2f} MB, {elapsed:.2f} s)")
+    size = sum(
+        p.stat().st_size for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file()
+    )
+    print(
+        f"exported {args.model} with {args.target} -> {path} ({size / 1e6:.2f} MB, {elapsed:.2f} s)"
+    )
     if not args.verify:
         return 0
     from llmexport.export import get_target_info

@@ -81,7 +81,9 @@ def to_numpy(value: Any) -> np.ndarray:
     Torch tensors are detached and moved to the CPU first; low-precision floats
     (bf16, fp8) are widened through float32, which numpy cannot skip.
     """
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
+    if hasattr(value, "detach") and hasattr(
+        value, "cpu"
+    ):  # a torch tensor, without importing torch
         tensor = value.detach().cpu()
         if tensor.is_floating_point():
             tensor = tensor.float()

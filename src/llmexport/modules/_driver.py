@@ -118,7 +118,9 @@ def _is_linear_like(module: nn.Module) -> bool:
     return weight is not None and weight.dim() == 2 and not isinstance(module, nn.Embedding)
 
 
-def _emit_own_tensors(name: str, module: nn.Module, ctx: ExportContext, dropped: Mapping[str, str]) -> None:
+def _emit_own_tensors(
+    name: str, module: nn.Module, ctx: ExportContext, dropped: Mapping[str, str]
+) -> None:
     prefix = f"{name}." if name else ""
     for pname, param in module._parameters.items():
         full = prefix + pname

@@ -88,7 +88,9 @@ class QuantLinearExporter(ModuleExporter):
             ctx.emit_plain(f"{name}.bias", module.bias)
         output_q = module.output_quantizer
         if output_q.enabled and output_q.kv_role:
-            ctx.emit_scale(f"{name}.{output_q.kv_role}_scale", output_q.scale_from(ctx.amax_of(output_q)))
+            ctx.emit_scale(
+                f"{name}.{output_q.kv_role}_scale", output_q.scale_from(ctx.amax_of(output_q))
+            )
             ctx.quant_config.add_kv_cache(name, KV_CACHE_ALGO[output_q.format])
 
 
@@ -159,7 +161,9 @@ class FusedExpertsExporter(ModuleExporter):
             biases = module.bias_of(projection)
             amax = ctx.amax_of(weight_q)
             for expert in range(weights.shape[0]):
-                for linear, weight, bias in self._split(module, projection, weights, biases, expert):
+                for linear, weight, bias in self._split(
+                    module, projection, weights, biases, expert
+                ):
                     prefix = f"{name}.{expert}.{linear}"
                     _emit_weight(ctx, prefix, weight_q.quantize(weight, index=expert, amax=amax))
                     if bias is not None:

@@ -258,12 +258,16 @@ class ExportModuleRegistry:
             if entry.keys and entry.predicate is not None:
                 how = "a key in its MRO and its predicate"
             return MatchExplanation(
-                module_type.__name__, entry.exporter, index,
+                module_type.__name__,
+                entry.exporter,
+                index,
                 f"{module_type.__name__} matched entry {index} ({entry.describe()}) by {how}",
                 tuple(rejected),
             )
         return MatchExplanation(
-            module_type.__name__, None, None,
+            module_type.__name__,
+            None,
+            None,
             f"no exporter matches {module_type.__name__} (MRO: "
             f"{', '.join(c.__name__ for c in module_type.__mro__)}); "
             f"{len(rejected)} entr{'y' if len(rejected) == 1 else 'ies'} tried",
@@ -283,4 +287,8 @@ class ExportModuleRegistry:
 def exporter_attributes(exporter: ModuleExporter) -> tuple[tuple[MatchKey, ...], Any, bool]:
     """``(keys, predicate, prepend)`` an exporter declares as attributes."""
     predicate = getattr(exporter, "predicate", None)
-    return tuple(getattr(exporter, "keys", ()) or ()), predicate, bool(getattr(exporter, "prepend", False))
+    return (
+        tuple(getattr(exporter, "keys", ()) or ()),
+        predicate,
+        bool(getattr(exporter, "prepend", False)),
+    )

@@ -61,7 +61,24 @@ INT4_MAX = 7.0
 INT8_MAX = 127.0
 
 #: The 16 E2M1 values by 4-bit code (bit 3 is the sign).
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 # Midpoints between consecutive E2M1 magnitudes; a tie rounds to the even code.
 _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_UP = (0.75, 1.75, 3.5)  # ties whose upper neighbour has the even code
@@ -139,7 +156,9 @@ def safe_scale(amax: torch.Tensor, divisor: float, *, where: str) -> torch.Tenso
     if bool(zero.any()):
         logger.debug(
             "%s: %d zero amax value(s); using scale 1.0 there (an all-zero tensor "
-            "quantizes to zeros with any scale)", where, int(zero.sum())
+            "quantizes to zeros with any scale)",
+            where,
+            int(zero.sum()),
         )
         scale = torch.where(zero, torch.ones_like(scale), scale)
     return scale
@@ -207,7 +226,12 @@ _FP8_CHUNK = 1 << 18
 
 def _quantize_fp8(x: torch.Tensor, scale: torch.Tensor, where: str) -> QuantizedTensor:
     x = x.detach()
-    if x.device.type == "cpu" and scale.numel() == 1 and x.is_contiguous() and x.numel() > _FP8_CHUNK:
+    if (
+        x.device.type == "cpu"
+        and scale.numel() == 1
+        and x.is_contiguous()
+        and x.numel() > _FP8_CHUNK
+    ):
         data = _fp8_codes_chunked(x, scale)
     else:
         data = (x.to(torch.float32) / scale).to(torch.float8_e4m3fn)
@@ -245,7 +269,9 @@ def _blocks(x: torch.Tensor, block: int, fmt: QuantFormat, where: str) -> torch.
     return x.detach().to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _quantize_nvfp4(x: torch.Tensor, scale_2: torch.Tensor, block: int, where: str) -> QuantizedTensor:
+def _quantize_nvfp4(
+    x: torch.Tensor, scale_2: torch.Tensor, block: int, where: str
+) -> QuantizedTensor:
     if x.shape[-1] % 2:
         raise UnsupportedFormatError(f"{where}: nvfp4 packs pairs, got odd shape {tuple(x.shape)}")
     blocks = _blocks(x, block, QuantFormat.NVFP4, where)

@@ -232,7 +232,6 @@ class QuantExperts(QuantModule):
         return out
 
 
-
 def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
     return None if bias is None else bias[expert]
 
@@ -259,7 +258,10 @@ def quant_experts_class(original: type[nn.Module], base: type[QuantExperts]) -> 
     key = (original, base)
     cls = _EXPERT_CLASSES.get(key)
     if cls is None:
-        namespace: dict[str, Any] = {"__module__": __name__, "__qualname__": f"Quant{original.__name__}"}
+        namespace: dict[str, Any] = {
+            "__module__": __name__,
+            "__qualname__": f"Quant{original.__name__}",
+        }
         cls = type(f"Quant{original.__name__}", (base, original), namespace)
         _EXPERT_CLASSES[key] = cls
     return cls

@@ -158,7 +158,9 @@ def _kind(name: str, module: nn.Module, modules: dict[str, nn.Module]) -> str | 
         return "experts"
     if isinstance(module, nn.Linear):
         if type(module).forward is not nn.Linear.forward:
-            logger.warning("%s: %s overrides forward; left unquantized", name, type(module).__name__)
+            logger.warning(
+                "%s: %s overrides forward; left unquantized", name, type(module).__name__
+            )
             return None
         return "moe_linear" if _in_expert_list(name, modules) else "linear"
     if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:
@@ -262,10 +264,16 @@ def _convert(c: _Conversion) -> None:
         base = QuantBMMExperts if getattr(module, "is_transposed", False) else QuantFusedExperts
         module.__class__ = quant_experts_class(type(module), base)
         for proj in QuantExperts.PROJECTIONS:
-            setattr(module, f"{proj}_weight_quantizer",
-                    _weight_quantizer(algo, f"{c.name}.{proj}_weight_quantizer", True))
-            setattr(module, f"{proj}_input_quantizer",
-                    _input_quantizer(algo, f"{c.name}.{proj}_input_quantizer"))
+            setattr(
+                module,
+                f"{proj}_weight_quantizer",
+                _weight_quantizer(algo, f"{c.name}.{proj}_weight_quantizer", True),
+            )
+            setattr(
+                module,
+                f"{proj}_input_quantizer",
+                _input_quantizer(algo, f"{c.name}.{proj}_input_quantizer"),
+            )
     elif c.kind == "embedding":
         module.__class__ = QuantEmbedding
         module.weight_quantizer = _weight_quantizer(algo, f"{c.name}.weight_quantizer", False)
@@ -274,8 +282,10 @@ def _convert(c: _Conversion) -> None:
         module.weight_quantizer = _weight_quantizer(algo, f"{c.name}.weight_quantizer", False)
         module.input_quantizer = _input_quantizer(algo, f"{c.name}.input_quantizer")
         output = TensorQuantizer(
-            c.kv or QuantFormat.FP8, enabled=c.kv is not None,
-            label=f"{c.name}.output_quantizer", min_scale=1.0,
+            c.kv or QuantFormat.FP8,
+            enabled=c.kv is not None,
+            label=f"{c.name}.output_quantizer",
+            min_scale=1.0,
         )
         output.kv_role = _kv_role(c.name) if c.kv is not None else None
         module.output_quantizer = output
@@ -315,7 +325,9 @@ def _activation_quantizers(model: nn.Module) -> Iterator[TensorQuantizer]:
     for module in model.modules():
         if isinstance(module, QuantModule):
             for attr, quantizer in module.quantizers():
-                if "weight_quantizer" not in attr and (quantizer.enabled or quantizer.track_channels):
+                if "weight_quantizer" not in attr and (
+                    quantizer.enabled or quantizer.track_channels
+                ):
                     yield quantizer
 
 
@@ -336,7 +348,8 @@ def _calibrate(
     # (weight fake-quant during calibration would shift every later amax).
     calibrating = {id(q) for q in quantizers}
     paused = [
-        m for m in model.modules()
+        m
+        for m in model.modules()
         if isinstance(m, TensorQuantizer) and m.enabled and id(m) not in calibrating
     ]
     for quantizer in quantizers:
@@ -467,7 +480,9 @@ def _check_calibrated(model: nn.Module) -> None:
         if q.enabled and q.format in (QuantFormat.FP8, QuantFormat.NVFP4) and q.amax is None
     ]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
         raise QuantizationError(
             f"calibration never reached {len(missing)} activation quantizer(s): {shown}. Pass a "
             "calibrate(model) function whose forwards run every quantized module, or exclude "

@@ -91,7 +91,9 @@ class TensorQuantizer(nn.Module):
         if self.track_channels:
             channels = x.reshape(-1, x.shape[-1]).amax(dim=0)
             self.channel_amax = (
-                channels if self.channel_amax is None else torch.maximum(self.channel_amax, channels)
+                channels
+                if self.channel_amax is None
+                else torch.maximum(self.channel_amax, channels)
             )
 
     def reset_amax(self) -> None:

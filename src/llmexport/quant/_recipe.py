@@ -134,8 +134,9 @@ class QuantRecipe:
             algo, kv = _split_parts(recipe)
             base = cls(algo=algo, kv_cache=kv)
         if extra:
-            return cls(base.algo, base.kv_cache, base.overrides, base.exclude + extra,
-                       base.default_exclude)
+            return cls(
+                base.algo, base.kv_cache, base.overrides, base.exclude + extra, base.default_exclude
+            )
         return base
 
     @classmethod
