@@ -25,6 +25,7 @@ from llmexport.export.onnx import (
     OnnxVerification,
     export_to_onnx,
     get_onnx_info,
+    load_onnx,
     verify_onnx,
 )
 from llmexport.models import build_model
@@ -201,3 +202,15 @@ def test_attention_mask_true_on_a_model_without_one_is_refused(tmp_path: Path) -
     with pytest.raises(llmexport.InvalidModelError, match="attention_mask"):
         export_to_onnx(_MHADecoder(), tmp_path / "x.onnx", attention_mask=True)
     assert not any(tmp_path.iterdir())
+
+
+def test_onnxruntime_threads_follow_torch_unless_given(artifacts: Artifacts) -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        session = load_onnx(artifacts.decoder_onnx).session
+        assert session.get_session_options().intra_op_num_threads == 1
+        explicit = load_onnx(artifacts.decoder_onnx, intra_op_num_threads=2).session
+        assert explicit.get_session_options().intra_op_num_threads == 2
+    finally:
+        torch.set_num_threads(before)

@@ -405,7 +405,11 @@ def _providers(device: str, providers: Sequence[str] | None) -> list[str]:
 
 
 def load_onnx(
-    artifact: Path, *, device: str = "cpu", providers: Sequence[str] | None = None
+    artifact: Path,
+    *,
+    device: str = "cpu",
+    providers: Sequence[str] | None = None,
+    intra_op_num_threads: int | None = None,
 ) -> OnnxRuntimeModel:
     """Load an ONNX artifact in onnxruntime; returns ``input_ids -> logits`` (a torch tensor).
 
@@ -413,6 +417,10 @@ def load_onnx(
         artifact: the ``.onnx`` file (external data is found beside it).
         device: ``"cpu"`` or ``"cuda"`` (needs onnxruntime-gpu).
         providers: explicit onnxruntime execution providers; overrides ``device``.
+        intra_op_num_threads: onnxruntime's CPU thread pool size; default: torch's
+            ``torch.get_num_threads()``, so a process that limited torch's threads
+            (e.g. one per xdist worker) does not get an onnxruntime spinning on
+            every core beside it.
     """
     import onnxruntime as ort
 
@@ -421,6 +429,7 @@ def load_onnx(
         raise FileNotFoundError(f"onnx runtime: no ONNX file at {path}")
     options = ort.SessionOptions()
     options.log_severity_level = 4  # failures raise with the message; no duplicate stderr lines
+    options.intra_op_num_threads = intra_op_num_threads or torch.get_num_threads()
     session = ort.InferenceSession(
         str(path), sess_options=options, providers=_providers(device, providers)
     )
