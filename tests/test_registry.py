@@ -244,3 +244,21 @@ def test_builtin_entry_point_targets_are_discovered_with_their_distribution() ->
     assert lines[0].endswith("True")
     assert lines[1].startswith("torch_export llmexport ")
     assert lines[1].endswith("True")
+
+
+def test_once_runs_a_registration_function_once_and_retries_after_a_failure() -> None:
+    from llmexport.registry import once
+
+    calls: list[int] = []
+
+    @once
+    def register() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("first attempt fails")
+
+    with pytest.raises(RuntimeError):
+        register()
+    register()
+    register()
+    assert len(calls) == 2

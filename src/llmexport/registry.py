@@ -9,6 +9,7 @@ name, idempotent).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -22,6 +23,7 @@ from llmexport.errors import PluginLoadError, RegistryConflictError, UnknownName
 
 __all__ = [
     "DISABLE_PLUGINS_ENV",
+    "once",
     "PluginWarning",
     "Registry",
     "RegistryEntry",
@@ -40,6 +42,29 @@ BUILTIN_PROVIDER = "llmexport (built in)"
 
 class PluginWarning(UserWarning):
     """A third-party plugin could not be loaded; the others were."""
+
+
+def once(fn: Callable[[], None]) -> Callable[[], None]:
+    """Make a zero-argument registration function idempotent and thread-safe.
+
+    The first call runs ``fn`` under a lock; later calls return at once. If ``fn``
+    raises, the next call tries again.
+    """
+    lock = threading.Lock()
+    done = False
+
+    @functools.wraps(fn)
+    def wrapper() -> None:
+        nonlocal done
+        if done:
+            return
+        with lock:
+            if done:
+                return
+            fn()
+            done = True
+
+    return wrapper
 
 
 def plugins_disabled() -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 from llmexport.errors import InvalidModelError, OutputExistsError, UnknownOptionError
-from llmexport.registry import Registry, load_entry_point_registry
+from llmexport.registry import Registry, load_entry_point_registry, once
 
 __all__ = [
     "CAPABILITIES",
@@ -219,10 +219,8 @@ EXPORT_REGISTRY: Registry[Callable[..., Any]] = Registry("export target", _valid
 #: Runtimes: name -> loader ``(artifact, **kwargs) -> (input_ids -> logits)``.
 RUNTIME_REGISTRY: Registry[Callable[..., Any]] = Registry("runtime", _validate_runtime)
 
-_registered = False
-_register_lock = threading.Lock()
 
-
+@once
 def ensure_exporters_registered() -> None:
     """Register the built-in ``onnx`` target and load entry-point targets and runtimes.
 
@@ -231,19 +229,12 @@ def ensure_exporters_registered() -> None:
     name; they never hide the other targets. ``onnx`` resolves even with
     ``LLMEXPORT_DISABLE_PLUGINS=1`` or no entry-point metadata at all.
     """
-    global _registered
-    if _registered:
-        return
-    with _register_lock:
-        if _registered:
-            return
-        from llmexport.export.onnx import export_onnx_target, load_onnx
+    from llmexport.export.onnx import export_onnx_target, load_onnx
 
-        EXPORT_REGISTRY.register("onnx", export_onnx_target, builtin=True)
-        RUNTIME_REGISTRY.register("onnx", load_onnx, builtin=True)
-        load_entry_point_registry(EXPORT_BACKENDS_GROUP, EXPORT_REGISTRY, raise_errors=False)
-        load_entry_point_registry(EXPORT_RUNTIMES_GROUP, RUNTIME_REGISTRY, raise_errors=False)
-        _registered = True
+    EXPORT_REGISTRY.register("onnx", export_onnx_target, builtin=True)
+    RUNTIME_REGISTRY.register("onnx", load_onnx, builtin=True)
+    load_entry_point_registry(EXPORT_BACKENDS_GROUP, EXPORT_REGISTRY, raise_errors=False)
+    load_entry_point_registry(EXPORT_RUNTIMES_GROUP, RUNTIME_REGISTRY, raise_errors=False)
 
 
 def accepted_kwargs(fn: Callable[..., Any], skip: int = 2) -> tuple[list[str], bool]:

@@ -8,7 +8,6 @@ the ``llmexport.models`` entry-point group. A family is a factory
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,7 +20,7 @@ from llmexport.models._init import seeded_init_
 from llmexport.models.decoder import DecoderModel
 from llmexport.models.hf import HF_FAMILIES, tiny_hf_model
 from llmexport.models.moe import IterableMoEModel
-from llmexport.registry import Registry, load_entry_point_registry
+from llmexport.registry import Registry, load_entry_point_registry, once
 
 __all__ = [
     "MODELS_GROUP",
@@ -96,25 +95,15 @@ def register_builtin_models(registry: Registry[ModelFactory]) -> None:
         registry.register(name, factory, builtin=True)
 
 
-_registered = False
-_register_lock = threading.Lock()
-
-
+@once
 def ensure_models_registered() -> None:
     """Register the built-ins in :data:`MODEL_REGISTRY` and load entry-point families.
 
     Idempotent and thread-safe. A plugin that fails to load is recorded in
     ``MODEL_REGISTRY.failed()`` and warned about; it never hides the others.
     """
-    global _registered
-    if _registered:
-        return
-    with _register_lock:
-        if _registered:
-            return
-        register_builtin_models(MODEL_REGISTRY)
-        load_entry_point_registry(MODELS_GROUP, MODEL_REGISTRY, raise_errors=False)
-        _registered = True
+    register_builtin_models(MODEL_REGISTRY)
+    load_entry_point_registry(MODELS_GROUP, MODEL_REGISTRY, raise_errors=False)
 
 
 def model_names() -> list[str]:

@@ -10,7 +10,6 @@ exporters from the ``llmexport.module_exporters`` entry-point group.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from llmexport.modules._context import (
@@ -44,7 +43,7 @@ from llmexport.modules._registry import (
     ModulePredicate,
     exporter_attributes,
 )
-from llmexport.registry import Registry, load_entry_point_registry
+from llmexport.registry import Registry, load_entry_point_registry, once
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -105,10 +104,8 @@ EXPORT_MODULE_REGISTRY = ExportModuleRegistry()
 #: Module exporters by name (built-ins and entry points), for reports and the conformance suite.
 MODULE_EXPORTER_REGISTRY: Registry[ModuleExporter] = Registry("module exporter", _validate_exporter)
 
-_registered = False
-_lock = threading.Lock()
 
-
+@once
 def ensure_module_exporters_registered() -> None:
     """Register the built-ins and load ``llmexport.module_exporters`` entry points (idempotent).
 
@@ -119,18 +116,11 @@ def ensure_module_exporters_registered() -> None:
     :class:`~llmexport.errors.PluginLoadError` (``MODULE_EXPORTER_REGISTRY.failed()``)
     and warned about; the others load.
     """
-    global _registered
-    if _registered:
-        return
-    with _lock:
-        if _registered:
-            return
-        for exporter in register_builtin_module_exporters(EXPORT_MODULE_REGISTRY):
-            MODULE_EXPORTER_REGISTRY.register(exporter.display_name, exporter, builtin=True)
-        for name in load_entry_point_registry(
-            MODULE_EXPORTERS_GROUP, MODULE_EXPORTER_REGISTRY, raise_errors=False
-        ):
-            exporter = MODULE_EXPORTER_REGISTRY.get(name)
-            keys, predicate, prepend = exporter_attributes(exporter)
-            EXPORT_MODULE_REGISTRY.register(exporter, *keys, predicate=predicate, prepend=prepend)
-        _registered = True
+    for exporter in register_builtin_module_exporters(EXPORT_MODULE_REGISTRY):
+        MODULE_EXPORTER_REGISTRY.register(exporter.display_name, exporter, builtin=True)
+    for name in load_entry_point_registry(
+        MODULE_EXPORTERS_GROUP, MODULE_EXPORTER_REGISTRY, raise_errors=False
+    ):
+        exporter = MODULE_EXPORTER_REGISTRY.get(name)
+        keys, predicate, prepend = exporter_attributes(exporter)
+        EXPORT_MODULE_REGISTRY.register(exporter, *keys, predicate=predicate, prepend=prepend)
