@@ -215,13 +215,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     import torch
 
     from llmexport.export import (
+        ExportCacheWrapper,
         compare_logits,
         export_model,
-        extract_logits,
+        get_target_info,
+        infer_vocab_size,
         load_exported,
         make_input_ids,
     )
-    from llmexport.export._inputs import infer_vocab_size
 
     options = _parse_options(args.option)
     model = load_model_spec(args.model, seed=args.seed)
@@ -240,13 +241,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     )
     if not args.verify:
         return 0
-    from llmexport.export import get_target_info
-
     info = get_target_info(args.target)
     ids = make_input_ids(infer_vocab_size(model), batch=2, seq=8, seed=1)
     with torch.no_grad():
-        kwargs = {"use_cache": False} if "use_cache" in model.forward.__code__.co_varnames else {}
-        expected = extract_logits(model(ids, **kwargs)).float()
+        # The same eager view every target exports: use_cache=False, logits only.
+        expected = ExportCacheWrapper(model).eval()(ids).float()
         actual = torch.as_tensor(load_exported(args.target, path)(ids)).float()
     comparison = compare_logits(actual, expected, info.atol, info.rtol)
     print(f"verify: {comparison.summary()}: {'OK' if comparison.passed else 'MISMATCH'}")
