@@ -44,6 +44,7 @@ from llmexport.quant._recipe import (
     QuantRecipe,
     recipe_names,
 )
+from llmexport.quant._synthetic import synthetic_calibration
 
 __all__ = [
     "ALGORITHMS",
@@ -73,6 +74,7 @@ __all__ = [
     "quantize_tensor",
     "recipe_names",
     "safe_scale",
+    "synthetic_calibration",
     "unify_expert_input_amax",
     "wrap_module",
 ]
