@@ -9,6 +9,8 @@ them to on-disk names with transformers' own conversion table
 (``transformers.conversion_mapping``), so a quantized checkpoint uses the same
 names as the original checkpoint and an unquantized one equals ``save_pretrained``.
 Models without a conversion table (GptOss, plain torch models) keep their names.
+:meth:`CheckpointNamer.module_name` applies the same renaming to module paths, for
+the names a quantization config lists (``exclude_modules``, ``quantized_layers``).
 """
 
 from __future__ import annotations
@@ -63,13 +65,34 @@ class CheckpointNamer:
         if self.identity:
             yield name, tensor
             return
-        from transformers.core_model_loading import apply_converters, apply_renamings
+        from transformers.core_model_loading import apply_converters
 
         _, source_pattern = apply_converters(name, self._converters)
         if source_pattern is not None:
             yield from self._revert_fused(name, tensor)
             return
-        yield apply_renamings(self._split_expert_name(name), self._renamings), tensor
+        yield self._renamed(name), tensor
+
+    def module_name(self, module: str) -> str:
+        """The checkpoint path of in-memory module ``module`` (a linear, router, embedding or
+        canonical split expert ``...experts.{e}.gate_proj``).
+
+        The path its ``weight`` is written under, minus the leaf: the very renaming
+        :meth:`rename` applies to the module's tensors, so the names a quantization
+        config lists (``exclude_modules``, ``quantized_layers``, ``ignore``) are prefixes
+        of saved tensors (Mixtral ``model.layers.0.mlp.gate`` ->
+        ``model.layers.0.block_sparse_moe.gate``).
+        """
+        if self.identity:
+            return module
+        renamed = self._renamed(f"{module}.weight")
+        return renamed.removesuffix(".weight") if renamed.endswith(".weight") else module
+
+    def _renamed(self, name: str) -> str:
+        """One unfused tensor's checkpoint name (canonical split experts included)."""
+        from transformers.core_model_loading import apply_renamings
+
+        return str(apply_renamings(self._split_expert_name(name), self._renamings))
 
     def _split_expert_name(self, name: str) -> str:
         match = _SPLIT_EXPERT.match(name)

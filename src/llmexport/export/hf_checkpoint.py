@@ -189,7 +189,7 @@ def export_hf_checkpoint(
         finally:
             sink.close()
         written = writer.finish()
-        quant = _quantization_section(summary)
+        quant = _quantization_section(summary, _module_namer(model, sink.namer, is_qlora))
         _write_configs(model, staging, dtype, quant, format)
         logger.info(
             "hf_checkpoint: wrote %d tensors (%d bytes) in %d file(s) to %s",
@@ -207,7 +207,7 @@ class _CheckpointSink:
     def __init__(
         self, namer: CheckpointNamer, writer: ShardedSafetensorsWriter, format: str
     ) -> None:
-        self._namer = namer
+        self.namer = namer
         self._writer = writer
         self._compressed_tensors = format == "compressed-tensors"
         self._closed = False
@@ -216,7 +216,7 @@ class _CheckpointSink:
         """Accept one tensor from the export driver."""
         if self._closed:
             raise ExportFailedError(f"tensor {name!r} arrived after the export finished")
-        for ckpt_name, value in self._namer.rename(name, tensor):
+        for ckpt_name, value in self.namer.rename(name, tensor):
             if self._compressed_tensors:
                 ckpt_name, value = _to_compressed_tensors(ckpt_name, value)
             self._writer.add(ckpt_name, value)
@@ -242,16 +242,70 @@ def _to_compressed_tensors(name: str, tensor: torch.Tensor) -> tuple[str, torch.
 # --------------------------------------------------------------------------- configs
 
 
-def _quantization_section(summary: Any) -> dict[str, Any] | None:
-    """The ``quantization`` section of ``hf_quant_config.json``; ``None`` for an unquantized model."""
+def _module_namer(
+    model: nn.Module, namer: CheckpointNamer, is_qlora: bool
+) -> Callable[[str], str | None]:
+    """In-memory module path -> the module path its tensors are saved under (``None``: not saved).
+
+    The path the module's ``weight`` is written under, through the same steps as the
+    tensors: a tied weight is written under its source (a tied ``lm_head`` is the
+    saved ``model.embed_tokens``), QLoRA drops ``base_layer`` (the driver's own
+    sink), then :meth:`CheckpointNamer.module_name` (transformers' save-time renaming:
+    Mixtral ``mlp.gate`` -> ``block_sparse_moe.gate``, split experts ``w1``/``w2``/``w3``).
+    A QLoRA adapter, whose tensors are dropped, is not saved.
+    """
+    from llmexport.modules import resolve_tied_weights
+    from llmexport.modules._driver import _QLoRASink
+
+    ties = resolve_tied_weights(model)  # {dropped tensor name: kept tensor name}
+
+    def saved_module(module: str) -> str | None:
+        weight = f"{module}.weight"
+        weight = ties.get(weight, weight)
+        if is_qlora:
+            probe = _NameProbe()
+            _QLoRASink(probe).add(weight, probe.placeholder)
+            if not probe.name:
+                return None  # an adapter: dropped with its tensors
+            weight = probe.name
+        if not weight.endswith(".weight"):
+            return module
+        return namer.module_name(weight.removesuffix(".weight"))
+
+    return saved_module
+
+
+class _NameProbe:
+    """A sink that keeps the name it is handed: maps a name through a sink chain."""
+
+    placeholder = torch.empty(())
+
+    def __init__(self) -> None:
+        self.name = ""
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.name = name
+
+
+def _quantization_section(
+    summary: Any, saved_module: Callable[[str], str | None] = lambda m: m
+) -> dict[str, Any] | None:
+    """The ``quantization`` section of ``hf_quant_config.json``; ``None`` for an unquantized model.
+
+    Module names (``exclude_modules``, ``quantized_layers``) are mapped with
+    ``saved_module`` to the prefixes of the tensors the checkpoint saves (modules it
+    does not save are left out), so every ``config.json`` list built from this
+    section names saved modules too.
+    """
     quant_algo = getattr(summary, "quant_algo", None)
     kv_algo = getattr(summary, "kv_cache_quant_algo", None)
     if quant_algo is None and kv_algo is None:
         return None
+    excluded = {saved_module(m) for m in getattr(summary, "exclude_modules", None) or []}
     section: dict[str, Any] = {
         "quant_algo": quant_algo,
         "kv_cache_quant_algo": kv_algo,
-        "exclude_modules": sorted(getattr(summary, "exclude_modules", None) or []),
+        "exclude_modules": sorted(m for m in excluded if m is not None),
     }
     group_size = getattr(summary, "group_size", None)
     if group_size:
@@ -260,7 +314,8 @@ def _quantization_section(summary: Any) -> dict[str, Any] | None:
         section.update(has_zero_point=False, pre_quant_scale=True)
     layers = getattr(summary, "quantized_layers", None)
     if quant_algo == "MIXED_PRECISION" and layers:
-        section["quantized_layers"] = {k: dict(v) for k, v in sorted(dict(layers).items())}
+        saved = {saved_module(k): dict(v) for k, v in dict(layers).items()}
+        section["quantized_layers"] = {k: saved[k] for k in sorted(k for k in saved if k)}
     return section
 
 
