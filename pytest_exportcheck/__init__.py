@@ -16,9 +16,11 @@ __all__ = ["HYPOTHESIS_PROFILE", "ExportCheckWarning", "__version__"]
 
 __version__ = "0.1.0"
 
-#: The Hypothesis profile (``deadline=None``, few examples) that exportcheck items run
-#: under unless the user chose a profile (``--hypothesis-profile``).
-HYPOTHESIS_PROFILE = "exportcheck"
+#: The Hypothesis profiles exportcheck items run under unless the user chose a profile
+#: (``--hypothesis-profile``): ``"ci"`` (derandomized) when the ``CI`` environment
+#: variable is set, else ``"dev"``. Both have ``deadline=None``, a fixed
+#: ``max_examples`` and ``database=None`` (no ``.hypothesis/`` directory).
+HYPOTHESIS_PROFILE = {"dev": "exportcheck-dev", "ci": "exportcheck-ci"}
 
 
 class ExportCheckWarning(pytest.PytestWarning):

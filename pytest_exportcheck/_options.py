@@ -13,10 +13,12 @@ from typing import Any
 
 import pytest
 
-__all__ = ["DEVICES", "Options", "Selection", "add_options"]
+__all__ = ["DEVICES", "UPDATE_SCOPES", "Options", "Selection", "add_options"]
 
 #: Devices ``--export-device`` accepts.
 DEVICES = ("cpu", "cuda")
+#: Values of ``--export-update-goldens``; the bare flag means the first.
+UPDATE_SCOPES = ("own", "all")
 
 GROUP = "exportcheck"
 
@@ -64,7 +66,7 @@ class Selection:
 class _Spec:
     flag: str
     help: str
-    kind: str  # "str" | "bool" | "path"
+    kind: str  # "str" | "bool" | "path" | "choice" (an optional value: bare flag = "own")
     metavar: str | None = None
     default: str = ""
 
@@ -118,7 +120,14 @@ _SPECS: tuple[_Spec, ...] = (
         "path",
         "PATH",
     ),
-    _Spec("--export-update-goldens", "rewrite golden files instead of comparing", "bool"),
+    _Spec(
+        "--export-update-goldens",
+        "rewrite golden files instead of comparing: 'own' (the default when the flag has no "
+        "value) writes only goldens of exporters your project's distribution provides; 'all' "
+        "also writes local copies of other distributions' goldens (they then shadow the shipped ones)",
+        "choice",
+        "own|all",
+    ),
     _Spec(
         "--export-goldens-dir",
         "golden files directory (default: goldens/ under rootdir)",
@@ -148,6 +157,18 @@ def add_options(parser: pytest.Parser) -> None:
         if spec.kind == "bool":
             group.addoption(spec.flag, action="store_true", default=None, dest=dest, help=spec.help)
             parser.addini(spec.ini, f"default of {spec.flag}", type="bool", default=False)
+        elif spec.kind == "choice":
+            group.addoption(
+                spec.flag,
+                action="store",
+                nargs="?",
+                const=UPDATE_SCOPES[0],
+                default=None,
+                dest=dest,
+                metavar=spec.metavar,
+                help=spec.help,
+            )
+            parser.addini(spec.ini, f"default of {spec.flag}", type="string", default="")
         else:
             group.addoption(
                 spec.flag,
@@ -194,7 +215,7 @@ class Options:
     devices: tuple[str, ...]
     require_device: bool
     xfails_file: Path | None
-    update_goldens: bool
+    update_goldens: str | None
     goldens_dir: Path | None
     report: Path | None
     no_cache: bool
@@ -235,7 +256,7 @@ class Options:
             devices=devices,
             require_device=bool(_value(config, specs["export_require_device"])),
             xfails_file=_path(config, specs["export_xfails_file"]),
-            update_goldens=bool(_value(config, specs["export_update_goldens"])),
+            update_goldens=_update_scope(_value(config, specs["export_update_goldens"])),
             goldens_dir=_path(config, specs["export_goldens_dir"]),
             report=_path(config, specs["export_report"]),
             no_cache=bool(_value(config, specs["export_no_cache"])),
@@ -268,6 +289,23 @@ class Options:
             "no_cache": self.no_cache,
             "only": self.only,
         }
+
+
+def _update_scope(value: Any) -> str | None:
+    """``--export-update-goldens`` as ``None`` (compare), ``"own"`` or ``"all"``."""
+    text = str(value).strip().lower() if value is not None else ""
+    if text in ("", "false", "0", "no"):
+        return None
+    if text in ("true", "1", "yes"):
+        return UPDATE_SCOPES[0]
+    if text not in UPDATE_SCOPES:
+        raise pytest.UsageError(
+            f"--export-update-goldens: unknown value {value!r}; expected 'own' (goldens of "
+            "exporters your project provides; the default of the bare flag) or 'all'. A bare "
+            "flag takes the next argument as its value: write `--export-update-goldens=own "
+            f"{value}` if {value!r} is a path or another argument"
+        )
+    return text
 
 
 def _parse_devices(text: str) -> tuple[str, ...]:

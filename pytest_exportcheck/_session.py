@@ -335,7 +335,7 @@ class ExportCheckSession:
             "workdir": self._workdir(spec.name),
             "seed": SEED,
             "goldens": self.goldens,
-            "options": self.options.as_dict(),
+            "options": {**self.options.as_dict(), "expected_failure": _xfail_reason(item)},
         }
         if check.scope == "exporter":
             if spec.exporter is None:  # pragma: no cover - plan() sets it
@@ -415,7 +415,29 @@ class ExportCheckSession:
         from pytest_exportcheck.goldens import BUILTIN_GOLDENS, GoldenStore
 
         return GoldenStore(
-            self.goldens_dir, update=self.options.update_goldens, fallbacks=(BUILTIN_GOLDENS,)
+            self.goldens_dir,
+            update=self.options.update_goldens is not None,
+            fallbacks=(BUILTIN_GOLDENS,),
+            may_update=self._may_update_golden,
+        )
+
+    @cached_property
+    def own_distribution(self) -> str | None:
+        """``[project].name`` of the ``pyproject.toml`` at rootdir: the project under test."""
+        return read_project_name(self.config.rootpath)
+
+    def _may_update_golden(self, owner: str | None) -> str | None:
+        """Why ``--export-update-goldens`` must not write a golden of ``owner``'s, or ``None``."""
+        if self.options.update_goldens == "all" or owner is None:
+            return None
+        own = self.own_distribution
+        if own is not None and _normalize(own) == _normalize(owner):
+            return None
+        project = f"this project ({own})" if own else "this project (no [project] name)"
+        return (
+            f"it describes an exporter that {owner} provides, not {project}; a local copy would "
+            f"shadow the golden {owner} ships and hide its regressions. Pass "
+            "--export-update-goldens=all to write one anyway"
         )
 
     def _tmp_factory(self) -> pytest.TempPathFactory:
@@ -443,6 +465,35 @@ class ExportCheckSession:
             terminal.write_line(line)
         if self.options.report is not None:
             terminal.write_line(f"JSON report: {self.options.report}")
+        unused = self.unused_goldens()
+        if unused:
+            terminal.write_line(
+                f"exportcheck: {len(unused)} golden file(s) under {self.goldens_dir} were used "
+                "by no item of this full run (stale? delete them, or check the case list):",
+                yellow=True,
+            )
+            for path in unused:
+                terminal.write_line(f"  {path}")
+
+    def unused_goldens(self) -> list[Path]:
+        """Golden files no item compared or wrote, after a run of every golden item.
+
+        Empty unless every golden item ran (every exporter and every golden
+        check selected, nothing deselected), so a partial run never calls a
+        golden unused.
+        """
+        if not self.options.exporter_selection.all or self._plan is None:
+            return []
+        golden_ids = {c for c in CHECKS if c.startswith("golden_")}
+        if not golden_ids <= {c.id for c in self._plan.checks}:
+            return []
+        expected = {(c, e.name) for c in golden_ids for e in self._plan.exporters}
+        records = list(self.report.records.values())
+        ran = {(r.check, r.column) for r in records if r.check in golden_ids and r.outcome}
+        if not expected or not expected <= ran:
+            return []
+        used = {g for r in records for g in r.details.get("goldens", [])}
+        return [p for p in self.goldens.unused(used) if p.exists()]
 
     def finish(self) -> None:
         """Write the JSON report and call ``pytest_exportcheck_report`` (controller only)."""
@@ -461,6 +512,31 @@ _PLURAL = {
     "module exporter": "module exporters",
     "model family": "model families",
 }
+
+
+def _xfail_reason(item: pytest.Item) -> str | None:
+    """The reason of the item's expected-failure mark, if it has one."""
+    marker = item.get_closest_marker("xfail")
+    return None if marker is None else str(marker.kwargs.get("reason", "expected failure"))
+
+
+def read_project_name(root: Path) -> str | None:
+    """``[project].name`` of ``root/pyproject.toml``, or ``None`` (absent or unreadable)."""
+    try:
+        import tomllib
+    except ImportError:  # pragma: no cover - Python 3.10 has no tomllib: no name known
+        return None
+    try:
+        data = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    name = data.get("project", {}).get("name")
+    return str(name) if name else None
+
+
+def _normalize(name: str) -> str:
+    """A distribution name as PEP 503 compares it (``Acme_Plugin`` == ``acme-plugin``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _failure_text(failures: list[PluginFailure]) -> str | None:
@@ -507,32 +583,81 @@ def _share_cpus_between_workers(config: pytest.Config) -> None:
 
 
 def _register_hypothesis_profile() -> None:
+    """Register ``exportcheck-dev`` and ``exportcheck-ci`` (:data:`HYPOTHESIS_PROFILE`).
+
+    Both: ``deadline=None`` (exports take seconds), a fixed ``max_examples``, the
+    ``too_slow`` / ``data_too_large`` health checks off, ``print_blob`` and
+    ``database=None``, so a conformance run never writes a ``.hypothesis/``
+    directory into the user's repository. The CI profile is also derandomized:
+    every CI run draws the same examples.
+    """
     try:
         from hypothesis import HealthCheck, settings
     except ImportError:  # pragma: no cover - hypothesis is a test dependency
         return
-    settings.register_profile(
-        HYPOTHESIS_PROFILE,
-        deadline=None,
-        max_examples=10,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-        print_blob=True,
-    )
+    common: dict[str, Any] = {
+        "deadline": None,
+        "max_examples": 10,
+        "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+        "print_blob": True,
+        "database": None,
+    }
+    settings.register_profile(HYPOTHESIS_PROFILE["dev"], **common)
+    settings.register_profile(HYPOTHESIS_PROFILE["ci"], derandomize=True, **common)
+
+
+def _in_ci() -> bool:
+    """Whether the ``CI`` environment variable is set (to anything but ``""``, ``0``, ``false``, ``no``)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 @contextlib.contextmanager
 def _hypothesis_profile() -> Iterator[None]:
-    """Run under the exportcheck profile unless the user loaded one (--hypothesis-profile)."""
+    """Run under an exportcheck profile unless the user loaded one (--hypothesis-profile).
+
+    ``exportcheck-ci`` when the ``CI`` environment variable is set (or Hypothesis
+    loaded its own ``ci`` profile, which it does on CI), else ``exportcheck-dev``.
+    A ``--hypothesis-seed`` wins over CI's derandomization (Hypothesis would
+    ignore the seed of a derandomized run), so that seed picks the examples under
+    the dev profile. A profile the user chose stays as it is.
+
+    Whenever the active settings have no database, Hypothesis' storage (its
+    cache of source constants, written whatever the database) goes to a
+    directory under the system's temporary directory instead of ``.hypothesis/``
+    in the current directory, unless ``HYPOTHESIS_STORAGE_DIRECTORY`` is set.
+    """
     try:
+        import hypothesis.configuration
+        import hypothesis.core
         from hypothesis import settings
+        from hypothesis.errors import InvalidArgument
     except ImportError:  # pragma: no cover
         yield
         return
-    if settings.get_current_profile_name() != "default":
-        yield
-        return
-    settings.load_profile(HYPOTHESIS_PROFILE)
+    before = settings.get_current_profile_name()
+    ours = before in ("default", "ci")
+    if ours:
+        seeded = getattr(hypothesis.core, "global_force_seed", None) is not None
+        ci = _in_ci() or before == "ci"
+        name = HYPOTHESIS_PROFILE["ci" if ci and not seeded else "dev"]
+        try:
+            settings.get_profile(name)
+        except InvalidArgument:  # not registered yet (start() registers them)
+            _register_hypothesis_profile()
+        settings.load_profile(name)
+    configuration: Any = hypothesis.configuration
+    home_attr = "__hypothesis_home_directory"  # a module global: no name mangling
+    home = getattr(configuration, home_attr, None)
+    redirect = settings().database is None and not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY")
+    if redirect:
+        import tempfile
+
+        scratch = Path(tempfile.gettempdir()) / "exportcheck-hypothesis"
+        configuration.set_hypothesis_home_dir(scratch)
     try:
         yield
     finally:
-        settings.load_profile("default")
+        if redirect:
+            configuration.set_hypothesis_home_dir(home)
+        if ours:
+            settings.load_profile(before)

@@ -1,4 +1,4 @@
-"""Public Hypothesis strategies for export tests: toy model configs and module class trees.
+"""Public Hypothesis strategies for export tests: model structures, toy configs, class trees.
 
 Use them in your own tests of an export target or a module exporter::
 
@@ -9,6 +9,12 @@ Use them in your own tests of an export target or a module exporter::
     @given(decoder_configs())
     def test_my_target_roundtrips(config):
         ...
+
+:func:`model_specs` draws decoder *structures* (:class:`llmexport.models.ModelSpec`:
+layers, hidden size, GQA / MQA heads, tied or untied ``lm_head``, dense or MoE,
+vocabularies that are not multiples of 64) that
+:func:`llmexport.models.build_from_spec` turns into seeded transformers models,
+and :func:`input_shapes` draws ``(batch, seq)`` other than the traced ``(2, 8)``.
 
 Anything that builds or exports a model must run under :func:`model_settings`
 (``deadline=None``): Hypothesis's default 200 ms deadline fails every export.
@@ -28,12 +34,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 if TYPE_CHECKING:
-    from llmexport.models import DecoderConfig
+    from llmexport.models import DecoderConfig, ModelSpec
 
 __all__ = [
     "GENERATED_MODULE",
+    "TRACED_SHAPE",
     "class_names",
     "decoder_configs",
+    "input_shapes",
+    "model_specs",
     "model_settings",
     "module_class_trees",
     "reclass",
@@ -41,6 +50,9 @@ __all__ = [
 
 #: ``__module__`` of every class :func:`module_class_trees` creates.
 GENERATED_MODULE = "pytest_exportcheck.generated"
+
+#: ``(batch, seq)`` the built-in targets trace with; :func:`input_shapes` avoids it by default.
+TRACED_SHAPE = (2, 8)
 
 M = TypeVar("M")
 
@@ -196,3 +208,115 @@ def decoder_configs(multiple_of: int = 1, **fixed: Any) -> st.SearchStrategy[Dec
     if multiple_of < 1:
         raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
     return _decoder_configs(multiple_of, dict(fixed))
+
+
+#: Hidden sizes of :func:`model_specs` (all multiples of 16: NVFP4 blocks fit).
+_SPEC_HIDDEN = (16, 32, 48, 64)
+#: Intermediate (MoE: per-expert) sizes of :func:`model_specs`.
+_SPEC_INTERMEDIATE = (16, 32, 64, 128)
+_SPEC_MIN_HEAD_DIM = 4
+
+
+def _not_multiple_of_64(vocab: int) -> bool:
+    return vocab % 64 != 0
+
+
+@st.composite
+def _model_specs(
+    draw: st.DrawFn,
+    families: tuple[str, ...],
+    max_layers: int,
+    vocab: tuple[int, int],
+    fixed: dict[str, Any],
+) -> ModelSpec:
+    from llmexport.models import SPEC_FAMILIES, ModelSpec
+
+    family = draw(st.sampled_from(families))
+    hidden = draw(st.sampled_from(_SPEC_HIDDEN))
+    heads = draw(
+        st.sampled_from(
+            [
+                h
+                for h in (1, 2, 4, 8)
+                if hidden % h == 0 and (hidden // h) % 2 == 0 and hidden // h >= _SPEC_MIN_HEAD_DIM
+            ]
+        )
+    )
+    values: dict[str, Any] = {
+        "family": family,
+        # Shrinks towards the low end: 97, a prime, is the smallest vocabulary drawn.
+        "vocab_size": draw(st.integers(*vocab).filter(_not_multiple_of_64)),
+        "hidden_size": hidden,
+        "num_layers": draw(st.integers(1, max_layers)),
+        "num_heads": heads,
+        # 1 first: multi-query attention is what a failure shrinks to.
+        "num_kv_heads": draw(st.sampled_from([k for k in range(1, heads + 1) if heads % k == 0])),
+        "intermediate_size": draw(st.sampled_from(_SPEC_INTERMEDIATE)),
+        "tie_embeddings": draw(st.booleans()),
+        "num_experts": 0,
+        "num_experts_per_tok": 0,
+    }
+    if SPEC_FAMILIES[family]:
+        experts = draw(st.integers(2, 4))
+        values["num_experts"] = experts
+        values["num_experts_per_tok"] = draw(st.integers(1, min(2, experts)))
+    values.update(fixed)
+    return ModelSpec(**values)
+
+
+def model_specs(
+    *,
+    families: Sequence[str] | None = None,
+    moe: bool | None = None,
+    max_layers: int = 4,
+    vocab: tuple[int, int] = (97, 400),
+    **fixed: Any,
+) -> st.SearchStrategy[ModelSpec]:
+    """Small decoder structures (:class:`llmexport.models.ModelSpec`), frozen and JSON-serialisable.
+
+    Llama (dense), Mixtral or Qwen3-MoE (2-4 experts, top-1 or top-2); 1 to
+    ``max_layers`` layers; hidden 16-64 with 1-8 heads (even ``head_dim`` >= 4)
+    and key/value heads dividing them, down to 1 (GQA and MQA); intermediate
+    16-128; tied or untied ``lm_head``; a vocabulary in ``vocab`` that is never
+    a multiple of 64 (so never a power of two either). Failures shrink to
+    ``llama``, 1 layer, hidden 16, one KV head, vocabulary 97. ``moe=True`` /
+    ``False`` restricts the families; ``fixed`` pins fields, e.g.
+    ``model_specs(tie_embeddings=True)``. Build one with
+    :func:`llmexport.models.build_from_spec` (``spec.to_dict()`` is its JSON form,
+    which ``llmexport export --model FILE.json`` reads).
+    """
+    from llmexport.models import SPEC_FAMILIES
+
+    chosen = tuple(families) if families is not None else tuple(SPEC_FAMILIES)
+    unknown = [f for f in chosen if f not in SPEC_FAMILIES]
+    if unknown or not chosen:
+        raise ValueError(f"families must be among {sorted(SPEC_FAMILIES)}, got {list(chosen)}")
+    if moe is not None:
+        chosen = tuple(f for f in chosen if SPEC_FAMILIES[f] is moe)
+        if not chosen:
+            raise ValueError(f"no family among {families} has moe={moe}")
+    if max_layers < 1:
+        raise ValueError(f"max_layers must be >= 1, got {max_layers}")
+    low, high = vocab
+    if not 1 <= low <= high or (low == high and low % 64 == 0):
+        raise ValueError(
+            f"vocab must be a range (low, high), 1 <= low <= high, holding a size that is "
+            f"not a multiple of 64; got {vocab}"
+        )
+    return _model_specs(chosen, max_layers, (low, high), dict(fixed))
+
+
+def input_shapes(
+    max_batch: int = 4, max_seq: int = 16, *, exclude: Collection[tuple[int, int]] = (TRACED_SHAPE,)
+) -> st.SearchStrategy[tuple[int, int]]:
+    """``(batch, seq)`` with ``1 <= batch <= max_batch``, ``1 <= seq <= max_seq``, not in ``exclude``.
+
+    By default the traced shape ``(2, 8)`` is excluded, so a drawn shape always
+    exercises a target's dynamic batch and sequence dimensions.
+    """
+    if max_batch < 1 or max_seq < 1:
+        raise ValueError(f"max_batch and max_seq must be >= 1, got {max_batch}, {max_seq}")
+    excluded = frozenset(tuple(s) for s in exclude)
+    return st.tuples(st.integers(1, max_batch), st.integers(1, max_seq)).filter(
+        lambda shape: shape not in excluded
+    )

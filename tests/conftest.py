@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -16,3 +20,38 @@ def pytest_configure(config: object) -> None:
         return
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+
+
+FAKE_EXPORTER = "exportcheck_fake_exporter"
+
+
+@pytest.fixture
+def register_exporter() -> Iterator[Callable[..., str]]:
+    """Register a module exporter by name and for dispatch for one test; restore both registries.
+
+    ``register(exporter, *keys, predicate=None, prepend=False)`` returns the
+    name it is registered under (:data:`FAKE_EXPORTER`).
+    """
+    from llmexport.modules import (
+        EXPORT_MODULE_REGISTRY,
+        MODULE_EXPORTER_REGISTRY,
+        ensure_module_exporters_registered,
+    )
+
+    ensure_module_exporters_registered()
+    order = EXPORT_MODULE_REGISTRY.exporters()
+    added: list[Any] = []
+
+    def register(exporter: Any, *keys: Any, predicate: Any = None, prepend: bool = False) -> str:
+        MODULE_EXPORTER_REGISTRY.register(FAKE_EXPORTER, exporter)
+        EXPORT_MODULE_REGISTRY.register(exporter, *keys, predicate=predicate, prepend=prepend)
+        added.append(exporter)
+        return FAKE_EXPORTER
+
+    yield register
+    for exporter in added:  # a test may have unregistered one itself
+        if exporter in EXPORT_MODULE_REGISTRY.exporters():
+            EXPORT_MODULE_REGISTRY.unregister(exporter)
+    if FAKE_EXPORTER in MODULE_EXPORTER_REGISTRY:
+        MODULE_EXPORTER_REGISTRY.unregister(FAKE_EXPORTER)
+    assert EXPORT_MODULE_REGISTRY.exporters() == order

@@ -7,12 +7,14 @@ import torch
 from hypothesis import given
 from torch import nn
 
-from llmexport.models import DecoderConfig, DecoderModel
+from llmexport.models import DecoderConfig, DecoderModel, ModelSpec
 from pytest_exportcheck.strategies import (
     GENERATED_MODULE,
     class_names,
     decoder_configs,
+    input_shapes,
     model_settings,
+    model_specs,
     module_class_trees,
     reclass,
 )
@@ -111,3 +113,68 @@ def test_model_settings_disable_the_deadline() -> None:
 def test_decoder_configs_reject_bad_multiple_of() -> None:
     with pytest.raises(ValueError, match="multiple_of"):
         decoder_configs(multiple_of=0)
+
+
+@model_settings(max_examples=40)
+@given(model_specs())
+def test_model_specs_are_valid_small_and_awkward(spec: ModelSpec) -> None:
+    assert not spec.problems()
+    assert 1 <= spec.num_layers <= 4
+    assert spec.hidden_size <= 64
+    assert spec.intermediate_size <= 128
+    assert spec.num_heads % spec.num_kv_heads == 0
+    assert spec.vocab_size % 64 != 0
+    assert 97 <= spec.vocab_size <= 400
+    assert spec.is_moe == (spec.num_experts > 0)
+    if spec.is_moe:
+        assert 1 <= spec.num_experts_per_tok <= min(2, spec.num_experts)
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_model_specs_cover_the_structures_the_toy_models_lack() -> None:
+    seen: dict[str, set[object]] = {"family": set(), "tie": set(), "mqa": set()}
+    layers: set[int] = set()
+
+    @model_settings(max_examples=80)
+    @given(model_specs())
+    def collect(spec: ModelSpec) -> None:
+        seen["family"].add(spec.family)
+        seen["tie"].add(spec.tie_embeddings)
+        seen["mqa"].add(spec.num_kv_heads == 1 < spec.num_heads)
+        layers.add(spec.num_layers)
+
+    collect()
+    assert seen["family"] == {"llama", "mixtral", "qwen3_moe"}
+    assert seen["tie"] == {True, False}
+    assert True in seen["mqa"]
+    assert max(layers) > 2
+
+
+@model_settings(max_examples=10)
+@given(model_specs(moe=False, tie_embeddings=True, max_layers=2))
+def test_model_specs_honour_filters_and_fixed_fields(spec: ModelSpec) -> None:
+    assert spec.family == "llama"
+    assert spec.tie_embeddings
+    assert spec.num_layers <= 2
+
+
+@model_settings(max_examples=50)
+@given(input_shapes(max_batch=3, max_seq=9))
+def test_input_shapes_avoid_the_traced_shape(shape: tuple[int, int]) -> None:
+    batch, seq = shape
+    assert 1 <= batch <= 3
+    assert 1 <= seq <= 9
+    assert shape != (2, 8)
+
+
+def test_model_specs_validate_their_arguments() -> None:
+    with pytest.raises(ValueError, match="families"):
+        model_specs(families=["gpt2"])
+    with pytest.raises(ValueError, match="moe=True"):
+        model_specs(families=["llama"], moe=True)
+    with pytest.raises(ValueError, match="max_layers"):
+        model_specs(max_layers=0)
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        model_specs(vocab=(128, 128))
+    with pytest.raises(ValueError, match="max_batch"):
+        input_shapes(max_batch=0)

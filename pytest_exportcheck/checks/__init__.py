@@ -15,7 +15,13 @@ options is given.
 """
 
 from llmexport.export._compare import LogitsComparison, compare_logits
-from pytest_exportcheck.checks import exporters, golden_checks, targets
+from pytest_exportcheck.checks import (  # generated imports (registers after) targets
+    checkpoint,
+    exporters,
+    generated,
+    golden_checks,
+    targets,
+)
 from pytest_exportcheck.checks._api import (
     CHECKS,
     CheckResult,
@@ -34,8 +40,10 @@ __all__ = [
     "LogitsComparison",
     "TargetCase",
     "check",
+    "checkpoint",
     "compare_logits",
     "exporters",
+    "generated",
     "get_check",
     "golden_checks",
     "targets",

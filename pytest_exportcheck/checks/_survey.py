@@ -18,24 +18,26 @@ import functools
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from llmexport.errors import UnsupportedFormatError
-from llmexport.models import MODEL_REGISTRY, build_model, model_names
+from llmexport.models import MODEL_REGISTRY, build_model, ensure_models_registered, model_names
 from llmexport.modules import (
     EXPORT_MODULE_REGISTRY,
     MODULE_EXPORTER_REGISTRY,
     ExportContext,
     ExporterEntry,
+    ExportFormat,
     ExportModuleRegistry,
     ModuleExporter,
+    QuantExportSummary,
     ensure_module_exporters_registered,
     export_quantized_state,
 )
-from llmexport.quant import is_quantized_module, quantize
+from llmexport.quant import is_quantized_module, quantize, synthetic_calibration
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
 from pytest_exportcheck.checks._support import CheckAbort, error_text
 
@@ -46,9 +48,12 @@ __all__ = [
     "ExportCall",
     "QuantizedModel",
     "Survey",
+    "Calibration",
+    "RecipeKey",
     "copy_registry",
     "exporter_entry",
     "exporter_names",
+    "recipe_label",
     "selected_models",
     "survey_for",
     "survey_of",
@@ -58,6 +63,13 @@ logger = logging.getLogger(__name__)
 
 #: Recipes every toy model is quantized with (combinations that do not fit a model are skipped).
 SURVEY_RECIPES = ("fp8", "nvfp4", "int4_awq", "int8_wo", "fp8+fp8_kv")
+#: How a surveyed model is calibrated: ``"data"`` (a forward pass, as users do) or
+#: ``"synthetic"`` (:func:`llmexport.quant.synthetic_calibration`: the same bytes on
+#: every machine, for goldens).
+Calibration = Literal["data", "synthetic"]
+#: A recipe as the survey takes it: a string, or a mixed-precision mapping as
+#: sorted ``(pattern, recipe)`` pairs (hashable, so surveys can be cached).
+RecipeKey = str | tuple[tuple[str, str], ...]
 #: Tensor-name leaves that are scales: never zero, never NaN/inf.
 SCALE_LEAVES = ("weight_scale", "weight_scale_2", "input_scale", "k_scale", "v_scale")
 
@@ -100,6 +112,7 @@ class QuantizedModel:
     calls: list[ExportCall] = field(default_factory=list)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     error: str | None = None
+    summary: QuantExportSummary | None = None
 
 
 @dataclass
@@ -269,28 +282,48 @@ def _recording_registry(recorder: _Recorder, names: Mapping[int, str]) -> Export
 # ----------------------------------------------------------------------------- the survey
 
 
-def _quantize(model_name: str, recipe: str, seed: int) -> nn.Module | str:
+def recipe_label(recipe: RecipeKey) -> str:
+    """``fp8`` / ``fp8+fp8_kv`` as they are; a mixed recipe as ``*=fp8,*.mlp.*=nvfp4``."""
+    if isinstance(recipe, str):
+        return recipe
+    return ",".join(f"{pattern}={value}" for pattern, value in recipe)
+
+
+def _quantize(
+    model_name: str, recipe: RecipeKey, seed: int, calibration: Calibration = "data"
+) -> nn.Module | str:
     """The quantized model (cached), or why it could not be built."""
-    return _quantize_cached(model_name, id(MODEL_REGISTRY.get(model_name)), recipe, seed)
+    ensure_models_registered()
+    factory = id(MODEL_REGISTRY.get(model_name))
+    return _quantize_cached(model_name, factory, recipe, seed, calibration)
 
 
 @functools.lru_cache(maxsize=64)
-def _quantize_cached(model_name: str, factory_id: int, recipe: str, seed: int) -> nn.Module | str:
+def _quantize_cached(
+    model_name: str, factory_id: int, recipe: RecipeKey, seed: int, calibration: Calibration
+) -> nn.Module | str:
     # Quantization does not depend on the exporter registry, so fakes registered
     # by tests or plugins re-run only dispatch and export. A recorder restores a
     # module an exporter modified, so a cached model stays as quantized.
     try:
         model = build_model(model_name, seed=seed)
-        return quantize(model, recipe)
+        plan = recipe if isinstance(recipe, str) else dict(recipe)
+        calibrate = synthetic_calibration(seed) if calibration == "synthetic" else None
+        return quantize(model, plan, calibrate)
     except UnsupportedFormatError as err:
-        return f"{recipe} does not fit {model_name}: {err}"
+        return f"{recipe_label(recipe)} does not fit {model_name}: {err}"
     except Exception as err:
-        logger.warning("quantizing %s with %s failed: %s", model_name, recipe, err)
-        return f"quantizing {model_name} with {recipe} raised {type(err).__name__}: {err}"
+        label = recipe_label(recipe)
+        logger.warning("quantizing %s with %s failed: %s", model_name, label, err)
+        return f"quantizing {model_name} with {label} raised {type(err).__name__}: {err}"
 
 
 def _survey_one(
-    model_name: str, recipe: str, model: nn.Module, names: Mapping[int, str]
+    model_name: str,
+    recipe: str,
+    model: nn.Module,
+    names: Mapping[int, str],
+    format: ExportFormat = "modelopt",
 ) -> QuantizedModel:
     result = QuantizedModel(model_name, recipe, model)
     for name, module in model.named_modules():
@@ -301,7 +334,9 @@ def _survey_one(
             result.claims.append(Claim(model_name, recipe, name, module, quantized, label))
     recorder = _Recorder(model_name, recipe)
     try:
-        export_quantized_state(model, recorder, registry=_recording_registry(recorder, names))
+        result.summary = export_quantized_state(
+            model, recorder, format=format, registry=_recording_registry(recorder, names)
+        )
     except Exception as err:
         result.error = error_text(err)
     result.calls, result.tensors = recorder.calls, recorder.tensors
@@ -314,29 +349,45 @@ def _registry_state() -> tuple[Any, ...]:
     ) + tuple(sorted(exporter_names().items()))
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=32)
 def _survey(
-    models: tuple[str, ...], recipes: tuple[str, ...], seed: int, state: tuple[Any, ...]
+    models: tuple[str, ...],
+    recipes: tuple[RecipeKey, ...],
+    seed: int,
+    state: tuple[Any, ...],
+    calibration: Calibration,
+    format: ExportFormat,
 ) -> Survey:
     names = exporter_names()
     quantized: list[QuantizedModel] = []
     skipped: dict[str, str] = {}
     for model_name in models:
         for recipe in recipes:
-            model = _quantize(model_name, recipe, seed)
+            model = _quantize(model_name, recipe, seed, calibration)
+            label = recipe_label(recipe)
             if isinstance(model, str):
-                skipped[f"{model_name}/{recipe}"] = model
+                skipped[f"{model_name}/{label}"] = model
                 continue
-            quantized.append(_survey_one(model_name, recipe, model, names))
+            quantized.append(_survey_one(model_name, label, model, names, format))
     return Survey(models, quantized, skipped)
 
 
 def survey_of(
-    models: tuple[str, ...], seed: int = 0, recipes: tuple[str, ...] = SURVEY_RECIPES
+    models: tuple[str, ...],
+    seed: int = 0,
+    recipes: tuple[RecipeKey, ...] = SURVEY_RECIPES,
+    *,
+    calibration: Calibration = "data",
+    format: ExportFormat = "modelopt",
 ) -> Survey:
-    """The (cached) survey of ``models`` x ``recipes`` with the current registry."""
+    """The (cached) survey of ``models`` x ``recipes`` with the current registry.
+
+    ``calibration="synthetic"`` quantizes with machine-independent statistics
+    (for goldens); ``format`` is the checkpoint layout the driver writes.
+    """
     ensure_module_exporters_registered()
-    return _survey(tuple(models), tuple(recipes), seed, _registry_state())
+    ensure_models_registered()
+    return _survey(tuple(models), tuple(recipes), seed, _registry_state(), calibration, format)
 
 
 def survey_for(case: ExporterCase) -> Survey:

@@ -1,113 +1,346 @@
-"""Golden checks (scope ``"exporter"``): what an exporter writes for fixed toy models, hashed.
+"""Golden checks (scope ``"exporter"``): what an exporter writes for fixed quantized toy models.
 
-Each golden is per exporter, ``goldens/<check>/<exporter>.json``, and holds the
-tensors that exporter wrote (name -> dtype, shape, sha256 of the bytes) for a
-seeded toy model, so a change in names, layout, dtype or a single bit of an
-FP8 weight or scale shows up as a readable diff. An exporter that writes
-nothing for the golden's model skips. See :mod:`pytest_exportcheck.goldens` for
-the missing / update / mismatch outcomes.
+Two checks, two kinds of comparison:
+
+- ``golden_checkpoint`` compares *exactly*. Each :data:`GOLDEN_CASES` entry is a
+  toy model quantized with :func:`llmexport.quant.synthetic_calibration`: every
+  quantizer statistic comes from numpy's PCG64 stream, never from a forward
+  pass, so every byte an exporter writes is a pure function of fixed inputs and
+  is the same on every CPU, thread count and device. A golden per case and
+  exporter, ``checkpoint/<case>/<exporter>.json``, records the tensors the
+  exporter wrote (name, dtype, shape, sha256, values of scales, a summary of
+  large tensors), the tied groups of the model, and the quantization configs
+  written beside them (``hf_quant_config.json`` and ``config.json``'s
+  ``quantization_config`` from the real ``hf_checkpoint`` writer for Hugging
+  Face models, the driver's summary for the others; the producer version is
+  masked).
+- ``golden_calibration`` compares *within a tolerance*. The same cases are
+  quantized with real max calibration (a forward pass on deterministic ids),
+  and the activation scales the exporter wrote (``input_scale``, ``k_scale``,
+  ``v_scale``, ``pre_quant_scale``) are compared with
+  ``calibration/<exporter>.json`` within :data:`CALIBRATION_RTOL` /
+  :data:`CALIBRATION_ATOL`. A forward pass's last bit depends on the machine's
+  kernels, so no hash of these values is ever compared.
+
+See :mod:`pytest_exportcheck.goldens` for the missing / update / mismatch outcomes.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from llmexport.modules import MODULE_EXPORTER_REGISTRY
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
-from pytest_exportcheck.checks._support import aborts_to_result
-from pytest_exportcheck.checks._survey import QuantizedModel, exporter_entry, survey_of
-from pytest_exportcheck.goldens import GoldenStore, tensors_digest
+from pytest_exportcheck.checks._support import aborts_to_result, error_text
+from pytest_exportcheck.checks._survey import (
+    Calibration,
+    QuantizedModel,
+    RecipeKey,
+    exporter_entry,
+    recipe_label,
+    survey_of,
+)
+from pytest_exportcheck.goldens import GoldenStore, tensor_values, tensors_digest
 
-__all__ = ["FP8_GOLDEN_MODEL", "TIED_GOLDEN_MODELS", "golden_fp8_buffers", "golden_tied_weights"]
+__all__ = [
+    "CALIBRATED_LEAVES",
+    "CALIBRATION_ATOL",
+    "CALIBRATION_RTOL",
+    "GOLDEN_CASES",
+    "GoldenCase",
+    "golden_calibration",
+    "golden_case",
+    "golden_checkpoint",
+]
 
-#: ``(model, recipe)`` of ``golden_fp8_buffers``.
-FP8_GOLDEN_MODEL = ("decoder", "fp8")
-#: Tied toy models of ``golden_tied_weights`` (quantized with FP8).
-TIED_GOLDEN_MODELS = ("decoder_tied", "llama_tied")
+#: ``golden_calibration`` tolerance: ``|obtained - golden| <= atol + rtol * |golden|``.
+#: Calibrated scales are maxima of activations from a float32 forward pass; across
+#: CPU kernel sets, thread counts and CUDA (TF32 off) they were measured to move by
+#: a few float32 ULPs (relative 1e-7 to 1e-6); 1e-4 leaves two orders of margin
+#: while a real calibration change (another input, another layer order) moves
+#: them by percents.
+CALIBRATION_RTOL = 1e-4
+CALIBRATION_ATOL = 1e-12
+#: Tensor-name leaves whose values come from calibration (a forward pass).
+CALIBRATED_LEAVES = ("input_scale", "k_scale", "v_scale", "pre_quant_scale")
+_MASKED = "<masked>"
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    """One golden: a toy model family, a recipe and a checkpoint format.
+
+    ``recipe`` is a recipe string or a mixed-precision mapping as sorted
+    ``(pattern, recipe)`` pairs.
+    """
+
+    id: str
+    model: str
+    recipe: RecipeKey
+    format: str = "modelopt"
+
+    @property
+    def recipe_text(self) -> str:
+        """The recipe as written in the golden."""
+        return recipe_label(self.recipe)
+
+
+#: The golden cases, each a golden per exporter that writes something in it.
+GOLDEN_CASES: tuple[GoldenCase, ...] = (
+    GoldenCase("tied_decoder", "decoder_tied", "fp8"),
+    GoldenCase("tied_llama", "llama_tied", "fp8"),
+    GoldenCase("untied_decoder", "decoder", "fp8"),
+    GoldenCase("untied_llama", "llama", "fp8"),
+    GoldenCase("fp8_fused_experts", "mixtral", "fp8"),
+    GoldenCase("fp8_bmm_experts", "gpt_oss", "fp8"),
+    GoldenCase("fp8_iterable_experts", "iterable_moe", "fp8"),
+    GoldenCase("fp8_kv_cache", "llama", "fp8+fp8_kv"),
+    GoldenCase("nvfp4", "llama", "nvfp4"),
+    GoldenCase("int4_awq", "llama", "int4_awq"),
+    GoldenCase("int8_wo", "llama", "int8_wo"),
+    GoldenCase(
+        "mixed_precision",
+        "llama",
+        (("*", "fp8"), ("*.mlp.*", "nvfp4"), ("*embed_tokens", "int8_wo")),
+    ),
+    GoldenCase("compressed_tensors", "llama", "fp8", "compressed-tensors"),
+)
+
+
+def golden_case(case_id: str) -> GoldenCase:
+    """The :class:`GoldenCase` with id ``case_id``."""
+    for case in GOLDEN_CASES:
+        if case.id == case_id:
+            return case
+    known = ", ".join(c.id for c in GOLDEN_CASES)
+    raise KeyError(f"unknown golden case {case_id!r}; known: {known}")
+
+
+# ----------------------------------------------------------------------------- helpers
 
 
 def _store(case: ExporterCase) -> GoldenStore | None:
     return case.goldens if isinstance(case.goldens, GoldenStore) else None
 
 
+def _owner(name: str) -> str | None:
+    """The distribution that provides exporter ``name`` (``llmexport`` for built-ins)."""
+    try:
+        entry = MODULE_EXPORTER_REGISTRY.entry(name)
+    except Exception:
+        return None
+    if entry.builtin:
+        return "llmexport"
+    return entry.distribution.split(" ")[0] if entry.distribution else None
+
+
+def _quantized(golden: GoldenCase, seed: int, calibration: Calibration) -> QuantizedModel | str:
+    survey = survey_of(
+        (golden.model,),
+        seed,
+        (golden.recipe,),
+        calibration=calibration,
+        format="compressed-tensors" if golden.format == "compressed-tensors" else "modelopt",
+    )
+    if survey.skipped:
+        return next(iter(survey.skipped.values()))
+    q = survey.quantized[0]
+    return q.error if q.error else q
+
+
 def _written_by(q: QuantizedModel, exporter: str) -> list[str]:
     return [n for c in q.calls if c.exporter == exporter for n in c.names]
 
 
-def _find(models: tuple[str, ...], recipe: str, seed: int) -> list[QuantizedModel]:
-    survey = survey_of(models, seed, recipes=(recipe,))
-    return [q for q in survey.quantized if q.recipe == recipe]
-
-
-@check("golden_fp8_buffers", scope="exporter")
-@aborts_to_result
-def golden_fp8_buffers(case: ExporterCase) -> CheckResult:
-    """The FP8 tensors the exporter writes for the FP8 ``decoder`` (seed 0) match their golden.
-
-    Golden ``fp8_buffers/<exporter>.json``: every ``weight`` (float8_e4m3fn),
-    ``weight_scale`` and ``input_scale`` (float32, 0-d) the exporter wrote, by
-    name, with dtype, shape and the sha256 of the bytes. Skips when the exporter
-    writes nothing for that model or no golden store is configured.
-    """
-    exporter_entry(case)
-    store = _store(case)
-    if store is None:
-        return CheckResult.skipped("no golden store in the case (the plugin passes one)")
-    model, recipe = FP8_GOLDEN_MODEL
-    quantized = _find((model,), recipe, case.seed)
-    if not quantized or quantized[0].error:
-        error = quantized[0].error if quantized else f"{recipe} does not apply to {model}"
-        return CheckResult.failed(f"exporting the {recipe} {model!r} failed: {error}")
-    q = quantized[0]
-    names = _written_by(q, case.name)
-    if not names:
-        return CheckResult.skipped(
-            f"module exporter {case.name!r} writes nothing for the {recipe} {model!r}"
-        )
-    data: dict[str, Any] = {
-        "model": model,
-        "recipe": recipe,
-        "seed": case.seed,
-        "exporter": case.name,
-        "tensors": tensors_digest({n: q.tensors[n] for n in names}),
+def _ties(q: QuantizedModel) -> dict[str, list[str]]:
+    """Per tied group (one Parameter under several names): the names written."""
+    groups: dict[int, list[str]] = {}
+    for name, param in q.model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return {
+        "=".join(group): sorted(n for n in group if n in q.tensors)
+        for group in groups.values()
+        if len(group) > 1
     }
-    return store.check(f"fp8_buffers/{case.name}", data)
 
 
-@check("golden_tied_weights", scope="exporter")
+def _mask_producer(config: Any) -> Any:
+    """``config`` with every ``producer.version`` replaced: goldens outlive releases."""
+    if isinstance(config, Mapping):
+        return {
+            k: {**v, "version": _MASKED}
+            if k == "producer" and isinstance(v, Mapping)
+            else _mask_producer(v)
+            for k, v in config.items()
+        }
+    if isinstance(config, list):
+        return [_mask_producer(v) for v in config]
+    return config
+
+
+#: ``(id(model), format) -> configs``: one checkpoint write per quantized model and process.
+_CONFIGS: dict[tuple[int, str], tuple[Any, dict[str, Any]]] = {}
+
+
+def _written_configs(q: QuantizedModel, golden: GoldenCase, workdir: Path) -> dict[str, Any]:
+    """The configs the ``hf_checkpoint`` writer puts beside the tensors (HF models only)."""
+    key = (id(q.model), golden.format)
+    cached = _CONFIGS.get(key)
+    if cached is None or cached[0] is not q.model:
+        cached = (q.model, _write_configs(q, golden, workdir))
+        _CONFIGS[key] = cached
+    return cached[1]
+
+
+def _write_configs(q: QuantizedModel, golden: GoldenCase, workdir: Path) -> dict[str, Any]:
+    from llmexport.export import ensure_exporters_registered, export_model, get_target_info
+
+    ensure_exporters_registered()
+    info = get_target_info("hf_checkpoint")
+    if info.accepts is not None and info.accepts(q.model):
+        return {}  # not a Hugging Face model: the driver's summary is the config
+    workdir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"golden-{golden.id}-", dir=workdir))
+    out = export_model("hf_checkpoint", q.model, scratch / "checkpoint", format=golden.format)
+    configs: dict[str, Any] = {}
+    hf_quant = out / "hf_quant_config.json"
+    if hf_quant.exists():
+        configs["hf_quant_config.json"] = _mask_producer(json.loads(hf_quant.read_text()))
+    config = json.loads((out / "config.json").read_text())
+    if "quantization_config" in config:
+        configs["config.json:quantization_config"] = _mask_producer(config["quantization_config"])
+    return configs
+
+
+def _checkpoint_data(
+    q: QuantizedModel, golden: GoldenCase, exporter: str, names: list[str], workdir: Path, seed: int
+) -> dict[str, Any]:
+    configs = _written_configs(q, golden, workdir)
+    data: dict[str, Any] = {
+        "case": golden.id,
+        "model": golden.model,
+        "recipe": golden.recipe_text,
+        "format": golden.format,
+        "seed": seed,
+        "calibration": f"synthetic_calibration(seed={seed})",
+        "exporter": exporter,
+        "tensors": tensors_digest({n: q.tensors[n] for n in names}),
+        "configs": configs,
+    }
+    if not configs and q.summary is not None:  # no checkpoint writer for this model
+        data["quantization"] = q.summary.quantization_config()
+    ties = _ties(q)
+    if ties:
+        data["ties"] = dict(sorted(ties.items()))
+    return data
+
+
+def _combine(results: Iterable[tuple[str, CheckResult]], what: str) -> CheckResult:
+    results = list(results)
+    failed = [(k, r) for k, r in results if r.status == "fail"]
+    goldens = [g for _, r in results for g in r.details.get("goldens", [])]
+    if failed:
+        text = "\n".join(f"[{k}] {r.message}" for k, r in failed)
+        return CheckResult.failed(
+            f"{len(failed)} of {len(results)} {what} golden(s) differ:\n{text}", goldens=goldens
+        )
+    notes = "; ".join(f"{k}: {r.message}" for k, r in results)
+    return CheckResult.passed(f"{len(results)} {what} golden(s): {notes}", goldens=goldens)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+@check("golden_checkpoint", scope="exporter")
 @aborts_to_result
-def golden_tied_weights(case: ExporterCase) -> CheckResult:
-    """Which names the tied toy models export as, and which copy of each tie is kept, match the golden.
+def golden_checkpoint(case: ExporterCase) -> CheckResult:
+    """What the exporter writes for every golden case equals its golden, byte for byte.
 
-    Golden ``tied_weights/<exporter>.json``: for ``decoder_tied`` and
-    ``llama_tied`` quantized with FP8, the tensors the exporter wrote (digests)
-    and, per tied group, the names written (exactly one, the tie's source name).
-    Skips when the exporter writes nothing in those models.
+    Exact comparison (``atol = rtol = 0``, sha256 of the bytes): the cases are
+    quantized with ``synthetic_calibration``, so the exporter's inputs are the
+    same bits on every machine and device, and so must its outputs be. Golden
+    ``checkpoint/<case>/<exporter>.json`` per case of :data:`GOLDEN_CASES` in
+    which the exporter writes something: its tensors (values of scales, a
+    summary of large tensors, shown in a mismatch but not compared), the tied
+    groups and the quantization configs written beside them. Skips when the
+    exporter writes nothing in any case, or without a golden store.
     """
     exporter_entry(case)
     store = _store(case)
     if store is None:
         return CheckResult.skipped("no golden store in the case (the plugin passes one)")
-    data: dict[str, Any] = {"seed": case.seed, "exporter": case.name, "models": {}}
-    for q in _find(TIED_GOLDEN_MODELS, "fp8", case.seed):
-        if q.error:
-            return CheckResult.failed(f"exporting the fp8 {q.model_name!r} failed: {q.error}")
+    results: list[tuple[str, CheckResult]] = []
+    for golden in GOLDEN_CASES:
+        q = _quantized(golden, case.seed, "synthetic")
+        if isinstance(q, str):
+            return CheckResult.failed(f"golden case {golden.id}: {q}")
         names = _written_by(q, case.name)
         if not names:
             continue
-        groups: dict[str, list[str]] = {}
-        for name, param in q.model.named_parameters(remove_duplicate=False):
-            groups.setdefault(str(id(param)), []).append(name)
-        ties = {
-            "=".join(group): sorted(n for n in group if n in q.tensors)
-            for group in groups.values()
-            if len(group) > 1
-        }
-        data["models"][q.model_name] = {
-            "tensors": tensors_digest({n: q.tensors[n] for n in names}),
-            "ties": dict(sorted(ties.items())),
-        }
-    if not data["models"]:
+        try:
+            data = _checkpoint_data(q, golden, case.name, names, case.workdir, case.seed)
+        except Exception as err:
+            return CheckResult.failed(f"golden case {golden.id}: {error_text(err)}")
+        result = store.check(f"checkpoint/{golden.id}/{case.name}", data, owner=_owner(case.name))
+        results.append((golden.id, result))
+    if not results:
+        ids = ", ".join(g.id for g in GOLDEN_CASES)
         return CheckResult.skipped(
-            f"module exporter {case.name!r} writes nothing in {', '.join(TIED_GOLDEN_MODELS)}"
+            f"module exporter {case.name!r} writes nothing in any of the {len(GOLDEN_CASES)} "
+            f"golden cases ({ids})"
         )
-    return store.check(f"tied_weights/{case.name}", data)
+    return _combine(results, "checkpoint")
+
+
+def _calibrated(q: QuantizedModel, names: list[str]) -> dict[str, list[Any]]:
+    leaf = re.compile(r"(^|\.)(" + "|".join(CALIBRATED_LEAVES) + r")$")
+    return {n: tensor_values(q.tensors[n]) for n in sorted(names) if leaf.search(n)}
+
+
+@check("golden_calibration", scope="exporter")
+@aborts_to_result
+def golden_calibration(case: ExporterCase) -> CheckResult:
+    """The activation scales the exporter writes after real calibration match the golden's
+    within ``rtol=1e-4, atol=1e-12`` (``|obtained - golden| <= atol + rtol * |golden|``).
+
+    The golden cases are quantized with max calibration on deterministic ids
+    (a forward pass), so the scales differ in the last bits between machines:
+    they are compared within that tolerance, never by hash. Golden
+    ``calibration/<exporter>.json``: per case, ``input_scale``, ``k_scale``,
+    ``v_scale`` and ``pre_quant_scale`` values. Skips when the exporter writes no
+    such scale in any case.
+    """
+    exporter_entry(case)
+    store = _store(case)
+    if store is None:
+        return CheckResult.skipped("no golden store in the case (the plugin passes one)")
+    cases: dict[str, Any] = {}
+    for golden in GOLDEN_CASES:
+        q = _quantized(golden, case.seed, "data")
+        if isinstance(q, str):
+            return CheckResult.failed(f"golden case {golden.id}: {q}")
+        values = _calibrated(q, _written_by(q, case.name))
+        if values:
+            cases[golden.id] = {
+                "model": golden.model,
+                "recipe": golden.recipe_text,
+                "approx": values,
+            }
+    if not cases:
+        return CheckResult.skipped(
+            f"module exporter {case.name!r} writes no calibrated scale in the golden cases"
+        )
+    data = {
+        "exporter": case.name,
+        "seed": case.seed,
+        "calibration": "max calibration, one forward on make_input_ids(vocab_size) (PCG64 ids)",
+        "tolerance": {"rtol": CALIBRATION_RTOL, "atol": CALIBRATION_ATOL},
+        "cases": cases,
+    }
+    return store.check(f"calibration/{case.name}", data, owner=_owner(case.name))

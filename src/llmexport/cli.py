@@ -37,7 +37,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p_exp.add_argument(
         "--model",
         required=True,
-        help="toy model family (decoder, decoder_tied, iterable_moe, hf:llama, hf:mixtral, ...) "
+        help="toy model family (decoder, decoder_tied, iterable_moe, hf:llama, hf:mixtral, ...), "
+        "a model structure FILE.json (llmexport.models.ModelSpec) "
         "or a local Hugging Face model directory",
     )
     p_exp.add_argument("--out", required=True, type=Path, help="output file or directory")
@@ -81,12 +82,20 @@ def load_model_spec(spec: str, seed: int = 0) -> Any:
     """Build the model named by a CLI ``--model`` spec.
 
     ``hf:FAMILY`` and registered family names build seeded toy models (no
-    download); an existing directory loads a local Hugging Face checkpoint
-    with ``local_files_only=True``.
+    download); a path ending in ``.json`` holds a model structure
+    (:class:`llmexport.models.ModelSpec`, as the conformance suite's
+    ``roundtrip_generated`` writes it) built by
+    :func:`llmexport.models.build_from_spec`; an existing directory loads a local
+    Hugging Face checkpoint with ``local_files_only=True``.
+
+    An unreadable or invalid ``.json`` file raises
+    :class:`~llmexport.errors.InvalidConfigError` naming the file and what is wrong.
     """
     from llmexport.models import build_model, ensure_models_registered, model_names
 
     path = Path(spec)
+    if path.suffix.lower() == ".json" and not path.is_dir():
+        return _model_from_json(path, seed)
     if path.is_dir():
         from transformers import AutoModelForCausalLM
 
@@ -96,6 +105,28 @@ def load_model_spec(spec: str, seed: int = 0) -> Any:
     if name not in model_names() and spec.startswith("hf:"):
         name = spec  # let the registry report it with the available names
     return build_model(name, seed=seed)
+
+
+def _model_from_json(path: Path, seed: int) -> Any:
+    """The model of the :class:`~llmexport.models.ModelSpec` JSON file at ``path``."""
+    from llmexport.errors import InvalidConfigError
+    from llmexport.models import build_from_spec
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise InvalidConfigError(f"--model {path}: cannot read the model spec file: {err}") from err
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InvalidConfigError(
+            f"--model {path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+            "expected a model spec object as written by ModelSpec.to_json()"
+        ) from err
+    try:
+        return build_from_spec(data, seed=seed)
+    except LLMExportError as err:
+        raise InvalidConfigError(f"--model {path}: {err}") from err
 
 
 def _cmd_list(as_json: bool) -> int:

@@ -6,6 +6,9 @@
   from configs (never downloaded).
 - :func:`seeded_init_`: weights from numpy's PCG64, the same bytes on every
   torch version and device.
+- :class:`ModelSpec`, :func:`build_from_spec`: a decoder structure as a small
+  JSON-serialisable spec (layers, heads / KV heads, tied head, dense or MoE,
+  vocabulary) and the seeded transformers model it builds.
 - :data:`MODEL_REGISTRY`, :func:`build_model`, :func:`model_names`: families by
   name, extensible through the ``llmexport.models`` entry-point group.
 """
@@ -30,19 +33,24 @@ from llmexport.models.registry import (
     model_traits,
     register_builtin_models,
 )
+from llmexport.models.spec import SPEC_FAMILIES, SPEC_FORMAT, ModelSpec, build_from_spec
 
 __all__ = [
     "HF_FAMILIES",
     "MODELS_GROUP",
     "MODEL_REGISTRY",
     "SCRIPT_FAILURE_REASON",
+    "SPEC_FAMILIES",
+    "SPEC_FORMAT",
     "DecoderConfig",
     "DecoderModel",
     "IterableMoEConfig",
     "IterableMoEModel",
     "KVCache",
     "ModelFactory",
+    "ModelSpec",
     "PositionalEncoding",
+    "build_from_spec",
     "build_model",
     "ensure_models_registered",
     "model_names",
