@@ -107,6 +107,39 @@ def nan_loader(artifact: Path, *, device: str = "cpu") -> Callable[[torch.Tensor
     return run_nan
 
 
+#: The ``(batch, seq)`` the broken runtimes below are "compiled" for: the checks' traced shape.
+FIXED_SHAPE = (2, 8)
+
+
+def fixed_shape_loader(artifact: Path, *, device: str = "cpu") -> Callable[[torch.Tensor], Any]:
+    """Runs every input as the fixed [2, 8] batch (zero-padded or cropped), as an artifact
+    with a baked-in input shape does: right at [2, 8], the wrong shape anywhere else."""
+    inner = jit_loader(artifact, device=device)
+
+    def run_fixed(ids: torch.Tensor) -> Any:
+        fixed = torch.zeros(FIXED_SHAPE, dtype=ids.dtype)
+        batch, seq = min(ids.shape[0], FIXED_SHAPE[0]), min(ids.shape[1], FIXED_SHAPE[1])
+        fixed[:batch, :seq] = ids[:batch, :seq]
+        return inner(fixed)
+
+    return run_fixed
+
+
+def left_padding_loader(artifact: Path, *, device: str = "cpu") -> Callable[[torch.Tensor], Any]:
+    """Left-pads shorter sequences to 8 tokens and returns the last ``seq`` positions: the
+    right shape, but the padding shifts positions and is attended to (no mask)."""
+    inner = jit_loader(artifact, device=device)
+
+    def run_padded(ids: torch.Tensor) -> Any:
+        seq = ids.shape[1]
+        if seq < FIXED_SHAPE[1]:
+            pad = torch.zeros(ids.shape[0], FIXED_SHAPE[1] - seq, dtype=ids.dtype)
+            ids = torch.cat([pad, ids], dim=1)
+        return inner(ids)[:, -seq:]
+
+    return run_padded
+
+
 def in_place_export(
     model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None
 ) -> Path:
@@ -244,6 +277,26 @@ def test_perturbed_logits_fail_roundtrip_with_the_numbers(
     assert "max rel" in result.message
     assert "100% of 4096 elements" in result.message
     assert result.details["max_abs"] == pytest.approx(1e-2, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("loader", "expected"),
+    [
+        (fixed_shape_loader, "shape [2, 8, 256] does not match the expected [1, 5, 256]"),
+        (left_padding_loader, "logits differ from the eager model at input_ids [1, 5]: max abs"),
+    ],
+)
+def test_a_runtime_bound_to_the_traced_shape_fails_dynamic_shapes(
+    tmp_path: Path, fake_target: Callable[..., str], loader: Callable[..., Any], expected: str
+) -> None:
+    """The target declares dynamic_shapes, but its runtime is only right at [2, 8]."""
+    target = fake_target(good_export, loader, capabilities={"dynamic_shapes"})
+    case = make_case(tmp_path, target)
+    traced = run("roundtrip_logits", case)
+    assert traced.status == "pass", traced.message  # the fault shows only at other shapes
+    result = run("dynamic_shapes", case)
+    assert result.status == "fail", result.message
+    assert expected in result.message
 
 
 def test_nan_in_the_runtime_output_fails_roundtrip(

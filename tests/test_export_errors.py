@@ -178,8 +178,9 @@ def test_export_prints_nothing_and_logs_one_line(
     captured = capsys.readouterr()
     assert "[torch.onnx]" not in captured.out + captured.err
     assert "torchvision" not in captured.out + captured.err
-    ours = [r for r in caplog.records if r.name.startswith("llmexport")]
-    assert len(ours) <= 1, [r.getMessage() for r in ours]
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("llmexport")]
+    assert len(ours) == 1, ours  # exactly one: the summary of what the export hid
+    assert ours[0].startswith("onnx export: "), ours
 
 
 def test_torchscript_folds_deprecations_into_one_warning(tmp_path: Path) -> None:

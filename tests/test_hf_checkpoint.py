@@ -296,6 +296,8 @@ def test_compressed_tensors_layout(tmp_path: Path) -> None:
     assert "lm_head" in config["ignore"]
     assert not (out / "hf_quant_config.json").exists()
     got, expected = roundtrip_logits(model, batch, out)
+    # Exact: one process, the same transformers forward on bit-identical (dequantized =
+    # fake-quantized) weights and scales, so the same kernels run on the same inputs.
     assert torch.equal(got, expected)
 
 
@@ -306,6 +308,8 @@ def test_compressed_tensors_attention_kv_scales_are_applied(tmp_path: Path) -> N
     assert tensors["model.layers.0.self_attn.k_scale"].shape == (1,)
     assert not any(name.endswith("k_proj.k_scale") for name in tensors)
     got, expected = roundtrip_logits(model, batch, out)
+    # Exact: one process, the same transformers forward on bit-identical (dequantized =
+    # fake-quantized) weights and scales, so the same kernels run on the same inputs.
     assert torch.equal(got, expected)
 
 

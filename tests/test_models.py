@@ -142,6 +142,8 @@ def test_forward_returns_logits_or_logits_and_cache(name: str) -> None:
         logits_c, cache = model(ids, use_cache=True)
     assert isinstance(logits, torch.Tensor)
     assert logits.shape == (2, 8, cfg.vocab_size)
+    # Exact on purpose: use_cache only changes what is returned; both calls run the same
+    # kernels on the same inputs in one process.
     torch.testing.assert_close(logits_c, logits, rtol=0, atol=0)
     assert len(cache) == cfg.num_layers
     for k, v in cache:
@@ -168,7 +170,9 @@ def test_attention_is_causal() -> None:
     changed[0, 6] = (changed[0, 6] + 1) % 256
     with torch.no_grad():
         a, b = model(ids), model(changed)
-    torch.testing.assert_close(a[:, :6], b[:, :6], rtol=0, atol=0)
+    # Two forward passes on different inputs: compared within 1e-6, not bit for bit. A
+    # leak of the changed token into earlier positions moves their logits by far more.
+    torch.testing.assert_close(a[:, :6], b[:, :6], rtol=1e-6, atol=1e-6)
     assert not torch.allclose(a[:, 6:], b[:, 6:])
 
 

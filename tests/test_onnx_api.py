@@ -186,6 +186,8 @@ def test_export_to_onnx_equals_the_registered_target(artifacts: Artifacts, tmp_p
     ids = _ids(artifacts.llama, 2, 8)
     a = llmexport.load_exported("onnx", path)(ids)
     b = llmexport.load_exported("onnx", artifacts.llama_legacy)(ids)
+    # Exact: both artifacts come from the same exporter with the same options (one
+    # graph), run by one onnxruntime in one process on the same inputs.
     torch.testing.assert_close(a, b, atol=0.0, rtol=0.0)
 
 

@@ -80,6 +80,17 @@ def _env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, site: Path)
     return counter
 
 
+def _hide_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``torch.cuda.is_available()`` False in the pytest subprocesses, GPU or not.
+
+    The runs below assert what happens to ``cuda`` items on a machine without CUDA (a
+    counted skip, or a failure under ``--export-require-device``); on a GPU machine
+    those items would run instead. An empty ``CUDA_VISIBLE_DEVICES`` hides every GPU
+    from torch (the plugin asks ``torch.cuda.is_available()``).
+    """
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 def _exports(counter: Path) -> list[str]:
     return counter.read_text().split() if counter.exists() else []
 
@@ -168,6 +179,7 @@ def test_fake_third_party_plugin(
     which reuses the first run's cached artifacts and writes the same JSON report.
     """
     counter = _env(pytester, monkeypatch, install(pytester.path / "site"))
+    _hide_cuda(monkeypatch)  # the cuda items below must skip, on any machine
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_own="def test_own_test():\n    pass\n")
     (pytester.path / "xfails.json").write_text(
@@ -195,7 +207,7 @@ def test_fake_third_party_plugin(
         [
             "exportcheck: targets=broken,good,onnx *models=tiny * device=cpu,cuda *",
             "exportcheck versions: python *, llmexport *, torch *, transformers *, onnx *, "
-            "onnxruntime *; CUDA *",
+            "onnxruntime *; CUDA not available",
             f"exportcheck targets: *{DIST}: good, inplace, perturb, swallow*",
             f"exportcheck model families: *{DIST}: tiny*",
             f"exportcheck target 'broken' from {DIST} FAILED to load*",
@@ -275,6 +287,7 @@ def test_export_only_no_cache_require_device_and_user_profile(
     """--export-only hides the repo's tests; --export-no-cache keeps nothing across runs;
     --export-require-device fails what would skip; the user's Hypothesis profile wins."""
     counter = _env(pytester, monkeypatch, install(pytester.path / "site"))
+    _hide_cuda(monkeypatch)  # the cuda item must fail for want of a device, on any machine
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_own="def test_own_test():\n    pass\n")
     result = pytester.runpytest_subprocess(

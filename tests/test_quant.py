@@ -12,7 +12,7 @@ from torch import nn
 
 from llmexport.errors import QuantizationError, UnknownNameError, UnsupportedFormatError
 from llmexport.export import make_input_ids
-from llmexport.models import DecoderModel, IterableMoEModel, tiny_hf_model
+from llmexport.models import DecoderModel, IterableMoEModel, build_model, tiny_hf_model
 from llmexport.quant import (
     QuantBMMExperts,
     QuantFormat,
@@ -31,6 +31,65 @@ from llmexport.quant import (
 FAMILIES = ["llama", "llama_tied", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
 RECIPES = ["fp8", "nvfp4", "int4_awq", "int8_wo", "fp8+fp8_kv"]
 
+#: Relative logits error ``||quantized - float|| / ||float||`` of each recipe on each
+#: one-layer toy model (seed 0, ``make_input_ids`` defaults), as measured with
+#:   .venv/bin/python -m pytest -n 0 -p no:cacheprovider tests/test_quant.py -s -k "close_to_the_float"
+#: (the tests print ``rel=...``) on x86-64 (AVX512, torch 2.13.0+cpu, transformers 5.24.0),
+#: identical to the 4th digit with ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1.
+#: These come from forward passes, so the tests never compare them exactly: each
+#: measured value must hold within a factor of REL_ERROR_MARGIN either way. Other
+#: CPUs move them in the 3rd-4th digit; a real regression (a wrong scale, a skipped
+#: or doubled quantization) moves them by far more than 2x.
+MEASURED_REL_ERROR: dict[str, dict[str, float]] = {
+    "llama": {
+        "fp8": 0.04493,
+        "nvfp4": 0.1791,
+        "int4_awq": 0.1447,
+        "int8_wo": 0.008251,
+        "fp8+fp8_kv": 0.05058,
+    },
+    "llama_tied": {
+        "fp8": 0.04118,
+        "nvfp4": 0.1507,
+        "int4_awq": 0.1319,
+        "int8_wo": 0.007230,
+        "fp8+fp8_kv": 0.04570,
+    },
+    "mixtral": {
+        "fp8": 0.04922,
+        "nvfp4": 0.1692,
+        "int4_awq": 0.1518,
+        "int8_wo": 0.007549,
+        "fp8+fp8_kv": 0.08055,
+    },
+    "qwen2_moe": {
+        "fp8": 0.04690,
+        "nvfp4": 0.1572,
+        "int4_awq": 0.1426,
+        "int8_wo": 0.008202,
+        "fp8+fp8_kv": 0.05154,
+    },
+    "qwen3_moe": {
+        "fp8": 0.05407,
+        "nvfp4": 0.1825,
+        "int4_awq": 0.1724,
+        "int8_wo": 0.009274,
+        "fp8+fp8_kv": 0.06053,
+    },
+    "gpt_oss": {
+        "fp8": 0.1497,
+        "nvfp4": 0.1612,
+        "int4_awq": 0.2686,
+        "int8_wo": 0.006570,
+        "fp8+fp8_kv": 0.1026,
+    },
+    # the project's own toy models, built with build_model(name, seed=0, num_layers=1)
+    "decoder": {"fp8": 0.003051, "nvfp4": 0.01145, "int8_wo": 0.000661},
+    "iterable_moe": {"fp8": 0.003202, "nvfp4": 0.01221, "int8_wo": 0.000686},
+}
+#: Factor by which a measured relative error may move either way (see MEASURED_REL_ERROR).
+REL_ERROR_MARGIN = 2.0
+
 
 def _hf(family: str) -> nn.Module:
     return tiny_hf_model(family, 0, num_hidden_layers=1)
@@ -41,6 +100,18 @@ def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     out = out[0] if isinstance(out, tuple) else getattr(out, "logits", out)
     assert isinstance(out, torch.Tensor)
     return out
+
+
+def _assert_rel_error_as_measured(name: str, recipe: str, rel: float) -> None:
+    """``rel`` is within ``REL_ERROR_MARGIN`` of the value measured for ``name`` x ``recipe``."""
+    print(f"{name} {recipe} rel={rel:.6f}")  # -s shows them: the numbers MEASURED_REL_ERROR holds
+    measured = MEASURED_REL_ERROR[name][recipe]
+    low, high = measured / REL_ERROR_MARGIN, measured * REL_ERROR_MARGIN
+    assert low < rel < high, (
+        f"{name} with {recipe}: relative logits error {rel:.6f}, measured {measured} "
+        f"(bounds {low:.6f}..{high:.6f}); if the change is intended, re-measure and update "
+        "MEASURED_REL_ERROR"
+    )
 
 
 # -- formats -------------------------------------------------------------------
@@ -63,6 +134,8 @@ def test_fake_quant_equals_dequantized_real_quant(
     quantizer.collect(x)
     fake = quantizer(x)
     real = quantizer.quantize(x)
+    # Exact on purpose: both sides are the same elementwise ops (scale, round, rescale)
+    # on the same tensor in one process; no matmul or reduction order is involved.
     assert torch.equal(fake, dequantize(real))
     assert fake.dtype == x.dtype
     assert fake.shape == x.shape
@@ -86,6 +159,7 @@ def test_fp8_codes_of_a_large_weight_are_the_elementwise_cast(dtype: torch.dtype
     x = (torch.randn(600, 1000, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     q = quantize_tensor(x, QuantFormat.FP8, amax=x.abs().amax().float())
     expected = (x.to(torch.float32) / q.scale).to(torch.float8_e4m3fn)
+    # Exact on purpose: an elementwise divide and cast of the same values in one process.
     assert (q.data.shape, q.data.is_contiguous()) == (x.shape, True)
     assert torch.equal(q.data.view(torch.uint8), expected.view(torch.uint8))
 
@@ -184,6 +258,7 @@ def test_fake_quant_keeps_the_layout_of_a_transposed_weight(fmt: QuantFormat, bl
     quantizer.collect(canonical)
     fake = quantizer(canonical)
     assert fake.stride() == canonical.stride()
+    # Exact on purpose: elementwise fake-quant vs dequantized codes of the same tensor.
     assert torch.equal(fake, dequantize(quantizer.quantize(canonical)))
 
 
@@ -200,7 +275,8 @@ def test_a_loaded_scale_quantizes_exactly_like_the_quantizer_that_exported_it(
     loaded = TensorQuantizer(QuantFormat.FP8, enabled=False, min_scale=1.0)
     loaded.load_scale(calibrated.scale, fmt, block_size=16)
     assert (loaded.enabled, loaded.format) == (True, fmt)
-    # bit for bit, also where scale * maxbound / maxbound does not give the scale back
+    # bit for bit, also where scale * maxbound / maxbound does not give the scale back;
+    # exact on purpose: elementwise fake-quant of the same x with the same scale
     assert loaded.scale.item() == calibrated.scale.item()
     assert torch.equal(loaded(x), calibrated(x))
 
@@ -213,7 +289,8 @@ def test_a_loaded_fp8_scale_is_used_as_stored(scale: float) -> None:
     quantizer = TensorQuantizer(QuantFormat.FP8, enabled=False)
     quantizer.load_scale(stored, "fp8")
     assert quantizer.scale.item() == scale
-    # what a serving engine computes with a static input_scale
+    # what a serving engine computes with a static input_scale (elementwise, the same
+    # ops in one process: exact on purpose)
     expected = (x / stored).to(torch.float8_e4m3fn).to(torch.float32) * stored
     assert torch.equal(quantizer(x), expected)
 
@@ -247,10 +324,14 @@ def test_wrap_module_computes_what_the_module_did_until_a_scale_is_loaded() -> N
         assert isinstance(wrap_module(experts, "experts"), QuantFusedExperts)
         assert isinstance(wrap_module(linear, "o_proj"), QuantLinear)
         assert not any(is_quantized_module(m) for m in model.modules())
-        assert torch.equal(_logits(model, ids), reference)
+        # Not exact: the wrapper's expert loop gathers tokens in another order than
+        # transformers' eager experts, so the matmuls run on permuted rows (measured max
+        # abs difference 1.3e-7 on logits of max abs 0.93; torch.equal is False there).
+        torch.testing.assert_close(_logits(model, ids), reference, atol=1e-6, rtol=1e-5)
         experts.input_quantizer_of("down_proj").load_scale(torch.tensor(0.01), "fp8")
         assert is_quantized_module(experts)
-        assert not torch.equal(_logits(model, ids), reference)
+        # the loaded scale clips down_proj's input: measured max abs difference 1.6e-3
+        assert (_logits(model, ids) - reference).abs().max() > 1e-4
 
 
 def test_wrap_module_refuses_modules_without_a_wrapper() -> None:
@@ -276,19 +357,23 @@ def test_every_recipe_on_every_family_runs_close_to_the_float_model(
     assert quantized is model  # in place by default
     assert any(is_quantized_module(m) for m in model.modules())
     assert torch.isfinite(out).all()
-    rel = (out - reference).norm() / reference.norm()
-    assert 0 < rel < 0.5
+    rel = float((out - reference).norm() / reference.norm())
+    _assert_rel_error_as_measured(family, recipe, rel)
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "nvfp4", "int8_wo"])
-def test_recipes_on_toy_decoder_and_iterable_moe(recipe: str) -> None:
-    for cls in (DecoderModel, IterableMoEModel):
-        model = cls(num_layers=1)
-        ids = make_input_ids(model.config.vocab_size)
-        with torch.no_grad():
-            reference = _logits(model, ids)
-            out = _logits(quantize(model, recipe), ids)
-        assert 0 < (out - reference).norm() / reference.norm() < 0.5
+@pytest.mark.parametrize("name", ["decoder", "iterable_moe"])
+def test_recipes_on_toy_decoder_and_iterable_moe_run_close_to_the_float_model(
+    name: str, recipe: str
+) -> None:
+    model = build_model(name, seed=0, num_layers=1)  # seeded: the error is reproducible
+    ids = make_input_ids(model.config.vocab_size)
+    with torch.no_grad():
+        reference = _logits(model, ids)
+        out = _logits(quantize(model, recipe), ids)
+    assert torch.isfinite(out).all()
+    rel = float((out - reference).norm() / reference.norm())
+    _assert_rel_error_as_measured(name, recipe, rel)
 
 
 def test_default_excludes_lm_head_routers_and_embeddings() -> None:
@@ -405,7 +490,11 @@ def test_calibration_sees_full_precision_activations() -> None:
         reference(make_input_ids(infer_vocab_size(reference)))
     hook.remove()
     model = quantize(build_model("decoder", seed=0, num_layers=2), "fp8")
-    assert float(model.layers[1].self_attn.o_proj.input_quantizer.amax) == seen[0]
+    # Not exact: both are forward passes (nn.Linear vs QuantLinear in calibration mode).
+    # Had calibration run on FP8 fake-quantized weights, this amax would differ by 2.8e-3
+    # relative (measured: 0.64651 vs 0.64832), far outside rel=1e-5.
+    amax = float(model.layers[1].self_attn.o_proj.input_quantizer.amax)
+    assert amax == pytest.approx(seen[0], rel=1e-5, abs=0)
 
 
 def test_kv_cache_quantizers_on_k_and_v_with_scale_at_least_one() -> None:
