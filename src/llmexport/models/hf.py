@@ -168,7 +168,15 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> transformers.
     """
     spec = _family(family)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    config = _make_config(spec, overrides)
+    return build_from_config(_make_config(spec, overrides), seed, family)
+
+
+def build_from_config(config: Any, seed: int, label: str) -> transformers.PreTrainedModel:
+    """The causal LM of a transformers ``config``: float32, eager attention, eval, seeded.
+
+    Shared by :func:`tiny_hf_model` and ``build_from_spec``; ``label`` names the
+    model in errors and logs.
+    """
     start = time.perf_counter()
     # transformers' own init draws from torch's global RNG; keep the caller's stream intact.
     with torch.random.fork_rng(devices=[]):
@@ -176,9 +184,9 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> transformers.
             config, attn_implementation="eager", dtype=torch.float32
         )
     seeded_init_(model, seed, std=config.initializer_range)
-    _check_tied(model, family)
+    _check_tied(model, label)
     model.eval()
-    logger.debug("built tiny %s in %.3f s", family, time.perf_counter() - start)
+    logger.debug("built tiny %s in %.3f s", label, time.perf_counter() - start)
     return model
 
 

@@ -23,12 +23,10 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
 import transformers
 
 from llmexport.errors import InvalidConfigError
-from llmexport.models._init import seeded_init_
-from llmexport.models.hf import _check_tied, _Family, _family, _make_config
+from llmexport.models.hf import _Family, _family, _make_config, build_from_config
 
 __all__ = ["SPEC_FAMILIES", "SPEC_FORMAT", "ModelSpec", "build_from_spec"]
 
@@ -88,11 +86,9 @@ class ModelSpec:
             out.append(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
         if out:
             return out
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+        for name in self._INT_FIELDS[:6]:  # all but the expert counts, checked below
             if getattr(self, name) < 1:
                 out.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.intermediate_size < 1:
-            out.append(f"intermediate_size must be >= 1, got {self.intermediate_size}")
         if out:
             return out
         if self.hidden_size % self.num_heads:
@@ -214,12 +210,4 @@ def build_from_spec(
     config = _make_config(
         _Family(base.config_class, {**base.config, **spec.config_overrides()}), {}
     )
-    # As tiny_hf_model: transformers' own init draws from torch's global RNG.
-    with torch.random.fork_rng(devices=[]):
-        model: transformers.PreTrainedModel = transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation="eager", dtype=torch.float32
-        )
-    seeded_init_(model, seed, std=config.initializer_range)
-    _check_tied(model, f"spec:{spec.family}")
-    model.eval()
-    return model
+    return build_from_config(config, seed, f"spec:{spec.family}")
