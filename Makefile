@@ -5,8 +5,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.llmexport-installed
-INTEROP_STAMP := $(VENV)/.llmexport-interop-installed
+STAMP  := $(VENV)/.exportlm-installed
+INTEROP_STAMP := $(VENV)/.exportlm-interop-installed
 PIP    := $(BIN)/python -m pip
 JOBS   ?= auto
 # One Hypothesis seed for the generated-structure checks, so a rerun draws the same

@@ -1,4 +1,4 @@
-"""Overhead of ``llmexport.export_model`` over the raw torch export call, per target.
+"""Overhead of ``exportlm.export_model`` over the raw torch export call, per target.
 
 For each target the same model is exported, in one process, alternately by
 ``export_model`` and by the raw torch calls with the same settings:
@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-import llmexport
-from llmexport.export import ExportCacheWrapper, resolve_example_inputs
-from llmexport.export._moe import traceable_model
-from llmexport.export.onnx import DEFAULT_OPSET
-from llmexport.models import build_model
+import exportlm
+from exportlm.export import ExportCacheWrapper, resolve_example_inputs
+from exportlm.export._moe import traceable_model
+from exportlm.export.onnx import DEFAULT_OPSET
+from exportlm.models import build_model
 
 TARGETS = ("onnx", "torchscript", "torch_export")
 SUFFIX = {"onnx": ".onnx", "torchscript": ".pt", "torch_export": ".pt2"}
@@ -121,7 +121,7 @@ def bench_target(target: str, model_name: str, repeats: int, workdir: Path) -> d
     def ours() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            llmexport.export_model(target, model, ours_out)
+            exportlm.export_model(target, model, ours_out)
 
     raw()
     ours()  # warm-up: imports, registries, kernels

@@ -1,6 +1,6 @@
 """Benchmark: FP8 Llama (hidden 1024, 8 layers, vocab 32000) to an HF checkpoint.
 
-Exports the same calibrated model with llmexport's ``hf_checkpoint`` target and,
+Exports the same calibrated model with exportlm's ``hf_checkpoint`` target and,
 when ``nvidia-modelopt`` is installed, with ModelOpt's ``export_hf_checkpoint``;
 each exporter runs in its own subprocess so its peak RSS is clean. Reports wall
 time, peak RSS added during the export (sampled peak minus RSS before),
@@ -10,7 +10,7 @@ excluded, as both exporters leave data in the page cache).
 Usage: ``python benchmarks/bench_hf_export.py [--repeat 3] [--json out.json]``.
 CPU seconds (``time.process_time``, all threads) are reported beside wall time:
 on a loaded machine they vary less; ``OMP_NUM_THREADS=1`` steadies both.
-Goals (issue 3): llmexport ≥ 2x ModelOpt's speed, ≤ 0.5x the RSS ModelOpt adds.
+Goals (issue 3): exportlm ≥ 2x ModelOpt's speed, ≤ 0.5x the RSS ModelOpt adds.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _build_and_calibrate(exporter: str) -> Any:
 
         mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop=calibrate)
     else:
-        from llmexport.quant import quantize
+        from exportlm.quant import quantize
 
         quantize(model, "fp8", calibrate=calibrate)
     return model
@@ -95,9 +95,9 @@ def _export(exporter: str, model: Any, out: Path) -> None:
 
         export_hf_checkpoint(model, export_dir=out)
     else:
-        import llmexport
+        import exportlm
 
-        llmexport.export_model("hf_checkpoint", model, out)
+        exportlm.export_model("hf_checkpoint", model, out)
 
 
 def child(exporter: str, out: Path) -> dict[str, float]:
@@ -160,10 +160,10 @@ def main() -> int:
     try:
         import modelopt.torch.export  # noqa: F401
 
-        exporters = ["llmexport", "modelopt"]
+        exporters = ["exportlm", "modelopt"]
     except ImportError:
-        exporters = ["llmexport"]
-        print("nvidia-modelopt not installed: measuring llmexport only")
+        exporters = ["exportlm"]
+        print("nvidia-modelopt not installed: measuring exportlm only")
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for exporter in exporters:
@@ -177,8 +177,8 @@ def main() -> int:
                 best["added_rss_mb"] = min(r["added_rss_mb"] for r in runs)
                 best["cpu_seconds"] = min(r["cpu_seconds"] for r in runs)
                 results[exporter] = best
-        if "llmexport" in results:
-            nbytes = int(results["llmexport"]["bytes"])
+        if "exportlm" in results:
+            nbytes = int(results["exportlm"]["bytes"])
             raw = min(raw_write(nbytes, Path(tmp) / f"raw-{i}.bin") for i in range(args.repeat))
             results["raw_write"] = {
                 "seconds": raw,
@@ -194,8 +194,8 @@ def main() -> int:
             f"{r['mb_per_s']:8.0f} MB/s  +{r['added_rss_mb']:7.1f} MB RSS  "
             f"({r['bytes'] / 1e6:.0f} MB)"
         )
-    if "modelopt" in results and "llmexport" in results:
-        ours, theirs = results["llmexport"], results["modelopt"]
+    if "modelopt" in results and "exportlm" in results:
+        ours, theirs = results["exportlm"], results["modelopt"]
         speedup = theirs["seconds"] / ours["seconds"]
         cpu_speedup = theirs["cpu_seconds"] / ours["cpu_seconds"]
         mem = ours["added_rss_mb"] / max(theirs["added_rss_mb"], 1e-9)
@@ -204,9 +204,9 @@ def main() -> int:
             f"added RSS vs ModelOpt: {mem:.2f}x (goal <= 0.5x)"
         )
         results["ratios"] = {"speedup": speedup, "cpu_speedup": cpu_speedup, "added_rss_ratio": mem}
-    if "raw_write" in results and "llmexport" in results:
+    if "raw_write" in results and "exportlm" in results:
         print(
-            f"llmexport at {results['llmexport']['mb_per_s'] / results['raw_write']['mb_per_s']:.0%} of raw write speed"
+            f"exportlm at {results['exportlm']['mb_per_s'] / results['raw_write']['mb_per_s']:.0%} of raw write speed"
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -1,11 +1,11 @@
-"""pytest-exportcheck: a conformance suite for llmexport export targets and module exporters.
+"""pytest-exportcheck: a conformance suite for exportlm export targets and module exporters.
 
-Installed with llmexport, the pytest plugin ``exportcheck`` is passive until an
+Installed with exportlm, the pytest plugin ``exportcheck`` is passive until an
 ``--export-*`` selection is given: ``pytest --export-targets=all`` runs every check
 over every registered export target and module exporter. Checks are plain functions
 in :mod:`pytest_exportcheck.checks`, usable without pytest.
 
-Importing this package imports neither torch nor llmexport.
+Importing this package imports neither torch nor exportlm.
 """
 
 from __future__ import annotations

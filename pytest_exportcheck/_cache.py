@@ -5,7 +5,7 @@ export kwargs, model family and seed (or, for a model a check built itself, its
 class), a fingerprint of the built model (class, config, state-dict names,
 shapes, dtypes and bytes), the source of the package that provides the target
 and of the one that defines the model's class (unless a versioned library
-below), and the versions of Python, llmexport, torch, transformers, onnx and
+below), and the versions of Python, exportlm, torch, transformers, onnx and
 onnxruntime.
 
 The export runs into an empty directory, which must afterwards hold the
@@ -38,7 +38,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from llmexport.errors import ExportError
+from exportlm.errors import ExportError
 
 __all__ = [
     "ArtifactCache",
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 #: Bump when the layout or the key changes.
 CACHE_FORMAT = 2
 
-_VERSIONED = ("llmexport", "torch", "transformers", "onnx", "onnxruntime", "onnxscript")
+_VERSIONED = ("exportlm", "torch", "transformers", "onnx", "onnxruntime", "onnxscript")
 
 
 def _version(dist: str) -> str | None:
@@ -118,7 +118,7 @@ def model_fingerprint(model: Any) -> str:
 def code_digest(cls: type) -> str:
     """:func:`source_digest` of the package defining ``cls``; its version for a versioned library."""
     top = cls.__module__.split(".", 1)[0]
-    if top in _VERSIONED and top != "llmexport":
+    if top in _VERSIONED and top != "exportlm":
         return f"{top}=={_version(top)}"
     return source_digest(cls.__module__)
 
@@ -214,7 +214,7 @@ class ArtifactCache:
         A failed export is remembered for the session and raised again, so a broken
         target costs one export attempt per key, not one per check.
         """
-        from llmexport.export import EXPORT_REGISTRY
+        from exportlm.export import EXPORT_REGISTRY
 
         key = self.key(target, EXPORT_REGISTRY.get(target), kwargs, model, seed, device)
         with self._lock:
@@ -278,7 +278,7 @@ class ArtifactCache:
     def _export(
         self, target: str, kwargs: Mapping[str, Any], model: tuple[Any, int, str], out: Path
     ) -> Path:
-        from llmexport.export import export_model
+        from exportlm.export import export_model
 
         name, seed, device = model
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
 """What is installed: targets (with variants), runtimes, module exporters, model families.
 
-One :func:`discover` call loads every llmexport registry (built-ins and entry points)
+One :func:`discover` call loads every exportlm registry (built-ins and entry points)
 and turns it into plain data the rest of the plugin works from, including the
 plugins that failed to load. This is the only module of the plugin that knows the
-registry APIs of ``llmexport.export``, ``llmexport.models`` and ``llmexport.modules``;
+registry APIs of ``exportlm.export``, ``exportlm.models`` and ``exportlm.modules``;
 it is imported only once the suite is active (it imports torch).
 """
 
@@ -15,15 +15,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmexport.errors import PluginLoadError, RegistryConflictError
-from llmexport.export import (
+from exportlm.errors import PluginLoadError, RegistryConflictError
+from exportlm.export import (
     EXPORT_REGISTRY,
     RUNTIME_REGISTRY,
     TargetInfo,
     ensure_exporters_registered,
     get_target_info,
 )
-from llmexport.registry import PluginWarning, Registry
+from exportlm.registry import PluginWarning, Registry
 
 __all__ = ["Discovery", "PluginFailure", "PluginRecord", "TargetRow", "discover"]
 
@@ -143,9 +143,9 @@ def _failures(kind: str, registry: Registry[Any]) -> list[PluginFailure]:
 
 def _models_registry() -> Registry[Any] | None:
     try:
-        from llmexport.models import MODEL_REGISTRY, ensure_models_registered
+        from exportlm.models import MODEL_REGISTRY, ensure_models_registered
     except ImportError as err:  # pragma: no cover - partial install
-        logger.warning("llmexport.models is unavailable (%s): no model families", err)
+        logger.warning("exportlm.models is unavailable (%s): no model families", err)
         return None
     ensure_models_registered()
     return MODEL_REGISTRY
@@ -153,12 +153,12 @@ def _models_registry() -> Registry[Any] | None:
 
 def _exporters_registry() -> Registry[Any] | None:
     try:
-        from llmexport.modules import (
+        from exportlm.modules import (
             MODULE_EXPORTER_REGISTRY,
             ensure_module_exporters_registered,
         )
     except ImportError as err:
-        logger.warning("llmexport.modules is unavailable (%s): no module exporters", err)
+        logger.warning("exportlm.modules is unavailable (%s): no module exporters", err)
         return None
     ensure_module_exporters_registered()
     registry: Registry[Any] = MODULE_EXPORTER_REGISTRY

@@ -151,7 +151,7 @@ _SPECS: tuple[_Spec, ...] = (
 
 def add_options(parser: pytest.Parser) -> None:
     """Add the ``exportcheck`` option group and the ini twins."""
-    group = parser.getgroup(GROUP, "exportcheck: export conformance suite (llmexport)")
+    group = parser.getgroup(GROUP, "exportcheck: export conformance suite (exportlm)")
     for spec in _SPECS:
         dest = spec.ini
         if spec.kind == "bool":

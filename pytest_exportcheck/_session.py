@@ -1,7 +1,7 @@
 """The state of one exportcheck run; every hook in ``plugin.py`` hands off to it.
 
 Created in ``pytest_configure`` only when the suite is active, so everything here
-may import llmexport (and through it torch). Runs in every process: the xdist
+may import exportlm (and through it torch). Runs in every process: the xdist
 controller uses it for the header, the warnings about unmatched expected
 failures, the matrix and the JSON report; workers (and a run without xdist) use
 it to create and run the items.
@@ -545,8 +545,8 @@ def _failure_text(failures: list[PluginFailure]) -> str | None:
 
 
 def build_toy_model(name: str, seed: int) -> Any:
-    """A toy model family from ``llmexport.models``, in eval mode."""
-    from llmexport.models import build_model
+    """A toy model family from ``exportlm.models``, in eval mode."""
+    from exportlm.models import build_model
 
     return build_model(name, seed=seed)
 

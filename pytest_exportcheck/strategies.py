@@ -10,10 +10,10 @@ Use them in your own tests of an export target or a module exporter::
     def test_my_target_roundtrips(config):
         ...
 
-:func:`model_specs` draws decoder *structures* (:class:`llmexport.models.ModelSpec`:
+:func:`model_specs` draws decoder *structures* (:class:`exportlm.models.ModelSpec`:
 layers, hidden size, GQA / MQA heads, tied or untied ``lm_head``, dense or MoE,
 vocabularies that are not multiples of 64) that
-:func:`llmexport.models.build_from_spec` turns into seeded transformers models,
+:func:`exportlm.models.build_from_spec` turns into seeded transformers models,
 and :func:`input_shapes` draws ``(batch, seq)`` other than the traced ``(2, 8)``.
 
 Anything that builds or exports a model must run under :func:`model_settings`
@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 if TYPE_CHECKING:
-    from llmexport.models import DecoderConfig, ModelSpec
+    from exportlm.models import DecoderConfig, ModelSpec
 
 __all__ = [
     "GENERATED_MODULE",
@@ -174,7 +174,7 @@ def reclass(instance: M, cls: type) -> M:
 
 @st.composite
 def _decoder_configs(draw: st.DrawFn, multiple_of: int, fixed: dict[str, Any]) -> DecoderConfig:
-    from llmexport.models import DecoderConfig
+    from exportlm.models import DecoderConfig
 
     if multiple_of > 1:
         unit = math.lcm(8, multiple_of)
@@ -198,7 +198,7 @@ def _decoder_configs(draw: st.DrawFn, multiple_of: int, fixed: dict[str, Any]) -
 
 
 def decoder_configs(multiple_of: int = 1, **fixed: Any) -> st.SearchStrategy[DecoderConfig]:
-    """Small valid :class:`~llmexport.models.DecoderConfig` values, tied and untied.
+    """Small valid :class:`~exportlm.models.DecoderConfig` values, tied and untied.
 
     Hidden sizes 8-32 (``multiple_of=128``: 128 or 256, so NVFP4 blocks of 16 and
     INT4 AWQ groups of 128 fit), 1-4 heads dividing it, 1-2 layers, vocab 8-64,
@@ -229,7 +229,7 @@ def _model_specs(
     vocab: tuple[int, int],
     fixed: dict[str, Any],
 ) -> ModelSpec:
-    from llmexport.models import SPEC_FAMILIES, ModelSpec
+    from exportlm.models import SPEC_FAMILIES, ModelSpec
 
     family = draw(st.sampled_from(families))
     hidden = draw(st.sampled_from(_SPEC_HIDDEN))
@@ -272,7 +272,7 @@ def model_specs(
     vocab: tuple[int, int] = (97, 400),
     **fixed: Any,
 ) -> st.SearchStrategy[ModelSpec]:
-    """Small decoder structures (:class:`llmexport.models.ModelSpec`), frozen and JSON-serialisable.
+    """Small decoder structures (:class:`exportlm.models.ModelSpec`), frozen and JSON-serialisable.
 
     Llama (dense), Mixtral or Qwen3-MoE (2-4 experts, top-1 or top-2); 1 to
     ``max_layers`` layers; hidden 16-64 with 1-8 heads (even ``head_dim`` >= 4)
@@ -282,10 +282,10 @@ def model_specs(
     ``llama``, 1 layer, hidden 16, one KV head, vocabulary 97. ``moe=True`` /
     ``False`` restricts the families; ``fixed`` pins fields, e.g.
     ``model_specs(tie_embeddings=True)``. Build one with
-    :func:`llmexport.models.build_from_spec` (``spec.to_dict()`` is its JSON form,
-    which ``llmexport export --model FILE.json`` reads).
+    :func:`exportlm.models.build_from_spec` (``spec.to_dict()`` is its JSON form,
+    which ``exportlm export --model FILE.json`` reads).
     """
-    from llmexport.models import SPEC_FAMILIES
+    from exportlm.models import SPEC_FAMILIES
 
     chosen = tuple(families) if families is not None else tuple(SPEC_FAMILIES)
     unknown = [f for f in chosen if f not in SPEC_FAMILIES]

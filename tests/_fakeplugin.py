@@ -1,4 +1,4 @@
-"""A fake third-party llmexport plugin, installed through a real ``*.dist-info`` directory.
+"""A fake third-party exportlm plugin, installed through a real ``*.dist-info`` directory.
 
 :func:`install` writes ``fakeplugin-1.0.dist-info`` (METADATA + entry_points.txt) and
 the plugin modules into a directory; put that directory on ``PYTHONPATH`` of a pytest
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from llmexport.export import (
+from exportlm.export import (
     ExportCacheWrapper, atomic_output, export_target, infer_vocab_size, make_input_ids,
 )
-from llmexport.models import build_model
-from llmexport.modules import QuantLinearExporter
+from exportlm.models import build_model
+from exportlm.modules import QuantLinearExporter
 
 
 def _count(name):
@@ -146,7 +146,7 @@ raise ImportError("fakeplugin_broken needs libfoo, which is not installed")
 """
 
 ENTRY_POINTS = {
-    "llmexport.export_backends": {
+    "exportlm.export_backends": {
         "good": "fakeplugin:export_good",
         "perturb": "fakeplugin:export_perturb",
         "inplace": "fakeplugin:export_inplace",
@@ -154,12 +154,12 @@ ENTRY_POINTS = {
         "broken": "fakeplugin_broken:export",
         "onnx": "fakeplugin:export_good",
     },
-    "llmexport.export_runtimes": {
+    "exportlm.export_runtimes": {
         "good": "fakeplugin:load_good",
         "perturb": "fakeplugin:load_perturb",
     },
-    "llmexport.models": {"tiny": "fakeplugin:build_tiny"},
-    "llmexport.module_exporters": {
+    "exportlm.models": {"tiny": "fakeplugin:build_tiny"},
+    "exportlm.module_exporters": {
         "outside": "fakeplugin:OutsideExporter",
         "zeroscale": "fakeplugin:ZeroScaleExporter",
         "brokenexp": "fakeplugin_broken:Exporter",

@@ -32,7 +32,7 @@ def register_exporter() -> Iterator[Callable[..., str]]:
     ``register(exporter, *keys, predicate=None, prepend=False)`` returns the
     name it is registered under (:data:`FAKE_EXPORTER`).
     """
-    from llmexport.modules import (
+    from exportlm.modules import (
         EXPORT_MODULE_REGISTRY,
         MODULE_EXPORTER_REGISTRY,
         ensure_module_exporters_registered,

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-import llmexport
-from llmexport.models import HF_FAMILIES, build_model
-from llmexport.quant import quantize
+import exportlm
+from exportlm.models import HF_FAMILIES, build_model
+from exportlm.quant import quantize
 from pytest_exportcheck.checks import CHECKS, TargetCase
 from pytest_exportcheck.checks.checkpoint import checkpoint_name_problems
 from tests._distinfo import make_distribution
@@ -38,7 +38,7 @@ def _fp8(family: str) -> Any:
 
 
 def _export(family: str, directory: Path, format: str = "modelopt", **kwargs: Any) -> Path:
-    out: Path = llmexport.export_model(TARGET, _fp8(family), directory, format=format, **kwargs)
+    out: Path = exportlm.export_model(TARGET, _fp8(family), directory, format=format, **kwargs)
     return out
 
 
@@ -113,7 +113,7 @@ def test_tied_lm_head_is_listed_as_the_saved_embedding(tmp_path: Path) -> None:
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_mixed_precision_layers_use_saved_names(family: str, tmp_path: Path) -> None:
     model = quantize(build_model(family, seed=0), {"*": "fp8", "*.experts*": "int8_wo"})
-    out = llmexport.export_model(TARGET, model, tmp_path / "ckpt")
+    out = exportlm.export_model(TARGET, model, tmp_path / "ckpt")
     names = _tensor_names(out)
     hf_quant = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
     assert hf_quant["quant_algo"] == "MIXED_PRECISION"
@@ -180,8 +180,8 @@ def test_checkpoint_names_skips_file_targets(tmp_path: Path) -> None:
 @contextlib.contextmanager
 def _stale_target(name: str, edit: Callable[[dict[str, Any]], None]) -> Iterator[str]:
     """A directory target writing hf_checkpoint, then editing config.json's quantization_config."""
-    from llmexport.export import EXPORT_REGISTRY, ensure_exporters_registered, export_target
-    from llmexport.export.hf_checkpoint import export_hf_checkpoint
+    from exportlm.export import EXPORT_REGISTRY, ensure_exporters_registered, export_target
+    from exportlm.export.hf_checkpoint import export_hf_checkpoint
 
     def export(model: Any, output_path: Path, *, example_inputs: Any = None) -> Path:
         out = Path(export_hf_checkpoint(model, output_path))
@@ -231,8 +231,8 @@ STALE_PLUGIN = '''
 import json
 from pathlib import Path
 
-from llmexport.export import export_target
-from llmexport.export.hf_checkpoint import export_hf_checkpoint
+from exportlm.export import export_target
+from exportlm.export.hf_checkpoint import export_hf_checkpoint
 
 
 @export_target(
@@ -257,7 +257,7 @@ def test_stale_exclude_name_fails_checkpoint_names(
     make_distribution(
         site,
         "stalenames",
-        {"llmexport.export_backends": {"stale_names": "stalenames:export_stale"}},
+        {"exportlm.export_backends": {"stale_names": "stalenames:export_stale"}},
         {"stalenames.py": STALE_PLUGIN},
     )
     monkeypatch.setenv("PYTHONPATH", str(site))

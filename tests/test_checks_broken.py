@@ -24,13 +24,13 @@ import pytest
 import torch
 from torch import nn
 
-from llmexport.modules import (
+from exportlm.modules import (
     EXPORT_MODULE_REGISTRY,
     ExportContext,
     ExportModuleRegistry,
     ModuleExporter,
 )
-from llmexport.quant import QuantModule, TensorQuantizer
+from exportlm.quant import QuantModule, TensorQuantizer
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
 from pytest_exportcheck.checks import _survey as survey_module
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from llmexport.modules import (
+from exportlm.modules import (
     EXPORT_MODULE_REGISTRY,
     MODULE_EXPORTER_REGISTRY,
     ExportContext,
@@ -23,7 +23,7 @@ from llmexport.modules import (
     QuantLinearExporter,
     ensure_module_exporters_registered,
 )
-from llmexport.quant import QuantModule, TensorQuantizer
+from exportlm.quant import QuantModule, TensorQuantizer
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
 
 
@@ -128,7 +128,7 @@ def test_substring_matcher_fails_name_match(
 def test_exact_type_predicate_fails_mro_match(
     tmp_path: Path, register_exporter: Callable[..., str]
 ) -> None:
-    from llmexport.quant import QuantLinear
+    from exportlm.quant import QuantLinear
 
     class ExactTypeExporter(QuantLinearExporter):
         name = "exact_type"

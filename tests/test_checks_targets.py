@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from llmexport.errors import RegistryConflictError
-from llmexport.export import (
+from exportlm.errors import RegistryConflictError
+from exportlm.export import (
     EXPORT_REGISTRY,
     RUNTIME_REGISTRY,
     ExportCacheWrapper,
@@ -51,7 +51,7 @@ def cached_export(case: TargetCase, directory: Path) -> Callable[..., Path]:
 
     def export(model_name: str, **extra: Any) -> Path:
         if model_name not in cache:
-            from llmexport.models import build_model
+            from exportlm.models import build_model
 
             suffix = ".onnx" if case.target == "onnx" else ".pt"
             out = directory / model_name / f"model{suffix}"
@@ -432,7 +432,7 @@ def test_conflicting_entry_point_fails_plugin_loads(
 ) -> None:
     ensure_exporters_registered()
     conflict = RegistryConflictError(
-        "export target", "onnx", "llmexport (built in)", "evil-plugin 1.0"
+        "export target", "onnx", "exportlm (built in)", "evil-plugin 1.0"
     )
     monkeypatch.setattr(EXPORT_REGISTRY, "plugin_errors", [conflict])
     result = run("plugin_loads", make_case(tmp_path, "onnx", model=None))

@@ -1,4 +1,4 @@
-"""The ``llmexport`` command line, called in-process through ``main``."""
+"""The ``exportlm`` command line, called in-process through ``main``."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from llmexport.cli import main
+from exportlm.cli import main
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore::llmexport.export.torchscript.TorchScriptDeprecationWarning"
+    "ignore::exportlm.export.torchscript.TorchScriptDeprecationWarning"
 )
 
 
@@ -20,9 +20,9 @@ def test_list_json_names_every_builtin_with_its_provider(
     assert main(["list", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     targets = {t["name"]: t for t in listing["targets"]}
-    assert targets["onnx"]["provider"] == "llmexport (built in)"
+    assert targets["onnx"]["provider"] == "exportlm (built in)"
     for name in ("torchscript", "torch_export", "hf_checkpoint"):
-        assert targets[name]["provider"].startswith("llmexport ")
+        assert targets[name]["provider"].startswith("exportlm ")
         assert targets[name]["runtime_available"]
     exporters = [e["name"] for e in listing["module_exporters"]]
     assert exporters.index("quant_moe_linear") < exporters.index("quant_linear")  # match order

@@ -1,6 +1,6 @@
 """Bad input to the built-in targets: clear errors, and nothing on disk is lost.
 
-Everything goes through ``llmexport.export_model`` / ``load_exported``, the way a
+Everything goes through ``exportlm.export_model`` / ``load_exported``, the way a
 user calls it. The models here fail before (or early inside) the exporter, so the
 file stays fast.
 """
@@ -14,20 +14,20 @@ import pytest
 import torch
 from torch import nn
 
-import llmexport
-from llmexport.errors import (
+import exportlm
+from exportlm.errors import (
     ExportFailedError,
     InvalidInputError,
     InvalidModelError,
     UnknownOptionError,
 )
-from llmexport.models import build_model
+from exportlm.models import build_model
 
 TARGETS = ("onnx", "torchscript", "torch_export")
 SENTINEL = b"previous artifact: must survive a failed export\n"
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore::llmexport.export.torchscript.TorchScriptDeprecationWarning"
+    "ignore::exportlm.export.torchscript.TorchScriptDeprecationWarning"
 )
 
 
@@ -67,7 +67,7 @@ def test_misspelled_kwarg_is_a_type_error_naming_target_and_options(
     with pytest.raises(
         TypeError, match=rf"'{target}'.*'example_input'.*accepted:.*example_inputs"
     ) as info:
-        llmexport.export_model(target, build_model("decoder"), tmp_path / "x", example_input=None)
+        exportlm.export_model(target, build_model("decoder"), tmp_path / "x", example_input=None)
     assert isinstance(info.value, UnknownOptionError)
     assert not any(tmp_path.iterdir())
 
@@ -75,14 +75,14 @@ def test_misspelled_kwarg_is_a_type_error_naming_target_and_options(
 @pytest.mark.parametrize("target", TARGETS)
 def test_forward_without_logits_is_an_invalid_model_error(tmp_path: Path, target: str) -> None:
     with pytest.raises(InvalidModelError, match="expected logits"):
-        llmexport.export_model(target, _NoLogits(), tmp_path / "x")
+        exportlm.export_model(target, _NoLogits(), tmp_path / "x")
     assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_float_example_inputs_are_an_invalid_input_error(tmp_path: Path, target: str) -> None:
     with pytest.raises(InvalidInputError, match=r"integer tensor"):
-        llmexport.export_model(
+        exportlm.export_model(
             target, build_model("decoder"), tmp_path / "x", example_inputs=torch.rand(2, 8)
         )
     assert not any(tmp_path.iterdir())
@@ -91,7 +91,7 @@ def test_float_example_inputs_are_an_invalid_input_error(tmp_path: Path, target:
 @pytest.mark.parametrize("target", TARGETS)
 def test_not_a_module_is_an_invalid_model_error(tmp_path: Path, target: str) -> None:
     with pytest.raises(InvalidModelError, match=r"torch\.nn\.Module"):
-        llmexport.export_model(target, lambda ids: ids, tmp_path / "x")
+        exportlm.export_model(target, lambda ids: ids, tmp_path / "x")
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -103,7 +103,7 @@ def test_failure_midway_leaves_no_file_and_keeps_the_previous_artifact(
     with pytest.raises(
         ExportFailedError, match=rf"{target} export of _RaisesInForward failed"
     ) as info:
-        llmexport.export_model(target, _RaisesInForward(), out)
+        exportlm.export_model(target, _RaisesInForward(), out)
     chain: list[BaseException] = []
     err: BaseException | None = info.value
     while err is not None:
@@ -125,7 +125,7 @@ def test_failed_export_restores_experts_and_train_mode(tmp_path: Path, target: s
     model.lm_head.register_forward_pre_hook(fail)
     assert model.get_experts_implementation() == {"": "grouped_mm"}
     with pytest.raises(ExportFailedError):
-        llmexport.export_model(target, model, tmp_path / "m")
+        exportlm.export_model(target, model, tmp_path / "m")
     assert model.get_experts_implementation() == {"": "grouped_mm"}
     assert all(m.training for m in model.modules())
     assert not any(tmp_path.iterdir())
@@ -133,62 +133,62 @@ def test_failed_export_restores_experts_and_train_mode(tmp_path: Path, target: s
 
 def test_unknown_target_lists_the_available_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"onnx.*torch_export.*torchscript"):
-        llmexport.export_model("onnxx", build_model("decoder"), tmp_path / "x")
+        exportlm.export_model("onnxx", build_model("decoder"), tmp_path / "x")
 
 
 def test_bad_option_values_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match="method must be"):
-        llmexport.export_model("torchscript", build_model("decoder"), tmp_path / "x", method="jit")
+        exportlm.export_model("torchscript", build_model("decoder"), tmp_path / "x", method="jit")
     with pytest.raises(InvalidInputError, match="opset"):
-        llmexport.export_model("onnx", build_model("decoder"), tmp_path / "x", opset="20")
+        exportlm.export_model("onnx", build_model("decoder"), tmp_path / "x", opset="20")
 
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return llmexport.export_model(
+    return exportlm.export_model(
         "torchscript", build_model("decoder"), tmp_path_factory.mktemp("ts") / "d.pt"
     )
 
 
 def test_runtime_refuses_float_input_ids(traced: Path) -> None:
-    runtime = llmexport.load_exported("torchscript", traced)
+    runtime = exportlm.load_exported("torchscript", traced)
     with pytest.raises(InvalidInputError, match=r"torchscript runtime: .*integer"):
         runtime(torch.rand(1, 4))
 
 
 def test_runtime_unknown_kwarg_and_missing_file(traced: Path, tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="runtime of target 'torchscript'"):
-        llmexport.load_exported("torchscript", traced, devcie="cpu")
+        exportlm.load_exported("torchscript", traced, devcie="cpu")
     with pytest.raises(FileNotFoundError, match="no TorchScript file"):
-        llmexport.load_exported("torchscript", tmp_path / "missing.pt")
+        exportlm.load_exported("torchscript", tmp_path / "missing.pt")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("target", ["torchscript", "torch_export"])
 def test_cuda_runtime_without_cuda_says_so(traced: Path, target: str) -> None:
     with pytest.raises(RuntimeError, match="CUDA is not available"):
-        llmexport.load_exported(target, traced, device="cuda")
+        exportlm.load_exported(target, traced, device="cuda")
 
 
 def test_export_prints_nothing_and_logs_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="llmexport")
-    llmexport.export_model("onnx", build_model("decoder"), tmp_path / "d.onnx", optimize=False)
+    caplog.set_level(logging.INFO, logger="exportlm")
+    exportlm.export_model("onnx", build_model("decoder"), tmp_path / "d.onnx", optimize=False)
     captured = capsys.readouterr()
     assert "[torch.onnx]" not in captured.out + captured.err
     assert "torchvision" not in captured.out + captured.err
-    ours = [r.getMessage() for r in caplog.records if r.name.startswith("llmexport")]
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("exportlm")]
     assert len(ours) == 1, ours  # exactly one: the summary of what the export hid
     assert ours[0].startswith("onnx export: "), ours
 
 
 def test_torchscript_folds_deprecations_into_one_warning(tmp_path: Path) -> None:
-    from llmexport.export.torchscript import TorchScriptDeprecationWarning
+    from exportlm.export.torchscript import TorchScriptDeprecationWarning
 
     with pytest.warns(TorchScriptDeprecationWarning) as record:
-        llmexport.export_model("torchscript", build_model("decoder"), tmp_path / "d.pt")
+        exportlm.export_model("torchscript", build_model("decoder"), tmp_path / "d.pt")
     ours = [w for w in record if issubclass(w.category, TorchScriptDeprecationWarning)]
     assert len(ours) == 1
-    assert ours[0].filename == __file__  # attributed to the caller, not to llmexport
+    assert ours[0].filename == __file__  # attributed to the caller, not to exportlm
     assert not [w for w in record if issubclass(w.category, DeprecationWarning)]

@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-import llmexport
-from llmexport.export import get_target_info, infer_vocab_size, make_input_ids
-from llmexport.export.torchscript import SCRIPT_EXPECTED_FAILURES
-from llmexport.models import MODEL_REGISTRY, build_model, ensure_models_registered
+import exportlm
+from exportlm.export import get_target_info, infer_vocab_size, make_input_ids
+from exportlm.export.torchscript import SCRIPT_EXPECTED_FAILURES
+from exportlm.models import MODEL_REGISTRY, build_model, ensure_models_registered
 
 BUILTIN_MODELS = (
     "decoder",
@@ -37,7 +37,7 @@ TARGETS = ("onnx", "torchscript", "torch_export")
 # One TorchScriptDeprecationWarning per export is the target's contract (tested below);
 # in the matrix it is expected, not news.
 pytestmark = pytest.mark.filterwarnings(
-    "ignore::llmexport.export.torchscript.TorchScriptDeprecationWarning"
+    "ignore::exportlm.export.torchscript.TorchScriptDeprecationWarning"
 )
 SUFFIX = {"onnx": ".onnx", "torchscript": ".pt", "torch_export": ".pt2"}
 # Tests of one (target, model) pair share one export; under `--dist loadgroup` they
@@ -87,7 +87,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], E
             state = {k: v.clone() for k, v in model.state_dict().items()}
             experts = experts_implementations(model)
             training = [m.training for m in model.modules()]
-            path = llmexport.export_model(target, model, root / target / f"{name}{SUFFIX[target]}")
+            path = exportlm.export_model(target, model, root / target / f"{name}{SUFFIX[target]}")
             cache[target, name] = Exported(model, path, state, experts, training)
         return cache[target, name]
 
@@ -95,7 +95,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], E
 
 
 def test_every_builtin_model_family_is_in_the_matrix() -> None:
-    """A built-in family added to llmexport must get a row here (and no row may be stale)."""
+    """A built-in family added to exportlm must get a row here (and no row may be stale)."""
     ensure_models_registered()
     builtin = {entry.name for entry in MODEL_REGISTRY.entries() if entry.builtin}
     assert not builtin - set(BUILTIN_MODELS), "built-in families missing from BUILTIN_MODELS"
@@ -110,7 +110,7 @@ def test_roundtrip_logits_at_traced_and_other_shapes(
     info = get_target_info(target)
     assert record.path.is_file()
     assert record.path.suffix == SUFFIX[target]
-    runtime = llmexport.load_exported(target, record.path)
+    runtime = exportlm.load_exported(target, record.path)
     shapes = (TRACED, *OTHER_SHAPES) if info.has("dynamic_shapes") else (TRACED,)
     for batch, seq in shapes:
         ids = make_input_ids(_vocab(record.model), batch, seq, seed=1)
@@ -140,7 +140,7 @@ def test_moe_experts_kernel_is_switched_only_during_export(tmp_path: Path) -> No
     model.lm_head.register_forward_pre_hook(
         lambda mod, args: seen.append(experts_implementations(model))
     )
-    llmexport.export_model("torchscript", model, tmp_path / "m.pt")
+    exportlm.export_model("torchscript", model, tmp_path / "m.pt")
     assert seen, "the forward never ran during export"
     assert seen[0] == [{"": "batched_mm"}] * len(seen[0])
     assert experts_implementations(model)[0] == {"": "grouped_mm"}
@@ -165,10 +165,10 @@ class _ObjectOutput(nn.Module):
 def test_any_module_with_logits_output_exports(tmp_path: Path, target: str) -> None:
     model = _ObjectOutput().eval()
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
-    path = llmexport.export_model(
+    path = exportlm.export_model(
         target, model, tmp_path / f"m{SUFFIX[target]}", example_inputs=ids
     )
-    runtime = llmexport.load_exported(target, path)
+    runtime = exportlm.load_exported(target, path)
     info = get_target_info(target)
     other = torch.tensor([[9, 8, 7], [6, 5, 4], [3, 2, 1]])
     torch.testing.assert_close(
@@ -178,8 +178,8 @@ def test_any_module_with_logits_output_exports(tmp_path: Path, target: str) -> N
 
 def test_torch_export_static_refuses_other_shapes(tmp_path: Path) -> None:
     model = build_model("decoder")
-    path = llmexport.export_model("torch_export", model, tmp_path / "s.pt2", dynamic=False)
-    runtime = llmexport.load_exported("torch_export", path)
+    path = exportlm.export_model("torch_export", model, tmp_path / "s.pt2", dynamic=False)
+    runtime = exportlm.load_exported("torch_export", path)
     ids = make_input_ids(_vocab(model), *TRACED, seed=1)
     torch.testing.assert_close(runtime(ids), _eager(model, ids), atol=1e-5, rtol=1e-5)
     with pytest.raises(Exception, match=r"(?i)shape|guard|expected"):
@@ -217,18 +217,18 @@ class _Scriptable(nn.Module):
 def test_torchscript_script_method_exports_a_scriptable_model(tmp_path: Path) -> None:
     model = _Scriptable().eval()
     with pytest.warns(FutureWarning, match="deprecated") as record:
-        path = llmexport.export_model("torchscript", model, tmp_path / "s.pt", method="script")
+        path = exportlm.export_model("torchscript", model, tmp_path / "s.pt", method="script")
     assert len([w for w in record if "torch.jit" in str(w.message)]) == 1
     ids = torch.tensor([[1, 2, 3]])
     torch.testing.assert_close(
-        llmexport.load_exported("torchscript", path)(ids), model(ids).detach()
+        exportlm.load_exported("torchscript", path)(ids), model(ids).detach()
     )
 
 
 @pytest.mark.parametrize("name", ["decoder", "llama"])
 def test_torchscript_script_fails_on_builtin_models_as_declared(tmp_path: Path, name: str) -> None:
-    with pytest.raises(llmexport.ExportFailedError, match="torchscript export"):
-        llmexport.export_model("torchscript", build_model(name), tmp_path / "x.pt", method="script")
+    with pytest.raises(exportlm.ExportFailedError, match="torchscript export"):
+        exportlm.export_model("torchscript", build_model(name), tmp_path / "x.pt", method="script")
     assert not any(tmp_path.iterdir())
     patterns = get_target_info("torchscript").expected_failures
     assert f"roundtrip_logits[torchscript:script-{name}-*]" in patterns

@@ -20,9 +20,9 @@ import hypothesis.core
 import pytest
 import torch
 
-from llmexport.cli import main
-from llmexport.errors import InvalidConfigError
-from llmexport.models import ModelSpec, build_from_spec
+from exportlm.cli import main
+from exportlm.errors import InvalidConfigError
+from exportlm.models import ModelSpec, build_from_spec
 from pytest_exportcheck import HYPOTHESIS_PROFILE
 from pytest_exportcheck._session import _hypothesis_profile, _register_hypothesis_profile
 from pytest_exportcheck.checks import CHECKS, ExporterCase
@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from llmexport.export import (
+from exportlm.export import (
     ExportCacheWrapper, atomic_output, export_target, infer_vocab_size, make_input_ids,
 )
-from llmexport.modules import QuantLinearExporter
+from exportlm.modules import QuantLinearExporter
 
 COMMON = dict(atol=1e-5, rtol=1e-5, capabilities={"dynamic_shapes"}, suffix=".pt")
 
@@ -113,16 +113,16 @@ class DropWeightExporter(QuantLinearExporter):
 '''
 
 ENTRY_POINTS = {
-    "llmexport.export_backends": {
+    "exportlm.export_backends": {
         "plain": "genplugin:export_plain",
         "vocabpad": "genplugin:export_vocabpad",
         "twolayers": "genplugin:export_twolayers",
     },
-    "llmexport.export_runtimes": {
+    "exportlm.export_runtimes": {
         "plain": "genplugin:load_plain",
         "vocabpad": "genplugin:load_vocabpad",
     },
-    "llmexport.module_exporters": {"dropweight": "genplugin:DropWeightExporter"},
+    "exportlm.module_exporters": {"dropweight": "genplugin:DropWeightExporter"},
 }
 
 CONFTEST = '''
@@ -322,11 +322,11 @@ def test_a_profile_the_user_chose_wins(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_quantized_generated_passes_on_the_builtin_exporters(tmp_path: Path) -> None:
-    from llmexport.modules import MODULE_EXPORTER_REGISTRY, ensure_module_exporters_registered
+    from exportlm.modules import MODULE_EXPORTER_REGISTRY, ensure_module_exporters_registered
 
     ensure_module_exporters_registered()
     builtin = [
-        e.name for e in MODULE_EXPORTER_REGISTRY.entries() if e.provider.startswith("llmexport")
+        e.name for e in MODULE_EXPORTER_REGISTRY.entries() if e.provider.startswith("exportlm")
     ]
     assert {"quant_linear", "fused_experts"} <= set(builtin)
     outcomes: dict[str, str] = {}
@@ -363,12 +363,12 @@ def test_generated_checks_catch_what_the_toy_models_miss(
     dropped = items["quantized_generated[dropweight]"]
     for item in (vocab, layers, dropped):
         assert item["outcome"] == "fail"
-        assert '"format": "llmexport.model_spec/1"' in item["message"]
+        assert '"format": "exportlm.model_spec/1"' in item["message"]
         assert "reproduce outside pytest:" in item["message"]
     # shrunk: the smallest vocabulary drawn (97) and the smallest layer count that fails (3)
     assert '"vocab_size": 97' in vocab["message"]
     assert "logits differ from the eager model" in vocab["message"]
-    assert "llmexport export --target vocabpad --model " in vocab["message"]
+    assert "exportlm export --target vocabpad --model " in vocab["message"]
     assert '"num_layers": 3' in layers["message"]
     assert "twolayers exports at most 2 layers, got 3" in layers["message"]
     assert "o_proj.weight was dropped" in dropped["message"]

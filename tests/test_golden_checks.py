@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from llmexport.modules import (
+from exportlm.modules import (
     EXPORT_MODULE_REGISTRY,
     MODULE_EXPORTER_REGISTRY,
     ExportContext,
@@ -233,14 +233,14 @@ def test_workflow_missing_update_unused_and_no_silent_shadowing(pytester: pytest
     pytester.makefile(".toml", pyproject='[project]\nname = "acme-plugin"\nversion = "1"\n')
     first = pytester.runpytest(*WORKFLOW, "-n", "0")
     first.assert_outcomes(passed=1)
-    # Updating does not write a local copy of a golden llmexport ships...
+    # Updating does not write a local copy of a golden exportlm ships...
     kept = pytester.runpytest(
         *WORKFLOW, "-n", "0", "--export-update-goldens", "--export-report=r.json"
     )
     kept.assert_outcomes(passed=1)
     assert not golden.exists()
     (item,) = json.loads((pytester.path / "r.json").read_text())["items"]
-    assert "not updated: it describes an exporter that llmexport provides" in item["message"]
+    assert "not updated: it describes an exporter that exportlm provides" in item["message"]
     assert "acme-plugin" in item["message"]
     # ...unless asked to, with =all.
     forced = pytester.runpytest(*WORKFLOW, "-n", "0", "--export-update-goldens=all")

@@ -148,9 +148,9 @@ def test_update_refused_for_another_distribution_compares_instead(tmp_path: Path
         return None if owner == "mine" else f"{owner} provides it"
 
     store = GoldenStore(tmp_path, update=True, may_update=only_mine)
-    refused = store.check("g", {"x": 2}, owner="llmexport")
+    refused = store.check("g", {"x": 2}, owner="exportlm")
     assert refused.status == "fail"
-    assert "not updated: llmexport provides it" in refused.message
+    assert "not updated: exportlm provides it" in refused.message
     assert json.loads((tmp_path / "g.json").read_text()) == {"x": 1}
     assert store.check("g", {"x": 2}, owner="mine").status == "pass"
     assert json.loads((tmp_path / "g.json").read_text()) == {"x": 2}

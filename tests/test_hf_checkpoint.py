@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import llmexport
-from llmexport.errors import InvalidInputError, InvalidModelError, OutputExistsError
-from llmexport.export import get_target_info
-from llmexport.models import HF_FAMILIES, DecoderConfig, DecoderModel, tiny_hf_model
+import exportlm
+from exportlm.errors import InvalidInputError, InvalidModelError, OutputExistsError
+from exportlm.export import get_target_info
+from exportlm.models import HF_FAMILIES, DecoderConfig, DecoderModel, tiny_hf_model
 
 TARGET = "hf_checkpoint"
 
@@ -54,7 +54,7 @@ def llama() -> Any:
 def test_unquantized_checkpoint_equals_save_pretrained(family: str, tmp_path: Path) -> None:
     model = tiny_hf_model(family, seed=1)
     model.save_pretrained(tmp_path / "ref")
-    out = llmexport.export_model(TARGET, model, tmp_path / "ours")
+    out = exportlm.export_model(TARGET, model, tmp_path / "ours")
 
     assert_same_tensors(read_checkpoint(out), read_checkpoint(tmp_path / "ref"))
     for name in ("config.json", "generation_config.json"):
@@ -66,7 +66,7 @@ def test_unquantized_checkpoint_equals_save_pretrained(family: str, tmp_path: Pa
 
 
 def test_mixtral_uses_the_original_checkpoint_names(tmp_path: Path) -> None:
-    out = llmexport.export_model(TARGET, tiny_hf_model("mixtral", seed=0), tmp_path / "ckpt")
+    out = exportlm.export_model(TARGET, tiny_hf_model("mixtral", seed=0), tmp_path / "ckpt")
     names = read_checkpoint(out)
     assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in names
     assert "model.layers.0.block_sparse_moe.gate.weight" in names
@@ -74,7 +74,7 @@ def test_mixtral_uses_the_original_checkpoint_names(tmp_path: Path) -> None:
 
 
 def test_tied_embedding_is_written_once(tmp_path: Path) -> None:
-    out = llmexport.export_model(TARGET, tiny_hf_model("llama_tied", seed=0), tmp_path / "ckpt")
+    out = exportlm.export_model(TARGET, tiny_hf_model("llama_tied", seed=0), tmp_path / "ckpt")
     names = read_checkpoint(out)
     assert "model.embed_tokens.weight" in names
     assert "lm_head.weight" not in names
@@ -84,7 +84,7 @@ def test_tied_embedding_is_written_once(tmp_path: Path) -> None:
 def test_shards_fill_in_order_and_index_covers_every_tensor(
     llama: Any, tmp_path: Path, max_shard_size: int | str
 ) -> None:
-    out = llmexport.export_model(TARGET, llama, tmp_path / "ckpt", max_shard_size=max_shard_size)
+    out = exportlm.export_model(TARGET, llama, tmp_path / "ckpt", max_shard_size=max_shard_size)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     count = len(shards)
@@ -104,15 +104,15 @@ def test_shards_fill_in_order_and_index_covers_every_tensor(
 
 
 def test_dtype_casts_floating_tensors(llama: Any, tmp_path: Path) -> None:
-    out = llmexport.export_model(TARGET, llama, tmp_path / "ckpt", dtype=torch.bfloat16)
+    out = exportlm.export_model(TARGET, llama, tmp_path / "ckpt", dtype=torch.bfloat16)
     assert {t.dtype for t in read_checkpoint(out).values()} == {torch.bfloat16}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_unquantized_roundtrip_logits_match(tmp_path: Path) -> None:
     model = tiny_hf_model("qwen2_moe", seed=2).eval()
-    out = llmexport.export_model(TARGET, model, tmp_path / "ckpt", max_shard_size="100KB")
-    run = llmexport.load_exported(TARGET, out, device="cpu")
+    out = exportlm.export_model(TARGET, model, tmp_path / "ckpt", max_shard_size="100KB")
+    run = exportlm.load_exported(TARGET, out, device="cpu")
     ids = torch.randint(
         0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)
     )
@@ -129,10 +129,10 @@ def test_existing_directory_is_refused_then_replaced_with_overwrite(
     target.mkdir()
     (target / "keep.txt").write_text("old")
     with pytest.raises(OutputExistsError, match="overwrite=True"):
-        llmexport.export_model(TARGET, llama, target)
+        exportlm.export_model(TARGET, llama, target)
     assert [p.name for p in target.iterdir()] == ["keep.txt"]
 
-    llmexport.export_model(TARGET, llama, target, overwrite=True)
+    exportlm.export_model(TARGET, llama, target, overwrite=True)
     assert not (target / "keep.txt").exists()
     assert (target / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary left beside it
@@ -141,7 +141,7 @@ def test_existing_directory_is_refused_then_replaced_with_overwrite(
 def test_failure_midway_leaves_no_partial_checkpoint(
     llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import llmexport.modules
+    import exportlm.modules
 
     def half_then_fail(model: Any, sink: Any, **kwargs: Any) -> Any:
         for name, tensor in list(model.state_dict().items())[:5]:
@@ -149,11 +149,11 @@ def test_failure_midway_leaves_no_partial_checkpoint(
         raise RuntimeError("exporter exploded midway")
 
     target = tmp_path / "ckpt"
-    llmexport.export_model(TARGET, llama, target, max_shard_size=10_000)
+    exportlm.export_model(TARGET, llama, target, max_shard_size=10_000)
     before = {p.name: p.read_bytes() for p in target.iterdir()}
-    monkeypatch.setattr(llmexport.modules, "export_quantized_state", half_then_fail)
+    monkeypatch.setattr(exportlm.modules, "export_quantized_state", half_then_fail)
     with pytest.raises(RuntimeError, match="midway"):
-        llmexport.export_model(TARGET, llama, target, overwrite=True, max_shard_size=10_000)
+        exportlm.export_model(TARGET, llama, target, overwrite=True, max_shard_size=10_000)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
@@ -164,7 +164,7 @@ def test_plain_torch_model_is_refused_with_a_reason(tmp_path: Path) -> None:
     assert reason is not None
     assert "PreTrainedModel" in reason
     with pytest.raises(InvalidModelError, match=r"config\.json"):
-        llmexport.export_model(TARGET, model, tmp_path / "ckpt")
+        exportlm.export_model(TARGET, model, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -181,7 +181,7 @@ def test_bad_options_are_rejected_before_writing(
     llama: Any, tmp_path: Path, kwargs: dict[str, Any], match: str
 ) -> None:
     with pytest.raises(InvalidInputError, match=match):
-        llmexport.export_model(TARGET, llama, tmp_path / "ckpt", **kwargs)
+        exportlm.export_model(TARGET, llama, tmp_path / "ckpt", **kwargs)
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -197,7 +197,7 @@ def test_target_declares_directory_artifact_and_capabilities() -> None:
 
 def quantized(family: str, recipe: str, seed: int = 0) -> tuple[Any, torch.Tensor]:
     """A tiny model fake-quantized with ``recipe``, calibrated on one batch; and that batch."""
-    from llmexport.quant import quantize
+    from exportlm.quant import quantize
 
     model = tiny_hf_model(family, seed=seed).eval()
     batch = torch.randint(
@@ -212,7 +212,7 @@ def roundtrip_logits(
     model: Any, batch: torch.Tensor, out: Path
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the runtime's logits, the fake-quantized model's logits) on ``batch``."""
-    run = llmexport.load_exported(TARGET, out)
+    run = exportlm.load_exported(TARGET, out)
     with torch.no_grad():
         expected = model(batch, use_cache=False).logits
     return run(batch), expected
@@ -220,7 +220,7 @@ def roundtrip_logits(
 
 def test_fp8_checkpoint_layout_and_configs(tmp_path: Path) -> None:
     model, _ = quantized("llama", "fp8+fp8_kv")
-    out = llmexport.export_model(TARGET, model, tmp_path / "ckpt")
+    out = exportlm.export_model(TARGET, model, tmp_path / "ckpt")
     tensors = read_checkpoint(out)
     proj = "model.layers.0.self_attn.k_proj"
     assert tensors[f"{proj}.weight"].dtype == torch.float8_e4m3fn
@@ -238,7 +238,7 @@ def test_fp8_checkpoint_layout_and_configs(tmp_path: Path) -> None:
     )
 
     hf_quant = json.loads((out / "hf_quant_config.json").read_text())
-    assert hf_quant["producer"]["name"] == "llmexport"
+    assert hf_quant["producer"]["name"] == "exportlm"
     assert hf_quant["quantization"]["quant_algo"] == "FP8"
     assert hf_quant["quantization"]["kv_cache_quant_algo"] == "FP8"
     assert "lm_head" in hf_quant["quantization"]["exclude_modules"]
@@ -257,7 +257,7 @@ def test_quantized_roundtrip_reproduces_the_fake_quantized_logits(
     family: str, recipe: str, tmp_path: Path
 ) -> None:
     model, batch = quantized(family, recipe)
-    out = llmexport.export_model(TARGET, model, tmp_path / "ckpt", max_shard_size="200KB")
+    out = exportlm.export_model(TARGET, model, tmp_path / "ckpt", max_shard_size="200KB")
     got, expected = roundtrip_logits(model, batch, out)
     if recipe == "int4_awq":
         # the runtime folds pre_quant_scale into the dequantized weight, x(W*s)^T where
@@ -271,7 +271,7 @@ def test_quantized_roundtrip_reproduces_the_fake_quantized_logits(
 
 def test_mixtral_quantized_experts_use_the_original_names(tmp_path: Path) -> None:
     model, _ = quantized("mixtral", "fp8")
-    out = llmexport.export_model(TARGET, model, tmp_path / "ckpt")
+    out = exportlm.export_model(TARGET, model, tmp_path / "ckpt")
     tensors = read_checkpoint(out)
     w1 = "model.layers.0.block_sparse_moe.experts.2.w1"
     assert tensors[f"{w1}.weight"].dtype == torch.float8_e4m3fn
@@ -283,7 +283,7 @@ def test_mixtral_quantized_experts_use_the_original_names(tmp_path: Path) -> Non
 
 def test_compressed_tensors_layout(tmp_path: Path) -> None:
     model, batch = quantized("llama", "fp8")
-    out = llmexport.export_model(TARGET, model, tmp_path / "ckpt", format="compressed-tensors")
+    out = exportlm.export_model(TARGET, model, tmp_path / "ckpt", format="compressed-tensors")
     tensors = read_checkpoint(out)
     assert tensors["model.layers.0.mlp.up_proj.weight_scale"].shape == (1,)
     assert tensors["model.layers.0.mlp.up_proj.input_scale"].shape == (1,)
@@ -303,7 +303,7 @@ def test_compressed_tensors_layout(tmp_path: Path) -> None:
 
 def test_compressed_tensors_attention_kv_scales_are_applied(tmp_path: Path) -> None:
     model, batch = quantized("mixtral", "fp8+fp8_kv")
-    out = llmexport.export_model(TARGET, model, tmp_path / "ckpt", format="compressed-tensors")
+    out = exportlm.export_model(TARGET, model, tmp_path / "ckpt", format="compressed-tensors")
     tensors = read_checkpoint(out)
     assert tensors["model.layers.0.self_attn.k_scale"].shape == (1,)
     assert not any(name.endswith("k_proj.k_scale") for name in tensors)
@@ -314,9 +314,9 @@ def test_compressed_tensors_attention_kv_scales_are_applied(tmp_path: Path) -> N
 
 
 def test_compressed_tensors_refuses_non_fp8(tmp_path: Path) -> None:
-    from llmexport.errors import UnsupportedFormatError
+    from exportlm.errors import UnsupportedFormatError
 
     model, _ = quantized("llama", "int8_wo")
     with pytest.raises(UnsupportedFormatError, match=r"compressed-tensors.*FP8"):
-        llmexport.export_model(TARGET, model, tmp_path / "ckpt", format="compressed-tensors")
+        exportlm.export_model(TARGET, model, tmp_path / "ckpt", format="compressed-tensors")
     assert not (tmp_path / "ckpt").exists()

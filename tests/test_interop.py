@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import llmexport
-from llmexport.models import tiny_hf_model
+import exportlm
+from exportlm.models import tiny_hf_model
 
 pytestmark = pytest.mark.interop
 
@@ -43,7 +43,7 @@ def _calibration_batch(vocab: int) -> torch.Tensor:
 def test_fp8_checkpoint_equals_modelopt(family: str, tmp_path: Path) -> None:
     mtq = pytest.importorskip("modelopt.torch.quantization")
     modelopt_export = pytest.importorskip("modelopt.torch.export")
-    from llmexport.quant import quantize
+    from exportlm.quant import quantize
 
     model = tiny_hf_model(family, seed=0).eval()
     model.config.architectures = [type(model).__name__]  # ModelOpt reads it
@@ -55,7 +55,7 @@ def test_fp8_checkpoint_equals_modelopt(family: str, tmp_path: Path) -> None:
             m(batch)
 
     quantize(model, "fp8", calibrate=calibrate)
-    ours_dir = llmexport.export_model("hf_checkpoint", model, tmp_path / "ours")
+    ours_dir = exportlm.export_model("hf_checkpoint", model, tmp_path / "ours")
     mtq.quantize(theirs, mtq.FP8_DEFAULT_CFG, forward_loop=calibrate)
     modelopt_export.export_hf_checkpoint(theirs, export_dir=tmp_path / "modelopt")
 
@@ -76,7 +76,7 @@ def test_fp8_checkpoint_equals_modelopt(family: str, tmp_path: Path) -> None:
 
     ours_cfg = json.loads((ours_dir / "hf_quant_config.json").read_text())
     ref_cfg = json.loads((tmp_path / "modelopt" / "hf_quant_config.json").read_text())
-    assert ours_cfg["producer"]["name"] == "llmexport"
+    assert ours_cfg["producer"]["name"] == "exportlm"
     ours_q, ref_q = ours_cfg["quantization"], ref_cfg["quantization"]
     excluded = sorted(ref_q.pop("exclude_modules"))
     assert sorted(ours_q.pop("exclude_modules")) == excluded
@@ -92,13 +92,13 @@ def test_compressed_tensors_checkpoint_loads_in_transformers(tmp_path: Path) -> 
     pytest.importorskip("compressed_tensors")
     import transformers
 
-    from llmexport.export.hf_checkpoint import load_hf_checkpoint
-    from llmexport.quant import quantize
+    from exportlm.export.hf_checkpoint import load_hf_checkpoint
+    from exportlm.quant import quantize
 
     model = tiny_hf_model("llama", seed=0).eval()
     batch = _calibration_batch(model.config.vocab_size)
     quantize(model, "fp8", calibrate=lambda m: m(batch))
-    out = llmexport.export_model(
+    out = exportlm.export_model(
         "hf_checkpoint", model, tmp_path / "ct", format="compressed-tensors"
     )
 

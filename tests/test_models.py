@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from llmexport.errors import (
+from exportlm.errors import (
     InvalidConfigError,
     InvalidInputError,
     UnknownNameError,
     UnknownOptionError,
 )
-from llmexport.models import (
+from exportlm.models import (
     HF_FAMILIES,
     MODELS_GROUP,
     SCRIPT_FAILURE_REASON,
@@ -28,7 +28,7 @@ from llmexport.models import (
     seeded_init_,
     tiny_hf_model,
 )
-from llmexport.registry import Registry
+from exportlm.registry import Registry
 
 BUILTIN_NAMES = {"decoder", "decoder_tied", "iterable_moe", *HF_FAMILIES}
 PLAIN_NAMES = ["decoder", "decoder_tied", "iterable_moe"]
@@ -286,7 +286,7 @@ def test_moe_model_rejects_a_dense_config() -> None:
 
 def test_builtin_names_are_registered() -> None:
     assert set(model_names()) >= BUILTIN_NAMES
-    assert MODELS_GROUP == "llmexport.models"
+    assert MODELS_GROUP == "exportlm.models"
 
 
 def test_unknown_model_name_lists_the_available_ones() -> None:

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from llmexport.errors import TiedWeightsError, UnclaimedModuleError, UnsupportedFormatError
-from llmexport.export import make_input_ids
-from llmexport.models import DecoderModel, IterableMoEModel, tiny_hf_model
-from llmexport.modules import (
+from exportlm.errors import TiedWeightsError, UnclaimedModuleError, UnsupportedFormatError
+from exportlm.export import make_input_ids
+from exportlm.models import DecoderModel, IterableMoEModel, tiny_hf_model
+from exportlm.modules import (
     DictSink,
     ExportContext,
     ExportModuleRegistry,
@@ -19,7 +19,7 @@ from llmexport.modules import (
     QuantLinearExporter,
     export_quantized_state,
 )
-from llmexport.quant import QuantExperts, QuantLinear, quantize
+from exportlm.quant import QuantExperts, QuantLinear, quantize
 
 
 def _export(model: nn.Module, **kwargs: object) -> tuple[dict[str, torch.Tensor], object]:
@@ -199,7 +199,7 @@ def test_unclaimed_quantized_module_names_path_class_and_exporters() -> None:
         export_quantized_state(model, DictSink(), registry=registry)
     message = str(info.value)
     assert "'layers.0.self_attn.q_proj'" in message
-    assert "llmexport.quant._modules.QuantLinear" in message
+    assert "exportlm.quant._modules.QuantLinear" in message
     assert "quant_linear [SomethingElse]" in message
 
 
@@ -210,7 +210,7 @@ def test_a_third_party_exporter_takes_over_with_prepend() -> None:
         def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
             ctx.emit(f"{name}.marker", torch.zeros(()))
 
-    from llmexport.modules import register_builtin_module_exporters
+    from exportlm.modules import register_builtin_module_exporters
 
     registry = ExportModuleRegistry()
     register_builtin_module_exporters(registry)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from llmexport.modules import (
+from exportlm.modules import (
     EXPORT_MODULE_REGISTRY,
     MODULE_EXPORTER_REGISTRY,
     ExportContext,
@@ -15,7 +15,7 @@ from llmexport.modules import (
     ensure_module_exporters_registered,
     register_builtin_module_exporters,
 )
-from llmexport.quant import QuantLinear, QuantMoELinear
+from exportlm.quant import QuantLinear, QuantMoELinear
 
 
 class _Exp(ModuleExporter):

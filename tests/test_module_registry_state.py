@@ -37,7 +37,7 @@ from hypothesis.stateful import (
 )
 from torch import nn
 
-from llmexport.modules import ExportContext, ExportModuleRegistry, ModuleExporter
+from exportlm.modules import ExportContext, ExportModuleRegistry, ModuleExporter
 
 # ----------------------------------------------------------------------------- exporters
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-import llmexport
-from llmexport.export import infer_vocab_size, make_input_ids
-from llmexport.export.onnx import (
+import exportlm
+from exportlm.export import infer_vocab_size, make_input_ids
+from exportlm.export.onnx import (
     DEFAULT_OPSET,
     ONNX_ATOL,
     LegacyTraceWarning,
@@ -28,13 +28,13 @@ from llmexport.export.onnx import (
     load_onnx,
     verify_onnx,
 )
-from llmexport.models import build_model
+from exportlm.models import build_model
 
 # Legacy exports of transformers models emit our LegacyTraceWarning (transformers' masking
 # converts tensors to Python values); it is asserted where it is the subject.
 # torch's legacy exporter also warns about aten::index with negative indices (it has none here).
 pytestmark = [
-    pytest.mark.filterwarnings("ignore::llmexport.export.onnx.LegacyTraceWarning"),
+    pytest.mark.filterwarnings("ignore::exportlm.export.onnx.LegacyTraceWarning"),
     pytest.mark.filterwarnings("ignore:Exporting aten.{2}index operator:UserWarning"),
 ]
 
@@ -182,10 +182,10 @@ def test_external_data_is_written_beside_the_file(artifacts: Artifacts, tmp_path
 
 
 def test_export_to_onnx_equals_the_registered_target(artifacts: Artifacts, tmp_path: Path) -> None:
-    path = llmexport.export_model("onnx", artifacts.llama, tmp_path / "t.onnx", dynamo=False)
+    path = exportlm.export_model("onnx", artifacts.llama, tmp_path / "t.onnx", dynamo=False)
     ids = _ids(artifacts.llama, 2, 8)
-    a = llmexport.load_exported("onnx", path)(ids)
-    b = llmexport.load_exported("onnx", artifacts.llama_legacy)(ids)
+    a = exportlm.load_exported("onnx", path)(ids)
+    b = exportlm.load_exported("onnx", artifacts.llama_legacy)(ids)
     # Exact: both artifacts come from the same exporter with the same options (one
     # graph), run by one onnxruntime in one process on the same inputs.
     torch.testing.assert_close(a, b, atol=0.0, rtol=0.0)
@@ -201,7 +201,7 @@ def test_explicit_attention_mask_in_example_inputs(artifacts: Artifacts, tmp_pat
 
 
 def test_attention_mask_true_on_a_model_without_one_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(llmexport.InvalidModelError, match="attention_mask"):
+    with pytest.raises(exportlm.InvalidModelError, match="attention_mask"):
         export_to_onnx(_MHADecoder(), tmp_path / "x.onnx", attention_mask=True)
     assert not any(tmp_path.iterdir())
 

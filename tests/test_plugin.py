@@ -18,9 +18,9 @@ import pytest
 
 # In-process pytester runs drop the modules they imported when they end; import
 # what the suite loads once here, so those runs reuse it (and its registries).
-import llmexport.export
-import llmexport.models
-import llmexport.modules  # noqa: F401
+import exportlm.export
+import exportlm.models
+import exportlm.modules  # noqa: F401
 import pytest_exportcheck.checks  # noqa: F401
 from tests._distinfo import make_distribution
 from tests._fakeplugin import DIST, install
@@ -206,7 +206,7 @@ def test_fake_third_party_plugin(
     first.stdout.fnmatch_lines(
         [
             "exportcheck: targets=broken,good,onnx *models=tiny * device=cpu,cuda *",
-            "exportcheck versions: python *, llmexport *, torch *, transformers *, onnx *, "
+            "exportcheck versions: python *, exportlm *, torch *, transformers *, onnx *, "
             "onnxruntime *; CUDA not available",
             f"exportcheck targets: *{DIST}: good, inplace, perturb, swallow*",
             f"exportcheck model families: *{DIST}: tiny*",
@@ -240,7 +240,7 @@ def test_fake_third_party_plugin(
     assert "ImportError: fakeplugin_broken needs libfoo" in broken["message"]
     assert items["plugin_loads[onnx]"]["outcome"] == "fail"
     assert (
-        "'onnx' is already registered by llmexport (built in)"
+        "'onnx' is already registered by exportlm (built in)"
         in items["plugin_loads[onnx]"]["message"]
     )
     assert items["plugin_loads[good]"]["outcome"] == "pass"
@@ -391,10 +391,10 @@ def test_ini_twins_configure_the_suite(pytester: pytest.Pytester) -> None:
 def test_example_plugin_passes_the_suite(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """examples/llmexport-plugin-example, installed from its own pyproject's entry points,
+    """examples/exportlm-plugin-example, installed from its own pyproject's entry points,
     passes every check when its author runs plain ``pytest`` with its ini selection."""
     tomllib = pytest.importorskip("tomllib")
-    example = Path(__file__).parents[1] / "examples" / "llmexport-plugin-example"
+    example = Path(__file__).parents[1] / "examples" / "exportlm-plugin-example"
     project = tomllib.loads((example / "pyproject.toml").read_text())["project"]
     site = pytester.path / "site"
     make_distribution(site, project["name"], project["entry-points"], version=project["version"])
@@ -408,7 +408,7 @@ def test_example_plugin_passes_the_suite(
     result.stdout.fnmatch_lines(
         [
             "exportcheck: targets=example_traced exporters=example_marked_linear models=example_tiny *",
-            "exportcheck targets: *llmexport-plugin-example 0.1.0: example_traced*",
+            "exportcheck targets: *exportlm-plugin-example 0.1.0: example_traced*",
             "roundtrip_logits * 1/1",
             "export_contract * 1/1",
         ]

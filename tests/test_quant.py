@@ -10,10 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from llmexport.errors import QuantizationError, UnknownNameError, UnsupportedFormatError
-from llmexport.export import make_input_ids
-from llmexport.models import DecoderModel, IterableMoEModel, build_model, tiny_hf_model
-from llmexport.quant import (
+from exportlm.errors import QuantizationError, UnknownNameError, UnsupportedFormatError
+from exportlm.export import make_input_ids
+from exportlm.models import DecoderModel, IterableMoEModel, build_model, tiny_hf_model
+from exportlm.quant import (
     QuantBMMExperts,
     QuantFormat,
     QuantFusedExperts,
@@ -476,8 +476,8 @@ def test_nvfp4_fused_linears_share_the_per_tensor_weight_amax() -> None:
 
 def test_calibration_sees_full_precision_activations() -> None:
     """Weight fake-quant is paused while amax is collected (ModelOpt's max calibration)."""
-    from llmexport.export import infer_vocab_size, make_input_ids
-    from llmexport.models import build_model
+    from exportlm.export import infer_vocab_size, make_input_ids
+    from exportlm.models import build_model
 
     reference = build_model("decoder", seed=0, num_layers=2)
     seen: list[float] = []

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from llmexport import (
+from exportlm import (
     PluginLoadError,
     Registry,
     RegistryConflictError,
     UnknownNameError,
     load_entry_point_registry,
 )
-from llmexport.registry import PluginWarning
+from exportlm.registry import PluginWarning
 from tests._distinfo import make_distribution
 
 
@@ -45,7 +45,7 @@ def test_same_object_twice_is_a_no_op_but_a_different_object_conflicts() -> None
     with pytest.raises(RegistryConflictError) as info:
         reg.register("x", b, distribution="thirdparty 2.0")
     message = str(info.value)
-    assert "llmexport (built in)" in message
+    assert "exportlm (built in)" in message
     assert "thirdparty 2.0" in message
     assert reg.get("x") is a
 
@@ -84,14 +84,14 @@ def test_validator_converts_and_rejects() -> None:
 def plugin_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     root = tmp_path / "site"
     monkeypatch.syspath_prepend(str(root))
-    monkeypatch.delenv("LLMEXPORT_DISABLE_PLUGINS", raising=False)
+    monkeypatch.delenv("EXPORTLM_DISABLE_PLUGINS", raising=False)
     yield root
     for mod in [m for m in sys.modules if m.startswith("plug_")]:
         del sys.modules[mod]
 
 
 def _group() -> str:
-    return f"llmexport.test_{uuid.uuid4().hex[:8]}"
+    return f"exportlm.test_{uuid.uuid4().hex[:8]}"
 
 
 def _install(root: Path, group: str) -> None:
@@ -189,14 +189,14 @@ def test_entry_point_claiming_a_builtin_name_raises_naming_the_distribution(
     with pytest.raises(RegistryConflictError) as info:
         load_entry_point_registry(group, reg)
     assert "squatter 1.0" in str(info.value)
-    assert "llmexport (built in)" in str(info.value)
+    assert "exportlm (built in)" in str(info.value)
     assert reg.get("onnx") == "real"
 
 
 def test_kill_switch_skips_discovery(plugin_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     group = _group()
     _install(plugin_path, group)
-    monkeypatch.setenv("LLMEXPORT_DISABLE_PLUGINS", "1")
+    monkeypatch.setenv("EXPORTLM_DISABLE_PLUGINS", "1")
     reg: Registry[str] = Registry("thing")
     assert load_entry_point_registry(group, reg) == []
     assert len(reg) == 0
@@ -218,36 +218,36 @@ def _run(code: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess[st
 
 def test_onnx_resolves_without_any_plugin_machinery() -> None:
     code = (
-        "from llmexport.export import EXPORT_REGISTRY, ensure_exporters_registered\n"
+        "from exportlm.export import EXPORT_REGISTRY, ensure_exporters_registered\n"
         "ensure_exporters_registered()\n"
         "print(EXPORT_REGISTRY.names())\n"
         "print(EXPORT_REGISTRY.entry('onnx').provider)\n"
     )
-    proc = _run(code, {"LLMEXPORT_DISABLE_PLUGINS": "1"})
+    proc = _run(code, {"EXPORTLM_DISABLE_PLUGINS": "1"})
     assert proc.returncode == 0, proc.stderr
     names, provider = proc.stdout.strip().splitlines()[-2:]
     assert names == "['onnx']"
-    assert provider == "llmexport (built in)"
+    assert provider == "exportlm (built in)"
 
 
 def test_builtin_entry_point_targets_are_discovered_with_their_distribution() -> None:
     code = (
-        "from llmexport.export import EXPORT_REGISTRY, RUNTIME_REGISTRY, ensure_exporters_registered\n"
+        "from exportlm.export import EXPORT_REGISTRY, RUNTIME_REGISTRY, ensure_exporters_registered\n"
         "ensure_exporters_registered()\n"
         "for n in ('torchscript', 'torch_export'):\n"
         "    print(n, EXPORT_REGISTRY.entry(n).provider, n in RUNTIME_REGISTRY)\n"
     )
-    proc = _run(code, {"LLMEXPORT_DISABLE_PLUGINS": "0"})
+    proc = _run(code, {"EXPORTLM_DISABLE_PLUGINS": "0"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[0].startswith("torchscript llmexport ")
+    assert lines[0].startswith("torchscript exportlm ")
     assert lines[0].endswith("True")
-    assert lines[1].startswith("torch_export llmexport ")
+    assert lines[1].startswith("torch_export exportlm ")
     assert lines[1].endswith("True")
 
 
 def test_once_runs_a_registration_function_once_and_retries_after_a_failure() -> None:
-    from llmexport.registry import once
+    from exportlm.registry import once
 
     calls: list[int] = []
 

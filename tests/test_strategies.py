@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from torch import nn
 
-from llmexport.models import DecoderConfig, DecoderModel, ModelSpec
+from exportlm.models import DecoderConfig, DecoderModel, ModelSpec
 from pytest_exportcheck.strategies import (
     GENERATED_MODULE,
     class_names,

@@ -14,7 +14,7 @@ This package imports torch; the pytest plugin imports it only when one of its
 options is given.
 """
 
-from llmexport.export._compare import LogitsComparison, compare_logits
+from exportlm.export._compare import LogitsComparison, compare_logits
 from pytest_exportcheck.checks import (  # generated imports (registers after) targets
     checkpoint,
     exporters,

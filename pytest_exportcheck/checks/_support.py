@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from llmexport.export import (
+from exportlm.export import (
     ExportCacheWrapper,
     TargetInfo,
     ensure_exporters_registered,
@@ -29,8 +29,8 @@ from llmexport.export import (
     make_input_ids,
     runtime_loader,
 )
-from llmexport.export._base import accepted_kwargs
-from llmexport.models import build_model, model_names
+from exportlm.export._base import accepted_kwargs
+from exportlm.models import build_model, model_names
 from pytest_exportcheck.checks._api import CheckResult, TargetCase
 
 __all__ = [

@@ -23,9 +23,9 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from llmexport.errors import UnsupportedFormatError
-from llmexport.models import MODEL_REGISTRY, build_model, ensure_models_registered, model_names
-from llmexport.modules import (
+from exportlm.errors import UnsupportedFormatError
+from exportlm.models import MODEL_REGISTRY, build_model, ensure_models_registered, model_names
+from exportlm.modules import (
     EXPORT_MODULE_REGISTRY,
     MODULE_EXPORTER_REGISTRY,
     ExportContext,
@@ -37,7 +37,7 @@ from llmexport.modules import (
     ensure_module_exporters_registered,
     export_quantized_state,
 )
-from llmexport.quant import is_quantized_module, quantize, synthetic_calibration
+from exportlm.quant import is_quantized_module, quantize, synthetic_calibration
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
 from pytest_exportcheck.checks._support import CheckAbort, error_text
 
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 #: Recipes every toy model is quantized with (combinations that do not fit a model are skipped).
 SURVEY_RECIPES = ("fp8", "nvfp4", "int4_awq", "int8_wo", "fp8+fp8_kv")
 #: How a surveyed model is calibrated: ``"data"`` (a forward pass, as users do) or
-#: ``"synthetic"`` (:func:`llmexport.quant.synthetic_calibration`: the same bytes on
+#: ``"synthetic"`` (:func:`exportlm.quant.synthetic_calibration`: the same bytes on
 #: every machine, for goldens).
 Calibration = Literal["data", "synthetic"]
 #: A recipe as the survey takes it: a string, or a mixed-precision mapping as

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from llmexport.errors import UnsupportedFormatError
+from exportlm.errors import UnsupportedFormatError
 
 # The catalogue's order is its documentation order: this module's check comes after
 # the exporter, golden and target checks, whatever order the package imports it in.
@@ -230,7 +230,7 @@ def checkpoint_name_problems(directory: Path) -> list[str]:
 
 
 def _quantized_toy(case: TargetCase, name: str) -> nn.Module:
-    from llmexport.quant import quantize
+    from exportlm.quant import quantize
 
     model = build_case_model(case, name)
     try:

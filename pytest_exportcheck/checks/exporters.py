@@ -1,6 +1,6 @@
 """Checks of module exporters (scope ``"exporter"``), run for every exporter by name.
 
-``case.name`` is a name in ``llmexport.modules.MODULE_EXPORTER_REGISTRY``; the
+``case.name`` is a name in ``exportlm.modules.MODULE_EXPORTER_REGISTRY``; the
 exporter's dispatch entry (keys, predicate, position) is read from
 ``EXPORT_MODULE_REGISTRY``. Registry experiments run on copies; the global
 registry is never modified.
@@ -31,9 +31,9 @@ import torch
 from hypothesis import given
 from torch import nn
 
-from llmexport.errors import LLMExportError, TiedWeightsError
-from llmexport.models import build_model
-from llmexport.modules import (
+from exportlm.errors import ExportLMError, TiedWeightsError
+from exportlm.models import build_model
+from exportlm.modules import (
     DictSink,
     ExportContext,
     ExporterEntry,
@@ -41,7 +41,7 @@ from llmexport.modules import (
     export_quantized_state,
     resolve_tied_weights,
 )
-from llmexport.quant import is_quantized_module
+from exportlm.quant import is_quantized_module
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._support import CheckAbort, aborts_to_result, error_text
 from pytest_exportcheck.checks._survey import (
@@ -523,7 +523,7 @@ def _direct_export(exporter: ModuleExporter, name: str, module: nn.Module) -> li
     try:
         exporter.prepare_moe_inputs(name, module, ctx)
         exporter.export(name, module, ctx)
-    except LLMExportError:
+    except ExportLMError:
         return []  # a clear refusal (e.g. of a zero amax) is allowed
     except Exception as err:
         return [f"{name}: export raised {type(err).__name__}: {err}"]
@@ -548,7 +548,7 @@ def export_contract(case: ExporterCase) -> CheckResult:
     floating tensor; no zero in a scale (``weight_scale``, ``weight_scale_2``,
     ``input_scale``, ``k_scale``, ``v_scale``). Then once per claimed type (and
     ``conformance_examples()``) on a copy with all-zero weights and amax: a zero
-    amax must give a safe scale or a clear ``LLMExportError``, never a zero or
+    amax must give a safe scale or a clear ``ExportLMError``, never a zero or
     NaN scale.
     """
     exporter, _, _ = exporter_entry(case)
@@ -711,7 +711,7 @@ def tied_weights(case: ExporterCase) -> CheckResult:
     written exactly once, and every other parameter is written (or exported by an
     exporter that owns its module). Then a copy whose declared tie was broken
     (the tied target given other values) must make ``export_quantized_state``
-    raise :class:`~llmexport.errors.TiedWeightsError`.
+    raise :class:`~exportlm.errors.TiedWeightsError`.
     """
     exporter_entry(case)
     survey = survey_for(case)

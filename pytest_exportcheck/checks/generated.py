@@ -6,7 +6,7 @@ per-model check. These checks draw decoder structures with
 :func:`pytest_exportcheck.strategies.model_specs` (1-4 layers, GQA / MQA heads,
 tied or untied ``lm_head``, dense Llama or Mixtral / Qwen3-MoE experts,
 vocabularies 97-400 that are never multiples of 64), build them with
-:func:`llmexport.models.build_from_spec` (seeded, nothing downloaded) and:
+:func:`exportlm.models.build_from_spec` (seeded, nothing downloaded) and:
 
 - ``roundtrip_generated`` (per target): export, load in the target's runtime,
   compare logits within the target's tolerance at the traced shape and at a
@@ -40,12 +40,12 @@ from hypothesis import given, seed, settings
 from hypothesis.errors import HypothesisException
 from torch import nn
 
-from llmexport.errors import UnsupportedFormatError
-from llmexport.export import TargetInfo
-from llmexport.models import ModelSpec, build_from_spec
-from llmexport.quant import is_quantized_module, quantize
-from llmexport.quant._formats import QuantFormat
-from llmexport.quant._modules import QuantExperts, QuantLinear
+from exportlm.errors import UnsupportedFormatError
+from exportlm.export import TargetInfo
+from exportlm.models import ModelSpec, build_from_spec
+from exportlm.quant import is_quantized_module, quantize
+from exportlm.quant._formats import QuantFormat
+from exportlm.quant._modules import QuantExperts, QuantLinear
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, TargetCase, check
 from pytest_exportcheck.checks._support import (
     TRACED_SHAPE,
@@ -167,8 +167,8 @@ def repro_command(
     seed: int = 0,
     options: dict[str, Any] | None = None,
 ) -> str:
-    """``llmexport export --target T --model FILE.json --out OUT --verify`` (with ``-o`` / ``--seed``)."""
-    parts = ["llmexport", "export", "--target", target, "--model", str(spec_file)]
+    """``exportlm export --target T --model FILE.json --out OUT --verify`` (with ``-o`` / ``--seed``)."""
+    parts = ["exportlm", "export", "--target", target, "--model", str(spec_file)]
     parts += ["--out", str(out)]
     if seed:
         parts += ["--seed", str(seed)]
@@ -359,7 +359,7 @@ def roundtrip_generated(case: TargetCase) -> CheckResult:
     ``rtol`` (no exact float comparison), no NaN / inf, at ``[2, 8]`` and at the
     drawn shape. An export or runtime error fails too. A failure shrinks to the
     smallest structure, which the message prints as JSON (also written to a
-    file) with the ``llmexport export --model FILE.json ... --verify`` command
+    file) with the ``exportlm export --model FILE.json ... --verify`` command
     that reproduces it. An item declared as an expected failure is not shrunk:
     its first failing structure is reported.
     """
@@ -658,7 +658,7 @@ def quantized_generated(case: ExporterCase) -> CheckResult:
 
     Skips, with the reason, for an exporter that claims nothing in the generated
     models. A failure shrinks to the smallest structure, printed as JSON (and
-    written to a file) with an ``llmexport export --target hf_checkpoint
+    written to a file) with an ``exportlm export --target hf_checkpoint
     --quantize RECIPE --model FILE.json`` command that rebuilds and exports it.
     """
     exporter_entry(case)

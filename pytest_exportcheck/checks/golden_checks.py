@@ -3,7 +3,7 @@
 Two checks, two kinds of comparison:
 
 - ``golden_checkpoint`` compares *exactly*. Each :data:`GOLDEN_CASES` entry is a
-  toy model quantized with :func:`llmexport.quant.synthetic_calibration`: every
+  toy model quantized with :func:`exportlm.quant.synthetic_calibration`: every
   quantizer statistic comes from numpy's PCG64 stream, never from a forward
   pass, so every byte an exporter writes is a pure function of fixed inputs and
   is the same on every CPU, thread count and device. A golden per case and
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmexport.modules import MODULE_EXPORTER_REGISTRY
+from exportlm.modules import MODULE_EXPORTER_REGISTRY
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._support import aborts_to_result, error_text
 from pytest_exportcheck.checks._survey import (
@@ -130,13 +130,13 @@ def _store(case: ExporterCase) -> GoldenStore | None:
 
 
 def _owner(name: str) -> str | None:
-    """The distribution that provides exporter ``name`` (``llmexport`` for built-ins)."""
+    """The distribution that provides exporter ``name`` (``exportlm`` for built-ins)."""
     try:
         entry = MODULE_EXPORTER_REGISTRY.entry(name)
     except Exception:
         return None
     if entry.builtin:
-        return "llmexport"
+        return "exportlm"
     return entry.distribution.split(" ")[0] if entry.distribution else None
 
 
@@ -199,7 +199,7 @@ def _written_configs(q: QuantizedModel, golden: GoldenCase, workdir: Path) -> di
 
 
 def _write_configs(q: QuantizedModel, golden: GoldenCase, workdir: Path) -> dict[str, Any]:
-    from llmexport.export import ensure_exporters_registered, export_model, get_target_info
+    from exportlm.export import ensure_exporters_registered, export_model, get_target_info
 
     ensure_exporters_registered()
     info = get_target_info("hf_checkpoint")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmexport.export import (
+from exportlm.export import (
     EXPORT_REGISTRY,
     RUNTIME_REGISTRY,
     TargetInfo,
@@ -28,9 +28,9 @@ from llmexport.export import (
     get_target_info,
     load_exported,
 )
-from llmexport.export._base import accepted_kwargs
-from llmexport.export._compare import compare_logits
-from llmexport.models import DecoderModel, seeded_init_
+from exportlm.export._base import accepted_kwargs
+from exportlm.export._compare import compare_logits
+from exportlm.models import DecoderModel, seeded_init_
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._support import (
     TRACED_SHAPE,
@@ -89,9 +89,9 @@ _IDS_SEED = 1
 def plugin_loads(case: TargetCase) -> CheckResult:
     """The target's entry point (and its runtime's) loaded, and claims no taken name.
 
-    Fails with the :class:`~llmexport.errors.PluginLoadError` (entry point,
+    Fails with the :class:`~exportlm.errors.PluginLoadError` (entry point,
     distribution, cause) of a plugin that failed to import or validate, or with
-    the :class:`~llmexport.errors.RegistryConflictError` of an entry point that
+    the :class:`~exportlm.errors.RegistryConflictError` of an entry point that
     claims a name already registered (e.g. ``onnx``). The plugin also reports
     every broken plugin as a failing ``plugin_loads`` item of its own.
     """
@@ -147,7 +147,7 @@ def registered(case: TargetCase) -> CheckResult:
 
     The factory must take ``(model, output_path, **kwargs)`` and the runtime loader
     ``(artifact, **kwargs)``; the declared runtime must be registered; the
-    :class:`~llmexport.export.TargetInfo` must be sane (finite ``atol``/``rtol``
+    :class:`~exportlm.export.TargetInfo` must be sane (finite ``atol``/``rtol``
     >= 0, a callable ``accepts``, the case's variant declared, and every variant's
     kwargs accepted by the factory).
     """
@@ -525,7 +525,7 @@ def atomic_failure(case: TargetCase) -> CheckResult:
         if sentinel is None and left:
             return CheckResult.failed(
                 f"a failed export ({type(err).__name__}) left {left} in the empty output directory; "
-                "write into a temporary sibling and os.replace it at the end (llmexport.export.atomic_output)"
+                "write into a temporary sibling and os.replace it at the end (exportlm.export.atomic_output)"
             )
         if sentinel is not None:
             problems = _sentinel_problems(output, sentinel, left, info)

@@ -1,0 +1,139 @@
+"""Exception classes raised by exportlm.
+
+Every error says what was wrong, what was expected and what to do about it, and
+chains the underlying cause (``raise ... from err``) where there is one.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ExportError",
+    "ExportFailedError",
+    "InvalidConfigError",
+    "InvalidInputError",
+    "InvalidModelError",
+    "ExportLMError",
+    "OutputExistsError",
+    "PluginLoadError",
+    "QuantizationError",
+    "RegistryConflictError",
+    "RuntimeUnavailableError",
+    "RegistryError",
+    "TiedWeightsError",
+    "UnclaimedModuleError",
+    "UnknownNameError",
+    "UnknownOptionError",
+    "UnsupportedFormatError",
+]
+
+
+class ExportLMError(Exception):
+    """Base class of every error raised by exportlm."""
+
+
+class RegistryError(ExportLMError):
+    """Base class of registry errors."""
+
+
+class RegistryConflictError(RegistryError):
+    """A different object was registered under a name that is already taken."""
+
+    def __init__(self, kind: str, name: str, existing_owner: str, new_owner: str) -> None:
+        self.kind = kind
+        self.name = name
+        self.existing_owner = existing_owner
+        self.new_owner = new_owner
+        super().__init__(
+            f"{kind} name {name!r} is already registered by {existing_owner}; "
+            f"{new_owner} tried to register a different object under the same name. "
+            f"Pick another name in {new_owner}, or uninstall one of the two."
+        )
+
+
+class UnknownNameError(RegistryError, ValueError):
+    """A name was looked up that no registry entry has."""
+
+    def __init__(self, kind: str, name: str, available: list[str]) -> None:
+        self.kind = kind
+        self.name = name
+        self.available = sorted(available)
+        names = ", ".join(self.available) or "(none)"
+        super().__init__(
+            f"unknown {kind} {name!r}; available: {names}. "
+            f"Run `exportlm list` to see every registered name and its provider."
+        )
+
+
+class PluginLoadError(RegistryError):
+    """A third-party entry point failed to import or did not validate."""
+
+    def __init__(
+        self, group: str, entry_point: str, distribution: str | None, cause: BaseException
+    ) -> None:
+        self.group = group
+        self.entry_point = entry_point
+        self.distribution = distribution or "<unknown distribution>"
+        self.cause = cause
+        super().__init__(
+            f"plugin {entry_point!r} in entry-point group {group!r} "
+            f"(distribution {self.distribution}) failed to load: "
+            f"{type(cause).__name__}: {cause}. Fix or uninstall that distribution; "
+            f"set EXPORTLM_DISABLE_PLUGINS=1 to run without any plugin."
+        )
+
+
+class UnknownOptionError(ExportLMError, TypeError):
+    """An export target or runtime was given a keyword argument it does not accept."""
+
+    def __init__(self, where: str, unknown: list[str], accepted: list[str]) -> None:
+        self.where = where
+        self.unknown = sorted(unknown)
+        self.accepted = sorted(accepted)
+        super().__init__(
+            f"{where} got unexpected keyword argument(s) {', '.join(map(repr, self.unknown))}; "
+            f"accepted: {', '.join(self.accepted) or '(none)'}."
+        )
+
+
+class InvalidConfigError(ExportLMError, ValueError):
+    """A model configuration holds values that cannot build a model (e.g. heads not dividing hidden)."""
+
+
+class ExportError(ExportLMError):
+    """Base class of errors raised while exporting."""
+
+
+class ExportFailedError(ExportError):
+    """The underlying exporter (torch.onnx, torch.jit, torch.export, ...) failed."""
+
+
+class RuntimeUnavailableError(ExportLMError, RuntimeError):
+    """The requested runtime device (e.g. ``cuda``) is not available on this machine."""
+
+
+class InvalidModelError(ExportError, TypeError):
+    """The model does not have the shape an export target expects."""
+
+
+class InvalidInputError(ExportError, TypeError):
+    """Example inputs or runtime inputs are not what the target expects."""
+
+
+class OutputExistsError(ExportError, FileExistsError):
+    """The output path exists and overwriting was not requested."""
+
+
+class QuantizationError(ExportLMError):
+    """Base class of fake-quantization and quantized-export errors."""
+
+
+class UnsupportedFormatError(QuantizationError, ValueError):
+    """A quantization format cannot be applied to a module or tensor of this shape."""
+
+
+class UnclaimedModuleError(QuantizationError, ExportError):
+    """A quantized module was not claimed by any registered module exporter."""
+
+
+class TiedWeightsError(QuantizationError, ExportError):
+    """Tensors declared tied hold different values."""

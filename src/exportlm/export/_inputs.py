@@ -1,0 +1,91 @@
+"""Example inputs: validation, and deterministic construction from a model's vocabulary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from exportlm.errors import InvalidInputError, InvalidModelError
+
+__all__ = ["infer_vocab_size", "make_input_ids", "resolve_example_inputs"]
+
+DEFAULT_BATCH = 2
+DEFAULT_SEQ = 8
+
+
+def infer_vocab_size(model: nn.Module) -> int:
+    """The vocabulary size from ``model.config.vocab_size`` or its first ``nn.Embedding``."""
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > 0:
+        return vocab
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return int(module.num_embeddings)
+    raise InvalidModelError(
+        f"cannot infer the vocabulary size of {type(model).__name__}: it has no "
+        "config.vocab_size and no nn.Embedding; pass example_inputs=<input_ids tensor>"
+    )
+
+
+def make_input_ids(
+    vocab_size: int,
+    batch: int = DEFAULT_BATCH,
+    seq: int = DEFAULT_SEQ,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """Deterministic ``input_ids`` [batch, seq] (int64), identical on every torch version and device.
+
+    Drawn from numpy's PCG64, so the same seed gives the same ids everywhere.
+    """
+    rng = np.random.Generator(np.random.PCG64(seed))
+    ids = rng.integers(0, vocab_size, size=(batch, seq), dtype=np.int64)
+    return torch.from_numpy(ids).to(device)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+def resolve_example_inputs(
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    batch: int = DEFAULT_BATCH,
+    seq: int = DEFAULT_SEQ,
+) -> tuple[torch.Tensor, ...]:
+    """Normalize ``example_inputs`` to a tuple of tensors whose first is integer ``input_ids``.
+
+    ``None`` builds deterministic ids from the model's vocabulary on the model's device.
+    """
+    if example_inputs is None:
+        ids = make_input_ids(infer_vocab_size(model), batch, seq, device=_model_device(model))
+        return (ids,)
+    inputs = (
+        tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    )
+    if not inputs:
+        raise InvalidInputError(
+            "example_inputs is empty; expected an input_ids tensor [batch, seq]"
+        )
+    ids = inputs[0]
+    if not isinstance(ids, torch.Tensor):
+        raise InvalidInputError(
+            f"example_inputs must be an input_ids tensor or a tuple of tensors, got {type(ids).__name__}"
+        )
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise InvalidInputError(
+            f"input_ids must be an integer tensor (torch.long), got {ids.dtype}; "
+            "token ids index the embedding table"
+        )
+    if ids.dim() != 2:
+        raise InvalidInputError(f"input_ids must be 2-D [batch, seq], got shape {tuple(ids.shape)}")
+    return (ids.long(), *inputs[1:])

@@ -1,0 +1,196 @@
+"""The ``torchscript`` export target (``.pt``) and its ``torch.jit.load`` runtime.
+
+Registered through the ``exportlm.export_backends`` / ``exportlm.export_runtimes``
+entry points (``build_torchscript_exporter``, ``load_torchscript``).
+
+``method="trace"`` (default) records the ops of one forward through
+:class:`~exportlm.export.ExportCacheWrapper`; batch and sequence stay symbolic
+for models whose forward has no Python control flow on tensor values (every
+built-in toy family). ``method="script"`` compiles the model's Python source;
+none of the built-in families scripts, for the reasons declared in
+:data:`SCRIPT_EXPECTED_FAILURES`.
+
+torch 2.13 deprecates ``torch.jit``; every export raises two dozen deprecation
+warnings inside torch. They become one :class:`TorchScriptDeprecationWarning`
+per export.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from exportlm.errors import InvalidInputError
+from exportlm.export._base import export_target
+from exportlm.export._moe import TRACEABLE_EXPERTS
+from exportlm.export._quiet import CapturedNoise, warn_caller
+from exportlm.export._session import TorchModuleRuntime, export_session, resolve_device
+from exportlm.export._wrapper import ExportCacheWrapper
+from exportlm.models import SCRIPT_FAILURE_REASON
+
+__all__ = [
+    "SCRIPT_EXPECTED_FAILURES",
+    "TORCHSCRIPT_ATOL",
+    "TORCHSCRIPT_RTOL",
+    "TorchScriptDeprecationWarning",
+    "build_torchscript_exporter",
+    "export_torchscript",
+    "load_torchscript",
+]
+
+# Tolerance: a traced graph runs the same ATen kernels as eager, so logits are bit-identical
+# on the tiny models (measured max |diff| 0.0 for every built-in family); the MoE families
+# are traced with batched_mm experts, whose sums differ from the default grouped_mm kernel by
+# float rounding (< 1e-6 measured). 1e-5 leaves room for the profiling executor's fusions on
+# larger models and CUDA without hiding a wrong graph.
+TORCHSCRIPT_ATOL = 1e-5
+TORCHSCRIPT_RTOL = 1e-5
+
+_HF_SCRIPT_REASON = (
+    "TorchScript cannot compile transformers models: scripting recurses into "
+    "PretrainedConfig.__init__, whose source inspect cannot read (OSError: could not get "
+    "source code), and their forwards take **kwargs, which TorchScript rejects"
+)
+_DECODER_SCRIPT_REASON = SCRIPT_FAILURE_REASON or "DecoderModel does not script"
+_SCRIPT_FAILURES_BY_MODEL = {
+    "decoder": _DECODER_SCRIPT_REASON,
+    "decoder_tied": _DECODER_SCRIPT_REASON,
+    "iterable_moe": _DECODER_SCRIPT_REASON,
+    **{
+        name: _HF_SCRIPT_REASON
+        for name in ("llama", "llama_tied", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+    },
+}
+_PER_MODEL_CHECKS = ("roundtrip_logits", "dynamic_shapes")
+# artifact_contract, deterministic and cache_wrapper export the plain decoder (the
+# conformance suite's default model), wrapped for cache_wrapper: none of them scripts.
+_MODEL_FREE_CHECKS = ("artifact_contract", "deterministic", "cache_wrapper")
+
+#: ``{fnmatch pattern over conformance item ids: reason}`` for ``method="script"``,
+#: measured on torch 2.13 / transformers 5.24: every built-in family fails to script.
+SCRIPT_EXPECTED_FAILURES: dict[str, str] = {
+    **{
+        f"{check}[torchscript:script-{model}-*]": reason
+        for check in _PER_MODEL_CHECKS
+        for model, reason in _SCRIPT_FAILURES_BY_MODEL.items()
+    },
+    **{f"{check}[torchscript:script-*]": _DECODER_SCRIPT_REASON for check in _MODEL_FREE_CHECKS},
+    # The generated structures are transformers models (Llama, Mixtral, Qwen3-MoE).
+    "roundtrip_generated[torchscript:script-*]": _HF_SCRIPT_REASON,
+}
+
+
+class TorchScriptDeprecationWarning(FutureWarning):
+    """``torch.jit`` is deprecated in torch >= 2.9; raised once per TorchScript export."""
+
+
+def _warn_deprecated(noise: CapturedNoise, method: str) -> None:
+    deprecations = [
+        w
+        for w in noise.of_category(Warning)
+        if issubclass(w.category, (DeprecationWarning, FutureWarning))
+        and "torch.jit" in str(w.message)
+    ]
+    if deprecations:
+        warn_caller(
+            TorchScriptDeprecationWarning(
+                f"torch.jit.{method} is deprecated in torch {torch.__version__} "
+                f"({len(deprecations)} deprecation warning(s) from torch.jit were folded into "
+                "this one); the .pt still loads with torch.jit.load. Prefer the "
+                "'torch_export' target (.pt2) for new deployments."
+            )
+        )
+
+
+def _script(model: nn.Module) -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():
+        # An advisory about attributes annotated in __init__ (transformers' models and
+        # ours do this); it is not a scripting failure and says nothing actionable.
+        warnings.filterwarnings(
+            "ignore", message="The TorchScript type system doesn't support instance-level"
+        )
+        return torch.jit.script(model)  # type: ignore[no-any-return]
+
+
+def _trace(model: nn.Module, inputs: tuple[torch.Tensor, ...], check_trace: bool) -> Any:
+    wrapper = ExportCacheWrapper(model).eval()
+    with torch.no_grad():
+        return torch.jit.trace(wrapper, inputs[:1], check_trace=check_trace)
+
+
+def export_torchscript(
+    model: nn.Module,
+    output_path: Path,
+    *,
+    example_inputs: Any = None,
+    method: Literal["trace", "script"] = "trace",
+    check_trace: bool = False,
+) -> Path:
+    """Export ``model`` as a TorchScript ``.pt`` at ``output_path``; returns the path.
+
+    Args:
+        model: any ``nn.Module`` whose ``forward(input_ids)`` returns logits,
+            ``(logits, cache)`` or an object with ``.logits``; exported in eval mode
+            (with traceable MoE experts for tracing) and restored afterwards.
+        output_path: the ``.pt`` file to write (atomically).
+        example_inputs: ``input_ids`` [batch, seq] (or a tuple starting with them) to
+            trace with; default: deterministic ids [2, 8] from the vocabulary.
+        method: ``"trace"`` (through ``ExportCacheWrapper``) or ``"script"``
+            (``torch.jit.script(model)``; the model must be scriptable and its
+            ``forward(input_ids)`` must return logits or a tuple starting with them).
+        check_trace: re-run and compare the trace (torch's ``check_trace``); off by
+            default: it doubles the export time, and the conformance suite checks
+            the artifact's logits instead.
+
+    Raises:
+        InvalidModelError / InvalidInputError: the model or inputs do not fit.
+        ExportFailedError: tracing or scripting failed (the cause is chained).
+    """
+    if method not in ("trace", "script"):
+        raise InvalidInputError(f"method must be 'trace' or 'script', got {method!r}")
+    hint = (
+        "Scripting needs TorchScript-compatible model source; try method='trace'."
+        if method == "script"
+        else "Try the 'torch_export' target, which handles data-dependent shapes better."
+    )
+    experts = TRACEABLE_EXPERTS if method == "trace" else None
+    with export_session(
+        "torchscript", model, output_path, example_inputs, experts=experts, hint=hint
+    ) as job:
+        module = _script(model) if method == "script" else _trace(model, job.inputs, check_trace)
+        torch.jit.save(module, str(job.staged))
+    _warn_deprecated(job.noise, method)
+    return Path(output_path)
+
+
+def build_torchscript_exporter() -> Any:
+    """The ``torchscript`` export factory (the ``exportlm.export_backends`` entry point)."""
+    return _TORCHSCRIPT_TARGET
+
+
+_TORCHSCRIPT_TARGET = export_target(
+    "torchscript",
+    runtime="torchscript",
+    atol=TORCHSCRIPT_ATOL,
+    rtol=TORCHSCRIPT_RTOL,
+    capabilities={"dynamic_shapes", "cuda"},
+    artifact="file",
+    suffix=".pt",
+    variants={"trace": {"method": "trace"}, "script": {"method": "script"}},
+    expected_failures=SCRIPT_EXPECTED_FAILURES,
+    description="TorchScript .pt (torch.jit.trace, or script) run with torch.jit.load",
+)(export_torchscript)
+
+
+def load_torchscript(artifact: Path, *, device: str = "cpu") -> TorchModuleRuntime:
+    """Load a ``.pt`` with ``torch.jit.load`` on ``device``; returns ``input_ids -> logits``."""
+    path = Path(artifact)
+    if not path.is_file():
+        raise FileNotFoundError(f"torchscript runtime: no TorchScript file at {path}")
+    target = resolve_device(device, "torchscript")
+    module = torch.jit.load(str(path), map_location=target).eval()
+    return TorchModuleRuntime(module, target, "torchscript")

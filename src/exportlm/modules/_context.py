@@ -1,0 +1,228 @@
+"""Per-export state: ``ExportContext``, the quant config being collected, the summary."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from exportlm.errors import ExportError
+from exportlm.quant import TensorQuantizer
+
+__all__ = [
+    "EXPORT_FORMATS",
+    "DictSink",
+    "ExpertSlice",
+    "ExportContext",
+    "ExportFormat",
+    "QuantConfigCollector",
+    "QuantExportSummary",
+    "TensorSink",
+]
+
+ExportFormat = Literal["modelopt", "compressed-tensors"]
+#: Checkpoint layouts ``export_quantized_state`` can write.
+EXPORT_FORMATS: tuple[str, ...] = ("modelopt", "compressed-tensors")
+
+MIXED_PRECISION = "MIXED_PRECISION"
+
+
+class TensorSink(Protocol):
+    """Where exported tensors go: anything with ``add(name, tensor)``."""
+
+    def add(self, name: str, tensor: torch.Tensor) -> None: ...
+
+
+class DictSink:
+    """A :class:`TensorSink` that keeps every tensor in an ordered dict (tests, small models)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Store ``tensor`` under ``name``."""
+        self.tensors[name] = tensor
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """Where a canonical per-expert linear (``...experts.{e}.gate_proj``) comes from.
+
+    Attributes:
+        module: the stacked-experts module's path (``model.layers.0.mlp.experts``).
+        expert: the expert index ``e``.
+        projection: ``"gate_proj"``, ``"up_proj"`` or ``"down_proj"``.
+    """
+
+    module: str
+    expert: int
+    projection: str
+
+
+def _layer_config(quant_algo: str, group_size: int | None) -> dict[str, Any]:
+    """One layer's entry, as ModelOpt writes it in ``hf_quant_config.json``."""
+    config: dict[str, Any] = {"quant_algo": quant_algo}
+    if group_size:
+        config["group_size"] = group_size
+    if quant_algo == "W4A16_AWQ":
+        config.update(has_zero_point=False, pre_quant_scale=True)
+    return config
+
+
+@dataclass(frozen=True)
+class QuantExportSummary:
+    """What an export wrote, and the quantization section of ``hf_quant_config.json``.
+
+    Attributes:
+        quant_algo: ``"FP8"``, ``"NVFP4"``, ``"W4A16_AWQ"``, ``"W8A16"``,
+            ``"MIXED_PRECISION"`` or ``None`` (nothing quantized).
+        kv_cache_quant_algo: ``"FP8"`` or ``None``.
+        exclude_modules: every linear-like module left unquantized (sorted).
+        quantized_layers: ``{layer: {"quant_algo": ..., ...}}`` per quantized linear
+            (canonical names for split experts).
+        group_size: the block / group size when all layers share one, else ``None``.
+        canonical_modules: ``{canonical expert linear: ExpertSlice}`` for split experts.
+        tensor_names: every tensor name written, in order.
+        num_bytes: total bytes written.
+    """
+
+    quant_algo: str | None
+    kv_cache_quant_algo: str | None
+    exclude_modules: tuple[str, ...]
+    quantized_layers: Mapping[str, Mapping[str, Any]]
+    group_size: int | None
+    canonical_modules: Mapping[str, ExpertSlice]
+    tensor_names: tuple[str, ...]
+    num_bytes: int
+
+    def quantization_config(self) -> dict[str, Any]:
+        """The ``"quantization"`` section of ModelOpt's ``hf_quant_config.json``.
+
+        One algorithm: its layer config (``quant_algo``, ``group_size``, AWQ
+        flags) plus ``kv_cache_quant_algo`` and ``exclude_modules``. Several:
+        ``quant_algo: MIXED_PRECISION`` with ``quantized_layers``.
+        """
+        config: dict[str, Any] = {
+            "quant_algo": self.quant_algo,
+            "kv_cache_quant_algo": self.kv_cache_quant_algo,
+        }
+        if self.quant_algo == MIXED_PRECISION:
+            config["quantized_layers"] = {k: dict(v) for k, v in self.quantized_layers.items()}
+        elif self.quant_algo is not None:
+            config.update(_layer_config(self.quant_algo, self.group_size))
+        config["exclude_modules"] = list(self.exclude_modules)
+        return config
+
+
+@dataclass
+class QuantConfigCollector:
+    """The quantization config gathered while exporting (exporters record into it)."""
+
+    layers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kv_cache: dict[str, str] = field(default_factory=dict)
+    excluded: list[str] = field(default_factory=list)
+    canonical: dict[str, ExpertSlice] = field(default_factory=dict)
+
+    def add_layer(self, name: str, quant_algo: str, group_size: int | None = None) -> None:
+        """Record that linear ``name`` is quantized with ``quant_algo``."""
+        self.layers[name] = _layer_config(quant_algo, group_size)
+
+    def add_kv_cache(self, name: str, algo: str) -> None:
+        """Record a KV-cache scale written under ``name``."""
+        self.kv_cache[name] = algo
+
+    def exclude(self, name: str) -> None:
+        """Record that linear-like module ``name`` stays unquantized."""
+        if name not in self.excluded:
+            self.excluded.append(name)
+
+    def summary(self, tensor_names: tuple[str, ...], num_bytes: int) -> QuantExportSummary:
+        """Freeze the collected config into a :class:`QuantExportSummary`."""
+        algos = {cfg["quant_algo"] for cfg in self.layers.values()}
+        configs = {tuple(sorted(cfg.items())) for cfg in self.layers.values()}
+        quant_algo = None if not algos else (MIXED_PRECISION if len(configs) > 1 else algos.pop())
+        sizes = {cfg.get("group_size") for cfg in self.layers.values()}
+        kv_algos = set(self.kv_cache.values())
+        if len(kv_algos) > 1:
+            raise ExportError(f"mixed KV-cache formats {sorted(kv_algos)} cannot be exported")
+        return QuantExportSummary(
+            quant_algo=quant_algo,
+            kv_cache_quant_algo=kv_algos.pop() if kv_algos else None,
+            exclude_modules=tuple(sorted(self.excluded)),
+            quantized_layers=dict(self.layers),
+            group_size=sizes.pop() if len(sizes) == 1 else None,
+            canonical_modules=dict(self.canonical),
+            tensor_names=tensor_names,
+            num_bytes=num_bytes,
+        )
+
+
+@dataclass
+class ExportContext:
+    """The state of one export (never global).
+
+    Attributes:
+        model: the model being exported (read, never modified).
+        sink: the output being built; every tensor goes through :meth:`emit`.
+        dtype: dtype of unquantized floating tensors (``None`` keeps theirs).
+            Scales are always float32.
+        is_qlora: the model carries LoRA adapters (dropped) around ``base_layer``s.
+        format: ``"modelopt"`` (default) or ``"compressed-tensors"`` (FP8 only).
+        quant_config: the quantization config collected so far.
+        amax_overrides: amax values an exporter's ``prepare_moe_inputs`` decided
+            (e.g. one input amax for all experts of a block), used instead of the
+            quantizer's own without modifying the model.
+    """
+
+    model: nn.Module
+    sink: TensorSink
+    dtype: torch.dtype | None = None
+    is_qlora: bool = False
+    format: ExportFormat = "modelopt"
+    quant_config: QuantConfigCollector = field(default_factory=QuantConfigCollector)
+    amax_overrides: dict[TensorQuantizer, torch.Tensor] = field(default_factory=dict)
+    _written: dict[str, None] = field(default_factory=dict, repr=False)
+    _num_bytes: int = field(default=0, repr=False)
+
+    def emit(self, name: str, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` (as is) under ``name``; a name written twice raises."""
+        if name in self._written:
+            raise ExportError(
+                f"tensor {name!r} was written twice; two exporters (or a tie and an "
+                "exporter) claim the same name. Check the module exporter registry."
+            )
+        self._written[name] = None
+        tensor = tensor.detach()
+        self._num_bytes += tensor.numel() * tensor.element_size()
+        self.sink.add(name, tensor)
+
+    def emit_plain(self, name: str, tensor: torch.Tensor) -> None:
+        """Write an unquantized tensor, cast to :attr:`dtype` when it is floating point."""
+        if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
+            tensor = tensor.detach().to(self.dtype)
+        self.emit(name, tensor)
+
+    def emit_scale(self, name: str, scale: torch.Tensor) -> None:
+        """Write a float32 scale; per-tensor scales are 0-d (ModelOpt) or ``[1]``
+        (compressed-tensors)."""
+        scale = scale.detach().to(torch.float32)
+        if self.format == "compressed-tensors" and scale.dim() == 0:
+            scale = scale.reshape(1)
+        self.emit(name, scale)
+
+    def amax_of(self, quantizer: TensorQuantizer) -> torch.Tensor | None:
+        """The amax to export for ``quantizer``: an override, else its calibrated amax."""
+        return self.amax_overrides.get(quantizer, quantizer.amax)
+
+    @property
+    def written(self) -> tuple[str, ...]:
+        """Names written so far, in order."""
+        return tuple(self._written)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes written so far."""
+        return self._num_bytes

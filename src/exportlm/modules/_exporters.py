@@ -1,0 +1,284 @@
+"""Built-in module exporters and their registration."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from exportlm.errors import UnsupportedFormatError
+from exportlm.modules._context import ExpertSlice, ExportContext
+from exportlm.modules._registry import ExportModuleRegistry, MatchKey, ModuleExporter
+from exportlm.quant import (
+    QuantBMMExperts,
+    QuantEmbedding,
+    QuantExperts,
+    QuantFormat,
+    QuantFusedExperts,
+    QuantizedTensor,
+    QuantLinear,
+    QuantMoELinear,
+    TensorQuantizer,
+    unify_expert_input_amax,
+)
+
+__all__ = [
+    "BMMExpertsExporter",
+    "FusedExpertsExporter",
+    "IterableCatchAllExporter",
+    "IterableExpertsExporter",
+    "MoELinearExporter",
+    "QuantEmbeddingExporter",
+    "QuantLinearExporter",
+    "builtin_module_exporters",
+    "register_builtin_module_exporters",
+]
+
+KV_CACHE_ALGO = {QuantFormat.FP8: "FP8"}
+
+
+def _check_format(ctx: ExportContext, name: str, quantizer: TensorQuantizer) -> None:
+    if ctx.format == "compressed-tensors" and quantizer.format is not QuantFormat.FP8:
+        raise UnsupportedFormatError(
+            f"{name}: format='compressed-tensors' writes FP8 only, but this module is "
+            f"{quantizer.format}; export with format='modelopt'"
+        )
+
+
+def _emit_weight(ctx: ExportContext, prefix: str, q: QuantizedTensor) -> None:
+    ctx.emit(f"{prefix}.weight", q.data)
+    if q.format is QuantFormat.NVFP4:
+        ctx.emit(f"{prefix}.weight_scale", q.scale)  # float8_e4m3fn block scales
+        if q.scale_2 is not None:
+            ctx.emit_scale(f"{prefix}.weight_scale_2", q.scale_2)
+    else:
+        ctx.emit_scale(f"{prefix}.weight_scale", q.scale)
+
+
+def _emit_input(ctx: ExportContext, prefix: str, quantizer: TensorQuantizer) -> None:
+    if quantizer.enabled:
+        ctx.emit_scale(f"{prefix}.input_scale", quantizer.scale_from(ctx.amax_of(quantizer)))
+    if quantizer.pre_quant_scale is not None:
+        ctx.emit_scale(f"{prefix}.pre_quant_scale", quantizer.pre_quant_scale)
+
+
+class QuantLinearExporter(ModuleExporter):
+    """``QuantLinear``: ``weight`` (+ scales), ``bias``, ``input_scale``, AWQ
+    ``pre_quant_scale``, and the KV-cache ``k_scale`` / ``v_scale`` of ``k_proj`` / ``v_proj``."""
+
+    name = "quant_linear"
+    keys = ("QuantLinear",)
+
+    def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
+        """Write one quantized linear under ``name``."""
+        if not isinstance(module, QuantLinear):
+            raise TypeError(f"{self!r} exports QuantLinear modules, got {type(module).__name__}")
+        weight_q = module.weight_quantizer
+        if weight_q.enabled and module.quant_algo:
+            _check_format(ctx, name, weight_q)
+            q = weight_q.quantize(module.effective_weight(), amax=ctx.amax_of(weight_q))
+            _emit_weight(ctx, name, q)
+            ctx.quant_config.add_layer(name, module.quant_algo, module.group_size)
+            _emit_input(ctx, name, module.input_quantizer)
+        else:
+            ctx.emit_plain(f"{name}.weight", module.weight)
+            ctx.quant_config.exclude(name)
+        if module.bias is not None:
+            ctx.emit_plain(f"{name}.bias", module.bias)
+        output_q = module.output_quantizer
+        if output_q.enabled and output_q.kv_role:
+            ctx.emit_scale(
+                f"{name}.{output_q.kv_role}_scale", output_q.scale_from(ctx.amax_of(output_q))
+            )
+            ctx.quant_config.add_kv_cache(name, KV_CACHE_ALGO[output_q.format])
+
+
+class MoELinearExporter(QuantLinearExporter):
+    """``QuantMoELinear``: one projection of one expert of an iterable MoE block.
+
+    Same tensors as a linear; its input amax is the block's shared one decided
+    by :class:`IterableExpertsExporter` (``ctx.amax_overrides``).
+    """
+
+    name = "quant_moe_linear"
+    keys = ("QuantMoELinear",)
+
+
+class QuantEmbeddingExporter(ModuleExporter):
+    """``QuantEmbedding``: the quantized table (``weight`` + scales), weight-only."""
+
+    name = "quant_embedding"
+    keys = (QuantEmbedding,)
+
+    def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
+        """Write one quantized embedding under ``name``."""
+        if not isinstance(module, QuantEmbedding):
+            raise TypeError(f"{self!r} exports QuantEmbedding modules, got {type(module).__name__}")
+        quantizer = module.weight_quantizer
+        _check_format(ctx, name, quantizer)
+        _emit_weight(ctx, name, quantizer.quantize(module.weight, amax=ctx.amax_of(quantizer)))
+        if module.quant_algo:
+            ctx.quant_config.add_layer(name, module.quant_algo, module.group_size)
+
+    def conformance_examples(self) -> list[nn.Module]:
+        """Quantized embeddings for the conformance suite.
+
+        The built-in recipes leave embeddings in full precision (as ModelOpt's
+        defaults do), so no toy model has one; these are built explicitly.
+        """
+        from exportlm.models import seeded_init_
+        from exportlm.quant import quantize
+
+        examples: list[nn.Module] = []
+        for seed, recipe in enumerate(("int8_wo", "fp8")):
+            holder = nn.ModuleDict({"embed_tokens": nn.Embedding(256, 128)})
+            seeded_init_(holder, seed)
+            quantize(holder, {"embed_tokens": recipe}, calibrate=lambda _m: None)
+            examples.append(holder["embed_tokens"])
+        return examples
+
+
+class FusedExpertsExporter(ModuleExporter):
+    """Stacked experts split per expert into ``{name}.{e}.{gate,up,down}_proj.*``.
+
+    Gate and up of one expert share ``weight_scale`` (one amax per expert of
+    ``gate_up_proj``); all experts share each projection's ``input_scale``.
+    """
+
+    name = "fused_experts"
+    keys: ClassVar[tuple[MatchKey, ...]] = (QuantFusedExperts,)
+
+    def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
+        """Write every expert's three linears."""
+        if not isinstance(module, QuantExperts):
+            raise TypeError(f"{self!r} exports QuantExperts modules, got {type(module).__name__}")
+        for projection in module.PROJECTIONS:
+            weight_q = module.weight_quantizer_of(projection)
+            input_q = module.input_quantizer_of(projection)
+            _check_format(ctx, name, weight_q)
+            weights = module.effective_weight(projection)
+            biases = module.bias_of(projection)
+            amax = ctx.amax_of(weight_q)
+            for expert in range(weights.shape[0]):
+                for linear, weight, bias in self._split(
+                    module, projection, weights, biases, expert
+                ):
+                    prefix = f"{name}.{expert}.{linear}"
+                    _emit_weight(ctx, prefix, weight_q.quantize(weight, index=expert, amax=amax))
+                    if bias is not None:
+                        ctx.emit_plain(f"{prefix}.bias", bias)
+                    _emit_input(ctx, prefix, input_q)
+                    if module.quant_algo:
+                        ctx.quant_config.add_layer(prefix, module.quant_algo, module.group_size)
+                    ctx.quant_config.canonical[prefix] = ExpertSlice(name, expert, linear)
+
+    @staticmethod
+    def _split(
+        module: QuantExperts,
+        projection: str,
+        weights: torch.Tensor,
+        biases: torch.Tensor | None,
+        expert: int,
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        weight = weights[expert]
+        bias = None if biases is None else biases[expert]
+        if projection == "down_proj":
+            return [("down_proj", weight, bias)]
+        gate_w, up_w = module.split_gate_up(weight, dim=-2)
+        gate_b, up_b = module.split_gate_up(bias, dim=-1) if bias is not None else (None, None)
+        return [("gate_proj", gate_w, gate_b), ("up_proj", up_w, up_b)]
+
+
+class BMMExpertsExporter(FusedExpertsExporter):
+    """GptOss / Llama4-style experts (transposed, GptOss: interleaved gate/up and biases),
+    split like :class:`FusedExpertsExporter` into ``[out, in]`` per-expert linears."""
+
+    name = "bmm_experts"
+    keys: ClassVar[tuple[MatchKey, ...]] = (QuantBMMExperts,)
+
+
+def _holds_moe_linears(module: nn.Module) -> bool:
+    return any(isinstance(m, QuantMoELinear) for m in module.modules())
+
+
+class IterableExpertsExporter(ModuleExporter):
+    """An ``nn.ModuleList`` of expert MLPs made of :class:`QuantMoELinear`.
+
+    ``prepare_moe_inputs`` gives each projection one input amax across the
+    block's experts, and gate/up of one expert one weight amax (into
+    ``ctx.amax_overrides``); the experts' linears are exported by
+    :class:`MoELinearExporter` as the walk reaches them.
+    """
+
+    name = "iterable_experts"
+    keys = (nn.ModuleList,)
+    exports_unquantized = True
+
+    @staticmethod
+    def predicate(module: nn.Module) -> bool:
+        """Only expert lists that hold quantized MoE linears."""
+        return _holds_moe_linears(module)
+
+    def prepare_moe_inputs(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
+        """Unify the experts' input amax per projection and gate/up weight amax per expert."""
+        if not isinstance(module, nn.ModuleList):
+            return
+        ctx.amax_overrides.update(unify_expert_input_amax(module))
+        for expert in module:
+            gate, up = getattr(expert, "gate_proj", None), getattr(expert, "up_proj", None)
+            if not (isinstance(gate, QuantMoELinear) and isinstance(up, QuantMoELinear)):
+                continue
+            pair = [gate.weight_quantizer, up.weight_quantizer]
+            amaxes = [q.amax for q in pair]
+            if all(q.enabled and q.format is QuantFormat.FP8 for q in pair) and all(
+                a is not None and a.dim() == 0 for a in amaxes
+            ):
+                shared = max(amaxes, key=lambda a: float(a))  # type: ignore[arg-type]
+                for quantizer in pair:
+                    ctx.amax_overrides[quantizer] = shared  # type: ignore[assignment]
+
+    def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
+        """Nothing of its own: the experts' linears are exported one by one."""
+        return None
+
+
+class IterableCatchAllExporter(ModuleExporter):
+    """Any other container (``ModuleList`` / ``ModuleDict`` / ``Sequential``): no-op export."""
+
+    name = "iterable_catch_all"
+    keys = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+    exports_unquantized = True
+
+    def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
+        """Nothing: containers hold no tensors of their own."""
+        return None
+
+
+def builtin_module_exporters() -> list[ModuleExporter]:
+    """Fresh instances of the built-in exporters, in registration order."""
+    return [
+        MoELinearExporter(),
+        QuantLinearExporter(),
+        QuantEmbeddingExporter(),
+        BMMExpertsExporter(),
+        FusedExpertsExporter(),
+        IterableExpertsExporter(),
+        IterableCatchAllExporter(),
+    ]
+
+
+def register_builtin_module_exporters(registry: ExportModuleRegistry) -> list[ModuleExporter]:
+    """Register the built-in exporters into ``registry`` (in order); returns them.
+
+    Order: MoE linear (``"QuantMoELinear"``) before linear (``"QuantLinear"``,
+    which a ``QuantMoELinear`` also matches through its MRO), embedding, BMM
+    experts, fused experts, iterable experts (``ModuleList`` + predicate),
+    catch-all containers.
+    Idempotent: registering again replaces the entries in place.
+    """
+    exporters = builtin_module_exporters()
+    for exporter in exporters:
+        predicate = getattr(exporter, "predicate", None)
+        registry.register(exporter, *exporter.keys, predicate=predicate)
+    return exporters

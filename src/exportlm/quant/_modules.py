@@ -1,0 +1,267 @@
+"""Quantized module wrappers: the originals with quantizers attached.
+
+Conversion swaps a module's class in place (``module.__class__``), the way
+ModelOpt's dynamic modules do: parameters, buffers, hooks and tied parameters
+stay the very same objects, so the converted model still runs and a
+``state_dict`` keeps its parameter names. A wrapper's class subclasses the
+original (``QuantLinear`` is an ``nn.Linear``; the fused-experts wrapper of
+``MixtralExperts`` is a ``MixtralExperts``), which is what the export registry's
+MRO matching relies on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exportlm.quant._quantizer import TensorQuantizer
+
+__all__ = [
+    "QuantBMMExperts",
+    "QuantEmbedding",
+    "QuantExperts",
+    "QuantFusedExperts",
+    "QuantLinear",
+    "QuantMoELinear",
+    "QuantModule",
+    "is_fused_experts",
+    "is_quantized_module",
+    "quant_experts_class",
+]
+
+
+class QuantModule(nn.Module):
+    """Mixin of every quantized wrapper.
+
+    Attributes set by :func:`~exportlm.quant.quantize`:
+        quant_algo: the ModelOpt algorithm name of the module's weights
+            (``"FP8"``, ``"NVFP4"``, ``"W4A16_AWQ"``, ``"W8A16"``), or ``None``
+            when only its KV-cache output is quantized.
+        group_size: NVFP4 block / AWQ group size, else ``None``.
+    """
+
+    quant_algo: str | None = None
+    group_size: int | None = None
+
+    def quantizers(self) -> Iterator[tuple[str, TensorQuantizer]]:
+        """``(attribute name, quantizer)`` of this module's own quantizers."""
+        for name, child in self.named_children():
+            if isinstance(child, TensorQuantizer):
+                yield name, child
+
+
+def is_quantized_module(module: nn.Module) -> bool:
+    """True for a quantized wrapper with at least one active quantizer.
+
+    Active: enabled, or carrying an AWQ ``pre_quant_scale``. A wrapper whose
+    quantizers are all disabled behaves (and exports) like the original module.
+    """
+    if not isinstance(module, QuantModule):
+        return False
+    return any(q.enabled or q.pre_quant_scale is not None for _, q in module.quantizers())
+
+
+class QuantLinear(QuantModule, nn.Linear):
+    """``nn.Linear`` with ``input_quantizer``, ``weight_quantizer`` and ``output_quantizer``.
+
+    ``y = output_quantizer(linear(input_quantizer(x), weight_quantizer(W / pqs), b))``
+    where ``pqs`` is the input quantizer's AWQ ``pre_quant_scale`` (1 without AWQ).
+    The output quantizer is the KV-cache quantizer of ``k_proj`` / ``v_proj``
+    (its ``kv_role`` is ``"k"`` or ``"v"``); it is disabled elsewhere.
+    """
+
+    weight_quantizer: TensorQuantizer
+    input_quantizer: TensorQuantizer
+    output_quantizer: TensorQuantizer
+
+    def effective_weight(self) -> torch.Tensor:
+        """The weight the quantizer sees: ``W / pre_quant_scale`` under AWQ, else ``W``."""
+        pqs = self.input_quantizer.pre_quant_scale
+        weight: torch.Tensor = self.weight
+        if pqs is None:
+            return weight
+        scaled: torch.Tensor = weight / pqs.to(weight.dtype)
+        return scaled
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """The fake-quantized linear."""
+        x = self.input_quantizer(input)
+        weight = self.weight_quantizer(self.effective_weight())
+        out: torch.Tensor = self.output_quantizer(F.linear(x, weight, self.bias))
+        return out
+
+
+class QuantMoELinear(QuantLinear):
+    """A :class:`QuantLinear` that is one projection of one expert in an iterable MoE.
+
+    Its own class so that the MoE-linear exporter (registered before the linear
+    one) claims it by its class name.
+    """
+
+
+class QuantEmbedding(QuantModule, nn.Embedding):
+    """``nn.Embedding`` whose table goes through ``weight_quantizer`` (weight-only)."""
+
+    weight_quantizer: TensorQuantizer
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Look up rows of the fake-quantized table."""
+        return F.embedding(
+            input,
+            self.weight_quantizer(self.weight),
+            self.padding_idx,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            self.sparse,
+        )
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """True for transformers-5 style experts: 3-D ``gate_up_proj`` and ``down_proj`` parameters."""
+    params = module._parameters
+    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    return (
+        gate_up is not None
+        and down is not None
+        and gate_up.dim() == 3
+        and down.dim() == 3
+        and hasattr(module, "_apply_gate")
+    )
+
+
+class QuantExperts(QuantModule):
+    """Base of the stacked-experts wrappers (mixed into the original experts class).
+
+    Weights are seen in the canonical per-expert layout ``[E, out, in]``
+    (:meth:`canonical_weight`); each has a per-expert weight quantizer
+    (``gate_up_proj_weight_quantizer``, ``down_proj_weight_quantizer``, amax
+    ``[E]``), so the gate and up rows of one expert share one scale. Each
+    projection has one input quantizer shared by all experts
+    (``gate_up_proj_input_quantizer``, ``down_proj_input_quantizer``), so the
+    experts of one block share one input scale.
+    """
+
+    #: Default layout when the experts class does not declare transformers'
+    #: ``is_transposed`` / ``is_concatenated`` flags.
+    default_transposed: ClassVar[bool] = False
+    default_interleaved: ClassVar[bool] = False
+
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+    num_experts: int
+    gate_up_proj_weight_quantizer: TensorQuantizer
+    down_proj_weight_quantizer: TensorQuantizer
+    gate_up_proj_input_quantizer: TensorQuantizer
+    down_proj_input_quantizer: TensorQuantizer
+
+    PROJECTIONS: ClassVar[tuple[str, str]] = ("gate_up_proj", "down_proj")
+    # Provided by the original experts class (transformers' experts decorator).
+    _apply_gate: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def transposed(self) -> bool:
+        """Weights stored ``[E, in, out]`` instead of ``[E, out, in]``."""
+        return bool(getattr(self, "is_transposed", self.default_transposed))
+
+    @property
+    def interleaved(self) -> bool:
+        """Gate/up rows interleaved (``gate0, up0, gate1, ...``) instead of ``[gate; up]``."""
+        concatenated = getattr(self, "is_concatenated", not self.default_interleaved)
+        return not concatenated
+
+    def canonical_weight(self, projection: str) -> torch.Tensor:
+        """``gate_up_proj`` or ``down_proj`` as ``[E, out, in]`` (a view, no copy)."""
+        weight: torch.Tensor = getattr(self, projection)
+        return weight.transpose(-1, -2) if self.transposed else weight
+
+    def input_quantizer_of(self, projection: str) -> TensorQuantizer:
+        """The input quantizer shared by every expert's ``projection``."""
+        quantizer: TensorQuantizer = getattr(self, f"{projection}_input_quantizer")
+        return quantizer
+
+    def weight_quantizer_of(self, projection: str) -> TensorQuantizer:
+        """The per-expert weight quantizer of ``projection``."""
+        quantizer: TensorQuantizer = getattr(self, f"{projection}_weight_quantizer")
+        return quantizer
+
+    def effective_weight(self, projection: str) -> torch.Tensor:
+        """:meth:`canonical_weight` divided by the AWQ ``pre_quant_scale`` when there is one."""
+        weight = self.canonical_weight(projection)
+        pqs = self.input_quantizer_of(projection).pre_quant_scale
+        return weight if pqs is None else weight / pqs.to(weight.dtype)
+
+    def bias_of(self, projection: str) -> torch.Tensor | None:
+        """The ``[E, out]`` bias of a projection, or ``None``."""
+        bias = getattr(self, f"{projection}_bias", None)
+        return bias if isinstance(bias, torch.Tensor) else None
+
+    def split_gate_up(self, rows: torch.Tensor, *, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split gate/up along ``dim`` (``-2`` of a ``[2I, H]`` weight, ``-1`` of a bias)."""
+        if self.interleaved:
+            index: list[slice] = [slice(None)] * rows.dim()
+            index[dim] = slice(0, None, 2)
+            gate = rows[tuple(index)]
+            index[dim] = slice(1, None, 2)
+            return gate, rows[tuple(index)]
+        gate, up = rows.chunk(2, dim=dim)
+        return gate, up
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Route tokens through fake-quantized experts (eager loop over experts hit)."""
+        gate_up = self.gate_up_proj_weight_quantizer(self.effective_weight("gate_up_proj"))
+        down = self.down_proj_weight_quantizer(self.effective_weight("down_proj"))
+        gate_up_bias, down_bias = self.bias_of("gate_up_proj"), self.bias_of("down_proj")
+        x = self.gate_up_proj_input_quantizer(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.num_experts):
+            token_idx, slot = torch.where(top_k_index == expert)
+            if token_idx.numel() == 0:
+                continue
+            h = F.linear(x[token_idx], gate_up[expert], _row(gate_up_bias, expert))
+            h = self.down_proj_input_quantizer(self._apply_gate(h))
+            y = F.linear(h, down[expert], _row(down_bias, expert))
+            y = y * top_k_weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if bias is None else bias[expert]
+
+
+class QuantFusedExperts(QuantExperts):
+    """Mixtral / Qwen-MoE experts: ``gate_up_proj [E, 2I, H]`` (gate rows then up rows),
+    ``down_proj [E, H, I]``, no biases."""
+
+
+class QuantBMMExperts(QuantExperts):
+    """Batched-matmul experts (GptOss, Llama4): weights stored transposed,
+    ``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``; GptOss interleaves gate/up
+    columns and has biases ``gate_up_proj_bias [E, 2I]``, ``down_proj_bias [E, H]``."""
+
+    default_transposed = True
+    default_interleaved = True
+
+
+_EXPERT_CLASSES: dict[tuple[type[nn.Module], type[QuantExperts]], type[nn.Module]] = {}
+
+
+def quant_experts_class(original: type[nn.Module], base: type[QuantExperts]) -> type[nn.Module]:
+    """The (cached) wrapper class ``Quant<Original>(base, original)``."""
+    key = (original, base)
+    cls = _EXPERT_CLASSES.get(key)
+    if cls is None:
+        namespace: dict[str, Any] = {
+            "__module__": __name__,
+            "__qualname__": f"Quant{original.__name__}",
+        }
+        cls = type(f"Quant{original.__name__}", (base, original), namespace)
+        _EXPERT_CLASSES[key] = cls
+    return cls

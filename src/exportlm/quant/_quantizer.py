@@ -1,0 +1,246 @@
+"""``TensorQuantizer``: one tensor's format, calibrated amax and fake quantization."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from exportlm.errors import QuantizationError
+from exportlm.quant._formats import (
+    FP8_MAX,
+    QuantFormat,
+    QuantizedTensor,
+    dequantize,
+    quantize_tensor,
+    safe_scale,
+)
+
+__all__ = ["TensorQuantizer"]
+
+
+class TensorQuantizer(nn.Module):
+    """Quantizes one tensor (a weight, an activation or a KV-cache output).
+
+    Args:
+        fmt: the numeric format (:class:`QuantFormat` or its string value).
+        axis: ``None`` keeps one amax for the whole tensor; an int keeps one amax
+            per index along that axis (``0`` = per expert for stacked experts
+            ``[E, out, in]``, per row for a 2-D weight).
+        block_size: NVFP4 block (16) / INT4 group (128) along the last dimension.
+        enabled: a disabled quantizer passes its input through unchanged.
+        label: the quantizer's module path, used in error messages.
+        min_scale: a lower bound of the per-tensor scale (``1.0`` for FP8 KV-cache
+            scales, as ModelOpt exports them).
+
+    Modes: while :attr:`calibrating` is true ``forward`` records ``amax`` (max
+    calibration: the running max of ``|x|``, reduced over every dimension but
+    ``axis``) and returns ``x`` unchanged; otherwise ``forward`` is
+    :meth:`fake_quant`. A ``pre_quant_scale`` buffer (AWQ) multiplies the input
+    first, whether or not the quantizer is enabled.
+    """
+
+    amax: torch.Tensor | None
+    pre_quant_scale: torch.Tensor | None
+    static_scale: torch.Tensor | None
+
+    def __init__(
+        self,
+        fmt: QuantFormat | str,
+        *,
+        axis: int | None = None,
+        block_size: int | None = None,
+        enabled: bool = True,
+        label: str = "",
+        min_scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.format = QuantFormat(fmt)
+        self.axis = axis
+        self.block_size = block_size
+        self.enabled = enabled
+        self.label = label
+        self.min_scale = min_scale
+        self.calibrating = False
+        #: ``"k"`` / ``"v"`` for the KV-cache output quantizers of ``k_proj`` / ``v_proj``.
+        self.kv_role: str | None = None
+        #: Also record a per-input-channel amax while calibrating (AWQ smoothing).
+        self.track_channels = False
+        self.channel_amax: torch.Tensor | None = None
+        self.register_buffer("amax", None)
+        self.register_buffer("pre_quant_scale", None)
+        #: A per-tensor scale used as is instead of one derived from ``amax``
+        #: (set by :meth:`load_scale` from a checkpoint).
+        self.register_buffer("static_scale", None)
+
+    # -- calibration -------------------------------------------------------
+    @property
+    def is_calibrated(self) -> bool:
+        """True once an amax is known (from data or set explicitly)."""
+        return self.amax is not None
+
+    def collect(self, x: torch.Tensor) -> None:
+        """Update ``amax`` with the max of ``|x|`` (max calibration)."""
+        x = x.detach().abs().to(torch.float32)
+        if self.axis is None:
+            new = x.amax()
+        else:
+            axis = self.axis % x.dim()
+            dims = [d for d in range(x.dim()) if d != axis]
+            new = x.amax(dim=dims) if dims else x
+        self.amax = new if self.amax is None else torch.maximum(self.amax, new)
+        if self.track_channels:
+            channels = x.reshape(-1, x.shape[-1]).amax(dim=0)
+            self.channel_amax = (
+                channels
+                if self.channel_amax is None
+                else torch.maximum(self.channel_amax, channels)
+            )
+
+    def reset_amax(self) -> None:
+        """Forget the calibrated amax (and a loaded :attr:`static_scale`)."""
+        self.amax = None
+        self.channel_amax = None
+        self.static_scale = None
+
+    # -- quantization ------------------------------------------------------
+    def _amax_for(
+        self, x: torch.Tensor, index: int | None, amax: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        if self.format not in (QuantFormat.FP8, QuantFormat.NVFP4):
+            return None  # INT4 / INT8 scales come from the tensor itself (per group / row)
+        amax = self.amax if amax is None else amax
+        if amax is None:
+            raise QuantizationError(
+                f"{self.label or 'quantizer'}: {self.format} quantizer has no amax; it was "
+                "never calibrated. Run a calibration forward that reaches this module "
+                "(quantize(model, recipe, calibrate=...)) or exclude the module."
+            )
+        if index is not None and amax.dim():
+            amax = amax[index]
+        elif self.axis is not None and amax.dim():
+            shape = [1] * x.dim()
+            shape[self.axis % x.dim()] = amax.numel()
+            amax = amax.reshape(shape)
+        if self.min_scale is not None:
+            amax = torch.clamp(amax, min=self.min_scale * FP8_MAX)
+        return amax
+
+    def quantize(
+        self, x: torch.Tensor, *, index: int | None = None, amax: torch.Tensor | None = None
+    ) -> QuantizedTensor:
+        """The real quantization of ``x`` (what exporters write).
+
+        ``index`` picks one entry of a per-axis amax (e.g. one expert's slice of
+        stacked expert weights); ``amax`` replaces the calibrated amax (an
+        exporter's unified value) without modifying the quantizer. A loaded
+        :attr:`static_scale` is used as it is unless ``amax`` is given.
+        """
+        where = self.label or "quantizer"
+        if amax is None and self.static_scale is not None:
+            return quantize_tensor(
+                x, self.format, scale=self.static_scale, block_size=self.block_size, where=where
+            )
+        return quantize_tensor(
+            x,
+            self.format,
+            amax=self._amax_for(x, index, amax),
+            block_size=self.block_size,
+            where=where,
+        )
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        """``dequantize(quantize(x))`` in ``x``'s dtype.
+
+        Exactly the tensor a loader gets by dequantizing the exported form (no
+        gradient flows: this is post-training quantization, not QAT). Laid out like
+        ``x`` (a transposed view stays transposed), so a matmul with it runs the
+        same kernel as with a loader's dequantized weight stored in ``x``'s layout.
+        """
+        out = dequantize(self.quantize(x), x.dtype)
+        if out.stride() != x.stride():  # NVFP4 / INT4 unpack into a contiguous tensor
+            out = torch.empty_like(x).copy_(out)
+        return out
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The per-tensor (or per-axis) scale from ``amax``, float32.
+
+        FP8 / INT: ``amax / maxbound``; NVFP4: ``amax / (6 * 448)`` (its second-level
+        scale, exported as ``weight_scale_2`` / ``input_scale``). Safe: a zero amax
+        gives 1.0 and a NaN/inf amax raises :class:`QuantizationError`. A loaded
+        :attr:`static_scale` is returned as it is.
+        """
+        if self.static_scale is not None:
+            return self.static_scale
+        return self.scale_from(self.amax)
+
+    def scale_from(self, amax: torch.Tensor | None) -> torch.Tensor:
+        """:attr:`scale` computed from ``amax`` instead of the calibrated value."""
+        if amax is None:
+            raise QuantizationError(
+                f"{self.label or 'quantizer'}: no amax; calibrate the model before exporting"
+            )
+        if self.min_scale is not None:
+            amax = torch.clamp(amax, min=self.min_scale * FP8_MAX)
+        return safe_scale(amax, self._divisor(), where=self.label or "quantizer")
+
+    def _divisor(self) -> float:
+        """``amax / scale``: the format's maxbound (NVFP4: ``6 * 448``, its two levels)."""
+        return self.format.maxbound * (FP8_MAX if self.format is QuantFormat.NVFP4 else 1.0)
+
+    def load_scale(
+        self, scale: torch.Tensor, fmt: QuantFormat | str, *, block_size: int | None = None
+    ) -> None:
+        """Enable this quantizer as a static one whose :attr:`scale` is an exported ``scale``.
+
+        ``scale`` becomes :attr:`static_scale` and is used as it is (FP8: the
+        ``input_scale`` / ``k_scale``; NVFP4 activations: the per-tensor second-level
+        scale), so a checkpoint's activation scale quantizes exactly as the quantizer
+        that exported it: deriving it back from ``amax = scale * maxbound`` would not
+        (``fl(fl(s * 448) / 448) != s`` for some float32 ``s``). ``amax`` is set to
+        ``scale * maxbound`` for information; ``min_scale`` is dropped.
+
+        Raises :class:`QuantizationError` for a scale that is not a single finite,
+        positive number, or an INT format (activations are FP8 or NVFP4).
+        """
+        fmt = QuantFormat(fmt)
+        where = self.label or "quantizer"
+        if fmt not in (QuantFormat.FP8, QuantFormat.NVFP4):
+            raise QuantizationError(
+                f"{where}: static activation scales are FP8 or NVFP4, got {fmt}; "
+                "INT formats quantize weights only"
+            )
+        value = scale.detach().to(torch.float32)
+        if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) <= 0:
+            raise QuantizationError(
+                f"{where}: an exported activation scale must be one finite positive number, "
+                f"got shape {tuple(scale.shape)} value(s) {value.flatten()[:4].tolist()}; "
+                "the checkpoint is corrupt or was not written by a per-tensor exporter"
+            )
+        self.format = fmt
+        self.block_size = block_size
+        self.min_scale = None
+        self.static_scale = value.reshape(())
+        self.amax = self.static_scale * self._divisor()
+        self.enabled = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Calibrate or fake-quantize ``x`` (identity when disabled)."""
+        if self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale.to(x.dtype)
+        if self.calibrating:
+            self.collect(x)
+            return x
+        if not self.enabled:
+            return x
+        return self.fake_quant(x)
+
+    def extra_repr(self) -> str:
+        parts = [str(self.format), f"axis={self.axis}"]
+        if self.block_size:
+            parts.append(f"block_size={self.block_size}")
+        if not self.enabled:
+            parts.append("disabled")
+        if self.calibrating:
+            parts.append("calibrating")
+        return ", ".join(parts)

@@ -1,0 +1,214 @@
+"""Quantization recipes: which algorithm each module gets.
+
+A recipe is a default algorithm, an optional KV-cache format, per-module
+overrides (mixed precision) and exclusions, all as fnmatch patterns over module
+names (``model.layers.0.mlp.down_proj``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from exportlm.errors import UnknownNameError
+from exportlm.quant._formats import QuantFormat
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_EXCLUDE",
+    "KV_CACHE_FORMATS",
+    "Algorithm",
+    "QuantRecipe",
+    "RecipeLike",
+    "recipe_names",
+]
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """How one weight algorithm quantizes a linear-like module.
+
+    Attributes:
+        name: the recipe name (``"fp8"``).
+        quant_algo: the ModelOpt ``quant_algo`` written to ``hf_quant_config.json``.
+        weight: the weight format.
+        weight_block: NVFP4 block / INT4 group size, ``None`` for per-tensor / per-row.
+        weight_axis: ``0`` for per-row weight scales (INT8), ``None`` otherwise.
+        input: the activation format, or ``None`` for weight-only.
+        awq: compute an AWQ ``pre_quant_scale`` from calibration activations.
+    """
+
+    name: str
+    quant_algo: str
+    weight: QuantFormat
+    weight_block: int | None = None
+    weight_axis: int | None = None
+    input: QuantFormat | None = None
+    awq: bool = False
+
+    @property
+    def group_size(self) -> int | None:
+        """The ``group_size`` of ``hf_quant_config.json`` (block-quantized formats only)."""
+        return self.weight_block
+
+
+#: Weight algorithms by recipe name. ``fp8`` matches ModelOpt's ``FP8_DEFAULT_CFG``
+#: (weights and inputs per-tensor E4M3); ``nvfp4`` its ``NVFP4_DEFAULT_CFG`` (E2M1
+#: blocks of 16, weights and inputs); ``int4_awq`` is W4A16 with groups of 128;
+#: ``int8_wo`` is W8A16 with per-row scales.
+ALGORITHMS: dict[str, Algorithm] = {
+    "fp8": Algorithm("fp8", "FP8", QuantFormat.FP8, input=QuantFormat.FP8),
+    "nvfp4": Algorithm("nvfp4", "NVFP4", QuantFormat.NVFP4, 16, input=QuantFormat.NVFP4),
+    "int4_awq": Algorithm("int4_awq", "W4A16_AWQ", QuantFormat.INT4, 128, awq=True),
+    "int8_wo": Algorithm("int8_wo", "W8A16", QuantFormat.INT8, weight_axis=0),
+}
+
+#: KV-cache recipes: name -> format of the ``k_proj`` / ``v_proj`` output quantizers.
+KV_CACHE_FORMATS: dict[str, QuantFormat] = {"fp8_kv": QuantFormat.FP8}
+
+#: Left in full precision unless an override names them: ``lm_head``, MoE routers
+#: (``*.gate``, ``*.router``, Qwen's ``shared_expert_gate``) and LoRA adapters.
+#: Embeddings are never quantized unless an override pattern names them.
+DEFAULT_EXCLUDE: tuple[str, ...] = (
+    "*lm_head*",
+    "*.gate",
+    "gate",
+    "*.router",
+    "router",
+    "*shared_expert_gate*",
+    "*lora_*",
+)
+
+RecipeLike = Any  # str | Sequence[str] | Mapping[str, str | None] | QuantRecipe
+
+
+def recipe_names() -> list[str]:
+    """Every recipe name accepted by :func:`~exportlm.quant.quantize`, sorted."""
+    return sorted([*ALGORITHMS, *KV_CACHE_FORMATS])
+
+
+@dataclass(frozen=True)
+class QuantRecipe:
+    """What :func:`~exportlm.quant.quantize` does to each module.
+
+    Attributes:
+        algo: the default weight algorithm (a key of :data:`ALGORITHMS`) or ``None``.
+        kv_cache: a key of :data:`KV_CACHE_FORMATS` or ``None``.
+        overrides: ``(pattern, algo or None)`` pairs; the *last* pattern matching
+            a module name wins and beats the default exclusions (``None`` excludes).
+        exclude: patterns never quantized (beat everything, KV cache included).
+        default_exclude: patterns left unquantized unless an override names them.
+    """
+
+    algo: str | None = "fp8"
+    kv_cache: str | None = None
+    overrides: tuple[tuple[str, str | None], ...] = ()
+    exclude: tuple[str, ...] = ()
+    default_exclude: tuple[str, ...] = field(default=DEFAULT_EXCLUDE)
+
+    def __post_init__(self) -> None:
+        for algo in (self.algo, *(a for _, a in self.overrides)):
+            if algo is not None and algo not in ALGORITHMS:
+                raise UnknownNameError("quantization recipe", algo, recipe_names())
+        if self.kv_cache is not None and self.kv_cache not in KV_CACHE_FORMATS:
+            raise UnknownNameError("quantization recipe", self.kv_cache, recipe_names())
+
+    @classmethod
+    def parse(cls, recipe: RecipeLike, exclude: Sequence[str] | None = None) -> QuantRecipe:
+        """Build a recipe from its short forms.
+
+        ``"fp8"``; ``"fp8+fp8_kv"`` or ``["fp8", "fp8_kv"]`` (combined); a mapping
+        of fnmatch patterns to recipes, where ``"*"`` gives the default, e.g.
+        ``{"*": "fp8+fp8_kv", "*.mlp.*": "nvfp4", "*.o_proj": None}``; or a
+        :class:`QuantRecipe`. ``exclude`` adds patterns never quantized.
+        Unknown names raise :class:`~exportlm.errors.UnknownNameError`.
+        """
+        extra = tuple(exclude or ())
+        if isinstance(recipe, QuantRecipe):
+            base = recipe
+        elif isinstance(recipe, Mapping):
+            base = cls._from_mapping(recipe)
+        else:
+            algo, kv = _split_parts(recipe)
+            base = cls(algo=algo, kv_cache=kv)
+        if extra:
+            return cls(
+                base.algo, base.kv_cache, base.overrides, base.exclude + extra, base.default_exclude
+            )
+        return base
+
+    @classmethod
+    def _from_mapping(cls, mapping: Mapping[str, Any]) -> QuantRecipe:
+        algo: str | None = None
+        kv: str | None = None
+        overrides: list[tuple[str, str | None]] = []
+        for pattern, value in mapping.items():
+            if pattern == "*":
+                algo, kv = _split_parts(value) if value is not None else (None, None)
+                continue
+            if value is None:
+                overrides.append((pattern, None))
+                continue
+            sub_algo, sub_kv = _split_parts(value)
+            if sub_kv is not None:
+                raise ValueError(
+                    f"recipe pattern {pattern!r}: KV-cache recipes ({sub_kv!r}) apply to the "
+                    "whole model; put them under the '*' key, e.g. {'*': 'fp8+fp8_kv'}"
+                )
+            overrides.append((pattern, sub_algo))
+        return cls(algo=algo, kv_cache=kv, overrides=tuple(overrides))
+
+    def algo_for(self, name: str, *, default_applies: bool = True) -> str | None:
+        """The weight algorithm of module ``name``, or ``None`` to leave it unquantized.
+
+        ``default_applies=False`` (embeddings) quantizes only on an explicit override.
+        """
+        if _matches(name, self.exclude):
+            return None
+        for pattern, algo in reversed(self.overrides):
+            if fnmatch.fnmatchcase(name, pattern):
+                return algo
+        if not default_applies or _matches(name, self.default_exclude):
+            return None
+        return self.algo
+
+    def kv_for(self, name: str) -> QuantFormat | None:
+        """The KV-cache format of module ``name`` (a ``k_proj`` / ``v_proj``), or ``None``."""
+        if self.kv_cache is None or _matches(name, self.exclude):
+            return None
+        return KV_CACHE_FORMATS[self.kv_cache]
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _split_parts(recipe: Any) -> tuple[str | None, str | None]:
+    if isinstance(recipe, str):
+        parts = [p.strip() for p in recipe.split("+") if p.strip()]
+    elif isinstance(recipe, Sequence):
+        parts = [str(p) for p in recipe]
+    else:
+        raise TypeError(
+            f"a quantization recipe is a name, a list of names, a mapping of patterns or a "
+            f"QuantRecipe; got {type(recipe).__name__}"
+        )
+    algo: str | None = None
+    kv: str | None = None
+    for part in parts:
+        if part in KV_CACHE_FORMATS:
+            kv = part
+        elif part in ALGORITHMS:
+            if algo is not None and algo != part:
+                raise ValueError(
+                    f"recipe {recipe!r} names two weight algorithms ({algo!r}, {part!r}); use "
+                    "a mapping of module patterns for mixed precision"
+                )
+            algo = part
+        else:
+            raise UnknownNameError("quantization recipe", part, recipe_names())
+    if not parts:
+        raise ValueError("empty quantization recipe; expected e.g. 'fp8' or 'fp8+fp8_kv'")
+    return algo, kv
