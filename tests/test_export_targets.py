@@ -165,9 +165,7 @@ class _ObjectOutput(nn.Module):
 def test_any_module_with_logits_output_exports(tmp_path: Path, target: str) -> None:
     model = _ObjectOutput().eval()
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
-    path = exportlm.export_model(
-        target, model, tmp_path / f"m{SUFFIX[target]}", example_inputs=ids
-    )
+    path = exportlm.export_model(target, model, tmp_path / f"m{SUFFIX[target]}", example_inputs=ids)
     runtime = exportlm.load_exported(target, path)
     info = get_target_info(target)
     other = torch.tensor([[9, 8, 7], [6, 5, 4], [3, 2, 1]])

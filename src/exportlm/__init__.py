@@ -11,9 +11,9 @@ from typing import Any
 from exportlm.errors import (
     ExportError,
     ExportFailedError,
+    ExportLMError,
     InvalidInputError,
     InvalidModelError,
-    ExportLMError,
     OutputExistsError,
     PluginLoadError,
     QuantizationError,
