@@ -20,8 +20,8 @@ from exportlm.export._base import (
     runtime_loader,
 )
 from exportlm.export._compare import LogitsComparison, compare_logits
-from exportlm.export._inputs import infer_vocab_size, make_input_ids, resolve_example_inputs
 from exportlm.export._wrapper import ExportCacheWrapper, extract_logits
+from exportlm.inputs import infer_vocab_size, make_input_ids, resolve_example_inputs
 
 __all__ = [
     "CAPABILITIES",

@@ -36,10 +36,10 @@ from exportlm.errors import (
     RuntimeUnavailableError,
 )
 from exportlm.export._base import atomic_output
-from exportlm.export._inputs import resolve_example_inputs
 from exportlm.export._moe import TRACEABLE_EXPERTS, traceable_model
 from exportlm.export._quiet import CapturedNoise, quiet_exporter
 from exportlm.export._wrapper import extract_logits
+from exportlm.inputs import resolve_example_inputs
 
 __all__ = [
     "ExportJob",

@@ -45,7 +45,6 @@ from torch import nn
 from exportlm.errors import InvalidInputError, InvalidModelError
 from exportlm.export._base import export_target
 from exportlm.export._compare import compare_logits
-from exportlm.export._inputs import resolve_example_inputs
 from exportlm.export._moe import traceable_model
 from exportlm.export._quiet import CapturedNoise, warn_caller
 from exportlm.export._session import (
@@ -55,6 +54,7 @@ from exportlm.export._session import (
     export_session,
 )
 from exportlm.export._wrapper import ExportCacheWrapper, accepts_attention_mask
+from exportlm.inputs import resolve_example_inputs
 
 __all__ = [
     "DEFAULT_OPSET",

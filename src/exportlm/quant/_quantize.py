@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from exportlm.errors import QuantizationError, UnsupportedFormatError
+from exportlm.inputs import infer_vocab_size, make_input_ids
 from exportlm.quant._formats import QuantFormat
 from exportlm.quant._modules import (
     QuantBMMExperts,
@@ -315,8 +316,6 @@ def _init_weight_amax(model: nn.Module) -> None:
 
 # -- calibration --------------------------------------------------------------
 def _default_calibrate(model: nn.Module) -> None:
-    from exportlm.export import infer_vocab_size, make_input_ids
-
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     model(make_input_ids(infer_vocab_size(model), device=device))
 

@@ -1,4 +1,5 @@
-"""Example inputs: validation, and deterministic construction from a model's vocabulary."""
+"""Model inputs shared by export, quantization and runtimes: validation, and deterministic
+``input_ids`` from a model's vocabulary (no dependency on any export target)."""
 
 from __future__ import annotations
 
