@@ -1,6 +1,10 @@
 # The two commands a newcomer runs: `make conformance` and `make test`.
-# Both create .venv on first use and install the package (editable) with its
-# test extras; the CPU build of torch is pinned through constraints-cpu.txt.
+# Both create .venv on first use and install the package (editable) with the
+# `pytest` and `onnx` extras and the `dev` dependency group; the CPU build of
+# torch is pinned through constraints-cpu.txt.
+#
+# `make test-lowest` does the same in .venv-lowest with every direct dependency
+# at the lower bound pyproject.toml declares (see .ci/lowest_constraints.py).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -8,13 +12,32 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.exportlm-installed
 INTEROP_STAMP := $(VENV)/.exportlm-interop-installed
 PIP    := $(BIN)/python -m pip
+# `pip install --group` (PEP 735 dependency groups) needs pip >= 25.1.
+PIP_VERSION := pip>=25.1
+EXTRAS := pytest,onnx
 JOBS   ?= auto
 # One Hypothesis seed for the generated-structure checks, so a rerun draws the same
 # structures and reuses their cached artifacts; `make conformance CONFORMANCE_SEED=`
 # draws new ones each run.
 CONFORMANCE_SEED ?= --hypothesis-seed=0
 
-.PHONY: install test lint conformance bench clean
+LOWEST_VENV  ?= .venv-lowest
+LOWEST_BIN   := $(LOWEST_VENV)/bin
+LOWEST_STAMP := $(LOWEST_VENV)/.exportlm-installed
+# What `make test-lowest` runs: the tests that exercise each direct dependency's API
+# (torch export paths, transformers models and checkpoint naming, safetensors, numpy,
+# onnx/onnxruntime/onnxscript, Hypothesis strategies) and every plugin test, so the
+# plugin's pytester tests (--lf, rerun by id, -m, --pdb, JUnit, xdist) run on the
+# lowest pytest (8.0) here and on the newest (9.x) in `make test`.
+# `make test-lowest LOWEST_TESTS=tests` runs the whole suite.
+LOWEST_TESTS ?= tests/test_registry.py tests/test_models.py tests/test_quant.py \
+	tests/test_hf_checkpoint.py tests/test_checkpoint_names.py tests/test_export_targets.py \
+	tests/test_onnx_api.py tests/test_export_errors.py tests/test_cli.py \
+	tests/test_strategies.py tests/test_plugin.py tests/test_plugin_selection.py \
+	tests/test_plugin_reporting.py tests/test_plugin_config.py tests/test_api.py \
+	tests/test_fixtures.py
+
+.PHONY: install test test-lowest lint conformance bench clean
 
 # Let the venv keep compiled bytecode even where the environment disables it:
 # every pytest process (one per xdist worker) would otherwise recompile torch's,
@@ -23,14 +46,14 @@ unexport PYTHONDONTWRITEBYTECODE
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints-cpu.txt -e '.[test]'
+	$(PIP) install --quiet --upgrade '$(PIP_VERSION)'
+	$(PIP) install --quiet -c constraints-cpu.txt -e '.[$(EXTRAS)]' --group dev
 	@touch $(STAMP)
 
 # The reference implementations (nvidia-modelopt, compressed-tensors) for the
 # interop tests: test-only, never runtime dependencies of the package.
 $(INTEROP_STAMP): $(STAMP)
-	$(PIP) install --quiet -c constraints-cpu.txt -e '.[test,interop]'
+	$(PIP) install --quiet -c constraints-cpu.txt -e '.[$(EXTRAS),interop]' --group dev
 	@touch $(INTEROP_STAMP)
 
 install: $(STAMP)
@@ -39,16 +62,34 @@ test: $(INTEROP_STAMP)
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check src pytest_exportcheck tests benchmarks examples
-	$(BIN)/ruff format --check src pytest_exportcheck tests benchmarks examples
+	$(BIN)/ruff check src pytest_exportcheck tests benchmarks examples .ci
+	$(BIN)/ruff format --check src pytest_exportcheck tests benchmarks examples .ci
 	$(BIN)/mypy
 
 conformance: $(STAMP)
 	$(BIN)/python -m pytest -n $(JOBS) --export-targets=all --export-only \
 		--export-report=conformance-report.json $(CONFORMANCE_SEED)
 
+# Lower bounds: a separate venv whose direct dependencies are pinned to the `>=`
+# bounds of pyproject.toml (core + the `pytest` and `onnx` extras). Transitive
+# dependencies resolve freely. constraints-cpu.txt stays on, so a torch bound other
+# than the CPU build on disk fails to resolve instead of pulling a CUDA build.
+$(LOWEST_STAMP): pyproject.toml constraints-cpu.txt .ci/lowest_constraints.py
+	@test -x $(LOWEST_BIN)/python || $(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_BIN)/python -m pip install --quiet --upgrade '$(PIP_VERSION)'
+	$(LOWEST_BIN)/python .ci/lowest_constraints.py --extras $(EXTRAS) \
+		> $(LOWEST_VENV)/constraints-lowest.txt
+	$(LOWEST_BIN)/python -m pip install --quiet -c constraints-cpu.txt \
+		-c $(LOWEST_VENV)/constraints-lowest.txt -e '.[$(EXTRAS)]'
+	@touch $(LOWEST_STAMP)
+
+test-lowest: $(LOWEST_STAMP)
+	@$(LOWEST_BIN)/python -m pip freeze --quiet | grep -i -E \
+		'^(torch|transformers|safetensors|numpy|onnx|onnxruntime|onnxscript|pytest|pytest-xdist|hypothesis)=='
+	$(LOWEST_BIN)/python -m pytest -n $(JOBS) --dist loadgroup -p no:cacheprovider $(LOWEST_TESTS)
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_export_overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json
+	rm -rf $(VENV) $(LOWEST_VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json

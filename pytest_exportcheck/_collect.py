@@ -1,31 +1,24 @@
-"""Planning and pytest nodes of the conformance suite.
+"""The pure planner: what is installed and selected -> the sorted list of items.
 
-:func:`plan` is a pure function from what is installed and selected to a sorted
-list of :class:`ItemSpec` (string ids only, no reprs), so every xdist worker
-plans the same items in the same order. The nodes are one
-:class:`ExportCheckCollector` (``exportcheck``) under the session, holding one
-:class:`ExportCheckItem` per spec: ``exportcheck::roundtrip_logits[onnx-llama-cpu]``.
+:func:`plan` is a pure function from a :class:`Plan` (names resolved against the
+registries, check specs, models, devices) to a list of :class:`ItemSpec` with
+string ids only (no reprs), so every xdist worker plans the same items in the
+same order. It imports nothing but the standard library: the pytest nodes built
+from the specs live in :mod:`pytest_exportcheck._nodes`, and the code that fills
+a :class:`Plan` from the registries in :mod:`pytest_exportcheck._planner`.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytest
-
-from pytest_exportcheck._report import PROPERTY
-from pytest_exportcheck.checks._api import CheckResult, CheckSpec
+if TYPE_CHECKING:
+    from pytest_exportcheck.checks import CheckSpec
 
 __all__ = [
-    "COLLECTOR_NAME",
     "PLUGIN_LOADS",
-    "CheckFailed",
-    "ExportCheckCollector",
-    "ExportCheckItem",
     "ExporterPlan",
     "ItemSpec",
     "Plan",
@@ -33,7 +26,6 @@ __all__ = [
     "plan",
 ]
 
-COLLECTOR_NAME = "exportcheck"
 #: The id of the built-in per-plugin item: a broken entry point fails it.
 PLUGIN_LOADS = "plugin_loads"
 
@@ -53,6 +45,7 @@ class ItemSpec:
         skip: a collection-time skip reason (capability gap), or ``None``.
         failure: for ``plugin_loads``: the load error text, or ``None`` when it loaded.
         check_index: position of the check in the catalogue (matrix row order).
+        markers: names of the pytest markers of the check (besides ``exportcheck``).
     """
 
     check: str
@@ -68,6 +61,7 @@ class ItemSpec:
     skip: str | None = None
     failure: str | None = None
     check_index: int = 0
+    markers: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str:
@@ -130,85 +124,56 @@ class Plan:
 
 def plan(p: Plan) -> list[ItemSpec]:
     """Every item of the run, in a deterministic order (target rows, then exporters)."""
-    index = {spec.id: i for i, spec in enumerate(p.checks)}
-    target_checks = [s for s in p.checks if s.scope == "target" and s.id != PLUGIN_LOADS]
-    exporter_checks = [s for s in p.checks if s.scope == "exporter" and s.id != PLUGIN_LOADS]
     items: list[ItemSpec] = []
     for target in sorted(p.targets, key=lambda t: t.name):
-        if not target.loaded:
-            items.append(
-                ItemSpec(
-                    PLUGIN_LOADS,
-                    "target",
-                    target.name,
-                    (target.name,),
-                    target=target.name,
-                    failure=target.failure,
-                    check_index=-1,
-                )
-            )
-            continue
-        for variant, kwargs in target.rows:
-            column = f"{target.name}:{variant}" if variant else target.name
-            items.append(
-                ItemSpec(
-                    PLUGIN_LOADS,
-                    "target",
-                    column,
-                    (column,),
-                    target=target.name,
-                    variant=variant,
-                    export_kwargs=kwargs,
-                    failure=target.failure,
-                    check_index=-1,
-                )
-            )
-            items += _target_items(target, variant, kwargs, target_checks, p, index)
+        items += _target_items(target, p)
     for param, failure in sorted(p.extra_failures.items()):
-        items.append(
-            ItemSpec(PLUGIN_LOADS, "target", param, (param,), failure=failure, check_index=-1)
-        )
+        items.append(_plugin_loads("target", param, failure=failure))
     for exporter in sorted(p.exporters, key=lambda e: e.name):
-        name = exporter.name
-        if exporter.failure is not None:
-            items.append(
-                ItemSpec(
-                    PLUGIN_LOADS,
-                    "exporter",
-                    name,
-                    (name,),
-                    exporter=name,
-                    failure=exporter.failure,
-                    check_index=-1,
-                )
-            )
-        if not exporter.loaded:
-            continue
-        for spec in exporter_checks:
-            for model in p.models if spec.per_model else (None,):
-                params = (name,) if model is None else (name, model)
-                items.append(
-                    ItemSpec(
-                        spec.id,
-                        "exporter",
-                        name,
-                        params,
-                        exporter=name,
-                        model=model,
-                        device="cpu",
-                        check_index=index[spec.id],
-                    )
-                )
+        items += _exporter_items(exporter, p)
     return items
 
 
-def _target_items(
+def _plugin_loads(scope: str, column: str, **where: Any) -> ItemSpec:
+    return ItemSpec(PLUGIN_LOADS, scope, column, (column,), check_index=-1, **where)
+
+
+def _markers(spec: CheckSpec) -> frozenset[str]:
+    return frozenset(getattr(spec, "markers", ()))
+
+
+def _checks(p: Plan, scope: str) -> list[tuple[int, CheckSpec]]:
+    """``(catalogue position, spec)`` of the plan's checks of ``scope``, but plugin_loads."""
+    return [(i, s) for i, s in enumerate(p.checks) if s.scope == scope and s.id != PLUGIN_LOADS]
+
+
+def _target_items(target: TargetPlan, p: Plan) -> list[ItemSpec]:
+    """``plugin_loads`` of each row, then the row's checks; only the first for a missing target."""
+    if not target.loaded:
+        return [_plugin_loads("target", target.name, target=target.name, failure=target.failure)]
+    items: list[ItemSpec] = []
+    for variant, kwargs in target.rows:
+        column = f"{target.name}:{variant}" if variant else target.name
+        items.append(
+            _plugin_loads(
+                "target",
+                column,
+                target=target.name,
+                variant=variant,
+                export_kwargs=kwargs,
+                failure=target.failure,
+            )
+        )
+        items += _row_items(target, variant, kwargs, _checks(p, "target"), p)
+    return items
+
+
+def _row_items(
     target: TargetPlan,
     variant: str | None,
     kwargs: Mapping[str, Any],
-    checks: Iterable[CheckSpec],
+    checks: Iterable[tuple[int, CheckSpec]],
     p: Plan,
-    index: Mapping[str, int],
 ) -> list[ItemSpec]:
     """The row's items: checks without a model, then per (model, device) every per-model check.
 
@@ -218,34 +183,58 @@ def _target_items(
     """
     column = f"{target.name}:{variant}" if variant else target.name
     checks = list(checks)
-    combos: list[tuple[CheckSpec, str | None, str]] = [
-        (spec, None, device) for spec in checks if not spec.per_model for device in p.devices
+    combos: list[tuple[int, CheckSpec, str | None, str]] = [
+        (i, spec, None, device) for i, spec in checks if not spec.per_model for device in p.devices
     ]
     combos += [
-        (spec, model, device)
+        (i, spec, model, device)
         for model in p.models
         for device in p.devices
-        for spec in checks
+        for i, spec in checks
         if spec.per_model
     ]
-    items: list[ItemSpec] = []
-    for spec, model, device in combos:
-        params = (column, device) if model is None else (column, model, device)
-        items.append(
-            ItemSpec(
-                spec.id,
-                "target",
-                column,
-                params,
-                target=target.name,
-                variant=variant,
-                export_kwargs=kwargs,
-                model=model,
-                device=device,
-                skip=_capability_gap(target, spec, device),
-                check_index=index[spec.id],
-            )
+    return [
+        ItemSpec(
+            spec.id,
+            "target",
+            column,
+            (column, device) if model is None else (column, model, device),
+            target=target.name,
+            variant=variant,
+            export_kwargs=kwargs,
+            model=model,
+            device=device,
+            skip=_capability_gap(target, spec, device),
+            check_index=index,
+            markers=_markers(spec),
         )
+        for index, spec, model, device in combos
+    ]
+
+
+def _exporter_items(exporter: ExporterPlan, p: Plan) -> list[ItemSpec]:
+    """A failing ``plugin_loads`` when the exporter failed, then its checks if it loaded."""
+    name = exporter.name
+    items: list[ItemSpec] = []
+    if exporter.failure is not None:
+        items.append(_plugin_loads("exporter", name, exporter=name, failure=exporter.failure))
+    if not exporter.loaded:
+        return items
+    for index, spec in _checks(p, "exporter"):
+        for model in p.models if spec.per_model else (None,):
+            items.append(
+                ItemSpec(
+                    spec.id,
+                    "exporter",
+                    name,
+                    (name,) if model is None else (name, model),
+                    exporter=name,
+                    model=model,
+                    device="cpu",
+                    check_index=index,
+                    markers=_markers(spec),
+                )
+            )
     return items
 
 
@@ -259,68 +248,3 @@ def _capability_gap(target: TargetPlan, spec: CheckSpec, device: str) -> str | N
         f"capability gap: target {target.name!r} does not declare "
         f"{', '.join(map(repr, missing))} (declared: {declared})"
     )
-
-
-class CheckFailed(Exception):
-    """A check returned a failing :class:`CheckResult`; its text is the item's failure."""
-
-    def __init__(self, result: CheckResult) -> None:
-        super().__init__(result.message)
-        self.result = result
-
-    def __str__(self) -> str:
-        lines = [self.result.message or "check failed"]
-        for key, value in self.result.details.items():
-            lines.append(f"  {key}: {value}")
-        return "\n".join(lines)
-
-
-class ExportCheckCollector(pytest.Collector):
-    """The ``exportcheck`` node; its items are added by the plugin after collection."""
-
-    def collect(self) -> list[pytest.Item | pytest.Collector]:
-        return []
-
-
-class ExportCheckItem(pytest.Item):
-    """One conformance item; running it hands off to the session's runner."""
-
-    def __init__(
-        self,
-        *,
-        spec: ItemSpec,
-        runner: Callable[[ExportCheckItem], None],
-        check_fn: Callable[..., Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.spec = spec
-        self._runner = runner
-        self._check_fn = check_fn
-        self.user_properties.append((PROPERTY, spec.properties()))
-
-    def runtest(self) -> None:
-        """Run the check (or report the plugin load failure)."""
-        self._runner(self)
-
-    def repr_failure(
-        self,
-        excinfo: pytest.ExceptionInfo[BaseException],
-        style: Any = None,
-    ) -> Any:
-        """A check's own message and details, or pytest's traceback for a crash."""
-        if isinstance(excinfo.value, CheckFailed):
-            return str(excinfo.value)
-        return super().repr_failure(excinfo, style=style)
-
-    def reportinfo(self) -> tuple[Path | str, int | None, str]:
-        """Where the check function is defined (shown in failure headers)."""
-        if self._check_fn is not None:
-            try:
-                source = inspect.getsourcefile(self._check_fn)
-                _, line = inspect.getsourcelines(self._check_fn)
-            except (OSError, TypeError):
-                source = None
-            if source:
-                return Path(source), line - 1, self.name
-        return self.path, None, self.name

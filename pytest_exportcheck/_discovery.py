@@ -9,25 +9,16 @@ it is imported only once the suite is active (it imports torch).
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from exportlm.errors import PluginLoadError, RegistryConflictError
-from exportlm.export import (
-    EXPORT_REGISTRY,
-    RUNTIME_REGISTRY,
-    TargetInfo,
-    ensure_exporters_registered,
-    get_target_info,
-)
-from exportlm.registry import PluginWarning, Registry
+from exportlm.export import EXPORT_REGISTRY, TargetInfo, get_target_info
+from exportlm.inventory import plugin_inventory
+from exportlm.models import MODEL_REGISTRY
+from exportlm.modules import MODULE_EXPORTER_REGISTRY
 
 __all__ = ["Discovery", "PluginFailure", "PluginRecord", "TargetRow", "discover"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,74 +83,33 @@ class Discovery:
         return sorted({f.name for f in self.failures if f.kind == kind and not f.conflict})
 
 
+#: The inventory's registry kinds -> the plugin's row kinds.
+_KINDS = {"export target": "target"}
+
+
 def discover() -> Discovery:
-    """Load every registry (idempotent) and describe what is there."""
-    with warnings.catch_warnings():
-        # Broken plugins become failing plugin_loads items; no duplicate warning.
-        warnings.simplefilter("ignore", PluginWarning)
-        ensure_exporters_registered()
-        models_registry = _models_registry()
-        exporters_registry = _exporters_registry()
-    registries: list[tuple[str, Registry[Any]]] = [
-        ("target", EXPORT_REGISTRY),
-        ("runtime", RUNTIME_REGISTRY),
-    ]
-    if exporters_registry is not None:
-        registries.append(("module exporter", exporters_registry))
-    if models_registry is not None:
-        registries.append(("model family", models_registry))
+    """Load every registry (idempotent) and describe what is there.
+
+    Reads :func:`exportlm.inventory.plugin_inventory`, the one inventory that
+    ``exportlm list`` and the ``plugin_loads`` check read too.
+    """
+    records = plugin_inventory()  # loads the registries; broken plugins are recorded
     plugins = tuple(
-        PluginRecord(kind, entry.name, entry.provider)
-        for kind, registry in registries
-        for entry in registry.entries()
+        PluginRecord(_KINDS.get(r.kind, r.kind), r.name, r.provider)
+        for r in records
+        if r.status == "loaded"
     )
-    failures = tuple(f for kind, registry in registries for f in _failures(kind, registry))
+    failures = tuple(
+        PluginFailure(
+            _KINDS.get(r.kind, r.kind), r.name, r.provider, r.message, r.status == "conflict"
+        )
+        for r in records
+        if r.status != "loaded"
+    )
     return Discovery(
         targets={name: get_target_info(name) for name in EXPORT_REGISTRY.names()},
-        models=tuple(models_registry.names()) if models_registry is not None else (),
-        exporters=(
-            {e.name: e.obj for e in exporters_registry.entries()}
-            if exporters_registry is not None
-            else {}
-        ),
+        models=tuple(MODEL_REGISTRY.names()),
+        exporters={e.name: e.obj for e in MODULE_EXPORTER_REGISTRY.entries()},
         plugins=plugins,
         failures=tuple(sorted(failures, key=lambda f: (f.kind, f.name, f.message))),
     )
-
-
-def _failures(kind: str, registry: Registry[Any]) -> list[PluginFailure]:
-    out: list[PluginFailure] = []
-    failed_by_error = {id(err): name for name, err in registry.failed().items()}
-    for err in registry.plugin_errors:
-        if isinstance(err, RegistryConflictError):
-            out.append(PluginFailure(kind, err.name, err.new_owner, str(err), conflict=True))
-        elif isinstance(err, PluginLoadError):
-            name = failed_by_error.get(id(err)) or err.entry_point.split("=", 1)[0].strip()
-            out.append(PluginFailure(kind, name, err.distribution, str(err)))
-        else:  # pragma: no cover - the registry records only the two kinds above
-            out.append(PluginFailure(kind, "?", "<unknown distribution>", str(err)))
-    return out
-
-
-def _models_registry() -> Registry[Any] | None:
-    try:
-        from exportlm.models import MODEL_REGISTRY, ensure_models_registered
-    except ImportError as err:  # pragma: no cover - partial install
-        logger.warning("exportlm.models is unavailable (%s): no model families", err)
-        return None
-    ensure_models_registered()
-    return MODEL_REGISTRY
-
-
-def _exporters_registry() -> Registry[Any] | None:
-    try:
-        from exportlm.modules import (
-            MODULE_EXPORTER_REGISTRY,
-            ensure_module_exporters_registered,
-        )
-    except ImportError as err:
-        logger.warning("exportlm.modules is unavailable (%s): no module exporters", err)
-        return None
-    ensure_module_exporters_registered()
-    registry: Registry[Any] = MODULE_EXPORTER_REGISTRY
-    return registry

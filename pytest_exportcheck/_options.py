@@ -116,7 +116,8 @@ _SPECS: tuple[_Spec, ...] = (
     ),
     _Spec(
         "--export-xfails-file",
-        "JSON file {item-id-pattern: reason} of expected failures",
+        "expected failures: a file of node ids, one per line ('# reason' after one "
+        "optional), or a JSON object {item-id-pattern: reason}",
         "path",
         "PATH",
     ),

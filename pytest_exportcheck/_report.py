@@ -1,9 +1,9 @@
 """The conformance matrix and JSON report, built from test reports on the controller.
 
-Every exportcheck item carries its coordinates (check, scope, matrix column,
-model, device) in ``item.user_properties`` under ``"exportcheck"``, and the
-check's message and details under ``"exportcheck.result"``. ``user_properties``
-travel with each ``TestReport`` from xdist workers to the controller, so
+Every report of an exportcheck item carries a JSON-compatible mapping in its
+``exportcheck`` attribute (:data:`REPORT_ATTRIBUTE`): ``{"item": coordinates,
+"result": status, message and details or None}``. pytest serializes a report's
+attributes when xdist sends it from a worker to the controller, so
 :class:`ReportBuilder.add`, fed from ``pytest_runtest_logreport``, sees the same
 records with or without xdist. Imports only pytest and the standard library.
 """
@@ -13,20 +13,19 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import os
-import tempfile
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from exportlm.atomic import write_text_atomic
+
 __all__ = [
     "OUTCOMES",
-    "PROPERTY",
-    "RESULT_PROPERTY",
+    "REPORT_ATTRIBUTE",
     "ItemRecord",
     "ReportBuilder",
     "jsonable",
@@ -34,8 +33,8 @@ __all__ = [
     "write_json_atomic",
 ]
 
-PROPERTY = "exportcheck"
-RESULT_PROPERTY = "exportcheck.result"
+#: The attribute of a ``TestReport`` holding an exportcheck item's record.
+REPORT_ATTRIBUTE = "exportcheck"
 #: Outcomes of an item, in matrix order.
 OUTCOMES = ("pass", "fail", "xfail", "skip")
 REPORT_FORMAT = 1
@@ -101,10 +100,10 @@ class ReportBuilder:
 
     def add(self, report: pytest.TestReport) -> None:
         """Fold one phase report (setup, call or teardown) of an exportcheck item in."""
-        props = dict(report.user_properties)
-        meta = props.get(PROPERTY)
-        if not isinstance(meta, dict):
+        data = getattr(report, REPORT_ATTRIBUTE, None)
+        if not isinstance(data, dict) or not isinstance(data.get("item"), dict):
             return
+        meta = data["item"]
         record = self.records.get(report.nodeid)
         if record is None:
             record = ItemRecord(
@@ -120,7 +119,7 @@ class ReportBuilder:
             )
             self.records[report.nodeid] = record
         record.duration += report.duration
-        result = props.get(RESULT_PROPERTY) if report.when == "call" else None
+        result = data.get("result") if report.when == "call" else None
         if isinstance(result, dict):
             record.message = str(result.get("message", ""))
             record.details = dict(result.get("details", {}))
@@ -131,7 +130,7 @@ class ReportBuilder:
     def matrix(self) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
         """``{scope: {column: {check: {outcome: count}}}}``, sorted."""
         out: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
-        for rec in self._sorted():
+        for rec in self.sorted_records():
             cell = (
                 out.setdefault(rec.scope, {})
                 .setdefault(rec.column, {})
@@ -158,7 +157,7 @@ class ReportBuilder:
             **header,
             "matrix": self.matrix(),
             "totals": self.totals(),
-            "items": [r.as_json() for r in sorted(self.records.values(), key=lambda r: r.nodeid)],
+            "items": [r.as_json() for r in self.sorted_records()],
         }
 
     def summary_lines(self, width: int) -> list[str]:
@@ -182,7 +181,8 @@ class ReportBuilder:
             lines.append(f"  skipped {count}x: {reason}")
         return lines
 
-    def _sorted(self) -> Iterable[ItemRecord]:
+    def sorted_records(self) -> list[ItemRecord]:
+        """Every record, sorted by node id."""
         return sorted(self.records.values(), key=lambda r: r.nodeid)
 
 
@@ -260,14 +260,5 @@ def render_matrix(
 
 
 def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    """Write ``data`` as indented JSON to ``path`` via a temporary sibling and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``data`` as indented JSON to ``path`` all-or-nothing (:mod:`exportlm.atomic`)."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -6,8 +6,18 @@ id (``"roundtrip_logits[torchscript:script-*]"``), where ``*`` and ``?`` are the
 wildcards and brackets are literal. Rules declared by a target or exporter apply
 to that target's or exporter's items only; rules of the xfails file apply to all.
 
-The xfails file is JSON: one object ``{pattern: reason}`` (reasons are non-empty
-strings). JSON keeps the plugin free of a YAML/TOML dependency on Python 3.10.
+The xfails file (``--export-xfails-file``) takes either of two formats:
+
+- pytest node ids, one per line, as printed on a FAILED line, with an optional
+  reason after ``#``; blank lines and lines starting with ``#`` are ignored::
+
+      # known gaps of our runtime
+      exportcheck::roundtrip_logits::roundtrip_logits[mytarget-llama-cpu]  # fp16 drift
+      exportcheck::dynamic_shapes[mytarget-*]
+      exportcheck::cache_wrapper                                           # every item
+
+  (a line may also be a bare pattern as above, e.g. ``roundtrip_logits[mytarget-*]``);
+- JSON: one object ``{pattern: reason}`` (reasons are non-empty strings).
 """
 
 from __future__ import annotations
@@ -18,10 +28,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-__all__ = ["XfailBook", "XfailRule", "load_xfails_file"]
+from pytest_exportcheck._nodeids import ROOT, item_id_of
+
+__all__ = ["XfailBook", "XfailRule", "declared_book", "load_xfails_file"]
+
+_OPTION = "--export-xfails-file"
+_PATTERN = re.compile(r"[\w*?]+(\[[^\[\]\s]+\])?\Z")
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,10 @@ class XfailBook:
         for pattern, reason in sorted(declared.items()):
             self.rules.append(XfailRule(str(pattern), str(reason), source, scope))
 
+    def extend(self, rules: Iterable[XfailRule]) -> None:
+        """Add rules as they are (e.g. those of :func:`load_xfails_file`)."""
+        self.rules.extend(rules)
+
     def match(self, item_id: str, check: str, row: str) -> list[XfailRule]:
         """Every rule covering the item."""
         return [r for r in self.rules if r.matches(item_id, check, row)]
@@ -72,22 +92,104 @@ class XfailBook:
         return [r for r in self.rules if not any(r.matches(*c) for c in candidates)]
 
 
-def load_xfails_file(path: Path) -> dict[str, str]:
-    """Read a JSON xfails file ``{pattern: reason}``; a malformed file is a usage error."""
+def declared_book(
+    targets: Mapping[str, Any],
+    exporters: Mapping[str, Any],
+    models: Mapping[str, Mapping[str, str]],
+) -> XfailBook:
+    """The expected failures the code under test declares about itself.
+
+    ``targets``: name -> ``TargetInfo`` (its ``expected_failures`` apply to that
+    target's rows); ``exporters``: name -> module exporter (its optional
+    ``expected_failures`` attribute applies to that exporter's rows); ``models``:
+    family name -> the family's declared ``{pattern: reason}`` (the patterns name
+    the family, so they apply to every row). The suite's planner and
+    :func:`pytest_exportcheck.parametrize_with_checks` both build their book here.
+
+    Raises:
+        TypeError: an exporter's ``expected_failures`` is not a mapping.
+    """
+    book = XfailBook()
+    for name, info in targets.items():
+        book.add(info.expected_failures, source=f"TargetInfo of {name!r}", scope=name)
+    for name, exporter in exporters.items():
+        declared = getattr(exporter, "expected_failures", None) or {}
+        if not isinstance(declared, Mapping):
+            raise TypeError(
+                f"module exporter {name!r}: expected_failures must be a mapping "
+                f"{{check id or item id pattern: reason}}, got {type(declared).__name__}"
+            )
+        book.add(declared, source=f"module exporter {name!r}", scope=name)
+    for name, declared in models.items():
+        book.add(declared, source=f"model family {name!r}", scope=None)
+    return book
+
+
+def load_xfails_file(path: Path) -> list[XfailRule]:
+    """The rules of an xfails file (node-id lines or JSON); a bad file is a usage error."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except FileNotFoundError as err:
-        raise pytest.UsageError(f"--export-xfails-file: {path} does not exist") from err
-    except (OSError, json.JSONDecodeError) as err:
+        raise pytest.UsageError(f"{_OPTION}: {path} does not exist") from err
+    except OSError as err:
+        raise pytest.UsageError(f"{_OPTION}: cannot read {path}: {err}") from err
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
         raise pytest.UsageError(
-            f"--export-xfails-file: cannot read {path} as JSON ({err}); expected an object "
-            '{"<check id or item id pattern>": "<reason>"}'
+            f"{_OPTION}: {path}, line {line}: not UTF-8 text ({err.reason} at byte "
+            f"{err.start}); save the file as UTF-8"
+        ) from err
+    if text.lstrip()[:1] in ("{", "["):
+        return _json_rules(path, text)
+    return _line_rules(path, text)
+
+
+def _json_rules(path: Path, text: str) -> list[XfailRule]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise pytest.UsageError(
+            f"{_OPTION}: {path}, line {err.lineno}: not valid JSON ({err.msg}, column "
+            f'{err.colno}); expected an object {{"<check id or item id pattern>": "<reason>"}} '
+            "or one node id per line"
         ) from err
     if not isinstance(data, dict) or not all(
         isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in data.items()
     ):
         raise pytest.UsageError(
-            f"--export-xfails-file: {path} must hold one JSON object mapping patterns to "
+            f"{_OPTION}: {path} must hold one JSON object mapping patterns to "
             'non-empty reason strings, e.g. {"roundtrip_logits[mytarget-*]": "known fp16 drift"}'
         )
-    return {str(k): str(v) for k, v in data.items()}
+    return [XfailRule(k, v, str(path)) for k, v in sorted(data.items())]
+
+
+def _line_rules(path: Path, text: str) -> list[XfailRule]:
+    rules: list[XfailRule] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        entry, _, comment = line.partition("#")
+        entry = entry.strip()
+        if not entry:
+            continue
+        where = f"{path}:{number}"
+        pattern = _pattern_of(entry)
+        if pattern is None:
+            raise pytest.UsageError(
+                f"{_OPTION}: {path}, line {number}: {entry!r} is not an exportcheck node id; "
+                f"expected one per line, as printed on a FAILED line (e.g. "
+                f"{ROOT}::roundtrip_logits::roundtrip_logits[mytarget-llama-cpu]  # reason), "
+                f"{ROOT}::<check>, or a pattern such as roundtrip_logits[mytarget-*]"
+            )
+        rules.append(XfailRule(pattern, comment.strip() or "listed without a reason", where))
+    return rules
+
+
+def _pattern_of(entry: str) -> str | None:
+    """The rule pattern a line names: an item id (pattern) or a bare check id."""
+    if entry.startswith(f"{ROOT}::"):
+        parts = entry.split("::")
+        if len(parts) == 2 and parts[1].isidentifier():
+            return parts[1]
+        return item_id_of(entry)
+    return entry if _PATTERN.match(entry) else None

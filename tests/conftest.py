@@ -20,6 +20,13 @@ def pytest_configure(config: object) -> None:
         return
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+    # pytester's in-process runs restore sys.modules afterwards: an exportlm module
+    # first imported inside one would be imported again later with new class objects
+    # (a warning class that no longer matches pytest.warns, a registry holding the old
+    # module's factory). Load every registry, and so every built-in module, up front.
+    from exportlm.inventory import registries
+
+    registries()
 
 
 FAKE_EXPORTER = "exportcheck_fake_exporter"
@@ -43,8 +50,9 @@ def register_exporter() -> Iterator[Callable[..., str]]:
     added: list[Any] = []
 
     def register(exporter: Any, *keys: Any, predicate: Any = None, prepend: bool = False) -> str:
-        MODULE_EXPORTER_REGISTRY.register(FAKE_EXPORTER, exporter)
-        EXPORT_MODULE_REGISTRY.register(exporter, *keys, predicate=predicate, prepend=prepend)
+        EXPORT_MODULE_REGISTRY.register(
+            exporter, *keys, predicate=predicate, prepend=prepend, name=FAKE_EXPORTER
+        )
         added.append(exporter)
         return FAKE_EXPORTER
 

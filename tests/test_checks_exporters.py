@@ -151,6 +151,40 @@ def test_raising_predicate_fails_predicate_match(
     result = run("predicate_match", name, tmp_path)
     assert result.status == "fail"
     assert "the predicate raised" in result.message
+    assert result.exception is not None  # the predicate's own exception, for --pdb
+    assert result.exception.__traceback__ is not None
+    assert "predicate" in _frames(result.exception)
+
+
+def _frames(err: BaseException) -> list[str]:
+    names = []
+    tb = err.__traceback__
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return names
+
+
+class ExporterBug(RuntimeError):
+    """Raised by :class:`RaisingExporter`: a bug in the code under test."""
+
+
+class RaisingExporter(QuantLinearExporter):
+    name = "raising"
+
+    def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
+        raise ExporterBug(f"cannot export {name}")
+
+
+def test_an_exporter_exception_is_carried_by_the_failure(
+    tmp_path: Path, register_exporter: Callable[..., str]
+) -> None:
+    name = register_exporter(RaisingExporter(), "QuantLinear", prepend=True)
+    result = run("export_contract", name, tmp_path)
+    assert result.status == "fail"
+    assert "export raised ExporterBug" in result.message
+    assert isinstance(result.exception, ExporterBug)
+    assert "export" in _frames(result.exception)  # RaisingExporter.export, for --pdb
 
 
 class StrayExporter(QuantLinearExporter):
@@ -236,10 +270,7 @@ def without_quant_linear() -> Iterator[None]:
     snapshot = EXPORT_MODULE_REGISTRY.entries()
     EXPORT_MODULE_REGISTRY.unregister(MODULE_EXPORTER_REGISTRY.get("quant_linear"))
     yield
-    for entry in EXPORT_MODULE_REGISTRY.entries():
-        EXPORT_MODULE_REGISTRY.unregister(entry.exporter)
-    for entry in snapshot:
-        EXPORT_MODULE_REGISTRY.register(entry.exporter, *entry.keys, predicate=entry.predicate)
+    EXPORT_MODULE_REGISTRY.restore(snapshot)
     assert EXPORT_MODULE_REGISTRY.entries() == snapshot
 
 

@@ -27,6 +27,7 @@ from exportlm.export import (
     export_target,
     resolve_example_inputs,
 )
+from exportlm.registry import PluginRecord
 from pytest_exportcheck.checks import CHECKS, CheckResult, TargetCase
 from pytest_exportcheck.checks.targets import SENTINEL_BYTES
 
@@ -359,7 +360,7 @@ def test_a_path_outside_the_output_directory_fails_artifact_contract_through_the
 ) -> None:
     """The plugin's cache refuses an artifact returned outside its export directory."""
     from pytest_exportcheck._cache import ArtifactCache
-    from pytest_exportcheck._session import build_toy_model
+    from pytest_exportcheck._runner import build_toy_model
 
     def elsewhere(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
         target = Path(output_path).parent.parent / "elsewhere.pt"
@@ -434,7 +435,17 @@ def test_conflicting_entry_point_fails_plugin_loads(
     conflict = RegistryConflictError(
         "export target", "onnx", "exportlm (built in)", "evil-plugin 1.0"
     )
-    monkeypatch.setattr(EXPORT_REGISTRY, "plugin_errors", [conflict])
+    record = PluginRecord(
+        "export target",
+        "onnx",
+        "conflict",
+        "evil-plugin 1.0",
+        "exportlm.export_backends",
+        "evil:build",
+        conflict,
+    )
+    recorded = EXPORT_REGISTRY.records
+    monkeypatch.setattr(EXPORT_REGISTRY, "records", lambda: [*recorded(), record])
     result = run("plugin_loads", make_case(tmp_path, "onnx", model=None))
     assert result.status == "fail"
     assert "evil-plugin 1.0" in result.message
@@ -457,3 +468,65 @@ def test_every_check_is_documented_with_its_scope() -> None:
         assert spec.doc, f"{spec.id} has no docstring"
         section = target_section if spec.scope == "target" else exporter_section
         assert f"| `{spec.id}` |" in section, f"{spec.id} is not in the {spec.scope} table"
+
+
+# ----------------------------------------------------------------------------- the exception behind a failure
+
+
+class FactoryBug(RuntimeError):
+    """Raised by the fake factory and runtime below: a bug in the code under test."""
+
+
+def raising_export(
+    model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None
+) -> Path:
+    raise FactoryBug("the factory cannot export this model")
+
+
+def raising_runtime_loader(artifact: Path, *, device: str = "cpu") -> Callable[[torch.Tensor], Any]:
+    def raising_runtime(ids: torch.Tensor) -> Any:
+        raise FactoryBug("the runtime cannot run these ids")
+
+    return raising_runtime
+
+
+def _frames(err: BaseException) -> list[str]:
+    names = []
+    tb = err.__traceback__
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return names
+
+
+@pytest.mark.parametrize(
+    ("factory", "loader", "frame"),
+    [
+        (raising_export, jit_loader, "raising_export"),
+        (good_export, raising_runtime_loader, "raising_runtime"),
+    ],
+)
+def test_a_failure_raised_by_the_target_carries_its_exception(
+    tmp_path: Path,
+    fake_target: Callable[..., str],
+    factory: Callable[..., Path],
+    loader: Callable[..., Any],
+    frame: str,
+) -> None:
+    """So that ``--pdb`` can land in the frame of the target's author."""
+    target = fake_target(factory, loader)
+    result = run("roundtrip_logits", make_case(tmp_path, target))
+    assert result.status == "fail"
+    assert isinstance(result.exception, FactoryBug)
+    assert frame in _frames(result.exception)
+    assert str(result.exception) in result.message
+    assert result.details["error"] == "FactoryBug"
+
+
+def test_a_failure_without_an_exception_carries_none(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    target = fake_target(good_export, perturbing_loader, atol=1e-4, rtol=1e-4)
+    result = run("roundtrip_logits", make_case(tmp_path, target))
+    assert result.status == "fail"
+    assert result.exception is None

@@ -192,3 +192,24 @@ def test_torchscript_folds_deprecations_into_one_warning(tmp_path: Path) -> None
     assert len(ours) == 1
     assert ours[0].filename == __file__  # attributed to the caller, not to exportlm
     assert not [w for w in record if issubclass(w.category, DeprecationWarning)]
+
+
+class _ColouredFailure(nn.Module):
+    """Raises the way torch.onnx does: its message carries terminal colour codes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.embed(input_ids)
+        raise _Boom("Failed to export. \x1b[96mThis is step 1/3\x1b[0m of exporting.")
+
+
+def test_exporter_failure_message_has_no_terminal_colour_codes(tmp_path: Path) -> None:
+    with pytest.raises(ExportFailedError) as info:
+        exportlm.export_model("torch_export", _ColouredFailure(), tmp_path / "x.pt2")
+    message = str(info.value)
+    assert "\x1b" not in message
+    assert "Failed to export. This is step 1/3 of exporting." in message
+    assert isinstance(info.value.__cause__, _Boom)  # the original, colours and all, is chained

@@ -24,7 +24,7 @@ from exportlm.cli import main
 from exportlm.errors import InvalidConfigError
 from exportlm.models import ModelSpec, build_from_spec
 from pytest_exportcheck import HYPOTHESIS_PROFILE
-from pytest_exportcheck._session import _hypothesis_profile, _register_hypothesis_profile
+from pytest_exportcheck._hypothesis import hypothesis_profile, register_profiles
 from pytest_exportcheck.checks import CHECKS, ExporterCase
 from pytest_exportcheck.checks.generated import GENERATED_EXAMPLES, generated_budget
 from tests._distinfo import make_distribution
@@ -270,7 +270,7 @@ def default_profile() -> Iterator[None]:
     """Run with Hypothesis' default profile loaded (as under a plain pytest run)."""
     before = hypothesis.settings.get_current_profile_name()
     hypothesis.settings.load_profile("default")
-    _register_hypothesis_profile()
+    register_profiles()
     try:
         yield
     finally:
@@ -297,7 +297,7 @@ def test_profile_follows_ci_unless_a_seed_is_given(
         monkeypatch.setenv("CI", ci)
     monkeypatch.setattr(hypothesis.core, "global_force_seed", seed)
     hypothesis.settings.load_profile(loaded)
-    with _hypothesis_profile():
+    with hypothesis_profile():
         current = hypothesis.settings()
         assert hypothesis.settings.get_current_profile_name() == HYPOTHESIS_PROFILE[expected]
         assert current.derandomize is (expected == "ci")
@@ -312,7 +312,7 @@ def test_a_profile_the_user_chose_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CI", "1")
     hypothesis.settings.register_profile("user-choice", max_examples=7)
     hypothesis.settings.load_profile("user-choice")
-    with _hypothesis_profile():
+    with hypothesis_profile():
         assert hypothesis.settings.get_current_profile_name() == "user-choice"
         assert generated_budget() == 7
     assert hypothesis.settings.get_current_profile_name() == "user-choice"
@@ -330,9 +330,9 @@ def test_quantized_generated_passes_on_the_builtin_exporters(tmp_path: Path) -> 
     ]
     assert {"quant_linear", "fused_experts"} <= set(builtin)
     outcomes: dict[str, str] = {}
-    _register_hypothesis_profile()
+    register_profiles()
     for name in builtin:
-        with _hypothesis_profile():
+        with hypothesis_profile():
             result = CHECKS["quantized_generated"].fn(ExporterCase(name, workdir=tmp_path / name))
         assert result.status != "fail", result.message
         outcomes[name] = result.status

@@ -24,7 +24,6 @@ from torch import nn
 
 from exportlm.modules import (
     EXPORT_MODULE_REGISTRY,
-    MODULE_EXPORTER_REGISTRY,
     ExportContext,
     QuantLinearExporter,
 )
@@ -117,8 +116,7 @@ def test_a_scale_one_ulp_off_fails_its_golden_naming_the_tensor_and_both_values(
     goldens = tmp_path / "goldens"
     written = run("golden_checkpoint", name, tmp_path, GoldenStore(goldens, update=True))
     assert written.status == "pass", written.message
-    EXPORT_MODULE_REGISTRY.unregister(honest)
-    MODULE_EXPORTER_REGISTRY.unregister(name)
+    EXPORT_MODULE_REGISTRY.unregister(honest)  # one registry: its name goes with it
     assert register_exporter(OneUlpOff(nudge=True), "QuantLinear", prepend=True) == name
     result = run("golden_checkpoint", name, tmp_path, GoldenStore(goldens))
     assert result.status == "fail"
@@ -289,7 +287,8 @@ def test_a_full_run_reports_goldens_no_item_used(pytester: pytest.Pytester) -> N
         "-n",
         "0",
     )
-    result.assert_outcomes(passed=9, skipped=5)
+    # dbrx_experts writes nothing in the golden cases: both of its items skip
+    result.assert_outcomes(passed=9, skipped=7)
     result.stdout.fnmatch_lines(
         ["*1 golden file(s) under * were used by no item of this full run*", f"*{stale}"]
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 
 import pytest
 import torch
@@ -16,12 +17,16 @@ from exportlm.errors import (
 )
 from exportlm.models import (
     HF_FAMILIES,
+    HF_SCRIPT_FAILURE_REASON,
+    MODEL_REGISTRY,
     MODELS_GROUP,
     SCRIPT_FAILURE_REASON,
     DecoderConfig,
     DecoderModel,
     IterableMoEModel,
+    ModelFamily,
     build_model,
+    model_expected_failures,
     model_names,
     model_traits,
     register_builtin_models,
@@ -318,7 +323,80 @@ def test_register_builtin_models_is_idempotent_on_a_fresh_registry() -> None:
         ("llama_tied", {"hf", "tied"}),
         ("mixtral", {"hf", "moe"}),
         ("gpt_oss", {"hf", "moe"}),
+        ("llama4", {"hf", "moe"}),
+        ("dbrx", {"hf", "moe"}),
     ],
 )
 def test_model_traits(name: str, traits: set[str]) -> None:
     assert model_traits(build_model(name)) == traits
+
+
+# -- declared expected failures --------------------------------------------------------
+
+
+def _matches(pattern: str, item_id: str) -> bool:
+    """The xfail pattern syntax: ``*`` and ``?`` are wildcards, brackets are literal."""
+    body = re.escape(pattern).replace(r"\*", ".*").replace(r"\?", ".")
+    return re.fullmatch(body, item_id) is not None
+
+
+@pytest.mark.parametrize("name", PLAIN_NAMES)
+def test_plain_families_declare_the_torchscript_script_failure(name: str) -> None:
+    assert SCRIPT_FAILURE_REASON is not None
+    declared = model_expected_failures(name)
+    assert set(declared.values()) == {SCRIPT_FAILURE_REASON}
+    for check in ("roundtrip_logits", "dynamic_shapes"):
+        assert any(_matches(p, f"{check}[torchscript:script-{name}-cpu]") for p in declared)
+    other_items = [f"roundtrip_logits[torchscript:trace-{name}-cpu]"] + [
+        f"roundtrip_logits[torchscript:script-{other}-cpu]" for other in BUILTIN_NAMES - {name}
+    ]
+    assert not any(_matches(p, item) for p in declared for item in other_items)
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_hf_families_declare_why_they_do_not_script(family: str) -> None:
+    declared = model_expected_failures(family)
+    item = f"roundtrip_logits[torchscript:script-{family}-cuda]"
+    assert [declared[p] for p in declared if _matches(p, item)] == [HF_SCRIPT_FAILURE_REASON]
+
+
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [("llama4", {"onnx"}), ("dbrx", {"onnx", "torch_export", "torchscript:trace"})],
+)
+def test_moe_families_declare_the_targets_their_forward_cannot_go_through(
+    family: str, targets: set[str]
+) -> None:
+    declared = model_expected_failures(family)
+    for target in ("onnx", "torch_export", "torchscript:trace", "hf_checkpoint"):
+        item = f"roundtrip_logits[{target}-{family}-cpu]"
+        assert any(_matches(p, item) for p in declared) == (target in targets), target
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")  # TorchScript noise
+@pytest.mark.parametrize("family", ["llama4", "dbrx"])
+def test_hf_script_claim_holds_on_installed_torch(family: str) -> None:
+    with pytest.raises(OSError, match="source"):
+        torch.jit.script(tiny_hf_model(family, num_hidden_layers=1))
+
+
+def test_model_family_declarations_are_validated_and_read_by_name() -> None:
+    def factory(seed: int = 0, **overrides: object) -> nn.Module:
+        return nn.Linear(2, 2)
+
+    family = ModelFamily(factory, {"roundtrip_logits[onnx-*]": "no ONNX for it"})
+    assert isinstance(family(seed=1), nn.Linear)
+    with pytest.raises(TypeError, match="expected_failures"):
+        ModelFamily(factory, {"roundtrip_logits": ""})
+    with pytest.raises(TypeError, match="expected_failures"):
+        ModelFamily(factory, ["roundtrip_logits"])  # type: ignore[arg-type]
+    MODEL_REGISTRY.register("exportlm_test_family", family)
+    MODEL_REGISTRY.register("exportlm_test_plain", factory)
+    try:
+        assert model_expected_failures("exportlm_test_family") == {
+            "roundtrip_logits[onnx-*]": "no ONNX for it"
+        }
+        assert model_expected_failures("exportlm_test_plain") == {}
+    finally:
+        MODEL_REGISTRY.unregister("exportlm_test_family")
+        MODEL_REGISTRY.unregister("exportlm_test_plain")

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 from torch import nn
 
+from exportlm.errors import PluginLoadError, RegistryConflictError, UnknownNameError
 from exportlm.modules import (
     EXPORT_MODULE_REGISTRY,
     MODULE_EXPORTER_REGISTRY,
@@ -16,6 +22,8 @@ from exportlm.modules import (
     register_builtin_module_exporters,
 )
 from exportlm.quant import QuantLinear, QuantMoELinear
+from exportlm.registry import PluginWarning, load_entry_point_registry
+from tests._distinfo import make_distribution
 
 
 class _Exp(ModuleExporter):
@@ -192,6 +200,7 @@ def test_builtin_order_and_names() -> None:
             "quant_moe_linear",
             "quant_linear",
             "quant_embedding",
+            "dbrx_experts",
             "bmm_experts",
             "fused_experts",
             "iterable_experts",
@@ -212,3 +221,165 @@ def test_ensure_registers_builtins_by_name_and_is_idempotent() -> None:
     assert len(EXPORT_MODULE_REGISTRY) == before
     for exporter in builtin_module_exporters():
         assert MODULE_EXPORTER_REGISTRY.entry(exporter.display_name).builtin
+
+
+# -- one registry: names, provenance and dispatch in one entry ----------------------
+
+
+def test_both_public_names_are_one_registry() -> None:
+    assert MODULE_EXPORTER_REGISTRY is EXPORT_MODULE_REGISTRY
+    ensure_module_exporters_registered()
+    entry = EXPORT_MODULE_REGISTRY.entry("quant_linear")
+    assert entry.exporter is EXPORT_MODULE_REGISTRY.get("quant_linear")
+    assert entry.keys == ("QuantLinear",)
+    assert entry.provider == "exportlm (built in)"
+    position = [e.name for e in EXPORT_MODULE_REGISTRY.entries()].index("quant_linear")
+    assert EXPORT_MODULE_REGISTRY.exporters()[position] is entry.exporter
+
+
+def test_entries_carry_their_names_in_match_order_and_names_are_sorted() -> None:
+    registry = ExportModuleRegistry()
+    registry.register(ExpB(), Base)
+    registry.register(ExpA(), Child, prepend=True)
+    assert [e.name for e in registry.entries()] == ["a", "b"]  # match order
+    registry.register(ExpC(), Base, name="zz_custom", prepend=True)
+    assert [e.name for e in registry.entries()] == ["zz_custom", "a", "b"]
+    assert registry.names() == ["a", "b", "zz_custom"]  # sorted, as every registry
+    assert "zz_custom" in registry
+    assert registry.get("zz_custom") in registry
+
+
+class Declared(_Exp):
+    name = "declared"
+    keys = (Child,)
+    prepend = True
+
+
+def test_name_form_registers_the_keys_and_prepend_the_class_declares() -> None:
+    registry = ExportModuleRegistry()
+    registry.register(ExpA(), Base)
+    declared = registry.register("by_name", Declared())
+    assert registry.entries()[0].name == "by_name"
+    assert registry.entries()[0].keys == (Child,)
+    assert registry.match(Child()) is declared
+    with pytest.raises(ValueError, match="needs match keys or a predicate"):
+        registry.register("no_keys", ExpB())
+    with pytest.raises(TypeError, match="takes the exporter only"):
+        registry.register("x", ExpB(), Base)  # type: ignore[call-overload]
+
+
+def test_another_exporter_under_a_taken_name_conflicts_naming_both_owners() -> None:
+    registry = ExportModuleRegistry()
+    register_builtin_module_exporters(registry)
+    with pytest.raises(RegistryConflictError, match="quant_linear") as info:
+        registry.register(ExpA(), Base, name="quant_linear")
+    assert "exportlm (built in)" in str(info.value)
+    assert [e.name for e in registry.entries()].count("quant_linear") == 1
+
+
+def test_reregistering_keeps_the_name_unless_a_new_one_is_given() -> None:
+    registry = ExportModuleRegistry()
+    registry.register(ExpA(), Base, name="first")
+    registry.register(ExpA(), Child)  # same class: replaced in place, name kept
+    assert [(e.name, e.keys) for e in registry.entries()] == [("first", (Child,))]
+    registry.register(ExpA(), Child, name="renamed")
+    assert registry.names() == ["renamed"]
+
+
+def test_unregister_by_name_instance_or_class() -> None:
+    registry = ExportModuleRegistry()
+    a, b = registry.register(ExpA(), Base), registry.register(ExpB(), Base)
+    c = registry.register(ExpC(), Base)
+    registry.unregister("a")
+    registry.unregister(b)
+    registry.unregister(ExpC)
+    assert len(registry) == 0
+    assert a not in registry
+    assert c not in registry
+    with pytest.raises(UnknownNameError):
+        registry.unregister("a")
+    with pytest.raises(KeyError):
+        registry.unregister(a)
+
+
+def test_restore_puts_back_a_snapshot_with_names_and_provenance() -> None:
+    registry = ExportModuleRegistry()
+    register_builtin_module_exporters(registry)
+    snapshot = registry.entries()
+    registry.unregister("quant_linear")
+    registry.register(ExpA(), Base, prepend=True)
+    registry.restore(snapshot)
+    assert registry.entries() == snapshot
+    assert [e.name for e in registry.entries()] == [e.name for e in snapshot]
+    assert registry.entry("quant_linear").builtin
+    assert registry.match(QuantLinear(4, 4)) is registry.get("quant_linear")
+
+
+# -- entry points ---------------------------------------------------------------------
+
+_PLUGIN_SOURCE = """
+from torch import nn
+from exportlm.modules import ModuleExporter
+
+
+class FrontExporter(ModuleExporter):
+    keys = ("Identity",)
+    prepend = True
+
+    def export(self, name, module, ctx):
+        return None
+
+
+class KeylessExporter(ModuleExporter):
+    def export(self, name, module, ctx):
+        return None
+
+
+class LinearClash(ModuleExporter):
+    keys = ("QuantLinear",)
+
+    def export(self, name, module, ctx):
+        return None
+"""
+
+
+@pytest.fixture
+def plugin_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    root = tmp_path / "site"
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delenv("EXPORTLM_DISABLE_PLUGINS", raising=False)
+    yield root
+    sys.modules.pop("plug_exporters", None)
+
+
+def test_entry_point_exporters_load_by_name_with_declared_keys(plugin_path: Path) -> None:
+    group = f"exportlm.test_{uuid.uuid4().hex[:8]}"
+    make_distribution(
+        plugin_path,
+        "exporter-plugin",
+        {
+            group: {
+                "front": "plug_exporters:FrontExporter",
+                "keyless": "plug_exporters:KeylessExporter",
+                "quant_linear": "plug_exporters:LinearClash",
+            }
+        },
+        {"plug_exporters.py": _PLUGIN_SOURCE},
+    )
+    registry = ExportModuleRegistry()
+    register_builtin_module_exporters(registry)
+    with pytest.warns(PluginWarning) as warned:
+        loaded = load_entry_point_registry(group, registry, raise_errors=False)
+    assert sorted(str(w.message).split("'")[1] for w in warned) == [
+        "keyless = plug_exporters:KeylessExporter",
+        "quant_linear",
+    ]
+    assert loaded == ["front"]
+    front = registry.entry("front")
+    assert registry.entries()[0] is front  # the class declares prepend = True
+    assert front.distribution == "exporter-plugin 1.0"
+    assert registry.match(nn.Identity()) is front.exporter
+    assert isinstance(registry.failed()["keyless"], PluginLoadError)
+    assert "declares no match keys" in str(registry.failed()["keyless"])
+    assert any(isinstance(e, RegistryConflictError) for e in registry.plugin_errors)
+    assert registry.entry("quant_linear").builtin  # the built-in keeps its name

@@ -216,3 +216,29 @@ def test_onnxruntime_threads_follow_torch_unless_given(artifacts: Artifacts) -> 
         assert explicit.get_session_options().intra_op_num_threads == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_stable_api_is_importable_from_exportlm_export() -> None:
+    import exportlm.export
+    import exportlm.export.onnx
+
+    for name in ("export_to_onnx", "verify_onnx", "get_onnx_info", "build_onnx_exporter"):
+        assert name in exportlm.export.__all__
+        assert getattr(exportlm.export, name) is getattr(exportlm.export.onnx, name)
+
+
+def test_build_onnx_exporter_is_the_registered_declared_target() -> None:
+    from exportlm.export import (
+        EXPORT_REGISTRY,
+        RUNTIME_REGISTRY,
+        build_onnx_exporter,
+        ensure_exporters_registered,
+        get_target_info,
+    )
+
+    ensure_exporters_registered()
+    factory = build_onnx_exporter()
+    assert EXPORT_REGISTRY.get("onnx") is factory
+    info = get_target_info(factory)
+    assert (info.name, info.runtime, info.suffix) == ("onnx", "onnx", ".onnx")
+    assert RUNTIME_REGISTRY.get(info.runtime) is load_onnx

@@ -1,7 +1,8 @@
-"""The conformance check catalogue: plain functions returning a :class:`CheckResult`.
+"""The conformance checks: plain functions returning a :class:`CheckResult`.
 
-Importing this package registers every built-in check in :data:`CHECKS` (id ->
-:class:`CheckSpec`, in documentation order). Each check is usable without
+:data:`CHECKS` maps every check id to its :class:`CheckSpec`, in documentation
+order: the built-in catalogue (:mod:`pytest_exportcheck.checks.catalogue`), then
+any check added with :func:`register_check`. Each check is usable without
 pytest::
 
     from pytest_exportcheck.checks import CHECKS, TargetCase
@@ -10,35 +11,56 @@ pytest::
     result = CHECKS["roundtrip_logits"].fn(case)
 
 ``docs/checks.md`` lists every check with its scope, needs and typical failure.
-This package imports torch; the pytest plugin imports it only when one of its
-options is given.
+
+Importing this package (or :mod:`~pytest_exportcheck.checks.catalogue`) imports
+neither torch nor Hypothesis: a check's implementation module is imported the
+first time its :attr:`CheckSpec.fn` is read. The implementation modules:
+
+- :mod:`.targets` (``registration``, ``artifact``, ``roundtrip``, ``failures``) and
+  :mod:`.checkpoint`: target checks;
+- :mod:`.exporters` (``dispatch``, ``order``, ``contract``, ``layout``) and
+  :mod:`.golden_checks`: module-exporter checks;
+- :mod:`.generated` (``roundtrip``, ``quantized``): the checks on structures
+  drawn by Hypothesis.
 """
 
-from exportlm.export._compare import LogitsComparison, compare_logits
-from pytest_exportcheck.checks import (  # generated imports (registers after) targets
-    checkpoint,
-    exporters,
-    generated,
-    golden_checks,
-    targets,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from pytest_exportcheck.checks._api import (
     CHECKS,
+    CatalogueError,
     CheckResult,
     CheckSpec,
     ExporterCase,
     TargetCase,
+    UnknownCheckError,
     check,
     get_check,
+    register_check,
 )
+
+if TYPE_CHECKING:
+    from exportlm.export import LogitsComparison, compare_logits
+    from pytest_exportcheck.checks import (
+        checkpoint,
+        exporters,
+        generated,
+        golden_checks,
+        targets,
+    )
 
 __all__ = [
     "CHECKS",
+    "CatalogueError",
     "CheckResult",
     "CheckSpec",
     "ExporterCase",
     "LogitsComparison",
     "TargetCase",
+    "UnknownCheckError",
     "check",
     "checkpoint",
     "compare_logits",
@@ -46,5 +68,22 @@ __all__ = [
     "generated",
     "get_check",
     "golden_checks",
+    "register_check",
     "targets",
 ]
+
+#: Names imported on first access (they import torch): attribute -> module.
+_LAZY_ATTRIBUTES = {
+    "LogitsComparison": "exportlm.export",
+    "compare_logits": "exportlm.export",
+}
+_LAZY_MODULES = frozenset({"checkpoint", "exporters", "generated", "golden_checks", "targets"})
+
+
+def __getattr__(name: str) -> Any:
+    """The torch-importing names of ``__all__``, imported when first asked for."""
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY_ATTRIBUTES:
+        return getattr(importlib.import_module(_LAZY_ATTRIBUTES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

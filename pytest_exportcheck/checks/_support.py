@@ -1,18 +1,19 @@
-"""Shared steps of the checks: toy models, inputs, eager logits, artifacts, failure text.
+"""Shared steps of the target checks: toy models, inputs, eager logits, artifacts, runtimes.
 
-Private to :mod:`pytest_exportcheck.checks`; every check goes through these so that
-"the eager reference", "the deterministic inputs" and "the shared artifact" mean
-the same thing in every check.
+Internal to :mod:`pytest_exportcheck.checks` (a documented internal module);
+every target check goes through these so that "the eager reference", "the
+deterministic inputs", "the shared artifact" and "a roundtrip" mean the same
+thing in every check. Failures of the code under test (the export factory, the
+runtime loader, the runtime) stop the check through
+:func:`~pytest_exportcheck.checks._common.attempt`, carrying the exception.
 """
 
 from __future__ import annotations
 
-import functools
-import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from exportlm.export import (
     ExportCacheWrapper,
     TargetInfo,
+    compare_logits,
     ensure_exporters_registered,
     export_model,
     get_target_info,
@@ -29,76 +31,38 @@ from exportlm.export import (
     make_input_ids,
     runtime_loader,
 )
-from exportlm.export._base import accepted_kwargs
 from exportlm.models import build_model, model_names
 from pytest_exportcheck.checks._api import CheckResult, TargetCase
+from pytest_exportcheck.checks._common import CheckAbort, attempt, keyword_parameters
 
 __all__ = [
     "DEFAULT_MODELS",
+    "IDS_SEED",
     "TRACED_SHAPE",
-    "CheckAbort",
+    "accepts_reason",
     "artifact_name",
     "build_case_model",
     "default_model_name",
     "eager_logits",
-    "error_text",
     "export_fresh",
     "export_instance",
     "input_ids_for",
+    "listing",
     "load_runtime",
     "load_shared_runtime",
+    "require_device",
+    "roundtrip",
     "run_runtime",
     "shared_artifact",
+    "target_info",
 ]
 
 #: Families tried, in order, for checks that need one model and are not per model.
 DEFAULT_MODELS = ("decoder", "llama")
 #: ``(batch, seq)`` of the example inputs every built-in target traces with.
 TRACED_SHAPE = (2, 8)
-_TRACEBACK_LINES = 12
-
-T = TypeVar("T")
-C = TypeVar("C")
-
-
-class CheckAbort(Exception):
-    """Raised inside a check to stop it with a ready :class:`CheckResult`."""
-
-    def __init__(self, result: CheckResult) -> None:
-        super().__init__(result.message)
-        self.result = result
-
-
-def error_text(err: BaseException) -> str:
-    """``Type: message`` plus the last lines of the traceback (the cause chain included)."""
-    lines = "".join(traceback.format_exception(err)).rstrip().splitlines()
-    tail = "\n".join(lines[-_TRACEBACK_LINES:])
-    return f"{type(err).__name__}: {err}\n{tail}"
-
-
-def attempt(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)``; an exception fails the check with ``what`` and the error."""
-    try:
-        return fn(*args, **kwargs)
-    except CheckAbort:
-        raise
-    except Exception as err:
-        raise CheckAbort(
-            CheckResult.failed(f"{what} raised {error_text(err)}", error=type(err).__name__)
-        ) from err
-
-
-def aborts_to_result(fn: Callable[[C], CheckResult]) -> Callable[[C], CheckResult]:
-    """Decorate a check body so a :class:`CheckAbort` anywhere in it becomes its result."""
-
-    @functools.wraps(fn)
-    def wrapper(case: C) -> CheckResult:
-        try:
-            return fn(case)
-        except CheckAbort as abort:
-            return abort.result
-
-    return wrapper
+#: Seed of the input ids of roundtrips (not the traced ids, which use seed 0).
+IDS_SEED = 1
 
 
 def target_info(case: TargetCase) -> TargetInfo:
@@ -177,6 +141,11 @@ def artifact_name(info: TargetInfo) -> str:
     return "model" if info.artifact == "directory" else f"model{info.suffix}"
 
 
+def listing(directory: Path) -> list[str]:
+    """The sorted names in ``directory`` (empty when it does not exist)."""
+    return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+
+
 def export_fresh(case: TargetCase, model: nn.Module, directory: Path, **extra: Any) -> Path:
     """Export ``model`` with the case's target and variant kwargs into ``directory`` (not cached)."""
     info = get_target_info(case.target)
@@ -208,7 +177,7 @@ def export_instance(case: TargetCase, model: nn.Module, directory: Path, **extra
 
 def runtime_kwargs(case: TargetCase) -> dict[str, Any]:
     """``device=...`` for the runtime loader when it takes one (always off the CPU)."""
-    names, var_kw = accepted_kwargs(runtime_loader(case.target), skip=1)
+    names, var_kw = keyword_parameters(runtime_loader(case.target), skip=1)
     if case.device != "cpu" or "device" in names or var_kw:
         return {"device": case.device}
     return {}
@@ -259,6 +228,31 @@ def run_runtime(runtime: Callable[[torch.Tensor], Any], input_ids: torch.Tensor)
             "[batch, seq, vocab] (did the export trace the model without ExportCacheWrapper?)"
         )
     )
+
+
+def roundtrip(
+    case: TargetCase,
+    info: TargetInfo,
+    model: nn.Module,
+    runtime: Callable[[torch.Tensor], Any],
+    shape: tuple[int, int],
+) -> CheckResult:
+    """Runtime vs eager logits on deterministic ids of ``shape``, within the target's tolerance.
+
+    ``|actual - expected| <= atol + rtol * |expected|`` elementwise with the
+    target's declared ``atol`` / ``rtol``; NaN / inf anywhere fails.
+    """
+    ids = input_ids_for(model, shape[0], shape[1], seed=case.seed + IDS_SEED, device=case.device)
+    expected = eager_logits(model, ids)
+    actual = run_runtime(runtime, ids)
+    result = compare_logits(actual, expected, info.atol, info.rtol)
+    where = f"input_ids {list(shape)}"
+    if not result.passed:
+        return CheckResult.failed(
+            f"{case.target_id} logits differ from the eager model at {where}: {result.summary()}",
+            **result.details(),
+        )
+    return CheckResult.passed(f"{where}: {result.summary()}", **result.details())
 
 
 def _describe(value: Any) -> str:

@@ -2,23 +2,26 @@
 
 Every selected toy model is quantized with every recipe of :data:`SURVEY_RECIPES`
 that fits it, then exported with ``export_quantized_state`` through a *copy* of
-the dispatch registry whose exporters are wrapped in recorders. A recorder
-notes, for each ``export`` call, which exporter ran on which module, the tensor
-names it wrote and whether the module's state changed. The global registry and
-the models' exporters are never modified.
+the dispatch registry whose exporters are wrapped in recorders
+(:mod:`._recording`). A recorder notes, for each ``export`` call, which exporter
+ran on which module, the tensor names it wrote, whether the module's state
+changed and what it raised. The global registry and the models' exporters are
+never modified.
 
 The survey is computed once per process for a given registry state, model
-selection and seed (the exporter checks share it).
+selection and seed (the exporter checks share it). Internal to
+:mod:`pytest_exportcheck.checks` (a documented internal module: the exporter,
+golden and generated checks read it through its public names).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -28,7 +31,6 @@ from exportlm.models import MODEL_REGISTRY, build_model, ensure_models_registere
 from exportlm.modules import (
     EXPORT_MODULE_REGISTRY,
     MODULE_EXPORTER_REGISTRY,
-    ExportContext,
     ExporterEntry,
     ExportFormat,
     ExportModuleRegistry,
@@ -39,7 +41,8 @@ from exportlm.modules import (
 )
 from exportlm.quant import is_quantized_module, quantize, synthetic_calibration
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
-from pytest_exportcheck.checks._support import CheckAbort, error_text
+from pytest_exportcheck.checks._common import CheckAbort, error_text
+from pytest_exportcheck.checks._recording import ExportCall, Recorder, RecordingExporter
 
 __all__ = [
     "SCALE_LEAVES",
@@ -54,9 +57,12 @@ __all__ = [
     "exporter_entry",
     "exporter_names",
     "recipe_label",
+    "registry_state",
     "selected_models",
     "survey_for",
     "survey_of",
+    "survey_one",
+    "tie_groups",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,21 +92,6 @@ class Claim:
     exporter: str | None
 
 
-@dataclass(frozen=True)
-class ExportCall:
-    """One ``exporter.export(name, module, ctx)`` call made by the driver."""
-
-    exporter: str
-    model: str
-    recipe: str
-    module_name: str
-    module_type: str
-    quantized: bool
-    names: tuple[str, ...]
-    mutated: tuple[str, ...]
-    error: str | None = None
-
-
 @dataclass
 class QuantizedModel:
     """One toy model x recipe: the quantized model, its claims, the export and its tensors."""
@@ -113,6 +104,7 @@ class QuantizedModel:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     error: str | None = None
     summary: QuantExportSummary | None = None
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -188,89 +180,11 @@ def selected_models(case: ExporterCase) -> tuple[str, ...]:
     return tuple(m for m in wanted if m in available)
 
 
-# ----------------------------------------------------------------------------- recording
-
-
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
-
-
-def _changed(before: Mapping[str, torch.Tensor], module: nn.Module) -> tuple[str, ...]:
-    after = module.state_dict(keep_vars=True)
-    changed = sorted(set(before) ^ set(after))
-    for key in sorted(set(before) & set(after)):
-        a, b = before[key], after[key].detach()
-        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
-            changed.append(key)
-    return tuple(changed)
-
-
-class _Recorder:
-    """Collects export calls; the sink attributes every tensor to the running call."""
-
-    def __init__(self, model: str, recipe: str) -> None:
-        self.model, self.recipe = model, recipe
-        self.calls: list[ExportCall] = []
-        self.tensors: dict[str, torch.Tensor] = {}
-        self._current: list[str] | None = None
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.tensors[name] = tensor
-        if self._current is not None:
-            self._current.append(name)
-
-    @contextlib.contextmanager
-    def call(self, exporter: str, name: str, module: nn.Module) -> Iterator[None]:
-        written: list[str] = []
-        before = _state(module)
-        self._current = written
-        error: str | None = None
-        try:
-            yield
-        except Exception as err:
-            error = error_text(err)
-            raise
-        finally:
-            self._current = None
-            mutated = _changed(before, module)
-            if mutated:  # undo it: the quantized models are shared by every check
-                module.load_state_dict(before, strict=False)
-            self.calls.append(
-                ExportCall(
-                    exporter,
-                    self.model,
-                    self.recipe,
-                    name,
-                    type(module).__name__,
-                    is_quantized_module(module),
-                    tuple(written),
-                    mutated,
-                    error,
-                )
-            )
-
-
-class _RecordingExporter(ModuleExporter):
-    """Delegates to an exporter and records its export calls (one subclass per exporter)."""
-
-    exports_unquantized: ClassVar[bool] = False
-
-    def __init__(self, inner: ModuleExporter, label: str, recorder: _Recorder) -> None:
-        self.inner, self.label, self.recorder = inner, label, recorder
-
-    def prepare_moe_inputs(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
-        self.inner.prepare_moe_inputs(name, module, ctx)
-
-    def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
-        with self.recorder.call(self.label, name, module):
-            self.inner.export(name, module, ctx)
-
-
-def _recording_registry(recorder: _Recorder, names: Mapping[int, str]) -> ExportModuleRegistry:
+def _recording_registry(recorder: Recorder, names: Mapping[int, str]) -> ExportModuleRegistry:
     def wrap(exporter: ModuleExporter) -> ModuleExporter:
         cls = type(
             f"Recording_{type(exporter).__name__}_{id(exporter)}",
-            (_RecordingExporter,),
+            (RecordingExporter,),
             {"exports_unquantized": bool(getattr(exporter, "exports_unquantized", False))},
         )
         wrapped: ModuleExporter = cls(exporter, _name_of(exporter, names), recorder)
@@ -318,13 +232,18 @@ def _quantize_cached(
         return f"quantizing {model_name} with {label} raised {type(err).__name__}: {err}"
 
 
-def _survey_one(
+def survey_one(
     model_name: str,
     recipe: str,
     model: nn.Module,
     names: Mapping[int, str],
     format: ExportFormat = "modelopt",
 ) -> QuantizedModel:
+    """Claims and recorded export of one quantized ``model`` (labelled ``model_name`` / ``recipe``).
+
+    ``names`` is :func:`exporter_names`; an exception of the driver (or of an
+    exporter) is kept in ``error`` / ``exception``, not raised.
+    """
     result = QuantizedModel(model_name, recipe, model)
     for name, module in model.named_modules():
         exporter = EXPORT_MODULE_REGISTRY.match(module)
@@ -332,18 +251,19 @@ def _survey_one(
         if exporter is not None or quantized:
             label = None if exporter is None else _name_of(exporter, names)
             result.claims.append(Claim(model_name, recipe, name, module, quantized, label))
-    recorder = _Recorder(model_name, recipe)
+    recorder = Recorder(model_name, recipe)
     try:
         result.summary = export_quantized_state(
             model, recorder, format=format, registry=_recording_registry(recorder, names)
         )
     except Exception as err:
-        result.error = error_text(err)
+        result.error, result.exception = error_text(err), err
     result.calls, result.tensors = recorder.calls, recorder.tensors
     return result
 
 
-def _registry_state() -> tuple[Any, ...]:
+def registry_state() -> tuple[Any, ...]:
+    """A hashable fingerprint of the dispatch registry and the exporter names (cache keys)."""
     return tuple(
         (id(e.exporter), e.keys, id(e.predicate)) for e in EXPORT_MODULE_REGISTRY.entries()
     ) + tuple(sorted(exporter_names().items()))
@@ -368,7 +288,7 @@ def _survey(
             if isinstance(model, str):
                 skipped[f"{model_name}/{label}"] = model
                 continue
-            quantized.append(_survey_one(model_name, label, model, names, format))
+            quantized.append(survey_one(model_name, label, model, names, format))
     return Survey(models, quantized, skipped)
 
 
@@ -387,9 +307,17 @@ def survey_of(
     """
     ensure_module_exporters_registered()
     ensure_models_registered()
-    return _survey(tuple(models), tuple(recipes), seed, _registry_state(), calibration, format)
+    return _survey(tuple(models), tuple(recipes), seed, registry_state(), calibration, format)
 
 
 def survey_for(case: ExporterCase) -> Survey:
     """The survey of the case's selected toy models (``--export-models``)."""
     return survey_of(selected_models(case), case.seed)
+
+
+def tie_groups(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter registered under more than one name (a tied group)."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups[id(param)].append(name)
+    return [names for names in groups.values() if len(names) > 1]

@@ -28,17 +28,11 @@ from typing import Any
 from torch import nn
 
 from exportlm.errors import UnsupportedFormatError
-
-# The catalogue's order is its documentation order: this module's check comes after
-# the exporter, golden and target checks, whatever order the package imports it in.
-from pytest_exportcheck.checks import exporters, golden_checks, targets  # noqa: F401
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
+from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, error_text
 from pytest_exportcheck.checks._support import (
-    CheckAbort,
-    aborts_to_result,
     build_case_model,
     default_model_name,
-    error_text,
     export_instance,
     require_device,
     target_info,
@@ -242,7 +236,8 @@ def _quantized_toy(case: TargetCase, name: str) -> nn.Module:
     except Exception as err:
         raise CheckAbort(
             CheckResult.failed(
-                f"quantizing {name!r} with {CHECKPOINT_RECIPE} raised {error_text(err)}"
+                f"quantizing {name!r} with {CHECKPOINT_RECIPE} raised {error_text(err)}",
+                exception=err,
             )
         ) from err
     return quantized
@@ -256,7 +251,7 @@ def _counts(items: Iterable[ListedName]) -> dict[str, int]:
     return counts
 
 
-@check("checkpoint_names", scope="target", per_model=True, needs=("quantized",))
+@check("checkpoint_names")
 @aborts_to_result
 def checkpoint_names(case: TargetCase) -> CheckResult:
     """Names in a quantized checkpoint's configs are the names its tensors are saved under.

@@ -37,7 +37,7 @@ from typing import Any
 
 from exportlm.modules import MODULE_EXPORTER_REGISTRY
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
-from pytest_exportcheck.checks._support import aborts_to_result, error_text
+from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, error_text
 from pytest_exportcheck.checks._survey import (
     Calibration,
     QuantizedModel,
@@ -140,7 +140,8 @@ def _owner(name: str) -> str | None:
     return entry.distribution.split(" ")[0] if entry.distribution else None
 
 
-def _quantized(golden: GoldenCase, seed: int, calibration: Calibration) -> QuantizedModel | str:
+def _quantized(golden: GoldenCase, seed: int, calibration: Calibration) -> QuantizedModel:
+    """The surveyed golden case; a failed check when it cannot be quantized or exported."""
     survey = survey_of(
         (golden.model,),
         seed,
@@ -149,9 +150,14 @@ def _quantized(golden: GoldenCase, seed: int, calibration: Calibration) -> Quant
         format="compressed-tensors" if golden.format == "compressed-tensors" else "modelopt",
     )
     if survey.skipped:
-        return next(iter(survey.skipped.values()))
+        reason = next(iter(survey.skipped.values()))
+        raise CheckAbort(CheckResult.failed(f"golden case {golden.id}: {reason}"))
     q = survey.quantized[0]
-    return q.error if q.error else q
+    if q.error:
+        raise CheckAbort(
+            CheckResult.failed(f"golden case {golden.id}: {q.error}", exception=q.exception)
+        )
+    return q
 
 
 def _written_by(q: QuantizedModel, exporter: str) -> list[str]:
@@ -257,7 +263,7 @@ def _combine(results: Iterable[tuple[str, CheckResult]], what: str) -> CheckResu
 # ----------------------------------------------------------------------------- checks
 
 
-@check("golden_checkpoint", scope="exporter")
+@check("golden_checkpoint")
 @aborts_to_result
 def golden_checkpoint(case: ExporterCase) -> CheckResult:
     """What the exporter writes for every golden case equals its golden, byte for byte.
@@ -278,15 +284,13 @@ def golden_checkpoint(case: ExporterCase) -> CheckResult:
     results: list[tuple[str, CheckResult]] = []
     for golden in GOLDEN_CASES:
         q = _quantized(golden, case.seed, "synthetic")
-        if isinstance(q, str):
-            return CheckResult.failed(f"golden case {golden.id}: {q}")
         names = _written_by(q, case.name)
         if not names:
             continue
         try:
             data = _checkpoint_data(q, golden, case.name, names, case.workdir, case.seed)
         except Exception as err:
-            return CheckResult.failed(f"golden case {golden.id}: {error_text(err)}")
+            return CheckResult.failed(f"golden case {golden.id}: {error_text(err)}", exception=err)
         result = store.check(f"checkpoint/{golden.id}/{case.name}", data, owner=_owner(case.name))
         results.append((golden.id, result))
     if not results:
@@ -303,7 +307,7 @@ def _calibrated(q: QuantizedModel, names: list[str]) -> dict[str, list[Any]]:
     return {n: tensor_values(q.tensors[n]) for n in sorted(names) if leaf.search(n)}
 
 
-@check("golden_calibration", scope="exporter")
+@check("golden_calibration")
 @aborts_to_result
 def golden_calibration(case: ExporterCase) -> CheckResult:
     """The activation scales the exporter writes after real calibration match the golden's
@@ -323,8 +327,6 @@ def golden_calibration(case: ExporterCase) -> CheckResult:
     cases: dict[str, Any] = {}
     for golden in GOLDEN_CASES:
         q = _quantized(golden, case.seed, "data")
-        if isinstance(q, str):
-            return CheckResult.failed(f"golden case {golden.id}: {q}")
         values = _calibrated(q, _written_by(q, case.name))
         if values:
             cases[golden.id] = {

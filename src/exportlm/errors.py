@@ -13,6 +13,7 @@ __all__ = [
     "InvalidInputError",
     "InvalidModelError",
     "ExportLMError",
+    "MissingDependencyError",
     "OutputExistsError",
     "PluginLoadError",
     "QuantizationError",
@@ -68,17 +69,25 @@ class PluginLoadError(RegistryError):
     """A third-party entry point failed to import or did not validate."""
 
     def __init__(
-        self, group: str, entry_point: str, distribution: str | None, cause: BaseException
+        self,
+        group: str,
+        entry_point: str,
+        distribution: str | None,
+        cause: BaseException,
+        *,
+        name: str | None = None,
     ) -> None:
         self.group = group
         self.entry_point = entry_point
+        #: The entry point's name (the name it would have been registered under).
+        self.name = name or entry_point.split("=", 1)[0].strip()
         self.distribution = distribution or "<unknown distribution>"
         self.cause = cause
         super().__init__(
             f"plugin {entry_point!r} in entry-point group {group!r} "
             f"(distribution {self.distribution}) failed to load: "
             f"{type(cause).__name__}: {cause}. Fix or uninstall that distribution; "
-            f"set EXPORTLM_DISABLE_PLUGINS=1 to run without any plugin."
+            f"set EXPORTLM_DISABLE_PLUGINS=1 to run without third-party plugins (the built-in targets stay)."
         )
 
 
@@ -137,3 +146,24 @@ class UnclaimedModuleError(QuantizationError, ExportError):
 
 class TiedWeightsError(QuantizationError, ExportError):
     """Tensors declared tied hold different values."""
+
+
+class MissingDependencyError(ExportLMError, ImportError):
+    """An optional dependency needed for the requested operation is not installed.
+
+    Attributes:
+        modules: the import names that could not be imported (``name`` is the first).
+        extra: the ``exportlm`` extra that installs them.
+        purpose: what needed them, e.g. ``"exporting with the 'onnx' target"``.
+    """
+
+    def __init__(self, modules: list[str], extra: str, purpose: str) -> None:
+        self.modules = list(modules)
+        self.extra = extra
+        self.purpose = purpose
+        names = ", ".join(self.modules)
+        super().__init__(
+            f"{purpose} needs {names}, which cannot be imported here. "
+            f"Install it with: pip install 'exportlm[{extra}]'",
+            name=self.modules[0] if self.modules else None,
+        )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,8 +24,9 @@ from exportlm.errors import PluginLoadError, RegistryConflictError, UnknownNameE
 
 __all__ = [
     "DISABLE_PLUGINS_ENV",
-    "once",
+    "PluginRecord",
     "PluginWarning",
+    "once",
     "Registry",
     "RegistryEntry",
     "load_entry_point_registry",
@@ -36,6 +38,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DISABLE_PLUGINS_ENV = "EXPORTLM_DISABLE_PLUGINS"
+#: The distribution whose own entry points stay loaded under the kill switch.
+OWN_DISTRIBUTION = "exportlm"
 
 BUILTIN_PROVIDER = "exportlm (built in)"
 
@@ -68,8 +72,23 @@ def once(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def plugins_disabled() -> bool:
-    """True when ``EXPORTLM_DISABLE_PLUGINS`` is set to a true value."""
+    """True when ``EXPORTLM_DISABLE_PLUGINS`` is set to a true value.
+
+    The kill switch turns off third-party plugins only: entry points that the
+    ``exportlm`` distribution itself declares (the built-in ``torchscript``,
+    ``torch_export`` and ``hf_checkpoint`` targets) are still loaded.
+    """
     return os.environ.get(DISABLE_PLUGINS_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _is_own(ep: metadata.EntryPoint) -> bool:
+    """Whether ``ep`` is declared by the ``exportlm`` distribution itself."""
+    dist = getattr(ep, "dist", None)
+    try:
+        name = dist.metadata["Name"] if dist is not None else None
+    except Exception:  # pragma: no cover - broken metadata: not provably ours
+        return False
+    return bool(name) and re.sub(r"[-_.]+", "-", str(name)).lower() == OWN_DISTRIBUTION
 
 
 @dataclass(frozen=True)
@@ -92,6 +111,38 @@ class RegistryEntry(Generic[T]):
         return "registered in code"
 
 
+@dataclass(frozen=True)
+class PluginRecord:
+    """One line of the plugin inventory: a registered entry, or an entry point that failed.
+
+    Attributes:
+        kind: the registry's kind (``"export target"``, ``"runtime"``, ...).
+        name: the registered (or entry-point) name.
+        status: ``"loaded"`` (registered from an entry point or in code),
+            ``"failed"`` (the entry point did not import or validate) or
+            ``"conflict"`` (it claimed a name already taken; the existing entry stays).
+        provider: who provides it: ``exportlm (built in)``, a distribution with its
+            version, or ``registered in code``.
+        group: the entry-point group, ``None`` for an entry registered in code.
+        value: the entry point's ``module:attr``, ``None`` for one registered in code.
+        error: the :class:`PluginLoadError` / :class:`RegistryConflictError` of a
+            failed or conflicting entry, else ``None``.
+    """
+
+    kind: str
+    name: str
+    status: str
+    provider: str
+    group: str | None = None
+    value: str | None = None
+    error: BaseException | None = None
+
+    @property
+    def message(self) -> str:
+        """The error's text, or ``""`` for a loaded entry."""
+        return "" if self.error is None else str(self.error)
+
+
 class Registry(Generic[T]):
     """An ordered name -> object mapping with conflict detection.
 
@@ -106,6 +157,8 @@ class Registry(Generic[T]):
         self._entries: dict[str, RegistryEntry[T]] = {}
         self._failed: dict[str, BaseException] = {}
         self._loaded_groups: set[str] = set()
+        self._groups: dict[str, str] = {}
+        self._problems: list[PluginRecord] = []
         self._lock = threading.RLock()
         self.plugin_errors: list[BaseException] = []
 
@@ -186,6 +239,29 @@ class Registry(Generic[T]):
         with self._lock:
             return dict(sorted(self._failed.items()))
 
+    def records(self) -> list[PluginRecord]:
+        """This registry's part of the plugin inventory: every entry, then every problem.
+
+        Entries are sorted by name; failed and conflicting entry points follow in
+        the order they were found. ``exportlm list``, the pytest plugin's header
+        and its ``plugin_loads`` check all read this (see
+        :func:`exportlm.inventory.plugin_inventory`).
+        """
+        with self._lock:
+            entries = [self._entries[n] for n in sorted(self._entries)]
+            loaded = [
+                PluginRecord(
+                    self.kind,
+                    e.name,
+                    "loaded",
+                    e.provider,
+                    self._groups.get(e.name),
+                    e.entry_point,
+                )
+                for e in entries
+            ]
+            return [*loaded, *self._problems]
+
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 
@@ -198,10 +274,24 @@ class Registry(Generic[T]):
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, names={self.names()!r})"
 
-    def _record_failure(self, name: str, error: BaseException) -> None:
+    def _record_problem(
+        self, ep: metadata.EntryPoint, group: str, dist: str | None, error: BaseException
+    ) -> None:
+        conflict = isinstance(error, RegistryConflictError)
+        record = PluginRecord(
+            self.kind,
+            ep.name,
+            "conflict" if conflict else "failed",
+            dist or "<unknown distribution>",
+            group,
+            ep.value,
+            error,
+        )
         with self._lock:
-            self._failed[name] = error
+            if not conflict:
+                self._failed[ep.name] = error
             self.plugin_errors.append(error)
+            self._problems.append(record)
 
 
 def _entry_points(group: str) -> list[metadata.EntryPoint]:
@@ -212,6 +302,22 @@ def _entry_points(group: str) -> list[metadata.EntryPoint]:
     for ep in eps:
         seen.setdefault((ep.name, ep.value), ep)
     return sorted(seen.values(), key=lambda ep: (ep.name, ep.value))
+
+
+def _selected_entry_points(group: str) -> list[metadata.EntryPoint]:
+    """The entry points of ``group`` to load: all, or only exportlm's own under the kill switch."""
+    eps = _entry_points(group)
+    if not plugins_disabled():
+        return eps
+    skipped = sorted(f"{ep.name} = {ep.value}" for ep in eps if not _is_own(ep))
+    if skipped:
+        logger.info(
+            "%s=1: not loading the third-party entry points of %s: %s",
+            DISABLE_PLUGINS_ENV,
+            group,
+            "; ".join(skipped),
+        )
+    return [ep for ep in eps if _is_own(ep)]
 
 
 def _distribution_label(ep: metadata.EntryPoint) -> str | None:
@@ -238,37 +344,40 @@ def load_entry_point_registry(
     With ``raise_errors=True`` (default) the first error is raised after every
     other plugin was loaded; with ``False`` errors are only recorded in
     ``registry.plugin_errors`` / ``registry.failed()`` and issued as
-    :class:`PluginWarning`. ``EXPORTLM_DISABLE_PLUGINS=1`` skips discovery.
+    :class:`PluginWarning`. With ``EXPORTLM_DISABLE_PLUGINS=1`` only the entry
+    points of the ``exportlm`` distribution itself (the built-in targets) are
+    loaded; every third-party one is skipped.
 
     Returns the names registered by this call.
     """
-    if plugins_disabled():
-        logger.debug("%s=1: not loading entry points of %s", DISABLE_PLUGINS_ENV, group)
-        return []
     with registry._lock:
         if group in registry._loaded_groups:
             return []
         registry._loaded_groups.add(group)
     loaded: list[str] = []
     errors: list[BaseException] = []
-    for ep in _entry_points(group):
+    for ep in _selected_entry_points(group):
         dist = _distribution_label(ep)
         try:
             obj = ep.load()
             obj = registry.validate(ep.name, obj)
         except Exception as err:
-            error: BaseException = PluginLoadError(group, f"{ep.name} = {ep.value}", dist, err)
+            error: BaseException = PluginLoadError(
+                group, f"{ep.name} = {ep.value}", dist, err, name=ep.name
+            )
             error.__cause__ = err
-            registry._record_failure(ep.name, error)
+            registry._record_problem(ep, group, dist, error)
             errors.append(error)
             continue
         try:
             registry.register(ep.name, obj, distribution=dist, entry_point=ep.value)
         except RegistryConflictError as err:
             # Keep the existing (e.g. built-in) entry usable; report the claim.
-            registry.plugin_errors.append(err)
+            registry._record_problem(ep, group, dist, err)
             errors.append(err)
             continue
+        with registry._lock:
+            registry._groups[ep.name] = group
         loaded.append(ep.name)
     if errors:
         for error in errors:

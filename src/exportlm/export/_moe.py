@@ -31,25 +31,32 @@ TRACEABLE_EXPERTS = "batched_mm"
 
 
 def _switchable_experts(model: nn.Module) -> list[Any]:
-    """transformers models inside ``model`` whose experts implementation can be switched."""
-    found = []
-    for module in model.modules():
-        can_set = getattr(module, "_can_set_experts_implementation", None)
-        if (
-            callable(can_set)
-            and callable(getattr(module, "get_experts_implementation", None))
-            and callable(getattr(module, "set_experts_implementation", None))
-            and can_set()
+    """The outermost transformers models inside ``model`` (``model`` itself, usually).
+
+    Found by the public ``get_experts_implementation`` / ``set_experts_implementation``
+    pair: ``set_experts_implementation`` reaches a model's own sub-models, so only the
+    outermost ones are returned. A model without switchable experts (Llama, or any
+    class transformers does not mark with ``@use_experts_implementation``) accepts
+    the call and keeps its implementation, so no private capability probe is needed.
+    """
+    found: list[Any] = []
+    owners: list[str] = []
+    for name, module in model.named_modules():
+        if any(not owner or name == owner or name.startswith(f"{owner}.") for owner in owners):
+            continue  # inside a model already found: reached through it
+        if callable(getattr(module, "get_experts_implementation", None)) and callable(
+            getattr(module, "set_experts_implementation", None)
         ):
             found.append(module)
+            owners.append(name)
     return found
 
 
 def experts_implementations(model: nn.Module) -> list[dict[str, str | None]]:
-    """The experts implementation of every switchable transformers model inside ``model``.
+    """The experts implementation of every outermost transformers model inside ``model``.
 
-    Empty for models without transformers MoE experts. Two calls returning equal
-    lists mean nothing was switched in between.
+    Empty for models without transformers inside. Two calls returning equal lists
+    mean nothing was switched in between.
     """
     return [dict(m.get_experts_implementation()) for m in _switchable_experts(model)]
 

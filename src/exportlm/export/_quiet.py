@@ -22,10 +22,10 @@ then:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import os
-import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -136,12 +136,24 @@ def _report(target: str, captured: CapturedNoise) -> None:
             logger.debug("%s exporter warning: %s: %s", target, w.category.__name__, w.message)
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: ``.../exportlm/`` with the separator, so a sibling such as ``exportlm_plugin/`` is not inside.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def warn_caller(warning: Warning) -> None:
-    """Emit ``warning`` attributed to the first frame outside exportlm (the user's call)."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
-        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    """Emit ``warning`` attributed to the first frame outside exportlm (the user's call).
+
+    Walks the stack with :func:`inspect.currentframe` (``warnings.warn``'s own
+    ``skip_file_prefixes`` does this, but only from Python 3.12). Where the
+    interpreter has no frame support the warning points at exportlm itself.
+    """
+    level = 1
+    frame = inspect.currentframe()
+    caller = frame.f_back if frame is not None else None
+    del frame  # no reference cycle through this frame
+    while caller is not None and os.path.abspath(caller.f_code.co_filename).startswith(
+        _PACKAGE_DIR
+    ):
+        level, caller = level + 1, caller.f_back
+    del caller
     warnings.warn(warning, stacklevel=level + 1)

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from exportlm.export._base import export_target
-from exportlm.export._session import TorchModuleRuntime, export_session, resolve_device
 from exportlm.export._wrapper import ExportCacheWrapper
+from exportlm.export.job import export_job
+from exportlm.export.runtime import TorchModuleRuntime, resolve_device
+from exportlm.export.targets import export_target
 
 __all__ = [
     "TORCH_EXPORT_ATOL",
@@ -77,7 +78,7 @@ def export_torch_export(
         ExportFailedError: ``torch.export`` or saving failed (the cause is chained).
     """
     hint = "Try dynamic=False, or the 'torchscript' target."
-    with export_session("torch_export", model, output_path, example_inputs, hint=hint) as job:
+    with export_job("torch_export", model, output_path, example_inputs, hint=hint) as job:
         wrapper = ExportCacheWrapper(model).eval()
         program = torch.export.export(
             wrapper, job.inputs[:1], dynamic_shapes=_dynamic_shapes(dynamic), strict=strict

@@ -7,8 +7,8 @@ entry points (``build_torchscript_exporter``, ``load_torchscript``).
 :class:`~exportlm.export.ExportCacheWrapper`; batch and sequence stay symbolic
 for models whose forward has no Python control flow on tensor values (every
 built-in toy family). ``method="script"`` compiles the model's Python source;
-none of the built-in families scripts, for the reasons declared in
-:data:`SCRIPT_EXPECTED_FAILURES`.
+none of the built-in toy families scripts: each family declares that failure
+itself (``exportlm.models.model_expected_failures``); the target knows nothing of toy models.
 
 torch 2.13 deprecates ``torch.jit``; every export raises two dozen deprecation
 warnings inside torch. They become one :class:`TorchScriptDeprecationWarning`
@@ -25,15 +25,14 @@ import torch
 from torch import nn
 
 from exportlm.errors import InvalidInputError
-from exportlm.export._base import export_target
 from exportlm.export._moe import TRACEABLE_EXPERTS
 from exportlm.export._quiet import CapturedNoise, warn_caller
-from exportlm.export._session import TorchModuleRuntime, export_session, resolve_device
 from exportlm.export._wrapper import ExportCacheWrapper
-from exportlm.models import SCRIPT_FAILURE_REASON
+from exportlm.export.job import export_job
+from exportlm.export.runtime import TorchModuleRuntime, resolve_device
+from exportlm.export.targets import export_target
 
 __all__ = [
-    "SCRIPT_EXPECTED_FAILURES",
     "TORCHSCRIPT_ATOL",
     "TORCHSCRIPT_RTOL",
     "TorchScriptDeprecationWarning",
@@ -49,39 +48,6 @@ __all__ = [
 # larger models and CUDA without hiding a wrong graph.
 TORCHSCRIPT_ATOL = 1e-5
 TORCHSCRIPT_RTOL = 1e-5
-
-_HF_SCRIPT_REASON = (
-    "TorchScript cannot compile transformers models: scripting recurses into "
-    "PretrainedConfig.__init__, whose source inspect cannot read (OSError: could not get "
-    "source code), and their forwards take **kwargs, which TorchScript rejects"
-)
-_DECODER_SCRIPT_REASON = SCRIPT_FAILURE_REASON or "DecoderModel does not script"
-_SCRIPT_FAILURES_BY_MODEL = {
-    "decoder": _DECODER_SCRIPT_REASON,
-    "decoder_tied": _DECODER_SCRIPT_REASON,
-    "iterable_moe": _DECODER_SCRIPT_REASON,
-    **{
-        name: _HF_SCRIPT_REASON
-        for name in ("llama", "llama_tied", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
-    },
-}
-_PER_MODEL_CHECKS = ("roundtrip_logits", "dynamic_shapes")
-# artifact_contract, deterministic and cache_wrapper export the plain decoder (the
-# conformance suite's default model), wrapped for cache_wrapper: none of them scripts.
-_MODEL_FREE_CHECKS = ("artifact_contract", "deterministic", "cache_wrapper")
-
-#: ``{fnmatch pattern over conformance item ids: reason}`` for ``method="script"``,
-#: measured on torch 2.13 / transformers 5.24: every built-in family fails to script.
-SCRIPT_EXPECTED_FAILURES: dict[str, str] = {
-    **{
-        f"{check}[torchscript:script-{model}-*]": reason
-        for check in _PER_MODEL_CHECKS
-        for model, reason in _SCRIPT_FAILURES_BY_MODEL.items()
-    },
-    **{f"{check}[torchscript:script-*]": _DECODER_SCRIPT_REASON for check in _MODEL_FREE_CHECKS},
-    # The generated structures are transformers models (Llama, Mixtral, Qwen3-MoE).
-    "roundtrip_generated[torchscript:script-*]": _HF_SCRIPT_REASON,
-}
 
 
 class TorchScriptDeprecationWarning(FutureWarning):
@@ -158,7 +124,7 @@ def export_torchscript(
         else "Try the 'torch_export' target, which handles data-dependent shapes better."
     )
     experts = TRACEABLE_EXPERTS if method == "trace" else None
-    with export_session(
+    with export_job(
         "torchscript", model, output_path, example_inputs, experts=experts, hint=hint
     ) as job:
         module = _script(model) if method == "script" else _trace(model, job.inputs, check_trace)
@@ -181,7 +147,6 @@ _TORCHSCRIPT_TARGET = export_target(
     artifact="file",
     suffix=".pt",
     variants={"trace": {"method": "trace"}, "script": {"method": "script"}},
-    expected_failures=SCRIPT_EXPECTED_FAILURES,
     description="TorchScript .pt (torch.jit.trace, or script) run with torch.jit.load",
 )(export_torchscript)
 

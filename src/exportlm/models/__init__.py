@@ -10,7 +10,9 @@
   JSON-serialisable spec (layers, heads / KV heads, tied head, dense or MoE,
   vocabulary) and the seeded transformers model it builds.
 - :data:`MODEL_REGISTRY`, :func:`build_model`, :func:`model_names`: families by
-  name, extensible through the ``exportlm.models`` entry-point group.
+  name, extensible through the ``exportlm.models`` entry-point group; a
+  :class:`ModelFamily` declares the conformance items its family is known to
+  fail (:func:`model_expected_failures`).
 """
 
 from exportlm.models._init import seeded_init_
@@ -21,14 +23,16 @@ from exportlm.models.decoder import (
     KVCache,
     PositionalEncoding,
 )
-from exportlm.models.hf import HF_FAMILIES, tiny_hf_model
+from exportlm.models.hf import HF_FAMILIES, HF_SCRIPT_FAILURE_REASON, tiny_hf_model
 from exportlm.models.moe import IterableMoEConfig, IterableMoEModel
 from exportlm.models.registry import (
     MODEL_REGISTRY,
     MODELS_GROUP,
     ModelFactory,
+    ModelFamily,
     build_model,
     ensure_models_registered,
+    model_expected_failures,
     model_names,
     model_traits,
     register_builtin_models,
@@ -37,6 +41,7 @@ from exportlm.models.spec import SPEC_FAMILIES, SPEC_FORMAT, ModelSpec, build_fr
 
 __all__ = [
     "HF_FAMILIES",
+    "HF_SCRIPT_FAILURE_REASON",
     "MODELS_GROUP",
     "MODEL_REGISTRY",
     "SCRIPT_FAILURE_REASON",
@@ -48,11 +53,13 @@ __all__ = [
     "IterableMoEModel",
     "KVCache",
     "ModelFactory",
+    "ModelFamily",
     "ModelSpec",
     "PositionalEncoding",
     "build_from_spec",
     "build_model",
     "ensure_models_registered",
+    "model_expected_failures",
     "model_names",
     "model_traits",
     "register_builtin_models",

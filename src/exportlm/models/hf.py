@@ -23,6 +23,21 @@ it to a traceable one themselves):
   a bias, and attention has per-head ``sinks``. Its layers alternate sliding and
   full attention (``sliding_window`` 128, the whole tiny context), and it keeps
   YaRN rope scaled to the 128 positions.
+- ``llama4`` (``Llama4ForCausalLM`` of a ``Llama4TextConfig``): every layer's
+  ``feed_forward`` is a ``Llama4TextMoe``: ``experts`` (``Llama4TextExperts``) has
+  ``gate_up_proj [E, H, 2*I]`` (transposed like GptOss, but gate columns then up
+  columns, not interleaved) and ``down_proj [E, I, H]``, no biases; its forward
+  takes the tokens already scaled by their sigmoid router scores, every expert
+  seeing every token (``bmm``, no routing inside, no experts-implementation switch);
+  the router ``feed_forward.router`` is an ``nn.Linear`` subclass with its own
+  forward, and a dense ``shared_expert`` MLP runs beside the experts.
+- ``dbrx`` (``DbrxForCausalLM``): ``ffn.experts`` (``DbrxExperts``) keeps the
+  weights in its child ``mlp`` (``DbrxExpertGLU``) as 2-D ``w1`` (gate), ``v1`` (up)
+  and ``w2`` (down), each ``[E * I, H]``; ``w1``/``v1`` hold ``[out, in]`` rows per
+  expert, ``w2`` ``[in, out]`` rows. Its forward loops over the experts the batch
+  hits (``nonzero``, a data-dependent shape); the router is ``ffn.router.layer``.
+  Attention is one fused ``Wqkv`` linear clamped to ``clip_qkv`` (8, as DBRX
+  ships; ``None`` fails in transformers 5.24's forward).
 
 The experts forward is dispatched on ``config._experts_implementation``, which
 transformers 5.24 resolves to ``"grouped_mm"`` when nothing is requested (also on
@@ -48,7 +63,7 @@ import transformers
 from exportlm.errors import TiedWeightsError, UnknownNameError, UnknownOptionError
 from exportlm.models._init import seeded_init_
 
-__all__ = ["HF_FAMILIES", "tiny_hf_model"]
+__all__ = ["HF_FAMILIES", "HF_SCRIPT_FAILURE_REASON", "hf_family_failures", "tiny_hf_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +78,38 @@ _COMMON: dict[str, Any] = {
     "max_position_embeddings": 128,
 }
 _MOE_INTERMEDIATE = 128
+_EXPERTS = {"num_local_experts": 4, "num_experts_per_tok": 2}
+
+# Why some families' forwards do not export (measured on torch 2.13 / transformers 5.24).
+_LLAMA4_COMPLEX_ROPE = (
+    "Llama4's rotary embedding computes with complex tensors (torch.view_as_complex); the "
+    "ONNX exporter has no translation for complex-valued aten.unsqueeze (DispatchError: No "
+    "decompositions registered for the complex-valued input)"
+)
+_DBRX_DATA_DEPENDENT = (
+    "DbrxExperts loops over the experts the batch hits (nonzero: a data-dependent shape) and "
+    "has no traceable experts implementation to switch to: torch.export, and the ONNX "
+    "exporter built on it, stop on a data-dependent guard (GuardOnDataDependentSymNode: "
+    "Could not guard on data-dependent expression Eq(u0, 0))"
+)
+_DBRX_TRACE = (
+    "DbrxExperts loops over the experts the batch hits: torch.jit.trace records that loop "
+    "for the tracing batch only, and a batch hitting another set of experts fails "
+    "(RuntimeError: Expected 3 elements in a list but found 4)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
-    """How to build one family: its transformers config class and tiny config values."""
+    """How to build one family: its transformers config class and tiny config values.
+
+    ``failures`` maps an export target column (``"onnx"``, ``"torchscript:trace"``)
+    to why the family's forward cannot go through it (measured, not guessed).
+    """
 
     config_class: str
     config: Mapping[str, Any]
+    failures: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 _FAMILIES: dict[str, _Family] = {
@@ -125,10 +164,65 @@ _FAMILIES: dict[str, _Family] = {
             },
         },
     ),
+    "llama4": _Family(
+        "Llama4TextConfig",
+        # Llama4's intermediate_size is the expert (and shared expert) size;
+        # intermediate_size_mlp sizes the dense layers (none: every layer is MoE).
+        {
+            **_COMMON,
+            **_EXPERTS,
+            "intermediate_size": _MOE_INTERMEDIATE,
+            "intermediate_size_mlp": _COMMON["intermediate_size"],
+        },
+        failures={"onnx": _LLAMA4_COMPLEX_ROPE},
+    ),
+    "dbrx": _Family(
+        "DbrxConfig",
+        # DBRX names its sizes its own way (d_model, n_heads, ...); no head_dim, no
+        # dense MLP: every block is MoE.
+        {
+            "vocab_size": _COMMON["vocab_size"],
+            "d_model": _COMMON["hidden_size"],
+            "n_heads": _COMMON["num_attention_heads"],
+            "n_layers": _COMMON["num_hidden_layers"],
+            "max_seq_len": _COMMON["max_position_embeddings"],
+            "attn_config": {
+                "kv_n_heads": _COMMON["num_key_value_heads"],
+                "clip_qkv": 8.0,
+                "rope_theta": 10000.0,
+            },
+            "ffn_config": {
+                "ffn_hidden_size": _MOE_INTERMEDIATE,
+                "moe_num_experts": _EXPERTS["num_local_experts"],
+                "moe_top_k": _EXPERTS["num_experts_per_tok"],
+            },
+        },
+        failures={
+            "onnx": _DBRX_DATA_DEPENDENT,
+            "torch_export": _DBRX_DATA_DEPENDENT,
+            "torchscript:trace": _DBRX_TRACE,
+        },
+    ),
 }
+
+#: Why ``torch.jit.script`` fails on every family here (measured on torch 2.13 /
+#: transformers 5.24, each family: OSError from inspect.getsource).
+HF_SCRIPT_FAILURE_REASON = (
+    "TorchScript cannot compile transformers models: scripting recurses into "
+    "PretrainedConfig.__init__, whose source inspect cannot read (OSError: could not get "
+    "source code), and their forwards take **kwargs, which TorchScript rejects"
+)
 
 #: The families :func:`tiny_hf_model` builds.
 HF_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
+
+
+def hf_family_failures(family: str) -> dict[str, str]:
+    """``{target column: reason}`` of the export targets ``family``'s forward cannot go through.
+
+    Every family fails ``torchscript:script`` (:data:`HF_SCRIPT_FAILURE_REASON`).
+    """
+    return {"torchscript:script": HF_SCRIPT_FAILURE_REASON, **_family(family).failures}
 
 
 def _family(name: str) -> _Family:

@@ -3,13 +3,16 @@
 Built-in families are registered by :func:`register_builtin_models`, called from
 :func:`ensure_models_registered`, which also loads third-party families from
 the ``exportlm.models`` entry-point group. A family is a factory
-``(seed: int = 0, **overrides) -> nn.Module`` whose weights depend on ``seed`` only.
+``(seed: int = 0, **overrides) -> nn.Module`` whose weights depend on ``seed`` only;
+registered as a :class:`ModelFamily` (or any factory with an ``expected_failures``
+attribute) it also declares the conformance items it is known to fail, with why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -17,8 +20,13 @@ import transformers
 from torch import nn
 
 from exportlm.models._init import seeded_init_
-from exportlm.models.decoder import DecoderModel
-from exportlm.models.hf import HF_FAMILIES, tiny_hf_model
+from exportlm.models.decoder import SCRIPT_FAILURE_REASON, DecoderModel
+from exportlm.models.hf import (
+    HF_FAMILIES,
+    HF_SCRIPT_FAILURE_REASON,
+    hf_family_failures,
+    tiny_hf_model,
+)
 from exportlm.models.moe import IterableMoEModel
 from exportlm.registry import Registry, load_entry_point_registry, once
 
@@ -26,8 +34,10 @@ __all__ = [
     "MODELS_GROUP",
     "MODEL_REGISTRY",
     "ModelFactory",
+    "ModelFamily",
     "build_model",
     "ensure_models_registered",
+    "model_expected_failures",
     "model_names",
     "model_traits",
     "register_builtin_models",
@@ -81,11 +91,96 @@ class _HFFactory:
         return model
 
 
-_BUILTINS: dict[str, ModelFactory] = {
-    "decoder": _PlainFactory(DecoderModel),
-    "decoder_tied": _PlainFactory(DecoderModel, (("tie_embeddings", True),)),
-    "iterable_moe": _PlainFactory(IterableMoEModel),
-    **{family: _HFFactory(family) for family in HF_FAMILIES},
+def _checked_failures(owner: str, declared: object) -> dict[str, str]:
+    """``declared`` as ``{pattern: reason}``; anything else is a ``TypeError`` naming ``owner``."""
+    if not isinstance(declared, Mapping) or not all(
+        isinstance(k, str) and k and isinstance(v, str) and v.strip() for k, v in declared.items()
+    ):
+        raise TypeError(
+            f"{owner}: expected_failures must map non-empty check id or item id patterns to "
+            f"non-empty reasons, got {declared!r}"
+        )
+    return dict(declared)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A toy model family as registered: its factory and the items it is known to fail.
+
+    Calling it calls the factory. Point an ``exportlm.models`` entry point at one
+    to declare a family's expected failures in its own package.
+
+    Attributes:
+        factory: builds the model: ``(seed: int = 0, **overrides) -> nn.Module``.
+        expected_failures: ``{pattern: reason}`` over this family's conformance
+            items only, in the syntax of ``TargetInfo.expected_failures``: a bare
+            check id (every item of that check), or a pattern over the item id where
+            ``*`` and ``?`` are the wildcards (``"roundtrip_logits[torchscript:script-*]"``).
+    """
+
+    factory: ModelFactory
+    expected_failures: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        checked = _checked_failures(f"model family {self.factory!r}", self.expected_failures)
+        object.__setattr__(self, "expected_failures", types.MappingProxyType(checked))
+
+    def __call__(self, seed: int = 0, **overrides: Any) -> nn.Module:
+        return self.factory(seed, **overrides)
+
+    def __hash__(self) -> int:
+        return hash((self.factory, tuple(sorted(self.expected_failures.items()))))
+
+
+#: The per-model target checks (``check[target-model-device]``) a declaration covers.
+_PER_MODEL_CHECKS = ("roundtrip_logits", "dynamic_shapes")
+
+
+def _declared(name: str, failures: Mapping[str, str | None]) -> dict[str, str]:
+    """``{target column: reason}`` as item patterns of family ``name`` on every device.
+
+    The family's name is part of each pattern, so a rule is right even where it is
+    applied to every item, not only to the family's own.
+    """
+    return {
+        f"{check}[{column}-{name}-*]": reason
+        for column, reason in failures.items()
+        if reason is not None
+        for check in _PER_MODEL_CHECKS
+    }
+
+
+#: Target checks that are not run per model: the conformance suite exports the
+#: ``decoder`` family for them, so that family's failures extend to their items.
+_MODEL_FREE_CHECKS = ("artifact_contract", "deterministic", "cache_wrapper")
+
+
+def _plain(name: str, factory: ModelFactory) -> ModelFamily:
+    # SCRIPT_FAILURE_REASON is None on a torch that scripts DecoderModel: nothing declared then.
+    declared = _declared(name, {"torchscript:script": SCRIPT_FAILURE_REASON})
+    if name == "decoder" and SCRIPT_FAILURE_REASON is not None:
+        declared |= {
+            f"{c}[torchscript:script-*]": SCRIPT_FAILURE_REASON for c in _MODEL_FREE_CHECKS
+        }
+    return ModelFamily(factory, declared)
+
+
+def _hf(family: str) -> ModelFamily:
+    declared = _declared(family, hf_family_failures(family))
+    if family == "llama":
+        # The generated-structure checks build transformers models (Llama, Mixtral,
+        # Qwen3-MoE), so transformers' TorchScript failure covers their items too.
+        declared["roundtrip_generated[torchscript:script-*]"] = HF_SCRIPT_FAILURE_REASON
+    return ModelFamily(_HFFactory(family), declared)
+
+
+_BUILTINS: dict[str, ModelFamily] = {
+    "decoder": _plain("decoder", _PlainFactory(DecoderModel)),
+    "decoder_tied": _plain(
+        "decoder_tied", _PlainFactory(DecoderModel, (("tie_embeddings", True),))
+    ),
+    "iterable_moe": _plain("iterable_moe", _PlainFactory(IterableMoEModel)),
+    **{family: _hf(family) for family in HF_FAMILIES},
 }
 
 
@@ -104,6 +199,18 @@ def ensure_models_registered() -> None:
     """
     register_builtin_models(MODEL_REGISTRY)
     load_entry_point_registry(MODELS_GROUP, MODEL_REGISTRY, raise_errors=False)
+
+
+def model_expected_failures(name: str) -> dict[str, str]:
+    """``{pattern: reason}`` family ``name`` declares (its factory's ``expected_failures``).
+
+    Empty for a family that declares none. Raises
+    :class:`~exportlm.errors.UnknownNameError` for an unknown name and ``TypeError``
+    for a declaration that is not a mapping of non-empty strings.
+    """
+    ensure_models_registered()
+    declared = getattr(MODEL_REGISTRY.get(name), "expected_failures", None)
+    return {} if declared is None else _checked_failures(f"model family {name!r}", declared)
 
 
 def model_names() -> list[str]:

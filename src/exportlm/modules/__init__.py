@@ -2,16 +2,19 @@
 
 ``export_quantized_state(model, sink)`` walks a model and dispatches each
 quantized module to the first matching :class:`ModuleExporter` of
-:data:`EXPORT_MODULE_REGISTRY` (DESIGN §4). Built-in exporters are registered
-by :func:`register_builtin_module_exporters`, called from
-:func:`ensure_module_exporters_registered`, which also loads third-party
-exporters from the ``exportlm.module_exporters`` entry-point group.
+:data:`EXPORT_MODULE_REGISTRY`, the one module-exporter registry:
+its entries carry their names, match keys and predicates, in dispatch order.
+Built-in exporters are registered by :func:`register_builtin_module_exporters`,
+called from :func:`ensure_module_exporters_registered`, which also loads
+third-party exporters from the ``exportlm.module_exporters`` entry-point group.
+
+This package depends on :mod:`exportlm.quant` only: never on the toy models
+(:mod:`exportlm.models`) or the export targets (:mod:`exportlm.export`).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+from exportlm.modules._base import MatchKey, ModuleExporter, ModulePredicate
 from exportlm.modules._context import (
     EXPORT_FORMATS,
     DictSink,
@@ -21,8 +24,10 @@ from exportlm.modules._context import (
     QuantConfigCollector,
     QuantExportSummary,
     TensorSink,
+    qlora_saved_name,
 )
-from exportlm.modules._driver import export_quantized_state, resolve_tied_weights
+from exportlm.modules._driver import export_quantized_state
+from exportlm.modules._experts import DbrxExpertsExporter
 from exportlm.modules._exporters import (
     BMMExpertsExporter,
     FusedExpertsExporter,
@@ -38,12 +43,10 @@ from exportlm.modules._registry import (
     ExporterEntry,
     ExportModuleRegistry,
     MatchExplanation,
-    MatchKey,
-    ModuleExporter,
-    ModulePredicate,
-    exporter_attributes,
+    validate_module_exporter,
 )
-from exportlm.registry import Registry, load_entry_point_registry, once
+from exportlm.modules._ties import TieBook, resolve_tied_weights
+from exportlm.registry import load_entry_point_registry, once
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -51,6 +54,7 @@ __all__ = [
     "MODULE_EXPORTERS_GROUP",
     "MODULE_EXPORTER_REGISTRY",
     "BMMExpertsExporter",
+    "DbrxExpertsExporter",
     "DictSink",
     "ExpertSlice",
     "ExportContext",
@@ -70,57 +74,37 @@ __all__ = [
     "QuantExportSummary",
     "QuantLinearExporter",
     "TensorSink",
+    "TieBook",
     "builtin_module_exporters",
     "ensure_module_exporters_registered",
     "export_quantized_state",
+    "qlora_saved_name",
     "register_builtin_module_exporters",
     "resolve_tied_weights",
+    "validate_module_exporter",
 ]
 
 #: Entry-point group of third-party module exporters (public name, do not rename).
 MODULE_EXPORTERS_GROUP = "exportlm.module_exporters"
 
-
-def _validate_exporter(name: str, obj: Any) -> ModuleExporter:
-    """Accept a ModuleExporter subclass (instantiated without arguments) or instance."""
-    if isinstance(obj, type) and issubclass(obj, ModuleExporter):
-        obj = obj()
-    if not isinstance(obj, ModuleExporter):
-        raise TypeError(
-            f"module exporter {name!r} must be a ModuleExporter subclass or instance, "
-            f"got {type(obj).__name__}"
-        )
-    keys, predicate, _ = exporter_attributes(obj)
-    if not keys and predicate is None:
-        raise TypeError(
-            f"module exporter {name!r} ({type(obj).__name__}) declares no match keys and no "
-            "predicate; set keys = ('MyQuantModule',) and/or a predicate on the class"
-        )
-    return obj
-
-
-#: The dispatch registry used by :func:`export_quantized_state` (ordered, first match wins).
+#: The module-exporter registry: named entries in dispatch order (first match wins),
+#: used by :func:`export_quantized_state`, reports and the conformance suite.
 EXPORT_MODULE_REGISTRY = ExportModuleRegistry()
-#: Module exporters by name (built-ins and entry points), for reports and the conformance suite.
-MODULE_EXPORTER_REGISTRY: Registry[ModuleExporter] = Registry("module exporter", _validate_exporter)
+#: The same registry under its name-registry name (kept for compatibility).
+MODULE_EXPORTER_REGISTRY = EXPORT_MODULE_REGISTRY
 
 
 @once
 def ensure_module_exporters_registered() -> None:
     """Register the built-ins and load ``exportlm.module_exporters`` entry points (idempotent).
 
-    Built-ins go into :data:`EXPORT_MODULE_REGISTRY` in their documented order and
-    into :data:`MODULE_EXPORTER_REGISTRY` by name. An entry-point exporter is
-    appended (or prepended when its class sets ``prepend = True``) with the keys
-    and predicate it declares. A plugin that fails to load is recorded as a
-    :class:`~exportlm.errors.PluginLoadError` (``MODULE_EXPORTER_REGISTRY.failed()``)
-    and warned about; the others load.
+    Built-ins go into :data:`EXPORT_MODULE_REGISTRY` in their documented order.
+    An entry-point exporter (a :class:`ModuleExporter` subclass or instance) is
+    registered under its entry-point name with the keys and predicate it
+    declares, appended (or prepended when its class sets ``prepend = True``). A
+    plugin that fails to load, or claims a taken name, is recorded
+    (``EXPORT_MODULE_REGISTRY.failed()``, ``.plugin_errors``) and warned about;
+    the others load.
     """
-    for exporter in register_builtin_module_exporters(EXPORT_MODULE_REGISTRY):
-        MODULE_EXPORTER_REGISTRY.register(exporter.display_name, exporter, builtin=True)
-    for name in load_entry_point_registry(
-        MODULE_EXPORTERS_GROUP, MODULE_EXPORTER_REGISTRY, raise_errors=False
-    ):
-        exporter = MODULE_EXPORTER_REGISTRY.get(name)
-        keys, predicate, prepend = exporter_attributes(exporter)
-        EXPORT_MODULE_REGISTRY.register(exporter, *keys, predicate=predicate, prepend=prepend)
+    register_builtin_module_exporters(EXPORT_MODULE_REGISTRY)
+    load_entry_point_registry(MODULE_EXPORTERS_GROUP, EXPORT_MODULE_REGISTRY, raise_errors=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from exportlm.errors import ExportError
+from exportlm.modules._ties import TieBook
 from exportlm.quant import TensorQuantizer
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "QuantConfigCollector",
     "QuantExportSummary",
     "TensorSink",
+    "qlora_saved_name",
 ]
 
 ExportFormat = Literal["modelopt", "compressed-tensors"]
@@ -28,6 +30,23 @@ ExportFormat = Literal["modelopt", "compressed-tensors"]
 EXPORT_FORMATS: tuple[str, ...] = ("modelopt", "compressed-tensors")
 
 MIXED_PRECISION = "MIXED_PRECISION"
+
+_LORA_PREFIX = "lora_"
+_BASE_LAYER = "base_layer"
+
+
+def qlora_saved_name(name: str) -> str | None:
+    """The name a tensor or module is saved under in a QLoRA export, or ``None`` (dropped).
+
+    ModelOpt's QLoRA rule: LoRA adapters (a path part starting with ``lora_``)
+    are not saved, and a ``base_layer`` is saved as the module it wraps
+    (``q_proj.base_layer.weight`` -> ``q_proj.weight``, ``q_proj.base_layer`` ->
+    ``q_proj``). Applying it twice changes nothing.
+    """
+    parts = name.split(".")
+    if any(part.startswith(_LORA_PREFIX) for part in parts):
+        return None
+    return ".".join(part for part in parts if part != _BASE_LAYER)
 
 
 class TensorSink(Protocol):
@@ -87,6 +106,11 @@ class QuantExportSummary:
         canonical_modules: ``{canonical expert linear: ExpertSlice}`` for split experts.
         tensor_names: every tensor name written, in order.
         num_bytes: total bytes written.
+        tied_weights: ``{name not written: name written}`` for every tied tensor
+            written once (under the tie's source name).
+
+    Every name is the name in the checkpoint: under QLoRA, adapters are absent
+    and ``base_layer`` is dropped from paths (:func:`qlora_saved_name`).
     """
 
     quant_algo: str | None
@@ -97,6 +121,7 @@ class QuantExportSummary:
     canonical_modules: Mapping[str, ExpertSlice]
     tensor_names: tuple[str, ...]
     num_bytes: int
+    tied_weights: Mapping[str, str] = field(default_factory=dict)
 
     def quantization_config(self) -> dict[str, Any]:
         """The ``"quantization"`` section of ModelOpt's ``hf_quant_config.json``.
@@ -139,42 +164,77 @@ class QuantConfigCollector:
         if name not in self.excluded:
             self.excluded.append(name)
 
-    def summary(self, tensor_names: tuple[str, ...], num_bytes: int) -> QuantExportSummary:
-        """Freeze the collected config into a :class:`QuantExportSummary`."""
-        algos = {cfg["quant_algo"] for cfg in self.layers.values()}
-        configs = {tuple(sorted(cfg.items())) for cfg in self.layers.values()}
+    def summary(
+        self,
+        tensor_names: tuple[str, ...],
+        num_bytes: int,
+        *,
+        saved_name: Callable[[str], str | None] = lambda name: name,
+        tied_weights: Mapping[str, str] | None = None,
+    ) -> QuantExportSummary:
+        """Freeze the collected config into a :class:`QuantExportSummary`.
+
+        ``saved_name`` maps the module names exporters recorded to the names
+        they are saved under (``None``: not saved, left out); ``tensor_names``
+        and ``tied_weights`` are saved names already.
+        """
+        layers = _saved_keys(self.layers, saved_name)
+        algos = {cfg["quant_algo"] for cfg in layers.values()}
+        configs = {tuple(sorted(cfg.items())) for cfg in layers.values()}
         quant_algo = None if not algos else (MIXED_PRECISION if len(configs) > 1 else algos.pop())
-        sizes = {cfg.get("group_size") for cfg in self.layers.values()}
-        kv_algos = set(self.kv_cache.values())
+        sizes = {cfg.get("group_size") for cfg in layers.values()}
+        kv_algos = set(_saved_keys(self.kv_cache, saved_name).values())
         if len(kv_algos) > 1:
             raise ExportError(f"mixed KV-cache formats {sorted(kv_algos)} cannot be exported")
+        excluded = {saved_name(name) for name in self.excluded} - {None}
         return QuantExportSummary(
             quant_algo=quant_algo,
             kv_cache_quant_algo=kv_algos.pop() if kv_algos else None,
-            exclude_modules=tuple(sorted(self.excluded)),
-            quantized_layers=dict(self.layers),
+            exclude_modules=tuple(sorted(n for n in excluded if n is not None)),
+            quantized_layers=layers,
             group_size=sizes.pop() if len(sizes) == 1 else None,
-            canonical_modules=dict(self.canonical),
+            canonical_modules=_saved_keys(self.canonical, saved_name),
             tensor_names=tensor_names,
             num_bytes=num_bytes,
+            tied_weights=dict(tied_weights or {}),
         )
+
+
+def _saved_keys(
+    collected: Mapping[str, Any], saved_name: Callable[[str], str | None]
+) -> dict[str, Any]:
+    """``collected`` under saved names; entries whose module is not saved are left out."""
+    saved: dict[str, Any] = {}
+    for name, value in collected.items():
+        new = saved_name(name)
+        if new is not None:
+            saved[new] = value
+    return saved
 
 
 @dataclass
 class ExportContext:
     """The state of one export (never global).
 
+    Every tensor goes through :meth:`emit`, which applies the checkpoint's naming
+    once (:meth:`saved_name`: QLoRA adapters dropped, ``base_layer`` removed)
+    and writes each tied tensor once (:attr:`ties`); :attr:`written` and the
+    :meth:`summary` list the names actually written.
+
     Attributes:
         model: the model being exported (read, never modified).
-        sink: the output being built; every tensor goes through :meth:`emit`.
+        sink: the output being built.
         dtype: dtype of unquantized floating tensors (``None`` keeps theirs).
             Scales are always float32.
         is_qlora: the model carries LoRA adapters (dropped) around ``base_layer``s.
         format: ``"modelopt"`` (default) or ``"compressed-tensors"`` (FP8 only).
-        quant_config: the quantization config collected so far.
+        quant_config: the quantization config collected so far (in-memory module
+            names; :meth:`summary` maps them to saved names).
         amax_overrides: amax values an exporter's ``prepare_moe_inputs`` decided
             (e.g. one input amax for all experts of a block), used instead of the
             quantizer's own without modifying the model.
+        ties: the model's tied tensors (default: none), see
+            :func:`~exportlm.modules.resolve_tied_weights`.
     """
 
     model: nn.Module
@@ -184,23 +244,41 @@ class ExportContext:
     format: ExportFormat = "modelopt"
     quant_config: QuantConfigCollector = field(default_factory=QuantConfigCollector)
     amax_overrides: dict[TensorQuantizer, torch.Tensor] = field(default_factory=dict)
+    ties: TieBook = field(default_factory=TieBook)
     _written: dict[str, None] = field(default_factory=dict, repr=False)
     _num_bytes: int = field(default=0, repr=False)
 
+    def saved_name(self, name: str) -> str | None:
+        """The checkpoint name of in-memory tensor or module ``name``; ``None``: not saved."""
+        return qlora_saved_name(name) if self.is_qlora else name
+
     def emit(self, name: str, tensor: torch.Tensor) -> None:
-        """Write ``tensor`` (as is) under ``name``; a name written twice raises."""
-        if name in self._written:
+        """Write ``tensor`` (as is) under the saved name of ``name``.
+
+        A QLoRA adapter tensor and the dropped copy of a tied quantized tensor
+        are not written; a saved name written twice raises
+        :class:`~exportlm.errors.ExportError`.
+        """
+        saved = self.saved_name(name)
+        if saved is None:
+            return
+        tensor = tensor.detach()
+        if self.ties.absorbs(name, tensor):
+            return
+        if saved in self._written:
             raise ExportError(
-                f"tensor {name!r} was written twice; two exporters (or a tie and an "
+                f"tensor {saved!r} was written twice; two exporters (or a tie and an "
                 "exporter) claim the same name. Check the module exporter registry."
             )
-        self._written[name] = None
-        tensor = tensor.detach()
+        self._written[saved] = None
         self._num_bytes += tensor.numel() * tensor.element_size()
-        self.sink.add(name, tensor)
+        self.sink.add(saved, tensor)
+        self.ties.wrote(name, tensor)
 
     def emit_plain(self, name: str, tensor: torch.Tensor) -> None:
         """Write an unquantized tensor, cast to :attr:`dtype` when it is floating point."""
+        if self.saved_name(name) is None:
+            return  # not written: no cast needed
         if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
             tensor = tensor.detach().to(self.dtype)
         self.emit(name, tensor)
@@ -217,9 +295,21 @@ class ExportContext:
         """The amax to export for ``quantizer``: an override, else its calibrated amax."""
         return self.amax_overrides.get(quantizer, quantizer.amax)
 
+    def summary(self) -> QuantExportSummary:
+        """Finish the export: check the ties, freeze what was written and the quant config."""
+        self.ties.finish()
+        tied: dict[str, str] = {}
+        for dropped, kept in self.ties.ties.items():
+            saved_dropped, saved_kept = self.saved_name(dropped), self.saved_name(kept)
+            if saved_dropped and saved_kept in self._written and saved_dropped not in self._written:
+                tied[saved_dropped] = saved_kept
+        return self.quant_config.summary(
+            self.written, self.num_bytes, saved_name=self.saved_name, tied_weights=tied
+        )
+
     @property
     def written(self) -> tuple[str, ...]:
-        """Names written so far, in order."""
+        """Names written so far (checkpoint names), in order."""
         return tuple(self._written)
 
     @property

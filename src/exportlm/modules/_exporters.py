@@ -9,19 +9,22 @@ from torch import nn
 
 from exportlm.errors import UnsupportedFormatError
 from exportlm.modules._context import ExpertSlice, ExportContext
+from exportlm.modules._experts import DbrxExpertsExporter
 from exportlm.modules._registry import ExportModuleRegistry, MatchKey, ModuleExporter
 from exportlm.quant import (
     QuantBMMExperts,
     QuantEmbedding,
     QuantExperts,
-    QuantFormat,
     QuantFusedExperts,
     QuantizedTensor,
     QuantLinear,
     QuantMoELinear,
     TensorQuantizer,
+    get_format,
+    is_quantized_module,
     unify_expert_input_amax,
 )
+from exportlm.quant.formats import formats
 
 __all__ = [
     "BMMExpertsExporter",
@@ -35,25 +38,33 @@ __all__ = [
     "register_builtin_module_exporters",
 ]
 
-KV_CACHE_ALGO = {QuantFormat.FP8: "FP8"}
-
 
 def _check_format(ctx: ExportContext, name: str, quantizer: TensorQuantizer) -> None:
-    if ctx.format == "compressed-tensors" and quantizer.format is not QuantFormat.FP8:
+    if ctx.format == "compressed-tensors" and quantizer.spec.compressed_tensors is None:
+        writable = " / ".join(str(s.format).upper() for s in formats() if s.compressed_tensors)
         raise UnsupportedFormatError(
-            f"{name}: format='compressed-tensors' writes FP8 only, but this module is "
+            f"{name}: format='compressed-tensors' writes {writable} only, but this module is "
             f"{quantizer.format}; export with format='modelopt'"
         )
 
 
 def _emit_weight(ctx: ExportContext, prefix: str, q: QuantizedTensor) -> None:
-    ctx.emit(f"{prefix}.weight", q.data)
-    if q.format is QuantFormat.NVFP4:
-        ctx.emit(f"{prefix}.weight_scale", q.scale)  # float8_e4m3fn block scales
-        if q.scale_2 is not None:
-            ctx.emit_scale(f"{prefix}.weight_scale_2", q.scale_2)
-    else:
-        ctx.emit_scale(f"{prefix}.weight_scale", q.scale)
+    """The weight leaves of ``q``'s format spec, in its order; float32 scales as scales."""
+    for leaf, tensor in get_format(q.format).weight_tensors(q):
+        if leaf.is_float32_scale:
+            ctx.emit_scale(f"{prefix}.{leaf.name}", tensor)
+        else:  # codes, and scales stored in another dtype (NVFP4's float8 block scales)
+            ctx.emit(f"{prefix}.{leaf.name}", tensor)
+
+
+def _kv_cache_algo(name: str, quantizer: TensorQuantizer) -> str:
+    kv_cache = quantizer.spec.kv_cache
+    if kv_cache is None:
+        raise UnsupportedFormatError(
+            f"{name}: the KV-cache quantizer is {quantizer.format}, a format without a KV-cache "
+            "scheme; quantize the KV cache with a KV-cache recipe (e.g. 'fp8_kv')"
+        )
+    return kv_cache.quant_algo
 
 
 def _emit_input(ctx: ExportContext, prefix: str, quantizer: TensorQuantizer) -> None:
@@ -91,7 +102,7 @@ class QuantLinearExporter(ModuleExporter):
             ctx.emit_scale(
                 f"{name}.{output_q.kv_role}_scale", output_q.scale_from(ctx.amax_of(output_q))
             )
-            ctx.quant_config.add_kv_cache(name, KV_CACHE_ALGO[output_q.format])
+            ctx.quant_config.add_kv_cache(name, _kv_cache_algo(name, output_q))
 
 
 class MoELinearExporter(QuantLinearExporter):
@@ -127,13 +138,15 @@ class QuantEmbeddingExporter(ModuleExporter):
         The built-in recipes leave embeddings in full precision (as ModelOpt's
         defaults do), so no toy model has one; these are built explicitly.
         """
-        from exportlm.models import seeded_init_
         from exportlm.quant import quantize
 
         examples: list[nn.Module] = []
         for seed, recipe in enumerate(("int8_wo", "fp8")):
-            holder = nn.ModuleDict({"embed_tokens": nn.Embedding(256, 128)})
-            seeded_init_(holder, seed)
+            generator = torch.Generator().manual_seed(seed)
+            table = torch.empty(256, 128).normal_(0.0, 0.02, generator=generator)
+            holder = nn.ModuleDict(
+                {"embed_tokens": nn.Embedding.from_pretrained(table, freeze=False)}
+            )
             quantize(holder, {"embed_tokens": recipe}, calibrate=lambda _m: None)
             examples.append(holder["embed_tokens"])
         return examples
@@ -198,8 +211,17 @@ class BMMExpertsExporter(FusedExpertsExporter):
     keys: ClassVar[tuple[MatchKey, ...]] = (QuantBMMExperts,)
 
 
-def _holds_moe_linears(module: nn.Module) -> bool:
-    return any(isinstance(m, QuantMoELinear) for m in module.modules())
+def _is_expert_list(module: nn.Module) -> bool:
+    """An unquantized ``nn.ModuleList`` of expert MLPs: an item has a ``QuantMoELinear`` child.
+
+    Only the experts' own list: a decoder's ``layers`` list holds its MoE linears
+    deeper down, and is not one.
+    """
+    return (
+        isinstance(module, nn.ModuleList)
+        and not is_quantized_module(module)
+        and any(isinstance(child, QuantMoELinear) for item in module for child in item.children())
+    )
 
 
 class IterableExpertsExporter(ModuleExporter):
@@ -217,12 +239,15 @@ class IterableExpertsExporter(ModuleExporter):
 
     @staticmethod
     def predicate(module: nn.Module) -> bool:
-        """Only expert lists that hold quantized MoE linears."""
-        return _holds_moe_linears(module)
+        """Only lists of expert MLPs with quantized MoE linears (never a list of layers)."""
+        return _is_expert_list(module)
 
     def prepare_moe_inputs(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
-        """Unify the experts' input amax per projection and gate/up weight amax per expert."""
-        if not isinstance(module, nn.ModuleList):
+        """Unify the experts' input amax per projection and gate/up weight amax per expert.
+
+        Within this block only: a module that is not an expert list is left alone.
+        """
+        if not isinstance(module, nn.ModuleList) or not _is_expert_list(module):
             return
         ctx.amax_overrides.update(unify_expert_input_amax(module))
         for expert in module:
@@ -231,7 +256,7 @@ class IterableExpertsExporter(ModuleExporter):
                 continue
             pair = [gate.weight_quantizer, up.weight_quantizer]
             amaxes = [q.amax for q in pair]
-            if all(q.enabled and q.format is QuantFormat.FP8 for q in pair) and all(
+            if all(q.enabled and q.spec.share_expert_gate_up_amax for q in pair) and all(
                 a is not None and a.dim() == 0 for a in amaxes
             ):
                 shared = max(amaxes, key=lambda a: float(a))  # type: ignore[arg-type]
@@ -250,6 +275,12 @@ class IterableCatchAllExporter(ModuleExporter):
     keys = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
     exports_unquantized = True
 
+    @staticmethod
+    def predicate(module: nn.Module) -> bool:
+        """Unquantized containers only: a quantized one must meet an exporter that writes
+        its weights, or fail as unclaimed, never vanish into this no-op."""
+        return not is_quantized_module(module)
+
     def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
         """Nothing: containers hold no tensors of their own."""
         return None
@@ -261,6 +292,7 @@ def builtin_module_exporters() -> list[ModuleExporter]:
         MoELinearExporter(),
         QuantLinearExporter(),
         QuantEmbeddingExporter(),
+        DbrxExpertsExporter(),
         BMMExpertsExporter(),
         FusedExpertsExporter(),
         IterableExpertsExporter(),
@@ -272,13 +304,13 @@ def register_builtin_module_exporters(registry: ExportModuleRegistry) -> list[Mo
     """Register the built-in exporters into ``registry`` (in order); returns them.
 
     Order: MoE linear (``"QuantMoELinear"``) before linear (``"QuantLinear"``,
-    which a ``QuantMoELinear`` also matches through its MRO), embedding, BMM
-    experts, fused experts, iterable experts (``ModuleList`` + predicate),
-    catch-all containers.
-    Idempotent: registering again replaces the entries in place.
+    which a ``QuantMoELinear`` also matches through its MRO), embedding, DBRX
+    experts, BMM experts (GptOss, Llama4), fused experts, iterable experts
+    (``ModuleList`` + predicate), catch-all containers (unquantized only).
+    Each is registered under its name with the keys and predicate its class
+    declares, as built in. Idempotent: registering again replaces the entries in place.
     """
     exporters = builtin_module_exporters()
     for exporter in exporters:
-        predicate = getattr(exporter, "predicate", None)
-        registry.register(exporter, *exporter.keys, predicate=predicate)
+        registry.register(exporter, builtin=True)
     return exporters

@@ -1,4 +1,8 @@
-"""``ModuleExporter`` and the ordered, first-match ``ExportModuleRegistry``.
+"""``ExportModuleRegistry``: the one module-exporter registry, named and ordered.
+
+It is a :class:`~exportlm.registry.Registry` (names, provenance, entry-point
+loading, plugin failures) whose entries also carry their dispatch rule (match
+keys, predicate) and whose order is the dispatch order.
 
 Matching rules (each has a test named after it in ``tests/test_module_registry.py``):
 
@@ -16,20 +20,22 @@ Matching rules (each has a test named after it in ``tests/test_module_registry.p
 7. No match is ``None`` (``explain`` says why).
 8. The keys-only part of matching is cached per module type; the cache is
    cleared whenever an entry is registered or removed.
+9. Every entry has a name (default: the exporter's ``display_name``); another
+   exporter under a taken name raises :class:`~exportlm.errors.RegistryConflictError`
+   naming both owners.
 """
 
 from __future__ import annotations
 
-import abc
-import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Iterable
+from typing import Any, cast, overload
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from exportlm.modules._context import ExportContext
+from exportlm.errors import RegistryConflictError, UnknownNameError
+from exportlm.modules._base import MatchKey, ModuleExporter, ModulePredicate, declared_match
+from exportlm.modules._entry import ExporterEntry, MatchExplanation
+from exportlm.registry import Registry
 
 __all__ = [
     "ExportModuleRegistry",
@@ -38,187 +44,190 @@ __all__ = [
     "MatchKey",
     "ModuleExporter",
     "ModulePredicate",
+    "validate_module_exporter",
 ]
 
-MatchKey = type | str
-ModulePredicate = Callable[[nn.Module], bool]
 
+def validate_module_exporter(name: str, obj: Any) -> ModuleExporter:
+    """What an entry point provides, as a registrable exporter.
 
-class ModuleExporter(abc.ABC):
-    """Exports one kind of (quantized) module into the checkpoint being built.
-
-    Subclasses implement :meth:`export`; MoE exporters also
-    :meth:`prepare_moe_inputs`. Class attributes describe the exporter to
-    reports and to entry-point loading:
-
-    Attributes:
-        name: the exporter's name in reports (default: the class name).
-        keys: match keys (classes or exact class names) used when the exporter is
-            loaded from the ``exportlm.module_exporters`` entry-point group.
-        predicate: optional ``module -> bool`` used likewise (a method or staticmethod).
-        prepend: an entry-point exporter goes before the built-ins when true.
-        exports_unquantized: the driver also calls :meth:`export` on matching modules
-            that are not quantized themselves (containers such as expert lists);
-            otherwise those are written as plain tensors by the driver.
+    Accepts a :class:`ModuleExporter` subclass (instantiated without arguments)
+    or instance that declares match keys and/or a predicate; raises ``TypeError``
+    otherwise.
     """
-
-    name: ClassVar[str] = ""
-    keys: ClassVar[tuple[MatchKey, ...]] = ()
-    # A ``module -> bool`` callable (staticmethod or method), or None; typed Any
-    # because a method and a staticmethod have different class-level signatures.
-    predicate: ClassVar[Any] = None
-    prepend: ClassVar[bool] = False
-    exports_unquantized: ClassVar[bool] = False
-
-    @property
-    def display_name(self) -> str:
-        """``name``, or the class name when ``name`` is empty."""
-        return self.name or type(self).__name__
-
-    def prepare_moe_inputs(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
-        """Before any tensor is written: decide shared values (default: nothing).
-
-        MoE exporters unify the input amax of a block's experts here (into
-        ``ctx.amax_overrides``) so they share one ``input_scale``. Must not modify
-        ``module``.
-        """
-        return None
-
-    @abc.abstractmethod
-    def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
-        """Write ``module``'s tensors under the prefix ``name`` through ``ctx.emit*``.
-
-        For a quantized module the exporter owns the whole subtree (its children
-        are not visited). Must not modify ``module``.
-        """
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.display_name!r}>"
+    if isinstance(obj, type) and issubclass(obj, ModuleExporter):
+        obj = obj()
+    if not isinstance(obj, ModuleExporter):
+        raise TypeError(
+            f"module exporter {name!r} must be a ModuleExporter subclass or instance, "
+            f"got {type(obj).__name__}"
+        )
+    keys, predicate, _ = declared_match(obj)
+    if not keys and predicate is None:
+        raise TypeError(
+            f"module exporter {name!r} ({type(obj).__name__}) declares no match keys and no "
+            "predicate; set keys = ('MyQuantModule',) and/or a predicate on the class"
+        )
+    return obj
 
 
-def _key_label(key: MatchKey) -> str:
-    return key if isinstance(key, str) else f"{key.__module__}.{key.__qualname__}"
+class ExportModuleRegistry(Registry[ModuleExporter]):
+    """Named module exporters in dispatch order; see the module docstring for the rules.
 
-
-def _key_matches(key: MatchKey, mro: tuple[type, ...]) -> bool:
-    if isinstance(key, str):
-        return any(cls.__name__ == key for cls in mro)
-    return key in mro
-
-
-@dataclass(frozen=True)
-class ExporterEntry:
-    """One registration: the exporter, its keys (any may match) and its predicate."""
-
-    exporter: ModuleExporter
-    keys: tuple[MatchKey, ...]
-    predicate: ModulePredicate | None
-
-    def keys_match(self, module_type: type) -> bool:
-        """True when any key matches ``module_type`` (or there are no keys)."""
-        return not self.keys or any(_key_matches(k, module_type.__mro__) for k in self.keys)
-
-    def describe(self) -> str:
-        """``name [keys] + predicate`` for messages."""
-        parts = [self.exporter.display_name]
-        if self.keys:
-            parts.append("[" + ", ".join(_key_label(k) for k in self.keys) + "]")
-        if self.predicate is not None:
-            parts.append(f"if {getattr(self.predicate, '__qualname__', repr(self.predicate))}")
-        return " ".join(parts)
-
-
-@dataclass(frozen=True)
-class MatchExplanation:
-    """Why a module matched an entry, or why none.
-
-    Attributes:
-        module_type: the module's class name.
-        exporter: the matching exporter, or ``None``.
-        index: the matching entry's position, or ``None``.
-        reason: one sentence.
-        rejected: ``"entry: why not"`` for every entry tried before the match.
+    Besides dispatch (:meth:`match`, :meth:`explain`) it is a full
+    :class:`~exportlm.registry.Registry`: :meth:`get` / :meth:`entry` by name,
+    :meth:`names` (sorted), :meth:`failed` plugins. :meth:`entries` lists the
+    entries in match order.
     """
-
-    module_type: str
-    exporter: ModuleExporter | None
-    index: int | None
-    reason: str
-    rejected: tuple[str, ...]
-
-    def __str__(self) -> str:
-        lines = [self.reason, *(f"  - {r}" for r in self.rejected)]
-        return "\n".join(lines)
-
-
-class ExportModuleRegistry:
-    """Ordered module-exporter dispatch; see the module docstring for the rules."""
 
     def __init__(self) -> None:
-        self._entries: list[ExporterEntry] = []
+        super().__init__("module exporter", validate_module_exporter)
         self._cache: dict[type, tuple[ExporterEntry, ...]] = {}
-        self._lock = threading.RLock()
 
+    # -- registration -------------------------------------------------------
+    @overload
+    def register(
+        self,
+        exporter: str,
+        obj: ModuleExporter,
+        /,
+        *,
+        builtin: bool = False,
+        distribution: str | None = None,
+        entry_point: str | None = None,
+    ) -> ModuleExporter: ...
+
+    @overload
     def register(
         self,
         exporter: ModuleExporter,
+        /,
         *keys: MatchKey,
         predicate: ModulePredicate | None = None,
-        prepend: bool = False,
+        prepend: bool | None = None,
+        name: str | None = None,
+        builtin: bool = False,
+        distribution: str | None = None,
+        entry_point: str | None = None,
+    ) -> ModuleExporter: ...
+
+    def register(
+        self,
+        exporter: str | ModuleExporter,
+        /,
+        *keys: Any,
+        predicate: ModulePredicate | None = None,
+        prepend: bool | None = None,
+        name: str | None = None,
+        builtin: bool = False,
+        distribution: str | None = None,
+        entry_point: str | None = None,
     ) -> ModuleExporter:
-        """Add ``exporter`` matched by ``keys`` (classes or exact class names) and/or ``predicate``.
+        """Add an exporter; returns it.
 
-        Re-registering the same exporter (same instance or same class) replaces
-        its entry in place; otherwise ``prepend`` puts it first, else last.
-        Returns ``exporter``.
+        Two forms:
+
+        - ``register(exporter, *keys, predicate=None, prepend=None, name=None)``:
+          ``keys`` are classes or exact class names; with no keys and no
+          predicate, the ones the exporter's class declares are used.
+        - ``register(name, exporter)``: the :class:`~exportlm.registry.Registry`
+          form (entry points use it); keys, predicate and ``prepend`` are the
+          ones the exporter's class declares.
+
+        The name defaults to the exporter's ``display_name`` (or, when it
+        replaces an entry, that entry's name). Registering an exporter again
+        (same instance or same class) replaces its entry in place; a new entry
+        goes first with ``prepend`` (default: the class's ``prepend``), else last.
+
+        Raises:
+            TypeError: not a :class:`ModuleExporter` instance, or a key that is
+                neither a class nor a non-empty class name.
+            ValueError: no keys and no predicate, given or declared.
+            RegistryConflictError: another exporter is registered under the name.
         """
-        if not isinstance(exporter, ModuleExporter):
-            raise TypeError(
-                f"expected a ModuleExporter instance, got {type(exporter).__name__}; "
-                "register an instance (e.g. MyExporter())"
-            )
-        for key in keys:
-            if not isinstance(key, (type, str)) or (isinstance(key, str) and not key):
-                raise TypeError(f"match keys are classes or class names, got {key!r}")
-        if not keys and predicate is None:
-            raise ValueError(
-                f"{exporter!r} needs match keys or a predicate; an exporter that matches "
-                "every module would shadow all later entries"
-            )
-        if predicate is not None and not callable(predicate):
-            raise TypeError(f"predicate must be callable, got {type(predicate).__name__}")
-        entry = ExporterEntry(exporter, tuple(keys), predicate)
+        if isinstance(exporter, str):
+            if len(keys) != 1 or name is not None or predicate is not None:
+                raise TypeError(
+                    "register(name, exporter) takes the exporter only; pass match keys "
+                    "with register(exporter, *keys, name=name)"
+                )
+            name, exporter, keys = exporter, keys[0], ()
+        entry, declared_prepend = _new_entry(
+            exporter, keys, predicate, name, builtin, distribution, entry_point
+        )
         with self._lock:
-            for i, old in enumerate(self._entries):
-                if old.exporter is exporter or type(old.exporter) is type(exporter):
-                    self._entries[i] = entry
-                    break
-            else:
-                if prepend:
-                    self._entries.insert(0, entry)
-                else:
-                    self._entries.append(entry)
-            self._cache.clear()
-        return exporter
+            self._insert(entry, declared_prepend if prepend is None else prepend, name)
+        return cast(ModuleExporter, exporter)
 
-    def unregister(self, exporter: ModuleExporter | type[ModuleExporter]) -> None:
-        """Remove the entry of ``exporter`` (an instance or its class); unknown raises ``KeyError``."""
+    def _insert(self, entry: ExporterEntry, prepend: bool, name: str | None) -> None:
+        entries = self.entries()
+        same = next(
+            (
+                i
+                for i, old in enumerate(entries)
+                if old.obj is entry.obj or type(old.obj) is type(entry.obj)
+            ),
+            None,
+        )
+        if same is not None and name is None:
+            entry = _renamed(entry, entries[same].name)
+        taken = self._entries.get(entry.name)
+        if taken is not None and (same is None or entries[same] is not taken):
+            raise RegistryConflictError(self.kind, entry.name, taken.provider, entry.provider)
+        if same is not None:
+            entries[same] = entry
+        elif prepend:
+            entries.insert(0, entry)
+        else:
+            entries.append(entry)
+        self._entries = {e.name: e for e in entries}
+        self._failed.pop(entry.name, None)
+        self._cache.clear()
+
+    def unregister(self, name: str | ModuleExporter | type[ModuleExporter]) -> None:
+        """Remove an entry by name, exporter instance or exporter class.
+
+        An unknown name raises :class:`~exportlm.errors.UnknownNameError`; an
+        unknown exporter or class raises ``KeyError``.
+        """
         with self._lock:
-            for i, entry in enumerate(self._entries):
-                if entry.exporter is exporter or type(entry.exporter) is exporter:
-                    del self._entries[i]
+            entries = self.entries()
+            for i, entry in enumerate(entries):
+                if entry.name == name or entry.obj is name or type(entry.obj) is name:
+                    del entries[i]
+                    self._entries = {e.name: e for e in entries}
                     self._cache.clear()
                     return
-        raise KeyError(f"{exporter!r} is not registered")
+        if isinstance(name, str):
+            raise UnknownNameError(self.kind, name, self.names())
+        raise KeyError(f"{name!r} is not registered")
 
-    def entries(self) -> list[ExporterEntry]:
-        """The entries in match order (a copy)."""
+    def restore(self, entries: Iterable[ExporterEntry]) -> None:
+        """Make ``entries`` (as :meth:`entries` returned them) the whole registry, in order.
+
+        For tests and tools that change the registry for a while and put it back.
+        """
+        restored = list(entries)
         with self._lock:
-            return list(self._entries)
+            self._entries = {e.name: e for e in restored}
+            self._cache.clear()
+
+    # -- lookup ------------------------------------------------------------
+    def entry(self, name: str) -> ExporterEntry:
+        """The entry registered under ``name`` (see :meth:`Registry.entry`)."""
+        return cast(ExporterEntry, super().entry(name))
+
+    # The base class promises list[RegistryEntry]; these are ExporterEntry (a subclass).
+    # A list is invariant, but the copy handed out is never put back into a registry
+    # typed for the base entries, so the narrower element type is safe.
+    def entries(self) -> list[ExporterEntry]:  # type: ignore[override]
+        """The entries in match order (a copy), not sorted by name as other registries."""
+        with self._lock:
+            return [cast(ExporterEntry, e) for e in self._entries.values()]
 
     def exporters(self) -> list[ModuleExporter]:
         """The exporters in match order."""
-        return [e.exporter for e in self.entries()]
+        return [e.obj for e in self.entries()]
 
     def _candidates(self, module_type: type) -> tuple[ExporterEntry, ...]:
         """Entries whose keys match ``module_type``, up to the first one without a predicate."""
@@ -227,7 +236,7 @@ class ExportModuleRegistry:
             if cached is not None:
                 return cached
             candidates: list[ExporterEntry] = []
-            for entry in self._entries:
+            for entry in self.entries():
                 if entry.keys_match(module_type):
                     candidates.append(entry)
                     if entry.predicate is None:
@@ -240,7 +249,7 @@ class ExportModuleRegistry:
         """The exporter of the first matching entry, or ``None``."""
         for entry in self._candidates(type(module)):
             if entry.predicate is None or entry.predicate(module):
-                return entry.exporter
+                return entry.obj
         return None
 
     def explain(self, module: nn.Module) -> MatchExplanation:
@@ -259,7 +268,7 @@ class ExportModuleRegistry:
                 how = "a key in its MRO and its predicate"
             return MatchExplanation(
                 module_type.__name__,
-                entry.exporter,
+                entry.obj,
                 index,
                 f"{module_type.__name__} matched entry {index} ({entry.describe()}) by {how}",
                 tuple(rejected),
@@ -274,21 +283,65 @@ class ExportModuleRegistry:
             tuple(rejected),
         )
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __iter__(self) -> Iterator[ModuleExporter]:
-        return iter(self.exporters())
+    def __contains__(self, item: object) -> bool:
+        """A registered name, or a registered exporter instance."""
+        if isinstance(item, ModuleExporter):
+            return any(e.obj is item for e in self.entries())
+        return super().__contains__(item)
 
     def __repr__(self) -> str:
         return f"ExportModuleRegistry({[e.describe() for e in self.entries()]!r})"
 
 
-def exporter_attributes(exporter: ModuleExporter) -> tuple[tuple[MatchKey, ...], Any, bool]:
-    """``(keys, predicate, prepend)`` an exporter declares as attributes."""
-    predicate = getattr(exporter, "predicate", None)
-    return (
-        tuple(getattr(exporter, "keys", ()) or ()),
-        predicate,
-        bool(getattr(exporter, "prepend", False)),
+def _new_entry(
+    exporter: Any,
+    keys: tuple[Any, ...],
+    predicate: ModulePredicate | None,
+    name: str | None,
+    builtin: bool,
+    distribution: str | None,
+    entry_point: str | None,
+) -> tuple[ExporterEntry, bool]:
+    """The entry to register (validated) and the prepend the exporter declares."""
+    if not isinstance(exporter, ModuleExporter):
+        raise TypeError(
+            f"expected a ModuleExporter instance, got {type(exporter).__name__}; "
+            "register an instance (e.g. MyExporter())"
+        )
+    for key in keys:
+        if not isinstance(key, (type, str)) or (isinstance(key, str) and not key):
+            raise TypeError(f"match keys are classes or class names, got {key!r}")
+    declared_keys, declared_predicate, declared_prepend = declared_match(exporter)
+    if not keys and predicate is None:
+        keys, predicate = declared_keys, declared_predicate
+    if not keys and predicate is None:
+        raise ValueError(
+            f"{exporter!r} needs match keys or a predicate; an exporter that matches "
+            "every module would shadow all later entries"
+        )
+    if predicate is not None and not callable(predicate):
+        raise TypeError(f"predicate must be callable, got {type(predicate).__name__}")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"a module exporter name must be a non-empty string, got {name!r}")
+    entry = ExporterEntry(
+        name=name or exporter.display_name,
+        obj=exporter,
+        builtin=builtin,
+        distribution=distribution,
+        entry_point=entry_point,
+        keys=tuple(keys),
+        predicate=predicate,
+    )
+    return entry, declared_prepend
+
+
+def _renamed(entry: ExporterEntry, name: str) -> ExporterEntry:
+    return ExporterEntry(
+        name=name,
+        obj=entry.obj,
+        builtin=entry.builtin,
+        distribution=entry.distribution,
+        entry_point=entry.entry_point,
+        keys=entry.keys,
+        predicate=entry.predicate,
     )

@@ -5,19 +5,14 @@ experts) into wrappers that fake-quantize weights and activations, calibrated
 by max calibration. The exporters of :mod:`exportlm.modules` write the real
 quantized tensors; for every format the fake-quantized weight equals the
 dequantized exported weight bit for bit.
+
+Formats are data (:mod:`exportlm.quant.formats`): one :class:`FormatSpec` per
+format in :data:`QUANT_FORMATS`; :func:`register_format` adds one, with its
+recipe, to everything above.
 """
 
-from exportlm.quant._formats import (
-    FP4_MAX,
-    FP8_MAX,
-    INT4_MAX,
-    INT8_MAX,
-    QuantFormat,
-    QuantizedTensor,
-    dequantize,
-    quantize_tensor,
-    safe_scale,
-)
+from exportlm.quant._experts import experts_base
+from exportlm.quant._formats import dequantize, quantize_tensor
 from exportlm.quant._modules import (
     QuantBMMExperts,
     QuantEmbedding,
@@ -45,6 +40,24 @@ from exportlm.quant._recipe import (
     recipe_names,
 )
 from exportlm.quant._synthetic import synthetic_calibration
+from exportlm.quant._tensor import (
+    FP4_MAX,
+    FP8_MAX,
+    INT4_MAX,
+    INT8_MAX,
+    FormatId,
+    QuantFormat,
+    QuantizedTensor,
+    safe_scale,
+)
+from exportlm.quant.formats import (
+    QUANT_FORMATS,
+    FormatSpec,
+    Leaf,
+    get_format,
+    register_format,
+    scale_leaf_names,
+)
 
 __all__ = [
     "ALGORITHMS",
@@ -54,7 +67,11 @@ __all__ = [
     "INT4_MAX",
     "INT8_MAX",
     "KV_CACHE_FORMATS",
+    "QUANT_FORMATS",
     "Algorithm",
+    "FormatId",
+    "FormatSpec",
+    "Leaf",
     "QuantBMMExperts",
     "QuantEmbedding",
     "QuantExperts",
@@ -67,13 +84,17 @@ __all__ = [
     "QuantizedTensor",
     "TensorQuantizer",
     "dequantize",
+    "experts_base",
+    "get_format",
     "is_fused_experts",
     "is_quantized_module",
     "iterable_expert_lists",
     "quantize",
     "quantize_tensor",
     "recipe_names",
+    "register_format",
     "safe_scale",
+    "scale_leaf_names",
     "synthetic_calibration",
     "unify_expert_input_amax",
     "wrap_module",

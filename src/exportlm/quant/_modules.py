@@ -122,16 +122,13 @@ class QuantEmbedding(QuantModule, nn.Embedding):
 
 
 def is_fused_experts(module: nn.Module) -> bool:
-    """True for transformers-5 style experts: 3-D ``gate_up_proj`` and ``down_proj`` parameters."""
-    params = module._parameters
-    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
-    return (
-        gate_up is not None
-        and down is not None
-        and gate_up.dim() == 3
-        and down.dim() == 3
-        and hasattr(module, "_apply_gate")
-    )
+    """True for experts stored as 3-D ``gate_up_proj`` and ``down_proj`` parameters that
+    have a quantized wrapper (transformers-5 Mixtral / Qwen-MoE / GptOss, Llama4)."""
+    # Imported here: the layouts' wrappers subclass the classes of this module.
+    from exportlm.quant._experts import experts_base
+
+    base = experts_base(module)
+    return base is not None and base.stores_fused_parameters
 
 
 class QuantExperts(QuantModule):
@@ -160,8 +157,55 @@ class QuantExperts(QuantModule):
     down_proj_input_quantizer: TensorQuantizer
 
     PROJECTIONS: ClassVar[tuple[str, str]] = ("gate_up_proj", "down_proj")
+    #: The experts keep ``gate_up_proj`` / ``down_proj`` as 3-D parameters of their own.
+    stores_fused_parameters: ClassVar[bool] = True
     # Provided by the original experts class (transformers' experts decorator).
     _apply_gate: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def refuses(cls, algo: Any) -> str | None:
+        """Why the weight algorithm ``algo`` cannot quantize these experts, or ``None``."""
+        return None
+
+    @classmethod
+    def stored_weights(
+        cls, module: nn.Module, projection: str, canonical: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Per-expert linears back in the layout ``module`` stores them.
+
+        ``canonical`` is ``[E, out, in]``: for ``down_proj`` the experts' down
+        linears, for ``gate_up_proj`` each expert's gate rows then its up rows
+        (``torch.cat((gate, up), dim=1)`` of the split the exporters write).
+        Returns ``{parameter path inside module: tensor}``: what a checkpoint
+        loader needs to rebuild the experts' own parameters from per-expert
+        weights. ``module`` may be the original experts module; its
+        ``is_transposed`` / ``is_concatenated`` flags win over this class's
+        defaults, as in :attr:`transposed` / :attr:`interleaved`.
+        """
+        transposed = bool(getattr(module, "is_transposed", cls.default_transposed))
+        interleaved = not getattr(module, "is_concatenated", not cls.default_interleaved)
+        weight = canonical
+        if projection == "gate_up_proj" and interleaved:
+            gate, up = canonical.chunk(2, dim=1)
+            weight = torch.stack((gate, up), dim=2).flatten(1, 2)  # gate0, up0, gate1, ...
+        if transposed:
+            weight = weight.transpose(-1, -2)
+        return {projection: weight.contiguous()}
+
+    @classmethod
+    def weight_dims(cls, module: nn.Module) -> list[tuple[str, int, int]]:
+        """``(projection, out features, in features)`` of ``module``'s canonical weights.
+
+        ``module`` is the experts module before conversion (so the layout flags
+        are read from it, with this class's defaults).
+        """
+        transposed = bool(getattr(module, "is_transposed", cls.default_transposed))
+        dims = []
+        for projection in cls.PROJECTIONS:
+            shape = module.get_parameter(projection).shape
+            out, inp = (shape[2], shape[1]) if transposed else (shape[1], shape[2])
+            dims.append((projection, int(out), int(inp)))
+        return dims
 
     @property
     def transposed(self) -> bool:

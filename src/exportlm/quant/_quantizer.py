@@ -6,14 +6,9 @@ import torch
 from torch import nn
 
 from exportlm.errors import QuantizationError
-from exportlm.quant._formats import (
-    FP8_MAX,
-    QuantFormat,
-    QuantizedTensor,
-    dequantize,
-    quantize_tensor,
-    safe_scale,
-)
+from exportlm.quant._formats import dequantize, quantize_tensor
+from exportlm.quant._tensor import FormatId, QuantizedTensor, safe_scale
+from exportlm.quant.formats import FormatSpec, formats, get_format
 
 __all__ = ["TensorQuantizer"]
 
@@ -22,7 +17,8 @@ class TensorQuantizer(nn.Module):
     """Quantizes one tensor (a weight, an activation or a KV-cache output).
 
     Args:
-        fmt: the numeric format (:class:`QuantFormat` or its string value).
+        fmt: the numeric format: a :class:`~exportlm.quant.QuantFormat` member or
+            the name of a registered format (:mod:`exportlm.quant.formats`).
         axis: ``None`` keeps one amax for the whole tensor; an int keeps one amax
             per index along that axis (``0`` = per expert for stacked experts
             ``[E, out, in]``, per row for a 2-D weight).
@@ -31,6 +27,8 @@ class TensorQuantizer(nn.Module):
         label: the quantizer's module path, used in error messages.
         min_scale: a lower bound of the per-tensor scale (``1.0`` for FP8 KV-cache
             scales, as ModelOpt exports them).
+
+    Raises :class:`~exportlm.errors.UnknownNameError` for an unregistered format.
 
     Modes: while :attr:`calibrating` is true ``forward`` records ``amax`` (max
     calibration: the running max of ``|x|``, reduced over every dimension but
@@ -45,7 +43,7 @@ class TensorQuantizer(nn.Module):
 
     def __init__(
         self,
-        fmt: QuantFormat | str,
+        fmt: FormatId,
         *,
         axis: int | None = None,
         block_size: int | None = None,
@@ -54,7 +52,7 @@ class TensorQuantizer(nn.Module):
         min_scale: float | None = None,
     ) -> None:
         super().__init__()
-        self.format = QuantFormat(fmt)
+        self.format: FormatId = get_format(fmt).format
         self.axis = axis
         self.block_size = block_size
         self.enabled = enabled
@@ -71,6 +69,11 @@ class TensorQuantizer(nn.Module):
         #: A per-tensor scale used as is instead of one derived from ``amax``
         #: (set by :meth:`load_scale` from a checkpoint).
         self.register_buffer("static_scale", None)
+
+    @property
+    def spec(self) -> FormatSpec:
+        """The :class:`~exportlm.quant.formats.FormatSpec` of :attr:`format`."""
+        return get_format(self.format)
 
     # -- calibration -------------------------------------------------------
     @property
@@ -106,8 +109,9 @@ class TensorQuantizer(nn.Module):
     def _amax_for(
         self, x: torch.Tensor, index: int | None, amax: torch.Tensor | None
     ) -> torch.Tensor | None:
-        if self.format not in (QuantFormat.FP8, QuantFormat.NVFP4):
-            return None  # INT4 / INT8 scales come from the tensor itself (per group / row)
+        spec = self.spec
+        if not spec.calibrated:
+            return None  # e.g. INT4 / INT8: scales come from the tensor itself (per group / row)
         amax = self.amax if amax is None else amax
         if amax is None:
             raise QuantizationError(
@@ -122,7 +126,7 @@ class TensorQuantizer(nn.Module):
             shape[self.axis % x.dim()] = amax.numel()
             amax = amax.reshape(shape)
         if self.min_scale is not None:
-            amax = torch.clamp(amax, min=self.min_scale * FP8_MAX)
+            amax = torch.clamp(amax, min=self.min_scale * spec.amax_divisor)
         return amax
 
     def quantize(
@@ -157,7 +161,7 @@ class TensorQuantizer(nn.Module):
         same kernel as with a loader's dequantized weight stored in ``x``'s layout.
         """
         out = dequantize(self.quantize(x), x.dtype)
-        if out.stride() != x.stride():  # NVFP4 / INT4 unpack into a contiguous tensor
+        if out.stride() != x.stride():  # packed formats unpack into a contiguous tensor
             out = torch.empty_like(x).copy_(out)
         return out
 
@@ -165,8 +169,8 @@ class TensorQuantizer(nn.Module):
     def scale(self) -> torch.Tensor:
         """The per-tensor (or per-axis) scale from ``amax``, float32.
 
-        FP8 / INT: ``amax / maxbound``; NVFP4: ``amax / (6 * 448)`` (its second-level
-        scale, exported as ``weight_scale_2`` / ``input_scale``). Safe: a zero amax
+        ``amax / spec.amax_divisor``: FP8 / INT ``amax / maxbound``; NVFP4 ``amax / (6 * 448)``
+        (its second-level scale, exported as ``weight_scale_2`` / ``input_scale``). Safe: a zero amax
         gives 1.0 and a NaN/inf amax raises :class:`QuantizationError`. A loaded
         :attr:`static_scale` is returned as it is.
         """
@@ -180,16 +184,13 @@ class TensorQuantizer(nn.Module):
             raise QuantizationError(
                 f"{self.label or 'quantizer'}: no amax; calibrate the model before exporting"
             )
+        divisor = self.spec.amax_divisor
         if self.min_scale is not None:
-            amax = torch.clamp(amax, min=self.min_scale * FP8_MAX)
-        return safe_scale(amax, self._divisor(), where=self.label or "quantizer")
-
-    def _divisor(self) -> float:
-        """``amax / scale``: the format's maxbound (NVFP4: ``6 * 448``, its two levels)."""
-        return self.format.maxbound * (FP8_MAX if self.format is QuantFormat.NVFP4 else 1.0)
+            amax = torch.clamp(amax, min=self.min_scale * divisor)
+        return safe_scale(amax, divisor, where=self.label or "quantizer")
 
     def load_scale(
-        self, scale: torch.Tensor, fmt: QuantFormat | str, *, block_size: int | None = None
+        self, scale: torch.Tensor, fmt: FormatId, *, block_size: int | None = None
     ) -> None:
         """Enable this quantizer as a static one whose :attr:`scale` is an exported ``scale``.
 
@@ -201,14 +202,16 @@ class TensorQuantizer(nn.Module):
         ``scale * maxbound`` for information; ``min_scale`` is dropped.
 
         Raises :class:`QuantizationError` for a scale that is not a single finite,
-        positive number, or an INT format (activations are FP8 or NVFP4).
+        positive number, or a weight-only format (one whose spec is not ``calibrated``,
+        e.g. INT4 / INT8: activations are FP8 or NVFP4).
         """
-        fmt = QuantFormat(fmt)
+        spec = get_format(fmt)
         where = self.label or "quantizer"
-        if fmt not in (QuantFormat.FP8, QuantFormat.NVFP4):
+        if not spec.calibrated:
+            static = " or ".join(str(s.format).upper() for s in formats() if s.calibrated)
             raise QuantizationError(
-                f"{where}: static activation scales are FP8 or NVFP4, got {fmt}; "
-                "INT formats quantize weights only"
+                f"{where}: static activation scales are {static}, got {spec.format}; "
+                f"{spec.format} quantizes weights only"
             )
         value = scale.detach().to(torch.float32)
         if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) <= 0:
@@ -217,11 +220,11 @@ class TensorQuantizer(nn.Module):
                 f"got shape {tuple(scale.shape)} value(s) {value.flatten()[:4].tolist()}; "
                 "the checkpoint is corrupt or was not written by a per-tensor exporter"
             )
-        self.format = fmt
+        self.format = spec.format
         self.block_size = block_size
         self.min_scale = None
         self.static_scale = value.reshape(())
-        self.amax = self.static_scale * self._divisor()
+        self.amax = self.static_scale * spec.amax_divisor
         self.enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

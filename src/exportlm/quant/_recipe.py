@@ -8,12 +8,13 @@ names (``model.layers.0.mlp.down_proj``).
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from exportlm.errors import UnknownNameError
-from exportlm.quant._formats import QuantFormat
+from exportlm.quant._tensor import FormatId
+from exportlm.quant.formats import FormatSpec, formats
 
 __all__ = [
     "ALGORITHMS",
@@ -24,6 +25,8 @@ __all__ = [
     "RecipeLike",
     "recipe_names",
 ]
+
+_V = TypeVar("_V")
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,10 @@ class Algorithm:
 
     name: str
     quant_algo: str
-    weight: QuantFormat
+    weight: FormatId
     weight_block: int | None = None
     weight_axis: int | None = None
-    input: QuantFormat | None = None
+    input: FormatId | None = None
     awq: bool = False
 
     @property
@@ -53,20 +56,60 @@ class Algorithm:
         """The ``group_size`` of ``hf_quant_config.json`` (block-quantized formats only)."""
         return self.weight_block
 
+    @classmethod
+    def of(cls, spec: FormatSpec) -> Algorithm:
+        """The algorithm of ``spec``'s weight recipe (``ValueError`` when it has none)."""
+        recipe, modelopt = spec.recipe, spec.modelopt
+        if recipe is None or modelopt is None:
+            raise ValueError(f"format {spec.name!r} has no weight recipe")
+        return cls(
+            recipe.name,
+            modelopt.quant_algo,
+            spec.format,
+            recipe.block_size,
+            recipe.axis,
+            spec.format if recipe.quantize_inputs else None,
+            recipe.awq,
+        )
 
-#: Weight algorithms by recipe name. ``fp8`` matches ModelOpt's ``FP8_DEFAULT_CFG``
+
+class _RecipeTable(Mapping[str, _V]):
+    """A read-only ``{recipe name: value}`` view, rebuilt from the registered formats."""
+
+    def __init__(self, build: Callable[[], dict[str, _V]]) -> None:
+        self._build = build
+
+    def __getitem__(self, name: str) -> _V:
+        return self._build()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._build())
+
+    def __len__(self) -> int:
+        return len(self._build())
+
+    def __repr__(self) -> str:
+        return repr(self._build())
+
+
+def _algorithms() -> dict[str, Algorithm]:
+    return {s.recipe.name: Algorithm.of(s) for s in formats() if s.recipe is not None}
+
+
+def _kv_cache_formats() -> dict[str, FormatId]:
+    return {s.kv_cache.recipe: s.format for s in formats() if s.kv_cache is not None}
+
+
+#: Weight algorithms by recipe name, read from the registered formats
+#: (:mod:`exportlm.quant.formats`): ``fp8`` matches ModelOpt's ``FP8_DEFAULT_CFG``
 #: (weights and inputs per-tensor E4M3); ``nvfp4`` its ``NVFP4_DEFAULT_CFG`` (E2M1
 #: blocks of 16, weights and inputs); ``int4_awq`` is W4A16 with groups of 128;
-#: ``int8_wo`` is W8A16 with per-row scales.
-ALGORITHMS: dict[str, Algorithm] = {
-    "fp8": Algorithm("fp8", "FP8", QuantFormat.FP8, input=QuantFormat.FP8),
-    "nvfp4": Algorithm("nvfp4", "NVFP4", QuantFormat.NVFP4, 16, input=QuantFormat.NVFP4),
-    "int4_awq": Algorithm("int4_awq", "W4A16_AWQ", QuantFormat.INT4, 128, awq=True),
-    "int8_wo": Algorithm("int8_wo", "W8A16", QuantFormat.INT8, weight_axis=0),
-}
+#: ``int8_wo`` is W8A16 with per-row scales; plus the recipes of registered formats.
+ALGORITHMS: Mapping[str, Algorithm] = _RecipeTable(_algorithms)
 
-#: KV-cache recipes: name -> format of the ``k_proj`` / ``v_proj`` output quantizers.
-KV_CACHE_FORMATS: dict[str, QuantFormat] = {"fp8_kv": QuantFormat.FP8}
+#: KV-cache recipes: name -> format of the ``k_proj`` / ``v_proj`` output quantizers
+#: (``fp8_kv`` -> fp8), read from the registered formats.
+KV_CACHE_FORMATS: Mapping[str, FormatId] = _RecipeTable(_kv_cache_formats)
 
 #: Left in full precision unless an override names them: ``lm_head``, MoE routers
 #: (``*.gate``, ``*.router``, Qwen's ``shared_expert_gate``) and LoRA adapters.
@@ -77,6 +120,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "gate",
     "*.router",
     "router",
+    "*.router.*",  # a router's own linear (DBRX: ffn.router.layer)
     "*shared_expert_gate*",
     "*lora_*",
 )
@@ -174,7 +218,7 @@ class QuantRecipe:
             return None
         return self.algo
 
-    def kv_for(self, name: str) -> QuantFormat | None:
+    def kv_for(self, name: str) -> FormatId | None:
         """The KV-cache format of module ``name`` (a ``k_proj`` / ``v_proj``), or ``None``."""
         if self.kv_cache is None or _matches(name, self.exclude):
             return None

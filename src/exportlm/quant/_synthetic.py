@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from exportlm.quant._calibrate import default_calibrate as _default_calibrate
 from exportlm.quant._modules import QuantExperts, QuantLinear, QuantModule
-from exportlm.quant._quantize import _default_calibrate
 from exportlm.quant._quantizer import TensorQuantizer
 
 __all__ = ["AMAX_RANGE", "CHANNEL_AMAX_RANGE", "synthetic_calibration"]

@@ -19,8 +19,7 @@ from exportlm.export import (
     ExportCacheWrapper,
     atomic_output,
     export_target,
-    infer_vocab_size,
-    make_input_ids,
+    resolve_example_inputs,
 )
 
 __all__ = ["export_traced", "load_traced"]
@@ -48,12 +47,15 @@ def _quiet_jit() -> Iterator[None]:
     description="torch.jit.trace of the logits-only wrapper, saved with torch.jit.save",
 )
 def export_traced(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
-    """Trace ``model`` on ``example_inputs`` (default ``[2, 8]`` ids) and save it atomically."""
-    if example_inputs is None:
-        example_inputs = make_input_ids(infer_vocab_size(model), batch=2, seq=8, seed=0)
+    """Trace ``model`` on ``example_inputs`` and save it atomically.
+
+    The conformance suite calls factories without ``example_inputs``: ``None`` means
+    deterministic ids ``[2, 8]`` from the model's vocabulary, on the model's device.
+    """
+    inputs = resolve_example_inputs(model, example_inputs)
     wrapped = ExportCacheWrapper(model).eval()
     with _quiet_jit(), torch.no_grad():
-        traced = torch.jit.trace(wrapped, (example_inputs,), check_trace=False)
+        traced = torch.jit.trace(wrapped, inputs, check_trace=False)
     # Write into a temporary sibling and move it into place only on success:
     # a failed export leaves no partial file and an existing artifact untouched.
     with atomic_output(output_path) as staged, _quiet_jit():

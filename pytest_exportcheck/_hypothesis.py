@@ -1,0 +1,98 @@
+"""The Hypothesis profiles exportcheck items run under (:data:`~pytest_exportcheck.HYPOTHESIS_PROFILE`).
+
+Imported only once the suite is active; it imports Hypothesis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pytest_exportcheck import HYPOTHESIS_PROFILE
+
+__all__ = ["hypothesis_profile", "in_ci", "register_profiles"]
+
+
+def register_profiles() -> None:
+    """Register ``exportcheck-dev`` and ``exportcheck-ci`` (:data:`HYPOTHESIS_PROFILE`).
+
+    Both: ``deadline=None`` (exports take seconds), a fixed ``max_examples``, the
+    ``too_slow`` / ``data_too_large`` health checks off, ``print_blob`` and
+    ``database=None``, so a conformance run never writes a ``.hypothesis/``
+    directory into the user's repository. The CI profile is also derandomized:
+    every CI run draws the same examples.
+    """
+    from hypothesis import HealthCheck, settings
+
+    common: dict[str, Any] = {
+        "deadline": None,
+        "max_examples": 10,
+        "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+        "print_blob": True,
+        "database": None,
+    }
+    settings.register_profile(HYPOTHESIS_PROFILE["dev"], **common)
+    settings.register_profile(HYPOTHESIS_PROFILE["ci"], derandomize=True, **common)
+
+
+def in_ci() -> bool:
+    """Whether the ``CI`` environment variable is set (to anything but ``""``, ``0``, ``false``, ``no``)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _load_ours(before: str) -> None:
+    """Load the exportcheck profile that fits: CI's unless ``--hypothesis-seed`` was given."""
+    import hypothesis.core
+    from hypothesis import settings
+    from hypothesis.errors import InvalidArgument
+
+    seeded = getattr(hypothesis.core, "global_force_seed", None) is not None
+    ci = in_ci() or before == "ci"
+    name = HYPOTHESIS_PROFILE["ci" if ci and not seeded else "dev"]
+    try:
+        settings.get_profile(name)
+    except InvalidArgument:  # not registered yet (the session registers them)
+        register_profiles()
+    settings.load_profile(name)
+
+
+@contextlib.contextmanager
+def hypothesis_profile() -> Iterator[None]:
+    """Run under an exportcheck profile unless the user loaded one (--hypothesis-profile).
+
+    ``exportcheck-ci`` when the ``CI`` environment variable is set (or Hypothesis
+    loaded its own ``ci`` profile, which it does on CI), else ``exportcheck-dev``.
+    A ``--hypothesis-seed`` wins over CI's derandomization (Hypothesis would
+    ignore the seed of a derandomized run), so that seed picks the examples under
+    the dev profile. A profile the user chose stays as it is.
+
+    Whenever the active settings have no database, Hypothesis' storage (its
+    cache of source constants, written whatever the database) goes to a
+    directory under the system's temporary directory instead of ``.hypothesis/``
+    in the current directory, unless ``HYPOTHESIS_STORAGE_DIRECTORY`` is set.
+    """
+    import hypothesis.configuration
+    from hypothesis import settings
+
+    before = settings.get_current_profile_name()
+    ours = before in ("default", "ci")
+    if ours:
+        _load_ours(before)
+    configuration: Any = hypothesis.configuration
+    home_attr = "__hypothesis_home_directory"  # a module global: no name mangling
+    home = getattr(configuration, home_attr, None)
+    redirect = settings().database is None and not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY")
+    if redirect:
+        scratch = Path(tempfile.gettempdir()) / "exportcheck-hypothesis"
+        configuration.set_hypothesis_home_dir(scratch)
+    try:
+        yield
+    finally:
+        if redirect:
+            configuration.set_hypothesis_home_dir(home)
+        if ours:
+            settings.load_profile(before)

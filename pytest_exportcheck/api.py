@@ -1,0 +1,307 @@
+"""The conformance checks as parameters of a test in your own module.
+
+``pytest --export-targets=...`` runs the suite with no test file. To keep the
+checks of your target or module exporter next to your other tests instead
+(selectable with ``-k``, ``-m exportcheck``, rerunnable by node id), parametrize
+one test with :func:`parametrize_with_checks`::
+
+    from pytest_exportcheck import parametrize_with_checks
+
+    @parametrize_with_checks(targets=["my_target"], models=["decoder"])
+    def test_conformance(check, tmp_path):
+        check(tmp_path)
+
+Each parameter is an :class:`ExportCheck`; calling it runs one conformance item
+and fails the test with the check's own message (:class:`CheckFailedError`, an
+``AssertionError``) or skips it on a capability gap. :func:`run_check` runs one
+check by id and returns its :class:`~pytest_exportcheck.checks.CheckResult`.
+
+Importing this module imports neither torch nor exportlm; both are imported when
+a decorator is built or a check runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from pytest_exportcheck._collect import ItemSpec
+    from pytest_exportcheck.checks import CheckResult, CheckSpec, ExporterCase, TargetCase
+
+__all__ = ["CheckFailedError", "ExportCheck", "parametrize_with_checks", "run_check"]
+
+#: A name selection: ``"all"``, one registry name, or several.
+Names = str | Iterable[str]
+#: ``expected_failed_checks(target_or_exporter_name) -> {check id or item-id pattern: reason}``.
+ExpectedFailures = Callable[[str], Mapping[str, str]]
+
+
+class CheckFailedError(AssertionError):
+    """A conformance check failed; the message is the check's own, with its details.
+
+    ``result`` is the failing :class:`~pytest_exportcheck.checks.CheckResult`. When
+    the check failed because the code under test raised, that exception is chained
+    as ``__cause__`` (shown in the traceback).
+    """
+
+    def __init__(self, name: str, result: CheckResult) -> None:
+        lines = [f"{name}: {result.message or 'check failed'}"]
+        lines += [f"  {key}: {value}" for key, value in result.details.items()]
+        super().__init__("\n".join(lines))
+        self.result = result
+
+
+@dataclass(frozen=True)
+class ExportCheck:
+    """One conformance item, ready to run: what :func:`parametrize_with_checks` passes.
+
+    Attributes:
+        item: the planned item (check id, target or exporter, model, device, and a
+            capability-gap ``skip`` reason or a plugin ``failure`` text).
+        seed: seed of the toy models.
+        models: the selected model families (exporter checks survey these).
+        goldens_dir: directory of the golden files, or ``None`` (the goldens shipped
+            with pytest-exportcheck for the built-in exporters).
+        expected_failure: the reason the item is marked as an expected failure, or ``None``.
+    """
+
+    item: ItemSpec
+    seed: int = 0
+    models: tuple[str, ...] = ()
+    goldens_dir: Path | None = None
+    expected_failure: str | None = None
+
+    @property
+    def id(self) -> str:
+        """The parameter id: ``<check>-<target>-<model>-<device>`` (``roundtrip_logits-onnx-decoder-cpu``)."""
+        return "-".join((self.item.check, *self.item.params))
+
+    @property
+    def name(self) -> str:
+        """The id the ``pytest --export-*`` suite gives this item: ``roundtrip_logits[onnx-decoder-cpu]``."""
+        return self.item.name
+
+    def __repr__(self) -> str:
+        return f"ExportCheck({self.name})"
+
+    def result(self, workdir: str | Path | None = None) -> CheckResult:
+        """Run the check and return its result, without pytest's pass / fail / skip.
+
+        ``workdir``: where the check writes its artifacts. Used as is when it is empty
+        (e.g. the test's ``tmp_path``), else a new subdirectory of it. ``None``: a
+        temporary directory, removed afterwards.
+        """
+        from pytest_exportcheck.checks import CheckResult
+
+        if self.item.skip:
+            return CheckResult.skipped(self.item.skip)
+        with _fresh_workdir(workdir, self.id) as directory:
+            return _execute(self, directory)
+
+    def run(self, workdir: str | Path | None = None) -> CheckResult:
+        """Run the check as a test: raise :class:`CheckFailedError` on failure, skip on a gap.
+
+        Returns the passing result. ``workdir`` as in :meth:`result`.
+        """
+        __tracebackhide__ = True
+        result = self.result(workdir)
+        if result.status == "skip":
+            pytest.skip(result.message or f"check {self.item.check!r} skipped without a reason")
+        if result.status == "fail":
+            raise CheckFailedError(self.name, result) from result.exception
+        return result
+
+    def __call__(self, workdir: str | Path | None = None) -> CheckResult:
+        """Same as :meth:`run`."""
+        __tracebackhide__ = True
+        return self.run(workdir)
+
+
+def parametrize_with_checks(
+    *,
+    targets: Names = (),
+    exporters: Names = (),
+    models: Names = "all",
+    checks: Names | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    expected_failed_checks: ExpectedFailures | None = None,
+    goldens_dir: str | Path | None = None,
+) -> pytest.MarkDecorator:
+    """A ``pytest.mark.parametrize`` over the argument ``check``: one :class:`ExportCheck` per item.
+
+    The items are those ``pytest --export-targets=... --export-exporters=...`` runs
+    for the same selection, in the same order, including the ``plugin_loads`` item
+    of each target row and the capability gaps (marked ``skip`` with the reason).
+    Every parameter carries the ``exportcheck`` marker (and the check's own markers,
+    e.g. ``hypothesis``); its id is ``<check>-<params>``, so a node id reads
+    ``test_mine.py::test_conformance[roundtrip_logits-onnx-decoder-cpu]``.
+
+    Args:
+        targets: export targets by registry name, ``"all"``, or none.
+        exporters: module exporters by registry name, ``"all"``, or none.
+        models: toy model families (``exportlm.models``) of the per-model checks.
+        checks: check ids (``docs/checks.md``); ``None``: every check.
+        device: ``"cpu"`` or ``"cuda"`` (skipped when CUDA is not available).
+        seed: seed of the toy models.
+        expected_failed_checks: ``name -> {check id or item-id pattern: reason}``,
+            called once per selected target and exporter. Patterns are matched
+            against the suite's item id (``roundtrip_logits[onnx-*]``), as in
+            ``TargetInfo.expected_failures``; those declared by the targets and
+            exporters themselves apply too. Each becomes a strict ``xfail``: an
+            item that passes fails the run. An entry that matches no item warns.
+        goldens_dir: where the golden files of the ``golden_*`` checks live (e.g.
+            ``Path(__file__).parent / "goldens"``); goldens missing there are read
+            from those shipped for the built-in exporters. This API compares only:
+            create or update goldens with ``pytest --export-update-goldens``.
+
+    Each call of a check exports afresh into its own empty directory: unlike the
+    ``pytest --export-*`` suite, no artifact is shared between checks or cached
+    between runs. An unknown name raises
+    :class:`~exportlm.errors.UnknownNameError` listing the available ones, so a
+    typo is a collection error of the test module.
+    """
+    from pytest_exportcheck import _api_plan
+    from pytest_exportcheck._collect import plan
+    from pytest_exportcheck.checks import CHECKS
+
+    selection = _api_plan.Selection.resolve(targets, exporters, models, checks, device)
+    book = _api_plan.expected_failures(selection, expected_failed_checks)
+    params = []
+    for item in plan(selection.plan):
+        rules = book.match(item.name, item.check, item.column)
+        reason = "; ".join(f"{r.reason} [{r.source}]" for r in rules) or None
+        check = ExportCheck(item, seed, selection.plan.models, _path(goldens_dir), reason)
+        marks = [pytest.mark.exportcheck]
+        spec = CHECKS.get(item.check)
+        marks += [getattr(pytest.mark, m) for m in sorted(getattr(spec, "markers", ()))]
+        if item.skip:
+            marks.append(pytest.mark.skip(reason=item.skip))
+        if reason is not None:
+            marks.append(pytest.mark.xfail(reason=reason, strict=True))
+        params.append(pytest.param(check, id=check.id, marks=marks))
+    return pytest.mark.parametrize("check", params)
+
+
+def run_check(
+    check_id: str,
+    *,
+    target: str | None = None,
+    exporter: str | None = None,
+    model: str | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    workdir: str | Path | None = None,
+    goldens_dir: str | Path | None = None,
+) -> CheckResult:
+    """Run one check by id against one target or module exporter; return its result.
+
+    ``target`` is a registry name (the target's default options) or
+    ``name:variant`` (a declared variant's options). ``model`` is the toy family
+    of a per-model check (required for those); for an exporter check it limits
+    the families it surveys. A capability gap is a ``skip`` result, as in the
+    suite; expected failures are not applied. ``workdir`` and ``goldens_dir`` as
+    in :meth:`ExportCheck.result` and :func:`parametrize_with_checks`.
+    """
+    from pytest_exportcheck._api_plan import single_item
+
+    item = single_item(check_id, target=target, exporter=exporter, model=model, device=device)
+    check = ExportCheck(item, seed, (model,) if model else (), _path(goldens_dir))
+    return check.result(workdir)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@contextlib.contextmanager
+def _fresh_workdir(parent: str | Path | None, label: str) -> Iterator[Path]:
+    """An empty directory: ``parent`` if empty, else a new one inside it; or a temporary one."""
+    if parent is None:
+        with tempfile.TemporaryDirectory(prefix="exportcheck-", ignore_cleanup_errors=True) as tmp:
+            yield Path(tmp)
+        return
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    if not any(parent.iterdir()):
+        yield parent
+        return
+    slug = re.sub(r"\W", "_", label)[:40]
+    yield Path(tempfile.mkdtemp(prefix=f"{slug}-", dir=parent))
+
+
+def _execute(check: ExportCheck, workdir: Path) -> CheckResult:
+    """Build the item's case and call its check function."""
+    from pytest_exportcheck.checks import CHECKS, CheckResult
+
+    item = check.item
+    if item.failure is not None:  # a plugin that failed to load
+        return CheckResult.failed(item.failure)
+    spec = CHECKS.get(item.check)
+    if spec is None:  # pragma: no cover - plan() emits only catalogue checks and failures
+        return CheckResult.passed(f"{item.column} loaded")
+    if item.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return CheckResult.skipped("CUDA is not available (torch.cuda.is_available() is False)")
+    case = _case(check, spec, workdir)
+    if isinstance(case, CheckResult):
+        return case
+    result = spec.fn(case)
+    if not isinstance(result, CheckResult):
+        raise TypeError(
+            f"check {item.check!r} returned {type(result).__name__}; a check must return a "
+            "CheckResult"
+        )
+    return result
+
+
+def _case(check: ExportCheck, spec: CheckSpec, workdir: Path) -> TargetCase | ExporterCase | Any:
+    """The item's case, or a skip result when the target does not accept the model."""
+    from pytest_exportcheck.checks import CheckResult, ExporterCase, TargetCase
+    from pytest_exportcheck.goldens import BUILTIN_GOLDENS, GoldenStore
+
+    item = check.item
+    goldens = GoldenStore(check.goldens_dir or workdir / "goldens", fallbacks=(BUILTIN_GOLDENS,))
+    options = {
+        "models": ",".join(check.models) or "all",
+        "device": item.device or "cpu",
+        "expected_failure": check.expected_failure,
+    }
+    common: dict[str, Any] = {"seed": check.seed, "goldens": goldens, "options": options}
+    if spec.scope == "exporter":
+        name = item.exporter or item.column
+        return ExporterCase(name, workdir, item.device or "cpu", model_name=item.model, **common)
+    target = item.target or item.column
+    refusal = _refusal(target, item.model, check.seed)
+    if refusal:
+        return CheckResult.skipped(
+            f"target {target!r} does not accept model {item.model!r}: {refusal}"
+        )
+    device = item.device or "cpu"
+    kwargs = dict(item.export_kwargs)
+    return TargetCase(target, item.variant, kwargs, item.model, device, workdir, **common)
+
+
+def _refusal(target: str, model: str | None, seed: int) -> str | None:
+    """Why ``target`` cannot take toy family ``model`` (its ``accepts``), or ``None``."""
+    from exportlm.export import get_target_info
+    from exportlm.models import build_model
+
+    accepts = get_target_info(target).accepts
+    if accepts is None or model is None:
+        return None
+    reason = accepts(build_model(model, seed=seed))
+    return str(reason) if reason else None
+
+
+def _path(value: str | Path | None) -> Path | None:
+    return None if value is None else Path(value)

@@ -1,0 +1,114 @@
+"""The machinery every check shares: stopping with a result, failure text, signatures.
+
+Internal to :mod:`pytest_exportcheck.checks` (a documented internal module: the
+implementation modules import from here, never each other's private names). It
+imports neither torch nor Hypothesis.
+
+A check body is a plain function decorated with :func:`aborts_to_result`; a
+helper deep inside it stops the check by raising :class:`CheckAbort` with a
+ready :class:`CheckResult`. :func:`attempt` runs a call into the code under test
+and turns its exception into such a failure, carrying the exception
+(``CheckResult.exception``) so that ``--pdb`` lands in the author's frame.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from pytest_exportcheck.checks._api import CheckResult
+
+__all__ = [
+    "CheckAbort",
+    "aborts_to_result",
+    "attempt",
+    "error_text",
+    "keyword_parameters",
+    "listed",
+]
+
+T = TypeVar("T")
+C = TypeVar("C")
+
+_TRACEBACK_LINES = 12
+_MAX_LISTED = 8
+
+
+class CheckAbort(Exception):
+    """Raised inside a check to stop it with a ready :class:`CheckResult`."""
+
+    def __init__(self, result: CheckResult) -> None:
+        super().__init__(result.message)
+        self.result = result
+
+
+def error_text(err: BaseException) -> str:
+    """``Type: message`` plus the last lines of the traceback (the cause chain included)."""
+    lines = "".join(traceback.format_exception(err)).rstrip().splitlines()
+    tail = "\n".join(lines[-_TRACEBACK_LINES:])
+    return f"{type(err).__name__}: {err}\n{tail}"
+
+
+def attempt(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``; an exception fails the check with ``what`` and the error.
+
+    The failure carries the exception (``CheckResult.exception``) and its type
+    name (``details["error"]``).
+    """
+    try:
+        return fn(*args, **kwargs)
+    except CheckAbort:
+        raise
+    except Exception as err:
+        raise CheckAbort(
+            CheckResult.failed(
+                f"{what} raised {error_text(err)}", exception=err, error=type(err).__name__
+            )
+        ) from err
+
+
+def aborts_to_result(fn: Callable[[C], CheckResult]) -> Callable[[C], CheckResult]:
+    """Decorate a check body so a :class:`CheckAbort` anywhere in it becomes its result."""
+
+    @functools.wraps(fn)
+    def wrapper(case: C) -> CheckResult:
+        try:
+            return fn(case)
+        except CheckAbort as abort:
+            return abort.result
+
+    return wrapper
+
+
+def listed(items: Iterable[str]) -> str:
+    """The first few ``items`` joined by ``"; "``, and how many more there are."""
+    items = list(items)
+    text = "; ".join(items[:_MAX_LISTED])
+    return text + (f"; ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
+
+
+def keyword_parameters(fn: Callable[..., Any], skip: int) -> tuple[list[str], bool]:
+    """``(names, has_var_keyword)``: the keyword options ``fn`` takes after ``skip`` positionals.
+
+    A factory is ``(model, output_path, **options)`` (``skip=2``), a runtime loader
+    ``(artifact, **options)`` (``skip=1``); ``*args`` and positional-only
+    parameters are not options.
+    """
+    names: list[str] = []
+    var_keyword = False
+    positional = 0
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind is param.VAR_KEYWORD:
+            var_keyword = True
+        elif param.kind is param.VAR_POSITIONAL:
+            continue
+        elif param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD) and (
+            positional < skip
+        ):
+            positional += 1
+        elif param.kind is not param.POSITIONAL_ONLY:
+            names.append(param.name)
+    return names, var_keyword

@@ -1,0 +1,314 @@
+"""The check catalogue: every built-in check, in documentation order, as plain data.
+
+This module is the one place where a check's id, scope, ``per_model``, needed
+capabilities and pytest markers are declared. It imports neither torch nor
+Hypothesis (nor anything else of the package), so the planner can read it
+without loading an implementation: each entry names its implementation as a
+``"module:function"`` reference, imported the first time :attr:`CheckSpec.fn` is
+read.
+
+The order of :data:`BUILTIN_CHECKS` is the order of ``docs/checks.md`` (target
+checks, then module-exporter checks) and the row order of the conformance
+matrix. An implementation module marks each function with
+``@check("<id>")`` (:func:`pytest_exportcheck.checks.check`), which only checks
+that this catalogue points at it: the metadata is never repeated there.
+
+Checks that are not built in (a test suite's or, later, a third party's) are
+added to the live mapping :data:`pytest_exportcheck.checks.CHECKS` with
+:func:`pytest_exportcheck.checks.register_check` (or ``@check(id, scope=...)``),
+after the built-in ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:
+    from pytest_exportcheck.checks._api import CheckResult
+
+__all__ = [
+    "BUILTIN_CHECKS",
+    "SCOPES",
+    "CatalogueError",
+    "CheckFn",
+    "CheckSpec",
+    "Scope",
+]
+
+Scope = Literal["target", "exporter"]
+#: Every valid :data:`Scope`.
+SCOPES: tuple[str, ...] = get_args(Scope)
+#: A check implementation: ``(TargetCase | ExporterCase) -> CheckResult``.
+CheckFn = Callable[[Any], "CheckResult"]
+
+
+class CatalogueError(ValueError):
+    """A check declaration is invalid, duplicated, or disagrees with the catalogue."""
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """A check: its stable id, where it runs, what it needs, and its implementation.
+
+    Attributes:
+        id: stable id, used in item ids (``roundtrip_logits[onnx-llama-cpu]``),
+            ``--export-checks`` and expected-failure declarations.
+        scope: ``"target"`` (called with a ``TargetCase`` per export target and
+            variant) or ``"exporter"`` (an ``ExporterCase`` per module exporter).
+        impl: the implementation: a ``"package.module:function"`` reference,
+            imported on first use of :attr:`fn`, or the function itself.
+        per_model: target checks only: also parametrized over the toy model families.
+        needs: target capabilities the check needs; a target without one of them
+            gets a counted skip.
+        markers: pytest markers the plugin puts on the check's items
+            (``"hypothesis"`` for checks driven by Hypothesis).
+        summary: one line: what the check verifies (the first paragraph of the
+            implementation's docstring, which holds the full description).
+    """
+
+    id: str
+    scope: Scope
+    impl: str | CheckFn
+    per_model: bool = False
+    needs: frozenset[str] = frozenset()
+    markers: frozenset[str] = frozenset()
+    summary: str = ""
+
+    def __post_init__(self) -> None:
+        # Accept any iterable of names (a tuple in a declaration), store a frozenset.
+        object.__setattr__(self, "needs", _names(self.id, "needs", self.needs))
+        object.__setattr__(self, "markers", _names(self.id, "markers", self.markers))
+        if not self.id.isidentifier():
+            raise CatalogueError(
+                f"check id {self.id!r} is not a Python identifier; ids appear in item ids "
+                "and --export-checks, so use lowercase words joined by '_'"
+            )
+        if self.scope not in SCOPES:
+            raise CatalogueError(
+                f"check {self.id!r}: scope {self.scope!r} is not one of {list(SCOPES)}"
+            )
+        if self.per_model and self.scope != "target":
+            raise CatalogueError(f"check {self.id!r}: per_model=True needs scope='target'")
+        if isinstance(self.impl, str):
+            _split_reference(self.id, self.impl)
+        elif not callable(self.impl):
+            raise CatalogueError(
+                f"check {self.id!r}: impl {self.impl!r} is neither a 'module:function' "
+                "reference nor a callable"
+            )
+
+    @property
+    def fn(self) -> CheckFn:
+        """The implementation (importing its module the first time it is read)."""
+        if isinstance(self.impl, str):
+            return _resolve(self.id, self.impl)
+        return self.impl
+
+    @property
+    def doc(self) -> str:
+        """The implementation's docstring: the full description of the check."""
+        return (self.fn.__doc__ or "").strip()
+
+
+def _names(check_id: str, what: str, value: Iterable[str]) -> frozenset[str]:
+    if isinstance(value, str):
+        raise CatalogueError(
+            f"check {check_id!r}: {what} must be a collection of names, not the string {value!r}"
+        )
+    return frozenset(value)
+
+
+def _split_reference(check_id: str, reference: str) -> tuple[str, str]:
+    module, sep, name = reference.partition(":")
+    if not sep or not module or not name.isidentifier():
+        raise CatalogueError(
+            f"check {check_id!r}: implementation reference {reference!r} is not of the "
+            "form 'package.module:function'"
+        )
+    return module, name
+
+
+@functools.cache
+def _resolve(check_id: str, reference: str) -> CheckFn:
+    module_name, name = _split_reference(check_id, reference)
+    module = importlib.import_module(module_name)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise CatalogueError(
+            f"check {check_id!r}: {module_name} has no function {name!r} "
+            f"(the catalogue's reference is {reference!r})"
+        )
+    resolved: CheckFn = fn
+    return resolved
+
+
+_T = "pytest_exportcheck.checks.targets"
+_E = "pytest_exportcheck.checks.exporters"
+_G = "pytest_exportcheck.checks.generated"
+_HYPOTHESIS = frozenset({"hypothesis"})
+
+#: Every built-in check, in documentation order (``docs/checks.md``).
+BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
+    # ------------------------------------------------------------------ target checks
+    CheckSpec(
+        "plugin_loads",
+        "target",
+        f"{_T}.registration:plugin_loads",
+        summary="The target's entry point (and its runtime's) loaded, and claims no taken name.",
+    ),
+    CheckSpec(
+        "registered",
+        "target",
+        f"{_T}.registration:registered",
+        summary="The name resolves; factory and runtime are callable with the contract's "
+        "signatures.",
+    ),
+    CheckSpec(
+        "artifact_contract",
+        "target",
+        f"{_T}.artifact:artifact_contract",
+        summary="The export returns an existing path of the declared kind, and writes "
+        "nothing else.",
+    ),
+    CheckSpec(
+        "roundtrip_logits",
+        "target",
+        f"{_T}.roundtrip:roundtrip_logits",
+        per_model=True,
+        summary="The artifact, run in the target's own runtime, gives the eager model's logits.",
+    ),
+    CheckSpec(
+        "dynamic_shapes",
+        "target",
+        f"{_T}.roundtrip:dynamic_shapes",
+        per_model=True,
+        needs=frozenset({"dynamic_shapes"}),
+        summary="The same artifact runs at other batch sizes and sequence lengths than it "
+        "was traced with.",
+    ),
+    CheckSpec(
+        "cache_wrapper",
+        "target",
+        f"{_T}.roundtrip:cache_wrapper",
+        summary="A model returning ``(logits, kv_cache)`` exports as logits only.",
+    ),
+    CheckSpec(
+        "deterministic",
+        "target",
+        f"{_T}.roundtrip:deterministic",
+        summary="Two exports of the same model give bit-identical runtime outputs.",
+    ),
+    CheckSpec(
+        "atomic_failure",
+        "target",
+        f"{_T}.failures:atomic_failure",
+        summary="A failing export leaves no artifact, and an existing artifact untouched.",
+    ),
+    CheckSpec(
+        "unknown_kwargs",
+        "target",
+        f"{_T}.failures:unknown_kwargs",
+        summary="A misspelled option is refused with a ``TypeError`` naming it, never swallowed.",
+    ),
+    CheckSpec(
+        "roundtrip_generated",
+        "target",
+        f"{_G}.roundtrip:roundtrip_generated",
+        markers=_HYPOTHESIS,
+        summary="Generated structures roundtrip through the target within its declared tolerance.",
+    ),
+    CheckSpec(
+        "checkpoint_names",
+        "target",
+        "pytest_exportcheck.checks.checkpoint:checkpoint_names",
+        per_model=True,
+        needs=frozenset({"quantized"}),
+        summary="Names in a quantized checkpoint's configs are the names its tensors are "
+        "saved under.",
+    ),
+    # ------------------------------------------------------------------ module-exporter checks
+    CheckSpec(
+        "mro_match",
+        "exporter",
+        f"{_E}.dispatch:mro_match",
+        summary="Generated subclasses of every module type the exporter claims are still "
+        "claimed by it.",
+    ),
+    CheckSpec(
+        "name_match",
+        "exporter",
+        f"{_E}.dispatch:name_match",
+        summary="Class names are matched exactly: a name merely containing a key is not claimed.",
+    ),
+    CheckSpec(
+        "predicate_match",
+        "exporter",
+        f"{_E}.dispatch:predicate_match",
+        summary="An entry with a predicate claims a module only when keys and predicate "
+        "both match.",
+    ),
+    CheckSpec(
+        "precedence",
+        "exporter",
+        f"{_E}.order:precedence",
+        summary="Order is stable; re-registration replaces in place; ``prepend`` goes first.",
+    ),
+    CheckSpec(
+        "reachable",
+        "exporter",
+        f"{_E}.order:reachable",
+        summary="The exporter is not fully shadowed by earlier entries for its own keys.",
+    ),
+    CheckSpec(
+        "claims_all_quantized",
+        "exporter",
+        f"{_E}.contract:claims_all_quantized",
+        summary="Every quantized module of every toy model is claimed by exactly one exporter.",
+    ),
+    CheckSpec(
+        "export_contract",
+        "exporter",
+        f"{_E}.contract:export_contract",
+        summary="Exports write only under the module's prefix, leave it unchanged, and emit "
+        "sane tensors.",
+    ),
+    CheckSpec(
+        "moe_inputs",
+        "exporter",
+        f"{_E}.layout:moe_inputs",
+        summary="Experts of one block share ``input_scale``; gate and up of one expert share "
+        "``weight_scale``.",
+    ),
+    CheckSpec(
+        "tied_weights",
+        "exporter",
+        f"{_E}.layout:tied_weights",
+        summary="Tied weights are written once, by name; no real weight is dropped; "
+        "differing ties raise.",
+    ),
+    CheckSpec(
+        "quantized_generated",
+        "exporter",
+        f"{_G}.quantized:quantized_generated",
+        markers=_HYPOTHESIS,
+        summary="Generated structures, quantized, are exported completely and exactly.",
+    ),
+    CheckSpec(
+        "golden_checkpoint",
+        "exporter",
+        "pytest_exportcheck.checks.golden_checks:golden_checkpoint",
+        summary="What the exporter writes for every golden case equals its golden, byte for byte.",
+    ),
+    CheckSpec(
+        "golden_calibration",
+        "exporter",
+        "pytest_exportcheck.checks.golden_checks:golden_calibration",
+        summary="The activation scales the exporter writes after real calibration match the "
+        "golden's within ``rtol=1e-4, atol=1e-12`` "
+        "(``|obtained - golden| <= atol + rtol * |golden|``).",
+    ),
+)

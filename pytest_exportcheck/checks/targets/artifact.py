@@ -1,0 +1,89 @@
+"""Target check of what an export writes: ``artifact_contract``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from exportlm.export import TargetInfo
+from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
+from pytest_exportcheck.checks._common import aborts_to_result
+from pytest_exportcheck.checks._support import (
+    build_case_model,
+    default_model_name,
+    export_fresh,
+    listing,
+    require_device,
+    shared_artifact,
+    target_info,
+)
+
+__all__ = ["artifact_contract"]
+
+
+def _companions(
+    artifact: Path, names: Iterable[str], info: TargetInfo
+) -> tuple[list[str], list[str]]:
+    """(allowed companion files, unexpected files) among ``names`` besides the artifact."""
+    allowed: list[str] = []
+    stray: list[str] = []
+    for name in names:
+        if name == artifact.name:
+            continue
+        if info.has("multi_file") and name.startswith(artifact.name + "."):
+            allowed.append(name)
+        else:
+            stray.append(name)
+    return allowed, stray
+
+
+def _kind_problems(path: Path, out_dir: Path, info: TargetInfo) -> list[str]:
+    """Where the returned path is and what it is, against the declaration."""
+    problems: list[str] = []
+    if path.resolve().parent != out_dir.resolve():
+        problems.append(f"export returned {path}, not a path in the output directory {out_dir}")
+    if info.artifact == "file" and not (path.is_file() and path.stat().st_size > 0):
+        problems.append(f"declared artifact='file' but {path.name} is not a non-empty file")
+    if info.artifact == "directory" and not (path.is_dir() and any(path.iterdir())):
+        problems.append(
+            f"declared artifact='directory' but {path.name} is not a non-empty directory"
+        )
+    return problems
+
+
+@check("artifact_contract")
+@aborts_to_result
+def artifact_contract(case: TargetCase) -> CheckResult:
+    """The export returns an existing path of the declared kind, and writes nothing else.
+
+    Exports one toy model into an empty directory. The returned path must exist
+    inside it, be a non-empty file (``artifact="file"``) or a non-empty directory
+    (``artifact="directory"``), and be the only entry there, except companion files
+    of a ``multi_file`` target named ``<artifact>.<something>`` (``model.onnx.data``).
+    Leftover temporaries (``.model.onnx.*.tmp``) fail. Under the plugin this is the
+    shared (cached) export, which the cache runs into an empty directory of its own
+    and refuses when the returned path does not exist or lies elsewhere.
+    """
+    info = target_info(case)
+    require_device(case, info)
+    name = default_model_name(case)
+    if case.export is not None:
+        path = shared_artifact(case, name)
+        out_dir = path.parent  # the export's own directory (TargetCase.export)
+    else:
+        out_dir = case.workdir / "artifact_contract"
+        path = export_fresh(case, build_case_model(case, name), out_dir)
+    if not path.exists():
+        return CheckResult.failed(f"export returned {path}, which does not exist")
+    problems = _kind_problems(path, out_dir, info)
+    companions, stray = _companions(path, listing(out_dir), info)
+    if stray:
+        problems.append(
+            f"files written next to the artifact: {stray}"
+            + ("" if info.has("multi_file") else " (the target does not declare 'multi_file')")
+        )
+    if problems:
+        return CheckResult.failed(f"{case.target_id} exporting {name!r}: " + "; ".join(problems))
+    return CheckResult.passed(
+        f"{path.name} ({info.artifact}) with companions {companions}", companions=companions
+    )

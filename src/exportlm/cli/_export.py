@@ -1,0 +1,265 @@
+"""``exportlm export``: check every argument, then load, quantize, export and verify.
+
+Every argument is checked before any work starts (target, options, model,
+recipe, calibration data, output), so a typo costs a second, not an export.
+Progress lines go to standard error; the result (one line, or one JSON object
+with ``--json``) goes to standard output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from exportlm._progress import phase
+from exportlm.cli._calib import CalibrationRequest, calibration_request, quantize_model
+from exportlm.cli._errors import EXIT_FAILURE, EXIT_OK, UsageError
+from exportlm.cli._model import ModelSource, resolve_model
+from exportlm.cli._options import parse_target_options
+
+__all__ = ["ExportPlan", "cmd_export", "plan_export"]
+
+logger = logging.getLogger("exportlm.cli")
+
+
+@dataclass
+class ExportPlan:
+    """A checked ``export`` command line."""
+
+    target: str
+    options: dict[str, Any]
+    source: ModelSource
+    model_argument: str
+    out: Path
+    seed: int
+    recipe: str | None
+    calibration: CalibrationRequest | None
+    verify: bool
+    as_json: bool
+
+
+@dataclass
+class _Result:
+    path: Path
+    files: list[tuple[Path, int]]
+    seconds: float
+    calibration: dict[str, Any] | None = None
+    verification: Any = None  # LogitsComparison
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def plan_export(args: argparse.Namespace) -> ExportPlan:
+    """Check the ``export`` arguments without building anything.
+
+    Raises:
+        UnknownNameError: an unknown target or quantization recipe.
+        UnknownOptionError, UsageError: a bad ``-o``, ``--model``, calibration
+            flag, ``--verify`` without a runtime, or an output that cannot be replaced.
+        CalibrationDataError: unreadable calibration data.
+    """
+    from exportlm.export import EXPORT_REGISTRY, ensure_exporters_registered
+
+    ensure_exporters_registered()
+    factory = EXPORT_REGISTRY.get(args.target)
+    options = parse_target_options(args.target, factory, args.option)
+    if args.quantize is not None:
+        from exportlm.quant import QuantRecipe
+
+        QuantRecipe.parse(args.quantize)
+    plan = ExportPlan(
+        target=args.target,
+        options=options,
+        source=resolve_model(args.model),
+        model_argument=args.model,
+        out=args.out,
+        seed=args.seed,
+        recipe=args.quantize,
+        calibration=calibration_request(args),
+        verify=args.verify,
+        as_json=args.json,
+    )
+    _check_output(plan, factory)
+    if plan.verify:
+        _check_runtime(plan.target)
+    return plan
+
+
+def _check_output(plan: ExportPlan, factory: Any) -> None:
+    import inspect
+
+    from exportlm.export import get_target_info
+
+    out, info = plan.out, get_target_info(plan.target)
+    if out.is_file() and info.artifact == "directory":
+        raise UsageError(f"--out {out} is a file; target {plan.target!r} writes a directory")
+    if out.is_dir() and info.artifact == "file":
+        raise UsageError(
+            f"--out {out} is a directory; target {plan.target!r} writes a file: "
+            f"pass a file path such as {out / ('model' + info.suffix)}"
+        )
+    try:
+        takes_overwrite = "overwrite" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no introspectable signature: the factory decides
+        takes_overwrite = False
+    if (
+        takes_overwrite
+        and not plan.options.get("overwrite")
+        and out.is_dir()
+        and any(out.iterdir())
+    ):
+        raise UsageError(
+            f"--out {out} exists and is not empty; pass -o overwrite=true to replace it "
+            "(atomically: it stays untouched if the export fails)"
+        )
+
+
+def _check_runtime(target: str) -> None:
+    from exportlm.export import RUNTIME_REGISTRY, get_target_info
+
+    runtime = get_target_info(target).runtime
+    if runtime not in RUNTIME_REGISTRY:
+        raise UsageError(
+            f"--verify: target {target!r} runs in runtime {runtime!r}, which is not registered "
+            "(see `exportlm list`); install the package that provides it, or drop --verify"
+        )
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Run ``exportlm export``; the exit code is 1 when verification fails."""
+    plan = plan_export(args)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    with phase(f"loading model {plan.model_argument}"):
+        model = plan.source.build(plan.seed)
+    timings["load"] = time.perf_counter() - start
+    calibration = None
+    if plan.recipe is not None and plan.calibration is not None:
+        start = time.perf_counter()
+        model, calibration = quantize_model(model, plan.recipe, plan.calibration, plan.source)
+        timings["quantize"] = time.perf_counter() - start
+    result = _export(plan, model)
+    result.calibration, result.timings = calibration, timings
+    if plan.verify:
+        start = time.perf_counter()
+        result.verification = _verify(plan, model, result.path)
+        timings["verify"] = time.perf_counter() - start
+    _print_result(plan, result)
+    if result.verification is not None and not result.verification.passed:
+        logger.error(
+            "verification failed: the %s artifact's logits differ from the eager model's "
+            "beyond the target's tolerance",
+            plan.target,
+        )
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _export(plan: ExportPlan, model: Any) -> _Result:
+    from exportlm.export import export_model
+
+    before = _snapshot(plan.out.parent)
+    start = time.perf_counter()
+    with phase(f"exporting to {plan.target}"):
+        path = export_model(plan.target, model, plan.out, **plan.options)
+    seconds = time.perf_counter() - start
+    return _Result(path=path, files=_artifact_files(path, before), seconds=seconds)
+
+
+def _snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    """``{name: (size, mtime_ns)}`` of the files in ``directory``."""
+    if not directory.is_dir():
+        return {}
+    stats = {}
+    for entry in directory.iterdir():
+        if entry.is_file():
+            stat = entry.stat()
+            stats[entry.name] = (stat.st_size, stat.st_mtime_ns)
+    return stats
+
+
+def _artifact_files(path: Path, before: dict[str, tuple[int, int]]) -> list[tuple[Path, int]]:
+    """Every file of the artifact with its size: a directory's files, or the file and the
+    files written beside it (e.g. ONNX external data), found as new or changed siblings."""
+    if path.is_dir():
+        return [(p, p.stat().st_size) for p in sorted(path.rglob("*")) if p.is_file()]
+    files = [(path, path.stat().st_size)]
+    for name, stat in sorted(_snapshot(path.parent).items()):
+        sibling = path.parent / name
+        if sibling != path and before.get(name) != stat and name.startswith(path.stem):
+            files.append((sibling, stat[0]))
+    return files
+
+
+def _verify(plan: ExportPlan, model: Any, path: Path) -> Any:
+    import torch
+
+    from exportlm.export import (
+        ExportCacheWrapper,
+        compare_logits,
+        get_target_info,
+        infer_vocab_size,
+        load_exported,
+        make_input_ids,
+    )
+
+    info = get_target_info(plan.target)
+    with phase(f"verifying in the {info.runtime} runtime"):
+        ids = make_input_ids(infer_vocab_size(model), batch=2, seq=8, seed=1)
+        with torch.no_grad():
+            # The same eager view every target exports: use_cache=False, logits only.
+            expected = ExportCacheWrapper(model).eval()(ids).float()
+            actual = torch.as_tensor(load_exported(plan.target, path)(ids)).float()
+    return compare_logits(actual, expected, info.atol, info.rtol)
+
+
+def _print_result(plan: ExportPlan, result: _Result) -> None:
+    size = sum(size for _, size in result.files)
+    if plan.as_json:
+        print(json.dumps(_result_json(plan, result, size), indent=2))
+        return
+    print(
+        f"exported {plan.model_argument} with {plan.target} -> {result.path} "
+        f"({size / 1e6:.2f} MB, {result.seconds:.2f} s)"
+    )
+    if result.verification is not None:
+        verdict = "OK" if result.verification.passed else "MISMATCH"
+        print(f"verify: {result.verification.summary()}: {verdict}")
+
+
+def _result_json(plan: ExportPlan, result: _Result, size: int) -> dict[str, Any]:
+    verification = result.verification
+    return {
+        "model": plan.model_argument,
+        "target": plan.target,
+        "options": {key: _jsonable(value) for key, value in plan.options.items()},
+        "path": str(result.path),
+        "files": [{"path": str(p), "bytes": n} for p, n in result.files],
+        "bytes": size,
+        "seconds": round(result.seconds, 3),
+        "timings": {key: round(value, 3) for key, value in result.timings.items()},
+        "quantize": plan.recipe,
+        "calibration": result.calibration,
+        "verify": None
+        if verification is None
+        else {
+            **{key: _jsonable(value) for key, value in verification.details().items()},
+            "summary": verification.summary(),
+        },
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as strict JSON: dtypes as names, NaN / inf as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value).removeprefix("torch.")

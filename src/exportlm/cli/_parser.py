@@ -1,0 +1,159 @@
+"""The argument parser of ``exportlm``: subcommands ``list``, ``export`` and ``env``.
+
+``-v`` / ``-q`` are accepted before and after the subcommand and add up
+(:func:`verbosity`). An argument error raises
+:class:`~exportlm.cli._errors.UsageError` instead of exiting, so ``main``
+reports every usage error the same way (one line, exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import NoReturn
+
+from exportlm.calibration import DEFAULT_BATCH_SIZE, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
+from exportlm.cli._errors import UsageError
+from exportlm.cli._logging import PROG
+
+__all__ = ["build_parser", "verbosity", "version_text"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def version_text() -> str:
+    """``exportlm X (torch Y, Python Z)``, without importing torch."""
+    from exportlm import __version__
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"{PROG} {__version__} (torch {torch_version}, Python {python})"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_verbosity(parser: argparse.ArgumentParser, where: str) -> None:
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        dest=f"verbose_{where}",
+        action="count",
+        default=0,
+        help="more output: -v debug lines from exportlm, -vv also from torch and other libraries",
+    )
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        dest=f"quiet_{where}",
+        action="count",
+        default=0,
+        help="only warnings and errors on stderr, no progress bars",
+    )
+
+
+def verbosity(args: argparse.Namespace) -> int:
+    """Number of ``-v`` minus number of ``-q``, wherever they were given."""
+    return int(
+        args.verbose_top
+        + getattr(args, "verbose_sub", 0)
+        - args.quiet_top
+        - getattr(args, "quiet_sub", 0)
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``exportlm`` parser."""
+    parser = _Parser(
+        prog=PROG,
+        description="Export decoder LMs through registered export targets. "
+        "Exit codes: 0 ok, 1 export or verification failed, 2 usage error.",
+    )
+    parser.add_argument("--version", action="version", version=version_text())
+    _add_verbosity(parser, "top")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p_list = sub.add_parser(
+        "list", help="list targets, runtimes, module exporters and model families"
+    )
+    p_list.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    _add_verbosity(p_list, "sub")
+    p_env = sub.add_parser("env", help="versions, devices and settings for a bug report")
+    p_env.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    _add_verbosity(p_env, "sub")
+    _add_export(sub.add_parser("export", help="export a model with a target"))
+    return parser
+
+
+def _add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="export target name (see `exportlm list`)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="toy model family (decoder, decoder_tied, iterable_moe, hf:llama, hf:mixtral, ...), "
+        "a model structure FILE.json (exportlm.models.ModelSpec) "
+        "or a local Hugging Face model directory (never downloaded)",
+    )
+    p.add_argument("--out", required=True, type=Path, help="output file or directory")
+    p.add_argument("--seed", type=int, default=0, help="seed of toy model weights (default 0)")
+    p.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="target option, repeatable, parsed by the option's type "
+        "(-o opset=19 -o dynamo=false -o dtype=bf16)",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="reload the artifact in its runtime and compare its logits with the eager model",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    q = p.add_argument_group("quantization")
+    q.add_argument(
+        "--quantize",
+        metavar="RECIPE",
+        help="fake-quantize first: fp8, nvfp4, int4_awq, int8_wo, optionally +fp8_kv",
+    )
+    q.add_argument(
+        "--calib-data",
+        metavar="PATH",
+        type=Path,
+        help="calibration texts: a text file (one sample per line), a .json list of strings, "
+        "or a datasets save_to_disk directory (default: synthetic random ids, with a warning)",
+    )
+    q.add_argument(
+        "--calib-samples",
+        type=_positive_int,
+        metavar="N",
+        help=f"samples read from --calib-data (default {DEFAULT_SAMPLES}, or all if fewer)",
+    )
+    q.add_argument(
+        "--calib-seq-len",
+        type=_positive_int,
+        metavar="L",
+        help=f"tokens per calibration row (default {DEFAULT_SEQ_LEN}, capped by the model)",
+    )
+    q.add_argument(
+        "--calib-batch-size",
+        type=_positive_int,
+        metavar="B",
+        help=f"rows per calibration forward pass (default {DEFAULT_BATCH_SIZE})",
+    )
+    _add_verbosity(p, "sub")

@@ -1,0 +1,219 @@
+"""Stored codes and scales back to float weights, and the static scales set aside.
+
+:func:`dequantize_state` finds every quantized weight of a checkpoint, reads it
+with its format's :meth:`~exportlm.quant.formats.FormatSpec.from_leaves` and
+dequantizes it with :func:`exportlm.quant.dequantize` (the function the fake
+quantizer computes with, so the float weight equals the fake-quantized one),
+folds AWQ's ``pre_quant_scale`` in, and sets the static activation and KV-cache
+scales aside as :class:`ActivationScale` for
+:class:`~exportlm.export.hf_checkpoint.static.StaticQuantization`.
+
+A quantized weight is stored in one of two layouts, both ModelOpt's:
+
+* a module's ``<module>.weight`` with ``<module>.weight_scale``, ``<module>.input_scale``...
+  (every linear, split experts ``experts.{e}.gate_proj``);
+* a bare parameter ``<module>.<param>`` with ``<module>.<param>_weight_scale``,
+  ``<module>.<param>_input_scale``... (experts kept in their model's own fused
+  layout, DBRX ``ffn.experts.mlp.w1``); a per-tensor format may then hold one
+  scale per expert: the codes are ``E`` stacked slices, each with its own scale.
+
+The leaf names (``weight``, ``weight_scale``, ``input_scale``, ``k_scale``...) and
+what each format stores under them come from the registered format specs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from exportlm.errors import UnsupportedFormatError
+from exportlm.export.hf_checkpoint.formats import StoredFormats
+from exportlm.quant import dequantize
+from exportlm.quant.formats import FormatSpec, formats, scale_leaf_names
+
+__all__ = ["ActivationScale", "dequantize_state"]
+
+#: The activation leaves whose meaning the format spec contract fixes.
+_INPUT_SCALE = "input_scale"  # a recipe that quantizes inputs writes it
+_PRE_QUANT_SCALE = "pre_quant_scale"  # an AWQ recipe writes it
+
+
+class ActivationScale(NamedTuple):
+    """A static activation scale of the checkpoint: its format, value and block size."""
+
+    format: Any  # exportlm.quant.FormatId
+    scale: torch.Tensor
+    block_size: int | None = None
+
+
+@dataclass(frozen=True)
+class _Leaves:
+    """The registered formats' leaf names, by what they hold (read once per load)."""
+
+    data: frozenset[str]
+    scale: frozenset[str]
+    weight: frozenset[str]
+    kv_cache: frozenset[str]
+    scales: frozenset[str]
+
+    @classmethod
+    def registered(cls) -> _Leaves:
+        specs = formats()
+        by_source = {
+            source: frozenset(
+                leaf.name for s in specs for leaf in s.weight_leaves if leaf.source == source
+            )
+            for source in ("data", "scale")
+        }
+        return cls(
+            data=by_source["data"],
+            scale=by_source["scale"],
+            weight=frozenset(leaf.name for s in specs for leaf in s.weight_leaves),
+            kv_cache=frozenset(
+                leaf.name for s in specs for leaf in s.leaves if leaf.role == "kv_cache"
+            ),
+            scales=frozenset(scale_leaf_names()),
+        )
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one quantized weight's leaves are stored.
+
+    ``layer`` is the module path the quantization config lists; ``data`` the codes'
+    tensor name; every other leaf ``l`` is ``stem + l`` (``"<module>."`` for a
+    module's weight, ``"<module>.<param>_"`` for a bare parameter).
+    """
+
+    layer: str
+    data: str
+    stem: str
+
+    def name(self, leaf: str, data_leaves: frozenset[str]) -> str:
+        """The tensor name of ``leaf`` of this weight."""
+        if self.stem.endswith("_") and leaf in data_leaves:
+            return self.data
+        return self.stem + leaf
+
+
+def _slots(tensors: Mapping[str, torch.Tensor], leaves: _Leaves) -> Iterator[_Slot]:
+    """Every quantized weight: a data leaf beside one of its format's scale leaves."""
+    for name in tensors:
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in leaves.data and any(f"{prefix}.{s}" in tensors for s in leaves.scale):
+            yield _Slot(prefix, name, f"{prefix}.")
+        elif any(f"{name}_{s}" in tensors for s in leaves.scale):
+            yield _Slot(prefix, name, f"{name}_")
+
+
+def dequantize_state(
+    tensors: Mapping[str, torch.Tensor], declared: StoredFormats
+) -> tuple[dict[str, torch.Tensor], dict[str, ActivationScale]]:
+    """``(float weights, static scales)`` of a checkpoint's tensors, both by checkpoint name.
+
+    ``declared`` names each layer's format (:meth:`StoredFormats.read`). Tensors
+    that are no quantized weight and no scale pass through unchanged.
+
+    Raises :class:`UnsupportedFormatError` for a format no registered spec has, an
+    ``input_scale`` of a format that quantizes no activations, and a scale that
+    belongs to no quantized weight.
+    """
+    leaves = _Leaves.registered()
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, ActivationScale] = {}
+    used: set[str] = set()
+    for slot in list(_slots(tensors, leaves)):
+        spec = declared.weight_format(slot.layer, _stored_leaves(slot, tensors, leaves))
+        weight, block, names = _dequantize(slot, spec, tensors, leaves)
+        weights[slot.data] = weight
+        used.update(names)
+        input_scale = slot.name(_INPUT_SCALE, leaves.data)
+        if input_scale in tensors:
+            if spec.recipe is None or not spec.recipe.quantize_inputs:
+                raise UnsupportedFormatError(
+                    f"{input_scale}: the checkpoint stores a static input scale, but "
+                    f"{slot.data} is in format {spec.name!r}, which quantizes no activations"
+                )
+            scales[input_scale] = ActivationScale(spec.format, tensors[input_scale].float(), block)
+            used.add(input_scale)
+    for name, tensor in tensors.items():
+        if name in used:
+            continue
+        leaf = name.rpartition(".")[2]
+        if leaf in leaves.kv_cache:
+            scales[name] = ActivationScale(declared.kv_cache_format(name).format, tensor.float())
+        elif _is_scale(leaf, leaves):
+            raise UnsupportedFormatError(
+                f"{name} is a quantization scale, but the checkpoint stores no quantized "
+                "weight it belongs to (no data leaf beside a weight scale); the checkpoint "
+                "is incomplete or was written by another tool"
+            )
+        elif name not in weights:
+            weights[name] = tensor
+    return weights, scales
+
+
+def _is_scale(leaf: str, leaves: _Leaves) -> bool:
+    """A scale leaf of a module (``weight_scale``) or of a bare parameter (``w1_weight_scale``)."""
+    return leaf in leaves.scales or any(
+        leaf.endswith(f"_{s}") for s in leaves.scales - leaves.kv_cache
+    )
+
+
+def _stored_leaves(
+    slot: _Slot, tensors: Mapping[str, torch.Tensor], leaves: _Leaves
+) -> dict[str, torch.Tensor]:
+    """``{leaf name: tensor}`` of every registered weight leaf stored for ``slot``."""
+    names = {leaf: slot.name(leaf, leaves.data) for leaf in leaves.weight}
+    return {leaf: tensors[name] for leaf, name in names.items() if name in tensors}
+
+
+def _dequantize(
+    slot: _Slot, spec: FormatSpec, tensors: Mapping[str, torch.Tensor], leaves: _Leaves
+) -> tuple[torch.Tensor, int | None, list[str]]:
+    """``(float32 weight, block size, tensor names read)`` of one quantized weight."""
+    stored = {
+        leaf.name: tensors[name]
+        for leaf in spec.weight_leaves
+        if (name := slot.name(leaf.name, leaves.data)) in tensors
+    }
+    names = [slot.name(leaf, leaves.data) for leaf in stored]
+    scale = stored.get(_scale_leaf(spec))
+    if spec.granularity == "tensor" and scale is not None and scale.numel() > 1:
+        weight, block = _dequantize_stacked(slot, spec, stored, scale), None
+    else:
+        q = spec.from_leaves(stored)
+        weight, block = dequantize(q, torch.float32), q.block_size
+    pre_quant_scale = slot.name(_PRE_QUANT_SCALE, leaves.data)
+    if pre_quant_scale in tensors:  # AWQ: y = (x * s) @ W^T == x @ (W * s)^T
+        weight = weight * tensors[pre_quant_scale].float().reshape(1, -1)
+        names.append(pre_quant_scale)
+    return weight, block, names
+
+
+def _dequantize_stacked(
+    slot: _Slot, spec: FormatSpec, stored: Mapping[str, torch.Tensor], scale: torch.Tensor
+) -> torch.Tensor:
+    """A per-tensor format with one scale per stacked slice (experts ``[E * rows, cols]``)."""
+    data = stored[spec.data_leaf.name]
+    count = scale.numel()
+    if data.dim() != 2 or data.shape[0] % count:
+        raise UnsupportedFormatError(
+            f"{slot.data}: {count} per-tensor scales for codes of shape {tuple(data.shape)}; "
+            "expected [E * rows, cols] with one scale per expert"
+        )
+    slices = data.view(count, -1, data.shape[-1])
+    flat = scale.reshape(-1)
+    parts = []
+    for index in range(count):
+        part = {name: t for name, t in stored.items() if t is not data and t is not scale}
+        part.update({spec.data_leaf.name: slices[index], _scale_leaf(spec): flat[index]})
+        parts.append(dequantize(spec.from_leaves(part), torch.float32))
+    return torch.cat(parts)
+
+
+def _scale_leaf(spec: FormatSpec) -> str:
+    return next(leaf.name for leaf in spec.weight_leaves if leaf.source == "scale")

@@ -1,0 +1,148 @@
+"""The ``hf_checkpoint`` export target: a (quantized) Hugging Face checkpoint directory.
+
+Layout (see ``docs/checkpoint-format.md``)::
+
+    out/
+      model.safetensors                  # or model-0000i-of-0000N.safetensors + index
+      model.safetensors.index.json       # only when sharded
+      config.json                        # the model's config (+ quantization_config)
+      generation_config.json             # when the model can generate
+      hf_quant_config.json               # only when quantized, modelopt format
+
+The export driver (:func:`exportlm.modules.export_quantized_state`) walks the
+model one module at a time and hands every tensor to a
+:class:`~exportlm.export.hf_checkpoint.sink.CheckpointSink`, so no full state
+dict is ever built. The directory is assembled in a temporary sibling and
+swapped in atomically (:func:`~exportlm.atomic.atomic_output`).
+
+Only transformers ``PreTrainedModel`` instances are accepted: the checkpoint's
+``config.json`` must name a model class that the runtime (and vLLM, TensorRT-LLM,
+SGLang, transformers) can rebuild. A plain torch decoder gets a clear reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from exportlm.atomic import atomic_output
+from exportlm.errors import InvalidInputError, InvalidModelError
+from exportlm.export.hf_checkpoint.configs import (
+    CHECKPOINT_FORMATS,
+    quantization_section,
+    write_configs,
+)
+from exportlm.export.hf_checkpoint.naming import CheckpointNamer, module_namer
+from exportlm.export.hf_checkpoint.sink import CheckpointSink, ShardedSafetensorsWriter
+from exportlm.export.targets import export_target
+
+__all__ = ["build_hf_checkpoint_exporter", "export_hf_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+def _hf_accepts(model: Any) -> str | None:
+    """Why this target cannot take ``model``, or ``None``."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return "transformers is not installed"
+    if not isinstance(model, PreTrainedModel):
+        return (
+            f"{type(model).__name__} is not a transformers PreTrainedModel; a Hugging Face "
+            "checkpoint needs a config.json naming a model class that loaders can rebuild "
+            "(export plain torch models with onnx, torch_export or torchscript)"
+        )
+    return None
+
+
+def build_hf_checkpoint_exporter() -> Callable[..., Path]:
+    """Entry point of ``exportlm.export_backends``: the declared ``hf_checkpoint`` factory."""
+    return export_hf_checkpoint
+
+
+@export_target(
+    "hf_checkpoint",
+    runtime="hf_checkpoint",
+    # Unquantized: the same float weights, the diff is 0. Quantized: measured 0 for
+    # FP8 / NVFP4 / INT8 on every tiny family, < 4e-7 for AWQ (folded pre_quant_scale);
+    # the bound is looser for any user model (op order, attention kernels); see docs.
+    atol=1e-4,
+    rtol=1e-3,
+    capabilities={"quantized", "multi_file"},
+    artifact="directory",
+    accepts=_hf_accepts,
+    description="Hugging Face checkpoint directory (safetensors shards; ModelOpt or compressed-tensors quantization)",
+)
+def export_hf_checkpoint(
+    model: nn.Module,
+    output_path: Path,
+    *,
+    format: Literal["modelopt", "compressed-tensors"] = "modelopt",
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    is_qlora: bool = False,
+    example_inputs: Any = None,
+    safe_serialization: bool = True,
+) -> Path:
+    """Write ``model`` (quantized with :func:`exportlm.quant.quantize`, or not) as an HF checkpoint.
+
+    Args:
+        model: a transformers ``PreTrainedModel``; never modified.
+        output_path: the checkpoint directory. An existing non-empty directory is
+            refused unless ``overwrite=True``, which replaces it atomically.
+        format: ``"modelopt"`` (vLLM / TensorRT-LLM / SGLang) or
+            ``"compressed-tensors"`` (transformers; formats with a compressed-tensors
+            scheme: of the built-ins, FP8 ``float-quantized``).
+        max_shard_size: bytes per shard, an int or ``"500MB"``-style string.
+        dtype: cast unquantized floating tensors to this dtype (default: as in the model).
+        overwrite: replace an existing non-empty directory.
+        is_qlora: drop LoRA adapters and write ``base_layer`` weights under the base names.
+        example_inputs: accepted for API uniformity; nothing is traced.
+        safe_serialization: must be true: the checkpoint is safetensors only, never pickle.
+
+    Returns:
+        ``output_path``.
+    """
+    del example_inputs  # weights only: there is nothing to trace
+    if not safe_serialization:
+        raise InvalidInputError(
+            "hf_checkpoint writes safetensors only (pickle checkpoints can run code on load); "
+            "drop safe_serialization=False"
+        )
+    if format not in CHECKPOINT_FORMATS:
+        raise InvalidInputError(
+            f"format must be one of {', '.join(CHECKPOINT_FORMATS)}, got {format!r}"
+        )
+    reason = _hf_accepts(model)
+    if reason:
+        raise InvalidModelError(f"hf_checkpoint cannot export this model: {reason}")
+    from exportlm.modules import export_quantized_state
+
+    output = Path(output_path)
+    with atomic_output(output, directory=True, overwrite=overwrite) as staging:
+        writer = ShardedSafetensorsWriter(staging, max_shard_size=max_shard_size)
+        sink = CheckpointSink(CheckpointNamer(model), writer, format)
+        try:
+            summary = export_quantized_state(
+                model, sink, format=format, dtype=dtype, is_qlora=is_qlora
+            )
+        finally:
+            sink.close()
+        written = writer.finish()
+        quant = quantization_section(summary, module_namer(model, sink.namer, is_qlora))
+        write_configs(model, staging, dtype, quant, format)
+        logger.info(
+            "hf_checkpoint: wrote %d tensors (%d bytes) in %d file(s) to %s",
+            len(written.weight_map),
+            written.total_size,
+            len(written.files),
+            output,
+        )
+    return output

@@ -1,0 +1,56 @@
+"""The plugin inventory: what every registry holds and which entry points failed.
+
+One list of :class:`~exportlm.registry.PluginRecord` built from the four
+registries (export targets, runtimes, module exporters, model families) after
+loading their entry points. It is the single source read by ``exportlm list``
+and ``exportlm env``, by the pytest plugin's header and by its ``plugin_loads``
+check, so they can never disagree about which plugin is broken.
+
+Example::
+
+    from exportlm.inventory import plugin_inventory
+
+    for record in plugin_inventory():
+        if record.status != "loaded":
+            print(record.kind, record.name, record.provider, record.message)
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from exportlm.registry import PluginRecord, PluginWarning, Registry
+
+__all__ = ["PluginRecord", "plugin_inventory", "registries"]
+
+
+def registries() -> list[Registry[Any]]:
+    """The four registries, loaded (built-ins and entry points; idempotent).
+
+    Broken plugins do not raise here: they are recorded and appear in
+    :func:`plugin_inventory` (and are warned about once with :class:`PluginWarning`
+    by the registry loader, which this function silences: the inventory shows them).
+    """
+    from exportlm.export import EXPORT_REGISTRY, RUNTIME_REGISTRY, ensure_exporters_registered
+    from exportlm.models import MODEL_REGISTRY, ensure_models_registered
+    from exportlm.modules import MODULE_EXPORTER_REGISTRY, ensure_module_exporters_registered
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginWarning)
+        ensure_exporters_registered()
+        ensure_module_exporters_registered()
+        ensure_models_registered()
+    module_registry: Registry[Any] = MODULE_EXPORTER_REGISTRY
+    return [EXPORT_REGISTRY, RUNTIME_REGISTRY, module_registry, MODEL_REGISTRY]
+
+
+def plugin_inventory() -> list[PluginRecord]:
+    """Every registered entry and every failed or conflicting entry point, per registry.
+
+    Within a registry, entries come sorted by name, then the problems in the
+    order they were found. ``status`` is ``"loaded"``, ``"failed"`` or
+    ``"conflict"``; ``error`` carries the :class:`~exportlm.errors.PluginLoadError`
+    or :class:`~exportlm.errors.RegistryConflictError`.
+    """
+    return [record for registry in registries() for record in registry.records()]

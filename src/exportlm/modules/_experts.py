@@ -1,0 +1,91 @@
+"""Exporters of expert layouts that keep their own checkpoint layout: DBRX.
+
+Llama4's experts are split per expert by the BMM-experts exporter (their wrapper
+is a :class:`~exportlm.quant.QuantBMMExperts`); DBRX's are written here in
+DBRX's own fused layout, the only one vLLM's DBRX loader reads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from exportlm.errors import UnsupportedFormatError
+from exportlm.modules._base import ModuleExporter
+from exportlm.modules._context import ExportContext
+from exportlm.quant import TensorQuantizer
+from exportlm.quant._experts import QuantDbrxExperts
+
+__all__ = ["DbrxExpertsExporter"]
+
+#: DBRX's tensor names per canonical projection (``mlp.w1`` gate, ``mlp.v1`` up, ``mlp.w2`` down).
+_DBRX_TENSORS = {"gate_up_proj": ("w1", "v1"), "down_proj": ("w2",)}
+
+
+class DbrxExpertsExporter(ModuleExporter):
+    """``DbrxExperts``: ``{name}.mlp.{w1,v1,w2}`` as DBRX stores them, FP8, one scale per expert.
+
+    Per tensor ``t`` of ``w1`` (gate), ``v1`` (up), ``w2`` (down): ``mlp.t``
+    float8_e4m3fn ``[E * I, H]`` in DBRX's layout (``w2`` keeps its per-expert
+    ``[in, out]`` rows), ``mlp.t_weight_scale`` float32 ``[E]`` (gate and up of
+    one expert share it), ``mlp.t_input_scale`` float32 0-d (shared by every
+    expert). These are the names vLLM's DBRX loader maps onto its fused MoE
+    weights (``w13_weight_scale[:, 0]`` / ``[:, 1]``, ``w2_weight_scale``).
+    The quantization config lists the layer as ``{name}.mlp``.
+    """
+
+    name = "dbrx_experts"
+    keys = (QuantDbrxExperts,)
+
+    def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
+        """Write the three fused expert tensors with their scales."""
+        if not isinstance(module, QuantDbrxExperts):
+            raise TypeError(
+                f"{self!r} exports QuantDbrxExperts modules, got {type(module).__name__}"
+            )
+        if ctx.format != "modelopt":
+            raise UnsupportedFormatError(
+                f"{name}: DBRX experts are written in DBRX's own layout, a ModelOpt checkpoint "
+                f"only; format={ctx.format!r} has no names for it. Export with "
+                "format='modelopt', or exclude the experts from quantization."
+            )
+        for projection, tensors in _DBRX_TENSORS.items():
+            codes, scales = self._quantize(name, module, projection, ctx)
+            input_q = module.input_quantizer_of(projection)
+            parts = codes.split(module.ffn_hidden_size, dim=1) if len(tensors) > 1 else (codes,)
+            for tensor, part in zip(tensors, parts, strict=True):
+                prefix = f"{name}.mlp.{tensor}"
+                if projection == "down_proj":  # canonical [E, H, I] back to DBRX's [E, I, H]
+                    part = part.transpose(1, 2)
+                ctx.emit(prefix, part.contiguous().reshape(-1, module.hidden_size))
+                ctx.emit_scale(f"{prefix}_weight_scale", scales)
+                if input_q.enabled:
+                    scale = input_q.scale_from(ctx.amax_of(input_q))
+                    ctx.emit_scale(f"{prefix}_input_scale", scale)
+        if module.quant_algo:
+            ctx.quant_config.add_layer(f"{name}.mlp", module.quant_algo, module.group_size)
+
+    @staticmethod
+    def _quantize(
+        name: str, module: QuantDbrxExperts, projection: str, ctx: ExportContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The canonical ``[E, out, in]`` codes of ``projection`` and its ``[E]`` scales."""
+        weight_q: TensorQuantizer = module.weight_quantizer_of(projection)
+        weights = module.effective_weight(projection)
+        amax = ctx.amax_of(weight_q)
+        codes, scales = [], []
+        for expert in range(module.num_experts):
+            q = weight_q.quantize(weights[expert], index=expert, amax=amax)
+            if (
+                q.scale.numel() != 1
+                or q.scale_2 is not None
+                or q.data.shape != weights[expert].shape
+            ):
+                raise UnsupportedFormatError(
+                    f"{name}.{projection}: DBRX experts hold one per-tensor scale per expert, but "
+                    f"the {q.format} weights have scales of shape {tuple(q.scale.shape)}; "
+                    "quantize DBRX experts with 'fp8'"
+                )
+            codes.append(q.data)
+            scales.append(q.scale.reshape(()))
+        return torch.stack(codes), torch.stack(scales)

@@ -1,0 +1,221 @@
+"""Calibration: max calibration of activations, AWQ smoothing and shared amax.
+
+The steps :func:`~exportlm.quant.quantize` runs once the modules are converted:
+:func:`run_calibration` (one pass of the user's forwards, every quantizer transparent),
+:func:`finish_awq`, :func:`unify_groups` (fused linears share amax as the format's
+spec says) and :func:`check_calibrated`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from exportlm.errors import QuantizationError
+from exportlm.inputs import infer_vocab_size, make_input_ids
+from exportlm.quant._modules import QuantExperts, QuantLinear, QuantModule, QuantMoELinear
+from exportlm.quant._quantizer import TensorQuantizer
+
+__all__ = [
+    "check_calibrated",
+    "default_calibrate",
+    "finish_awq",
+    "run_calibration",
+    "unify_expert_input_amax",
+    "unify_groups",
+]
+
+logger = logging.getLogger(__name__)
+
+#: AWQ-lite smoothing strength: ``s = act^alpha / w^(1 - alpha)``.
+AWQ_ALPHA = 0.5
+_AWQ_EPS = 1e-5
+
+
+def default_calibrate(model: nn.Module) -> None:
+    """One forward on deterministic ``input_ids`` (the calibration when none is given)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    model(make_input_ids(infer_vocab_size(model), device=device))
+
+
+def _activation_quantizers(model: nn.Module) -> Iterator[TensorQuantizer]:
+    for module in model.modules():
+        if isinstance(module, QuantModule):
+            for attr, quantizer in module.quantizers():
+                if "weight_quantizer" not in attr and (
+                    quantizer.enabled or quantizer.track_channels
+                ):
+                    yield quantizer
+
+
+def run_calibration(
+    model: nn.Module, calibrate: Callable[[nn.Module], object] | None
+) -> list[list[QuantLinear]]:
+    """Run calibration; returns groups of linears that read the same input in one parent."""
+    quantizers = list(_activation_quantizers(model))
+    seen: dict[tuple[str, int], list[QuantLinear]] = {}
+    keep_alive: list[torch.Tensor] = []  # ids stay unique while the inputs are referenced
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            handles.append(module.register_forward_pre_hook(_group_hook(seen, keep_alive, parent)))
+    # As ModelOpt's max calibration: every quantizer is transparent while the
+    # statistics are collected, so activations downstream are full precision
+    # (weight fake-quant during calibration would shift every later amax).
+    calibrating = {id(q) for q in quantizers}
+    paused = [
+        m
+        for m in model.modules()
+        if isinstance(m, TensorQuantizer) and m.enabled and id(m) not in calibrating
+    ]
+    for quantizer in quantizers:
+        quantizer.calibrating = True
+    for quantizer in paused:
+        quantizer.enabled = False
+    try:
+        with torch.no_grad():
+            (calibrate or default_calibrate)(model)
+    finally:
+        for quantizer in quantizers:
+            quantizer.calibrating = False
+        for quantizer in paused:
+            quantizer.enabled = True
+        for handle in handles:
+            handle.remove()
+        keep_alive.clear()
+    groups: dict[tuple[int, ...], list[QuantLinear]] = {}
+    for members in seen.values():
+        if len(members) > 1:
+            groups.setdefault(tuple(sorted(map(id, members))), members)
+    return list(groups.values())
+
+
+def _group_hook(
+    seen: dict[tuple[str, int], list[QuantLinear]], keep_alive: list[torch.Tensor], parent: str
+) -> Callable[[nn.Module, tuple[object, ...]], None]:
+    def hook(module: nn.Module, args: tuple[object, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            keep_alive.append(args[0])
+            members = seen.setdefault((parent, id(args[0])), [])
+            if isinstance(module, QuantLinear) and module not in members:
+                members.append(module)
+
+    return hook
+
+
+def finish_awq(model: nn.Module, groups: list[list[QuantLinear]]) -> None:
+    """Set AWQ ``pre_quant_scale`` (shared inside a fusion group).
+
+    The weights the quantizers see change with it: re-derive their amax afterwards.
+    """
+    grouped = {id(m): group for group in groups for m in group}
+    done: set[int] = set()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, QuantLinear) and module.input_quantizer.track_channels:
+                if id(module) in done:
+                    continue
+                members = grouped.get(id(module), [module])
+                members = [m for m in members if m.input_quantizer.track_channels]
+                weights = [m.weight for m in members]
+                pqs = _awq_scale(members[0].input_quantizer, weights)
+                for member in members:
+                    member.input_quantizer.pre_quant_scale = pqs
+                    done.add(id(member))
+            elif isinstance(module, QuantExperts):
+                for proj in module.PROJECTIONS:
+                    quantizer = module.input_quantizer_of(proj)
+                    if quantizer.track_channels:
+                        weight = module.canonical_weight(proj)
+                        quantizer.pre_quant_scale = _awq_scale(quantizer, [weight])
+
+
+def _awq_scale(quantizer: TensorQuantizer, weights: list[torch.Tensor]) -> torch.Tensor:
+    """AWQ-lite ``pre_quant_scale = 1 / s``, ``s = act^a / w^(1-a)`` normalized (no search)."""
+    w_col = torch.stack(
+        [w.detach().abs().float().reshape(-1, w.shape[-1]).amax(dim=0) for w in weights]
+    ).amax(dim=0)
+    act = quantizer.channel_amax
+    quantizer.channel_amax = None
+    quantizer.amax = None  # a disabled (weight-only) input quantizer keeps no amax
+    if act is None:
+        return torch.ones_like(w_col)
+    s = act.clamp(min=_AWQ_EPS) ** AWQ_ALPHA / w_col.clamp(min=_AWQ_EPS) ** (1 - AWQ_ALPHA)
+    s = s / math.sqrt(float(s.max()) * float(s.min()))
+    return (1.0 / s).to(torch.float32)
+
+
+def unify_groups(model: nn.Module, groups: list[list[QuantLinear]]) -> None:
+    """Give linears that read one input (one fused GEMM) a shared amax, as their format says.
+
+    Inputs of a calibrated format share one input amax; weights share one per-tensor
+    amax only when the spec sets ``share_fused_weight_amax``. Groups that mix
+    algorithms are left alone.
+    """
+    for group in groups:
+        algos = {m.quant_algo for m in group}
+        if len(algos) != 1 or None in algos:
+            logger.debug("not fusing %d linears with algorithms %s", len(group), algos)
+            continue
+        for attr in ("input_quantizer", "weight_quantizer"):
+            quantizers = [getattr(m, attr) for m in group]
+            if not all(q.enabled and q.amax is not None and q.amax.dim() == 0 for q in quantizers):
+                continue
+            # Inputs are shared for every calibrated format (FP8, NVFP4); the per-tensor
+            # weight amax only where the spec says so (NVFP4: one weight_scale_2 per fused
+            # GEMM). FP8 keeps one weight_scale per layer, as ModelOpt 0.47 writes it
+            # (tests/test_interop.py compares the bytes).
+            spec = quantizers[0].spec
+            if attr == "weight_quantizer" and not spec.share_fused_weight_amax:
+                continue
+            if not spec.calibrated:
+                continue
+            shared = torch.stack([q.amax for q in quantizers]).amax()
+            for quantizer in quantizers:
+                quantizer.amax = shared.clone()
+
+
+def unify_expert_input_amax(experts: nn.ModuleList) -> dict[TensorQuantizer, torch.Tensor]:
+    """The shared input amax of each projection across the experts of one block.
+
+    Returns ``{input_quantizer: block max amax}`` for every enabled input quantizer
+    of a :class:`QuantMoELinear` in ``experts`` (an expert that calibration never
+    routed a token to gets the block's amax). Nothing is modified.
+    """
+    by_projection: dict[str, list[TensorQuantizer]] = {}
+    for expert in experts:
+        for name, module in expert.named_modules():
+            if isinstance(module, QuantMoELinear) and module.input_quantizer.enabled:
+                by_projection.setdefault(name, []).append(module.input_quantizer)
+    result: dict[TensorQuantizer, torch.Tensor] = {}
+    for quantizers in by_projection.values():
+        amaxes = [q.amax for q in quantizers if q.amax is not None]
+        if not amaxes:
+            continue
+        shared = torch.stack(amaxes).amax()
+        for quantizer in quantizers:
+            result[quantizer] = shared
+    return result
+
+
+def check_calibrated(model: nn.Module) -> None:
+    """Raise :class:`QuantizationError` naming the activation quantizers calibration missed."""
+    missing = [
+        q.label
+        for q in _activation_quantizers(model)
+        if q.enabled and q.spec.calibrated and q.amax is None
+    ]
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise QuantizationError(
+            f"calibration never reached {len(missing)} activation quantizer(s): {shown}. Pass a "
+            "calibrate(model) function whose forwards run every quantized module, or exclude "
+            "those modules."
+        )

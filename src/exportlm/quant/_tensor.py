@@ -1,0 +1,152 @@
+"""The types every format shares: format names, the quantized tensor, safe scales.
+
+This module sits below the format specs (:mod:`exportlm.quant.formats`): the
+numeric kernels build :class:`QuantizedTensor` objects and derive their scales
+with :func:`safe_scale`, and the generic :func:`~exportlm.quant.quantize_tensor` /
+:func:`~exportlm.quant.dequantize` look the format up in the registry.
+
+Safe scales: an amax of zero (an all-zero tensor, an activation that was
+always zero) gives the scale ``1.0`` (logged at debug level), so no scale is
+ever zero and no division makes an inf or NaN; a NaN or infinite amax raises
+:class:`~exportlm.errors.QuantizationError` naming the quantizer.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from exportlm.errors import QuantizationError, UnsupportedFormatError
+
+__all__ = [
+    "FP4_MAX",
+    "FP8_MAX",
+    "INT4_MAX",
+    "INT8_MAX",
+    "FormatId",
+    "QuantFormat",
+    "QuantizedTensor",
+    "format_name",
+    "safe_scale",
+    "split_blocks",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Largest finite float8_e4m3fn value.
+FP8_MAX = 448.0
+#: Largest E2M1 (FP4) value.
+FP4_MAX = 6.0
+#: Symmetric int4 bound used for the scale (codes are clamped to [-8, 7]).
+INT4_MAX = 7.0
+#: Symmetric int8 bound used for the scale (codes are clamped to [-128, 127]).
+INT8_MAX = 127.0
+
+
+class QuantFormat(str, enum.Enum):
+    """A built-in numeric format a :class:`~exportlm.quant.TensorQuantizer` quantizes to.
+
+    Formats added with :func:`~exportlm.quant.register_format` are named by plain
+    strings; everything that takes a format takes either (see :data:`FormatId`).
+    """
+
+    FP8 = "fp8"
+    NVFP4 = "nvfp4"
+    INT4 = "int4"
+    INT8 = "int8"
+
+    @property
+    def maxbound(self) -> float:
+        """The largest representable magnitude used to derive the scale."""
+        # Imported here: the registry's built-in specs import this module.
+        from exportlm.quant.formats import get_format
+
+        return get_format(self).maxbound
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: A format as the API takes it: a :class:`QuantFormat` member or a registered format's name.
+FormatId = QuantFormat | str
+
+
+def format_name(fmt: FormatId) -> str:
+    """The registry name of ``fmt`` (``QuantFormat.FP8`` and ``"fp8"`` give ``"fp8"``)."""
+    return fmt.value if isinstance(fmt, QuantFormat) else str(fmt)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """The real (exported) form of one tensor.
+
+    Attributes:
+        format: the numeric format (a :class:`QuantFormat` member for the built-ins,
+            the registered name otherwise).
+        data: the stored codes (layout per format, see :mod:`exportlm.quant.formats`).
+        scale: the scale tensor written as ``weight_scale`` / ``input_scale``.
+        scale_2: NVFP4's per-tensor second-level scale (``weight_scale_2``), else ``None``.
+        block_size: NVFP4 block / INT4 group size along the last dimension, else ``None``.
+        shape: the shape of the original (unpacked) tensor.
+        dtype: the dtype of the original tensor; :func:`~exportlm.quant.dequantize` returns it.
+    """
+
+    format: FormatId
+    data: torch.Tensor
+    scale: torch.Tensor
+    scale_2: torch.Tensor | None = None
+    block_size: int | None = None
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dequantized tensor (see :func:`~exportlm.quant.dequantize`)."""
+        # Imported here: the generic dequantize reads the registry, which imports this module.
+        from exportlm.quant._formats import dequantize
+
+        return dequantize(self, dtype)
+
+
+def safe_scale(amax: torch.Tensor, divisor: float, *, where: str) -> torch.Tensor:
+    """``amax / divisor`` in float32, with a zero scale replaced by 1.0.
+
+    Raises :class:`QuantizationError` naming ``where`` when ``amax`` holds a
+    NaN or an infinity (a diverged calibration: there is no meaningful scale).
+    """
+    amax32 = amax.detach().to(torch.float32)
+    if not bool(torch.isfinite(amax32).all()):
+        raise QuantizationError(
+            f"{where}: amax is not finite ({_describe(amax32)}); the calibration produced "
+            "NaN or inf activations or weights. Fix the model or the calibration data, "
+            "or exclude this module from quantization."
+        )
+    scale = amax32 / divisor
+    zero = scale == 0
+    if bool(zero.any()):
+        logger.debug(
+            "%s: %d zero amax value(s); using scale 1.0 there (an all-zero tensor "
+            "quantizes to zeros with any scale)",
+            where,
+            int(zero.sum()),
+        )
+        scale = torch.where(zero, torch.ones_like(scale), scale)
+    return scale
+
+
+def split_blocks(x: torch.Tensor, block: int, fmt: str, where: str) -> torch.Tensor:
+    """``x`` in float32 as ``[..., in / block, block]``; refuses a last dim not divisible."""
+    if x.shape[-1] % block:
+        raise UnsupportedFormatError(
+            f"{where}: {fmt} needs the last dimension divisible by {block}, got shape "
+            f"{tuple(x.shape)}; exclude the module or choose another format"
+        )
+    return x.detach().to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _describe(t: torch.Tensor) -> str:
+    if t.numel() == 1:
+        return f"{t.item()}"
+    return f"{int((~torch.isfinite(t)).sum())} of {t.numel()} values non-finite"

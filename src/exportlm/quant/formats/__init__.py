@@ -1,0 +1,78 @@
+"""Quantization formats as data: one :class:`FormatSpec` per format, in :data:`QUANT_FORMATS`.
+
+Every fake-quantization in :mod:`exportlm.quant` is ``dequantize(quantize(x))``
+with a spec's kernels, and every exporter writes the leaves the spec declares.
+That is what makes the fake-quantized model and the dequantized checkpoint
+agree bit for bit. Generic code (the quantizer, ``quantize``, the module
+exporters) reads the spec; adding a format is one :func:`register_format` call.
+
+Built-in layouts (NVIDIA ModelOpt's, which vLLM, SGLang and TensorRT-LLM read):
+
+========  ============================  ===========================================
+format    ``weight``                    scales
+========  ============================  ===========================================
+fp8       float8_e4m3fn ``[out, in]``   ``weight_scale`` fp32 0-d ``= amax / 448``
+nvfp4     uint8 ``[out, in / 2]``: two  ``weight_scale`` float8_e4m3fn ``[out, in / 16]``
+          E2M1 codes per byte, even     ``= block_amax / (6 * weight_scale_2)``;
+          column in the low nibble      ``weight_scale_2`` fp32 0-d ``= amax / (6 * 448)``
+int4      uint8 ``[out / 2, in]``: two  ``weight_scale`` fp32 ``[out, in / group]``
+          int4 per byte, even row in    ``= group_amax / 7``; AWQ ``pre_quant_scale``
+          the low nibble
+int8      int8 ``[out, in]``            ``weight_scale`` fp32 ``[out] = row_amax / 127``
+========  ============================  ===========================================
+
+FP8 and NVFP4 also quantize activations (``input_scale``); FP8 is the format of
+the KV cache (``k_scale`` / ``v_scale``, recipe ``fp8_kv``).
+"""
+
+from exportlm.quant.formats._fp8 import FP8
+from exportlm.quant.formats._int4 import INT4
+from exportlm.quant.formats._int8 import INT8
+from exportlm.quant.formats._nvfp4 import E2M1_VALUES, NVFP4
+from exportlm.quant.formats._parts import (
+    CompressedTensorsScheme,
+    KVCacheScheme,
+    Leaf,
+    LeafRole,
+    ModelOptScheme,
+    WeightRecipe,
+)
+from exportlm.quant.formats._registry import (
+    BUILTIN_FORMATS,
+    QUANT_FORMATS,
+    activation_leaf_names,
+    format_for_kv_cache_algo,
+    format_for_quant_algo,
+    formats,
+    get_format,
+    register_format,
+    scale_leaf_names,
+)
+from exportlm.quant.formats._spec import DequantizeFn, FormatSpec, Granularity, QuantizeFn
+
+__all__ = [
+    "BUILTIN_FORMATS",
+    "E2M1_VALUES",
+    "FP8",
+    "INT4",
+    "INT8",
+    "NVFP4",
+    "QUANT_FORMATS",
+    "CompressedTensorsScheme",
+    "DequantizeFn",
+    "FormatSpec",
+    "Granularity",
+    "KVCacheScheme",
+    "Leaf",
+    "LeafRole",
+    "ModelOptScheme",
+    "QuantizeFn",
+    "WeightRecipe",
+    "activation_leaf_names",
+    "format_for_kv_cache_algo",
+    "format_for_quant_algo",
+    "formats",
+    "get_format",
+    "register_format",
+    "scale_leaf_names",
+]

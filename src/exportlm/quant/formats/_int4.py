@@ -1,0 +1,71 @@
+"""INT4 AWQ (W4A16): symmetric int4 codes per group of 128 inputs, pairs of rows packed.
+
+``weight`` uint8 ``[out / 2, in]`` (two int4 codes per byte, the even row in the
+low nibble); ``weight_scale`` fp32 ``[out, in / group] = group_amax / 7``; the
+AWQ ``pre_quant_scale`` fp32 ``[in]`` multiplies the input (activations stay float).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exportlm.errors import UnsupportedFormatError
+from exportlm.quant._tensor import INT4_MAX, QuantFormat, QuantizedTensor, safe_scale, split_blocks
+from exportlm.quant.formats._parts import Leaf, ModelOptScheme, WeightRecipe
+from exportlm.quant.formats._spec import FormatSpec
+
+__all__ = ["INT4"]
+
+
+def quantize_int4(
+    x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
+) -> QuantizedTensor:
+    """Round ``x / (group_amax / 7)`` to int4 (clamped to [-8, 7]); ``scale`` is unused."""
+    if not block_size:
+        raise ValueError(f"{where}: int4 quantization needs a block_size")
+    if x.dim() < 2 or x.shape[-2] % 2:
+        raise UnsupportedFormatError(
+            f"{where}: int4 packs pairs of rows (dim -2), got shape {tuple(x.shape)}"
+        )
+    groups = split_blocks(x, block_size, "int4", where)
+    group_scale = safe_scale(groups.abs().amax(dim=-1), INT4_MAX, where=where)
+    codes = (groups / group_scale.unsqueeze(-1)).round().clamp(-8, 7).to(torch.int8)
+    nibbles = (codes.reshape(x.shape) & 0x0F).to(torch.uint8)
+    packed = nibbles[..., 0::2, :] | (nibbles[..., 1::2, :] << 4)
+    return QuantizedTensor(
+        QuantFormat.INT4, packed, group_scale, None, block_size, tuple(x.shape), x.dtype
+    )
+
+
+def dequantize_int4(q: QuantizedTensor) -> torch.Tensor:
+    """Unpacked signed codes times their group scale, float32."""
+    low = (q.data & 0x0F).to(torch.int8)
+    high = (q.data >> 4).to(torch.int8)
+    codes = torch.stack((low, high), dim=-2).reshape(q.shape)
+    codes = torch.where(codes > 7, codes - 16, codes).to(torch.float32)
+    block = q.block_size or q.shape[-1]
+    groups = codes.reshape(*q.shape[:-1], -1, block) * q.scale.unsqueeze(-1)
+    return groups.reshape(q.shape)
+
+
+INT4 = FormatSpec(
+    format=QuantFormat.INT4,
+    quantize=quantize_int4,
+    dequantize=dequantize_int4,
+    maxbound=INT4_MAX,
+    amax_divisor=INT4_MAX,
+    granularity="block",
+    leaves=(
+        Leaf("weight", torch.uint8, source="data"),
+        Leaf("weight_scale", torch.float32, source="scale"),
+        Leaf("pre_quant_scale", torch.float32, role="activation"),
+    ),
+    packing=2,
+    packed_dim=-2,
+    recipe=WeightRecipe("int4_awq", block_size=128, awq=True),
+    modelopt=ModelOptScheme(
+        "W4A16_AWQ",
+        weights={"dynamic": False, "num_bits": 4, "type": "int"},
+        layer_fields={"has_zero_point": False, "pre_quant_scale": True},
+    ),
+)

@@ -1,0 +1,45 @@
+"""INT8 weight-only (W8A16): ``weight`` int8 ``[out, in]``, ``weight_scale`` fp32 ``[out]``.
+
+Per-row symmetric scales ``row_amax / 127``; activations stay float.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exportlm.quant._tensor import INT8_MAX, QuantFormat, QuantizedTensor, safe_scale
+from exportlm.quant.formats._parts import Leaf, ModelOptScheme, WeightRecipe
+from exportlm.quant.formats._spec import FormatSpec
+
+__all__ = ["INT8"]
+
+
+def quantize_int8(
+    x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
+) -> QuantizedTensor:
+    """Round ``x / (row_amax / 127)`` to int8 (clamped to [-128, 127]); ``scale`` is unused."""
+    x32 = x.detach().to(torch.float32)
+    row_scale = safe_scale(x32.abs().amax(dim=-1), INT8_MAX, where=where)
+    codes = (x32 / row_scale.unsqueeze(-1)).round().clamp(-128, 127).to(torch.int8)
+    return QuantizedTensor(QuantFormat.INT8, codes, row_scale, shape=tuple(x.shape), dtype=x.dtype)
+
+
+def dequantize_int8(q: QuantizedTensor) -> torch.Tensor:
+    """``codes * row scale`` in float32."""
+    return q.data.to(torch.float32) * q.scale.unsqueeze(-1)
+
+
+INT8 = FormatSpec(
+    format=QuantFormat.INT8,
+    quantize=quantize_int8,
+    dequantize=dequantize_int8,
+    maxbound=INT8_MAX,
+    amax_divisor=INT8_MAX,
+    granularity="row",
+    leaves=(
+        Leaf("weight", torch.int8, source="data"),
+        Leaf("weight_scale", torch.float32, source="scale"),
+    ),
+    recipe=WeightRecipe("int8_wo", axis=0),
+    modelopt=ModelOptScheme("W8A16", weights={"dynamic": False, "num_bits": 8, "type": "int"}),
+)

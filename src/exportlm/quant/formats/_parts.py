@@ -1,0 +1,168 @@
+"""The parts a :class:`~exportlm.quant.formats.FormatSpec` is made of.
+
+The checkpoint leaves a format writes (:class:`Leaf`), the recipe it gives
+:func:`~exportlm.quant.quantize` (:class:`WeightRecipe`, :class:`KVCacheScheme`)
+and its config fields in each checkpoint layout (:class:`ModelOptScheme`,
+:class:`CompressedTensorsScheme`). All frozen; mappings are read-only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "CompressedTensorsScheme",
+    "KVCacheScheme",
+    "Leaf",
+    "LeafRole",
+    "ModelOptScheme",
+    "WeightRecipe",
+    "is_token",
+]
+
+#: What a leaf is written from: the quantized weight, an activation statistic, the KV cache.
+LeafRole = Literal["weight", "activation", "kv_cache"]
+_SOURCES = ("data", "scale", "scale_2")
+
+
+def is_token(name: object) -> bool:
+    """A non-empty string without whitespace (format and recipe names)."""
+    return isinstance(name, str) and bool(name) and not any(c.isspace() for c in name)
+
+
+def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One tensor a quantized module writes, as ``<module>.<name>``.
+
+    Attributes:
+        name: the leaf name (``"weight"``, ``"weight_scale"``, ``"input_scale"``...).
+        dtype: the stored dtype.
+        role: ``"weight"`` (from the quantized weight), ``"activation"`` (from
+            calibration: ``input_scale``, AWQ ``pre_quant_scale``) or ``"kv_cache"``.
+        source: for a weight leaf, the :class:`QuantizedTensor` field it is
+            (``"data"``, ``"scale"`` or ``"scale_2"``).
+    """
+
+    name: str
+    dtype: torch.dtype
+    role: LeafRole = "weight"
+    source: Literal["data", "scale", "scale_2"] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.role == "weight") != (self.source in _SOURCES):
+            raise ValueError(
+                f"leaf {self.name!r}: a weight leaf names its QuantizedTensor field "
+                f"(source in {_SOURCES}) and no other leaf does; got role={self.role!r}, "
+                f"source={self.source!r}"
+            )
+
+    @property
+    def is_float32_scale(self) -> bool:
+        """A float32 scale: written through ``ExportContext.emit_scale`` (0-d per-tensor
+        scales in ModelOpt, ``[1]`` in compressed-tensors)."""
+        return self.source != "data" and self.dtype == torch.float32
+
+
+@dataclass(frozen=True)
+class WeightRecipe:
+    """The :func:`~exportlm.quant.quantize` recipe a format provides.
+
+    Attributes:
+        name: the recipe name (``"int4_awq"``).
+        block_size: the block / group size the recipe uses (block formats).
+        axis: ``0`` for per-row amax collection (INT8), else ``None``.
+        quantize_inputs: activations are quantized with the same format (static,
+            calibrated per-tensor scale); ``False`` for weight-only recipes.
+        awq: compute an AWQ ``pre_quant_scale`` from calibration activations.
+    """
+
+    name: str
+    block_size: int | None = None
+    axis: int | None = None
+    quantize_inputs: bool = False
+    awq: bool = False
+
+
+@dataclass(frozen=True)
+class ModelOptScheme:
+    """The format in NVIDIA ModelOpt's checkpoint layout.
+
+    Attributes:
+        quant_algo: ``hf_quant_config.json``'s ``quant_algo`` (``"FP8"``, ``"W4A16_AWQ"``).
+        weights: the ``weights`` entry of a ``config.json`` ``config_groups`` group
+            (``dynamic``, ``num_bits``, ``type``); block formats add ``group_size``.
+        input_activations: the ``input_activations`` entry, ``None`` for weight-only.
+        layer_fields: extra fields of the layer's ``hf_quant_config.json`` entry
+            (AWQ: ``has_zero_point``, ``pre_quant_scale``).
+    """
+
+    quant_algo: str
+    weights: Mapping[str, Any]
+    input_activations: Mapping[str, Any] | None = None
+    layer_fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weights", _frozen(self.weights))
+        object.__setattr__(self, "layer_fields", _frozen(self.layer_fields))
+        if self.input_activations is not None:
+            object.__setattr__(self, "input_activations", _frozen(self.input_activations))
+
+
+@dataclass(frozen=True)
+class CompressedTensorsScheme:
+    """The format in compressed-tensors' layout (``quantization_config.config_groups``).
+
+    Attributes:
+        format: the compressed-tensors format name (``"float-quantized"``).
+        weights: the group's ``weights`` quantization args (``num_bits``, ``type``,
+            ``strategy``, ``symmetric``, ``dynamic``...).
+        input_activations: the group's ``input_activations`` args, ``None`` for weight-only.
+    """
+
+    format: str
+    weights: Mapping[str, Any]
+    input_activations: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weights", _frozen(self.weights))
+        if self.input_activations is not None:
+            object.__setattr__(self, "input_activations", _frozen(self.input_activations))
+
+    def group(self, targets: list[str]) -> dict[str, Any]:
+        """One ``config_groups`` entry for ``targets`` (keys in compressed-tensors' order)."""
+        group: dict[str, Any] = {"targets": list(targets), "weights": dict(self.weights)}
+        if self.input_activations is not None:
+            group["input_activations"] = dict(self.input_activations)
+        group["format"] = self.format
+        return group
+
+
+@dataclass(frozen=True)
+class KVCacheScheme:
+    """A KV-cache recipe of the format (scales written as ``k_scale`` / ``v_scale``).
+
+    Attributes:
+        recipe: the recipe name (``"fp8_kv"``).
+        quant_algo: ``hf_quant_config.json``'s ``kv_cache_quant_algo``.
+        modelopt: ModelOpt's ``config.json`` ``kv_cache_scheme``.
+        compressed_tensors: compressed-tensors' ``kv_cache_scheme``, ``None`` if unsupported.
+    """
+
+    recipe: str
+    quant_algo: str
+    modelopt: Mapping[str, Any]
+    compressed_tensors: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modelopt", _frozen(self.modelopt))
+        if self.compressed_tensors is not None:
+            object.__setattr__(self, "compressed_tensors", _frozen(self.compressed_tensors))

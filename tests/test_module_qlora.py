@@ -1,0 +1,70 @@
+"""QLoRA exports: the summary and the quantization config name what was actually written."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from exportlm.models import DecoderModel
+from exportlm.modules import DictSink, export_quantized_state, qlora_saved_name
+from exportlm.quant import QuantLinear, quantize
+
+
+class _LoraLinear(nn.Module):
+    """A peft-like LoRA wrapper: ``base_layer`` plus ``lora_A`` / ``lora_B`` adapters."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, 4, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(4, base.out_features, bias=False)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+        return out
+
+
+def _qlora_decoder() -> DecoderModel:
+    model = DecoderModel(num_layers=1)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    attn.q_proj = _LoraLinear(attn.q_proj)
+    mlp.up_proj = _LoraLinear(mlp.up_proj)
+    return model
+
+
+def _prefixes(names: tuple[str, ...]) -> set[str]:
+    return {name.rsplit(".", 1)[0] for name in names}
+
+
+def test_qlora_summary_lists_only_the_names_written() -> None:
+    model = quantize(_qlora_decoder(), {"*": "fp8", "*.mlp.up_proj.base_layer": "nvfp4"})
+    assert isinstance(model.layers[0].mlp.up_proj.base_layer, QuantLinear)
+    sink = DictSink()
+    summary = export_quantized_state(model, sink, is_qlora=True)
+    assert list(summary.tensor_names) == list(sink.tensors)
+    assert not any("lora_" in n or "base_layer" in n for n in summary.tensor_names)
+    assert "layers.0.mlp.up_proj.weight_scale_2" in sink.tensors  # NVFP4, under the base name
+    assert summary.quant_algo == "MIXED_PRECISION"
+    layers = summary.quantization_config()["quantized_layers"]
+    assert layers["layers.0.self_attn.q_proj"]["quant_algo"] == "FP8"
+    assert layers["layers.0.mlp.up_proj"]["quant_algo"] == "NVFP4"
+    saved = _prefixes(summary.tensor_names)
+    assert set(layers) <= saved  # every layer the config names is in the checkpoint
+    assert set(summary.exclude_modules) <= saved
+    assert not any("lora_" in n or "base_layer" in n for n in [*layers, *summary.exclude_modules])
+
+
+def test_qlora_naming_rule() -> None:
+    assert qlora_saved_name("model.q_proj.base_layer.weight") == "model.q_proj.weight"
+    assert qlora_saved_name("model.q_proj.base_layer") == "model.q_proj"
+    assert qlora_saved_name("model.q_proj.lora_A.default.weight") is None
+    assert qlora_saved_name("model.q_proj.weight") == "model.q_proj.weight"
+    name = "a.base_layer.b"
+    assert qlora_saved_name(qlora_saved_name(name) or "") == qlora_saved_name(name)
+
+
+def test_without_qlora_names_are_kept_as_they_are() -> None:
+    model = quantize(_qlora_decoder(), "fp8")
+    summary = export_quantized_state(model, DictSink())
+    assert "layers.0.self_attn.q_proj.base_layer.weight" in summary.tensor_names
+    assert "layers.0.self_attn.q_proj.lora_A.default.weight" in summary.tensor_names
