@@ -61,8 +61,11 @@ def constraints(pyproject: Path, extras: list[str]) -> list[str]:
     if unknown:
         raise ValueError(f"unknown extras {unknown}; pyproject.toml declares {sorted(optional)}")
     requirements = list(project.get("dependencies", []))
+    own = project["name"].lower()
     for extra in extras:
-        requirements.extend(optional[extra])
+        # `exportlm[onnx]` inside an extra is a self-reference: its extra's own
+        # requirements are listed (and pinned) when that extra is selected.
+        requirements.extend(r for r in optional[extra] if not r.lower().startswith(f"{own}["))
     pins = dict(lower_bound(requirement) for requirement in requirements)
     return [f"{name}=={version}" for name, version in sorted(pins.items())]
 
