@@ -13,11 +13,20 @@ returned artifact (and whatever it wrote next to it): a returned path that does
 not exist or lies elsewhere fails with :class:`ArtifactPathError`.
 
 Layout: ``<root>/<key>/`` holds ``meta.json`` and ``out/<artifact>`` (plus whatever
-the target writes beside it, e.g. ONNX external data). An entry is built in a
-temporary sibling and published with one ``os.replace`` of the directory, so a
-reader never sees half an entry; two xdist workers that race on a key serialize
-on a lock file where ``fcntl`` exists, and otherwise the loser discards its copy.
-Cached files are made read-only: checks must copy before they modify.
+the target writes beside it, e.g. ONNX external data, and the artifact's manifest).
+An entry is built in a temporary sibling and published with one ``os.replace`` of
+the directory, so a reader never sees half an entry; two xdist workers that race
+on a key serialize on a lock file where ``fcntl`` exists, and otherwise the loser
+discards its copy. Cached files are made read-only: checks must copy before they
+modify.
+
+The cache is data, not code (:mod:`._cache_entry`): ``meta.json`` carries the
+sha256 of every file of the entry and this user's HMAC signature, and an entry is
+used only when it verifies, its paths stay inside it and, for a target whose
+format executes code on load, the artifact's manifest is this machine's own. An
+entry that fails is evicted and rebuilt with an :class:`ExportCheckWarning`,
+never loaded and never counted against the target. Staging directories that
+dead writers left behind are removed when the cache is opened.
 """
 
 from __future__ import annotations
@@ -33,12 +42,21 @@ import stat
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from exportlm.errors import ExportError
+from pytest_exportcheck import ExportCheckWarning
+from pytest_exportcheck._cache_entry import (
+    UnsoundEntryError,
+    evict,
+    read_entry,
+    sweep_dead_writers,
+    write_meta,
+)
 
 __all__ = [
     "ArtifactCache",
@@ -51,7 +69,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Bump when the layout or the key changes.
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
+_KEY_LENGTH = 32
 
 _VERSIONED = ("exportlm", "torch", "transformers", "onnx", "onnxruntime", "onnxscript")
 
@@ -162,6 +181,11 @@ class ArtifactCache:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        #: Entries refused (tampered, truncated, foreign) and rebuilt in this session.
+        self.evicted = 0
+        if root is not None and root.is_dir():
+            for stale in sweep_dead_writers(root, _KEY_LENGTH):
+                logger.info("removed %s, left in the artifact cache by a dead writer", stale)
 
     def key(
         self,
@@ -187,7 +211,7 @@ class ArtifactCache:
             "versions": library_versions(),
         }
         text = json.dumps(material, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
+        return hashlib.sha256(text.encode()).hexdigest()[:_KEY_LENGTH]
 
     def _fingerprint(self, model: str, seed: int) -> str:
         if (model, seed) not in self._fingerprints:
@@ -247,8 +271,10 @@ class ArtifactCache:
     ) -> Path:
         root = self.root if self.root is not None else self.session_dir
         entry = root / key
+        executes_code = _executes_code(target)
+        label = model[0] if isinstance(model[0], str) else _class_name(type(model[0]))
         with _file_lock(root / f"{key}.lock"):
-            hit = _read_entry(entry)
+            hit = self._verified(entry, executes_code, f"{target} / {label}")
             if hit is not None:
                 self.hits += 1
                 return hit
@@ -257,23 +283,38 @@ class ArtifactCache:
             try:
                 name = "artifact" if directory else f"model{suffix}"
                 artifact = self._export(target, kwargs, model, staging / "out" / name)
-                label = model[0] if isinstance(model[0], str) else _class_name(type(model[0]))
-                meta = {
-                    "target": target,
-                    "model": [label, *model[1:]],
-                    "artifact": str(artifact.relative_to(staging / "out")),
-                }
-                (staging / "meta.json").write_text(json.dumps(meta, sort_keys=True))
+                fields = {"target": target, "model": [label, *model[1:]]}
+                write_meta(staging, artifact, fields, CACHE_FORMAT)
                 _make_read_only(staging / "out")
                 with contextlib.suppress(OSError):  # another worker published it first
                     os.replace(staging, entry)
             finally:
                 if staging.exists():
                     _remove(staging)
-            published = _read_entry(entry)
+            try:
+                published = read_entry(entry, CACHE_FORMAT, executes_code=executes_code)
+            except UnsoundEntryError as err:  # e.g. no signing key: use it this session only
+                logger.debug("entry %s does not verify after publishing: %s", entry, err)
+                published = entry / "out" / name if (entry / "out" / name).exists() else None
             if published is None:  # pragma: no cover - only if the published entry vanished
                 raise RuntimeError(f"artifact cache entry {entry} disappeared after publishing")
             return published
+
+    def _verified(self, entry: Path, executes_code: bool, what: str) -> Path | None:
+        """The entry's artifact when it verifies; a refused entry is evicted with a warning."""
+        try:
+            return read_entry(entry, CACHE_FORMAT, executes_code=executes_code)
+        except UnsoundEntryError as err:
+            self.evicted += 1
+            warnings.warn(
+                ExportCheckWarning(
+                    f"artifact cache entry {entry} ({what}) was not used and is rebuilt: {err}. "
+                    "Nothing was loaded from it; this is not a failure of the target."
+                ),
+                stacklevel=2,
+            )
+            evict(entry)
+            return None
 
     def _export(
         self, target: str, kwargs: Mapping[str, Any], model: tuple[Any, int, str], out: Path
@@ -309,13 +350,11 @@ def _fingerprint_of(model: Any) -> str:
     return f"{model_fingerprint(model)}:{code_digest(type(model))}"
 
 
-def _read_entry(entry: Path) -> Path | None:
-    try:
-        meta = json.loads((entry / "meta.json").read_text())
-    except (OSError, ValueError):
-        return None
-    artifact = entry / "out" / str(meta.get("artifact", ""))
-    return artifact if artifact.exists() else None
+def _executes_code(target: str) -> bool:
+    """Whether loading ``target``'s artifacts can execute code (its ``TargetInfo``)."""
+    from exportlm.export import get_target_info
+
+    return bool(getattr(get_target_info(target), "executes_code", False))
 
 
 def _make_read_only(directory: Path) -> None:

@@ -6,6 +6,10 @@ Every ``--export-*`` option has an ini key of the same name with ``_`` for ``-``
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +17,14 @@ from typing import Any
 
 import pytest
 
-__all__ = ["DEVICES", "UPDATE_SCOPES", "Options", "Selection", "add_options"]
+__all__ = [
+    "DEVICES",
+    "UPDATE_SCOPES",
+    "Options",
+    "Selection",
+    "add_options",
+    "check_report_path",
+]
 
 #: Devices ``--export-device`` accepts.
 DEVICES = ("cpu", "cuda")
@@ -268,6 +279,8 @@ class Options:
                 "--export-only needs --export-targets or --export-exporters "
                 "(e.g. --export-targets=all); otherwise nothing would run"
             )
+        if options.report is not None and not hasattr(config, "workerinput"):
+            check_report_path(options.report)  # the controller writes it, at the very end
         return options
 
     def as_dict(self) -> dict[str, Any]:
@@ -318,3 +331,40 @@ def _parse_devices(text: str) -> tuple[str, ...]:
             f"expected one or more of {', '.join(DEVICES)} (comma-separated)"
         )
     return tuple(d for d in DEVICES if d in parts)
+
+
+def check_report_path(path: Path) -> None:
+    """Refuse an ``--export-report`` path the report could not be written to, up front.
+
+    The report is written at the end of the run, atomically (a temporary sibling,
+    then ``os.replace``; missing parent directories are created). This probes that
+    now, the same way and without leaving anything behind, so an unwritable path is
+    a usage error naming the path and the OS error before any export runs.
+    """
+    what = f"--export-report: cannot write the JSON report to {path}"
+    if path.is_dir():
+        raise pytest.UsageError(f"{what}: it is a directory; give the path of a .json file")
+    if path.exists() and not path.is_file():
+        raise pytest.UsageError(
+            f"{what}: it exists and is not a regular file (a device, FIFO or socket); "
+            "give the path of a .json file"
+        )
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+        if existing == path.parent:
+            fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=existing)
+            os.close(fd)
+            os.unlink(probe)
+        else:  # the report creates the missing directories: can one be created here?
+            shutil.rmtree(tempfile.mkdtemp(prefix=".exportcheck-report.", dir=existing))
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        where = f" ({err.filename})" if err.filename else ""
+        raise pytest.UsageError(
+            f"{what}: {reason}{where} [errno {err.errno}]; choose a writable location or fix "
+            "the permissions"
+        ) from err

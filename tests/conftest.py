@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The signing key that proves an artifact is this machine's own: one per test run
+# tree, outside the user's home (every xdist worker shares it, as a CI machine would).
+os.environ.setdefault(
+    "EXPORTLM_HOME", os.path.join(tempfile.gettempdir(), f"exportlm-tests-{os.getuid()}")
+)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -206,8 +206,15 @@ BREAKING_TESTS: dict[str, list[str]] = {
     ],
     "cache_wrapper": ["test_checks_targets::test_tuple_output_fails_cache_wrapper"],
     "deterministic": ["test_checks_targets::test_salted_exports_fail_deterministic"],
-    "atomic_failure": ["test_checks_targets::test_in_place_writer_fails_atomic_failure"],
+    "atomic_failure": [
+        "test_checks_targets::test_in_place_writer_fails_atomic_failure",
+        "test_checks_targets::test_a_multi_file_writer_that_mixes_old_and_new_fails_atomic_failure",
+    ],
     "unknown_kwargs": ["test_checks_targets::test_swallowed_kwargs_fail_unknown_kwargs"],
+    "trust": [
+        "test_checks_targets::test_an_undeclared_torchscript_target_fails_trust",
+        "test_checks_targets::test_an_undeclared_pickle_target_fails_trust",
+    ],
     # module-exporter checks
     "mro_match": ["test_checks_exporters::test_exact_type_predicate_fails_mro_match"],
     "name_match": ["test_checks_exporters::test_substring_matcher_fails_name_match"],

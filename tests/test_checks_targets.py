@@ -7,8 +7,12 @@ fault must fail with a message that says what is wrong.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -530,3 +534,113 @@ def test_a_failure_without_an_exception_carries_none(
     result = run("roundtrip_logits", make_case(tmp_path, target))
     assert result.status == "fail"
     assert result.exception is None
+
+
+# ----------------------------------------------------------------------------- multi-file publishing
+
+
+def _weights_bytes(model: torch.nn.Module) -> bytes:
+    return b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
+
+
+def mixing_multi_file_export(
+    model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None
+) -> Path:
+    """Stages graph and data, then renames the data over the old data and the graph over the
+    old graph: a failure in between leaves the old graph beside the new weights."""
+    output = Path(output_path)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".stage-", dir=output.parent))
+    try:
+        torch.jit.save(_trace(model, example_inputs), str(staging / output.name))
+        (staging / "data").write_bytes(_weights_bytes(model))
+        os.replace(staging / "data", output.with_name(output.name + ".data"))
+        os.replace(staging / output.name, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return output
+
+
+def unique_data_export(
+    model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None
+) -> Path:
+    """Names its data file by content and publishes the artifact last (atomic_output)."""
+    weights = _weights_bytes(model)
+    with atomic_output(output_path) as staged:
+        torch.jit.save(_trace(model, example_inputs), str(staged))
+        digest = hashlib.sha256(weights).hexdigest()[:16]
+        staged.with_name(f"{staged.name}.{digest}.data").write_bytes(weights)
+    return Path(output_path)
+
+
+def test_a_multi_file_writer_that_mixes_old_and_new_fails_atomic_failure(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    target = fake_target(mixing_multi_file_export, capabilities={"multi_file"})
+    result = run("atomic_failure", make_case(tmp_path, target, model=None))
+    assert result.status == "fail", result.message
+    assert "left a mixed artifact" in result.message
+    assert "files of the old artifact were changed or removed: ['model.pt.data']" in (
+        result.message
+    )
+
+
+def test_a_multi_file_target_publishing_its_artifact_last_passes_atomic_failure(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    target = fake_target(unique_data_export, capabilities={"multi_file"})
+    result = run("atomic_failure", make_case(tmp_path, target, model=None))
+    assert result.status == "pass", result.message
+    assert "existing: rename 2 of 2 failed, old artifact kept" in result.message
+
+
+# ----------------------------------------------------------------------------- trust
+
+
+def pickle_export(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
+    """Pickles the whole module (its class is imported and rebuilt when loaded)."""
+    with atomic_output(output_path) as staged:
+        torch.save(ExportCacheWrapper(model), str(staged))
+    return Path(output_path)
+
+
+def pickle_loader(artifact: Path, *, device: str = "cpu") -> Callable[[torch.Tensor], Any]:
+    module = torch.load(str(artifact), map_location=device, weights_only=False)
+    return lambda ids: module(ids)
+
+
+def test_an_undeclared_torchscript_target_fails_trust(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    target = fake_target(good_export)
+    result = run("trust", make_case(tmp_path, target, model=None))
+    assert result.status == "fail", result.message
+    assert "a TorchScript archive" in result.message
+    assert "declare executes_code=True" in result.message
+
+
+def test_an_undeclared_pickle_target_fails_trust(
+    tmp_path: Path, fake_target: Callable[..., str]
+) -> None:
+    target = fake_target(pickle_export, pickle_loader)
+    result = run("trust", make_case(tmp_path, target, model=None))
+    assert result.status == "fail", result.message
+    assert "a pickle that imports and calls" in result.message
+    assert "exportlm.export._wrapper.ExportCacheWrapper" in result.message
+
+
+@pytest.mark.parametrize("factory", [good_export, pickle_export])
+def test_a_declared_code_executing_target_passes_trust(
+    tmp_path: Path, fake_target: Callable[..., str], factory: Callable[..., Path]
+) -> None:
+    loader = pickle_loader if factory is pickle_export else jit_loader
+    target = fake_target(factory, loader, executes_code=True)
+    result = run("trust", make_case(tmp_path, target, model=None))
+    assert result.status == "pass", result.message
+    assert "refuses a copy signed by nobody" in result.message
+
+
+@pytest.mark.parametrize("target", ["onnx", "hf_checkpoint", "torchscript", "torch_export"])
+def test_builtin_targets_pass_trust(tmp_path: Path, target: str) -> None:
+    result = run("trust", make_case(tmp_path, target, model=None))
+    assert result.status == "pass", result.message

@@ -97,7 +97,10 @@ def test_export_json_of_a_file_target_without_verify(
     argv = ["export", "--target", "torch_export", "--model", "decoder", "--out", str(out), "--json"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["files"] == [{"path": str(out), "bytes": out.stat().st_size}]
+    manifest = out.with_name(out.name + ".manifest.json")  # exportlm's manifest, written last
+    assert result["files"] == [
+        {"path": str(p), "bytes": p.stat().st_size} for p in sorted([out, manifest])
+    ]
     assert result["verify"] is None
 
 

@@ -352,6 +352,7 @@ def test_checkpoint_directory_gets_the_mode_save_pretrained_gives_and_files_0644
 
     ours, ref = modes(out), modes(tmp_path / "ref")
     assert ours.pop("ours") == ref.pop("ref") == 0o755  # not mkdtemp's private 0o700
+    assert ours.pop("exportlm-manifest.json") == 0o644  # exportlm's own, beside HF's files
     assert sorted(ours) == sorted(ref)
     # what open() gives under the umask (save_pretrained's own model.safetensors is 0o600)
     assert set(ours.values()) == {0o644}
@@ -382,5 +383,6 @@ def test_a_scale_without_its_quantized_weight_is_refused_not_loaded_as_codes(
     tensors = load_file(str(path))
     del tensors["model.layers.0.mlp.up_proj.weight_scale"]  # the fp8 codes lose their scale
     save_file(tensors, str(path), metadata={"format": "pt"})
+    (out / "exportlm-manifest.json").unlink()  # the loader's own check, not the manifest's
     with pytest.raises(UnsupportedFormatError, match=r"up_proj\.input_scale.*no quantized weight"):
         exportlm.load_exported(TARGET, out)

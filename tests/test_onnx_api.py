@@ -173,7 +173,7 @@ def test_external_data_is_written_beside_the_file(artifacts: Artifacts, tmp_path
     info = get_onnx_info(path)
     assert info.external_data_files
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["ext.onnx", *info.external_data_files]
+        ["ext.onnx", "ext.onnx.manifest.json", *info.external_data_files]
     )
     weights = sum(p.numel() * p.element_size() for p in artifacts.llama.parameters())
     assert info.initializer_bytes >= weights * 0.9

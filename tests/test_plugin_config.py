@@ -8,6 +8,8 @@ or install a fake distribution use a subprocess.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -166,3 +168,44 @@ def test_plugin_load_errors_say_what_the_kill_switch_keeps() -> None:
     error = PluginLoadError("exportlm.export_backends", "x = y:z", "acme 1.0", ImportError("no"))
     assert "EXPORTLM_DISABLE_PLUGINS=1" in str(error)
     assert "without third-party plugins (the built-in targets stay)" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("report", "message"),
+    [
+        ("notes.txt/report.json", "*cannot write the JSON report to *notes.txt*Not a directory*"),
+        ("reports", "*cannot write the JSON report to *reports: it is a directory*"),
+    ],
+)
+def test_an_unwritable_report_path_is_a_usage_error_before_any_work(
+    pytester: pytest.Pytester, report: str, message: str
+) -> None:
+    (pytester.path / "notes.txt").write_text("a file, not a directory\n")
+    (pytester.path / "reports").mkdir()
+    result = pytester.runpytest(*SUITE, f"--export-report={report}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    assert "INTERNALERROR" not in result.stderr.str() + result.stdout.str()
+    assert "passed" not in result.stdout.str()  # nothing ran
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes into read-only dirs"
+)
+def test_a_read_only_report_directory_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    locked = pytester.path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        result = pytester.runpytest(*SUITE, "--export-report=locked/report.json")
+    finally:
+        locked.chmod(0o700)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*locked/report.json: Permission denied*"])
+
+
+def test_a_report_in_a_directory_still_to_create_is_fine(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest(*SUITE, "--export-report=out/new/report.json")
+    result.assert_outcomes(passed=6)
+    assert json.loads((pytester.path / "out" / "new" / "report.json").read_text())
+    assert not [p for p in (pytester.path / "out" / "new").iterdir() if p.name != "report.json"]

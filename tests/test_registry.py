@@ -280,7 +280,8 @@ def test_records_list_loaded_failed_and_conflicting_entry_points(plugin_path: Pa
     )
     reg: Registry[str] = Registry("thing")
     reg.register("taken", "built in", builtin=True)
-    load_entry_point_registry(group, reg, raise_errors=False)
+    with pytest.warns(PluginWarning):
+        load_entry_point_registry(group, reg, raise_errors=False)
     by_name = {(r.name, r.status): r for r in reg.records()}
     assert set(by_name) == {
         ("good", "loaded"),

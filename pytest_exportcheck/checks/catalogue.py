@@ -215,6 +215,13 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
         summary="A misspelled option is refused with a ``TypeError`` naming it, never swallowed.",
     ),
     CheckSpec(
+        "trust",
+        "target",
+        f"{_T}.trust:trust",
+        summary="A target whose artifacts can execute code when loaded declares "
+        "``executes_code=True``.",
+    ),
+    CheckSpec(
         "roundtrip_generated",
         "target",
         f"{_G}.roundtrip:roundtrip_generated",

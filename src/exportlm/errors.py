@@ -12,7 +12,9 @@ __all__ = [
     "InvalidConfigError",
     "InvalidInputError",
     "InvalidModelError",
+    "ArtifactIntegrityError",
     "ExportLMError",
+    "ManifestSchemaError",
     "MissingDependencyError",
     "OutputExistsError",
     "PluginLoadError",
@@ -24,7 +26,10 @@ __all__ = [
     "UnclaimedModuleError",
     "UnknownNameError",
     "UnknownOptionError",
+    "UnsupportedDtypeError",
     "UnsupportedFormatError",
+    "UnsupportedOutputPathError",
+    "UntrustedArtifactError",
 ]
 
 
@@ -130,6 +135,39 @@ class InvalidInputError(ExportError, TypeError):
 
 class OutputExistsError(ExportError, FileExistsError):
     """The output path exists and overwriting was not requested."""
+
+
+class UnsupportedOutputPathError(OutputExistsError):
+    """The output path exists and is neither a regular file nor a directory (a device, FIFO, socket)."""
+
+
+class UnsupportedDtypeError(InvalidInputError):
+    """A dtype was asked that the target (or its runtime) cannot export or run."""
+
+
+class UntrustedArtifactError(ExportLMError):
+    """Loading the artifact could execute code, and nothing proves it was written here.
+
+    Raised by :func:`exportlm.export.load_exported` before anything is read by the
+    format's loader. The message names the file, the risk and the flag
+    (``trust=True``; ``--trust`` on the command line).
+    """
+
+
+class ArtifactIntegrityError(ExportLMError):
+    """An artifact does not match its manifest (a file differs, is missing or is extra).
+
+    Attributes:
+        path: the file that differs, is missing or is extra (or the manifest itself).
+    """
+
+    def __init__(self, message: str, path: object = None) -> None:
+        self.path = path
+        super().__init__(message)
+
+
+class ManifestSchemaError(ArtifactIntegrityError):
+    """A manifest is unreadable: not JSON, or a schema version this exportlm does not know."""
 
 
 class QuantizationError(ExportLMError):

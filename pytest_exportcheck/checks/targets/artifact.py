@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from exportlm.export import TargetInfo
+from exportlm.export.manifest import manifest_path
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import aborts_to_result
 from pytest_exportcheck.checks._support import (
@@ -27,8 +28,9 @@ def _companions(
     """(allowed companion files, unexpected files) among ``names`` besides the artifact."""
     allowed: list[str] = []
     stray: list[str] = []
+    manifest = manifest_path(artifact).name  # exportlm writes it for every target
     for name in names:
-        if name == artifact.name:
+        if name in (artifact.name, manifest):
             continue
         if info.has("multi_file") and name.startswith(artifact.name + "."):
             allowed.append(name)
@@ -59,7 +61,8 @@ def artifact_contract(case: TargetCase) -> CheckResult:
     Exports one toy model into an empty directory. The returned path must exist
     inside it, be a non-empty file (``artifact="file"``) or a non-empty directory
     (``artifact="directory"``), and be the only entry there, except companion files
-    of a ``multi_file`` target named ``<artifact>.<something>`` (``model.onnx.data``).
+    of a ``multi_file`` target named ``<artifact>.<something>`` (``model.onnx.data``)
+    and the artifact's exportlm manifest (``<artifact>.manifest.json``).
     Leftover temporaries (``.model.onnx.*.tmp``) fail. Under the plugin this is the
     shared (cached) export, which the cache runs into an empty directory of its own
     and refuses when the returned path does not exist or lies elsewhere.

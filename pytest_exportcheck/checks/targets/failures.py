@@ -24,6 +24,7 @@ from pytest_exportcheck.checks._support import (
     shared_artifact,
     target_info,
 )
+from pytest_exportcheck.checks.targets._publish import multi_file_problems
 
 __all__ = [
     "MISSPELLED_KWARG",
@@ -133,6 +134,13 @@ def atomic_failure(case: TargetCase) -> CheckResult:
     path; ``overwrite=True`` is passed to factories that accept it), which must be
     byte-identical afterwards with nothing else in the directory. An export that
     does not raise fails the check.
+
+    Multi-file targets (``multi_file``, or ``artifact="directory"``) are also failed
+    part way through publishing: the second rename into the output directory (after
+    the first file of the new artifact is in place) raises. Into an empty directory,
+    no artifact may appear at the path; over an artifact exported just before (with
+    other weights), every file of the old artifact must be byte-identical and the
+    path must still load. A target that publishes in one rename passes trivially.
     """
     info = target_info(case)
     name = default_model_name(case)
@@ -165,6 +173,19 @@ def atomic_failure(case: TargetCase) -> CheckResult:
                     exception=err,
                 )
         outcomes.append(f"{phase}: {_cause_chain(err)}")
+    if info.has("multi_file") or info.artifact == "directory":
+        kwargs = {**dict(case.export_kwargs), **_overwrite_kwargs(case)}
+        problem, passed = multi_file_problems(
+            case, info, lambda: build_case_model(case, name), kwargs
+        )
+        if problem:
+            return CheckResult.failed(
+                f"a multi-file export of {name!r} with {case.target_id} that failed part way "
+                f"through publishing left a mixed artifact ({problem}); publish companions "
+                "under new names and the artifact last, or swap a staged directory in one "
+                "rename (exportlm.atomic.atomic_output)"
+            )
+        outcomes.append(f"multi-file: {passed}")
     return CheckResult.passed("; ".join(outcomes))
 
 
@@ -205,7 +226,7 @@ def unknown_kwargs(case: TargetCase) -> CheckResult:
     info = target_info(case)
     directory = case.workdir / "unknown_kwargs"
     directory.mkdir(parents=True, exist_ok=True)
-    bad = {MISSPELLED_KWARG: None}
+    bad: dict[str, Any] = {MISSPELLED_KWARG: None}
     output = directory / artifact_name(info)
     problems, cause = _refusal(
         "export",

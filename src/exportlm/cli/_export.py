@@ -42,6 +42,7 @@ class ExportPlan:
     calibration: CalibrationRequest | None
     verify: bool
     as_json: bool
+    trust: bool = False
 
 
 @dataclass
@@ -83,6 +84,7 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
         calibration=calibration_request(args),
         verify=args.verify,
         as_json=args.json,
+        trust=getattr(args, "trust", False),
     )
     _check_output(plan, factory)
     if plan.verify:
@@ -214,7 +216,8 @@ def _verify(plan: ExportPlan, model: Any, path: Path) -> Any:
         with torch.no_grad():
             # The same eager view every target exports: use_cache=False, logits only.
             expected = ExportCacheWrapper(model).eval()(ids).float()
-            actual = torch.as_tensor(load_exported(plan.target, path)(ids)).float()
+            runtime = load_exported(plan.target, path, trust=plan.trust)
+            actual = torch.as_tensor(runtime(ids)).float()
     return compare_logits(actual, expected, info.atol, info.rtol)
 
 

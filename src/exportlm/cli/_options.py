@@ -104,6 +104,13 @@ def _coerce(key: str, raw: str, annotation: Any) -> Any:
 def _coerce_union(key: str, raw: str, members: tuple[Any, ...]) -> Any:
     if type(None) in members and raw.lower() in _NONE:
         return None
+    if any(_is_dtype(m) for m in members):
+        # `torch.dtype | str`: the string form is a dtype's name, so it is checked as one.
+        try:
+            return _coerce_dtype(raw)
+        except _BadValue as err:
+            none = " or none" if type(None) in members else ""
+            raise _BadValue(f"{err}{none}") from None
     problems: list[str] = []
     for member in (m for m in members if m is not type(None)):
         try:

@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_TRUST_HELP = (
+    "with --verify: load an artifact whose format can execute code (TorchScript, .pt2) "
+    "even when no manifest signed on this machine vouches for it (see docs/security.md)"
+)
+
+
 def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="export target name (see `exportlm list`)")
     p.add_argument(
@@ -124,6 +130,7 @@ def _add_export(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="reload the artifact in its runtime and compare its logits with the eager model",
     )
+    p.add_argument("--trust", action="store_true", help=_TRUST_HELP)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     q = p.add_argument_group("quantization")
     q.add_argument(

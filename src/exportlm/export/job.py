@@ -5,7 +5,8 @@ An export runs inside :func:`export_job`, which
 1. checks the model is an ``nn.Module`` and resolves ``example_inputs``
    (:class:`~exportlm.errors.InvalidModelError` / ``InvalidInputError`` before
    anything is written);
-2. stages the artifact through :func:`~exportlm.atomic.atomic_output`, so a
+2. writes the artifact's manifest (:mod:`~exportlm.export.manifest`) last, and
+   stages the artifact through :func:`~exportlm.atomic.atomic_output`, so a
    failure leaves no partial file and an existing artifact untouched;
 3. puts the model in its traceable state (eval mode, traceable MoE experts) and
    restores it;
@@ -21,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,17 @@ import torch
 from torch import nn
 
 from exportlm.atomic import atomic_output
-from exportlm.errors import ExportFailedError, InvalidInputError, InvalidModelError
+from exportlm.errors import (
+    ArtifactIntegrityError,
+    ExportFailedError,
+    InvalidInputError,
+    InvalidModelError,
+    OutputExistsError,
+)
 from exportlm.export._moe import TRACEABLE_EXPERTS, traceable_model
 from exportlm.export._quiet import CapturedNoise, quiet_exporter
+from exportlm.export.guard import check_real_weights, manifest_for_export
+from exportlm.export.targets import get_target_info
 from exportlm.inputs import resolve_example_inputs
 
 __all__ = ["ExportJob", "export_job"]
@@ -90,6 +99,8 @@ def export_job(
     *,
     experts: str | None = TRACEABLE_EXPERTS,
     hint: str = "",
+    options: Mapping[str, Any] | None = None,
+    companions: Sequence[str] = (),
 ) -> Iterator[ExportJob]:
     """Run one export of ``model`` to ``output_path``; see the module docstring.
 
@@ -101,21 +112,28 @@ def export_job(
         experts: transformers MoE experts implementation during the export
             (``None`` leaves it alone, e.g. for scripting).
         hint: appended to the :class:`ExportFailedError` message (what to try).
+        options: the target's options, recorded in the manifest when the target
+            function is called directly (``export_model`` records its own).
+        companions: glob patterns of sibling files that belong to the artifact
+            (see :func:`~exportlm.atomic.atomic_output`).
     """
     if not isinstance(model, nn.Module):
         raise InvalidModelError(
             f"export target {target!r} expects a torch.nn.Module whose forward(input_ids) "
             f"returns logits, got {type(model).__name__}"
         )
+    check_real_weights(model, target)
     inputs = resolve_example_inputs(model, example_inputs)
+    recorded = {"example_inputs": example_inputs, **(options or {})}
     try:
         with (
-            atomic_output(output_path) as staged,
+            manifest_for_export(get_target_info(target), model, output_path, recorded),
+            atomic_output(output_path, companions=companions) as staged,
             quiet_exporter(target) as noise,
             traceable_model(model, experts),
         ):
             yield ExportJob(target, model, inputs, staged, noise)
-    except _INPUT_ERRORS:
+    except (*_INPUT_ERRORS, OutputExistsError, ArtifactIntegrityError):
         raise
     except Exception as err:
         user_error = _user_error_in_chain(err)

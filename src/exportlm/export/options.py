@@ -11,12 +11,12 @@ check holds plugins to that).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from exportlm.errors import UnknownOptionError
+from exportlm.errors import UnknownOptionError, UnsupportedDtypeError
 
-__all__ = ["accepted_kwargs", "check_kwargs"]
+__all__ = ["accepted_kwargs", "check_kwargs", "resolve_dtype"]
 
 
 def accepted_kwargs(fn: Callable[..., Any], skip: int = 2) -> tuple[list[str], bool]:
@@ -56,3 +56,28 @@ def check_kwargs(
     unknown = [k for k in kwargs if k not in names]
     if unknown:
         raise UnknownOptionError(where, unknown, names)
+
+
+def resolve_dtype(value: Any, *, where: str, supported: Iterable[Any] | None = None) -> Any:
+    """``value`` as a ``torch.dtype``: a dtype, or its name (``"bfloat16"``, ``"torch.float16"``).
+
+    ``supported`` (dtypes) limits what is accepted; the error lists them.
+
+    Raises:
+        UnsupportedDtypeError: not a dtype name, or not among ``supported``.
+    """
+    import torch
+
+    allowed = sorted(supported or (), key=str)
+    names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+    dtype = value
+    if isinstance(value, str):
+        dtype = getattr(torch, value.strip().removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedDtypeError(
+            f"{where}: {value!r} is not a torch dtype; pass one such as torch.bfloat16 or its "
+            f"name 'bfloat16'{f' (supported: {names})' if names else ''}"
+        )
+    if allowed and dtype not in allowed:
+        raise UnsupportedDtypeError(f"{where}: dtype {dtype} is not supported; supported: {names}")
+    return dtype

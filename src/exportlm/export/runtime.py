@@ -47,15 +47,32 @@ def resolve_device(device: str | torch.device, runtime: str) -> torch.device:
 _NO_MODEL = nn.Module()
 
 
-def check_runtime_inputs(input_ids: Any, runtime: str) -> torch.Tensor:
-    """Validate runtime ``input_ids`` (integer, 2-D) exactly as export validates example inputs.
+def check_runtime_inputs(
+    input_ids: Any, runtime: str, vocab_size: int | None = None
+) -> torch.Tensor:
+    """Validate runtime ``input_ids``: integer, 2-D, non-empty, inside the vocabulary when known.
 
-    Returns the ids as a tensor; raises :class:`InvalidInputError` naming ``runtime``.
+    Returns the ids as a tensor; raises :class:`InvalidInputError` naming ``runtime``,
+    the problem and the fix.
     """
     try:
-        return resolve_example_inputs(_NO_MODEL, input_ids)[0]
+        ids = resolve_example_inputs(_NO_MODEL, input_ids)[0]
     except InvalidInputError as err:
         raise InvalidInputError(f"{runtime} runtime: {err}") from err
+    if ids.numel() == 0:
+        raise InvalidInputError(
+            f"{runtime} runtime: input_ids of shape {tuple(ids.shape)} hold no tokens; "
+            "pass at least one sequence of at least one token id [batch >= 1, seq >= 1]"
+        )
+    if vocab_size is not None:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise InvalidInputError(
+                f"{runtime} runtime: token id {bad} is outside the vocabulary [0, {vocab_size}); "
+                "tokenize with the model's own tokenizer, or clip/mask ids to the vocabulary"
+            )
+    return ids
 
 
 class TorchModuleRuntime:
@@ -65,16 +82,25 @@ class TorchModuleRuntime:
         module: the loaded ``torch.jit.ScriptModule`` or ``torch.export`` module.
         device: where inputs are moved before the call.
         runtime: the runtime's name, for messages.
+        vocab_size: the vocabulary, when known; ids outside it are refused.
     """
 
-    def __init__(self, module: Callable[..., Any], device: torch.device, runtime: str) -> None:
+    def __init__(
+        self,
+        module: Callable[..., Any],
+        device: torch.device,
+        runtime: str,
+        vocab_size: int | None = None,
+    ) -> None:
         self.module = module
         self.device = device
         self.runtime = runtime
+        #: Ids at or above it are refused (set from the manifest by ``load_exported``).
+        self.vocab_size = vocab_size
 
     def __call__(self, input_ids: Any) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]`` for ``input_ids`` ``[batch, seq]``."""
-        ids = check_runtime_inputs(input_ids, self.runtime).to(self.device)
+        ids = check_runtime_inputs(input_ids, self.runtime, self.vocab_size).to(self.device)
         with torch.no_grad():
             out = self.module(ids)
         return extract_logits(out, where=f"{self.runtime} artifact")

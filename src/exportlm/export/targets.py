@@ -19,7 +19,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
+from exportlm.atomic import check_output_path
 from exportlm.errors import InvalidModelError
+
+# guard imports TargetInfo only for typing, so importing it here is not circular.
+from exportlm.export.guard import (
+    check_before_load,
+    finish_manifest,
+    manifest_for_export,
+)
 from exportlm.export.options import check_kwargs
 from exportlm.registry import Registry, load_entry_point_registry, once
 
@@ -89,6 +97,9 @@ class TargetInfo:
         accepts: optional ``model -> reason | None``; a reason means the target
             cannot take that model (a counted skip in the suite, an error in export).
         description: one line for ``exportlm list``.
+        executes_code: loading the artifact can execute code (unpickling, TorchScript):
+            :func:`load_exported` then refuses an artifact whose manifest does not prove
+            it was written on this machine unless ``trust=True`` (see ``docs/security.md``).
     """
 
     name: str
@@ -102,6 +113,7 @@ class TargetInfo:
     expected_failures: Mapping[str, str] = field(default_factory=dict)
     accepts: Callable[[Any], str | None] | None = field(default=None, compare=False)
     description: str = ""
+    executes_code: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.capabilities) - CAPABILITIES
@@ -135,10 +147,12 @@ def export_target(
     expected_failures: Mapping[str, str] | None = None,
     accepts: Callable[[Any], str | None] | None = None,
     description: str = "",
+    executes_code: bool = False,
 ) -> Callable[[F], F]:
     """Decorator declaring an export factory's :class:`TargetInfo`.
 
-    ``runtime`` defaults to ``name``. The decorated function is unchanged apart
+    ``runtime`` defaults to ``name``. ``executes_code=True`` declares that loading
+    the artifact can run code (a pickle, TorchScript): see :class:`TargetInfo`. The decorated function is unchanged apart
     from the attached declaration, so it can be registered in code or exposed
     through the ``exportlm.export_backends`` entry-point group.
     """
@@ -154,6 +168,7 @@ def export_target(
         expected_failures=dict(expected_failures or {}),
         accepts=accepts,
         description=description,
+        executes_code=executes_code,
     )
 
     def decorate(fn: F) -> F:
@@ -274,8 +289,11 @@ def export_model(name: str, model: Any, output_path: str | os.PathLike[str], **k
         reason = info.accepts(model)
         if reason:
             raise InvalidModelError(f"export target {name!r} cannot export this model: {reason}")
-    result = factory(model, Path(output_path), **kwargs)
-    return Path(result)
+    check_output_path(output_path)
+    with manifest_for_export(info, model, output_path, kwargs) as request:
+        result = Path(factory(model, Path(output_path), **kwargs))
+    finish_manifest(request, result)
+    return result
 
 
 def runtime_loader(name: str) -> Callable[..., Any]:
@@ -285,13 +303,27 @@ def runtime_loader(name: str) -> Callable[..., Any]:
     return RUNTIME_REGISTRY.get(info.runtime)
 
 
-def load_exported(name: str, path: str | os.PathLike[str], **kwargs: Any) -> RuntimeCallable:
+def load_exported(
+    name: str, path: str | os.PathLike[str], *, trust: bool = False, **kwargs: Any
+) -> RuntimeCallable:
     """Load an artifact of target ``name`` in the target's own runtime.
 
     Returns a callable ``input_ids (LongTensor [batch, seq]) -> logits (float tensor)``.
     ``kwargs`` go to the runtime loader (e.g. ``device="cuda"``).
 
+    Before the loader reads anything, the artifact is checked against its manifest
+    (``<file>.manifest.json``, or ``exportlm-manifest.json`` in a directory): a file
+    whose sha256 differs, a missing or an extra file is refused, ``trust`` or not.
+    No manifest loads with an :class:`~exportlm.export.guard.UnverifiedArtifactWarning`.
+    A target whose format can execute code when loaded (``TargetInfo.executes_code``:
+    ``torchscript``, ``torch_export``) needs ``trust=True`` unless the manifest is
+    signed by this user's key on this machine (see ``docs/security.md``).
+
     Raises:
+        UntrustedArtifactError: a code-executing format without a manifest signed here,
+            and ``trust`` is false.
+        ArtifactIntegrityError: the files do not match the manifest (the file is named).
+        ManifestSchemaError: the manifest is unreadable or of an unknown schema.
         UnknownNameError: ``name`` is not registered.
         UnknownOptionError: a kwarg the runtime does not accept (a ``TypeError``).
         RuntimeUnavailableError: the requested device is not available here.
@@ -300,4 +332,8 @@ def load_exported(name: str, path: str | os.PathLike[str], **kwargs: Any) -> Run
     """
     loader = runtime_loader(name)
     check_kwargs(f"runtime of target {name!r}", loader, kwargs, skip=1)
-    return loader(Path(path), **kwargs)  # type: ignore[no-any-return]
+    manifest = check_before_load(get_target_info(name), Path(path), trust=trust)
+    runtime = loader(Path(path), **kwargs)
+    if manifest is not None and manifest.vocab_size and hasattr(runtime, "vocab_size"):
+        runtime.vocab_size = manifest.vocab_size  # runtimes refuse ids outside it
+    return runtime  # type: ignore[no-any-return]

@@ -78,7 +78,10 @@ def export_torch_export(
         ExportFailedError: ``torch.export`` or saving failed (the cause is chained).
     """
     hint = "Try dynamic=False, or the 'torchscript' target."
-    with export_job("torch_export", model, output_path, example_inputs, hint=hint) as job:
+    options = {"dynamic": dynamic, "strict": strict}
+    with export_job(
+        "torch_export", model, output_path, example_inputs, hint=hint, options=options
+    ) as job:
         wrapper = ExportCacheWrapper(model).eval()
         program = torch.export.export(
             wrapper, job.inputs[:1], dynamic_shapes=_dynamic_shapes(dynamic), strict=strict
@@ -101,6 +104,7 @@ _TORCH_EXPORT_TARGET = export_target(
     capabilities={"dynamic_shapes", "cuda"},
     artifact="file",
     suffix=".pt2",
+    executes_code=True,  # torch.export.load / torch.jit.load unpickle and run code
     description="torch.export ExportedProgram .pt2 (dynamic batch/seq) run via torch.export.load",
 )(export_torch_export)
 

@@ -125,7 +125,13 @@ def export_torchscript(
     )
     experts = TRACEABLE_EXPERTS if method == "trace" else None
     with export_job(
-        "torchscript", model, output_path, example_inputs, experts=experts, hint=hint
+        "torchscript",
+        model,
+        output_path,
+        example_inputs,
+        experts=experts,
+        hint=hint,
+        options={"method": method, "check_trace": check_trace},
     ) as job:
         module = _script(model) if method == "script" else _trace(model, job.inputs, check_trace)
         torch.jit.save(module, str(job.staged))
@@ -147,6 +153,7 @@ _TORCHSCRIPT_TARGET = export_target(
     artifact="file",
     suffix=".pt",
     variants={"trace": {"method": "trace"}, "script": {"method": "script"}},
+    executes_code=True,  # torch.export.load / torch.jit.load unpickle and run code
     description="TorchScript .pt (torch.jit.trace, or script) run with torch.jit.load",
 )(export_torchscript)
 

@@ -13,6 +13,7 @@ recipe, to everything above.
 
 from exportlm.quant._experts import experts_base
 from exportlm.quant._formats import dequantize, quantize_tensor
+from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
     QuantBMMExperts,
     QuantEmbedding,
@@ -92,6 +93,7 @@ __all__ = [
     "quantize",
     "quantize_tensor",
     "recipe_names",
+    "route_kv_cache_to_attention",
     "register_format",
     "safe_scale",
     "scale_leaf_names",

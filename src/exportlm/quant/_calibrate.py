@@ -3,7 +3,7 @@
 The steps :func:`~exportlm.quant.quantize` runs once the modules are converted:
 :func:`run_calibration` (one pass of the user's forwards, every quantizer transparent),
 :func:`finish_awq`, :func:`unify_groups` (fused linears share amax as the format's
-spec says) and :func:`check_calibrated`.
+spec says), :func:`check_calibrated` and :func:`check_finite`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from exportlm.quant._quantizer import TensorQuantizer
 
 __all__ = [
     "check_calibrated",
+    "check_finite",
     "default_calibrate",
     "finish_awq",
     "run_calibration",
@@ -219,3 +220,30 @@ def check_calibrated(model: nn.Module) -> None:
             "calibrate(model) function whose forwards run every quantized module, or exclude "
             "those modules."
         )
+
+
+def check_finite(model: nn.Module) -> None:
+    """Raise :class:`QuantizationError` naming the quantizers with a NaN or infinite statistic.
+
+    A weight with a NaN or an infinity, or a calibration forward that produced
+    one, gives an amax (or AWQ ``pre_quant_scale``) no scale can be derived from:
+    refused here, before ``quantize`` returns a model whose forward would raise.
+    """
+    bad = [
+        f"{m.label or 'quantizer'}.{attr}"
+        for m in model.modules()
+        if isinstance(m, TensorQuantizer) and (m.enabled or m.pre_quant_scale is not None)
+        for attr in ("amax", "pre_quant_scale")
+        if (value := getattr(m, attr)) is not None and not bool(torch.isfinite(value).all())
+    ]
+    if bad:
+        raise QuantizationError(
+            f"{len(bad)} quantizer statistic(s) are NaN or infinite: {_shown(bad)}. The "
+            "weights of those modules or the activations of the calibration forwards hold "
+            "NaN/inf values; fix the model or the calibration data, or exclude those modules."
+        )
+
+
+def _shown(names: list[str]) -> str:
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return ", ".join(names[:5]) + more

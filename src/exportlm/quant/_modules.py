@@ -71,7 +71,11 @@ class QuantLinear(QuantModule, nn.Linear):
     ``y = output_quantizer(linear(input_quantizer(x), weight_quantizer(W / pqs), b))``
     where ``pqs`` is the input quantizer's AWQ ``pre_quant_scale`` (1 without AWQ).
     The output quantizer is the KV-cache quantizer of ``k_proj`` / ``v_proj``
-    (its ``kv_role`` is ``"k"`` or ``"v"``); it is disabled elsewhere.
+    (its ``kv_role`` is ``"k"`` or ``"v"``); it is disabled elsewhere. Where the
+    attention caches another tensor than the projection's output (transformers
+    attentions: K after RoPE / ``k_norm``), its ``kv_site`` is ``"attention"`` and
+    the attention function applies it instead
+    (:func:`~exportlm.quant.route_kv_cache_to_attention`).
     """
 
     weight_quantizer: TensorQuantizer
@@ -91,7 +95,9 @@ class QuantLinear(QuantModule, nn.Linear):
         """The fake-quantized linear."""
         x = self.input_quantizer(input)
         weight = self.weight_quantizer(self.effective_weight())
-        out: torch.Tensor = self.output_quantizer(F.linear(x, weight, self.bias))
+        out: torch.Tensor = F.linear(x, weight, self.bias)
+        if self.output_quantizer.kv_site == "projection":  # else the attention function runs it
+            out = self.output_quantizer(out)
         return out
 
 

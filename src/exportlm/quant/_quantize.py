@@ -14,12 +14,14 @@ from torch import nn
 from exportlm.errors import QuantizationError, UnsupportedFormatError
 from exportlm.quant._calibrate import (
     check_calibrated,
+    check_finite,
     finish_awq,
     run_calibration,
     unify_expert_input_amax,
     unify_groups,
 )
 from exportlm.quant._experts import experts_base, has_stacked_weights
+from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
     QuantEmbedding,
     QuantExperts,
@@ -31,6 +33,7 @@ from exportlm.quant._modules import (
 from exportlm.quant._quantizer import TensorQuantizer
 from exportlm.quant._recipe import ALGORITHMS, Algorithm, QuantRecipe, RecipeLike
 from exportlm.quant._tensor import FormatId, QuantFormat
+from exportlm.quant._transaction import quantize_transaction
 from exportlm.quant.formats import get_format
 
 __all__ = ["iterable_expert_lists", "quantize", "unify_expert_input_amax", "wrap_module"]
@@ -45,6 +48,7 @@ class _Conversion:
     algo: Algorithm | None
     kv: FormatId | None
     kind: str  # "linear" | "moe_linear" | "embedding" | "experts"
+    kv_min_scale: float | None = None  # a floor of the KV-cache scales (recipe option)
 
 
 def quantize(
@@ -81,8 +85,16 @@ def quantize(
         UnknownNameError: an unknown recipe name.
         UnsupportedFormatError: a format a module's shape cannot take (e.g. NVFP4
             on an input dimension not divisible by 16); nothing is converted then.
-        QuantizationError: an already quantized model, a non-finite amax, or an
-            activation quantizer that calibration never reached.
+        QuantizationError: an already quantized model, a non-finite amax (NaN/inf
+            weights or activations), an activation quantizer that calibration never
+            reached, or an exception from ``calibrate`` (chained). The message says
+            which step failed.
+
+    Quantizing in place is all or nothing: when conversion, calibration or the
+    final check fails, every module of ``model`` is restored (its type, plain
+    attributes, children, the same parameter objects, buffer values) and
+    ``quantize`` can be called on it again. With ``inplace=False`` the original
+    is never modified.
     """
     plan = QuantRecipe.parse(recipe, exclude)
     if not inplace:
@@ -90,17 +102,24 @@ def quantize(
     conversions = list(_plan(model, plan))
     for conversion in conversions:
         _check_shapes(conversion)
-    for conversion in conversions:
-        _convert(conversion)
-    _init_weight_amax(model)
-    groups = run_calibration(model, calibrate)
-    finish_awq(model, groups)
-    _init_weight_amax(model)  # AWQ changed the weights the quantizers see
-    unify_groups(model, groups)
-    for experts in iterable_expert_lists(model).values():
-        for quantizer, amax in unify_expert_input_amax(experts).items():
-            quantizer.amax = amax
-    check_calibrated(model)
+    with quantize_transaction(model) as steps:
+        with steps.step("conversion"):
+            for conversion in conversions:
+                _convert(conversion)
+            route_kv_cache_to_attention(model)  # K / V quantized where they are cached
+            _init_weight_amax(model)
+        with steps.step("calibration (the calibrate function's forwards)"):
+            groups = run_calibration(model, calibrate)
+        with steps.step("AWQ smoothing and amax unification"):
+            finish_awq(model, groups)
+            _init_weight_amax(model)  # AWQ changed the weights the quantizers see
+            unify_groups(model, groups)
+            for experts in iterable_expert_lists(model).values():
+                for quantizer, amax in unify_expert_input_amax(experts).items():
+                    quantizer.amax = amax
+        with steps.step("the final check of the calibrated quantizers"):
+            check_calibrated(model)
+            check_finite(model)
     logger.info("quantized %d module(s) of %s", len(conversions), type(model).__name__)
     return model
 
@@ -156,7 +175,7 @@ def _plan(model: nn.Module, recipe: QuantRecipe) -> Iterator[_Conversion]:
             _refuse_experts_algorithm(name, module, algo)
         kv = recipe.kv_for(name) if kind == "linear" and _kv_role(name) else None
         if algo is not None or kv is not None:
-            yield _Conversion(name, module, algo, kv, kind)
+            yield _Conversion(name, module, algo, kv, kind, recipe.kv_cache_min_scale)
 
 
 def _kind(name: str, module: nn.Module, modules: dict[str, nn.Module]) -> str | None:
@@ -319,7 +338,7 @@ def _convert(c: _Conversion) -> None:
             c.kv or QuantFormat.FP8,
             enabled=c.kv is not None,
             label=f"{c.name}.output_quantizer",
-            min_scale=1.0,
+            min_scale=c.kv_min_scale,
         )
         output.kv_role = _kv_role(c.name) if c.kv is not None else None
         module.output_quantizer = output

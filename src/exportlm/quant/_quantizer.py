@@ -25,8 +25,10 @@ class TensorQuantizer(nn.Module):
         block_size: NVFP4 block (16) / INT4 group (128) along the last dimension.
         enabled: a disabled quantizer passes its input through unchanged.
         label: the quantizer's module path, used in error messages.
-        min_scale: a lower bound of the per-tensor scale (``1.0`` for FP8 KV-cache
-            scales, as ModelOpt exports them).
+        min_scale: a lower bound of the per-tensor scale (``None``: none). KV-cache
+            scales are ``amax / 448`` unclamped, as ModelOpt exports them, unless a
+            recipe asks for a floor (:attr:`QuantRecipe.kv_cache_min_scale
+            <exportlm.quant.QuantRecipe.kv_cache_min_scale>`).
 
     Raises :class:`~exportlm.errors.UnknownNameError` for an unregistered format.
 
@@ -61,6 +63,10 @@ class TensorQuantizer(nn.Module):
         self.calibrating = False
         #: ``"k"`` / ``"v"`` for the KV-cache output quantizers of ``k_proj`` / ``v_proj``.
         self.kv_role: str | None = None
+        #: Where a KV-cache quantizer runs: ``"projection"`` (the ``k_proj`` / ``v_proj``
+        #: output) or ``"attention"`` (inside the attention function, on the cached K / V;
+        #: see :func:`~exportlm.quant.route_kv_cache_to_attention`).
+        self.kv_site = "projection"
         #: Also record a per-input-channel amax while calibrating (AWQ smoothing).
         self.track_channels = False
         self.channel_amax: torch.Tensor | None = None

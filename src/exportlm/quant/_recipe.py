@@ -7,7 +7,9 @@ names (``model.layers.0.mlp.down_proj``).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -144,6 +146,9 @@ class QuantRecipe:
             a module name wins and beats the default exclusions (``None`` excludes).
         exclude: patterns never quantized (beat everything, KV cache included).
         default_exclude: patterns left unquantized unless an override names them.
+        kv_cache_min_scale: a floor of the KV-cache scales (``k_scale`` /
+            ``v_scale``). ``None`` (default) writes ``amax / 448`` as ModelOpt does;
+            ``1.0`` reproduces engines' "unit scale unless the data needs more".
     """
 
     algo: str | None = "fp8"
@@ -151,6 +156,7 @@ class QuantRecipe:
     overrides: tuple[tuple[str, str | None], ...] = ()
     exclude: tuple[str, ...] = ()
     default_exclude: tuple[str, ...] = field(default=DEFAULT_EXCLUDE)
+    kv_cache_min_scale: float | None = None
 
     def __post_init__(self) -> None:
         for algo in (self.algo, *(a for _, a in self.overrides)):
@@ -158,6 +164,11 @@ class QuantRecipe:
                 raise UnknownNameError("quantization recipe", algo, recipe_names())
         if self.kv_cache is not None and self.kv_cache not in KV_CACHE_FORMATS:
             raise UnknownNameError("quantization recipe", self.kv_cache, recipe_names())
+        floor = self.kv_cache_min_scale
+        if floor is not None and not (math.isfinite(floor) and floor > 0):
+            raise ValueError(
+                f"kv_cache_min_scale must be a finite positive number or None, got {floor!r}"
+            )
 
     @classmethod
     def parse(cls, recipe: RecipeLike, exclude: Sequence[str] | None = None) -> QuantRecipe:
@@ -178,9 +189,7 @@ class QuantRecipe:
             algo, kv = _split_parts(recipe)
             base = cls(algo=algo, kv_cache=kv)
         if extra:
-            return cls(
-                base.algo, base.kv_cache, base.overrides, base.exclude + extra, base.default_exclude
-            )
+            return dataclasses.replace(base, exclude=base.exclude + extra)
         return base
 
     @classmethod

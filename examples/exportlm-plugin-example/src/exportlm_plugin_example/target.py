@@ -41,6 +41,7 @@ def _quiet_jit() -> Iterator[None]:
     rtol=1e-4,
     capabilities={"dynamic_shapes", "cuda"},
     artifact="file",
+    executes_code=True,  # a TorchScript archive runs code when loaded
     suffix=".pt",
     # {check id, or pattern over item ids: reason}; strict: a pass fails the run.
     expected_failures={},

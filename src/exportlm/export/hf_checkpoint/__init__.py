@@ -17,7 +17,11 @@ One concern per module:
 """
 
 from exportlm.export.hf_checkpoint.configs import CHECKPOINT_FORMATS, HF_QUANT_CONFIG_NAME
-from exportlm.export.hf_checkpoint.runtime import load_hf_checkpoint
+from exportlm.export.hf_checkpoint.runtime import (
+    KVRoundtrip,
+    kv_cache_roundtrip,
+    load_hf_checkpoint,
+)
 from exportlm.export.hf_checkpoint.target import (
     build_hf_checkpoint_exporter,
     export_hf_checkpoint,
@@ -26,7 +30,9 @@ from exportlm.export.hf_checkpoint.target import (
 __all__ = [
     "CHECKPOINT_FORMATS",
     "HF_QUANT_CONFIG_NAME",
+    "KVRoundtrip",
     "build_hf_checkpoint_exporter",
     "export_hf_checkpoint",
+    "kv_cache_roundtrip",
     "load_hf_checkpoint",
 ]

@@ -135,7 +135,7 @@ def modelopt_quantization_config(quant: Mapping[str, Any]) -> dict[str, Any]:
             }
         config["config_groups"] = groups
         config["quantized_layers"] = quant.get("quantized_layers", {})
-    elif algo is not None:
+    elif algo is not None and _writes_config_groups(algo):
         config["config_groups"] = {
             "group_0": {**_group_config(algo, quant.get("group_size")), "targets": ["Linear"]}
         }
@@ -149,6 +149,12 @@ def modelopt_quantization_config(quant: Mapping[str, Any]) -> dict[str, Any]:
     config["producer"] = _producer()
     config["quant_method"] = "modelopt"
     return config
+
+
+def _writes_config_groups(algo: str) -> bool:
+    """ModelOpt writes ``config_groups`` for a single-format checkpoint of ``algo``."""
+    scheme = _weight_format(algo).modelopt
+    return scheme is not None and scheme.config_groups
 
 
 def _group_config(algo: str, group_size: int | None) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from exportlm.export.hf_checkpoint.formats import StoredFormats
 from exportlm.export.hf_checkpoint.sink import INDEX_NAME, SINGLE_FILE_NAME
 from exportlm.export.hf_checkpoint.static import StaticQuantization
 
-__all__ = ["load_hf_checkpoint"]
+__all__ = ["KVRoundtrip", "kv_cache_roundtrip", "load_hf_checkpoint"]
 
 
 def load_hf_checkpoint(
@@ -57,6 +58,47 @@ def load_hf_checkpoint(
         return extract_logits(output, where=f"hf_checkpoint {directory.name}")
 
     return run
+
+
+@dataclass(frozen=True)
+class KVRoundtrip:
+    """How far the checkpoint's runtime logits are from the fake-quant model's.
+
+    Attributes:
+        max_abs: the largest absolute logits difference.
+        relative: ``||runtime - fake_quant|| / ||fake_quant||`` (Frobenius norms).
+    """
+
+    max_abs: float
+    relative: float
+
+    def passed(self, rtol: float = 1e-3) -> bool:
+        """``relative <= rtol``."""
+        return self.relative <= rtol
+
+
+def kv_cache_roundtrip(
+    model: Any, artifact: Path, input_ids: torch.Tensor, *, device: str | torch.device = "cpu"
+) -> KVRoundtrip:
+    """Compare the fake-quant ``model`` with the checkpoint run the way a serving engine runs it.
+
+    The runtime (:func:`load_hf_checkpoint`) quantizes the cached K (after RoPE and
+    any per-head norm) and V with the stored ``k_scale`` / ``v_scale`` as vLLM's FP8
+    KV cache does (``fp8(K / k_scale)``, dequantized as ``fp8 * k_scale``), and applies
+    every other stored scale; the fake-quant ``model`` uses its calibrated quantizers.
+    Scales that do not fit the cached tensors (e.g. ``1.0`` where ``|K|`` is near
+    ``1e-3``: the cache lands in FP8 subnormals) show as a large ``relative`` error.
+    """
+    run = load_hf_checkpoint(artifact, device=device)
+    with torch.no_grad():
+        output = model(input_ids.to(device), use_cache=False)
+    expected = extract_logits(output, where="the fake-quant model").float()
+    got = run(input_ids).float()
+    diff = got - expected
+    scale = float(torch.linalg.vector_norm(expected)) or 1.0
+    return KVRoundtrip(
+        max_abs=float(diff.abs().max()), relative=float(torch.linalg.vector_norm(diff)) / scale
+    )
 
 
 def _rebuild_model(directory: Path, device: torch.device) -> Any:

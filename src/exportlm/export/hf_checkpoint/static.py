@@ -20,7 +20,13 @@ from torch import nn
 from exportlm.errors import UnsupportedFormatError
 from exportlm.export.hf_checkpoint.dequantize import ActivationScale
 from exportlm.export.hf_checkpoint.naming import CheckpointNamer
-from exportlm.quant import QuantExperts, QuantLinear, experts_base, wrap_module
+from exportlm.quant import (
+    QuantExperts,
+    QuantLinear,
+    experts_base,
+    route_kv_cache_to_attention,
+    wrap_module,
+)
 from exportlm.quant.formats import scale_leaf_names
 
 __all__ = ["StaticQuantization"]
@@ -60,6 +66,8 @@ class StaticQuantization:
                 self._experts(name, module)
             elif isinstance(module, nn.Linear):
                 self._linear(name, module)
+        # K / V scales apply to the cached tensors (post-RoPE K), as in the fake-quant model
+        route_kv_cache_to_attention(model)
         unused = sorted(set(self._scales) - self._used)
         if unused:
             logger.warning(
@@ -95,6 +103,9 @@ class StaticQuantization:
             quantizer.load_scale(inputs.scale, inputs.format, block_size=inputs.block_size)
         if kv is not None:
             wrapper.output_quantizer.load_scale(kv.scale, kv.format)
+            wrapper.output_quantizer.kv_role = (
+                role  # routed to the attention function if it has one
+            )
 
     def _quantized(self, name: str) -> bool:
         """Some checkpoint scale lies under experts module ``name`` (split or stored layout)."""

@@ -12,8 +12,10 @@ Layout (see ``docs/checkpoint-format.md``)::
 The export driver (:func:`exportlm.modules.export_quantized_state`) walks the
 model one module at a time and hands every tensor to a
 :class:`~exportlm.export.hf_checkpoint.sink.CheckpointSink`, so no full state
-dict is ever built. The directory is assembled in a temporary sibling and
-swapped in atomically (:func:`~exportlm.atomic.atomic_output`).
+dict is ever built. The directory is assembled in a temporary sibling, gets its
+manifest (``exportlm-manifest.json``, :mod:`~exportlm.export.manifest`) and is swapped
+in atomically (:func:`~exportlm.atomic.atomic_output`: the path names the old
+checkpoint or the new one at every instant on Linux).
 
 Only transformers ``PreTrainedModel`` instances are accepted: the checkpoint's
 ``config.json`` must name a model class that the runtime (and vLLM, TensorRT-LLM,
@@ -32,6 +34,7 @@ from torch import nn
 
 from exportlm.atomic import atomic_output
 from exportlm.errors import InvalidInputError, InvalidModelError
+from exportlm.export.guard import manifest_for_export
 from exportlm.export.hf_checkpoint.configs import (
     CHECKPOINT_FORMATS,
     quantization_section,
@@ -39,11 +42,15 @@ from exportlm.export.hf_checkpoint.configs import (
 )
 from exportlm.export.hf_checkpoint.naming import CheckpointNamer, module_namer
 from exportlm.export.hf_checkpoint.sink import CheckpointSink, ShardedSafetensorsWriter
-from exportlm.export.targets import export_target
+from exportlm.export.options import resolve_dtype
+from exportlm.export.targets import export_target, get_target_info
 
 __all__ = ["build_hf_checkpoint_exporter", "export_hf_checkpoint"]
 
 logger = logging.getLogger(__name__)
+
+#: What ``dtype=`` may cast unquantized floating tensors to (a dtype or its name).
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _hf_accepts(model: Any) -> str | None:
@@ -85,7 +92,7 @@ def export_hf_checkpoint(
     *,
     format: Literal["modelopt", "compressed-tensors"] = "modelopt",
     max_shard_size: int | str = "5GB",
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     overwrite: bool = False,
     is_qlora: bool = False,
     example_inputs: Any = None,
@@ -101,7 +108,8 @@ def export_hf_checkpoint(
             ``"compressed-tensors"`` (transformers; formats with a compressed-tensors
             scheme: of the built-ins, FP8 ``float-quantized``).
         max_shard_size: bytes per shard, an int or ``"500MB"``-style string.
-        dtype: cast unquantized floating tensors to this dtype (default: as in the model).
+        dtype: cast unquantized floating tensors to this dtype, a ``torch.dtype`` or its
+            name (``"bfloat16"``); float32, float16 or bfloat16 (default: as in the model).
         overwrite: replace an existing non-empty directory.
         is_qlora: drop LoRA adapters and write ``base_layer`` weights under the base names.
         example_inputs: accepted for API uniformity; nothing is traced.
@@ -123,21 +131,29 @@ def export_hf_checkpoint(
     reason = _hf_accepts(model)
     if reason:
         raise InvalidModelError(f"hf_checkpoint cannot export this model: {reason}")
+    cast_to: torch.dtype | None = None
+    if dtype is not None:
+        cast_to = resolve_dtype(dtype, where="hf_checkpoint dtype", supported=_FLOAT_DTYPES)
     from exportlm.modules import export_quantized_state
 
     output = Path(output_path)
-    with atomic_output(output, directory=True, overwrite=overwrite) as staging:
+    options = {"format": format, "max_shard_size": max_shard_size, "dtype": cast_to}
+    options |= {"overwrite": overwrite, "is_qlora": is_qlora}
+    with (
+        manifest_for_export(get_target_info("hf_checkpoint"), model, output, options),
+        atomic_output(output, directory=True, overwrite=overwrite) as staging,
+    ):
         writer = ShardedSafetensorsWriter(staging, max_shard_size=max_shard_size)
         sink = CheckpointSink(CheckpointNamer(model), writer, format)
         try:
             summary = export_quantized_state(
-                model, sink, format=format, dtype=dtype, is_qlora=is_qlora
+                model, sink, format=format, dtype=cast_to, is_qlora=is_qlora
             )
         finally:
             sink.close()
         written = writer.finish()
         quant = quantization_section(summary, module_namer(model, sink.namer, is_qlora))
-        write_configs(model, staging, dtype, quant, format)
+        write_configs(model, staging, cast_to, quant, format)
         logger.info(
             "hf_checkpoint: wrote %d tensors (%d bytes) in %d file(s) to %s",
             len(written.weight_map),

@@ -14,7 +14,10 @@ Design notes (measured with torch 2.13 CPU, transformers 5.24, onnxruntime 1.32)
 * Opset 23 with dynamic shapes emits a ``RotaryEmbedding`` node that onnxruntime
   1.32 rejects; 18-22 work, the default is :data:`DEFAULT_OPSET`.
 * External data is written only when the weights exceed protobuf's 2 GiB limit,
-  so a small model is one self-contained ``.onnx`` file.
+  so a small model is one self-contained ``.onnx`` file. The data file is named after
+  its content (``model.onnx.<sha256[:16]>.data``) and published before the graph that
+  references it, so a crash or a concurrent writer never pairs a graph with another
+  export's weights; data files no graph uses any more are removed after publishing.
 * ``onnx`` and ``onnxscript`` are optional (the ``onnx`` extra): this module
   imports neither, and an export without them raises
   :class:`~exportlm.errors.MissingDependencyError` before anything is written.
@@ -37,6 +40,7 @@ from exportlm.errors import InvalidInputError, InvalidModelError
 from exportlm.export._optional import require_modules
 from exportlm.export._wrapper import ExportCacheWrapper, accepts_attention_mask
 from exportlm.export.job import ExportJob, export_job
+from exportlm.export.onnx._external import name_external_data_by_content
 from exportlm.export.onnx._io import AXES, INPUT_NAMES, OUTPUT_NAMES
 from exportlm.export.onnx._legacy import (
     consolidate_external_data,
@@ -212,7 +216,7 @@ def export_onnx_target(
             :class:`~exportlm.export.onnx.LegacyTraceWarning`).
         dynamic: symbolic ``batch`` and ``sequence`` axes on every input and the logits.
         optimize: run the onnxscript graph optimizer (dynamo only).
-        external_data: write weights to ``<file>.data``; ``None`` (default) only when
+        external_data: write weights to ``<file>.<sha256[:16]>.data``; ``None`` (default) only when
             they exceed the 2 GiB protobuf limit.
         attention_mask: add an ``attention_mask`` graph input; ``None`` (default) does so
             for transformers models, whose masking needs it for the legacy exporter.
@@ -230,7 +234,24 @@ def export_onnx_target(
         if not dynamo
         else "Try dynamo=False (legacy exporter) or another opset in 18-22."
     )
-    with export_job("onnx", model, output_path, example_inputs, hint=hint) as job:
+    recorded: dict[str, Any] = {
+        "opset": opset,
+        "dynamo": dynamo,
+        "dynamic": dynamic,
+        "optimize": optimize,
+        "external_data": external_data,
+        "attention_mask": attention_mask,
+    }
+    name = Path(output_path).name
+    with export_job(
+        "onnx",
+        model,
+        output_path,
+        example_inputs,
+        hint=hint,
+        options=recorded,
+        companions=(f"{name}.data", f"{name}.*.data"),
+    ) as job:
         wrapper, args, names = _export_args(job, attention_mask)
         use_external = (
             external_data if external_data is not None else _weight_bytes(model) > _PROTOBUF_LIMIT
@@ -251,6 +272,8 @@ def export_onnx_target(
             if use_external:
                 consolidate_external_data(job.staged)
             warn_legacy_trace(job, dynamic)
+        if use_external:
+            name_external_data_by_content(job.staged)
     return Path(output_path)
 
 

@@ -31,12 +31,16 @@ class OnnxRuntimeModel:
         session: the ``onnxruntime.InferenceSession``.
         path: the loaded ``.onnx`` file.
         input_names: the graph's input names.
+        vocab_size: the vocabulary (the logits' static last dim), when the graph fixes it.
     """
 
     def __init__(self, session: Any, path: Path) -> None:
         self.session = session
         self.path = path
         self.input_names = [i.name for i in session.get_inputs()]
+        vocab = session.get_outputs()[0].shape[-1] if session.get_outputs() else None
+        #: The logits' static last dim: ids at or above it are refused.
+        self.vocab_size: int | None = vocab if isinstance(vocab, int) else None
         unknown = [n for n in self.input_names if n not in INPUT_NAMES]
         if not self.input_names or self.input_names[0] != "input_ids" or unknown:
             raise InvalidModelError(
@@ -47,7 +51,7 @@ class OnnxRuntimeModel:
 
     def __call__(self, input_ids: Any) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]`` (float32, CPU) for ``input_ids`` ``[batch, seq]``."""
-        ids = check_runtime_inputs(input_ids, "onnx").cpu().numpy()
+        ids = check_runtime_inputs(input_ids, "onnx", self.vocab_size).cpu().numpy()
         feed = {"input_ids": ids}
         if "attention_mask" in self.input_names:
             feed["attention_mask"] = np.ones_like(ids)

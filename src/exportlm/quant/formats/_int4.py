@@ -67,5 +67,6 @@ INT4 = FormatSpec(
         "W4A16_AWQ",
         weights={"dynamic": False, "num_bits": 4, "type": "int"},
         layer_fields={"has_zero_point": False, "pre_quant_scale": True},
+        config_groups=False,  # ModelOpt 0.47 writes none for W4A16_AWQ
     ),
 )

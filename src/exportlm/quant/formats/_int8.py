@@ -41,5 +41,8 @@ INT8 = FormatSpec(
         Leaf("weight_scale", torch.float32, source="scale"),
     ),
     recipe=WeightRecipe("int8_wo", axis=0),
-    modelopt=ModelOptScheme("W8A16", weights={"dynamic": False, "num_bits": 8, "type": "int"}),
+    # ModelOpt 0.47 writes no config_groups for W8A16 (only quant_algo, ignore, producer)
+    modelopt=ModelOptScheme(
+        "W8A16", weights={"dynamic": False, "num_bits": 8, "type": "int"}, config_groups=False
+    ),
 )

@@ -103,12 +103,18 @@ class ModelOptScheme:
         input_activations: the ``input_activations`` entry, ``None`` for weight-only.
         layer_fields: extra fields of the layer's ``hf_quant_config.json`` entry
             (AWQ: ``has_zero_point``, ``pre_quant_scale``).
+        config_groups: a single-format checkpoint's ``config.json``
+            ``quantization_config`` carries a ``config_groups`` block (ModelOpt 0.47
+            writes one for FP8, NVFP4, W4A16_NVFP4, NVFP4_SVD only; not for W8A16 or
+            W4A16_AWQ, whose specs set ``False``). Mixed precision always has one, a
+            group per layer config.
     """
 
     quant_algo: str
     weights: Mapping[str, Any]
     input_activations: Mapping[str, Any] | None = None
     layer_fields: Mapping[str, Any] = field(default_factory=dict)
+    config_groups: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weights", _frozen(self.weights))

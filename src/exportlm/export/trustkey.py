@@ -1,0 +1,134 @@
+"""This machine's per-user signing key: what lets a manifest prove "written here".
+
+A manifest written by :func:`~exportlm.export.manifest.write_manifest` carries an
+HMAC-SHA256 of its canonical JSON (file hashes included) under a secret key that
+only this user on this machine can read. :func:`~exportlm.export.load_exported`
+loads an artifact whose format can execute code without ``trust=True`` only when
+that signature verifies: the artifact was written by an exportlm process of this
+user, and no byte of it changed since.
+
+The key is 32 random bytes in a file created on first use with mode ``0600``:
+
+* ``$EXPORTLM_KEY_FILE`` when set (CI: point it at a per-job location);
+* else ``$EXPORTLM_HOME/key`` when ``EXPORTLM_HOME`` is set;
+* else ``~/.cache/exportlm/key``.
+
+A key file that others may read or write (mode ``& 0o077``) proves nothing: it is
+ignored with a warning, and signatures made with it do not verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+import warnings
+from pathlib import Path
+
+__all__ = ["KEY_FILE_ENV", "HOME_ENV", "key_path", "sign", "verify_signature"]
+
+KEY_FILE_ENV = "EXPORTLM_KEY_FILE"
+HOME_ENV = "EXPORTLM_HOME"
+_KEY_BYTES = 32
+
+
+def key_path() -> Path:
+    """Where this user's signing key lives (see the module docstring)."""
+    explicit = os.environ.get(KEY_FILE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    home = os.environ.get(HOME_ENV)
+    if home:
+        return Path(home).expanduser() / "key"
+    return Path.home() / ".cache" / "exportlm" / "key"
+
+
+def _read_key(path: Path) -> bytes | None:
+    """The key at ``path``; ``None`` when absent, unsafe (warned) or malformed (warned)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        data = handle.read(_KEY_BYTES + 1)
+    if os.name == "posix" and (
+        info.st_mode & 0o077 or info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode)
+    ):
+        warnings.warn(
+            f"exportlm signing key {path} is not a private file of this user (mode "
+            f"{stat.S_IMODE(info.st_mode):04o}); it proves nothing and is ignored. "
+            f"Remove it (a new one is created) or chmod 600 it.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
+    if len(data) != _KEY_BYTES:
+        warnings.warn(
+            f"exportlm signing key {path} is not {_KEY_BYTES} bytes; it is ignored. "
+            "Remove it and a new one is created on the next export.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
+    return data
+
+
+def _create_key(path: Path) -> bytes | None:
+    """Create the key file (``0600``, exclusive); a concurrent creator's key wins."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = secrets.token_bytes(_KEY_BYTES)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(key)
+        try:
+            os.link(tmp, path)  # fails if another process created the key first
+        except FileExistsError:
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return _read_key(path)
+
+
+def _key(create: bool) -> bytes | None:
+    path = key_path()
+    key = _read_key(path)
+    if key is None and create and not path.exists():
+        try:
+            key = _create_key(path)
+        except OSError as err:
+            warnings.warn(
+                f"cannot create the exportlm signing key at {path} ({err}); manifests are "
+                f"written unsigned and loading code-executing artifacts needs trust=True. "
+                f"Set {KEY_FILE_ENV} to a writable location.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return None
+    return key
+
+
+def sign(payload: bytes) -> str | None:
+    """HMAC-SHA256 of ``payload`` (hex) under this user's key, creating the key if needed.
+
+    ``None`` when no usable key can be had (warned).
+    """
+    key = _key(create=True)
+    if key is None:
+        return None
+    return hmac.new(key, payload, hashlib.sha256).hexdigest()
+
+
+def verify_signature(payload: bytes, signature: str | None) -> bool:
+    """True when ``signature`` is this user's HMAC of ``payload``; never creates a key."""
+    if not signature:
+        return False
+    key = _key(create=False)
+    if key is None:
+        return False
+    expected = hmac.new(key, payload, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, signature)

@@ -1,0 +1,185 @@
+"""The trust boundary: formats that can execute code load only when proven ours or trusted.
+
+Also the refusals at the door (meta-device models, empty and out-of-vocabulary ids,
+dtype names, special output files), each asserting the message names the problem and
+the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from exportlm.errors import (
+    ArtifactIntegrityError,
+    InvalidInputError,
+    InvalidModelError,
+    UnsupportedDtypeError,
+    UnsupportedOutputPathError,
+    UntrustedArtifactError,
+)
+from exportlm.export import export_model, get_target_info, load_exported
+from exportlm.export.guard import UnverifiedArtifactWarning
+from exportlm.export.manifest import manifest_path
+from exportlm.export.options import resolve_dtype
+from exportlm.models import DecoderConfig, DecoderModel
+
+_IDS = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+
+
+@pytest.fixture(autouse=True)
+def key_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "home" / "key"
+    monkeypatch.setenv("EXPORTLM_KEY_FILE", str(path))
+    return path
+
+
+def _model() -> DecoderModel:
+    torch.manual_seed(0)
+    return DecoderModel(DecoderConfig(hidden_size=32, intermediate_size=64, num_layers=1)).eval()
+
+
+def _export(target: str, path: Path) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return export_model(target, _model(), path)
+
+
+class _Payload:
+    """Unpickling this writes a marker file: the harmless stand-in for an attack."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (Path.write_text, (self.marker, "pwned"))  # type: ignore[return-value]
+
+
+def test_built_in_targets_declare_whether_loading_executes_code() -> None:
+    assert get_target_info("torchscript").executes_code
+    assert get_target_info("torch_export").executes_code
+    assert not get_target_info("onnx").executes_code
+    assert not get_target_info("hf_checkpoint").executes_code
+
+
+@pytest.mark.parametrize(("target", "suffix"), [("torch_export", ".pt2"), ("torchscript", ".pt")])
+def test_a_poisoned_file_is_refused_before_anything_runs(
+    target: str, suffix: str, tmp_path: Path
+) -> None:
+    marker = tmp_path / "marker"
+    poisoned = tmp_path / f"received{suffix}"
+    torch.save({"weights": _Payload(marker)}, poisoned)
+    with pytest.raises(UntrustedArtifactError) as excinfo:
+        load_exported(target, poisoned)
+    message = str(excinfo.value)
+    assert str(poisoned) in message
+    assert "execute arbitrary code" in message
+    assert "trust=True" in message
+    assert "--trust" in message
+    assert not marker.exists()
+    torch.load(poisoned, weights_only=False)  # the payload is live: it would have run
+    assert marker.read_text() == "pwned"
+
+
+@pytest.mark.parametrize("target", ["torchscript", "torch_export"])
+def test_our_own_export_loads_without_trust(target: str, tmp_path: Path, key_file: Path) -> None:
+    path = _export(target, tmp_path / "m.bin")
+    assert load_exported(target, path)(_IDS).shape == (2, 4, 256)
+    if os.name == "posix":
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+
+
+def test_an_artifact_signed_with_another_key_needs_trust(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _export("torchscript", tmp_path / "m.pt")
+    monkeypatch.setenv("EXPORTLM_KEY_FILE", str(tmp_path / "other-machine" / "key"))
+    with pytest.raises(UntrustedArtifactError, match="not signed by this machine"):
+        load_exported("torchscript", path)
+    assert load_exported("torchscript", path, trust=True)(_IDS).shape == (2, 4, 256)
+
+
+def test_a_copied_manifest_does_not_vouch_for_other_bytes(tmp_path: Path) -> None:
+    path = _export("torchscript", tmp_path / "m.pt")
+    foreign = tmp_path / "foreign.pt"
+    shutil.copy(path, foreign)
+    data = json.loads(manifest_path(path).read_text())
+    data["files"] = {"foreign.pt": data["files"]["m.pt"]}  # edited: the signature breaks
+    manifest_path(foreign).write_text(json.dumps(data))
+    with pytest.raises(UntrustedArtifactError):
+        load_exported("torchscript", foreign)
+
+
+def test_a_tampered_file_is_refused_even_with_trust(tmp_path: Path) -> None:
+    path = _export("torch_export", tmp_path / "m.pt2")
+    with open(path, "ab") as handle:
+        handle.write(b"\0")
+    with pytest.raises(ArtifactIntegrityError) as excinfo:
+        load_exported("torch_export", path, trust=True)
+    assert str(path) in str(excinfo.value)
+    assert "re-export" in str(excinfo.value)
+
+
+def test_no_manifest_code_format_refused_data_format_warns(tmp_path: Path) -> None:
+    pt = _export("torchscript", tmp_path / "m.pt")
+    manifest_path(pt).unlink()
+    with pytest.raises(UntrustedArtifactError, match="no manifest"):
+        load_exported("torchscript", pt)
+    with pytest.warns(UnverifiedArtifactWarning):
+        assert load_exported("torchscript", pt, trust=True)(_IDS).shape == (2, 4, 256)
+
+
+def test_meta_device_model_is_refused_before_writing(tmp_path: Path) -> None:
+    with torch.device("meta"):
+        model = DecoderModel(DecoderConfig(hidden_size=32, intermediate_size=64, num_layers=1))
+    with pytest.raises(InvalidModelError, match="meta") as excinfo:
+        export_model("torch_export", model, tmp_path / "m.pt2")
+    assert "Load real weights first" in str(excinfo.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("ids", "problem", "fix"),
+    [
+        (torch.zeros(1, 0, dtype=torch.long), "hold no tokens", "at least one token"),
+        (torch.tensor([[1, 256]]), "outside the vocabulary [0, 256)", "tokenizer"),
+        (torch.tensor([[-1, 2]]), "token id -1", "clip/mask"),
+    ],
+)
+def test_runtime_refuses_empty_and_out_of_vocabulary_ids(
+    ids: torch.Tensor, problem: str, fix: str, tmp_path: Path
+) -> None:
+    runtime = load_exported("torchscript", _export("torchscript", tmp_path / "m.pt"))
+    with pytest.raises(InvalidInputError) as excinfo:
+        runtime(ids)
+    assert problem in str(excinfo.value)
+    assert fix in str(excinfo.value)
+
+
+def test_dtype_names_are_accepted_and_unsupported_ones_list_the_supported() -> None:
+    supported = (torch.float32, torch.bfloat16)
+    assert resolve_dtype("bfloat16", where="t", supported=supported) is torch.bfloat16
+    assert resolve_dtype("torch.float32", where="t", supported=supported) is torch.float32
+    with pytest.raises(UnsupportedDtypeError, match="supported: bfloat16, float32"):
+        resolve_dtype("float16", where="t", supported=supported)
+    with pytest.raises(UnsupportedDtypeError, match="not a torch dtype"):
+        resolve_dtype("bf17", where="t")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_special_output_paths_are_refused_not_replaced(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(UnsupportedOutputPathError, match="not a regular file or directory"):
+        export_model("torchscript", _model(), fifo)
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    with pytest.raises(UnsupportedOutputPathError):
+        export_model("torchscript", _model(), "/dev/null")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
