@@ -163,6 +163,36 @@ def test_runtime_refuses_empty_and_out_of_vocabulary_ids(
     assert fix in str(excinfo.value)
 
 
+@pytest.mark.parametrize("with_manifest", [True, False], ids=["manifest", "config-json"])
+@pytest.mark.parametrize(
+    ("ids", "problem", "fix"),
+    [
+        (torch.zeros(2, 0, dtype=torch.long), "hold no tokens", "at least one token"),
+        (torch.tensor([[1, 256]]), "token id 256 is outside the vocabulary [0, 256)", "tokenizer"),
+        (torch.tensor([[-3, 2]]), "token id -3", "clip/mask"),
+    ],
+)
+def test_hf_checkpoint_runtime_refuses_empty_and_out_of_vocabulary_ids(
+    ids: torch.Tensor, problem: str, fix: str, with_manifest: bool, tmp_path: Path
+) -> None:
+    from exportlm.models import build_model
+
+    model = build_model("llama")
+    assert model.config.vocab_size == 256
+    checkpoint = export_model("hf_checkpoint", model, tmp_path / "ckpt")
+    if not with_manifest:  # the vocabulary then comes from config.json alone
+        manifest_path(checkpoint).unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnverifiedArtifactWarning)
+        runtime = load_exported("hf_checkpoint", checkpoint)
+    assert runtime(torch.tensor([[0, 255]])).shape == (1, 2, 256)  # the edges are in
+    with pytest.raises(InvalidInputError) as excinfo:
+        runtime(ids)
+    assert str(excinfo.value).startswith("hf_checkpoint runtime: ")
+    assert problem in str(excinfo.value)
+    assert fix in str(excinfo.value)
+
+
 def test_dtype_names_are_accepted_and_unsupported_ones_list_the_supported() -> None:
     supported = (torch.float32, torch.bfloat16)
     assert resolve_dtype("bfloat16", where="t", supported=supported) is torch.bfloat16
@@ -183,3 +213,15 @@ def test_special_output_paths_are_refused_not_replaced(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedOutputPathError):
         export_model("torchscript", _model(), "/dev/null")
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_a_key_path_under_a_regular_file_is_ignored_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from exportlm.export import trustkey
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    monkeypatch.setenv("EXPORTLM_KEY_FILE", str(blocker / "key"))
+    with pytest.warns(UserWarning, match="cannot read the exportlm signing key"):
+        assert trustkey.sign(b"payload") is None

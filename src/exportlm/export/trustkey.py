@@ -51,6 +51,15 @@ def _read_key(path: Path) -> bytes | None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         return None
+    except OSError as err:  # a parent that is a file, a symlinked key, no permission...
+        warnings.warn(
+            f"cannot read the exportlm signing key at {path} ({err}); it is ignored, so "
+            f"manifests are written unsigned and loading code-executing artifacts needs "
+            f"trust=True. Set {KEY_FILE_ENV} to a private, readable file.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(handle.fileno())
         data = handle.read(_KEY_BYTES + 1)
@@ -94,10 +103,15 @@ def _create_key(path: Path) -> bytes | None:
     return _read_key(path)
 
 
+def _blocked(path: Path) -> bool:
+    """True when a parent of ``path`` exists but is not a directory (no key can go there)."""
+    return any(p.exists() and not p.is_dir() for p in path.parents)
+
+
 def _key(create: bool) -> bytes | None:
     path = key_path()
     key = _read_key(path)
-    if key is None and create and not path.exists():
+    if key is None and create and not os.path.lexists(path) and not _blocked(path):
         try:
             key = _create_key(path)
         except OSError as err:

@@ -12,8 +12,9 @@ re-applies static input / KV-cache quantization with the stored scales
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,13 +28,12 @@ from exportlm.export.hf_checkpoint.experts import SPLIT_EXPERT, fuse_split_exper
 from exportlm.export.hf_checkpoint.formats import StoredFormats
 from exportlm.export.hf_checkpoint.sink import INDEX_NAME, SINGLE_FILE_NAME
 from exportlm.export.hf_checkpoint.static import StaticQuantization
+from exportlm.export.runtime import TorchModuleRuntime, resolve_device
 
 __all__ = ["KVRoundtrip", "kv_cache_roundtrip", "load_hf_checkpoint"]
 
 
-def load_hf_checkpoint(
-    artifact: Path, *, device: str | torch.device = "cpu"
-) -> Callable[[torch.Tensor], torch.Tensor]:
+def load_hf_checkpoint(artifact: Path, *, device: str | torch.device = "cpu") -> TorchModuleRuntime:
     """Runtime of ``hf_checkpoint``: rebuild, dequantize, and return ``input_ids -> logits``.
 
     The model class comes from ``config.json``'s ``architectures``; quantized
@@ -42,22 +42,27 @@ def load_hf_checkpoint(
     and KV-cache scales are re-applied by :mod:`exportlm.quant`'s own quantized
     modules, loaded with the stored scales, as a serving engine applies them.
     Attention runs ``eager`` (the reference implementation) and ``use_cache=False``.
+    The returned runtime refuses non-integer, empty and out-of-vocabulary ``input_ids``
+    (the vocabulary is ``config.json``'s ``vocab_size``) with
+    :class:`~exportlm.errors.InvalidInputError`, as the other runtimes do.
 
     Raises:
-        InvalidInputError: ``artifact`` is not a Hugging Face checkpoint directory.
+        InvalidInputError: ``artifact`` is not a Hugging Face checkpoint directory,
+            or ``device`` is not a device.
+        RuntimeUnavailableError: ``device`` is CUDA and this machine has none.
         UnsupportedFormatError: the checkpoint declares (or stores) a quantization
             format no registered :class:`~exportlm.quant.formats.FormatSpec` has.
     """
     directory = Path(artifact)
-    model = _rebuild_model(directory, torch.device(device))
-    model_device = torch.device(device)
-
-    def run(input_ids: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            output = model(input_ids.to(model_device), use_cache=False)
-        return extract_logits(output, where=f"hf_checkpoint {directory.name}")
-
-    return run
+    model_device = resolve_device(device, "hf_checkpoint")
+    model = _rebuild_model(directory, model_device)
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None)
+    return TorchModuleRuntime(
+        functools.partial(model, use_cache=False),
+        model_device,
+        "hf_checkpoint",
+        vocab_size=vocab if isinstance(vocab, int) and vocab > 0 else None,
+    )
 
 
 @dataclass(frozen=True)
