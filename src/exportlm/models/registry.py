@@ -152,7 +152,7 @@ def _declared(name: str, failures: Mapping[str, str | None]) -> dict[str, str]:
 
 #: Target checks that are not run per model: the conformance suite exports the
 #: ``decoder`` family for them, so that family's failures extend to their items.
-_MODEL_FREE_CHECKS = ("artifact_contract", "deterministic", "cache_wrapper")
+_MODEL_FREE_CHECKS = ("artifact_contract", "deterministic", "cache_wrapper", "trust")
 
 
 def _plain(name: str, factory: ModelFactory) -> ModelFamily:
