@@ -20,6 +20,7 @@ from exportlm.modules import (
     export_quantized_state,
 )
 from exportlm.quant import QuantExperts, QuantLinear, quantize
+from tests._lora import LoraLinear
 
 
 def _export(model: nn.Module, **kwargs: object) -> tuple[dict[str, torch.Tensor], object]:
@@ -275,24 +276,10 @@ def test_shared_parameter_object_is_written_once() -> None:
     assert list(tensors) == ["first.weight"]
 
 
-class _LoraLinear(nn.Module):
-    """A peft-like LoRA wrapper: ``base_layer`` plus ``lora_A`` / ``lora_B`` adapters."""
-
-    def __init__(self, base: nn.Linear) -> None:
-        super().__init__()
-        self.base_layer = base
-        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, 4, bias=False)})
-        self.lora_B = nn.ModuleDict({"default": nn.Linear(4, base.out_features, bias=False)})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
-        return out
-
-
 def test_qlora_drops_adapters_and_rewrites_base_layer_names() -> None:
     model = DecoderModel(num_layers=1)
     attn = model.layers[0].self_attn
-    attn.q_proj = _LoraLinear(attn.q_proj)
+    attn.q_proj = LoraLinear(attn.q_proj)
     quantize(model, "fp8")
     assert isinstance(attn.q_proj.base_layer, QuantLinear)
     assert not isinstance(attn.q_proj.lora_A["default"], QuantLinear)  # adapters excluded

@@ -2,33 +2,17 @@
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from exportlm.models import DecoderModel
 from exportlm.modules import DictSink, export_quantized_state, qlora_saved_name
 from exportlm.quant import QuantLinear, quantize
-
-
-class _LoraLinear(nn.Module):
-    """A peft-like LoRA wrapper: ``base_layer`` plus ``lora_A`` / ``lora_B`` adapters."""
-
-    def __init__(self, base: nn.Linear) -> None:
-        super().__init__()
-        self.base_layer = base
-        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, 4, bias=False)})
-        self.lora_B = nn.ModuleDict({"default": nn.Linear(4, base.out_features, bias=False)})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
-        return out
+from tests._lora import LoraLinear
 
 
 def _qlora_decoder() -> DecoderModel:
     model = DecoderModel(num_layers=1)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    attn.q_proj = _LoraLinear(attn.q_proj)
-    mlp.up_proj = _LoraLinear(mlp.up_proj)
+    attn.q_proj = LoraLinear(attn.q_proj)
+    mlp.up_proj = LoraLinear(mlp.up_proj)
     return model
 
 
