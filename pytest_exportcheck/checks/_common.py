@@ -14,7 +14,6 @@ and turns its exception into such a failure, carrying the exception
 from __future__ import annotations
 
 import functools
-import inspect
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -26,7 +25,6 @@ __all__ = [
     "aborts_to_result",
     "attempt",
     "error_text",
-    "keyword_parameters",
     "listed",
 ]
 
@@ -88,27 +86,3 @@ def listed(items: Iterable[str]) -> str:
     items = list(items)
     text = "; ".join(items[:_MAX_LISTED])
     return text + (f"; ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
-
-
-def keyword_parameters(fn: Callable[..., Any], skip: int) -> tuple[list[str], bool]:
-    """``(names, has_var_keyword)``: the keyword options ``fn`` takes after ``skip`` positionals.
-
-    A factory is ``(model, output_path, **options)`` (``skip=2``), a runtime loader
-    ``(artifact, **options)`` (``skip=1``); ``*args`` and positional-only
-    parameters are not options.
-    """
-    names: list[str] = []
-    var_keyword = False
-    positional = 0
-    for param in inspect.signature(fn).parameters.values():
-        if param.kind is param.VAR_KEYWORD:
-            var_keyword = True
-        elif param.kind is param.VAR_POSITIONAL:
-            continue
-        elif param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD) and (
-            positional < skip
-        ):
-            positional += 1
-        elif param.kind is not param.POSITIONAL_ONLY:
-            names.append(param.name)
-    return names, var_keyword

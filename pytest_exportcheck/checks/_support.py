@@ -22,6 +22,7 @@ from torch import nn
 from exportlm.export import (
     ExportCacheWrapper,
     TargetInfo,
+    accepted_kwargs,
     compare_logits,
     ensure_exporters_registered,
     export_model,
@@ -33,7 +34,7 @@ from exportlm.export import (
 )
 from exportlm.models import build_model, model_names
 from pytest_exportcheck.checks._api import CheckResult, TargetCase
-from pytest_exportcheck.checks._common import CheckAbort, attempt, keyword_parameters
+from pytest_exportcheck.checks._common import CheckAbort, attempt
 
 __all__ = [
     "DEFAULT_MODELS",
@@ -177,7 +178,7 @@ def export_instance(case: TargetCase, model: nn.Module, directory: Path, **extra
 
 def runtime_kwargs(case: TargetCase) -> dict[str, Any]:
     """``device=...`` for the runtime loader when it takes one (always off the CPU)."""
-    names, var_kw = keyword_parameters(runtime_loader(case.target), skip=1)
+    names, var_kw = accepted_kwargs(runtime_loader(case.target), skip=1)
     if case.device != "cpu" or "device" in names or var_kw:
         return {"device": case.device}
     return {}

@@ -31,10 +31,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from exportlm.export import EXPORT_REGISTRY, TargetInfo, export_model, load_exported
+from exportlm.export import (
+    EXPORT_REGISTRY,
+    TargetInfo,
+    accepted_kwargs,
+    export_model,
+    load_exported,
+)
 from exportlm.export.manifest import DIRECTORY_MANIFEST_NAME, MANIFEST_SUFFIX
 from pytest_exportcheck.checks._api import TargetCase
-from pytest_exportcheck.checks._common import keyword_parameters
 from pytest_exportcheck.checks._support import artifact_name, runtime_kwargs
 
 __all__ = ["InjectedPublishFailure", "fail_nth_publish", "multi_file_problems"]
@@ -113,7 +118,7 @@ def multi_file_problems(
     A factory that takes ``external_data`` gets ``external_data=True``, so even the
     small toy model is written as several files.
     """
-    names, _ = keyword_parameters(EXPORT_REGISTRY.get(case.target), skip=2)
+    names, _ = accepted_kwargs(EXPORT_REGISTRY.get(case.target), skip=2)
     if "external_data" in names:
         kwargs = {**kwargs, "external_data": True}
     notes: list[str] = []

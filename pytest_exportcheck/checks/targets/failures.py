@@ -8,13 +8,18 @@ from typing import Any
 
 from torch import nn
 
-from exportlm.export import EXPORT_REGISTRY, TargetInfo, export_model, load_exported
+from exportlm.export import (
+    EXPORT_REGISTRY,
+    TargetInfo,
+    accepted_kwargs,
+    export_model,
+    load_exported,
+)
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import (
     CheckAbort,
     aborts_to_result,
     error_text,
-    keyword_parameters,
 )
 from pytest_exportcheck.checks._support import (
     artifact_name,
@@ -97,7 +102,7 @@ def poison_last_parameter(model: nn.Module) -> str:
 
 def _overwrite_kwargs(case: TargetCase) -> dict[str, Any]:
     """``overwrite=True`` for factories that take it, so the replace path is exercised."""
-    names, _ = keyword_parameters(EXPORT_REGISTRY.get(case.target), skip=2)
+    names, _ = accepted_kwargs(EXPORT_REGISTRY.get(case.target), skip=2)
     return {"overwrite": True} if "overwrite" in names else {}
 
 

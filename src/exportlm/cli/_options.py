@@ -14,7 +14,6 @@ naming the option and what it accepts.
 from __future__ import annotations
 
 import ast
-import inspect
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -164,20 +163,13 @@ def _literal_or_string(raw: str) -> Any:
 
 def _keyword_parameters(factory: Callable[..., Any]) -> tuple[set[str], bool]:
     """(names passable by keyword after ``(model, output_path)``, takes ``**kwargs``)."""
+    from exportlm.export.options import accepted_kwargs
+
     try:
-        parameters = list(inspect.signature(factory).parameters.values())
-    except (TypeError, ValueError):
+        names, var_keyword = accepted_kwargs(factory, skip=2)
+    except (TypeError, ValueError):  # no signature to read: accept anything
         return set(), True
-    names: set[str] = set()
-    positional = 0
-    for p in parameters:
-        if p.kind is p.VAR_KEYWORD:
-            return names, True
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and positional < 2:
-            positional += 1
-        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            names.add(p.name)
-    return names, False
+    return set(names), var_keyword
 
 
 def _type_hints(factory: Callable[..., Any]) -> dict[str, Any]:

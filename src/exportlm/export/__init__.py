@@ -27,7 +27,7 @@ from exportlm.export.onnx import (
     get_onnx_info,
     verify_onnx,
 )
-from exportlm.export.options import check_kwargs
+from exportlm.export.options import accepted_kwargs, check_kwargs
 from exportlm.export.targets import (
     CAPABILITIES,
     EXPORT_BACKENDS_GROUP,
@@ -63,6 +63,7 @@ __all__ = [
     "TargetInfo",
     "atomic_output",
     "build_onnx_exporter",
+    "accepted_kwargs",
     "check_kwargs",
     "compare_logits",
     "ensure_exporters_registered",
