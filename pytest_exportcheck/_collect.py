@@ -221,20 +221,25 @@ def _exporter_items(exporter: ExporterPlan, p: Plan) -> list[ItemSpec]:
     if not exporter.loaded:
         return items
     for index, spec in _checks(p, "exporter"):
+        # Exporter checks run on the CPU; a per_device one also on every other device
+        # selected, with the device in its id (the CPU item keeps ``check[exporter]``).
+        devices = p.devices if getattr(spec, "per_device", False) else ("cpu",)
         for model in p.models if spec.per_model else (None,):
-            items.append(
-                ItemSpec(
-                    spec.id,
-                    "exporter",
-                    name,
-                    (name,) if model is None else (name, model),
-                    exporter=name,
-                    model=model,
-                    device="cpu",
-                    check_index=index,
-                    markers=_markers(spec),
+            for device in devices:
+                params = (name,) if model is None else (name, model)
+                items.append(
+                    ItemSpec(
+                        spec.id,
+                        "exporter",
+                        name,
+                        params if device == "cpu" else (*params, device),
+                        exporter=name,
+                        model=model,
+                        device=device,
+                        check_index=index,
+                        markers=_markers(spec),
+                    )
                 )
-            )
     return items
 
 
@@ -244,7 +249,15 @@ def _capability_gap(target: TargetPlan, spec: CheckSpec, device: str) -> str | N
     if not missing:
         return None
     declared = ", ".join(sorted(target.capabilities)) or "none"
+    hint = _CUDA_HINT if "cuda" in missing else ""
     return (
         f"capability gap: target {target.name!r} does not declare "
-        f"{', '.join(map(repr, missing))} (declared: {declared})"
+        f"{', '.join(map(repr, missing))} (declared: {declared}){hint}"
     )
+
+
+#: Appended to a missing 'cuda': why a target may run on the CPU only.
+_CUDA_HINT = (
+    "; its runtime does not run on CUDA in this environment (the built-in onnx target runs "
+    "in onnxruntime's CPU provider and declares 'cuda' only when onnxruntime-gpu is installed)"
+)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ from pytest_exportcheck._runner import ItemRunner
 from pytest_exportcheck._xfails import XfailBook
 from pytest_exportcheck.checks import CHECKS
 
-__all__ = ["ExportCheckSession"]
+__all__ = ["ExportCheckSession", "Float32Precision"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,9 @@ class ExportCheckSession:
         self.specs: list[ItemSpec] = planner.items(args)
         self.runner = ItemRunner(config, options, self.discovery)
         self.goldens_dir: Path = goldens_dir(config, options)
+        #: TF32 off while a run that selects CUDA lasts (restored by :meth:`finish`).
+        self.precision = Float32Precision(options.devices)
+        self.precision.start()
         register_profiles()
         for name in sorted({m for spec in self.specs for m in spec.markers}):
             register_marker(config, name, "exportcheck items of checks marked so")
@@ -73,11 +78,14 @@ class ExportCheckSession:
     # -- header -------------------------------------------------------------
     def environment(self) -> dict[str, Any]:
         """Options, versions, plugins and plugin failures (header, JSON and JUnit reports)."""
-        return environment(self.options, self.discovery, self.goldens_dir)
+        env = environment(self.options, self.discovery, self.goldens_dir)
+        env["environment"]["float32"] = self.precision.describe()
+        return env
 
     def report_header(self) -> list[str]:
-        """The lines of the report header."""
-        return header_lines(self.environment(), self.discovery)
+        """The lines of the report header (the last one: how float32 matmuls run)."""
+        lines = header_lines(self.environment(), self.discovery)
+        return [*lines, f"exportcheck float32: {self.precision.describe()}"]
 
     # -- collection ---------------------------------------------------------
     def ignore_collect(self, path: Path) -> bool | None:
@@ -189,6 +197,7 @@ class ExportCheckSession:
     def finish(self) -> None:
         """Write the JSON report and the JUnit properties; call ``pytest_exportcheck_report``."""
         self.runner.close()
+        self.precision.stop()
         if _is_worker(self.config):
             return
         env = self.environment()
@@ -228,3 +237,133 @@ def _share_cpus_between_workers(config: pytest.Config) -> None:
             workers,
         )
         torch.set_num_threads(share)
+
+
+# ----------------------------------------------------------------------------- float32 precision
+
+
+@dataclass(frozen=True)
+class _Float32Settings:
+    """torch's float32 matmul / cuDNN settings, read and written through one API.
+
+    ``api`` is ``"legacy"`` (``allow_tf32`` and ``set_float32_matmul_precision``) or,
+    where torch refuses to read the legacy flags because the new
+    ``fp32_precision`` attributes were set, ``"fp32_precision"``.
+    """
+
+    api: str
+    values: tuple[Any, ...]
+
+
+#: The new-API attributes (owner path, attribute) saved and restored as they are.
+_FP32_PRECISION_ATTRS = (
+    ("", "fp32_precision"),
+    ("cuda.matmul", "fp32_precision"),
+    ("cudnn", "fp32_precision"),
+    ("cudnn.conv", "fp32_precision"),
+    ("cudnn.rnn", "fp32_precision"),
+)
+
+
+def _backend(path: str) -> Any:
+    import torch
+
+    owner: Any = torch.backends
+    for part in filter(None, path.split(".")):
+        owner = getattr(owner, part)
+    return owner
+
+
+def _read_float32_settings() -> _Float32Settings:
+    import torch
+
+    try:
+        return _Float32Settings(
+            "legacy",
+            (
+                torch.backends.cuda.matmul.allow_tf32,
+                torch.backends.cudnn.allow_tf32,
+                torch.get_float32_matmul_precision(),
+            ),
+        )
+    except RuntimeError:  # torch refuses legacy reads after the new API was used
+        values = tuple(getattr(_backend(o), a) for o, a in _FP32_PRECISION_ATTRS)
+        return _Float32Settings("fp32_precision", values)
+
+
+def _write_float32_settings(settings: _Float32Settings) -> None:
+    import torch
+
+    if settings.api == "legacy":
+        matmul, cudnn, precision = settings.values
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+        torch.backends.cudnn.allow_tf32 = cudnn
+        torch.set_float32_matmul_precision(precision)
+        return
+    for (owner, attr), value in zip(_FP32_PRECISION_ATTRS, settings.values):
+        setattr(_backend(owner), attr, value)
+
+
+#: TF32 off everywhere: float32 matmuls and convolutions in full IEEE float32.
+_STRICT = _Float32Settings("legacy", (False, False, "highest"))
+
+
+class Float32Precision:
+    """Turns TF32 off for a run that selects CUDA, and restores the settings afterwards.
+
+    With TF32, CUDA float32 matmuls round their inputs to 10 mantissa bits: logits
+    move by about 1e-3 relative, beyond every built-in tolerance, so a roundtrip
+    would compare TF32 noise instead of the export. :meth:`start` saves torch's
+    settings and sets ``torch.backends.cuda.matmul.allow_tf32 = False``,
+    ``torch.backends.cudnn.allow_tf32 = False`` and
+    ``torch.set_float32_matmul_precision("highest")``; :meth:`stop` writes back what
+    was saved. It applies to the whole pytest process (the repo's own tests in the
+    same run included), only when ``cuda`` is among ``devices`` and CUDA is
+    available; otherwise nothing is touched.
+    """
+
+    def __init__(
+        self, devices: tuple[str, ...], cuda_available: Callable[[], bool] | None = None
+    ) -> None:
+        self.devices = devices
+        self._cuda_available = cuda_available
+        self._saved: _Float32Settings | None = None
+        self.applied = False
+
+    @property
+    def wanted(self) -> bool:
+        """True when the run selects CUDA and CUDA is available."""
+        if "cuda" not in self.devices:
+            return False
+        if self._cuda_available is not None:
+            return self._cuda_available()
+        import torch
+
+        return bool(torch.cuda.is_available())
+
+    def start(self) -> None:
+        """Save the current settings and turn TF32 off (no-op unless :attr:`wanted`)."""
+        if self.applied or not self.wanted:
+            return
+        self._saved = _read_float32_settings()
+        _write_float32_settings(_STRICT)
+        self.applied = True
+        logger.info("exportcheck: TF32 off for the run (saved %s)", self._saved)
+
+    def stop(self) -> None:
+        """Restore the settings :meth:`start` saved (idempotent)."""
+        if self._saved is not None:
+            _write_float32_settings(self._saved)
+        self._saved = None
+        self.applied = False
+
+    def describe(self) -> str:
+        """One line for the header and the reports."""
+        if self.applied:
+            return (
+                "TF32 off for this run (cuda.matmul.allow_tf32=False, cudnn.allow_tf32=False, "
+                "float32_matmul_precision=highest); restored at the end"
+            )
+        if "cuda" in self.devices:
+            return "CUDA not available: float32 settings untouched"
+        return "no CUDA device selected: float32 settings untouched"

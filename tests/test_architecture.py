@@ -37,6 +37,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.modules",
         "exportlm._progress",
     },
+    "exportlm.inspection": {"exportlm.errors", "exportlm.quant"},
     "exportlm.inventory": {
         "exportlm.registry",
         "exportlm.export",

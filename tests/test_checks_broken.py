@@ -247,6 +247,15 @@ BREAKING_TESTS: dict[str, list[str]] = {
         "test_checkpoint_names::test_wrong_ignore_entries_fail_checkpoint_names",
         "test_checkpoint_names::test_stale_exclude_name_fails_checkpoint_names",
     ],
+    "loadable": ["test_inspect_cli::test_a_target_writing_a_stray_lm_head_scale_fails_loadable"],
+    "generation_parity": [
+        "test_generation_check::test_a_decode_that_ignores_the_past_fails",
+        "test_generation_check::test_through_the_plugin_the_past_ignoring_target_fails",
+    ],
+    "fp8_gemm": ["test_gpu_fp8_gemm::test_a_scale_off_by_two_percent_fails"],
+    "roundtrip_quantized": [
+        "test_onnx_quantized::test_a_target_writing_wrong_weight_scales_fails_roundtrip_quantized"
+    ],
 }
 
 #: Checks whose failing input lives in no test, with the reason (none today).

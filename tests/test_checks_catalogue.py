@@ -92,7 +92,8 @@ def test_every_entry_resolves_to_its_decorated_function(spec: CheckSpec) -> None
 def test_only_the_hypothesis_driven_checks_carry_the_hypothesis_marker() -> None:
     marked = {spec.id for spec in CHECKS.values() if "hypothesis" in spec.markers}
     assert marked == HYPOTHESIS_CHECKS
-    assert all(spec.markers <= {"hypothesis"} for spec in BUILTIN_CHECKS)
+    assert all(spec.markers <= {"hypothesis", "cuda"} for spec in BUILTIN_CHECKS)
+    assert {spec.id for spec in BUILTIN_CHECKS if "cuda" in spec.markers} == {"fp8_gemm"}
 
 
 def test_unknown_check_id_lists_the_known_ones() -> None:

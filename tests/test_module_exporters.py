@@ -102,7 +102,8 @@ def test_fp8_layout_matches_modelopt() -> None:
             "int4_awq",
             torch.uint8,
             (128, 128),
-            {"weight_scale": ((256, 1), torch.float32), "pre_quant_scale": ((128,), torch.float32)},
+            # up_proj's AWQ scale is folded into the norm before the MLP (no pre_quant_scale)
+            {"weight_scale": ((256, 1), torch.float32)},
         ),
         ("int8_wo", torch.int8, (256, 128), {"weight_scale": ((256,), torch.float32)}),
     ],
@@ -120,6 +121,9 @@ def test_other_formats_layouts(
     for suffix, (shape, dtype) in extra.items():
         assert tuple(tensors[f"{prefix}.{suffix}"].shape) == shape, suffix
         assert tensors[f"{prefix}.{suffix}"].dtype == dtype, suffix
+    if recipe == "int4_awq":  # no norm before down_proj: its scale stays pre_quant_scale
+        assert f"{prefix}.pre_quant_scale" not in tensors
+        assert tensors["layers.0.mlp.down_proj.pre_quant_scale"].shape == (256,)
     config = summary.quantization_config()  # type: ignore[attr-defined]
     assert (
         config["quant_algo"]

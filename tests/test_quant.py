@@ -518,11 +518,13 @@ def test_kv_cache_quantizers_on_k_and_v_with_scale_amax_over_448_unclamped() -> 
 def test_awq_pre_quant_scale_is_shared_by_a_fused_group() -> None:
     model = quantize(DecoderModel(num_layers=1, hidden_size=128, intermediate_size=256), "int4_awq")
     attn = model.layers[0].self_attn
-    pqs = attn.q_proj.input_quantizer.pre_quant_scale
+    # the norm before the attention absorbs the shared scale (folded, as ModelOpt exports)
+    pqs = attn.q_proj.input_quantizer.folded_pre_quant_scale
+    assert attn.q_proj.input_quantizer.pre_quant_scale is None
     assert pqs is not None
     assert pqs.shape == (128,)
     assert (pqs > 0).all()
-    assert torch.equal(pqs, attn.k_proj.input_quantizer.pre_quant_scale)
+    assert torch.equal(pqs, attn.k_proj.input_quantizer.folded_pre_quant_scale)
     assert not attn.q_proj.input_quantizer.enabled  # W4A16: activations stay float
 
 

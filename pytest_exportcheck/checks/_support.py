@@ -51,6 +51,8 @@ __all__ = [
     "listing",
     "load_runtime",
     "load_shared_runtime",
+    "cuda_capability_problem",
+    "require_cuda_capability",
     "require_device",
     "roundtrip",
     "run_runtime",
@@ -83,6 +85,46 @@ def require_device(case: TargetCase, info: TargetInfo) -> None:
         )
     if case.device.startswith("cuda") and not torch.cuda.is_available():
         raise CheckAbort(CheckResult.skipped(f"{case.device} requested but CUDA is not available"))
+
+
+def cuda_capability_problem(device: str, minimum: tuple[int, int]) -> str | None:
+    """Why ``device`` cannot run a kernel that needs compute capability ``minimum``, or ``None``."""
+    need = f"{minimum[0]}.{minimum[1]}"
+    if not device.startswith("cuda"):
+        return f"needs a CUDA device of compute capability >= {need}; this item runs on {device}"
+    if not torch.cuda.is_available():
+        return (
+            f"needs a CUDA device of compute capability >= {need}, but CUDA is not available "
+            f"(torch.cuda.is_available() is False; torch.version.cuda is {torch.version.cuda})"
+        )
+    index = torch.device(device).index or 0
+    found = tuple(torch.cuda.get_device_capability(index))
+    if found < minimum:
+        name = torch.cuda.get_device_name(index)
+        return (
+            f"needs compute capability >= {need} (Ada, Hopper or newer); {device} is {name}, "
+            f"capability {found[0]}.{found[1]}"
+        )
+    return None
+
+
+def require_cuda_capability(
+    device: str, minimum: tuple[int, int], *, what: str, require: bool
+) -> None:
+    """Stop the check unless ``device`` is a CUDA device of compute capability ``minimum``.
+
+    A counted skip with the reason; a failure instead when ``require``
+    (``--export-require-device``) is set and the item runs on a CUDA device that
+    is missing or too old. A CPU item always skips: it is not a device item.
+    """
+    problem = cuda_capability_problem(device, minimum)
+    if problem is None:
+        return
+    if require and device.startswith("cuda"):
+        raise CheckAbort(
+            CheckResult.failed(f"{what}: {problem}, and --export-require-device is set")
+        )
+    raise CheckAbort(CheckResult.skipped(f"{what}: {problem}"))
 
 
 def build_case_model(case: TargetCase, name: str) -> nn.Module:

@@ -204,23 +204,32 @@ def recipe_label(recipe: RecipeKey) -> str:
 
 
 def _quantize(
-    model_name: str, recipe: RecipeKey, seed: int, calibration: Calibration = "data"
+    model_name: str,
+    recipe: RecipeKey,
+    seed: int,
+    calibration: Calibration = "data",
+    device: str = "cpu",
 ) -> nn.Module | str:
     """The quantized model (cached), or why it could not be built."""
     ensure_models_registered()
     factory = id(MODEL_REGISTRY.get(model_name))
-    return _quantize_cached(model_name, factory, recipe, seed, calibration)
+    return _quantize_cached(model_name, factory, recipe, seed, calibration, device)
 
 
 @functools.lru_cache(maxsize=64)
 def _quantize_cached(
-    model_name: str, factory_id: int, recipe: RecipeKey, seed: int, calibration: Calibration
+    model_name: str,
+    factory_id: int,
+    recipe: RecipeKey,
+    seed: int,
+    calibration: Calibration,
+    device: str,
 ) -> nn.Module | str:
     # Quantization does not depend on the exporter registry, so fakes registered
     # by tests or plugins re-run only dispatch and export. A recorder restores a
     # module an exporter modified, so a cached model stays as quantized.
     try:
-        model = build_model(model_name, seed=seed)
+        model = build_model(model_name, seed=seed).to(device)  # seeded on the CPU, then moved
         plan = recipe if isinstance(recipe, str) else dict(recipe)
         calibrate = synthetic_calibration(seed) if calibration == "synthetic" else None
         return quantize(model, plan, calibrate)
@@ -277,13 +286,14 @@ def _survey(
     state: tuple[Any, ...],
     calibration: Calibration,
     format: ExportFormat,
+    device: str = "cpu",
 ) -> Survey:
     names = exporter_names()
     quantized: list[QuantizedModel] = []
     skipped: dict[str, str] = {}
     for model_name in models:
         for recipe in recipes:
-            model = _quantize(model_name, recipe, seed, calibration)
+            model = _quantize(model_name, recipe, seed, calibration, device)
             label = recipe_label(recipe)
             if isinstance(model, str):
                 skipped[f"{model_name}/{label}"] = model
@@ -299,15 +309,20 @@ def survey_of(
     *,
     calibration: Calibration = "data",
     format: ExportFormat = "modelopt",
+    device: str = "cpu",
 ) -> Survey:
     """The (cached) survey of ``models`` x ``recipes`` with the current registry.
 
     ``calibration="synthetic"`` quantizes with machine-independent statistics
-    (for goldens); ``format`` is the checkpoint layout the driver writes.
+    (for goldens); ``format`` is the checkpoint layout the driver writes;
+    ``device`` is where the models are quantized and exported (the weights are
+    seeded on the CPU, then moved, so they are the same bits on every device).
     """
     ensure_module_exporters_registered()
     ensure_models_registered()
-    return _survey(tuple(models), tuple(recipes), seed, registry_state(), calibration, format)
+    return _survey(
+        tuple(models), tuple(recipes), seed, registry_state(), calibration, format, device
+    )
 
 
 def survey_for(case: ExporterCase) -> Survey:

@@ -66,6 +66,10 @@ class CheckSpec:
             gets a counted skip.
         markers: pytest markers the plugin puts on the check's items
             (``"hypothesis"`` for checks driven by Hypothesis).
+        per_device: exporter checks only: also run on each device of
+            ``--export-device`` (the ``cuda`` item's id ends in ``-cuda``; the
+            ``cpu`` item keeps the id ``check[exporter]``). Target checks always
+            run per device.
         summary: one line: what the check verifies (the first paragraph of the
             implementation's docstring, which holds the full description).
     """
@@ -77,6 +81,7 @@ class CheckSpec:
     needs: frozenset[str] = frozenset()
     markers: frozenset[str] = frozenset()
     summary: str = ""
+    per_device: bool = False
 
     def __post_init__(self) -> None:
         # Accept any iterable of names (a tuple in a declaration), store a frozenset.
@@ -93,6 +98,11 @@ class CheckSpec:
             )
         if self.per_model and self.scope != "target":
             raise CatalogueError(f"check {self.id!r}: per_model=True needs scope='target'")
+        if self.per_device and self.scope != "exporter":
+            raise CatalogueError(
+                f"check {self.id!r}: per_device=True is for scope='exporter' "
+                "(target checks always run on every --export-device)"
+            )
         if isinstance(self.impl, str):
             _split_reference(self.id, self.impl)
         elif not callable(self.impl):
@@ -203,6 +213,15 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
         summary="Two exports of the same model give bit-identical runtime outputs.",
     ),
     CheckSpec(
+        "generation_parity",
+        "target",
+        f"{_T}.generation:generation_parity",
+        per_model=True,
+        needs=frozenset({"kv_cache"}),
+        summary="Greedy decoding through the artifact's KV cache gives the eager model's "
+        "tokens and logits.",
+    ),
+    CheckSpec(
         "atomic_failure",
         "target",
         f"{_T}.failures:atomic_failure",
@@ -236,6 +255,23 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
         needs=frozenset({"quantized"}),
         summary="Names in a quantized checkpoint's configs are the names its tensors are "
         "saved under.",
+    ),
+    CheckSpec(
+        "loadable",
+        "target",
+        "pytest_exportcheck.checks.loadable:loadable",
+        per_model=True,
+        needs=frozenset({"quantized"}),
+        summary="Quantized checkpoints (FP8 + FP8 KV, NVFP4, INT4 AWQ, INT8) pass every "
+        "error-level rule of ``exportlm inspect``.",
+    ),
+    CheckSpec(
+        "roundtrip_quantized",
+        "target",
+        f"{_T}.quantized:roundtrip_quantized",
+        needs=frozenset({"quantized"}),
+        summary="A quantized model's artifact, in the target's runtime, gives the fake-quant "
+        "model's logits.",
     ),
     # ------------------------------------------------------------------ module-exporter checks
     CheckSpec(
@@ -309,6 +345,7 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
         "exporter",
         "pytest_exportcheck.checks.golden_checks:golden_checkpoint",
         summary="What the exporter writes for every golden case equals its golden, byte for byte.",
+        per_device=True,
     ),
     CheckSpec(
         "golden_calibration",
@@ -317,5 +354,16 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
         summary="The activation scales the exporter writes after real calibration match the "
         "golden's within ``rtol=1e-4, atol=1e-12`` "
         "(``|obtained - golden| <= atol + rtol * |golden|``).",
+        per_device=True,
+    ),
+    CheckSpec(
+        "fp8_gemm",
+        "exporter",
+        "pytest_exportcheck.checks.exporters.fp8_gemm:fp8_gemm",
+        markers=frozenset({"cuda"}),
+        summary="On a CUDA device of compute capability 8.9 or newer, the exported FP8 "
+        "linears run through ``torch._scaled_mm`` match the fake-quant forward within "
+        "``|gemm - fake_quant| <= 1e-3 * (|x_q| @ |w_q|^T) + 1e-6``.",
+        per_device=True,
     ),
 )

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from exportlm.modules import MODULE_EXPORTER_REGISTRY
+from exportlm.quant import PORTABLE_MARGIN, awq_margin
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, error_text
 from pytest_exportcheck.checks._survey import (
@@ -140,14 +141,18 @@ def _owner(name: str) -> str | None:
     return entry.distribution.split(" ")[0] if entry.distribution else None
 
 
-def _quantized(golden: GoldenCase, seed: int, calibration: Calibration) -> QuantizedModel:
-    """The surveyed golden case; a failed check when it cannot be quantized or exported."""
+def _quantized(
+    golden: GoldenCase, seed: int, calibration: Calibration, device: str = "cpu"
+) -> QuantizedModel:
+    """The surveyed golden case, quantized and exported on ``device``; a failed check when
+    it cannot be quantized or exported."""
     survey = survey_of(
         (golden.model,),
         seed,
         (golden.recipe,),
         calibration=calibration,
         format="compressed-tensors" if golden.format == "compressed-tensors" else "modelopt",
+        device=device,
     )
     if survey.skipped:
         reason = next(iter(survey.skipped.values()))
@@ -283,7 +288,7 @@ def golden_checkpoint(case: ExporterCase) -> CheckResult:
         return CheckResult.skipped("no golden store in the case (the plugin passes one)")
     results: list[tuple[str, CheckResult]] = []
     for golden in GOLDEN_CASES:
-        q = _quantized(golden, case.seed, "synthetic")
+        q = _quantized(golden, case.seed, "synthetic", case.device)
         names = _written_by(q, case.name)
         if not names:
             continue
@@ -318,7 +323,9 @@ def golden_calibration(case: ExporterCase) -> CheckResult:
     they are compared within that tolerance, never by hash. Golden
     ``calibration/<exporter>.json``: per case, ``input_scale``, ``k_scale``,
     ``v_scale`` and ``pre_quant_scale`` values. Skips when the exporter writes no
-    such scale in any case.
+    such scale in any case. An update refuses a case whose AWQ scales were decided
+    within float noise (:func:`exportlm.quant.awq_margin` at most
+    :data:`exportlm.quant.PORTABLE_MARGIN`): its golden would not hold elsewhere.
     """
     exporter_entry(case)
     store = _store(case)
@@ -326,7 +333,15 @@ def golden_calibration(case: ExporterCase) -> CheckResult:
         return CheckResult.skipped("no golden store in the case (the plugin passes one)")
     cases: dict[str, Any] = {}
     for golden in GOLDEN_CASES:
-        q = _quantized(golden, case.seed, "data")
+        q = _quantized(golden, case.seed, "data", case.device)
+        margin = awq_margin(q.model)
+        if store.update and margin <= PORTABLE_MARGIN:
+            return CheckResult.failed(
+                f"golden case {golden.id} is not portable: an AWQ scale was chosen by a "
+                f"relative margin of {margin:.3g} <= {PORTABLE_MARGIN:g} (float noise), so "
+                "another machine may choose another; change the case's seed or calibration "
+                "data, not the golden (see exportlm.quant.awq_margin)"
+            )
         values = _calibrated(q, _written_by(q, case.name))
         if values:
             cases[golden.id] = {

@@ -25,6 +25,7 @@ module per concern:
 - :mod:`.contract`: ``claims_all_quantized``, ``export_contract`` (what an export
   call may do);
 - :mod:`.layout`: ``moe_inputs``, ``tied_weights`` (what the checkpoint holds).
+- :mod:`.fp8_gemm`: ``fp8_gemm`` (the FP8 linears through ``torch._scaled_mm``, on CUDA).
 
 ``quantized_generated`` (:mod:`pytest_exportcheck.checks.generated`) and the
 golden checks (:mod:`pytest_exportcheck.checks.golden_checks`) are exporter

@@ -44,10 +44,17 @@ def _run_export(args: argparse.Namespace) -> int:
     return cmd_export(args)
 
 
+def _run_inspect(args: argparse.Namespace) -> int:
+    from exportlm.cli._inspect import cmd_inspect
+
+    return cmd_inspect(args)
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "list": _run_list,
     "env": _run_env,
     "export": _run_export,
+    "inspect": _run_inspect,
 }
 
 

@@ -96,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_env.add_argument("--json", action="store_true", help="one JSON object on stdout")
     _add_verbosity(p_env, "sub")
     _add_export(sub.add_parser("export", help="export a model with a target"))
+    p_inspect = sub.add_parser(
+        "inspect",
+        help="check a checkpoint directory or an .onnx file against the serving loaders' rules",
+    )
+    from exportlm.cli._inspect import add_inspect_arguments
+
+    add_inspect_arguments(p_inspect)
+    _add_verbosity(p_inspect, "sub")
     return parser
 
 

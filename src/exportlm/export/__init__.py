@@ -8,6 +8,8 @@ One concern per module:
 * :mod:`~exportlm.atomic`: every all-or-nothing write;
 * :mod:`~exportlm.export.job`: the steps every built-in export shares;
 * :mod:`~exportlm.export.runtime`: what the torch runtimes share;
+* :mod:`~exportlm.export.generation`: generation with a KV cache (``kv_cache=True``
+  artifacts, :class:`GenerationRuntime`, :func:`greedy_generate`);
 * one module or package per built-in target: :mod:`~exportlm.export.onnx`,
   :mod:`~exportlm.export.torchscript`, :mod:`~exportlm.export.torch_export`,
   :mod:`~exportlm.export.hf_checkpoint`.
@@ -19,6 +21,13 @@ Importing this package imports no ONNX package: ``onnx``, ``onnxruntime`` and
 from exportlm.atomic import atomic_output
 from exportlm.export._compare import LogitsComparison, compare_logits
 from exportlm.export._wrapper import ExportCacheWrapper, extract_logits
+from exportlm.export.generation import (
+    GenerationResult,
+    GenerationRuntime,
+    PastKeyValues,
+    greedy_generate,
+    kv_cache_refusal,
+)
 from exportlm.export.onnx import (
     OnnxInfo,
     OnnxVerification,
@@ -55,9 +64,12 @@ __all__ = [
     "RUNTIME_REGISTRY",
     "ExportCacheWrapper",
     "ExportFactory",
+    "GenerationResult",
+    "GenerationRuntime",
     "LogitsComparison",
     "OnnxInfo",
     "OnnxVerification",
+    "PastKeyValues",
     "RuntimeCallable",
     "RuntimeLoader",
     "TargetInfo",
@@ -73,7 +85,9 @@ __all__ = [
     "extract_logits",
     "get_onnx_info",
     "get_target_info",
+    "greedy_generate",
     "infer_vocab_size",
+    "kv_cache_refusal",
     "load_exported",
     "make_input_ids",
     "resolve_example_inputs",

@@ -9,6 +9,12 @@ specialized, or an upper bound from a position table) instead of failing on a
 user-chosen bound. ``dynamic=False`` exports the traced shape only; the module
 then refuses other shapes by design (a guard error).
 
+``kv_cache=True`` exports the past-key-values graph instead (``docs/generation.md``):
+``input_ids`` and the flat past of every layer in, logits and the flat present out,
+with a past length that may be 0. Its runtime is a
+:class:`~exportlm.export.generation.GenerationRuntime` (``prefill`` / ``decode``)
+and still ``input_ids -> logits``.
+
 transformers MoE families are exported with ``batched_mm`` experts: the default
 ``grouped_mm`` kernel is a ``transformers::`` custom op, so its ``.pt2`` cannot be
 loaded in a process that has not imported transformers, and ``eager`` experts
@@ -23,7 +29,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from exportlm.errors import InvalidInputError, InvalidModelError
+from exportlm.export._past import (
+    PastKVWrapper,
+    PastLayout,
+    example_past,
+    past_dynamic_shapes,
+    probe_past_layout,
+)
 from exportlm.export._wrapper import ExportCacheWrapper
+from exportlm.export.generation import PastStepRuntime
 from exportlm.export.job import export_job
 from exportlm.export.runtime import TorchModuleRuntime, resolve_device
 from exportlm.export.targets import export_target
@@ -31,6 +46,7 @@ from exportlm.export.targets import export_target
 __all__ = [
     "TORCH_EXPORT_ATOL",
     "TORCH_EXPORT_RTOL",
+    "TorchExportGenerationRuntime",
     "build_torch_export_exporter",
     "export_torch_export",
     "load_torch_export",
@@ -57,6 +73,7 @@ def export_torch_export(
     example_inputs: Any = None,
     dynamic: bool = True,
     strict: bool = False,
+    kv_cache: bool = False,
 ) -> Path:
     """Export ``model`` with ``torch.export`` and save the ``.pt2`` at ``output_path``.
 
@@ -72,20 +89,39 @@ def export_torch_export(
             traced shape.
         strict: ``torch.export``'s strict (TorchDynamo) tracing; non-strict by default,
             as transformers models require.
+        kv_cache: export the past-key-values graph (``input_ids`` + past -> logits +
+            present) that generates with a KV cache; needs ``dynamic=True``.
 
     Raises:
-        InvalidModelError / InvalidInputError: the model or inputs do not fit.
+        InvalidModelError / InvalidInputError: the model or inputs do not fit; with
+            ``kv_cache=True``, a model without a usable KV cache (the message says why).
         ExportFailedError: ``torch.export`` or saving failed (the cause is chained).
     """
+    if kv_cache and not dynamic:
+        raise InvalidInputError(
+            "torch_export: kv_cache=True needs dynamic=True (the past length changes at every "
+            "decode step); drop dynamic=False"
+        )
     hint = "Try dynamic=False, or the 'torchscript' target."
-    options = {"dynamic": dynamic, "strict": strict}
+    options = {"dynamic": dynamic, "strict": strict, "kv_cache": kv_cache}
     with export_job(
         "torch_export", model, output_path, example_inputs, hint=hint, options=options
     ) as job:
-        wrapper = ExportCacheWrapper(model).eval()
-        program = torch.export.export(
-            wrapper, job.inputs[:1], dynamic_shapes=_dynamic_shapes(dynamic), strict=strict
-        )
+        if kv_cache:
+            layout = probe_past_layout(job.model)
+            ids = job.inputs[0]
+            past = example_past(layout, ids)
+            program = torch.export.export(
+                PastKVWrapper(job.model, layout).eval(),
+                (ids, past),
+                dynamic_shapes=past_dynamic_shapes(layout.num_layers),
+                strict=strict,
+            )
+        else:
+            wrapper = ExportCacheWrapper(model).eval()
+            program = torch.export.export(
+                wrapper, job.inputs[:1], dynamic_shapes=_dynamic_shapes(dynamic), strict=strict
+            )
         with open(job.staged, "wb") as file:  # a file object: no suffix check on the name
             torch.export.save(program, file)
     return Path(output_path)
@@ -101,7 +137,7 @@ _TORCH_EXPORT_TARGET = export_target(
     runtime="torch_export",
     atol=TORCH_EXPORT_ATOL,
     rtol=TORCH_EXPORT_RTOL,
-    capabilities={"dynamic_shapes", "cuda"},
+    capabilities={"dynamic_shapes", "cuda", "kv_cache"},
     artifact="file",
     suffix=".pt2",
     executes_code=True,  # torch.export.load / torch.jit.load unpickle and run code
@@ -109,14 +145,64 @@ _TORCH_EXPORT_TARGET = export_target(
 )(export_torch_export)
 
 
-def load_torch_export(artifact: Path, *, device: str = "cpu") -> TorchModuleRuntime:
-    """Load a ``.pt2`` with ``torch.export.load(...).module()`` on ``device``."""
+class TorchExportGenerationRuntime(PastStepRuntime):
+    """A ``.pt2`` exported with ``kv_cache=True``: ``input_ids -> logits``, ``prefill``, ``decode``.
+
+    Attributes:
+        module: the loaded ``torch.export`` module.
+        device: where inputs (and the past) are moved before a step.
+    """
+
+    def __init__(self, module: Any, device: torch.device, layout: PastLayout) -> None:
+        super().__init__(layout, "torch_export")
+        self.module = module
+        self.device = device
+
+    def _step(
+        self, input_ids: torch.Tensor, past: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with torch.no_grad():
+            out = self.module(input_ids.to(self.device), tuple(t.to(self.device) for t in past))
+        return out[0].detach(), [t.detach() for t in out[1:]]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layers={self.layout.num_layers}, device={self.device})"
+
+
+def _graph_past_layout(program: torch.export.ExportedProgram, path: Path) -> PastLayout | None:
+    """The past layout of a past-key-values program (``None`` for a logits-only one)."""
+    names = program.graph_signature.user_inputs
+    if len(names) == 1:
+        return None
+    nodes = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    values = [nodes[name].meta.get("val") for name in names[1:]]
+    if len(values) % 2 or not all(isinstance(v, torch.Tensor) and v.dim() == 4 for v in values):
+        raise InvalidModelError(
+            f"torch_export runtime: {path} takes {len(names)} inputs that are not input_ids and "
+            "(key, value) past tensors per layer; export it with exportlm (kv_cache=True or not)"
+        )
+    heads = tuple((int(v.shape[1]), int(v.shape[3])) for v in values[::2])
+    return PastLayout(heads, values[0].dtype, "tuple", "past_key_values")
+
+
+def load_torch_export(
+    artifact: Path, *, device: str = "cpu"
+) -> TorchModuleRuntime | TorchExportGenerationRuntime:
+    """Load a ``.pt2`` with ``torch.export.load(...).module()`` on ``device``.
+
+    A past-key-values program (``kv_cache=True``) loads as a
+    :class:`TorchExportGenerationRuntime`, any other as ``input_ids -> logits``.
+    """
     path = Path(artifact)
     if not path.is_file():
         raise FileNotFoundError(f"torch_export runtime: no .pt2 file at {path}")
     target = resolve_device(device, "torch_export")
     with open(path, "rb") as file:  # a file object: any file name loads, not only *.pt2
-        module = torch.export.load(file).module()
+        program = torch.export.load(file)
+    layout = _graph_past_layout(program, path)
+    module = program.module()
     if target.type != "cpu":
         module = module.to(target)
+    if layout is not None:
+        return TorchExportGenerationRuntime(module, target, layout)
     return TorchModuleRuntime(module, target, "torch_export")

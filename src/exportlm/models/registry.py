@@ -133,7 +133,7 @@ class ModelFamily:
 
 
 #: The per-model target checks (``check[target-model-device]``) a declaration covers.
-_PER_MODEL_CHECKS = ("roundtrip_logits", "dynamic_shapes")
+_PER_MODEL_CHECKS = ("roundtrip_logits", "dynamic_shapes", "generation_parity")
 
 
 def _declared(name: str, failures: Mapping[str, str | None]) -> dict[str, str]:

@@ -67,11 +67,19 @@ def _kv_cache_algo(name: str, quantizer: TensorQuantizer) -> str:
     return kv_cache.quant_algo
 
 
-def _emit_input(ctx: ExportContext, prefix: str, quantizer: TensorQuantizer) -> None:
+def _emit_input(
+    ctx: ExportContext, prefix: str, quantizer: TensorQuantizer, expert: int | None = None
+) -> None:
+    """``input_scale`` and the AWQ ``pre_quant_scale`` (of ``expert`` when kept per expert).
+
+    A scale folded into the preceding norm (``folded_pre_quant_scale``) is not
+    written: the norm's exported weight carries it.
+    """
     if quantizer.enabled:
         ctx.emit_scale(f"{prefix}.input_scale", quantizer.scale_from(ctx.amax_of(quantizer)))
-    if quantizer.pre_quant_scale is not None:
-        ctx.emit_scale(f"{prefix}.pre_quant_scale", quantizer.pre_quant_scale)
+    pqs = quantizer.pre_quant_scale
+    if pqs is not None:
+        ctx.emit_scale(f"{prefix}.pre_quant_scale", pqs[expert] if pqs.dim() == 2 else pqs)
 
 
 class QuantLinearExporter(ModuleExporter):
@@ -181,7 +189,7 @@ class FusedExpertsExporter(ModuleExporter):
                     _emit_weight(ctx, prefix, weight_q.quantize(weight, index=expert, amax=amax))
                     if bias is not None:
                         ctx.emit_plain(f"{prefix}.bias", bias)
-                    _emit_input(ctx, prefix, input_q)
+                    _emit_input(ctx, prefix, input_q, expert)
                     if module.quant_algo:
                         ctx.quant_config.add_layer(prefix, module.quant_algo, module.group_size)
                     ctx.quant_config.canonical[prefix] = ExpertSlice(name, expert, linear)

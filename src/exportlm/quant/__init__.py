@@ -11,6 +11,8 @@ format in :data:`QUANT_FORMATS`; :func:`register_format` adds one, with its
 recipe, to everything above.
 """
 
+from exportlm.quant._awq import awq_margin
+from exportlm.quant._awq_search import PORTABLE_MARGIN
 from exportlm.quant._experts import experts_base
 from exportlm.quant._formats import dequantize, quantize_tensor
 from exportlm.quant._kv import route_kv_cache_to_attention
@@ -68,6 +70,7 @@ __all__ = [
     "INT4_MAX",
     "INT8_MAX",
     "KV_CACHE_FORMATS",
+    "PORTABLE_MARGIN",
     "QUANT_FORMATS",
     "Algorithm",
     "FormatId",
@@ -84,6 +87,7 @@ __all__ = [
     "QuantRecipe",
     "QuantizedTensor",
     "TensorQuantizer",
+    "awq_margin",
     "dequantize",
     "experts_base",
     "get_format",

@@ -1,15 +1,14 @@
-"""Calibration: max calibration of activations, AWQ smoothing and shared amax.
+"""Calibration: max calibration of activations and shared amax.
 
 The steps :func:`~exportlm.quant.quantize` runs once the modules are converted:
 :func:`run_calibration` (one pass of the user's forwards, every quantizer transparent),
-:func:`finish_awq`, :func:`unify_groups` (fused linears share amax as the format's
+the AWQ search (:mod:`exportlm.quant._awq`), :func:`unify_groups` (fused linears share amax as the format's
 spec says), :func:`check_calibrated` and :func:`check_finite`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -17,24 +16,19 @@ from torch import nn
 
 from exportlm.errors import QuantizationError
 from exportlm.inputs import infer_vocab_size, make_input_ids
-from exportlm.quant._modules import QuantExperts, QuantLinear, QuantModule, QuantMoELinear
+from exportlm.quant._modules import QuantLinear, QuantModule, QuantMoELinear
 from exportlm.quant._quantizer import TensorQuantizer
 
 __all__ = [
     "check_calibrated",
     "check_finite",
     "default_calibrate",
-    "finish_awq",
     "run_calibration",
     "unify_expert_input_amax",
     "unify_groups",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: AWQ-lite smoothing strength: ``s = act^alpha / w^(1 - alpha)``.
-AWQ_ALPHA = 0.5
-_AWQ_EPS = 1e-5
 
 
 def default_calibrate(model: nn.Module) -> None:
@@ -107,48 +101,6 @@ def _group_hook(
                 members.append(module)
 
     return hook
-
-
-def finish_awq(model: nn.Module, groups: list[list[QuantLinear]]) -> None:
-    """Set AWQ ``pre_quant_scale`` (shared inside a fusion group).
-
-    The weights the quantizers see change with it: re-derive their amax afterwards.
-    """
-    grouped = {id(m): group for group in groups for m in group}
-    done: set[int] = set()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, QuantLinear) and module.input_quantizer.track_channels:
-                if id(module) in done:
-                    continue
-                members = grouped.get(id(module), [module])
-                members = [m for m in members if m.input_quantizer.track_channels]
-                weights = [m.weight for m in members]
-                pqs = _awq_scale(members[0].input_quantizer, weights)
-                for member in members:
-                    member.input_quantizer.pre_quant_scale = pqs
-                    done.add(id(member))
-            elif isinstance(module, QuantExperts):
-                for proj in module.PROJECTIONS:
-                    quantizer = module.input_quantizer_of(proj)
-                    if quantizer.track_channels:
-                        weight = module.canonical_weight(proj)
-                        quantizer.pre_quant_scale = _awq_scale(quantizer, [weight])
-
-
-def _awq_scale(quantizer: TensorQuantizer, weights: list[torch.Tensor]) -> torch.Tensor:
-    """AWQ-lite ``pre_quant_scale = 1 / s``, ``s = act^a / w^(1-a)`` normalized (no search)."""
-    w_col = torch.stack(
-        [w.detach().abs().float().reshape(-1, w.shape[-1]).amax(dim=0) for w in weights]
-    ).amax(dim=0)
-    act = quantizer.channel_amax
-    quantizer.channel_amax = None
-    quantizer.amax = None  # a disabled (weight-only) input quantizer keeps no amax
-    if act is None:
-        return torch.ones_like(w_col)
-    s = act.clamp(min=_AWQ_EPS) ** AWQ_ALPHA / w_col.clamp(min=_AWQ_EPS) ** (1 - AWQ_ALPHA)
-    s = s / math.sqrt(float(s.max()) * float(s.min()))
-    return (1.0 / s).to(torch.float32)
 
 
 def unify_groups(model: nn.Module, groups: list[list[QuantLinear]]) -> None:

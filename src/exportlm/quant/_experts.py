@@ -71,14 +71,25 @@ class QuantLlama4Experts(QuantBMMExperts):
         gate, up = gate_up.chunk(2, dim=-1)
         return up * self.act_fn(gate)
 
+    def _per_expert(self, projection: str, x: torch.Tensor) -> torch.Tensor:
+        """``x [E, T, in]`` times the per-expert AWQ ``pre_quant_scale`` when there is one."""
+        pqs = self.input_quantizer_of(projection).pre_quant_scale
+        return x if pqs is None or pqs.dim() != 2 else x * pqs[:, None, :].to(x.dtype)
+
+    def routed_tokens(self, *args: Any, **kwargs: Any) -> list[tuple[int, torch.Tensor]]:
+        """Every expert sees every token (scaled by its router score, zero when not chosen)."""
+        hidden_states: torch.Tensor = kwargs["hidden_states"] if not args else args[0]
+        x = hidden_states.reshape(self.num_experts, -1, self.hidden_size)
+        return [(expert, x[expert]) for expert in range(self.num_experts)]
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Llama4's batched experts with fake-quantized weights and inputs."""
         gate_up = self.gate_up_proj_weight_quantizer(self.effective_weight("gate_up_proj"))
         down = self.down_proj_weight_quantizer(self.effective_weight("down_proj"))
         x = hidden_states.view(self.num_experts, -1, self.hidden_size)
-        x = self.gate_up_proj_input_quantizer(x)
+        x = self._per_expert("gate_up_proj", self.gate_up_proj_input_quantizer(x))
         h = self._apply_gate(torch.bmm(x, gate_up.transpose(-1, -2)))
-        h = self.down_proj_input_quantizer(h)
+        h = self.down_proj_input_quantizer(self._per_expert("down_proj", h))
         out = torch.bmm(h, down.transpose(-1, -2))
         return out.view(-1, self.hidden_size)
 

@@ -31,6 +31,7 @@ __all__ = [
     "is_fused_experts",
     "is_quantized_module",
     "quant_experts_class",
+    "smoothing_of",
 ]
 
 
@@ -52,6 +53,14 @@ class QuantModule(nn.Module):
         for name, child in self.named_children():
             if isinstance(child, TensorQuantizer):
                 yield name, child
+
+
+def smoothing_of(quantizer: TensorQuantizer) -> torch.Tensor | None:
+    """The AWQ scale the input of ``quantizer``'s linear is multiplied by, wherever it is
+    applied: its ``pre_quant_scale`` or the ``folded_pre_quant_scale`` a norm applies."""
+    if quantizer.pre_quant_scale is not None:
+        return quantizer.pre_quant_scale
+    return quantizer.folded_pre_quant_scale
 
 
 def is_quantized_module(module: nn.Module) -> bool:
@@ -83,8 +92,12 @@ class QuantLinear(QuantModule, nn.Linear):
     output_quantizer: TensorQuantizer
 
     def effective_weight(self) -> torch.Tensor:
-        """The weight the quantizer sees: ``W / pre_quant_scale`` under AWQ, else ``W``."""
-        pqs = self.input_quantizer.pre_quant_scale
+        """The weight the quantizer sees: ``W / pre_quant_scale`` under AWQ, else ``W``.
+
+        The scale is the input quantizer's ``pre_quant_scale``, or its
+        ``folded_pre_quant_scale`` when the preceding norm applies it.
+        """
+        pqs = smoothing_of(self.input_quantizer)
         weight: torch.Tensor = self.weight
         if pqs is None:
             return weight
@@ -240,10 +253,46 @@ class QuantExperts(QuantModule):
         return quantizer
 
     def effective_weight(self, projection: str) -> torch.Tensor:
-        """:meth:`canonical_weight` divided by the AWQ ``pre_quant_scale`` when there is one."""
+        """:meth:`canonical_weight` divided by the AWQ ``pre_quant_scale`` when there is one
+        (``[in]`` shared by the experts, or ``[E, in]``: one per expert)."""
         weight = self.canonical_weight(projection)
         pqs = self.input_quantizer_of(projection).pre_quant_scale
-        return weight if pqs is None else weight / pqs.to(weight.dtype)
+        if pqs is None:
+            return weight
+        per_expert = pqs[:, None, :] if pqs.dim() == 2 else pqs
+        return weight / per_expert.to(weight.dtype)
+
+    def expert_input(self, projection: str, tokens: torch.Tensor, expert: int) -> torch.Tensor:
+        """``tokens`` routed to ``expert``, times its per-expert AWQ ``pre_quant_scale``.
+
+        A shared (1-D) scale is applied by the input quantizer itself; without a
+        per-expert one the tokens are returned as they are.
+        """
+        pqs = self.input_quantizer_of(projection).pre_quant_scale
+        if pqs is None or pqs.dim() != 2:
+            return tokens
+        return tokens * pqs[expert].to(tokens.dtype)
+
+    def routed_tokens(self, *args: Any, **kwargs: Any) -> list[tuple[int, torch.Tensor]]:
+        """``(expert, tokens routed to it [T_e, H])`` for each expert hit by a forward's
+        arguments ``(hidden_states, top_k_index, top_k_weights)`` (positional or named):
+        the tokens the experts' own forward computes each expert on."""
+        hidden_states: torch.Tensor = kwargs["hidden_states"] if not args else args[0]
+        top_k_index: torch.Tensor = kwargs["top_k_index"] if len(args) < 2 else args[1]
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        routed = []
+        for expert in range(self.num_experts):
+            token_idx, _slot = torch.where(top_k_index == expert)
+            if token_idx.numel():
+                routed.append((expert, flat[token_idx]))
+        return routed
+
+    def expert_hidden(self, expert: int, tokens: torch.Tensor) -> torch.Tensor:
+        """The float input of ``down_proj`` of ``expert`` for ``tokens`` (gate, up, activation)."""
+        gate_up = self.canonical_weight("gate_up_proj")[expert]
+        return self._apply_gate(
+            F.linear(tokens, gate_up, _row(self.bias_of("gate_up_proj"), expert))
+        )
 
     def bias_of(self, projection: str) -> torch.Tensor | None:
         """The ``[E, out]`` bias of a projection, or ``None``."""
@@ -274,8 +323,10 @@ class QuantExperts(QuantModule):
             token_idx, slot = torch.where(top_k_index == expert)
             if token_idx.numel() == 0:
                 continue
-            h = F.linear(x[token_idx], gate_up[expert], _row(gate_up_bias, expert))
-            h = self.down_proj_input_quantizer(self._apply_gate(h))
+            tokens = self.expert_input("gate_up_proj", x[token_idx], expert)
+            h = F.linear(tokens, gate_up[expert], _row(gate_up_bias, expert))
+            h = self.expert_input("down_proj", self._apply_gate(h), expert)
+            h = self.down_proj_input_quantizer(h)
             y = F.linear(h, down[expert], _row(down_bias, expert))
             y = y * top_k_weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(out.dtype))

@@ -12,15 +12,16 @@ import torch
 from torch import nn
 
 from exportlm.errors import QuantizationError, UnsupportedFormatError
+from exportlm.quant._awq import apply_awq, collect_expert_statistics, plan_awq, search_awq
 from exportlm.quant._calibrate import (
     check_calibrated,
     check_finite,
-    finish_awq,
     run_calibration,
     unify_expert_input_amax,
     unify_groups,
 )
 from exportlm.quant._experts import experts_base, has_stacked_weights
+from exportlm.quant._fold import fold_into_norms, trace_norms
 from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
     QuantEmbedding,
@@ -33,7 +34,7 @@ from exportlm.quant._modules import (
 from exportlm.quant._quantizer import TensorQuantizer
 from exportlm.quant._recipe import ALGORITHMS, Algorithm, QuantRecipe, RecipeLike
 from exportlm.quant._tensor import FormatId, QuantFormat
-from exportlm.quant._transaction import quantize_transaction
+from exportlm.quant._transaction import QuantizeSteps, quantize_transaction
 from exportlm.quant.formats import get_format
 
 __all__ = ["iterable_expert_lists", "quantize", "unify_expert_input_amax", "wrap_module"]
@@ -72,7 +73,10 @@ def quantize(
             ``lm_head``, MoE routers and embeddings stay unquantized by default.
         calibrate: ``calibrate(model)`` runs the calibration forwards (max
             calibration of activations). Default: one forward on deterministic
-            ``input_ids`` from :func:`exportlm.export.make_input_ids`.
+            ``input_ids`` from :func:`exportlm.export.make_input_ids`. AWQ recipes
+            call it twice (statistics, then the scale search), so it must run the
+            same forwards on every call; see ``docs/checkpoint-format.md`` for how
+            the AWQ scales are chosen.
         exclude: extra fnmatch patterns of module names never quantized.
         inplace: convert ``model`` itself (default) or a deep copy of it.
 
@@ -108,11 +112,10 @@ def quantize(
                 _convert(conversion)
             route_kv_cache_to_attention(model)  # K / V quantized where they are cached
             _init_weight_amax(model)
-        with steps.step("calibration (the calibrate function's forwards)"):
-            groups = run_calibration(model, calibrate)
-        with steps.step("AWQ smoothing and amax unification"):
-            finish_awq(model, groups)
-            _init_weight_amax(model)  # AWQ changed the weights the quantizers see
+        groups = _calibrate_and_smooth(
+            model, calibrate, steps, any(c.algo is not None and c.algo.awq for c in conversions)
+        )
+        with steps.step("amax unification"):
             unify_groups(model, groups)
             for experts in iterable_expert_lists(model).values():
                 for quantizer, amax in unify_expert_input_amax(experts).items():
@@ -122,6 +125,35 @@ def quantize(
             check_finite(model)
     logger.info("quantized %d module(s) of %s", len(conversions), type(model).__name__)
     return model
+
+
+def _calibrate_and_smooth(
+    model: nn.Module,
+    calibrate: Callable[[nn.Module], object] | None,
+    steps: QuantizeSteps,
+    awq: bool,
+) -> list[list[QuantLinear]]:
+    """Calibration, then (AWQ recipes) the scale search, smoothing and the fold into norms.
+
+    Returns the groups of linears that read one input.
+    """
+    with steps.step("calibration (the calibrate function's forwards)"):
+        handles = collect_expert_statistics(model) if awq else []
+        try:
+            with trace_norms(model, enabled=awq) as norms:
+                groups = run_calibration(model, calibrate)
+        finally:
+            for handle in handles:
+                handle.remove()
+    if awq:
+        plan = plan_awq(model, groups)
+        with steps.step("the AWQ search (a second pass of the calibrate function's forwards)"):
+            search_awq(model, plan, calibrate)
+        with steps.step("AWQ smoothing and its fold into norms"):
+            apply_awq(plan)
+            fold_into_norms(model, norms)
+    _init_weight_amax(model)  # AWQ changed the weights the quantizers see
+    return groups
 
 
 def wrap_module(module: nn.Module, name: str = "") -> QuantModule:
@@ -322,11 +354,10 @@ def _convert(c: _Conversion) -> None:
                 f"{proj}_weight_quantizer",
                 _weight_quantizer(algo, f"{c.name}.{proj}_weight_quantizer", True),
             )
-            setattr(
-                module,
-                f"{proj}_input_quantizer",
-                _input_quantizer(algo, f"{c.name}.{proj}_input_quantizer"),
-            )
+            input_quantizer = _input_quantizer(algo, f"{c.name}.{proj}_input_quantizer")
+            if algo is not None and algo.awq:  # one AWQ scale per expert, from its tokens
+                input_quantizer.channel_experts = int(module.num_experts)
+            setattr(module, f"{proj}_input_quantizer", input_quantizer)
     elif c.kind == "embedding":
         module.__class__ = QuantEmbedding
         module.weight_quantizer = _weight_quantizer(algo, f"{c.name}.weight_quantizer", False)

@@ -41,6 +41,7 @@ class TensorQuantizer(nn.Module):
 
     amax: torch.Tensor | None
     pre_quant_scale: torch.Tensor | None
+    folded_pre_quant_scale: torch.Tensor | None
     static_scale: torch.Tensor | None
 
     def __init__(
@@ -67,11 +68,28 @@ class TensorQuantizer(nn.Module):
         #: output) or ``"attention"`` (inside the attention function, on the cached K / V;
         #: see :func:`~exportlm.quant.route_kv_cache_to_attention`).
         self.kv_site = "projection"
-        #: Also record a per-input-channel amax while calibrating (AWQ smoothing).
+        #: Also record per-input-channel statistics while calibrating (AWQ smoothing):
+        #: :attr:`channel_amax` and the running sum of per-forward ``mean(|x|)``
+        #: (:attr:`channel_mean`, ModelOpt's AWQ activation statistic).
         self.track_channels = False
         self.channel_amax: torch.Tensor | None = None
+        #: Sum over calibration forwards of the per-channel ``mean(|x|)`` (``[in]``, or
+        #: ``[E, in]`` for per-expert statistics) and the number of forwards (``[]`` /
+        #: ``[E]``). Stacked experts fill them per expert, from their routed tokens.
+        self.channel_sum: torch.Tensor | None = None
+        self.channel_steps: torch.Tensor | None = None
+        #: The number of experts whose statistics are kept per expert (stacked experts
+        #: under AWQ), else ``None``; :meth:`collect` leaves the channel sums to them.
+        self.channel_experts: int | None = None
+        #: The smallest relative margin of the AWQ search decisions that chose this
+        #: quantizer's ``pre_quant_scale`` (:func:`~exportlm.quant.awq_margin`); ``None``
+        #: when no search set it.
+        self.awq_margin: float | None = None
         self.register_buffer("amax", None)
         self.register_buffer("pre_quant_scale", None)
+        #: An AWQ ``pre_quant_scale`` the preceding norm applies (folded into its
+        #: weight): the weight is divided by it, the input is not multiplied again.
+        self.register_buffer("folded_pre_quant_scale", None)
         #: A per-tensor scale used as is instead of one derived from ``amax``
         #: (set by :meth:`load_scale` from a checkpoint).
         self.register_buffer("static_scale", None)
@@ -104,11 +122,42 @@ class TensorQuantizer(nn.Module):
                 if self.channel_amax is None
                 else torch.maximum(self.channel_amax, channels)
             )
+            if self.channel_experts is None:
+                self.add_channel_mean(x.reshape(-1, x.shape[-1]).mean(dim=0))
+
+    def add_channel_mean(self, mean: torch.Tensor, expert: int | None = None) -> None:
+        """Add one forward's per-channel ``mean(|x|)`` to :attr:`channel_sum` (of ``expert``)."""
+        total, steps = self.channel_sum, self.channel_steps
+        if total is None or steps is None:
+            rows = () if expert is None else (self.channel_experts or expert + 1,)
+            total = mean.new_zeros((*rows, mean.shape[-1]))
+            steps = torch.zeros(rows, dtype=torch.float32, device=mean.device)
+        if expert is None:
+            total, steps = total + mean, steps + 1
+        else:
+            total, steps = total.index_add(0, _at(expert, total), mean[None]), steps.clone()
+            steps[expert] += 1
+        self.channel_sum, self.channel_steps = total, steps
+
+    @property
+    def channel_mean(self) -> torch.Tensor | None:
+        """The per-channel activation statistic of AWQ: the mean over calibration forwards
+        of ``mean(|x|)`` (rows of an expert that saw no token are zero), or ``None``."""
+        if self.channel_sum is None or self.channel_steps is None:
+            return None
+        steps = self.channel_steps.clamp(min=1)
+        return self.channel_sum / (steps if steps.dim() == 0 else steps[:, None])
+
+    def reset_channels(self) -> None:
+        """Forget the per-channel statistics (:attr:`channel_amax`, :attr:`channel_mean`)."""
+        self.channel_amax = None
+        self.channel_sum = None
+        self.channel_steps = None
 
     def reset_amax(self) -> None:
         """Forget the calibrated amax (and a loaded :attr:`static_scale`)."""
         self.amax = None
-        self.channel_amax = None
+        self.reset_channels()
         self.static_scale = None
 
     # -- quantization ------------------------------------------------------
@@ -234,8 +283,12 @@ class TensorQuantizer(nn.Module):
         self.enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Calibrate or fake-quantize ``x`` (identity when disabled)."""
-        if self.pre_quant_scale is not None:
+        """Calibrate or fake-quantize ``x`` (identity when disabled).
+
+        A per-expert ``pre_quant_scale`` (``[E, in]``) is applied by the experts
+        wrapper to each expert's routed tokens, not here.
+        """
+        if self.pre_quant_scale is not None and self.pre_quant_scale.dim() == 1:
             x = x * self.pre_quant_scale.to(x.dtype)
         if self.calibrating:
             self.collect(x)
@@ -253,3 +306,7 @@ class TensorQuantizer(nn.Module):
         if self.calibrating:
             parts.append("calibrating")
         return ", ".join(parts)
+
+
+def _at(index: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([index], device=like.device)

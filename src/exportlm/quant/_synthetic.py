@@ -8,7 +8,9 @@ machine-bound. ``synthetic_calibration(seed)`` is a ``calibrate`` function for
 stream instead of from data: the forward pass still runs (it discovers which
 linears read the same input, so fused-QKV / gate-up groups share their scales
 exactly as after a real calibration), and then every statistic it collected is
-replaced. Everything downstream (AWQ-lite pre-quant scales, weight amax,
+replaced. AWQ scales are not searched (a search scores real outputs): they use the
+fixed ``AWQ_ALPHA`` on the drawn statistics, and are folded into the norms exactly as
+after a real calibration. Everything downstream (AWQ pre-quant scales, weight amax,
 exported weights and scales) is elementwise IEEE arithmetic and maxima on
 those values and on the seeded weights, so the quantized model, and every byte
 an exporter writes for it, is a pure function of the seeds.
@@ -62,11 +64,17 @@ def synthetic_calibration(
         forward = run_forward or _default_calibrate
         forward(model)
         rng = np.random.Generator(np.random.PCG64(seed))
+        # Drawn onto the model's device even for a quantizer the forward did not reach
+        # (no amax yet), so every statistic lives beside the weights (CUDA included).
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
         for quantizer, in_features in _calibrating(model):
             if quantizer.enabled:
-                quantizer.amax = _draw(rng, (), AMAX_RANGE, quantizer)
+                quantizer.amax = _draw(rng, (), AMAX_RANGE, quantizer, device)
             if quantizer.track_channels:
-                quantizer.channel_amax = _draw(rng, (in_features,), CHANNEL_AMAX_RANGE, quantizer)
+                quantizer.reset_channels()  # no mean(|x|) from data: AWQ is not searched
+                quantizer.channel_amax = _draw(
+                    rng, (in_features,), CHANNEL_AMAX_RANGE, quantizer, device
+                )
 
     return calibrate
 
@@ -76,11 +84,11 @@ def _draw(
     shape: tuple[int, ...],
     bounds: tuple[float, float],
     like: TensorQuantizer,
+    device: torch.device,
 ) -> torch.Tensor:
     low, high = bounds
     values = np.asarray(low + (high - low) * rng.random(shape), dtype=np.float32)
-    device = like.amax.device if like.amax is not None else torch.device("cpu")
-    return torch.from_numpy(values).to(device)
+    return torch.from_numpy(values).to(like.amax.device if like.amax is not None else device)
 
 
 def _calibrating(model: nn.Module) -> Iterator[tuple[TensorQuantizer, int]]:

@@ -123,7 +123,10 @@ def safe_scale(amax: torch.Tensor, divisor: float, *, where: str) -> torch.Tenso
             "NaN or inf activations or weights. Fix the model or the calibration data, "
             "or exclude this module from quantization."
         )
-    scale = amax32 / divisor
+    # Divide by a tensor on amax's device, never by a Python number: CUDA computes
+    # ``tensor / python_scalar`` as ``tensor * (1 / scalar)`` (two roundings), the CPU
+    # as one correctly rounded division, so the scale's last bit would differ by device.
+    scale = amax32 / amax32.new_tensor(divisor)
     zero = scale == 0
     if bool(zero.any()):
         logger.debug(

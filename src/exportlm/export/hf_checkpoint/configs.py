@@ -86,29 +86,47 @@ def quantization_section(
 
     Module names (``exclude_modules``, ``quantized_layers``) are mapped with
     ``saved_module`` to the prefixes of the tensors the checkpoint saves (modules it
-    does not save are left out), so every ``config.json`` list built from this
-    section names saved modules too.
+    does not save are left out, except a tied module such as ``lm_head``: ModelOpt
+    lists it as excluded under its own name too).
+
+    One format: its ``quant_algo`` with the format's layer fields, ``group_size`` and
+    ``exclude_modules``. Several (``MIXED_PRECISION``): ``quantized_layers`` in the
+    model's module order (stacked experts as one entry, their experts module) and no
+    ``exclude_modules``, as ModelOpt 0.47 writes it (``config.json``'s ``ignore`` is
+    then empty).
     """
     quant_algo = getattr(summary, "quant_algo", None)
     kv_algo = getattr(summary, "kv_cache_quant_algo", None)
     if quant_algo is None and kv_algo is None:
         return None
-    excluded = {saved_module(m) for m in getattr(summary, "exclude_modules", None) or []}
-    section: dict[str, Any] = {
-        "quant_algo": quant_algo,
-        "kv_cache_quant_algo": kv_algo,
-        "exclude_modules": sorted(m for m in excluded if m is not None),
-    }
+    excluded_modules = list(getattr(summary, "exclude_modules", None) or [])
+    excluded = {saved_module(m) for m in excluded_modules}
+    # A tied module (lm_head) saves its weight under its source's name; ModelOpt lists the
+    # tied module itself as excluded too, and so do we (``tied_aliases`` of the namer).
+    aliases: frozenset[str] = getattr(saved_module, "tied_aliases", frozenset())
+    excluded.update(m for m in excluded_modules if m in aliases)
+    section: dict[str, Any] = {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_algo}
+    if quant_algo == MIXED_PRECISION:
+        # As ModelOpt 0.47: the layers in the model's order (``config_groups`` are numbered
+        # by first appearance) and no ``exclude_modules``: a layer not listed is unquantized.
+        # Split stacked experts are listed as their experts module, as ModelOpt lists
+        # them (and as serving engines name a fused-MoE layer), not per expert linear.
+        layers = dict(getattr(summary, "quantized_layers", None) or {})
+        split = dict(getattr(summary, "canonical_modules", None) or {})
+        listed: dict[str, dict[str, Any]] = {}
+        for layer, cfg in layers.items():
+            name = saved_module(split[layer].module) if layer in split else saved_module(layer)
+            if name:
+                listed.setdefault(name, dict(cfg))
+        section["quantized_layers"] = listed
+        return section
+    section["exclude_modules"] = sorted(m for m in excluded if m is not None)
     group_size = getattr(summary, "group_size", None)
     if group_size:
         section["group_size"] = group_size
-    if quant_algo is not None and quant_algo != MIXED_PRECISION:
+    if quant_algo is not None:
         scheme = _weight_format(quant_algo).modelopt
         section.update(copy.deepcopy(dict(scheme.layer_fields if scheme else {})))
-    layers = getattr(summary, "quantized_layers", None)
-    if quant_algo == MIXED_PRECISION and layers:
-        saved = {saved_module(k): dict(v) for k, v in dict(layers).items()}
-        section["quantized_layers"] = {k: saved[k] for k in sorted(k for k in saved if k)}
     return section
 
 

@@ -182,6 +182,12 @@ def module_namer(
             return module
         return namer.module_name(weight.removesuffix(".weight"))
 
+    # ModelOpt lists a tied lm_head among the excluded modules under its own name too.
+    saved_module.tied_aliases = frozenset(  # type: ignore[attr-defined]
+        namer.module_name(dropped.removesuffix(".weight"))
+        for dropped in ties
+        if dropped.endswith(".weight")
+    )
     return saved_module
 
 

@@ -147,9 +147,13 @@ def _rebuild_model(directory: Path, device: torch.device) -> Any:
     finally:
         if progress:
             hf_logging.enable_progress_bar()
-    model.eval().to(device)
+    model.eval()
     StaticQuantization(model, activation_scales, set(tensors)).apply(model)
-    return model
+    # Moved after the static scales are loaded: they are buffers of the quantizers, so
+    # they land on ``device`` with the weights. A scale left on the CPU would still
+    # work on CUDA, but as a CPU scalar, which CUDA divides by through its reciprocal:
+    # activations would round differently from the fake-quant model's.
+    return model.to(device)
 
 
 def _read_checkpoint(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:

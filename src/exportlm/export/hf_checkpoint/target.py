@@ -81,7 +81,7 @@ def build_hf_checkpoint_exporter() -> Callable[..., Path]:
     # the bound is looser for any user model (op order, attention kernels); see docs.
     atol=1e-4,
     rtol=1e-3,
-    capabilities={"quantized", "multi_file"},
+    capabilities={"quantized", "multi_file", "cuda"},
     artifact="directory",
     accepts=_hf_accepts,
     description="Hugging Face checkpoint directory (safetensors shards; ModelOpt or compressed-tensors quantization)",

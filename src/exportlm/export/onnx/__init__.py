@@ -29,7 +29,12 @@ from exportlm.export.onnx.export import (
     export_onnx_target,
     export_to_onnx,
 )
-from exportlm.export.onnx.info import OnnxInfo, OnnxValueInfo, get_onnx_info
+from exportlm.export.onnx.info import (
+    OnnxInfo,
+    OnnxQuantizedInitializer,
+    OnnxValueInfo,
+    get_onnx_info,
+)
 from exportlm.export.onnx.runtime import OnnxRuntimeModel, load_onnx
 from exportlm.export.onnx.verify import OnnxVerification, verify_onnx
 
@@ -39,6 +44,7 @@ __all__ = [
     "ONNX_RTOL",
     "LegacyTraceWarning",
     "OnnxInfo",
+    "OnnxQuantizedInitializer",
     "OnnxRuntimeModel",
     "OnnxValueInfo",
     "OnnxVerification",

@@ -48,6 +48,8 @@ from exportlm.export.onnx._legacy import (
     legacy_graph_log_captured,
     warn_legacy_trace,
 )
+from exportlm.export.onnx._past import check_kv_cache_options, torch_onnx_export
+from exportlm.export.onnx._qdq import check_quantized_export, qdq_refusal, quantized_graph
 from exportlm.export.targets import export_target
 
 __all__ = [
@@ -92,7 +94,9 @@ def _onnx_cuda_available() -> bool:
     return True
 
 
-_CAPABILITIES = {"dynamic_shapes", "multi_file"} | ({"cuda"} if _onnx_cuda_available() else set())
+_CAPABILITIES = {"dynamic_shapes", "multi_file", "quantized", "kv_cache"} | (
+    {"cuda"} if _onnx_cuda_available() else set()
+)
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
@@ -220,6 +224,7 @@ def _torch_onnx_options(
     atol=ONNX_ATOL,
     rtol=ONNX_RTOL,
     capabilities=_CAPABILITIES,
+    accepts=qdq_refusal,
     artifact="file",
     suffix=".onnx",
     description="ONNX graph (torch.onnx dynamo exporter, dynamic batch/seq) run in onnxruntime",
@@ -235,6 +240,7 @@ def export_onnx_target(
     optimize: bool = True,
     external_data: bool | None = None,
     attention_mask: bool | None = None,
+    kv_cache: bool = False,
 ) -> Path:
     """Export ``model`` to an ONNX file at ``output_path``; returns the path.
 
@@ -255,6 +261,8 @@ def export_onnx_target(
             they exceed the 2 GiB protobuf limit.
         attention_mask: add an ``attention_mask`` graph input; ``None`` (default) does so
             for transformers models, whose masking needs it for the legacy exporter.
+        kv_cache: export the past-key-values graph instead (``past_key_values.{i}.key`` ...
+            in, ``logits`` and ``present.{i}.key`` ... out; see :mod:`._past`); dynamo only.
 
     Raises:
         InvalidModelError / InvalidInputError: the model or inputs do not fit.
@@ -266,6 +274,8 @@ def export_onnx_target(
     """
     _check_opset(opset)
     _check_dtypes(model)
+    check_kv_cache_options(kv_cache, dynamo=dynamo, dynamic=dynamic, attention_mask=attention_mask)
+    check_quantized_export(model, opset=opset, dynamo=dynamo)
     _require_exporter(dynamo)
     hint = (
         "Try dynamo=True (the default)."
@@ -279,6 +289,7 @@ def export_onnx_target(
         "optimize": optimize,
         "external_data": external_data,
         "attention_mask": attention_mask,
+        "kv_cache": kv_cache,
     }
     name = Path(output_path).name
     with export_job(
@@ -304,8 +315,13 @@ def export_onnx_target(
         )
         # No torch.no_grad() here: under no_grad nn.MultiheadAttention takes its fused
         # fast path (aten::_native_multi_head_attention), which the legacy exporter rejects.
-        with legacy_graph_log_captured(job.noise) if not dynamo else contextlib.nullcontext():
-            torch.onnx.export(wrapper, args, str(job.staged), **options)
+        with (
+            legacy_graph_log_captured(job.noise) if not dynamo else contextlib.nullcontext(),
+            quantized_graph(job.model, opset=opset) as translations,  # QDQ: see _qdq.py
+        ):
+            if translations:
+                options["custom_translation_table"] = translations
+            torch_onnx_export(job, wrapper, args, options, kv_cache=kv_cache)  # see _past.py
         if not dynamo:
             if use_external:
                 consolidate_external_data(job.staged)

@@ -14,7 +14,7 @@ from typing import Any
 
 from exportlm.export._optional import require_modules
 
-__all__ = ["OnnxInfo", "OnnxValueInfo", "get_onnx_info"]
+__all__ = ["OnnxInfo", "OnnxQuantizedInitializer", "OnnxValueInfo", "get_onnx_info"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,32 @@ class OnnxValueInfo:
 
 
 @dataclass(frozen=True)
+class OnnxQuantizedInitializer:
+    """One quantized initializer: the stored codes a ``DequantizeLinear`` node reads.
+
+    Attributes:
+        name: the initializer's name (a quantized linear's ``<module>.weight``).
+        dtype: its ONNX element type, lower case (``"float8e4m3fn"``, ``"int8"``).
+        dims: its shape.
+        bytes: its stored size in bytes (read from the header; external data is not loaded).
+        scale: the name of the scale the ``DequantizeLinear`` node multiplies it by.
+    """
+
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+    bytes: int
+    scale: str
+
+
+@dataclass(frozen=True)
 class OnnxInfo:
-    """What :func:`get_onnx_info` reads from an ONNX file without loading its weights."""
+    """What :func:`get_onnx_info` reads from an ONNX file without loading its weights.
+
+    ``initializer_bytes`` counts every initializer; ``quantized_initializers`` are the
+    ones a ``DequantizeLinear`` node reads (the quantized weights of a QDQ graph, in
+    graph order), ``quantized_bytes`` their total. Both are empty / 0 for a float graph.
+    """
 
     path: Path
     opset: int
@@ -40,6 +64,8 @@ class OnnxInfo:
     initializer_count: int
     initializer_bytes: int
     external_data_files: tuple[str, ...]
+    quantized_initializers: tuple[OnnxQuantizedInitializer, ...] = ()
+    quantized_bytes: int = 0
 
 
 def _value_info(value: Any) -> OnnxValueInfo:
@@ -76,8 +102,33 @@ def _initializer_bytes(tensor: Any) -> tuple[int, str | None]:
     return math.prod(tensor.dims) * itemsize, None
 
 
+def _quantized_initializers(graph: Any, sizes: dict[str, int]) -> list[OnnxQuantizedInitializer]:
+    """The initializers read as input 0 of a ``DequantizeLinear`` node, each once."""
+    import onnx
+
+    initializers = {t.name: t for t in graph.initializer}
+    found: dict[str, OnnxQuantizedInitializer] = {}
+    for node in graph.node:
+        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+            continue
+        tensor = initializers.get(node.input[0])
+        if tensor is None or tensor.name in found:
+            continue  # an activation's QuantizeLinear output, or seen already
+        found[tensor.name] = OnnxQuantizedInitializer(
+            name=tensor.name,
+            dtype=onnx.TensorProto.DataType.Name(tensor.data_type).lower(),
+            dims=tuple(int(d) for d in tensor.dims),
+            bytes=sizes[tensor.name],
+            scale=node.input[1],
+        )
+    return list(found.values())
+
+
 def get_onnx_info(path: str | os.PathLike[str]) -> OnnxInfo:
     """Read opset, inputs/outputs (with symbolic dims), node count, weight bytes and external files.
+
+    For a QDQ graph (a quantized model exported by the ``onnx`` target) it also lists the
+    quantized initializers (name, dtype, dims, bytes, scale) and their total bytes.
 
     External data is not loaded, so this is cheap even for large models.
 
@@ -94,6 +145,8 @@ def get_onnx_info(path: str | os.PathLike[str]) -> OnnxInfo:
     proto = onnx.load(str(file), load_external_data=False)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     sizes = [_initializer_bytes(t) for t in proto.graph.initializer]
+    by_name = {t.name: size for t, (size, _) in zip(proto.graph.initializer, sizes, strict=True)}
+    quantized = _quantized_initializers(proto.graph, by_name)
     return OnnxInfo(
         path=file,
         opset=int(opset),
@@ -105,4 +158,6 @@ def get_onnx_info(path: str | os.PathLike[str]) -> OnnxInfo:
         initializer_count=len(proto.graph.initializer),
         initializer_bytes=sum(size for size, _ in sizes),
         external_data_files=tuple(sorted({loc for _, loc in sizes if loc})),
+        quantized_initializers=tuple(quantized),
+        quantized_bytes=sum(q.bytes for q in quantized),
     )

@@ -1,5 +1,8 @@
 """The ``onnx`` runtime: an ONNX artifact in onnxruntime, called as ``input_ids -> logits``.
 
+A past-key-values graph (exported with ``kv_cache=True``) loads as an
+:class:`OnnxGenerationRuntime`, which also has ``prefill`` and ``decode`` steps.
+
 onnxruntime is optional (the ``onnx`` extra): it is imported when an artifact
 is loaded, and :func:`load_onnx` raises :class:`~exportlm.errors.MissingDependencyError`
 without it.
@@ -16,10 +19,13 @@ import torch
 
 from exportlm.errors import InvalidInputError, InvalidModelError, RuntimeUnavailableError
 from exportlm.export._optional import require_modules
+from exportlm.export._past import PastLayout, flat_past_names
+from exportlm.export.generation import PastStepRuntime
 from exportlm.export.onnx._io import INPUT_NAMES, OUTPUT_NAMES
+from exportlm.export.onnx._past import PAST_PREFIX, PRESENT_PREFIX
 from exportlm.export.runtime import check_runtime_inputs
 
-__all__ = ["OnnxRuntimeModel", "load_onnx"]
+__all__ = ["OnnxGenerationRuntime", "OnnxRuntimeModel", "load_onnx"]
 
 
 class OnnxRuntimeModel:
@@ -62,6 +68,72 @@ class OnnxRuntimeModel:
         return f"OnnxRuntimeModel({str(self.path)!r}, providers={self.session.get_providers()})"
 
 
+#: onnxruntime's element type names of the past tensors, and their torch dtypes.
+_PAST_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
+
+
+def _past_layout(session: Any, path: Path) -> PastLayout:
+    """The layout of a past-key-values graph, read from its inputs (or InvalidModelError)."""
+    inputs = session.get_inputs()
+    layers = (len(inputs) - 1) // 2
+    names = [i.name for i in inputs]
+    expected = ["input_ids", *flat_past_names(layers, PAST_PREFIX)]
+    outputs = [o.name for o in session.get_outputs()]
+    heads: list[tuple[int, int]] = []
+    for value in inputs[1::2]:
+        shape = value.shape
+        if len(shape) == 4 and isinstance(shape[1], int) and isinstance(shape[3], int):
+            heads.append((shape[1], shape[3]))
+    dtype = _PAST_DTYPES.get(inputs[1].type)
+    if (
+        names != expected
+        or outputs != ["logits", *flat_past_names(layers, PRESENT_PREFIX)]
+        or len(heads) != layers
+        or dtype is None
+    ):
+        raise InvalidModelError(
+            f"{path}: graph inputs {names} and outputs {outputs} are not the past-key-values "
+            f"interface exportlm writes (input_ids, {PAST_PREFIX}.{{i}}.key/value "
+            f"[batch, kv_heads, past_sequence, head_dim] float -> logits, "
+            f"{PRESENT_PREFIX}.{{i}}.key/value); export with kv_cache=True, or run the file "
+            "with onnxruntime directly"
+        )
+    return PastLayout(tuple(heads), dtype, "tuple", PAST_PREFIX)
+
+
+class OnnxGenerationRuntime(PastStepRuntime):
+    """A past-key-values ONNX graph in onnxruntime: ``input_ids -> logits``, ``prefill``, ``decode``.
+
+    Attributes:
+        session: the ``onnxruntime.InferenceSession``.
+        path: the loaded ``.onnx`` file.
+    """
+
+    def __init__(self, session: Any, path: Path) -> None:
+        vocab = session.get_outputs()[0].shape[-1]
+        super().__init__(
+            _past_layout(session, path), "onnx", vocab if isinstance(vocab, int) else None
+        )
+        self.session = session
+        self.path = path
+        self._inputs = [i.name for i in session.get_inputs()]
+        self._outputs = [o.name for o in session.get_outputs()]
+
+    def _step(
+        self, input_ids: torch.Tensor, past: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        arrays = [input_ids.cpu().numpy(), *(t.numpy() for t in past)]
+        outputs = self.session.run(self._outputs, dict(zip(self._inputs, arrays, strict=True)))
+        tensors = [torch.from_numpy(np.ascontiguousarray(o)) for o in outputs]
+        return tensors[0], tensors[1:]
+
+    def __repr__(self) -> str:
+        return (
+            f"OnnxGenerationRuntime({str(self.path)!r}, layers={self.layout.num_layers}, "
+            f"providers={self.session.get_providers()})"
+        )
+
+
 def _providers(device: str, providers: Sequence[str] | None) -> list[str]:
     import onnxruntime as ort
 
@@ -87,8 +159,11 @@ def load_onnx(
     device: str = "cpu",
     providers: Sequence[str] | None = None,
     intra_op_num_threads: int | None = None,
-) -> OnnxRuntimeModel:
+) -> OnnxRuntimeModel | OnnxGenerationRuntime:
     """Load an ONNX artifact in onnxruntime; returns ``input_ids -> logits`` (a torch tensor).
+
+    A past-key-values graph (``kv_cache=True``) loads as an :class:`OnnxGenerationRuntime`,
+    which also has ``prefill`` / ``decode``.
 
     Args:
         artifact: the ``.onnx`` file (external data is found beside it).
@@ -119,4 +194,6 @@ def load_onnx(
     session = ort.InferenceSession(
         str(path), sess_options=options, providers=_providers(device, providers)
     )
+    if any(i.name.startswith(f"{PAST_PREFIX}.") for i in session.get_inputs()):
+        return OnnxGenerationRuntime(session, path)
     return OnnxRuntimeModel(session, path)

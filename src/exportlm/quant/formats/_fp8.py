@@ -49,7 +49,8 @@ def quantize_fp8(
     ):
         data = _fp8_codes_chunked(x, scale)
     else:
-        data = (x.to(torch.float32) / scale).to(torch.float8_e4m3fn)
+        # The scale on x's device: CUDA divides by a CPU scalar through its reciprocal.
+        data = (x.to(torch.float32) / scale.to(x.device)).to(torch.float8_e4m3fn)
     return QuantizedTensor(QuantFormat.FP8, data, scale, shape=tuple(x.shape), dtype=x.dtype)
 
 

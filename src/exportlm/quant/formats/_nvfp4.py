@@ -52,14 +52,17 @@ def quantize_nvfp4(
     if x.shape[-1] % 2:
         raise UnsupportedFormatError(f"{where}: nvfp4 packs pairs, got odd shape {tuple(x.shape)}")
     blocks = split_blocks(x, block_size, "nvfp4", where)
-    s2 = scale  # 0-d, or [E, 1, 1] for stacked experts: broadcasts over the blocks
+    # 0-d, or [E, 1, 1] for stacked experts: broadcasts over the blocks. On x's device:
+    # CUDA divides by a CPU scalar through its reciprocal (another last bit).
+    s2 = scale.to(x.device)
     block_scale = blocks.abs().amax(dim=-1) / (FP4_MAX * s2)
     block_scale = torch.where(block_scale == 0, torch.ones_like(block_scale), block_scale)
-    scale_fp8 = block_scale.to(torch.float8_e4m3fn)
+    rounded = block_scale.to(torch.float8_e4m3fn).to(torch.float32)
     # A block scale that underflows float8 would divide by zero: floor it at the
-    # smallest subnormal (the block's values still fit, |x| / scale < 3).
-    floor = torch.tensor(_FP8_MIN_SUBNORMAL).to(torch.float8_e4m3fn)
-    scale_fp8 = torch.where(scale_fp8.to(torch.float32) == 0, floor, scale_fp8)
+    # smallest subnormal (the block's values still fit, |x| / scale < 3). Chosen in
+    # float32 on x's device (2**-9 is exact in float8), so no device mixes in.
+    floor = torch.full_like(rounded, _FP8_MIN_SUBNORMAL)
+    scale_fp8 = torch.where(rounded == 0, floor, rounded).to(torch.float8_e4m3fn)
     scaled = blocks / (scale_fp8.to(torch.float32) * s2).unsqueeze(-1)
     codes = _e2m1_codes(scaled.reshape(x.shape))
     packed = (codes[..., 1::2] << 4) | codes[..., 0::2]
@@ -72,7 +75,7 @@ def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Round to the nearest E2M1 value (ties to even, saturating at 6) as 4-bit codes."""
     sign = (v < 0).to(torch.uint8)
     mag = v.abs()
-    bounds = torch.tensor(_E2M1_BOUNDS, dtype=mag.dtype)
+    bounds = torch.tensor(_E2M1_BOUNDS, dtype=mag.dtype, device=mag.device)
     code = torch.searchsorted(bounds, mag.contiguous()).to(torch.uint8)
     tie_up = torch.zeros_like(mag, dtype=torch.bool)
     for b in _E2M1_TIE_UP:
@@ -85,7 +88,7 @@ def dequantize_nvfp4(q: QuantizedTensor) -> torch.Tensor:
     if q.scale_2 is None or q.block_size is None:
         raise ValueError("an nvfp4 QuantizedTensor needs scale_2 and block_size")
     codes = torch.stack((q.data & 0x0F, q.data >> 4), dim=-1).reshape(q.shape)
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.long()]
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
     block_scale = q.scale.to(torch.float32) * q.scale_2
     blocks = values.reshape(*q.shape[:-1], -1, q.block_size) * block_scale.unsqueeze(-1)
     return blocks.reshape(q.shape)

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The CUDA conformance subset on one GPU: the roundtrips of every target that
+# declares 'cuda', the golden checks and fp8_gemm, all on CUDA with TF32 off.
+# Installs nothing, reaches no network. See docs/gpu.md.
+#
+#   benchmarks/gpu/check.sh                       # uses .venv/bin/python
+#   PYTHON=/usr/bin/python3 benchmarks/gpu/check.sh   # a python whose torch has CUDA
+#
+# Environment: PYTHON (default .venv/bin/python), BUDGET_S (pytest's wall-clock
+# limit, default 280), WORKERS (xdist workers, default 4; 0 runs in-process),
+# OUT (report directory, default a new temporary directory), DEVICE (default
+# cuda; DEVICE=cpu runs the same subset on the CPU, a dry run of this script).
+# Exit status: pytest's (0 all passed), 2 when this python cannot run CUDA,
+# 124 when pytest ran past BUDGET_S.
+set -u -o pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT" || exit 2
+PYTHON="${PYTHON:-.venv/bin/python}"
+BUDGET_S="${BUDGET_S:-280}"
+WORKERS="${WORKERS:-4}"
+DEVICE="${DEVICE:-cuda}"
+OUT="${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/exportlm-gpu-check.XXXXXX")}"
+CHECKS="roundtrip_logits,dynamic_shapes,cache_wrapper,deterministic,golden_checkpoint,golden_calibration,fp8_gemm"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+
+say() { printf '== %s\n' "$*"; }
+
+say "repository: $ROOT"
+say "python: $PYTHON"
+if ! command -v "$PYTHON" >/dev/null 2>&1 && [ ! -x "$PYTHON" ]; then
+    echo "error: $PYTHON is not an executable python; set PYTHON=/path/to/python (one whose torch has CUDA)" >&2
+    exit 2
+fi
+
+mkdir -p "$OUT"
+# A python the checkout is not installed in (e.g. a system python with a CUDA
+# torch) gets the checkout on PYTHONPATH and its entry points from a generated
+# dist-info under $OUT: nothing is installed.
+EXTRA="$("$PYTHON" "$ROOT/benchmarks/gpu/checkout.py" "$ROOT" "$OUT/site")" || exit 2
+if [ -n "$EXTRA" ]; then
+    export PYTHONPATH="$EXTRA${PYTHONPATH:+:$PYTHONPATH}"
+    say "exportlm is not installed in this python: using the checkout (PYTHONPATH=$PYTHONPATH)"
+fi
+
+# Step 1: the environment. Prints torch, CUDA, the device; exits 2 without CUDA.
+# Its last line is the comma-separated list of targets that declare 'cuda'.
+say "step 1/3: environment"
+ENV_OUT="$("$PYTHON" "$ROOT/benchmarks/gpu/env.py" "$DEVICE")"
+status=$?
+if [ "$status" -ne 0 ]; then
+    printf '%s\n' "$ENV_OUT"
+    exit "$status"
+fi
+printf '%s\n' "$ENV_OUT" | sed '$d'
+TARGETS="$(printf '%s\n' "$ENV_OUT" | tail -n 1)"
+if [ -z "$TARGETS" ]; then
+    echo "error: no registered target declares 'cuda'; nothing to run" >&2
+    exit 2
+fi
+
+# Step 2: the subset, on CUDA only; --export-require-device turns a missing or
+# too old GPU into failures instead of skips.
+say "step 2/3: pytest (budget ${BUDGET_S}s, workers ${WORKERS}, targets ${TARGETS})"
+say "report: $OUT/report.json, log: $OUT/pytest.log"
+XDIST=()
+if [ "$WORKERS" != "0" ]; then
+    XDIST=(-n "$WORKERS")
+fi
+GATE=(--export-device=cuda --export-require-device)
+if [ "$DEVICE" = "cpu" ]; then
+    GATE=(--export-device=cpu)
+fi
+start=$(date +%s)
+timeout --signal=INT --kill-after=20 "$BUDGET_S" "$PYTHON" -m pytest -p no:cacheprovider \
+    "${XDIST[@]}" -q -rfEs \
+    "${GATE[@]}" --export-only \
+    --export-targets="$TARGETS" --export-exporters=all --export-checks="$CHECKS" \
+    --export-report="$OUT/report.json" 2>&1 | tee "$OUT/pytest.log"
+rc=${PIPESTATUS[0]}
+wall=$(( $(date +%s) - start ))
+if [ "$rc" -eq 124 ]; then
+    echo "error: pytest ran past the budget of ${BUDGET_S}s (BUDGET_S); the partial log is $OUT/pytest.log" >&2
+fi
+
+# Step 3: the summary, from the JSON report.
+say "step 3/3: summary (pytest exit status $rc, wall ${wall}s)"
+"$PYTHON" "$ROOT/benchmarks/gpu/summary.py" "$OUT/report.json" "$wall" || true
+exit "$rc"

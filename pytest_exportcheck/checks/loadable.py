@@ -1,0 +1,82 @@
+"""``loadable`` (scope ``"target"``): a quantized checkpoint passes the serving loaders' rules.
+
+For a target declaring ``quantized`` and ``artifact="directory"``, the toy model
+is quantized with each of :data:`LOADABLE_RECIPES` (FP8 with an FP8 KV cache,
+NVFP4, INT4 AWQ, INT8 weight-only: one recipe per built-in format), exported
+(``case.export_instance``, cached) and inspected with
+:func:`exportlm.inspection.inspect_checkpoint`, the rules of ``exportlm inspect``
+(``docs/checkpoint-rules.md``). Any error-level finding fails the check with the
+rule id and the tensor. A recipe that does not fit the toy model (DBRX's fused
+experts take FP8 only) is skipped and counted in the details; the check skips
+when none fits. Every recipe on every toy family costs about 0.05 s per export.
+"""
+
+from __future__ import annotations
+
+from exportlm.inspection import InspectionReport, inspect_checkpoint
+from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
+from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result
+from pytest_exportcheck.checks._support import (
+    build_case_model,
+    default_model_name,
+    export_instance,
+)
+from pytest_exportcheck.checks.checkpoint import quantized_toy, require_checkpoint_target
+
+__all__ = ["LOADABLE_RECIPES", "loadable"]
+
+#: The recipes each toy model is exported with: one per built-in format (+ the FP8 KV cache).
+LOADABLE_RECIPES = ("fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo")
+_SHOWN = 5
+
+
+def _errors_text(report: InspectionReport) -> list[str]:
+    return [f"[{f.rule}] {f.subject}: {f.message}" for f in report.errors]
+
+
+@check("loadable")
+@aborts_to_result
+def loadable(case: TargetCase) -> CheckResult:
+    """Quantized checkpoints (FP8 + FP8 KV, NVFP4, INT4 AWQ, INT8) pass every error-level rule
+    of ``exportlm inspect``.
+
+    See the module docstring for the recipes; a file-artifact target is a counted skip.
+    """
+    require_checkpoint_target(case, "loadable")
+    name = default_model_name(case)
+    build_case_model(case, name)  # the target's refusal of the family: one skip, its reason
+    problems: list[str] = []
+    checked: dict[str, dict[str, int]] = {}
+    skipped: dict[str, str] = {}
+    for recipe in LOADABLE_RECIPES:
+        try:
+            model = quantized_toy(case, name, recipe)
+        except CheckAbort as abort:
+            if abort.result.status != "skip":
+                raise
+            skipped[recipe] = abort.result.message
+            continue
+        path = export_instance(case, model, case.workdir / f"loadable-{recipe}")
+        report = inspect_checkpoint(path)
+        checked[recipe] = report.to_json()["counts"]
+        problems += [f"{recipe}: {text}" for text in _errors_text(report)]
+    if problems:
+        shown = "; ".join(problems[:_SHOWN])
+        more = f" (+{len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+        return CheckResult.failed(
+            f"{case.target_id} checkpoints of {name!r} break {len(problems)} loader rule(s) "
+            f"(docs/checkpoint-rules.md): {shown}{more}",
+            problems=problems,
+            checked=checked,
+        )
+    if not checked:
+        return CheckResult.skipped(
+            f"no recipe of {', '.join(LOADABLE_RECIPES)} fits toy model {name!r}: "
+            + "; ".join(skipped.values())
+        )
+    return CheckResult.passed(
+        f"{len(checked)} checkpoint(s) of {name!r} ({', '.join(checked)}) pass every "
+        "error-level loader rule",
+        checked=checked,
+        skipped=skipped,
+    )

@@ -1,0 +1,39 @@
+"""Checking a checkpoint against the serving loaders' rules, before a GPU is rented.
+
+:func:`inspect_checkpoint` reads a Hugging Face checkpoint directory from any
+producer (exportlm, NVIDIA ModelOpt, llm-compressor) — the safetensors headers,
+the index and the JSON configs, plus the values of the scales only — or an ONNX
+file, and evaluates the rules of :data:`RULES`. Each rule has a stable id, a
+severity and the loaders it comes from, and is documented with its source in
+``docs/checkpoint-rules.md``. The command line is ``exportlm inspect PATH``.
+
+The name rules of the ``checkpoint_names`` conformance check live here too
+(:func:`checkpoint_name_problems`, :func:`listed_names`, :func:`saved_tensor_names`).
+"""
+
+from exportlm.inspection._files import TensorInfo, read_safetensors_header
+from exportlm.inspection._inspect import InspectionReport, inspect_checkpoint
+from exportlm.inspection._names import (
+    ListedName,
+    checkpoint_name_problems,
+    listed_names,
+    saved_tensor_names,
+)
+from exportlm.inspection._rules import RULES, RULES_DOC, Finding, Rule, Severity, get_rule
+
+__all__ = [
+    "RULES",
+    "RULES_DOC",
+    "Finding",
+    "InspectionReport",
+    "ListedName",
+    "Rule",
+    "Severity",
+    "TensorInfo",
+    "checkpoint_name_problems",
+    "get_rule",
+    "inspect_checkpoint",
+    "listed_names",
+    "read_safetensors_header",
+    "saved_tensor_names",
+]

@@ -1,0 +1,145 @@
+"""Rules on ONNX files: opset, external data, quantized initializers.
+
+The model is read with ``onnx.load(path, load_external_data=False)``: only the
+graph and the initializers' metadata; external-data files are checked by size,
+never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from exportlm.errors import MissingDependencyError
+from exportlm.inspection._rules import RULES, Finding
+
+__all__ = ["QUANTIZED_ONNX_DTYPES", "onnx_findings"]
+
+#: Initializer dtypes that hold quantized codes, with the opset whose DequantizeLinear takes them.
+QUANTIZED_ONNX_DTYPES: dict[str, int] = {
+    "INT8": 10,
+    "UINT8": 10,
+    "FLOAT8E4M3FN": 19,
+    "FLOAT8E4M3FNUZ": 19,
+    "FLOAT8E5M2": 19,
+    "FLOAT8E5M2FNUZ": 19,
+    "INT4": 21,
+    "UINT4": 21,
+    "FLOAT4E2M1": 23,
+}
+#: Bits per element of the dtypes whose size is not a whole number of bytes.
+_SUB_BYTE_BITS = {"INT4": 4, "UINT4": 4, "FLOAT4E2M1": 4}
+_EXTERNAL = 1  # onnx.TensorProto.EXTERNAL
+
+
+def _onnx() -> Any:
+    try:
+        import onnx
+    except ImportError as err:
+        raise MissingDependencyError(["onnx"], "onnx", "inspecting an ONNX file") from err
+    return onnx
+
+
+def onnx_findings(path: Path) -> tuple[list[Finding], dict[str, Any]]:
+    """The findings of ONNX file ``path`` and its summary (opset, initializers, bytes)."""
+    onnx = _onnx()
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as err:  # protobuf's DecodeError and OSError: the file is not ONNX
+        finding = RULES["onnx-unreadable"].finding(
+            path.name, f"{path.name} does not parse as an ONNX model: {type(err).__name__}: {err}"
+        )
+        return [finding], {}
+    opset = next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    initializers = [_initializer(onnx, init, path.parent) for init in model.graph.initializer]
+    findings = list(_external(initializers, path))
+    findings += _opset(initializers, opset, path.name)
+    quantized = [i for i in initializers if i["dtype"] in QUANTIZED_ONNX_DTYPES]
+    by_dtype: dict[str, dict[str, int]] = {}
+    for init in quantized:
+        entry = by_dtype.setdefault(init["dtype"], {"initializers": 0, "bytes": 0})
+        entry["initializers"] += 1
+        entry["bytes"] += init["bytes"]
+    if quantized:
+        listing = ", ".join(
+            f"{dtype}: {v['initializers']} ({v['bytes']} bytes)"
+            for dtype, v in sorted(by_dtype.items())
+        )
+        findings.append(
+            RULES["onnx-quantized-initializers"].finding(
+                path.name, f"quantized initializers: {listing}", by_dtype=by_dtype
+            )
+        )
+    summary = {
+        "opset": opset,
+        "initializers": len(initializers),
+        "bytes": sum(i["bytes"] for i in initializers),
+        "quantized": by_dtype,
+        "external_files": sorted({i["location"] for i in initializers if i["location"]}),
+    }
+    return findings, summary
+
+
+def _initializer(onnx: Any, init: Any, directory: Path) -> dict[str, Any]:
+    dtype = onnx.TensorProto.DataType.Name(init.data_type)
+    numel = 1
+    for dim in init.dims:
+        numel *= int(dim)
+    if dtype in _SUB_BYTE_BITS:
+        expected = (numel * _SUB_BYTE_BITS[dtype] + 7) // 8
+    else:
+        expected = numel * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+    entry: dict[str, Any] = {"name": init.name, "dtype": dtype, "bytes": expected, "location": None}
+    if init.data_location == _EXTERNAL:
+        meta = {item.key: item.value for item in init.external_data}
+        entry["location"] = meta.get("location")
+        entry["offset"] = int(meta.get("offset", 0))
+        entry["length"] = int(meta["length"]) if "length" in meta else expected
+        entry["path"] = directory / str(meta.get("location", ""))
+    return entry
+
+
+def _external(initializers: list[dict[str, Any]], path: Path) -> Iterator[Finding]:
+    rule = RULES["onnx-external-data"]
+    sizes: dict[Path, int | None] = {}
+    for init in initializers:
+        if init["location"] is None:
+            continue
+        file: Path = init["path"]
+        if file not in sizes:
+            sizes[file] = file.stat().st_size if file.is_file() else None
+        size, end = sizes[file], init["offset"] + init["length"]
+        if size is None:
+            yield rule.finding(
+                init["name"],
+                f"initializer {init['name']} is stored in {init['location']!r}, which does not "
+                f"exist next to {path.name}: onnxruntime fails to load the model. Copy the "
+                "external-data file along with the .onnx file",
+                location=init["location"],
+            )
+        elif size < end:
+            yield rule.finding(
+                init["name"],
+                f"initializer {init['name']} needs bytes {init['offset']}..{end} of "
+                f"{init['location']!r}, which has {size}: the file is truncated",
+                location=init["location"],
+            )
+
+
+def _opset(initializers: list[dict[str, Any]], opset: int | None, file: str) -> Iterator[Finding]:
+    needs = {
+        i["dtype"]: QUANTIZED_ONNX_DTYPES[i["dtype"]]
+        for i in initializers
+        if i["dtype"] in QUANTIZED_ONNX_DTYPES
+    }
+    for dtype, needed in sorted(needs.items()):
+        if opset is None or opset < needed:
+            yield RULES["onnx-opset"].finding(
+                file,
+                f"{file} imports default-domain opset {opset}, but holds {dtype} initializers, "
+                f"which DequantizeLinear takes from opset {needed}: onnxruntime rejects the "
+                f"model. Export with opset >= {needed}",
+                opset=opset,
+                needed=needed,
+            )

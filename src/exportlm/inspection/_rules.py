@@ -1,0 +1,295 @@
+"""The rule table: every rule an inspection evaluates, its severity and where it comes from.
+
+A rule is data (:class:`Rule`); the code that evaluates it lives in the module
+named for its concern (``_layers``, ``_structure``, ``_values``, ``_onnx``). Each
+rule has a section in ``docs/checkpoint-rules.md`` whose anchor is the rule id,
+with the loader behaviour it protects against and a source reference.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from exportlm.errors import UnknownNameError
+
+__all__ = ["RULES", "RULES_DOC", "Finding", "Rule", "Severity", "get_rule"]
+
+#: Where the rules are documented, one section per rule id.
+RULES_DOC = "docs/checkpoint-rules.md"
+
+
+class Severity(enum.Enum):
+    """How bad a failed rule is: ``error`` makes ``exportlm inspect`` exit 1."""
+
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+
+    @property
+    def rank(self) -> int:
+        """0 for errors, 1 for warnings, 2 for info (the order findings are listed in)."""
+        return (Severity.ERROR, Severity.WARNING, Severity.INFO).index(self)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule a checkpoint (or ONNX file) is held to.
+
+    Attributes:
+        id: the stable id (``"scale-missing"``), also the anchor of its section in
+            ``docs/checkpoint-rules.md``.
+        severity: how bad a violation is.
+        loaders: the loaders whose behaviour the rule encodes (``"vLLM"``, ...).
+        summary: one line: what the rule requires.
+        applies_to: ``"checkpoint"`` (a Hugging Face directory) or ``"onnx"``.
+    """
+
+    id: str
+    severity: Severity
+    loaders: tuple[str, ...]
+    summary: str
+    applies_to: str = "checkpoint"
+
+    @property
+    def reference(self) -> str:
+        """The rule's documentation: ``docs/checkpoint-rules.md#<id>``."""
+        return f"{RULES_DOC}#{self.id}"
+
+    def finding(self, subject: str, message: str, **details: Any) -> Finding:
+        """A violation of this rule by ``subject`` (a tensor, module or file name)."""
+        return Finding(self.id, self.severity, subject, message, MappingProxyType(dict(details)))
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One violated rule.
+
+    Attributes:
+        rule: the rule id.
+        severity: the rule's severity.
+        subject: what violates it: a tensor name, a module path or a file name.
+        message: what is wrong, what a loader expects, what to do.
+        details: machine-readable extras for ``--json`` (values, shapes, files).
+    """
+
+    rule: str
+    severity: Severity
+    subject: str
+    message: str
+    details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (``severity`` as its string value)."""
+        return {
+            "rule": self.rule,
+            "severity": self.severity.value,
+            "subject": self.subject,
+            "message": self.message,
+            "details": dict(self.details),
+            "reference": f"{RULES_DOC}#{self.rule}",
+        }
+
+
+_E, _W, _I = Severity.ERROR, Severity.WARNING, Severity.INFO
+_VLLM, _SGL, _TRT, _HF, _CT = "vLLM", "SGLang", "TensorRT-LLM", "transformers", "compressed-tensors"
+_SERVING = (_VLLM, _SGL, _TRT)
+
+_TABLE: tuple[Rule, ...] = (
+    # -- files and names
+    Rule(
+        "shard-unreadable",
+        _E,
+        (_VLLM, _SGL, _TRT, _HF),
+        "Every *.safetensors file has a valid header and holds all the bytes its header declares.",
+    ),
+    Rule(
+        "index-mismatch",
+        _E,
+        (_VLLM, _HF),
+        "model.safetensors.index.json lists exactly the "
+        "shards' tensors, each in the shard that holds it, and no tensor is in two shards.",
+    ),
+    Rule(
+        "tied-duplicate",
+        _E,
+        (_VLLM, _HF),
+        "With tie_word_embeddings the tied weight is "
+        "written once (the embedding), not also as lm_head.weight.",
+    ),
+    Rule(
+        "leaked-buffer",
+        _E,
+        (*_SERVING, _HF),
+        "No tensor name has a quantizer-internal "
+        "component (_amax, _scale, _pre_quant_scale, *_quantizer.*).",
+    ),
+    # -- configs
+    Rule(
+        "quant-method-unknown",
+        _E,
+        (*_SERVING, _HF),
+        "config.json's quant_method is one a "
+        "serving loader knows; loaders that do not know it are reported.",
+    ),
+    Rule(
+        "quant-method-loaders",
+        _I,
+        (*_SERVING, _HF),
+        "Reports the loaders that do not know "
+        "the checkpoint's quant_method (transformers as installed).",
+    ),
+    Rule(
+        "quant-config-missing",
+        _W,
+        (_HF, _VLLM),
+        "A checkpoint with quantized tensors declares "
+        "its quantization in config.json (quantization_config).",
+    ),
+    Rule(
+        "format-unchecked",
+        _I,
+        (),
+        "A declared format exportlm has no FormatSpec for: only the "
+        "format-independent rules ran on its layers.",
+    ),
+    Rule(
+        "excluded-but-quantized",
+        _E,
+        _SERVING,
+        "No module listed in exclude_modules / ignore has a quantized weight.",
+    ),
+    Rule(
+        "excluded-name-unknown",
+        _W,
+        _SERVING,
+        "Every exclude_modules / ignore entry names a "
+        "module that the checkpoint saves tensors under.",
+    ),
+    Rule(
+        "layer-name-unknown",
+        _E,
+        _SERVING,
+        "Every quantized_layers key (and module-name "
+        "target) names a module the checkpoint saves tensors under.",
+    ),
+    Rule(
+        "excluded-stray-scale",
+        _E,
+        (_VLLM, _SGL),
+        "No scale leaf (input_scale, weight_scale, "
+        "...) on a module whose weight is not quantized (the lm_head.input_scale case).",
+    ),
+    # -- quantized layers
+    Rule(
+        "scale-missing",
+        _E,
+        (*_SERVING, _CT),
+        "Every quantized linear stores all of its "
+        "format's weight leaves, and input_scale when activations are quantized statically.",
+    ),
+    Rule(
+        "weight-dtype",
+        _E,
+        (*_SERVING, _CT),
+        "A quantized linear's weight is stored in its "
+        "format's dtype (float8_e4m3fn, packed uint8, int8).",
+    ),
+    Rule(
+        "scale-dtype",
+        _E,
+        (*_SERVING, _CT),
+        "Every scale leaf has its format's dtype (NVFP4 "
+        "block scales float8_e4m3fn, other scales float32).",
+    ),
+    Rule(
+        "scale-shape",
+        _E,
+        (*_SERVING, _CT),
+        "Per-tensor scales hold one value, per-row scales one per output row.",
+    ),
+    Rule(
+        "block-scale-shape",
+        _E,
+        (*_SERVING, _CT),
+        "Block scales are [out, in / block] for the "
+        "weight's logical shape (NVFP4 blocks of 16, INT4 AWQ groups).",
+    ),
+    Rule(
+        "kv-scale-missing",
+        _E,
+        (_VLLM, _SGL, _TRT),
+        "When KV-cache quantization is declared, every attention layer stores k_scale and v_scale.",
+    ),
+    Rule(
+        "kv-scale-undeclared",
+        _W,
+        (_VLLM, _TRT),
+        "k_scale / v_scale are stored only when the configs declare KV-cache quantization.",
+    ),
+    # -- values
+    Rule("scale-nonfinite", _E, (*_SERVING, _CT), "No scale holds NaN or an infinity."),
+    Rule(
+        "scale-nonpositive",
+        _E,
+        (*_SERVING, _CT),
+        "Per-tensor scales (weight, input, KV) are > 0; no scale is negative.",
+    ),
+    Rule(
+        "scale-zero-entries",
+        _W,
+        (_VLLM, _TRT),
+        "Per-row and per-block scales have no zero entries.",
+    ),
+    Rule(
+        "moe-input-scale-shared",
+        _W,
+        (_VLLM, _SGL, _TRT),
+        "The experts of one MoE block share one input_scale per projection.",
+    ),
+    Rule(
+        "gate-up-scale-consistent",
+        _W,
+        (_VLLM, _TRT),
+        "Where the format shares the per-tensor "
+        "weight scale of fused GEMMs, gate and up (w1 / w3) store equal ones.",
+    ),
+    # -- ONNX files
+    Rule("onnx-unreadable", _E, ("onnxruntime",), "The file parses as an ONNX model.", "onnx"),
+    Rule(
+        "onnx-opset",
+        _E,
+        ("onnxruntime",),
+        "The default-domain opset is at least the one its "
+        "initializers' dtypes need (19 for float8, 21 for int4).",
+        "onnx",
+    ),
+    Rule(
+        "onnx-external-data",
+        _E,
+        ("onnxruntime",),
+        "Every external-data file an initializer "
+        "names exists and is long enough for its offset and length.",
+        "onnx",
+    ),
+    Rule(
+        "onnx-quantized-initializers",
+        _I,
+        ("onnxruntime",),
+        "Reports the quantized initializers (FLOAT8E4M3FN, INT8, INT4...) and their bytes.",
+        "onnx",
+    ),
+)
+
+#: Every rule by id, in the order of ``docs/checkpoint-rules.md``.
+RULES: Mapping[str, Rule] = MappingProxyType({rule.id: rule for rule in _TABLE})
+
+
+def get_rule(rule_id: str) -> Rule:
+    """The rule ``rule_id``; raises :class:`~exportlm.errors.UnknownNameError` listing the ids."""
+    if rule_id not in RULES:
+        raise UnknownNameError("inspection rule", rule_id, list(RULES))
+    return RULES[rule_id]

@@ -1,0 +1,179 @@
+"""Rules on files, names and configs: shards and index, tied and leaked tensors,
+``quant_method``, listed module names and KV-cache scales."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from exportlm.inspection._declared import Declared
+from exportlm.inspection._files import INDEX, Checkpoint
+from exportlm.inspection._loaders import loaders_knowing
+from exportlm.inspection._names import listed_in, name_problems
+from exportlm.inspection._rules import RULES, Finding
+
+__all__ = ["config_findings", "file_findings", "kv_findings"]
+
+#: Names of input embeddings a tied ``lm_head.weight`` duplicates.
+_EMBEDDINGS = (
+    "embed_tokens.weight",
+    "wte.weight",
+    "word_embeddings.weight",
+    "tok_embeddings.weight",
+)
+_LM_HEAD = "lm_head.weight"
+#: Name components that only quantizer internals use (ModelOpt's in-memory buffers).
+_INTERNAL_SUFFIXES = ("_quantizer",)
+
+
+def file_findings(checkpoint: Checkpoint) -> Iterator[Finding]:
+    """``shard-unreadable``, ``index-mismatch``, ``tied-duplicate``, ``leaked-buffer``."""
+    for shard, reason in sorted(checkpoint.unreadable.items()):
+        yield RULES["shard-unreadable"].finding(shard, reason)
+    yield from _index(checkpoint)
+    yield from _tied(checkpoint)
+    for name in sorted(checkpoint.tensors):
+        parts = name.split(".")
+        internal = [p for p in parts if p.startswith("_") or p.endswith(_INTERNAL_SUFFIXES)]
+        if internal:
+            yield RULES["leaked-buffer"].finding(
+                name,
+                f"{name} is a quantizer-internal buffer ({internal[0]!r}), not a checkpoint "
+                'tensor: no loader has a parameter of that name (vLLM: KeyError / "no module or '
+                'parameter named"). Export the scales under their hub names (weight_scale, '
+                "input_scale, ...) and drop the internal buffers",
+            )
+
+
+def _index(checkpoint: Checkpoint) -> Iterator[Finding]:
+    rule = RULES["index-mismatch"]
+    for name, files in sorted(checkpoint.locations.items()):
+        if len(files) > 1:
+            yield rule.finding(name, f"{name} is saved in {len(files)} shards ({', '.join(files)})")
+    if checkpoint.index_problem:
+        yield rule.finding(INDEX, checkpoint.index_problem)
+    index = checkpoint.index
+    if index is None:
+        if len(checkpoint.shards) > 1:
+            yield rule.finding(
+                INDEX,
+                f"{len(checkpoint.shards)} shards but no {INDEX}: loaders find sharded "
+                "checkpoints through the index",
+            )
+        return
+    for name, shard in sorted(index.items()):
+        held = checkpoint.locations.get(name)
+        if held is None:
+            missing = "" if shard in checkpoint.shards else f" (and {shard} does not exist)"
+            yield rule.finding(
+                name,
+                f"{INDEX} maps {name} to {shard}, but no shard saves it{missing}; transformers "
+                "and vLLM fail looking it up. Rewrite the index from the shards' headers",
+                shard=shard,
+            )
+        elif shard not in held:
+            yield rule.finding(name, f"{INDEX} maps {name} to {shard}, but {held[0]} saves it")
+    for name in sorted(set(checkpoint.locations) - set(index)):
+        yield rule.finding(
+            name,
+            f"{checkpoint.locations[name][0]} saves {name}, but {INDEX} does not list it: "
+            "loaders that read the index never load it",
+        )
+
+
+def _tied(checkpoint: Checkpoint) -> Iterator[Finding]:
+    config = checkpoint.config
+    tied = config.get("tie_word_embeddings")
+    text = config.get("text_config")
+    if tied is None and isinstance(text, dict):
+        tied = text.get("tie_word_embeddings")
+    if tied is not True:
+        return
+    heads = [n for n in checkpoint.tensors if n == _LM_HEAD or n.endswith("." + _LM_HEAD)]
+    embeddings = [n for n in checkpoint.tensors if n.endswith(_EMBEDDINGS)]
+    for head in heads:
+        if embeddings:
+            yield RULES["tied-duplicate"].finding(
+                head,
+                f"config.json sets tie_word_embeddings, yet both {embeddings[0]} and {head} are "
+                "saved: the tied weight is written twice. Loaders keep one copy (vLLM skips "
+                f"{_LM_HEAD} when tied) and silently drop the other, so if they differ the "
+                "served model is not the exported one. Save the embedding only",
+            )
+
+
+def config_findings(
+    checkpoint: Checkpoint, declared: Declared, quantized: int
+) -> Iterator[Finding]:
+    """``quant-method-*``, ``quant-config-missing`` and the listed-name rules."""
+    method = declared.quant_method
+    if method is not None:
+        known, unknown = loaders_knowing(method)
+        if not known:
+            yield RULES["quant-method-unknown"].finding(
+                "config.json",
+                f"quantization_config.quant_method is {method!r}, which no loader checked here "
+                f'knows ({", ".join(unknown)}): loading fails with "Unknown quantization '
+                "method\". Use 'modelopt' or 'compressed-tensors'",
+            )
+        elif unknown:
+            yield RULES["quant-method-loaders"].finding(
+                "config.json",
+                f"quant_method {method!r} loads in {', '.join(known)}; not in {', '.join(unknown)}",
+                known=known,
+                unknown=unknown,
+            )
+    elif quantized and declared.layout == "none":
+        yield RULES["quant-config-missing"].finding(
+            "config.json",
+            f"{quantized} layer(s) store quantized weights, but neither config.json "
+            "(quantization_config) nor hf_quant_config.json declares a quantization: loaders "
+            "read the codes as full-precision weights. Write the quantization config",
+        )
+    elif quantized:  # ModelOpt's hf_quant_config.json only
+        yield RULES["quant-config-missing"].finding(
+            "config.json",
+            "only hf_quant_config.json declares the quantization; config.json has no "
+            "quantization_config, so transformers (and SGLang without --quantization modelopt) "
+            "loads the codes as full-precision weights. Add quantization_config "
+            "(quant_method 'modelopt') to config.json",
+        )
+    listed = listed_in(checkpoint.hf_quant_config, checkpoint.config)
+    for problem in name_problems(checkpoint.tensors, listed):
+        if problem.kind == "excludes-quantized":
+            rule = RULES["excluded-but-quantized"]
+        else:
+            rule = RULES["excluded-name-unknown" if problem.item.excluded else "layer-name-unknown"]
+        yield rule.finding(problem.subject, problem.message, listed_in=problem.item.where)
+
+
+def kv_findings(checkpoint: Checkpoint, declared: Declared) -> Iterator[Finding]:
+    """``kv-scale-missing`` and ``kv-scale-undeclared``."""
+    names = checkpoint.tensors
+    stored = sorted(n for n in names if n.endswith((".k_scale", ".v_scale")))
+    if not declared.kv_cache:
+        if stored:
+            yield RULES["kv-scale-undeclared"].finding(
+                stored[0],
+                f"{len(stored)} KV-cache scale(s) are saved (e.g. {stored[0]}) but "
+                f"{declared.source} declares no KV-cache quantization (kv_cache_quant_algo / "
+                "kv_cache_scheme): loaders ignore them, or warn and use 1.0",
+            )
+        return
+    attention = sorted(
+        n.removesuffix(".k_proj.weight") for n in names if n.endswith(".k_proj.weight")
+    )
+    for attn in attention:
+        for kind in ("k", "v"):
+            candidates = (f"{attn}.{kind}_proj.{kind}_scale", f"{attn}.{kind}_scale")
+            if not any(c in names for c in candidates):
+                yield RULES["kv-scale-missing"].finding(
+                    candidates[0],
+                    f"{declared.source} declares KV-cache quantization, but attention {attn} "
+                    f"saves no {kind}_scale ({' or '.join(candidates)}): vLLM falls back to a "
+                    "scale of 1.0 (wrong cache values) or fails. Export the KV-cache scales",
+                )
+    if not attention and not stored:
+        yield RULES["kv-scale-missing"].finding(
+            declared.source,
+            f"{declared.source} declares KV-cache quantization but no k_scale / v_scale is saved",
+        )

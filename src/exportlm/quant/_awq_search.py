@@ -1,0 +1,253 @@
+"""One AWQ scale search: the candidates, their losses, and the rule that picks one.
+
+A :class:`ScaleSearch` is one scale shared by a group of linears that read one input
+(or by one expert's projection). Two families of candidates are scored on the same
+calibration inputs:
+
+* the *joint* candidates ``s(alpha) = act^alpha / w^(1-alpha)`` (``w``: the statistic
+  of the group's weights taken as one fused weight), scored by one loss over the
+  outputs of all members: the sum of their squared errors;
+* ModelOpt's ``awq_lite`` candidate (groups of linears only): every member searched
+  alone with its own weight statistic and ModelOpt's loss (the sum over forwards of
+  the mean squared output error), then the members' ``pre_quant_scale`` (``1 / s``)
+  averaged, as ModelOpt's export resmooths a fused group.
+
+**The rule** (:meth:`ScaleSearch.choose`): each candidate's *weight reconstruction
+error* is, per member, ``||Q(W / p) * p - W|| / ||W||`` (``p``: the ``pre_quant_scale``,
+``Q``: fake quantization in the member's format, the per-tensor amax shared by the
+group as the export shares it). The joint candidates are tried from the lowest joint
+loss up, and the first one whose error is no greater than that of ModelOpt's candidate
+on *every* member is taken; when none is, ModelOpt's candidate is. So every layer
+reconstructs its weight at least as well as under ModelOpt's scales, and the joint
+search is kept wherever it does so.
+
+**Portability.** The rule takes discrete decisions from float losses and errors (an
+ordering, per-member argmins, ``<=`` comparisons), and a forward pass's floats differ
+in their last bits between machines (CPU kernels, thread counts, GPUs). Every decision
+records its relative margin (:attr:`ScaleSearch.margins`): a decision whose margin
+exceeds :data:`PORTABLE_MARGIN` takes the same outcome on every machine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+
+from exportlm.quant._formats import dequantize
+from exportlm.quant._quantizer import TensorQuantizer
+
+__all__ = [
+    "AWQ_ALPHA",
+    "AWQ_ALPHAS",
+    "PORTABLE_MARGIN",
+    "Choice",
+    "ScaleSearch",
+    "awq_scale",
+    "awq_weight_scale",
+    "fake_quant_fresh",
+]
+
+#: The smoothing strength used when statistics do not come from data (no search).
+AWQ_ALPHA = 0.5
+#: The grid searched, as ModelOpt's ``awq_lite`` (``alpha_step=0.1``).
+AWQ_ALPHAS: tuple[float, ...] = tuple(i / 10 for i in range(11))
+#: The relative margin above which a decision of the search cannot flip on another
+#: machine. The losses and reconstruction errors are sums over float32 forward passes
+#: and matmuls: across CPU kernel sets, thread counts and GPUs (TF32 off) they move by
+#: about 1e-6 relative, so two values further apart than 1e-4 (relative) keep their
+#: order everywhere, with two orders of magnitude to spare.
+PORTABLE_MARGIN = 1e-4
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _gap(values: torch.Tensor, first: int, second: int) -> float:
+    """``(values[second] - values[first]) / values[first]``: how far ``second`` is above ``first``."""
+    low, high = float(values[first]), float(values[second])
+    return (high - low) / max(abs(low), _TINY)
+
+
+def _runner_up_gap(loss: torch.Tensor) -> float:
+    """The relative gap between the lowest value of ``loss`` and the next one."""
+    order = torch.argsort(loss, stable=True).tolist()
+    return _gap(loss, order[0], order[1]) if len(order) > 1 else math.inf
+
+
+class Choice(Enum):
+    """Which candidate a search took (see the module docstring for the rule)."""
+
+    FIXED = "the fixed alpha (statistics not from data, or never scored)"
+    JOINT_BEST = "the joint search's lowest loss"
+    JOINT_OTHER = "another alpha of the joint search (its best reconstructed a weight worse)"
+    AVERAGE = "ModelOpt's average of per-linear scales"
+
+
+def awq_weight_scale(weights: list[torch.Tensor], block_size: int | None) -> torch.Tensor:
+    """Mean over the rows of ``|W|`` divided by each block's amax (ModelOpt's weight statistic).
+
+    ``weights`` are the ``[out, in]`` weights of one group, scored as one fused weight.
+    """
+    weight = torch.cat([w.detach().float() for w in weights])
+    rows, cols = weight.shape
+    if block_size and cols % block_size == 0:
+        blocks = weight.abs().reshape(-1, block_size)
+        scaled = blocks / (blocks.amax(dim=1, keepdim=True) + _TINY)
+    else:
+        scaled = weight.abs() / (weight.abs().amax(dim=1, keepdim=True) + _TINY)
+    return scaled.reshape(rows, cols).mean(dim=0)
+
+
+def awq_scale(act: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``s = act^alpha / weight^(1-alpha)``, clamped to [1e-4, 1e4], normalised (ModelOpt's)."""
+    s = (act.float().pow(alpha) / (weight.float().pow(1 - alpha) + _TINY)).clamp(1e-4, 1e4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def fake_quant_fresh(
+    quantizer: TensorQuantizer, weight: torch.Tensor, amax: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``weight`` fake-quantized by ``quantizer``'s format; a calibrated format's per-tensor
+    amax is ``amax`` when given, else taken from ``weight``."""
+    if quantizer.spec.calibrated and amax is None:
+        amax = weight.detach().abs().float().amax()
+    elif not quantizer.spec.calibrated:
+        amax = None
+    return dequantize(quantizer.quantize(weight, amax=amax), weight.dtype)
+
+
+@dataclass
+class ScaleSearch:
+    """One scale being searched: the weights that share it and the running losses.
+
+    ``own_wscales`` (groups of linears) holds each member's own weight statistic: it
+    enables ModelOpt's per-linear candidates and the rule of :meth:`choose`. Without
+    it (per-expert searches) the joint search's best is taken. ``name`` labels the
+    search in logs (the layer or ``<experts>.<proj>[<expert>]``).
+
+    :meth:`choose` records every decision it takes in :attr:`margins`, as
+    ``(what, relative margin)``; :attr:`margin` is the smallest.
+    """
+
+    weights: list[Callable[[], torch.Tensor]]
+    quantizers: list[TensorQuantizer]
+    act: torch.Tensor
+    wscale: torch.Tensor
+    from_data: bool
+    own_wscales: list[torch.Tensor] | None = None
+    sse: torch.Tensor = field(default_factory=lambda: torch.zeros(len(AWQ_ALPHAS)))
+    own_loss: torch.Tensor | None = None  # [members, alphas]: ModelOpt's loss per member
+    count: int = 0
+    name: str = ""
+    margins: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def margin(self) -> float:
+        """The smallest relative margin of :meth:`choose`'s decisions (inf: none taken)."""
+        return min((m for _, m in self.margins), default=math.inf)
+
+    def __post_init__(self) -> None:
+        if self.own_wscales is not None:
+            self.own_loss = torch.zeros(len(self.own_wscales), len(AWQ_ALPHAS))
+
+    def _scores(
+        self, x: torch.Tensor, weight: torch.Tensor, member: int, wscale: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        """Squared output error summed, per alpha, and the number of output elements."""
+        reference = F.linear(x, weight).float()
+        sse = torch.zeros(len(AWQ_ALPHAS))
+        for i, alpha in enumerate(AWQ_ALPHAS):
+            s = awq_scale(self.act, wscale, alpha)
+            quantized = fake_quant_fresh(self.quantizers[member], weight * s.to(weight.dtype))
+            out = F.linear(x / s.to(x.dtype), quantized).float()
+            sse[i] = (out - reference).pow(2).sum().cpu()
+        return sse, reference.numel()
+
+    def score(self, x: torch.Tensor, member: int) -> None:
+        """Add the losses of every candidate on input ``x`` of one member (one forward)."""
+        weight = self.weights[member]().detach()
+        x = x.detach().reshape(-1, x.shape[-1])
+        if x.numel() == 0:
+            return
+        joint, numel = self._scores(x, weight, member, self.wscale)
+        self.sse += joint
+        self.count += numel
+        if self.own_wscales is not None and self.own_loss is not None:
+            own = joint
+            if len(self.weights) > 1:  # a single member's own candidates are the joint ones
+                own, _ = self._scores(x, weight, member, self.own_wscales[member])
+            self.own_loss[member] += own / numel  # ModelOpt: the mean, summed over forwards
+
+    def _joint(self, alpha: float) -> torch.Tensor:
+        return (1.0 / awq_scale(self.act, self.wscale, alpha)).to(torch.float32)
+
+    def average_candidate(self) -> torch.Tensor:
+        """ModelOpt's candidate: each member's best ``1 / s`` by its own loss, averaged.
+
+        Records each member's argmin in :attr:`margins` (its gap to the runner-up).
+        """
+        if self.own_wscales is None or self.own_loss is None:
+            raise ValueError("no per-linear candidates were scored for this search")
+        rows = []
+        for member, (wscale, loss) in enumerate(zip(self.own_wscales, self.own_loss, strict=True)):
+            rows.append(1.0 / awq_scale(self.act, wscale, AWQ_ALPHAS[int(torch.argmin(loss))]))
+            self.margins.append((f"member {member}'s own best alpha", _runner_up_gap(loss)))
+        return torch.stack(rows).mean(dim=0).to(torch.float32)
+
+    def weight_errors(self, pqs: torch.Tensor) -> list[float]:
+        """Per member, ``||Q(W / pqs) * pqs - W|| / ||W||`` (the group shares one amax)."""
+        weights = [w().detach().float() for w in self.weights]
+        p = pqs.to(weights[0].device, torch.float32)
+        smoothed = [w / p for w in weights]
+        amax = torch.stack([w.abs().amax() for w in smoothed]).amax()
+        errors = []
+        for weight, scaled, quantizer in zip(weights, smoothed, self.quantizers, strict=True):
+            effective = fake_quant_fresh(quantizer, scaled, amax).float() * p
+            errors.append(float((effective - weight).norm() / (weight.norm() + _TINY)))
+        return errors
+
+    def choose(self) -> tuple[torch.Tensor, Choice]:
+        """The ``pre_quant_scale`` to use and which candidate it is (the module's rule).
+
+        Resets and fills :attr:`margins`: the gap of the chosen joint loss to the next
+        one in the ranking, each member's argmin of ModelOpt's candidate, and each
+        weight-error comparison that decided a candidate (``|e - b| / b``).
+        """
+        self.margins = []
+        if not (self.from_data and self.count > 0):
+            return self._joint(AWQ_ALPHA), Choice.FIXED
+        order = torch.argsort(self.sse, stable=True).tolist()
+        if self.own_wscales is None:
+            self._rank_margin(order, 0)
+            return self._joint(AWQ_ALPHAS[order[0]]), Choice.JOINT_BEST
+        average = self.average_candidate()
+        bound = self.weight_errors(average)
+        for rank, index in enumerate(order):
+            pqs, alpha = self._joint(AWQ_ALPHAS[index]), AWQ_ALPHAS[index]
+            if torch.equal(pqs, average):  # the same bits give the same errors everywhere
+                self._rank_margin(order, rank)
+                return pqs, Choice.JOINT_BEST if rank == 0 else Choice.JOINT_OTHER
+            errors = self.weight_errors(pqs)
+            gaps = [abs(e - b) / max(b, _TINY) for e, b in zip(errors, bound, strict=True)]
+            worse = [g for g, e, b in zip(gaps, errors, bound, strict=True) if e > b]
+            if not worse:  # every comparison decided the acceptance: the closest one counts
+                self.margins.append((f"alpha={alpha}'s weight errors <= the average's", min(gaps)))
+                self._rank_margin(order, rank)
+                return pqs, Choice.JOINT_BEST if rank == 0 else Choice.JOINT_OTHER
+            # one worse member suffices to reject: the clearest one counts
+            self.margins.append((f"alpha={alpha}'s weight errors > the average's", max(worse)))
+        return average, Choice.AVERAGE
+
+    def _rank_margin(self, order: list[int], rank: int) -> None:
+        """Record how far the joint loss of the candidate at ``rank`` is below the next one."""
+        if rank + 1 < len(order):
+            chosen, runner_up = order[rank], order[rank + 1]
+            self.margins.append(
+                (
+                    f"joint loss of alpha={AWQ_ALPHAS[chosen]} < alpha={AWQ_ALPHAS[runner_up]}",
+                    _gap(self.sse, chosen, runner_up),
+                )
+            )
