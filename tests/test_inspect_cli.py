@@ -157,9 +157,7 @@ def test_loadable_passes_on_hf_checkpoint(family: str, tmp_path: Path) -> None:
         assert "PreTrainedModel" in result.message
         return
     assert result.status == "pass", result.message
-    expected = (
-        ["fp8+fp8_kv"] if family == "dbrx" else ["fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo"]
-    )
+    expected = ["fp8"] if family == "dbrx" else ["fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo"]
     assert list(result.details["checked"]) == expected
     assert all(c["error"] == 0 for c in result.details["checked"].values())
 

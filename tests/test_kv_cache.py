@@ -136,3 +136,34 @@ def test_the_kv_roundtrip_passes_with_amax_scales_and_fails_with_unit_scales(
     )
     assert not bad.passed(rtol=1e-2), bad
     assert bad.relative > 100 * max(good.relative, 1e-7)
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["llama", "llama_tied", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "llama4"],
+)
+def test_the_kv_roundtrip_passes_for_every_family(family: str, tmp_path: Path) -> None:
+    """Every HF toy family: the checkpoint's KV scales, applied as vLLM does, give the fake-quant
+    model's logits (same eager kernels, same FP8 cache values: float rounding apart)."""
+    from exportlm.models import build_model
+
+    model = build_model(family, seed=0)
+    batch = _batch(model.config.vocab_size)
+    quantize(model, "fp8_kv", calibrate=lambda m: m(batch))
+    out = exportlm.export_model("hf_checkpoint", model, tmp_path / "ckpt")
+    names = [n for f in out.glob("*.safetensors") for n in load_file(str(f))]
+    assert any(n.endswith(".k_scale") for n in names), f"{family}: no k_scale written"
+    result = kv_cache_roundtrip(model, out, batch)
+    assert result.passed(rtol=1e-4), f"{family}: {result}"
+
+
+def test_a_kv_recipe_on_fused_qkv_is_refused_before_anything_changes() -> None:
+    """DBRX's fused ``Wqkv`` has no K / V projection to measure: refused, not silently dropped."""
+    from exportlm.errors import UnsupportedFormatError
+    from exportlm.models import build_model
+
+    model = build_model("dbrx", seed=0)
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(UnsupportedFormatError, match=r"KV-cache quantization.*Wqkv"):
+        quantize(model, "fp8+fp8_kv")
+    assert {n: type(m) for n, m in model.named_modules()} == before

@@ -7,11 +7,14 @@ NVFP4, INT4 AWQ, INT8 weight-only: one recipe per built-in format), exported
 :func:`exportlm.inspection.inspect_checkpoint`, the rules of ``exportlm inspect``
 (``docs/checkpoint-rules.md``). Any error-level finding fails the check with the
 rule id and the tensor. A recipe that does not fit the toy model (DBRX's fused
-experts take FP8 only) is skipped and counted in the details; the check skips
-when none fits. Every recipe on every toy family costs about 0.05 s per export.
+experts take FP8 only, and its fused ``Wqkv`` no KV-cache scales) is skipped and
+counted in the details; when FP8 with the KV cache does not fit, plain FP8
+(:data:`FALLBACK_RECIPE`) is tried in its place. The check skips when none fits. Every recipe on every toy family costs about 0.05 s per export.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 from exportlm.inspection import InspectionReport, inspect_checkpoint
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
@@ -23,15 +26,24 @@ from pytest_exportcheck.checks._support import (
 )
 from pytest_exportcheck.checks.checkpoint import quantized_toy, require_checkpoint_target
 
-__all__ = ["LOADABLE_RECIPES", "loadable"]
+__all__ = ["FALLBACK_RECIPE", "LOADABLE_RECIPES", "loadable"]
 
 #: The recipes each toy model is exported with: one per built-in format (+ the FP8 KV cache).
 LOADABLE_RECIPES = ("fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo")
+#: Tried when ``fp8+fp8_kv`` does not fit the model (a fused QKV projection).
+FALLBACK_RECIPE = "fp8"
 _SHOWN = 5
 
 
 def _errors_text(report: InspectionReport) -> list[str]:
     return [f"[{f.rule}] {f.subject}: {f.message}" for f in report.errors]
+
+
+def _recipes(skipped: dict[str, str]) -> Iterator[str]:
+    """:data:`LOADABLE_RECIPES`, then :data:`FALLBACK_RECIPE` if ``fp8+fp8_kv`` was skipped."""
+    yield from LOADABLE_RECIPES
+    if LOADABLE_RECIPES[0] in skipped:
+        yield FALLBACK_RECIPE
 
 
 @check("loadable")
@@ -48,7 +60,7 @@ def loadable(case: TargetCase) -> CheckResult:
     problems: list[str] = []
     checked: dict[str, dict[str, int]] = {}
     skipped: dict[str, str] = {}
-    for recipe in LOADABLE_RECIPES:
+    for recipe in _recipes(skipped):
         try:
             model = quantized_toy(case, name, recipe)
         except CheckAbort as abort:

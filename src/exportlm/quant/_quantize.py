@@ -20,7 +20,7 @@ from exportlm.quant._calibrate import (
     unify_expert_input_amax,
     unify_groups,
 )
-from exportlm.quant._experts import experts_base, has_stacked_weights
+from exportlm.quant._experts import experts_base
 from exportlm.quant._fold import fold_into_norms, trace_norms
 from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
@@ -33,6 +33,11 @@ from exportlm.quant._modules import (
 )
 from exportlm.quant._quantizer import TensorQuantizer
 from exportlm.quant._recipe import ALGORITHMS, Algorithm, QuantRecipe, RecipeLike
+from exportlm.quant._refusals import (
+    refuse_experts_algorithm,
+    refuse_unconvertible,
+    refuse_unplaceable_kv_cache,
+)
 from exportlm.quant._tensor import FormatId, QuantFormat
 from exportlm.quant._transaction import QuantizeSteps, quantize_transaction
 from exportlm.quant.formats import get_format
@@ -104,6 +109,7 @@ def quantize(
     if not inplace:
         model = copy.deepcopy(model)
     conversions = list(_plan(model, plan))
+    refuse_unplaceable_kv_cache(model, plan, conversions)
     for conversion in conversions:
         _check_shapes(conversion)
     with quantize_transaction(model) as steps:
@@ -199,12 +205,12 @@ def _plan(model: nn.Module, recipe: QuantRecipe) -> Iterator[_Conversion]:
             )
         kind = _kind(name, module, modules)
         if kind is None:
-            _refuse_unconvertible(name, module, recipe)
+            refuse_unconvertible(name, module, recipe)
             continue
         algo_name = recipe.algo_for(name, default_applies=kind != "embedding")
         algo = ALGORITHMS[algo_name] if algo_name else None
         if kind == "experts" and algo is not None:
-            _refuse_experts_algorithm(name, module, algo)
+            refuse_experts_algorithm(name, module, algo)
         kv = recipe.kv_for(name) if kind == "linear" and _kv_role(name) else None
         if algo is not None or kv is not None:
             yield _Conversion(name, module, algo, kv, kind, recipe.kv_cache_min_scale)
@@ -220,40 +226,6 @@ def _kind(name: str, module: nn.Module, modules: dict[str, nn.Module]) -> str | 
     if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:
         return "embedding"
     return None
-
-
-def _refuse_unconvertible(name: str, module: nn.Module, recipe: QuantRecipe) -> None:
-    """A module the recipe would quantize but that has no wrapper: warn, or refuse experts.
-
-    Stacked expert weights in a layout without a wrapper raise: leaving them
-    silently in full precision would export a checkpoint that claims a format
-    its experts are not in.
-    """
-    if recipe.algo_for(name) is None:
-        return
-    if isinstance(module, nn.Linear):
-        logger.warning("%s: %s overrides forward; left unquantized", name, type(module).__name__)
-    elif has_stacked_weights(module):
-        shapes = ", ".join(
-            f"{p} {tuple(t.shape)}" for p, t in module.named_parameters(recurse=False)
-        )
-        raise UnsupportedFormatError(
-            f"module {name!r} ({type(module).__module__}.{type(module).__qualname__}) holds "
-            f"stacked expert weights ({shapes}) in a layout exportlm has no quantized wrapper "
-            "for (supported: transformers-5 fused experts of Mixtral / Qwen-MoE / GptOss, "
-            "Llama4TextExperts, DbrxExperts). Exclude it (exclude=[" + repr(name) + "]) to "
-            "keep it in full precision."
-        )
-
-
-def _refuse_experts_algorithm(name: str, module: nn.Module, algo: Algorithm) -> None:
-    base = experts_base(module)
-    problem = None if base is None else base.refuses(algo)
-    if problem is not None:
-        raise UnsupportedFormatError(
-            f"module {name!r} ({type(module).__name__}): {problem}. Quantize it with 'fp8' "
-            f"({{{name!r}: 'fp8'}}) or exclude it (exclude=[{name!r}])."
-        )
 
 
 def _in_expert_list(name: str, modules: dict[str, nn.Module]) -> bool:
