@@ -13,7 +13,12 @@ import torch
 from safetensors import safe_open
 
 import exportlm
-from exportlm.errors import InvalidInputError, InvalidModelError, OutputExistsError
+from exportlm.errors import (
+    InvalidInputError,
+    InvalidModelError,
+    OutputExistsError,
+    UnsupportedFormatError,
+)
 from exportlm.export import get_target_info
 from exportlm.models import HF_FAMILIES, DecoderConfig, DecoderModel, tiny_hf_model
 
@@ -275,6 +280,11 @@ RECIPES = ("fp8", "fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo")
 def test_quantized_roundtrip_reproduces_the_fake_quantized_logits(
     family: str, recipe: str, tmp_path: Path
 ) -> None:
+    if family == "dbrx" and "fp8_kv" in recipe:
+        # fused Wqkv: no K / V projection to measure (tests/test_kv_cache.py tests the refusal)
+        with pytest.raises(UnsupportedFormatError, match="KV-cache quantization"):
+            quantized(family, recipe)
+        return
     model, batch = quantized(family, recipe)
     out = exportlm.export_model(TARGET, model, tmp_path / "ckpt", max_shard_size="200KB")
     got, expected = roundtrip_logits(model, batch, out)
