@@ -14,7 +14,6 @@ from exportlm.modules._context import (
     ExportFormat,
     QuantExportSummary,
     TensorSink,
-    qlora_saved_name,
 )
 from exportlm.modules._registry import ExportModuleRegistry
 from exportlm.modules._ties import tie_book
@@ -140,20 +139,3 @@ def _emit_own_tensors(
     for bname, buf in module.named_buffers(recurse=False, remove_duplicate=False):
         if prefix + bname in persistent and not ctx.ties.drops(prefix + bname):
             ctx.emit_plain(prefix + bname, buf)
-
-
-class _QLoRASink:
-    """A sink that applies :func:`qlora_saved_name` before ``inner``.
-
-    Kept for ``exportlm.export.hf_checkpoint.naming``, which maps module names
-    through it; the export itself names tensors in :class:`ExportContext`. Use
-    :func:`exportlm.modules.qlora_saved_name` instead.
-    """
-
-    def __init__(self, inner: TensorSink) -> None:
-        self.inner = inner
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        saved = qlora_saved_name(name)
-        if saved is not None:
-            self.inner.add(saved, tensor)

@@ -161,11 +161,7 @@ def module_namer(
     Mixtral ``mlp.gate`` -> ``block_sparse_moe.gate``, split experts ``w1``/``w2``/``w3``).
     A QLoRA adapter, whose tensors are dropped, is not saved.
     """
-    from exportlm.modules import resolve_tied_weights
-
-    # The driver's own QLoRA renaming, reused so the rule has one definition;
-    # exportlm.modules does not export it (a project-internal name, not a third party's).
-    from exportlm.modules._driver import _QLoRASink
+    from exportlm.modules import qlora_saved_name, resolve_tied_weights
 
     ties = resolve_tied_weights(model)  # {dropped tensor name: kept tensor name}
 
@@ -173,11 +169,10 @@ def module_namer(
         weight = f"{module}.weight"
         weight = ties.get(weight, weight)
         if is_qlora:
-            probe = _NameProbe()
-            _QLoRASink(probe).add(weight, probe.placeholder)
-            if not probe.name:
+            saved = qlora_saved_name(weight)  # the export's own QLoRA renaming
+            if saved is None:
                 return None  # an adapter: dropped with its tensors
-            weight = probe.name
+            weight = saved
         if not weight.endswith(".weight"):
             return module
         return namer.module_name(weight.removesuffix(".weight"))
@@ -189,16 +184,3 @@ def module_namer(
         if dropped.endswith(".weight")
     )
     return saved_module
-
-
-class _NameProbe:
-    """A sink that keeps the name it is handed: maps a name through a sink chain."""
-
-    placeholder = torch.empty(())
-
-    def __init__(self) -> None:
-        self.name = ""
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Keep ``name``; the tensor is ignored."""
-        self.name = name
