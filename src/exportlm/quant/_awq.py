@@ -52,7 +52,7 @@ from exportlm.quant._awq_search import (
     ScaleSearch,
     awq_weight_scale,
 )
-from exportlm.quant._calibrate import default_calibrate
+from exportlm.quant._calibrate import run_transparent_forwards
 from exportlm.quant._modules import QuantExperts, QuantLinear
 from exportlm.quant._quantizer import TensorQuantizer
 
@@ -207,17 +207,7 @@ def search_awq(
     for module in {id(m): m for m, _, _ in plan.experts}.values():
         searches = {p: per for m, p, per in plan.experts if m is module}
         handles.append(module.register_forward_pre_hook(_experts_hook(searches), with_kwargs=True))
-    paused = [m for m in model.modules() if isinstance(m, TensorQuantizer) and m.enabled]
-    for quantizer in paused:
-        quantizer.enabled = False
-    try:
-        with torch.no_grad():
-            (calibrate or default_calibrate)(model)
-    finally:
-        for quantizer in paused:
-            quantizer.enabled = True
-        for handle in handles:
-            handle.remove()
+    run_transparent_forwards(model, calibrate, handles)
     missed = [s for s in plan.searched if s.count == 0]
     if missed:
         logger.warning(

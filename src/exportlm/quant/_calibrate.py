@@ -9,7 +9,7 @@ spec says), :func:`check_calibrated` and :func:`check_finite`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ __all__ = [
     "check_finite",
     "default_calibrate",
     "run_calibration",
+    "run_transparent_forwards",
     "unify_expert_input_amax",
     "unify_groups",
 ]
@@ -35,6 +36,37 @@ def default_calibrate(model: nn.Module) -> None:
     """One forward on deterministic ``input_ids`` (the calibration when none is given)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     model(make_input_ids(infer_vocab_size(model), device=device))
+
+
+def run_transparent_forwards(
+    model: nn.Module,
+    calibrate: Callable[[nn.Module], object] | None,
+    handles: list[torch.utils.hooks.RemovableHandle],
+    *,
+    keep: Collection[TensorQuantizer] = (),
+) -> None:
+    """Run the calibration forwards with every enabled quantizer but ``keep`` switched off.
+
+    The forwards (``calibrate``, else :func:`default_calibrate`) run without autograd;
+    afterwards, even on an exception, the quantizers are re-enabled and the hook
+    ``handles`` (which observe the forwards) removed.
+    """
+    kept = {id(q) for q in keep}
+    paused = [
+        m
+        for m in model.modules()
+        if isinstance(m, TensorQuantizer) and m.enabled and id(m) not in kept
+    ]
+    for quantizer in paused:
+        quantizer.enabled = False
+    try:
+        with torch.no_grad():
+            (calibrate or default_calibrate)(model)
+    finally:
+        for quantizer in paused:
+            quantizer.enabled = True
+        for handle in handles:
+            handle.remove()
 
 
 def _activation_quantizers(model: nn.Module) -> Iterator[TensorQuantizer]:
@@ -62,26 +94,13 @@ def run_calibration(
     # As ModelOpt's max calibration: every quantizer is transparent while the
     # statistics are collected, so activations downstream are full precision
     # (weight fake-quant during calibration would shift every later amax).
-    calibrating = {id(q) for q in quantizers}
-    paused = [
-        m
-        for m in model.modules()
-        if isinstance(m, TensorQuantizer) and m.enabled and id(m) not in calibrating
-    ]
     for quantizer in quantizers:
         quantizer.calibrating = True
-    for quantizer in paused:
-        quantizer.enabled = False
     try:
-        with torch.no_grad():
-            (calibrate or default_calibrate)(model)
+        run_transparent_forwards(model, calibrate, handles, keep=quantizers)
     finally:
         for quantizer in quantizers:
             quantizer.calibrating = False
-        for quantizer in paused:
-            quantizer.enabled = True
-        for handle in handles:
-            handle.remove()
         keep_alive.clear()
     groups: dict[tuple[int, ...], list[QuantLinear]] = {}
     for members in seen.values():
