@@ -18,6 +18,7 @@ from exportlm.inspection import RULES, Severity, inspect_checkpoint
 from exportlm.models import build_model
 from exportlm.quant import quantize
 from pytest_exportcheck.checks import CHECKS, TargetCase
+from tests._faulty_target import faulty_checkpoint_target
 
 LM_HEAD_SCALE = "lm_head.input_scale"
 
@@ -172,26 +173,11 @@ def test_loadable_skips_file_targets(tmp_path: Path) -> None:
 
 
 def test_a_target_writing_a_stray_lm_head_scale_fails_loadable(tmp_path: Path) -> None:
-    from exportlm.export import EXPORT_REGISTRY, ensure_exporters_registered, export_target
-    from exportlm.export.hf_checkpoint import export_hf_checkpoint
-
-    def export(model: Any, output_path: Path, *, example_inputs: Any = None) -> Path:
-        out = Path(export_hf_checkpoint(model, output_path))
-        _add_lm_head_input_scale(out)  # FAULT (loadable): the vllm#45102 checkpoint
-        return out
-
-    ensure_exporters_registered()
-    declared = export_target(
-        "stray_scales", runtime="hf_checkpoint", atol=1e-4, rtol=1e-3,
-        capabilities={"quantized", "multi_file"}, artifact="directory",
-    )(export)  # fmt: skip
-    EXPORT_REGISTRY.register("stray_scales", declared)
-    try:
+    # FAULT (loadable): the vllm#45102 checkpoint
+    with faulty_checkpoint_target("stray_scales", _add_lm_head_input_scale) as target:
         result = CHECKS["loadable"].fn(
-            TargetCase("stray_scales", None, {}, "llama", "cpu", workdir=tmp_path)
+            TargetCase(target, None, {}, "llama", "cpu", workdir=tmp_path)
         )
-    finally:
-        EXPORT_REGISTRY.unregister("stray_scales")
     assert result.status == "fail"
     assert f"[excluded-stray-scale] {LM_HEAD_SCALE}" in result.message
     assert len(result.details["problems"]) == 4  # one per recipe

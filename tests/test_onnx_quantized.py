@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -47,6 +46,7 @@ from exportlm.models import build_model
 from exportlm.quant import QuantLinear, is_quantized_module, quantize
 from pytest_exportcheck.checks import CHECKS, TargetCase
 from pytest_exportcheck.checks.targets.quantized import FLIP_ATOL, FLIP_RTOL
+from tests._faulty_target import faulty_checkpoint_target
 
 ONNX_DTYPES = {"fp8": "float8e4m3fn", "int8_wo": "int8"}
 #: ExportCacheWrapper holds the model as ``model``: graph names are ``model.<module path>``.
@@ -306,32 +306,20 @@ def test_roundtrip_quantized_is_a_capability_gap_for_other_targets(tmp_path: Pat
     assert CHECKS["roundtrip_quantized"].needs == frozenset({"quantized"})
 
 
-def test_a_target_writing_wrong_weight_scales_fails_roundtrip_quantized(tmp_path: Path) -> None:
+def _double_weight_scales(directory: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from exportlm.export import EXPORT_REGISTRY, ensure_exporters_registered, export_target
-    from exportlm.export.hf_checkpoint import export_hf_checkpoint
+    for shard in directory.glob("*.safetensors"):
+        tensors = load_file(shard)
+        for name in [n for n in tensors if n.endswith(".weight_scale")]:
+            tensors[name] = tensors[name] * 2  # FAULT (roundtrip_quantized): wrong scales
+        save_file(tensors, shard, metadata={"format": "pt"})
 
-    def export(model: Any, output_path: Path, *, example_inputs: Any = None) -> Path:
-        out = Path(export_hf_checkpoint(model, output_path))
-        for shard in out.glob("*.safetensors"):
-            tensors = load_file(shard)
-            for name in [n for n in tensors if n.endswith(".weight_scale")]:
-                tensors[name] = tensors[name] * 2  # FAULT (roundtrip_quantized): wrong scales
-            save_file(tensors, shard, metadata={"format": "pt"})
-        return out
 
-    ensure_exporters_registered()
-    declared = export_target(
-        "doubled_scales", runtime="hf_checkpoint", atol=1e-4, rtol=1e-3,
-        capabilities={"quantized", "multi_file"}, artifact="directory",
-    )(export)  # fmt: skip
-    EXPORT_REGISTRY.register("doubled_scales", declared)
-    try:
+def test_a_target_writing_wrong_weight_scales_fails_roundtrip_quantized(tmp_path: Path) -> None:
+    with faulty_checkpoint_target("doubled_scales", _double_weight_scales) as target:
         result = CHECKS["roundtrip_quantized"].fn(
-            TargetCase("doubled_scales", None, {}, "llama", "cpu", tmp_path)
+            TargetCase(target, None, {}, "llama", "cpu", tmp_path)
         )
-    finally:
-        EXPORT_REGISTRY.unregister("doubled_scales")
     assert result.status == "fail", result.message
     assert "fp8" in result.message
