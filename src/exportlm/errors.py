@@ -15,6 +15,9 @@ __all__ = [
     "ArtifactIntegrityError",
     "ExportLMError",
     "ManifestSchemaError",
+    "MalformedCheckpointError",
+    "CustomCodeRefusedError",
+    "NotRegularFileError",
     "MissingDependencyError",
     "OutputExistsError",
     "PluginLoadError",
@@ -141,6 +144,27 @@ class UnsupportedOutputPathError(OutputExistsError):
     """The output path exists and is neither a regular file nor a directory (a device, FIFO, socket)."""
 
 
+class NotRegularFileError(ExportLMError, ValueError):
+    """A path given to exportlm is not the kind of file expected (a FIFO, device or socket, usually).
+
+    Raised before the path is opened for reading (a FIFO would block a reader
+    forever, a device never ends). Attributes: ``path``, ``what`` (the role of the
+    file, e.g. ``"calibration data"``), ``kind`` (what it is: ``"FIFO"``,
+    ``"directory"``...) and ``expected`` (``"regular file"`` or ``"directory"``).
+    """
+
+    def __init__(self, path: object, what: str, kind: str, expected: str = "regular file") -> None:
+        self.path = path
+        self.what = what
+        self.kind = kind
+        self.expected = expected
+        super().__init__(
+            f"{what} {path} is a {kind}, not a {expected}; exportlm reads {what} only "
+            f"from a {expected} (a FIFO or device could block or never end). "
+            f"Pass the path of a {expected}."
+        )
+
+
 class UnsupportedDtypeError(InvalidInputError):
     """A dtype was asked that the target (or its runtime) cannot export or run."""
 
@@ -152,6 +176,39 @@ class UntrustedArtifactError(ExportLMError):
     format's loader. The message names the file, the risk and the flag
     (``trust=True``; ``--trust`` on the command line).
     """
+
+
+class CustomCodeRefusedError(UntrustedArtifactError):
+    """A model directory needs Python code of its own (``auto_map``, ``*.py``) to load.
+
+    exportlm never runs a checkpoint's code (it passes ``trust_remote_code=False``
+    to every transformers call and never prompts). Raised before transformers is
+    asked to read the directory. Attributes: ``path`` and ``reasons`` (what would
+    have run).
+    """
+
+    def __init__(self, path: object, reasons: list[str]) -> None:
+        self.path = path
+        self.reasons = list(reasons)
+        super().__init__(
+            f"{path} needs code of its own to load ({'; '.join(self.reasons)}); exportlm never "
+            "runs a checkpoint's code. Load the model yourself with code you have reviewed and "
+            "pass the nn.Module to exportlm's Python API, or convert the checkpoint to an "
+            "architecture that transformers ships (config.json without auto_map)."
+        )
+
+
+class MalformedCheckpointError(ExportLMError, ValueError):
+    """A checkpoint file (config, index, safetensors header, tensor) is malformed.
+
+    The message names the file and, where there is one, the field or tensor.
+    Attributes: ``path`` (the file), ``field`` (the key or tensor name, or ``None``).
+    """
+
+    def __init__(self, message: str, path: object = None, field: str | None = None) -> None:
+        self.path = path
+        self.field = field
+        super().__init__(message)
 
 
 class ArtifactIntegrityError(ExportLMError):

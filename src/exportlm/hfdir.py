@@ -1,0 +1,123 @@
+"""Reading a Hugging Face model directory that exportlm did not write.
+
+The one place that reads ``config.json`` (and other small JSON files) of a
+directory from elsewhere and decides whether it would need code of its own to
+load. Everything that hands such a directory to transformers (the CLI's
+``--model DIR``, the ``hf_checkpoint`` runtime, ``exportlm inspect``) calls
+:func:`read_json_object` / :func:`read_config` and :func:`refuse_custom_code`
+first, so a malformed file is an exportlm error naming it and a directory with
+``auto_map`` or ``*.py`` files is refused before transformers imports anything.
+
+Torch-free and transformers-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from exportlm.errors import CustomCodeRefusedError, MalformedCheckpointError, NotRegularFileError
+from exportlm.safeio import read_regular_bytes
+
+__all__ = [
+    "CONFIG_NAME",
+    "MAX_JSON_BYTES",
+    "custom_code_reasons",
+    "read_config",
+    "read_json_object",
+    "refuse_custom_code",
+]
+
+CONFIG_NAME = "config.json"
+#: The largest JSON file read whole (an index of a 700B model is a few MB).
+MAX_JSON_BYTES = 64 * 1024 * 1024
+#: Small JSON files beside config.json whose ``auto_map`` would also load code.
+_CODE_CONFIGS = ("tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
+
+
+def read_json_object(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
+    """The JSON object in the regular file ``path``.
+
+    Raises :class:`MalformedCheckpointError` naming the file for anything that is
+    not a JSON object of at most :data:`MAX_JSON_BYTES` (binary garbage, a list,
+    nesting too deep to parse), :class:`NotRegularFileError` for a FIFO / device /
+    directory and :class:`FileNotFoundError` when it is absent.
+    """
+    try:
+        data = read_regular_bytes(path, what=what, max_bytes=MAX_JSON_BYTES)
+    except ValueError as err:
+        if isinstance(err, NotRegularFileError):
+            raise
+        raise MalformedCheckpointError(str(err), path=path) from err
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise MalformedCheckpointError(
+            f"{what} {path} is not UTF-8 text ({err.reason} at byte {err.start}); "
+            "expected a JSON object",
+            path=path,
+        ) from err
+    except json.JSONDecodeError as err:
+        raise MalformedCheckpointError(
+            f"{what} {path} is not valid JSON (line {err.lineno}, column {err.colno}: "
+            f"{err.msg}); expected a JSON object",
+            path=path,
+        ) from err
+    except RecursionError as err:
+        raise MalformedCheckpointError(
+            f"{what} {path} is nested too deeply to parse; expected a JSON object", path=path
+        ) from err
+    if not isinstance(value, dict):
+        raise MalformedCheckpointError(
+            f"{what} {path} holds a JSON {type(value).__name__}, expected a JSON object",
+            path=path,
+        )
+    return value
+
+
+def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """``config.json`` of ``directory`` as a dict (see :func:`read_json_object`)."""
+    return read_json_object(Path(directory) / CONFIG_NAME, what="model config")
+
+
+def custom_code_reasons(
+    directory: str | os.PathLike[str], config: dict[str, Any] | None = None
+) -> list[str]:
+    """What in ``directory`` would make transformers run the directory's own code.
+
+    ``auto_map`` in ``config.json`` or in a tokenizer / processor config, and any
+    ``*.py`` file at the top of the directory. Empty when nothing would run.
+    """
+    root = Path(directory)
+    reasons: list[str] = []
+    configs: list[tuple[str, dict[str, Any] | None]] = [(CONFIG_NAME, config)]
+    configs += [(name, None) for name in _CODE_CONFIGS]
+    for name, data in configs:
+        if data is None:
+            try:
+                data = read_json_object(root / name, what=name)
+            except FileNotFoundError:
+                continue
+        auto_map = data.get("auto_map")
+        if auto_map:
+            targets = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+            shown = ", ".join(sorted(str(t) for t in targets))
+            reasons.append(f"{name} has auto_map -> {shown}")
+    try:
+        python_files = sorted(p.name for p in root.iterdir() if p.suffix == ".py")
+    except OSError:
+        python_files = []
+    if python_files:
+        reasons.append(f"Python files {', '.join(python_files)}")
+    return reasons
+
+
+def refuse_custom_code(
+    directory: str | os.PathLike[str], config: dict[str, Any] | None = None
+) -> None:
+    """Raise :class:`CustomCodeRefusedError` if loading ``directory`` would run its own code."""
+    reasons = custom_code_reasons(directory, config)
+    if reasons:
+        raise CustomCodeRefusedError(directory, reasons)

@@ -1,0 +1,125 @@
+"""Reading files whose paths come from users, without blocking and without surprises.
+
+Every path that a user, an environment variable or a file we did not write hands
+to exportlm (a key file, calibration data, an xfails file, a checkpoint's
+``config.json`` and shards, an ONNX file) is opened here. A FIFO, a device, a
+socket or a directory where a regular file is expected raises
+:class:`~exportlm.errors.NotRegularFileError` *before* anything is read: the file
+is opened with ``O_NONBLOCK`` (so a FIFO with no writer does not block the
+``open``), checked with ``fstat`` on that descriptor (so the check and the read
+see the same file), and only then read, in blocking mode.
+
+Torch-free and dependency-free, so the plugin and the CLI use it too.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+from exportlm.errors import NotRegularFileError
+
+__all__ = [
+    "ensure_directory",
+    "ensure_regular_file",
+    "file_kind",
+    "open_regular",
+    "read_regular_bytes",
+    "read_regular_text",
+]
+
+_KINDS = (
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISSOCK, "socket"),
+)
+
+
+def file_kind(mode: int) -> str:
+    """A readable name for the file type in ``mode`` (``"regular file"``, ``"FIFO"``, ...)."""
+    if stat.S_ISREG(mode):
+        return "regular file"
+    for test, name in _KINDS:
+        if test(mode):
+            return name
+    return "special file"
+
+
+def ensure_regular_file(path: str | os.PathLike[str], *, what: str) -> Path:
+    """``path`` as a :class:`Path` if it is a regular file (links followed).
+
+    Raises :class:`NotRegularFileError` for anything else that exists; a missing
+    path raises :class:`FileNotFoundError` as ``os.stat`` does. Never opens the file.
+    """
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise NotRegularFileError(path, what, file_kind(mode))
+    return Path(path)
+
+
+def ensure_directory(path: str | os.PathLike[str], *, what: str) -> Path:
+    """``path`` as a :class:`Path` if it is a directory (links followed).
+
+    Anything else that exists raises :class:`NotRegularFileError` with
+    ``expected="directory"``; a missing path raises :class:`FileNotFoundError`.
+    """
+    mode = os.stat(path).st_mode
+    if not stat.S_ISDIR(mode):
+        raise NotRegularFileError(path, what, file_kind(mode), expected="directory")
+    return Path(path)
+
+
+def open_regular(path: str | os.PathLike[str], *, what: str, nofollow: bool = False) -> BinaryIO:
+    """Open ``path`` for binary reading, refusing anything but a regular file before reading.
+
+    The returned handle is positioned at 0 and blocking. ``nofollow`` refuses a
+    symbolic link as the last component (``O_NOFOLLOW``; raises ``OSError``).
+    Missing files raise :class:`FileNotFoundError`; other ``OSError`` propagate.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if nofollow:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(path, what, file_kind(mode))
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return io.open(fd, "rb", closefd=True)  # noqa: UP020 - a descriptor, not a path
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular_bytes(
+    path: str | os.PathLike[str], *, what: str, max_bytes: int | None = None
+) -> bytes:
+    """The bytes of the regular file ``path`` (see :func:`open_regular`).
+
+    With ``max_bytes``, a larger file raises :class:`ValueError` naming the limit
+    instead of being read whole.
+    """
+    with open_regular(path, what=what) as handle:
+        if max_bytes is None:
+            return handle.read()
+        data = handle.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"{what} {path} is larger than {max_bytes} bytes; pass a smaller file.")
+    return data
+
+
+def read_regular_text(
+    path: str | os.PathLike[str],
+    *,
+    what: str,
+    max_bytes: int | None = None,
+    encoding: str = "utf-8",
+) -> str:
+    """The text of the regular file ``path``; undecodable bytes raise :class:`UnicodeDecodeError`."""
+    return read_regular_bytes(path, what=what, max_bytes=max_bytes).decode(encoding)
