@@ -23,7 +23,14 @@ ALLOWED: dict[str, set[str]] = {
     "exportlm.registry": {"exportlm.errors"},
     "exportlm.inputs": {"exportlm.errors"},
     "exportlm._progress": set(),
-    "exportlm.calibration": {"exportlm.errors", "exportlm._progress"},
+    "exportlm.safeio": {"exportlm.errors"},
+    "exportlm.hfdir": {"exportlm.errors", "exportlm.safeio"},
+    "exportlm.calibration": {
+        "exportlm.errors",
+        "exportlm._progress",
+        "exportlm.safeio",
+        "exportlm.hfdir",
+    },
     "exportlm.quant": {"exportlm.errors", "exportlm.registry", "exportlm.inputs"},
     "exportlm.models": {"exportlm.errors", "exportlm.registry"},
     "exportlm.modules": {"exportlm.errors", "exportlm.registry", "exportlm.quant"},
@@ -31,6 +38,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm",  # __version__ for the producer field of checkpoint configs
         "exportlm.atomic",
         "exportlm.errors",
+        "exportlm.safeio",
         "exportlm.registry",
         "exportlm.inputs",
         "exportlm.quant",

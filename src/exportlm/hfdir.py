@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from exportlm.errors import CustomCodeRefusedError, MalformedCheckpointError, NotRegularFileError
-from exportlm.safeio import read_regular_bytes
+from exportlm.safeio import ensure_no_special_files, read_regular_bytes
 
 __all__ = [
     "CONFIG_NAME",
@@ -28,6 +28,7 @@ __all__ = [
     "read_config",
     "read_json_object",
     "refuse_custom_code",
+    "vet_model_directory",
 ]
 
 CONFIG_NAME = "config.json"
@@ -121,3 +122,41 @@ def refuse_custom_code(
     reasons = custom_code_reasons(directory, config)
     if reasons:
         raise CustomCodeRefusedError(directory, reasons)
+
+
+def vet_model_directory(
+    directory: str | os.PathLike[str], *, what: str = "model directory"
+) -> dict[str, Any]:
+    """``config.json`` of ``directory``, once the directory is safe to hand to transformers.
+
+    The checks every caller of ``from_pretrained`` on a directory from elsewhere
+    needs, in order: ``directory`` is a directory and none of its files is a FIFO,
+    device or socket (:class:`NotRegularFileError`: transformers would block
+    opening it); ``config.json`` is a JSON object (:class:`MalformedCheckpointError`,
+    :class:`FileNotFoundError`); nothing in it would run the directory's own
+    code (:class:`CustomCodeRefusedError`); and every shard a ``*.index.json``
+    names is a file name inside the directory (:class:`MalformedCheckpointError`;
+    a name like ``../../dev/zero`` would be opened by the loader). Nothing of the
+    directory is imported.
+    """
+    ensure_no_special_files(directory, what=what)
+    config = read_config(directory)
+    refuse_custom_code(directory, config)
+    _check_shard_names(Path(directory))
+    return config
+
+
+def _check_shard_names(root: Path) -> None:
+    """Every shard a weight index names is a plain file name of ``root`` (no path, no ``..``)."""
+    for index in sorted(root.glob("*.index.json")):
+        weight_map = read_json_object(index, what="weight index").get("weight_map", {})
+        names = weight_map.values() if isinstance(weight_map, dict) else [weight_map]
+        for name in sorted({str(n) for n in names}):
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise MalformedCheckpointError(
+                    f"weight index {index} names shard {name!r}, which is not a file name "
+                    "inside the checkpoint directory; expected names such as "
+                    "model-00001-of-00002.safetensors",
+                    path=index,
+                    field="weight_map",
+                )

@@ -24,6 +24,7 @@ from exportlm.errors import NotRegularFileError
 
 __all__ = [
     "ensure_directory",
+    "ensure_no_special_files",
     "ensure_regular_file",
     "file_kind",
     "open_regular",
@@ -72,6 +73,35 @@ def ensure_directory(path: str | os.PathLike[str], *, what: str) -> Path:
     if not stat.S_ISDIR(mode):
         raise NotRegularFileError(path, what, file_kind(mode), expected="directory")
     return Path(path)
+
+
+def ensure_no_special_files(
+    directory: str | os.PathLike[str], *, what: str, max_depth: int = 1
+) -> Path:
+    """``directory`` as a :class:`Path` once nothing in it is a FIFO, device or socket.
+
+    For a directory handed whole to a library that opens its files itself
+    (transformers, safetensors, datasets), where no :func:`open_regular` can come
+    between. Entries are checked with links followed, ``max_depth`` levels deep
+    (1: the directory's own entries); a dangling link is left to the library.
+    Raises :class:`NotRegularFileError` naming the first special file (as a
+    "``what`` file"), or ``directory`` itself when it is not a directory.
+    """
+    root = ensure_directory(directory, what=what)
+    pending = [(root, 1)]
+    while pending:
+        folder, depth = pending.pop()
+        for entry in sorted(folder.iterdir()):
+            try:
+                mode = os.stat(entry).st_mode
+            except FileNotFoundError:  # a dangling link: nothing there to block on
+                continue
+            if stat.S_ISDIR(mode):
+                if depth < max_depth:
+                    pending.append((entry, depth + 1))
+            elif not stat.S_ISREG(mode):
+                raise NotRegularFileError(entry, f"{what} file", file_kind(mode))
+    return root
 
 
 def open_regular(path: str | os.PathLike[str], *, what: str, nofollow: bool = False) -> BinaryIO:
