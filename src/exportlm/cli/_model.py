@@ -1,8 +1,15 @@
 """The ``--model`` argument: a toy family, a model spec file or a local Hugging Face directory.
 
-Nothing is ever downloaded. An argument that is none of the three is a
-:class:`~exportlm.cli._errors.UsageError` that says which of them it looked
-like: a Hub id (``org/name``), a path that does not exist, or an unknown family.
+Nothing is ever downloaded, and no code of a model directory ever runs: a
+directory whose ``config.json`` (or tokenizer config) has an ``auto_map``, or
+that holds ``*.py`` files, is refused (:class:`~exportlm.errors.CustomCodeRefusedError`)
+before transformers sees it, and every transformers call passes
+``trust_remote_code=False``, so transformers never prompts on standard input. A
+FIFO, device or socket where a file is read (the spec file, any file of the
+directory) is a usage error before anything is opened. An argument that is none
+of the three is a :class:`~exportlm.cli._errors.UsageError` that says which of
+them it looked like: a Hub id (``org/name``), a path that does not exist, or an
+unknown family.
 """
 
 from __future__ import annotations
@@ -16,11 +23,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 from exportlm.cli._errors import UsageError
-from exportlm.errors import ExportLMError, InvalidConfigError
+from exportlm.errors import (
+    ExportLMError,
+    InvalidConfigError,
+    MalformedCheckpointError,
+    NotRegularFileError,
+)
+from exportlm.hfdir import CONFIG_NAME, vet_model_directory
+from exportlm.safeio import ensure_regular_file, read_regular_text
 
 __all__ = ["ModelSource", "load_model_spec", "resolve_model"]
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+#: A model spec is a few hundred bytes; anything much larger is not one.
+_MAX_SPEC_BYTES = 1024 * 1024
 _KINDS = (
     "a toy family (see `exportlm list`), a model spec FILE.json "
     "or a local Hugging Face model directory"
@@ -58,15 +74,24 @@ class ModelSource:
 def resolve_model(argument: str) -> ModelSource:
     """The :class:`ModelSource` an argument names, checked without building anything.
 
+    A directory is vetted here already (:func:`_vet_directory`), so a refusal
+    comes before any other work of the command.
+
     Raises:
         UsageError: a directory without ``config.json``, a file that is not
             ``.json``, a Hub id, a missing path or an unknown family, each with
-            what to do instead.
+            what to do instead; a FIFO, device or socket as the spec file or in
+            the directory.
+        InvalidConfigError: a directory whose ``config.json`` is not a JSON object.
+        CustomCodeRefusedError: a directory that would run code of its own.
     """
     path = Path(argument).expanduser()
     if path.suffix.lower() == ".json" and not path.is_dir():
-        return ModelSource("spec", argument, path)  # a missing file is reported when it is read
-    if (path / "config.json").is_file():
+        if path.exists():  # a missing file is reported when it is read
+            _checked(lambda: ensure_regular_file(path, what="model spec file"), argument)
+        return ModelSource("spec", argument, path)
+    if path.is_dir() and (path / CONFIG_NAME).exists():
+        _vet_directory(path, argument)
         return ModelSource("directory", argument, path)
     from exportlm.models import model_names
 
@@ -113,13 +138,38 @@ def load_model_spec(spec: str, seed: int = 0) -> Any:
     return resolve_model(spec).build(seed)
 
 
+def _checked(check: Any, argument: str) -> Any:
+    """``check()``, with a special file (FIFO, device, socket) as a usage error naming ``--model``."""
+    try:
+        return check()
+    except NotRegularFileError as err:
+        raise UsageError(f"--model {argument}: {err}") from err
+
+
+def _vet_directory(path: Path, argument: str) -> None:
+    """Refuse a directory that transformers could not load without blocking or running its code.
+
+    Raises:
+        UsageError: a FIFO, device or socket in the directory.
+        InvalidConfigError: ``config.json`` is not a JSON object, or names shards
+            outside the directory.
+        CustomCodeRefusedError: ``auto_map`` or ``*.py`` (the message says what would run).
+    """
+    try:
+        _checked(lambda: vet_model_directory(path), argument)
+    except (MalformedCheckpointError, FileNotFoundError) as err:
+        raise InvalidConfigError(f"--model {argument}: {err}") from err
+
+
 def _model_from_json(path: Path, seed: int) -> Any:
     """The model of the :class:`~exportlm.models.ModelSpec` JSON file at ``path``."""
     from exportlm.models import build_from_spec
 
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+        text = read_regular_text(path, what="model spec file", max_bytes=_MAX_SPEC_BYTES)
+    except NotRegularFileError as err:
+        raise UsageError(f"--model {path}: {err}") from err
+    except (OSError, ValueError) as err:  # missing, unreadable, not UTF-8, too large
         raise InvalidConfigError(f"--model {path}: cannot read the model spec file: {err}") from err
     try:
         data = json.loads(text)
@@ -128,6 +178,11 @@ def _model_from_json(path: Path, seed: int) -> Any:
             f"--model {path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
             "expected a model spec object as written by ModelSpec.to_json()"
         ) from err
+    except RecursionError as err:
+        raise InvalidConfigError(
+            f"--model {path}: the JSON is nested too deeply to parse; expected a model spec "
+            "object as written by ModelSpec.to_json()"
+        ) from err
     try:
         return build_from_spec(data, seed=seed)
     except ExportLMError as err:
@@ -135,12 +190,18 @@ def _model_from_json(path: Path, seed: int) -> Any:
 
 
 def _model_from_directory(path: Path) -> Any:
-    """The causal LM saved in ``path``, from local files only."""
+    """The causal LM saved in ``path``, from local files only, never running the directory's code.
+
+    Vetted again here (a :class:`ModelSource` can be made without :func:`resolve_model`).
+    """
+    _vet_directory(path, str(path))
     from transformers import AutoModelForCausalLM
 
     try:
         with _without_transformers_bars():
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, trust_remote_code=False
+            )
     except (OSError, ValueError, KeyError) as err:
         raise InvalidConfigError(
             f"--model {path}: transformers cannot load a causal LM from this directory: {err}"

@@ -275,7 +275,7 @@ def build_from_config(config: Any, seed: int, label: str) -> transformers.PreTra
     # transformers' own init draws from torch's global RNG; keep the caller's stream intact.
     with torch.random.fork_rng(devices=[]):
         model: transformers.PreTrainedModel = transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation="eager", dtype=torch.float32
+            config, attn_implementation="eager", dtype=torch.float32, trust_remote_code=False
         )
     seeded_init_(model, seed, std=config.initializer_range)
     _check_tied(model, label)
