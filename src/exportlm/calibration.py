@@ -25,18 +25,25 @@ padding or attention mask is needed. Without a tokenizer (the toy families),
 each text becomes its UTF-8 bytes, each byte modulo the vocabulary size, texts
 separated by a newline byte: deterministic, but not language the model knows.
 
-Nothing here downloads anything: tokenizers load from local files only.
+Nothing here downloads anything, blocks or runs a model directory's code:
+tokenizers load from local files only with ``trust_remote_code=False``, a
+directory that would run its own code is refused
+(:class:`~exportlm.errors.CustomCodeRefusedError`), and a FIFO, device or socket
+given as (or inside) the data is refused before it is opened.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exportlm._progress import progress
-from exportlm.errors import ExportLMError
+from exportlm.errors import ExportLMError, NotRegularFileError
+from exportlm.hfdir import refuse_custom_code
+from exportlm.safeio import ensure_no_special_files, ensure_regular_file, open_regular
 
 if TYPE_CHECKING:  # torch is imported where it is used, so the defaults import cheaply
     import torch
@@ -89,6 +96,7 @@ def load_calibration_texts(path: str | Path, samples: int | None = DEFAULT_SAMPL
     source = Path(path)
     if not source.exists():
         raise CalibrationDataError(f"calibration data {source}: no such file or directory")
+    _refuse_special(source)
     if source.is_dir():
         texts = _dataset_texts(source, samples)
     elif source.suffix.lower() == ".json":
@@ -103,11 +111,30 @@ def load_calibration_texts(path: str | Path, samples: int | None = DEFAULT_SAMPL
     return texts
 
 
+def _refuse_special(source: Path) -> None:
+    """A FIFO, device or socket as the data (or in a dataset directory) would block the read."""
+    try:
+        if source.is_dir():
+            ensure_no_special_files(source, what="calibration dataset", max_depth=3)
+        else:
+            ensure_regular_file(source, what="calibration data")
+    except NotRegularFileError as err:
+        raise CalibrationDataError(f"{err} ({_SOURCES})") from err
+
+
+def _open_text(path: Path) -> io.TextIOWrapper:
+    """``path`` opened for UTF-8 reading, a special file refused on the same descriptor."""
+    try:
+        return io.TextIOWrapper(open_regular(path, what="calibration data"), encoding="utf-8")
+    except NotRegularFileError as err:
+        raise CalibrationDataError(f"{err} ({_SOURCES})") from err
+
+
 def _text_lines(path: Path, samples: int | None) -> list[str]:
     """The first ``samples`` non-blank lines, read lazily (a corpus file can be large)."""
     lines: list[str] = []
     try:
-        with path.open(encoding="utf-8", newline=None) as handle:
+        with _open_text(path) as handle:
             for line in handle:
                 text = line.rstrip("\n")
                 if text.strip():
@@ -125,7 +152,8 @@ def _text_lines(path: Path, samples: int | None) -> list[str]:
 
 def _read(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        with _open_text(path) as handle:
+            return handle.read()
     except UnicodeDecodeError as err:
         raise CalibrationDataError(
             f"calibration data {path} is not UTF-8 text (byte {err.start}: {err.reason}); {_SOURCES}"
@@ -141,6 +169,11 @@ def _json_texts(path: Path) -> list[str]:
         raise CalibrationDataError(
             f"calibration data {path}: not valid JSON (line {err.lineno}, column {err.colno}: "
             f"{err.msg}); expected a list of strings"
+        ) from err
+    except RecursionError as err:
+        raise CalibrationDataError(
+            f"calibration data {path}: the JSON is nested too deeply to parse; "
+            "expected a list of strings"
         ) from err
     if not isinstance(data, list):
         raise CalibrationDataError(
@@ -210,18 +243,28 @@ def _pick_column(path: Path, features: Any) -> str:
 def load_local_tokenizer(model_dir: str | Path) -> Any | None:
     """The tokenizer saved in ``model_dir``, or ``None`` when the directory has no tokenizer file.
 
-    Loads with ``transformers.AutoTokenizer`` from local files only; never
-    downloads. A directory that has tokenizer files (:data:`TOKENIZER_FILES`)
-    that fail to load raises :class:`CalibrationDataError` rather than falling
-    back silently to byte ids.
+    Loads with ``transformers.AutoTokenizer`` from local files only, with
+    ``trust_remote_code=False``; never downloads, never prompts. A directory that
+    has tokenizer files (:data:`TOKENIZER_FILES`) that fail to load raises
+    :class:`CalibrationDataError` rather than falling back silently to byte ids;
+    one holding a FIFO, device or socket raises it too, before anything is opened.
+    A directory whose tokenizer (or model) would run code of its own (``auto_map``,
+    ``*.py``) raises :class:`~exportlm.errors.CustomCodeRefusedError`.
     """
     directory = Path(model_dir)
-    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+    if not any((directory / name).exists() for name in TOKENIZER_FILES):
         return None
+    try:
+        ensure_no_special_files(directory, what="tokenizer directory")
+    except NotRegularFileError as err:
+        raise CalibrationDataError(f"{err} Remove it, or the tokenizer files.") from err
+    refuse_custom_code(directory)
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        return AutoTokenizer.from_pretrained(
+            directory, local_files_only=True, trust_remote_code=False
+        )
     except (OSError, ValueError, KeyError, ImportError) as err:
         raise CalibrationDataError(
             f"{directory} has tokenizer files but transformers cannot load them: {err}; "
