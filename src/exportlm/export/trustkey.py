@@ -14,7 +14,10 @@ The key is 32 random bytes in a file created on first use with mode ``0600``:
 * else ``~/.cache/exportlm/key``.
 
 A key file that others may read or write (mode ``& 0o077``) proves nothing: it is
-ignored with a warning, and signatures made with it do not verify.
+ignored with a warning, and signatures made with it do not verify. The same policy
+holds for a key path that is not a regular file (a directory, a FIFO, a device, a
+symbolic link): it is ignored with a warning, never opened for reading (a FIFO
+would block) and never replaced; manifests are then written unsigned.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import secrets
 import stat
 import warnings
 from pathlib import Path
+
+from exportlm.errors import NotRegularFileError
+from exportlm.safeio import open_regular
 
 __all__ = ["KEY_FILE_ENV", "HOME_ENV", "key_path", "sign", "verify_signature"]
 
@@ -48,8 +54,18 @@ def key_path() -> Path:
 def _read_key(path: Path) -> bytes | None:
     """The key at ``path``; ``None`` when absent, unsafe (warned) or malformed (warned)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        handle = open_regular(path, what="exportlm signing key", nofollow=True)
     except FileNotFoundError:
+        return None
+    except NotRegularFileError as err:  # a directory, FIFO or device: never read, never replaced
+        warnings.warn(
+            f"the exportlm signing key at {path} is a {err.kind}, not a regular file; it is "
+            f"ignored, so manifests are written unsigned and loading code-executing artifacts "
+            f"needs trust=True. Set {KEY_FILE_ENV} to the path of a private regular file (a "
+            f"missing one is created).",
+            UserWarning,
+            stacklevel=3,
+        )
         return None
     except OSError as err:  # a parent that is a file, a symlinked key, no permission...
         warnings.warn(
@@ -60,20 +76,18 @@ def _read_key(path: Path) -> bytes | None:
             stacklevel=3,
         )
         return None
-    with os.fdopen(fd, "rb") as handle:
+    with handle:
         info = os.fstat(handle.fileno())
+        if os.name == "posix" and (info.st_mode & 0o077 or info.st_uid != os.getuid()):
+            warnings.warn(
+                f"exportlm signing key {path} is not a private file of this user (mode "
+                f"{stat.S_IMODE(info.st_mode):04o}); it proves nothing and is ignored. "
+                f"Remove it (a new one is created) or chmod 600 it.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return None
         data = handle.read(_KEY_BYTES + 1)
-    if os.name == "posix" and (
-        info.st_mode & 0o077 or info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode)
-    ):
-        warnings.warn(
-            f"exportlm signing key {path} is not a private file of this user (mode "
-            f"{stat.S_IMODE(info.st_mode):04o}); it proves nothing and is ignored. "
-            f"Remove it (a new one is created) or chmod 600 it.",
-            UserWarning,
-            stacklevel=3,
-        )
-        return None
     if len(data) != _KEY_BYTES:
         warnings.warn(
             f"exportlm signing key {path} is not {_KEY_BYTES} bytes; it is ignored. "
