@@ -6,6 +6,7 @@ from exportlm.calibration import CalibrationDataError
 from exportlm.errors import (
     ExportLMError,
     InvalidConfigError,
+    NotRegularFileError,
     OutputExistsError,
     UnknownNameError,
     UnknownOptionError,
@@ -17,7 +18,8 @@ __all__ = ["EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "UsageEr
 EXIT_OK = 0
 #: The work failed: an export, a quantization or a verification.
 EXIT_FAILURE = 1
-#: The command line was wrong: arguments, option values, unknown names, missing paths.
+#: The command line was wrong: arguments, option values, unknown names, missing paths,
+#: a FIFO, device or socket given where a file is read.
 EXIT_USAGE = 2
 #: Interrupted with Ctrl-C (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
@@ -35,6 +37,7 @@ _USAGE_ERRORS: tuple[type[BaseException], ...] = (
     UnknownNameError,
     UnknownOptionError,
     InvalidConfigError,
+    NotRegularFileError,
     OutputExistsError,
 )
 

@@ -48,6 +48,25 @@ def _positive_int(text: str) -> int:
     return value
 
 
+#: Seeds the toy models accept: numpy's PCG64 takes any non-negative integer; the
+#: command line states a range that every seeded generator takes.
+SEED_MAX = 2**64 - 1
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer from 0 to {SEED_MAX} (2**64 - 1), got {text!r}"
+        ) from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer from 0 to {SEED_MAX} (2**64 - 1), got {value}"
+        )
+    return value
+
+
 def _add_verbosity(parser: argparse.ArgumentParser, where: str) -> None:
     parser.add_argument(
         "-v",
@@ -120,10 +139,16 @@ def _add_export(p: argparse.ArgumentParser) -> None:
         required=True,
         help="toy model family (decoder, decoder_tied, iterable_moe, hf:llama, hf:mixtral, ...), "
         "a model structure FILE.json (exportlm.models.ModelSpec) "
-        "or a local Hugging Face model directory (never downloaded)",
+        "or a local Hugging Face model directory (never downloaded; one that needs code of "
+        "its own, auto_map or *.py, is refused: exportlm never runs a checkpoint's code)",
     )
     p.add_argument("--out", required=True, type=Path, help="output file or directory")
-    p.add_argument("--seed", type=int, default=0, help="seed of toy model weights (default 0)")
+    p.add_argument(
+        "--seed",
+        type=_seed,
+        default=0,
+        help="seed of toy model weights, 0 to 2**64 - 1 (default 0)",
+    )
     p.add_argument(
         "-o",
         "--option",
@@ -140,6 +165,11 @@ def _add_export(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--trust", action="store_true", help=_TRUST_HELP)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    _add_quantization(p)
+    _add_verbosity(p, "sub")
+
+
+def _add_quantization(p: argparse.ArgumentParser) -> None:
     q = p.add_argument_group("quantization")
     q.add_argument(
         "--quantize",
@@ -151,7 +181,8 @@ def _add_export(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         type=Path,
         help="calibration texts: a text file (one sample per line), a .json list of strings, "
-        "or a datasets save_to_disk directory (default: synthetic random ids, with a warning)",
+        "or a datasets save_to_disk directory (default: synthetic random ids, with a warning); "
+        "a FIFO or device is refused",
     )
     q.add_argument(
         "--calib-samples",
@@ -171,4 +202,3 @@ def _add_export(p: argparse.ArgumentParser) -> None:
         metavar="B",
         help=f"rows per calibration forward pass (default {DEFAULT_BATCH_SIZE})",
     )
-    _add_verbosity(p, "sub")

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from exportlm.errors import InvalidConfigError
+
 __all__ = ["seeded_init_"]
 
 
@@ -54,6 +56,10 @@ def seeded_init_(module: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
 
     Returns ``module`` so the call can be chained.
     """
+    if seed < 0:
+        raise InvalidConfigError(
+            f"seed must be a non-negative integer (numpy's PCG64 takes 0 and up), got {seed}"
+        )
     rng = np.random.Generator(np.random.PCG64(seed))
     norm_weights = _norm_param_names(module)
     with torch.no_grad():
