@@ -57,14 +57,20 @@ def golden_store(config: pytest.Config, options: Options) -> Any:
 
 
 def read_project_name(root: Path) -> str | None:
-    """``[project].name`` of ``root/pyproject.toml``, or ``None`` (absent or unreadable)."""
+    """``[project].name`` of ``root/pyproject.toml``, or ``None`` (absent or unreadable).
+
+    A ``pyproject.toml`` that is not a regular file (a FIFO would block) counts as
+    unreadable, like a missing one.
+    """
     try:
         import tomllib
     except ImportError:  # pragma: no cover - Python 3.10 has no tomllib: no name known
         return None
+    from exportlm.safeio import read_regular_text
+
     try:
-        data = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        data = tomllib.loads(read_regular_text(root / "pyproject.toml", what="pyproject.toml"))
+    except (OSError, ValueError):  # NotRegularFileError, UnicodeDecodeError, TOMLDecodeError
         return None
     name = data.get("project", {}).get("name")
     return str(name) if name else None

@@ -42,12 +42,20 @@ class Selection:
     names: tuple[str, ...] = ()
 
     @classmethod
-    def parse(cls, text: str) -> Selection:
-        """``"all"`` -> every name; ``"none"`` or ``""`` -> nothing; ``"a,b"`` -> those names."""
+    def parse(cls, text: str, option: str = "the selection") -> Selection:
+        """``"all"`` -> every name; ``"none"`` -> nothing; ``"a,b"`` -> those names.
+
+        An empty value (``--export-targets=``) is a usage error naming ``option``."""
         parts = sorted({p.strip() for p in text.split(",") if p.strip()})
         if parts == ["all"]:
             return cls(all=True)
-        if parts in ([], ["none"]):
+        if not parts:
+            raise pytest.UsageError(
+                f"{option}: the value is empty ({text!r}), so nothing would be selected; "
+                f"pass 'all', a comma-separated list of names (e.g. {option}=a,b), "
+                "or 'none' to select nothing on purpose"
+            )
+        if parts == ["none"]:
             return cls()
         if "all" in parts or "none" in parts:
             raise pytest.UsageError(
@@ -257,7 +265,7 @@ class Options:
 
         def selection(name: str) -> Selection | None:
             raw = _value(config, specs[name])
-            return None if raw is None else Selection.parse(str(raw))
+            return None if raw is None else Selection.parse(str(raw), specs[name].flag)
 
         devices = _parse_devices(str(_value(config, specs["export_device"]) or "cpu"))
         options = cls(
@@ -279,6 +287,8 @@ class Options:
                 "--export-only needs --export-targets or --export-exporters "
                 "(e.g. --export-targets=all); otherwise nothing would run"
             )
+        _check_kind(options.xfails_file, "--export-xfails-file", directory=False)
+        _check_kind(options.goldens_dir, "--export-goldens-dir", directory=True)
         if options.report is not None and not hasattr(config, "workerinput"):
             check_report_path(options.report)  # the controller writes it, at the very end
         return options
@@ -331,6 +341,23 @@ def _parse_devices(text: str) -> tuple[str, ...]:
             f"expected one or more of {', '.join(DEVICES)} (comma-separated)"
         )
     return tuple(d for d in DEVICES if d in parts)
+
+
+def _check_kind(path: Path | None, option: str, *, directory: bool) -> None:
+    """An existing ``path`` of the wrong kind (a file for a directory, a FIFO) is a usage error.
+
+    Only ``stat``, nothing opened (a FIFO cannot block); a missing path is left to its reader.
+    """
+    from exportlm.errors import NotRegularFileError
+    from exportlm.safeio import ensure_directory, ensure_regular_file
+
+    if path is not None and path.exists():
+        try:
+            (ensure_directory if directory else ensure_regular_file)(path, what=option)
+        except NotRegularFileError as err:
+            raise pytest.UsageError(
+                f"{option}: {path} is a {err.kind}; expected the path of a {err.expected}"
+            ) from err
 
 
 def check_report_path(path: Path) -> None:

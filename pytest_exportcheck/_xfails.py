@@ -18,6 +18,10 @@ The xfails file (``--export-xfails-file``) takes either of two formats:
 
   (a line may also be a bare pattern as above, e.g. ``roundtrip_logits[mytarget-*]``);
 - JSON: one object ``{pattern: reason}`` (reasons are non-empty strings).
+
+The file must be a regular file of at most :data:`MAX_XFAILS_BYTES`: a FIFO, a
+device or a directory is a usage error before anything is read (a FIFO would
+block the run), and so is JSON nested too deeply to parse.
 """
 
 from __future__ import annotations
@@ -32,9 +36,13 @@ from typing import Any
 
 import pytest
 
+from exportlm.safeio import read_regular_bytes
 from pytest_exportcheck._nodeids import ROOT, item_id_of
 
-__all__ = ["XfailBook", "XfailRule", "declared_book", "load_xfails_file"]
+__all__ = ["MAX_XFAILS_BYTES", "XfailBook", "XfailRule", "declared_book", "load_xfails_file"]
+
+#: The largest xfails file read (a list of every item of a large matrix is far smaller).
+MAX_XFAILS_BYTES = 16 * 1024 * 1024
 
 _OPTION = "--export-xfails-file"
 _PATTERN = re.compile(r"[\w*?]+(\[[^\[\]\s]+\])?\Z")
@@ -128,10 +136,10 @@ def declared_book(
 def load_xfails_file(path: Path) -> list[XfailRule]:
     """The rules of an xfails file (node-id lines or JSON); a bad file is a usage error."""
     try:
-        raw = path.read_bytes()
+        raw = read_regular_bytes(path, what="xfails file", max_bytes=MAX_XFAILS_BYTES)
     except FileNotFoundError as err:
         raise pytest.UsageError(f"{_OPTION}: {path} does not exist") from err
-    except OSError as err:
+    except (OSError, ValueError) as err:  # a FIFO, device or directory; too large; unreadable
         raise pytest.UsageError(f"{_OPTION}: cannot read {path}: {err}") from err
     try:
         text = raw.decode("utf-8-sig")
@@ -154,6 +162,11 @@ def _json_rules(path: Path, text: str) -> list[XfailRule]:
             f"{_OPTION}: {path}, line {err.lineno}: not valid JSON ({err.msg}, column "
             f'{err.colno}); expected an object {{"<check id or item id pattern>": "<reason>"}} '
             "or one node id per line"
+        ) from err
+    except RecursionError as err:
+        raise pytest.UsageError(
+            f"{_OPTION}: {path} holds JSON nested too deeply to parse; expected one flat "
+            'object {"<check id or item id pattern>": "<reason>"} or one node id per line'
         ) from err
     if not isinstance(data, dict) or not all(
         isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in data.items()
