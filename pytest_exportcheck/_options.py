@@ -347,17 +347,19 @@ def _check_kind(path: Path | None, option: str, *, directory: bool) -> None:
     """An existing ``path`` of the wrong kind (a file for a directory, a FIFO) is a usage error.
 
     Only ``stat``, nothing opened (a FIFO cannot block); a missing path is left to its reader.
+    exportlm is imported only when there is a path to check (a passive run imports none).
     """
+    if path is None or not path.exists():
+        return
     from exportlm.errors import NotRegularFileError
     from exportlm.safeio import ensure_directory, ensure_regular_file
 
-    if path is not None and path.exists():
-        try:
-            (ensure_directory if directory else ensure_regular_file)(path, what=option)
-        except NotRegularFileError as err:
-            raise pytest.UsageError(
-                f"{option}: {path} is a {err.kind}; expected the path of a {err.expected}"
-            ) from err
+    try:
+        (ensure_directory if directory else ensure_regular_file)(path, what=option)
+    except NotRegularFileError as err:
+        raise pytest.UsageError(
+            f"{option}: {path} is a {err.kind}; expected the path of a {err.expected}"
+        ) from err
 
 
 def check_report_path(path: Path) -> None:
