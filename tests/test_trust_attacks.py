@@ -6,6 +6,7 @@ marker absent and a specific exportlm error, or with the genuine artifact loaded
 
 * a manifest copied beside another file (``evil.pt2.manifest.json`` = ``good.pt2``'s);
 * a path swapped with ``renameat2(RENAME_EXCHANGE)`` while ``load_exported`` runs;
+* two signed artifact-cache entries whose contents were exchanged.
 """
 
 from __future__ import annotations
@@ -343,3 +344,35 @@ def test_a_path_swapped_during_load_never_runs_the_payload(
     assert refusals
     assert loaded + len(refusals) == 40
     assert all("does not match its sha256" in text for text in refusals), refusals
+
+
+# --- swapped artifact-cache entries --------------------------------------------------------
+
+
+def test_swapped_cache_entries_are_evicted_and_rebuilt(tmp_path: Path) -> None:
+    """Two signed entries whose contents were exchanged: each is refused under the other's key."""
+    from pytest_exportcheck import ExportCheckWarning
+    from pytest_exportcheck._cache import ArtifactCache
+    from pytest_exportcheck._runner import SEED, build_toy_model
+
+    def cache() -> ArtifactCache:
+        return ArtifactCache(tmp_path / "session", tmp_path / "root", build_toy_model)
+
+    first = cache()
+    a = first.export("torchscript", {}, "decoder", seed=SEED, suffix=".pt").parent.parent
+    b = first.export("torchscript", {}, "decoder", seed=SEED + 1, suffix=".pt").parent.parent
+    assert a != b
+    spare = a.with_name("spare")
+    os.rename(a, spare)
+    os.rename(b, a)
+    os.rename(spare, b)
+    again = cache()
+    with pytest.warns(ExportCheckWarning, match="written for another cache key") as caught:
+        artifact = again.export("torchscript", {}, "decoder", seed=SEED, suffix=".pt")
+    assert "not a failure of the target" in str(caught[0].message)
+    assert (again.hits, again.misses, again.evicted) == (0, 1, 1)
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    model = build_toy_model("decoder", SEED)
+    out = model(ids)
+    expected = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(load_exported("torchscript", artifact)(ids), expected)
