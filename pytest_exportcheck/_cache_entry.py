@@ -172,7 +172,7 @@ def _check_manifest(artifact: Path, executes_code: bool) -> None:
         manifest = read_manifest(artifact)
         if manifest is None:
             return
-        verify_artifact(artifact)
+        verify_artifact(artifact, manifest=manifest)  # the manifest read once is the one checked
     except ArtifactIntegrityError as err:
         raise UnsoundEntryError(
             f"the artifact does not verify against its manifest: {err}"

@@ -89,8 +89,11 @@ def _only_we_can_write(handle: BinaryIO) -> bool:
     return info.st_uid in (os.getuid(), 0) and not writable_by_others
 
 
-def hold(path: Path, *, what: str) -> VerifiedFile:
+def hold(path: Path, *, what: str, copy_if_shared: bool = True) -> VerifiedFile:
     """Open ``path`` once and hash it (see the module docstring); the caller closes ``handle``.
+
+    ``copy_if_shared=False`` never makes the private copy (for a format that runs no code,
+    whose loader resolves its own paths: the copy would buy nothing).
 
     Raises:
         NotRegularFileError: ``path`` is a FIFO, device, socket or directory.
@@ -98,7 +101,7 @@ def hold(path: Path, *, what: str) -> VerifiedFile:
     """
     source = open_regular(path, what=what)
     try:
-        if _only_we_can_write(source):
+        if not copy_if_shared or _only_we_can_write(source):
             digest, size = hash_handle(source)
             return VerifiedFile(path, source, digest, size, copied=False)
         # mode 0600, and without a name at all where O_TMPFILE exists

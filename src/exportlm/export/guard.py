@@ -206,7 +206,7 @@ def verified_load(info: TargetInfo, path: Path, *, trust: bool) -> Iterator[Mani
         return
     held: list[VerifiedFile] = []
     if info.artifact == "file":
-        held.append(hold(path, what=f"{info.name} artifact"))
+        held.append(hold(path, what=f"{info.name} artifact", copy_if_shared=info.executes_code))
     with serving(held):
         verify_artifact(path, manifest=manifest, held=held[0] if held else None)
         _check_origin(info, path, manifest, trust)
