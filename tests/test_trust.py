@@ -259,3 +259,30 @@ def test_a_key_path_under_a_regular_file_is_ignored_with_a_warning(
     monkeypatch.setenv("EXPORTLM_KEY_FILE", str(blocker / "key"))
     with pytest.warns(UserWarning, match="cannot read the exportlm signing key"):
         assert trustkey.sign(b"payload") is None
+
+
+def test_a_code_executing_runtime_that_reopens_the_path_is_named(tmp_path: Path) -> None:
+    """A third-party loader that opens the path itself gets no verified bytes: it is warned."""
+    from exportlm.export import EXPORT_REGISTRY, RUNTIME_REGISTRY, export_target
+
+    @export_target("h_reopens", runtime="h_reopens", executes_code=True)
+    def write(model: torch.nn.Module, output_path: Path) -> Path:
+        output_path.write_bytes(b"bytes")
+        return output_path
+
+    def reopen(artifact: Path) -> object:
+        return artifact.read_bytes()
+
+    EXPORT_REGISTRY.register("h_reopens", write)
+    RUNTIME_REGISTRY.register("h_reopens", reopen)
+    try:
+        path = export_model("h_reopens", _model(), tmp_path / "m.bin")
+        with pytest.warns(UnverifiedArtifactWarning, match="not through .*open_artifact"):
+            load_exported("h_reopens", path)
+    finally:
+        EXPORT_REGISTRY.unregister("h_reopens")
+        RUNTIME_REGISTRY.unregister("h_reopens")
+    built_in = _export("torchscript", tmp_path / "m.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnverifiedArtifactWarning)
+        load_exported("torchscript", built_in)  # the built-in runtimes read the verified bytes

@@ -41,6 +41,10 @@ _CHUNK = 1 << 20
 _HELD: contextvars.ContextVar[Mapping[str, VerifiedFile] | None] = contextvars.ContextVar(
     "exportlm_verified_files", default=None
 )
+#: Paths whose held file :func:`open_artifact` handed out, per :func:`serving` context.
+_SERVED: contextvars.ContextVar[set[Path] | None] = contextvars.ContextVar(
+    "exportlm_served_files", default=None
+)
 
 
 @dataclass(frozen=True)
@@ -120,13 +124,19 @@ def hold(path: Path, *, what: str, copy_if_shared: bool = True) -> VerifiedFile:
 
 
 @contextlib.contextmanager
-def serving(files: Iterable[VerifiedFile]) -> Iterator[None]:
-    """Make ``files`` what :func:`open_artifact` returns for their paths; closes them at the end."""
+def serving(files: Iterable[VerifiedFile]) -> Iterator[set[Path]]:
+    """Make ``files`` what :func:`open_artifact` returns for their paths; closes them at the end.
+
+    Yields the set of their paths that :func:`open_artifact` has handed out so far.
+    """
     held = list(files)
+    served: set[Path] = set()
     token = _HELD.set({**(_HELD.get() or {}), **{os.path.abspath(f.path): f for f in held}})
+    served_token = _SERVED.set(served)
     try:
-        yield
+        yield served
     finally:
+        _SERVED.reset(served_token)
         _HELD.reset(token)
         for file in held:
             file.handle.close()
@@ -144,6 +154,9 @@ def open_artifact(path: str | os.PathLike[str], *, what: str = "artifact") -> Bi
     held = (_HELD.get() or {}).get(os.path.abspath(path))
     if held is None:
         return open_regular(path, what=what)
+    served = _SERVED.get()
+    if served is not None:
+        served.add(held.path)
     fd = os.dup(held.handle.fileno())
     handle = io.open(fd, "rb", closefd=True)  # noqa: UP020, SIM115 - a descriptor, returned
     handle.seek(0)

@@ -52,7 +52,7 @@ _ACTIVE: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
 
 
 class UnverifiedArtifactWarning(UserWarning):
-    """An artifact without a manifest was loaded: nothing checked its files."""
+    """Loaded bytes that nothing verified: no manifest, or a runtime that reopened the path."""
 
 
 def check_real_weights(model: Any, target: str) -> None:
@@ -207,10 +207,19 @@ def verified_load(info: TargetInfo, path: Path, *, trust: bool) -> Iterator[Mani
     held: list[VerifiedFile] = []
     if info.artifact == "file":
         held.append(hold(path, what=f"{info.name} artifact", copy_if_shared=info.executes_code))
-    with serving(held):
+    with serving(held) as served:
         verify_artifact(path, manifest=manifest, held=held[0] if held else None)
         _check_origin(info, path, manifest, trust)
         yield manifest
+        if held and info.executes_code and not served:
+            warnings.warn(
+                f"the runtime of target {info.name!r} opened {path} itself, not through "
+                "exportlm.export.guard.open_artifact: the bytes it loaded are not necessarily "
+                "the ones verified (a path swapped in between is not detected). Its author "
+                "should open the artifact with open_artifact (see docs/security.md).",
+                UnverifiedArtifactWarning,
+                stacklevel=3,
+            )
 
 
 def _check_origin(info: TargetInfo, path: Path, manifest: Manifest, trust: bool) -> None:
