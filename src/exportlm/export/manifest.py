@@ -6,7 +6,8 @@ Where it lives (:func:`manifest_path`):
 * a directory artifact ``out/ckpt/`` -> ``out/ckpt/exportlm-manifest.json`` (inside, so it
   is swapped in together with the directory).
 
-What it holds (schema :data:`MANIFEST_SCHEMA`): the target and variant, the options
+What it holds (schema :data:`MANIFEST_SCHEMA`): the one artifact it was written for
+(its published name and kind), the target and variant, the options
 (JSON-safe), versions of exportlm / torch / transformers / the target's runtime library,
 the input names with their dims (names for dynamic ones), the declared tolerance, a
 sha256 of the model's structure and weights (:func:`model_hash`: the exact bytes, no
@@ -205,6 +206,8 @@ def read_manifest(artifact: str | os.PathLike[str]) -> Manifest | None:
     Raises:
         ManifestSchemaError: the manifest is not JSON, has no integer schema, or a
             schema this exportlm does not know (older than 1), or lacks required fields.
+        NotRegularFileError: a FIFO, device or directory stands where the manifest should
+            be (refused before anything is read, so it cannot block).
     """
     path = manifest_path(artifact)
     try:
