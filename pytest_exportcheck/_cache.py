@@ -21,8 +21,8 @@ discards its copy. Cached files are made read-only: checks must copy before they
 modify.
 
 The cache is data, not code (:mod:`._cache_entry`): ``meta.json`` carries the
-sha256 of every file of the entry and this user's HMAC signature, and an entry is
-used only when it verifies, its paths stay inside it and, for a target whose
+sha256 of every file of the entry, its own key and this user's HMAC signature, and an
+entry is used only when it verifies under the key it is read for, its paths stay inside it and, for a target whose
 format executes code on load, the artifact's manifest is this machine's own. An
 entry that fails is evicted and rebuilt with an :class:`ExportCheckWarning`,
 never loaded and never counted against the target. Staging directories that
@@ -68,8 +68,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Bump when the layout or the key changes.
-CACHE_FORMAT = 3
+#: Bump when the layout or the key changes. 4: ``meta.json`` carries its own key.
+CACHE_FORMAT = 4
 _KEY_LENGTH = 32
 
 _VERSIONED = ("exportlm", "torch", "transformers", "onnx", "onnxruntime", "onnxscript")
@@ -274,7 +274,7 @@ class ArtifactCache:
         executes_code = _executes_code(target)
         label = model[0] if isinstance(model[0], str) else _class_name(type(model[0]))
         with _file_lock(root / f"{key}.lock"):
-            hit = self._verified(entry, executes_code, f"{target} / {label}")
+            hit = self._verified(entry, key, executes_code, f"{target} / {label}")
             if hit is not None:
                 self.hits += 1
                 return hit
@@ -284,7 +284,7 @@ class ArtifactCache:
                 name = "artifact" if directory else f"model{suffix}"
                 artifact = self._export(target, kwargs, model, staging / "out" / name)
                 fields = {"target": target, "model": [label, *model[1:]]}
-                write_meta(staging, artifact, fields, CACHE_FORMAT)
+                write_meta(staging, artifact, fields, CACHE_FORMAT, key=key)
                 _make_read_only(staging / "out")
                 with contextlib.suppress(OSError):  # another worker published it first
                     os.replace(staging, entry)
@@ -292,7 +292,7 @@ class ArtifactCache:
                 if staging.exists():
                     _remove(staging)
             try:
-                published = read_entry(entry, CACHE_FORMAT, executes_code=executes_code)
+                published = read_entry(entry, CACHE_FORMAT, executes_code=executes_code, key=key)
             except UnsoundEntryError as err:  # e.g. no signing key: use it this session only
                 logger.debug("entry %s does not verify after publishing: %s", entry, err)
                 published = entry / "out" / name if (entry / "out" / name).exists() else None
@@ -300,10 +300,10 @@ class ArtifactCache:
                 raise RuntimeError(f"artifact cache entry {entry} disappeared after publishing")
             return published
 
-    def _verified(self, entry: Path, executes_code: bool, what: str) -> Path | None:
-        """The entry's artifact when it verifies; a refused entry is evicted with a warning."""
+    def _verified(self, entry: Path, key: str, executes_code: bool, what: str) -> Path | None:
+        """The entry's artifact when it verifies for ``key``; a refused one is evicted with a warning."""
         try:
-            return read_entry(entry, CACHE_FORMAT, executes_code=executes_code)
+            return read_entry(entry, CACHE_FORMAT, executes_code=executes_code, key=key)
         except UnsoundEntryError as err:
             self.evicted += 1
             warnings.warn(

@@ -7,6 +7,9 @@ cache), so an entry is used only when all of this holds:
 * ``meta.json`` is a regular file holding this cache format, signed with this
   user's HMAC key (:mod:`exportlm.export.trustkey`): the entry was written on
   this machine and nobody changed its metadata since;
+* the cache key inside the signed ``meta.json`` is the key it is read under: an
+  entry moved, copied or exchanged under another key (whose artifacts all carry the
+  same file name) is another export's, not this one;
 * its ``artifact`` path is relative, without ``..``, and stays inside ``out/``;
 * ``out/`` holds regular files and directories only (no symbolic link, device or
   FIFO), exactly the files ``meta.json`` lists, each with its listed size and
@@ -60,13 +63,16 @@ def _walk(out: Path) -> Iterator[Path]:
                 yield path
 
 
-def write_meta(staging: Path, artifact: Path, fields: Mapping[str, Any], cache_format: int) -> None:
-    """Write the signed ``meta.json`` of an entry staged in ``staging`` (artifact under ``out/``)."""
+def write_meta(
+    staging: Path, artifact: Path, fields: Mapping[str, Any], cache_format: int, *, key: str
+) -> None:
+    """Write the signed ``meta.json`` of the entry for ``key`` staged in ``staging``."""
     from exportlm.export import trustkey
 
     out = staging / "out"
     meta: dict[str, Any] = {
         **fields,
+        "key": key,
         "format": cache_format,
         "artifact": artifact.relative_to(out).as_posix(),
         "files": {
@@ -80,8 +86,8 @@ def write_meta(staging: Path, artifact: Path, fields: Mapping[str, Any], cache_f
     (staging / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
 
 
-def read_entry(entry: Path, cache_format: int, *, executes_code: bool) -> Path | None:
-    """The artifact of the published entry ``entry``; ``None`` when there is none.
+def read_entry(entry: Path, cache_format: int, *, executes_code: bool, key: str) -> Path | None:
+    """The artifact of the published entry ``entry`` for ``key``; ``None`` when there is none.
 
     Raises:
         UnsoundEntryError: the entry exists but fails a check of the module docstring.
@@ -91,6 +97,11 @@ def read_entry(entry: Path, cache_format: int, *, executes_code: bool) -> Path |
     if entry.is_symlink() or not entry.is_dir():
         raise UnsoundEntryError("the entry is not a plain directory")
     meta = _read_meta(entry / META, cache_format)
+    if meta.get("key") != key:
+        raise UnsoundEntryError(
+            f"its signed {META} was written for another cache key ({meta.get('key')!r}, "
+            f"expected {key!r}): the entry was moved or exchanged with another"
+        )
     out = entry / "out"
     artifact = out / _confined(meta.get("artifact"))
     if out.is_symlink() or not out.is_dir():
@@ -161,7 +172,7 @@ def _check_manifest(artifact: Path, executes_code: bool) -> None:
         manifest = read_manifest(artifact)
         if manifest is None:
             return
-        verify_artifact(artifact)
+        verify_artifact(artifact, manifest=manifest)  # the manifest read once is the one checked
     except ArtifactIntegrityError as err:
         raise UnsoundEntryError(
             f"the artifact does not verify against its manifest: {err}"

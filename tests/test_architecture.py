@@ -44,6 +44,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.quant",
         "exportlm.modules",
         "exportlm._progress",
+        "exportlm.safeio",
     },
     "exportlm.inspection": {"exportlm.errors", "exportlm.quant"},
     "exportlm.inventory": {

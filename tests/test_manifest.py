@@ -117,3 +117,46 @@ def test_a_third_party_target_without_atomic_output_gets_a_manifest(tmp_path: Pa
     manifest = verify_artifact(path)
     assert manifest.target == "h8a_plain_writer"
     assert list(manifest.files) == ["x.bin"]
+
+
+def test_the_manifest_names_the_one_artifact_it_vouches_for(tmp_path: Path) -> None:
+    path = _export("torchscript", _model(), tmp_path / "m.pt")
+    manifest = verify_artifact(path)
+    assert (manifest.artifact_name, manifest.artifact_kind) == ("m.pt", "file")
+    assert json.loads(manifest_path(path).read_text())["artifact"] == {
+        "name": "m.pt",
+        "kind": "file",
+    }
+    out = _export("hf_checkpoint", tiny_hf_model("llama", num_hidden_layers=1), tmp_path / "ckpt")
+    manifest = verify_artifact(out)
+    assert (manifest.artifact_name, manifest.artifact_kind) == ("ckpt", "directory")  # not staging
+
+
+def test_a_manifest_copied_into_another_directory_artifact_fails(tmp_path: Path) -> None:
+    a = _export("hf_checkpoint", tiny_hf_model("llama", num_hidden_layers=1), tmp_path / "a")
+    b = _export(
+        "hf_checkpoint", tiny_hf_model("llama", num_hidden_layers=1, seed=1), tmp_path / "b"
+    )
+    (b / "exportlm-manifest.json").write_bytes((a / "exportlm-manifest.json").read_bytes())
+    with pytest.raises(ArtifactIntegrityError, match="does not match its sha256"):
+        verify_artifact(b)
+
+
+def test_a_file_manifest_beside_a_directory_proves_nothing(tmp_path: Path) -> None:
+    pt = _export("torchscript", _model(), tmp_path / "m.pt")
+    out = _export("hf_checkpoint", tiny_hf_model("llama", num_hidden_layers=1), tmp_path / "c")
+    (out / "exportlm-manifest.json").write_bytes(manifest_path(pt).read_bytes())
+    with pytest.raises(ArtifactIntegrityError, match="written for a file artifact"):
+        verify_artifact(out)
+
+
+def test_a_manifest_that_is_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+
+    from exportlm.errors import NotRegularFileError
+
+    path = _export("torchscript", _model(), tmp_path / "m.pt")
+    manifest_path(path).unlink()
+    os.mkfifo(manifest_path(path))
+    with pytest.raises(NotRegularFileError, match="FIFO"):
+        read_manifest(path)

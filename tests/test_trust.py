@@ -21,17 +21,23 @@ from exportlm.errors import (
     ArtifactIntegrityError,
     InvalidInputError,
     InvalidModelError,
+    ManifestSchemaError,
     UnsupportedDtypeError,
     UnsupportedOutputPathError,
     UntrustedArtifactError,
 )
-from exportlm.export import export_model, get_target_info, load_exported
+from exportlm.export import export_model, get_target_info, load_exported, trustkey
 from exportlm.export.guard import UnverifiedArtifactWarning
 from exportlm.export.manifest import manifest_path
 from exportlm.export.options import resolve_dtype
 from exportlm.models import DecoderConfig, DecoderModel
 
 _IDS = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+
+
+def _canonical(data: dict[str, object]) -> bytes:
+    """The bytes a manifest's HMAC covers (everything but the HMAC), as exportlm signs them."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 @pytest.fixture(autouse=True)
@@ -112,9 +118,37 @@ def test_a_copied_manifest_does_not_vouch_for_other_bytes(tmp_path: Path) -> Non
     shutil.copy(path, foreign)
     data = json.loads(manifest_path(path).read_text())
     data["files"] = {"foreign.pt": data["files"]["m.pt"]}  # edited: the signature breaks
+    data["artifact"]["name"] = "foreign.pt"
     manifest_path(foreign).write_text(json.dumps(data))
-    with pytest.raises(UntrustedArtifactError):
+    with pytest.raises(UntrustedArtifactError, match="not signed by this machine"):
         load_exported("torchscript", foreign)
+    del data["artifact"]["name"]  # a schema-2 manifest must name its artifact
+    manifest_path(foreign).write_text(json.dumps(data))
+    with pytest.raises(ManifestSchemaError, match="no valid 'artifact' field"):
+        load_exported("torchscript", foreign, trust=True)
+
+
+def test_an_old_manifest_without_the_artifact_name_cannot_vouch(tmp_path: Path) -> None:
+    """Schema 1 did not require the artifact's name: such a manifest needs trust=True."""
+    path = _export("torchscript", tmp_path / "m.pt")
+    data = json.loads(manifest_path(path).read_text())
+    data = {k: v for k, v in data.items() if k not in ("artifact", "hmac")}
+    data["schema"] = 1
+    data["hmac"] = trustkey.sign(_canonical(data))  # signed here, yet names no artifact
+    manifest_path(path).write_text(json.dumps(data))
+    with pytest.raises(UntrustedArtifactError, match="does not name the artifact") as excinfo:
+        load_exported("torchscript", path)
+    assert "re-export" in str(excinfo.value)
+    assert load_exported("torchscript", path, trust=True)(_IDS).shape == (2, 4, 256)
+
+
+def test_a_schema_1_manifest_that_names_its_file_still_vouches(tmp_path: Path) -> None:
+    path = _export("torchscript", tmp_path / "m.pt")
+    data = json.loads(manifest_path(path).read_text())
+    data = {k: v for k, v in data.items() if k != "hmac"} | {"schema": 1}
+    data["hmac"] = trustkey.sign(_canonical(data))
+    manifest_path(path).write_text(json.dumps(data))
+    assert load_exported("torchscript", path)(_IDS).shape == (2, 4, 256)
 
 
 def test_a_tampered_file_is_refused_even_with_trust(tmp_path: Path) -> None:
@@ -225,3 +259,30 @@ def test_a_key_path_under_a_regular_file_is_ignored_with_a_warning(
     monkeypatch.setenv("EXPORTLM_KEY_FILE", str(blocker / "key"))
     with pytest.warns(UserWarning, match="cannot read the exportlm signing key"):
         assert trustkey.sign(b"payload") is None
+
+
+def test_a_code_executing_runtime_that_reopens_the_path_is_named(tmp_path: Path) -> None:
+    """A third-party loader that opens the path itself gets no verified bytes: it is warned."""
+    from exportlm.export import EXPORT_REGISTRY, RUNTIME_REGISTRY, export_target
+
+    @export_target("h_reopens", runtime="h_reopens", executes_code=True)
+    def write(model: torch.nn.Module, output_path: Path) -> Path:
+        output_path.write_bytes(b"bytes")
+        return output_path
+
+    def reopen(artifact: Path) -> object:
+        return artifact.read_bytes()
+
+    EXPORT_REGISTRY.register("h_reopens", write)
+    RUNTIME_REGISTRY.register("h_reopens", reopen)
+    try:
+        path = export_model("h_reopens", _model(), tmp_path / "m.bin")
+        with pytest.warns(UnverifiedArtifactWarning, match="not through .*open_artifact"):
+            load_exported("h_reopens", path)
+    finally:
+        EXPORT_REGISTRY.unregister("h_reopens")
+        RUNTIME_REGISTRY.unregister("h_reopens")
+    built_in = _export("torchscript", tmp_path / "m.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnverifiedArtifactWarning)
+        load_exported("torchscript", built_in)  # the built-in runtimes read the verified bytes

@@ -5,9 +5,12 @@
   (:func:`~exportlm.atomic.before_publish`), so it is published last and a complete
   manifest means a complete artifact. A target that does not stage through
   :func:`~exportlm.atomic.atomic_output` gets its manifest written after it returns.
-* :func:`check_before_load`: before a runtime loader touches the artifact, verifies it
-  against its manifest (always, ``trust`` or not) and refuses a code-executing format
-  whose manifest is not signed by this user's key, unless ``trust=True``.
+* :func:`verified_load`: around a runtime loader, opens the artifact file once, verifies
+  those bytes against its manifest (always, ``trust`` or not: it must be the manifest's
+  own artifact, by name, and match it byte for byte), refuses a code-executing format
+  whose manifest does not vouch for it (signed by this user's key, for this target)
+  unless ``trust=True``, and serves the verified bytes to the loader
+  (:func:`open_artifact`), so no path is resolved again between the check and the load.
 * :func:`check_real_weights`: a model on the ``meta`` device has nothing to export.
 """
 
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from exportlm.atomic import before_publish
 from exportlm.errors import InvalidModelError, UntrustedArtifactError
+from exportlm.export._verified import VerifiedFile, hold, open_artifact, serving
 from exportlm.export.manifest import Manifest, model_hash, read_manifest, verify_artifact
 from exportlm.export.manifest import write_manifest as _write_manifest
 
@@ -33,10 +37,11 @@ if TYPE_CHECKING:
 __all__ = [
     "TRUST_HINT",
     "UnverifiedArtifactWarning",
-    "check_before_load",
     "check_real_weights",
     "finish_manifest",
     "manifest_for_export",
+    "open_artifact",
+    "verified_load",
 ]
 
 TRUST_HINT = "pass trust=True to load_exported (exportlm CLI: --trust)"
@@ -47,7 +52,7 @@ _ACTIVE: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
 
 
 class UnverifiedArtifactWarning(UserWarning):
-    """An artifact without a manifest was loaded: nothing checked its files."""
+    """Loaded bytes that nothing verified: no manifest, or a runtime that reopened the path."""
 
 
 def check_real_weights(model: Any, target: str) -> None:
@@ -104,6 +109,7 @@ class _Request:
     written: bool = False
 
     def write(self, artifact: Path, companions: Sequence[Path] = ()) -> Path:
+        """Write the manifest of ``artifact`` (staged or final), naming the published artifact."""
         self.written = True
         return _write_manifest(
             artifact,
@@ -116,6 +122,7 @@ class _Request:
             runtime=self.info.runtime,
             vocab_size=self.vocab_size,
             companions=companions,
+            name=self.destination.name,
         )
 
     def hook(self, staged: Path, destination: Path) -> Sequence[Path]:
@@ -164,19 +171,27 @@ def finish_manifest(request: _Request | None, artifact: Path) -> None:
         request.write(artifact)
 
 
-def check_before_load(info: TargetInfo, path: Path, *, trust: bool) -> Manifest | None:
-    """Verify ``path`` against its manifest and apply the trust boundary; returns the manifest.
+@contextlib.contextmanager
+def verified_load(info: TargetInfo, path: Path, *, trust: bool) -> Iterator[Manifest | None]:
+    """Verify ``path`` and apply the trust boundary; inside, the loader reads what was verified.
+
+    A file artifact is opened once (:func:`~exportlm.export._verified.hold`) and its
+    digest checked from that descriptor; :func:`open_artifact` hands the loader that
+    same file (or a private copy made while hashing) until the context ends. Yields the
+    manifest (``None`` when there is none, or nothing is at ``path``).
 
     Raises:
-        ArtifactIntegrityError: a file differs from, is missing from or is extra to the
-            manifest (checked with ``trust=True`` too: trust waives the origin proof,
-            never the integrity check).
+        ArtifactIntegrityError: the manifest was written for another artifact, or a file
+            differs from, is missing from or is extra to it (checked with ``trust=True``
+            too: trust waives the origin proof, never the integrity check).
         ManifestSchemaError: the manifest is unreadable or of an unknown schema.
-        UntrustedArtifactError: the format can execute code, ``trust`` is false, and no
-            manifest signed by this user's key vouches for the files.
+        UntrustedArtifactError: the format can execute code, ``trust`` is false, and the
+            manifest does not vouch for the artifact (see :func:`_not_vouched`).
+        NotRegularFileError: a file artifact's path is a FIFO, device or directory.
     """
-    if not path.exists():
-        return None  # the loader says what is missing
+    if not os.path.lexists(path):
+        yield None  # the loader says what is missing
+        return
     manifest = read_manifest(path)
     if manifest is None:
         if info.executes_code and not trust:
@@ -187,17 +202,55 @@ def check_before_load(info: TargetInfo, path: Path, *, trust: bool) -> Manifest 
             UnverifiedArtifactWarning,
             stacklevel=3,
         )
-        return None
-    verify_artifact(path)
+        yield None
+        return
+    held: list[VerifiedFile] = []
+    if info.artifact == "file":
+        held.append(hold(path, what=f"{info.name} artifact", copy_if_shared=info.executes_code))
+    with serving(held) as served:
+        verify_artifact(path, manifest=manifest, held=held[0] if held else None)
+        _check_origin(info, path, manifest, trust)
+        yield manifest
+        if held and info.executes_code and not served:
+            warnings.warn(
+                f"the runtime of target {info.name!r} opened {path} itself, not through "
+                "exportlm.export.guard.open_artifact: the bytes it loaded are not necessarily "
+                "the ones verified (a path swapped in between is not detected). Its author "
+                "should open the artifact with open_artifact (see docs/security.md).",
+                UnverifiedArtifactWarning,
+                stacklevel=3,
+            )
+
+
+def _check_origin(info: TargetInfo, path: Path, manifest: Manifest, trust: bool) -> None:
+    why = _not_vouched(info, manifest)
+    if why is None:
+        return
+    if info.executes_code and not trust:
+        raise _untrusted(info, path, why)
     if manifest.target != info.name:
         warnings.warn(
             f"{path} was exported with target {manifest.target!r} and is loaded as {info.name!r}",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-    if info.executes_code and not trust and not manifest.is_own():
-        raise _untrusted(info, path, "its manifest is not signed by this machine's exportlm key")
-    return manifest
+
+
+def _not_vouched(info: TargetInfo, manifest: Manifest) -> str | None:
+    """Why the (verified) manifest does not vouch for the artifact's origin; ``None`` if it does."""
+    if manifest.target != info.name:
+        return (
+            f"its manifest was written for target {manifest.target!r}, not {info.name!r} "
+            "(re-export it with this target)"
+        )
+    if manifest.artifact_name is None:
+        return (
+            f"its manifest (schema {manifest.schema}) does not name the artifact it was written "
+            "for, so it cannot vouch for this one (re-export it with this exportlm)"
+        )
+    if not manifest.is_own():
+        return "its manifest is not signed by this machine's exportlm key"
+    return None
 
 
 def _untrusted(info: TargetInfo, path: Path, why: str) -> UntrustedArtifactError:

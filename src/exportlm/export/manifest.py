@@ -6,7 +6,8 @@ Where it lives (:func:`manifest_path`):
 * a directory artifact ``out/ckpt/`` -> ``out/ckpt/exportlm-manifest.json`` (inside, so it
   is swapped in together with the directory).
 
-What it holds (schema :data:`MANIFEST_SCHEMA`): the target and variant, the options
+What it holds (schema :data:`MANIFEST_SCHEMA`): the one artifact it was written for
+(its published name and kind), the target and variant, the options
 (JSON-safe), versions of exportlm / torch / transformers / the target's runtime library,
 the input names with their dims (names for dynamic ones), the declared tolerance, a
 sha256 of the model's structure and weights (:func:`model_hash`: the exact bytes, no
@@ -14,9 +15,10 @@ float comparison), the sha256 and size of every file of the artifact, the vocabu
 size where known, and an HMAC-SHA256 under this user's key
 (:mod:`~exportlm.export.trustkey`).
 
-What it proves: with :func:`verify_artifact` passing, the files are byte for byte the
-ones the manifest lists; with :meth:`Manifest.is_own` too, the manifest (and so the
-files) was written by exportlm under this user's key on this machine. It does not
+What it proves: with :func:`verify_artifact` passing, the artifact is the one the manifest
+was written for (its file name, or the directory holding it) and its files are byte for
+byte the ones listed; with :meth:`Manifest.is_own` too, exportlm wrote them under this
+user's key on this machine. It does not
 prove the model is benign, nor anything about an artifact whose manifest is unsigned
 or signed elsewhere: anyone can write a manifest with matching hashes.
 
@@ -25,18 +27,19 @@ The manifest is written last: a complete manifest means a complete artifact.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from exportlm.errors import ArtifactIntegrityError, ManifestSchemaError
+from exportlm.errors import ArtifactIntegrityError, ManifestSchemaError, NotRegularFileError
 from exportlm.export import trustkey
+from exportlm.export._manifest_data import json_safe, model_hash, versions
+from exportlm.export._verified import VerifiedFile, file_sha256, hash_handle
+from exportlm.safeio import open_regular, read_regular_bytes
 
 __all__ = [
     "DIRECTORY_MANIFEST_NAME",
@@ -44,6 +47,7 @@ __all__ = [
     "MANIFEST_SUFFIX",
     "Manifest",
     "NewerManifestWarning",
+    "file_sha256",
     "json_safe",
     "manifest_path",
     "model_hash",
@@ -53,10 +57,12 @@ __all__ = [
 ]
 
 #: Schema version written by this exportlm. A reader warns on a newer one, refuses an unknown one.
-MANIFEST_SCHEMA = 1
+#: 2: ``artifact`` (the published name and the kind) is required, and the loader holds the
+#: manifest to it; schema 1 recorded the staging name of a directory (``payload``).
+MANIFEST_SCHEMA = 2
 MANIFEST_SUFFIX = ".manifest.json"
 DIRECTORY_MANIFEST_NAME = "exportlm-manifest.json"
-_CHUNK = 1 << 20
+_MAX_MANIFEST_BYTES = 64 << 20
 
 
 class NewerManifestWarning(UserWarning):
@@ -71,85 +77,6 @@ def manifest_path(artifact: str | os.PathLike[str]) -> Path:
     return path.with_name(path.name + MANIFEST_SUFFIX)
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def model_hash(model: Any) -> str:
-    """sha256 of ``model``'s structure and weights: class, then every state-dict entry in name order.
-
-    Each entry contributes its name, dtype, shape and raw bytes (exact: no float is
-    compared, the bytes are hashed), so the same weights give the same hash on any
-    machine. Tensors are read on the CPU; a model on the ``meta`` device has no
-    bytes and must be refused before this is called.
-    """
-    digest = hashlib.sha256(f"{type(model).__module__}.{type(model).__qualname__}\n".encode())
-    state = model.state_dict()
-    for name in sorted(state):
-        if not hasattr(state[name], "detach"):  # an extra state that is not a tensor
-            digest.update(f"{name}|{state[name]!r}\n".encode())
-            continue
-        tensor = state[name].detach()
-        header = f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}\n"
-        digest.update(header.encode())
-        if tensor.numel():
-            flat = tensor.cpu().contiguous().reshape(-1)
-            digest.update(flat.view(_uint8()).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _uint8() -> Any:
-    import torch
-
-    return torch.uint8
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` as JSON data: tensors become ``{"tensor": shape, "dtype": ...}``, paths and dtypes strings."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): json_safe(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    shape = getattr(value, "shape", None)
-    dtype = getattr(value, "dtype", None)
-    if shape is not None and dtype is not None:
-        return {"tensor": list(shape), "dtype": str(dtype).removeprefix("torch.")}
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    return str(value).removeprefix("torch.")
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-#: The library each built-in runtime loads with.
-_RUNTIME_LIBRARY = {
-    "onnx": "onnxruntime",
-    "torchscript": "torch",
-    "torch_export": "torch",
-    "hf_checkpoint": "safetensors",
-}
-
-
-def _versions(runtime: str | None) -> dict[str, str | None]:
-    versions = {name: _version(name) for name in ("exportlm", "torch", "transformers")}
-    library = _RUNTIME_LIBRARY.get(runtime or "")
-    if library is not None:
-        versions[f"runtime:{library}"] = _version(library)
-    return versions
-
-
 @dataclass(frozen=True)
 class Manifest:
     """A parsed manifest (see the module docstring).
@@ -161,6 +88,9 @@ class Manifest:
             as written.
         files: ``{relative path: {"sha256": hex, "size": bytes}}``; relative to the
             artifact's directory (a directory artifact) or its parent (a file artifact).
+        artifact_name, artifact_kind: the artifact it was written for (its published
+            name, ``"file"`` or ``"directory"``); ``None`` in a schema-1 manifest that
+            lacks them, which then vouches for nothing.
         data: the whole JSON object, including fields a newer schema adds.
     """
 
@@ -175,6 +105,8 @@ class Manifest:
     model_hash: str | None
     vocab_size: int | None
     files: Mapping[str, Mapping[str, Any]]
+    artifact_name: str | None
+    artifact_kind: str | None
     data: Mapping[str, Any] = field(repr=False)
 
     def is_own(self) -> bool:
@@ -223,6 +155,7 @@ def write_manifest(
     runtime: str | None = None,
     vocab_size: int | None = None,
     companions: Sequence[Path] = (),
+    name: str | None = None,
 ) -> Path:
     """Hash the artifact's files and write its signed manifest atomically; returns the manifest path.
 
@@ -236,6 +169,8 @@ def write_manifest(
         runtime: the runtime's name, to record its library's version.
         vocab_size: the vocabulary, when known: runtimes refuse ids outside it.
         companions: further files of a file artifact (e.g. ONNX external data).
+        name: the name the artifact is published under (default: its own), recorded
+            and signed as the one artifact this manifest vouches for.
     """
     from exportlm.atomic import write_bytes_atomic
 
@@ -245,9 +180,9 @@ def write_manifest(
         "schema": MANIFEST_SCHEMA,
         "target": target,
         "variant": variant,
-        "artifact": {"name": path.name, "kind": "directory" if path.is_dir() else "file"},
+        "artifact": {"name": name or path.name, "kind": "directory" if path.is_dir() else "file"},
         "options": json_safe(dict(options)),
-        "versions": _versions(runtime),
+        "versions": versions(runtime),
         "inputs": json_safe(list(inputs)),
         "tolerance": json_safe(dict(tolerance)),
         "model_sha256": model_hash,
@@ -271,10 +206,12 @@ def read_manifest(artifact: str | os.PathLike[str]) -> Manifest | None:
     Raises:
         ManifestSchemaError: the manifest is not JSON, has no integer schema, or a
             schema this exportlm does not know (older than 1), or lacks required fields.
+        NotRegularFileError: a FIFO, device or directory stands where the manifest should
+            be (refused before anything is read, so it cannot block).
     """
     path = manifest_path(artifact)
     try:
-        raw = path.read_bytes()
+        raw = read_regular_bytes(path, what="manifest", max_bytes=_MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return None
     try:
@@ -313,6 +250,7 @@ def _parse(path: Path, schema: int, data: dict[str, Any]) -> Manifest:
             path,
         )
     vocab = data.get("vocab_size")
+    name, kind = _artifact_field(path, schema, data)
     return Manifest(
         path=path,
         schema=schema,
@@ -325,42 +263,114 @@ def _parse(path: Path, schema: int, data: dict[str, Any]) -> Manifest:
         model_hash=data.get("model_sha256"),
         vocab_size=vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None,
         files=files,
+        artifact_name=name,
+        artifact_kind=kind,
         data=data,
     )
 
 
-def verify_artifact(artifact: str | os.PathLike[str]) -> Manifest:
-    """Check every file of ``artifact`` against its manifest; returns the manifest.
+def _artifact_field(
+    path: Path, schema: int, data: Mapping[str, Any]
+) -> tuple[str | None, str | None]:
+    """(name, kind) of the artifact the manifest was written for; required from schema 2."""
+    field_ = data.get("artifact")
+    name = field_.get("name") if isinstance(field_, dict) else None
+    kind = field_.get("kind") if isinstance(field_, dict) else None
+    if isinstance(name, str) and kind in ("file", "directory"):
+        return name, kind
+    if schema >= 2:
+        raise ManifestSchemaError(
+            f"manifest {path} (schema {schema}) has no valid 'artifact' field naming the file or "
+            "directory it was written for; it is malformed or tampered with. Re-export the "
+            "artifact.",
+            path,
+        )
+    return None, None
+
+
+def verify_artifact(
+    artifact: str | os.PathLike[str],
+    *,
+    manifest: Manifest | None = None,
+    held: VerifiedFile | None = None,
+) -> Manifest:
+    """Check ``artifact`` against its manifest: it is the manifest's artifact, byte for byte.
+
+    ``manifest``: the one already read (default: read it now). ``held``: the artifact
+    file, opened and hashed once (:func:`~exportlm.export._verified.hold`); its digest
+    is what is checked, so the bytes checked are the bytes a loader reads from it.
 
     Raises:
-        ArtifactIntegrityError: the artifact has no manifest, a listed file is missing
-            or differs (sha256 or size), a listed name leaves the artifact's directory,
-            or a directory artifact holds a file the manifest does not list. The message
-            names the file.
+        ArtifactIntegrityError: the artifact has no manifest, or the manifest was written
+            for another artifact (another file name, or a file where it names a
+            directory), or a listed file is missing or differs (sha256 or size), a listed
+            name leaves the artifact's directory, or a directory artifact holds a file the
+            manifest does not list. The message names the file.
         ManifestSchemaError: the manifest itself is unreadable (see :func:`read_manifest`).
     """
     path = Path(artifact)
-    manifest = read_manifest(path)
+    manifest = manifest if manifest is not None else read_manifest(path)
     if manifest is None:
         raise ArtifactIntegrityError(
             f"{path} has no manifest ({manifest_path(path)}); nothing to verify it against. "
             "Re-export it with exportlm to get one.",
             manifest_path(path),
         )
-    root = path if path.is_dir() else path.parent
+    directory = held is None and path.is_dir()
+    _check_binding(manifest, path, "directory" if directory else "file")
+    root = path if directory else path.parent
     for name, entry in sorted(manifest.files.items()):
-        _verify_file(root, name, entry, manifest.path)
-    if path.is_dir():
-        listed = set(manifest.files)
-        for extra in sorted(p for p in path.rglob("*") if p.is_file()):
-            relative = extra.relative_to(path).as_posix()
-            if relative != DIRECTORY_MANIFEST_NAME and relative not in listed:
-                raise ArtifactIntegrityError(
-                    f"{extra} is not listed in the manifest {manifest.path}: the directory was "
-                    "changed after export. Remove the file or re-export the artifact.",
-                    extra,
-                )
+        if held is not None and name == path.name:
+            _compare(path, entry, (held.sha256, held.size), manifest.path)
+        else:
+            _verify_file(root, name, entry, manifest.path)
+    if directory:
+        _refuse_unlisted(path, manifest)
     return manifest
+
+
+def _check_binding(manifest: Manifest, path: Path, kind: str) -> None:
+    """The manifest vouches for exactly one artifact: ``path`` must be it (name and kind)."""
+    if manifest.artifact_kind is not None and manifest.artifact_kind != kind:
+        raise ArtifactIntegrityError(
+            f"manifest {manifest.path} was written for a {manifest.artifact_kind} artifact, but "
+            f"{path} is a {kind}: it proves nothing about {path}. Re-export the artifact.",
+            manifest.path,
+        )
+    if kind == "directory":
+        return  # inside the directory, listing every file in it: the content is bound
+    expected = manifest.artifact_name or ", ".join(sorted(manifest.files))
+    if path.name in manifest.files and manifest.artifact_name in (None, path.name):
+        return
+    raise ArtifactIntegrityError(
+        f"manifest {manifest.path} vouches for {expected!r}, not for {path.name!r}: a manifest "
+        f"covers exactly the one artifact it was written for, so it proves nothing about {path}. "
+        "If you renamed the artifact, rename it and its manifest back, or re-export it; if "
+        f"{path.name} came from elsewhere, delete {manifest.path.name} and load it as unverified "
+        "(with trust=True for a format that executes code) only if you trust its origin.",
+        path,
+    )
+
+
+def _refuse_unlisted(directory: Path, manifest: Manifest) -> None:
+    listed = set(manifest.files)
+    for extra in sorted(p for p in directory.rglob("*") if p.is_file()):
+        relative = extra.relative_to(directory).as_posix()
+        if relative != DIRECTORY_MANIFEST_NAME and relative not in listed:
+            raise ArtifactIntegrityError(
+                f"{extra} is not listed in the manifest {manifest.path}: the directory was "
+                "changed after export. Remove the file or re-export the artifact.",
+                extra,
+            )
+
+
+def _compare(file: Path, entry: Any, actual: tuple[str, int], manifest: Path) -> None:
+    if not isinstance(entry, Mapping) or (entry.get("sha256"), entry.get("size")) != actual:
+        raise ArtifactIntegrityError(
+            f"{file} does not match its sha256 in the manifest {manifest}: it was changed or "
+            "replaced after export. It is not loaded; re-export the artifact from its model.",
+            file,
+        )
 
 
 def _verify_file(root: Path, name: str, entry: Any, manifest: Path) -> None:
@@ -372,15 +382,13 @@ def _verify_file(root: Path, name: str, entry: Any, manifest: Path) -> None:
             root / name,
         )
     file = root / name
-    if not file.is_file():
+    try:
+        with open_regular(file, what="artifact file") as handle:
+            actual = hash_handle(handle)
+    except (FileNotFoundError, NotRegularFileError) as err:
         raise ArtifactIntegrityError(
-            f"{file} is listed in the manifest {manifest} but missing; the artifact is "
-            "incomplete. Re-export it.",
+            f"{file} is listed in the manifest {manifest} but missing (or not a regular file); "
+            "the artifact is incomplete. Re-export it.",
             file,
-        )
-    if file.stat().st_size != entry.get("size") or file_sha256(file) != entry.get("sha256"):
-        raise ArtifactIntegrityError(
-            f"{file} does not match its sha256 in the manifest {manifest}: it was changed or "
-            "replaced after export. It is not loaded; re-export the artifact from its model.",
-            file,
-        )
+        ) from err
+    _compare(file, entry, actual, manifest)

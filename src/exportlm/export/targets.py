@@ -24,9 +24,9 @@ from exportlm.errors import InvalidModelError
 
 # guard imports TargetInfo only for typing, so importing it here is not circular.
 from exportlm.export.guard import (
-    check_before_load,
     finish_manifest,
     manifest_for_export,
+    verified_load,
 )
 from exportlm.export.options import check_kwargs
 from exportlm.registry import Registry, load_entry_point_registry, once
@@ -312,17 +312,22 @@ def load_exported(
     ``kwargs`` go to the runtime loader (e.g. ``device="cuda"``).
 
     Before the loader reads anything, the artifact is checked against its manifest
-    (``<file>.manifest.json``, or ``exportlm-manifest.json`` in a directory): a file
-    whose sha256 differs, a missing or an extra file is refused, ``trust`` or not.
-    No manifest loads with an :class:`~exportlm.export.guard.UnverifiedArtifactWarning`.
-    A target whose format can execute code when loaded (``TargetInfo.executes_code``:
-    ``torchscript``, ``torch_export``) needs ``trust=True`` unless the manifest is
-    signed by this user's key on this machine (see ``docs/security.md``).
+    (``<file>.manifest.json``, or ``exportlm-manifest.json`` in a directory): a manifest
+    written for another artifact (another file name), a file whose sha256 differs, a
+    missing or an extra file is refused, ``trust`` or not. No manifest loads with an
+    :class:`~exportlm.export.guard.UnverifiedArtifactWarning`. A target whose format can
+    execute code when loaded (``TargetInfo.executes_code``: ``torchscript``,
+    ``torch_export``) needs ``trust=True`` unless the manifest vouches for the artifact:
+    signed by this user's key on this machine, for this target. A file artifact is
+    opened once; the loader reads those verified bytes
+    (:func:`~exportlm.export.guard.open_artifact`), never the path again (see
+    ``docs/security.md``).
 
     Raises:
         UntrustedArtifactError: a code-executing format without a manifest signed here,
             and ``trust`` is false.
-        ArtifactIntegrityError: the files do not match the manifest (the file is named).
+        ArtifactIntegrityError: the manifest is another artifact's, or the files do not
+            match it (the file is named).
         ManifestSchemaError: the manifest is unreadable or of an unknown schema.
         UnknownNameError: ``name`` is not registered.
         UnknownOptionError: a kwarg the runtime does not accept (a ``TypeError``).
@@ -332,8 +337,8 @@ def load_exported(
     """
     loader = runtime_loader(name)
     check_kwargs(f"runtime of target {name!r}", loader, kwargs, skip=1)
-    manifest = check_before_load(get_target_info(name), Path(path), trust=trust)
-    runtime = loader(Path(path), **kwargs)
+    with verified_load(get_target_info(name), Path(path), trust=trust) as manifest:
+        runtime = loader(Path(path), **kwargs)
     if manifest is not None and manifest.vocab_size and hasattr(runtime, "vocab_size"):
         runtime.vocab_size = manifest.vocab_size  # runtimes refuse ids outside it
     return runtime  # type: ignore[no-any-return]

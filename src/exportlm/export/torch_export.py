@@ -39,6 +39,7 @@ from exportlm.export._past import (
 )
 from exportlm.export._wrapper import ExportCacheWrapper
 from exportlm.export.generation import PastStepRuntime
+from exportlm.export.guard import open_artifact
 from exportlm.export.job import export_job
 from exportlm.export.runtime import TorchModuleRuntime, resolve_device
 from exportlm.export.targets import export_target
@@ -197,7 +198,8 @@ def load_torch_export(
     if not path.is_file():
         raise FileNotFoundError(f"torch_export runtime: no .pt2 file at {path}")
     target = resolve_device(device, "torch_export")
-    with open(path, "rb") as file:  # a file object: any file name loads, not only *.pt2
+    # The verified bytes when load_exported checked them; a file object: any name loads.
+    with open_artifact(path, what="torch_export artifact") as file:
         program = torch.export.load(file)
     layout = _graph_past_layout(program, path)
     module = program.module()

@@ -28,6 +28,7 @@ from exportlm.errors import InvalidInputError
 from exportlm.export._moe import TRACEABLE_EXPERTS
 from exportlm.export._quiet import CapturedNoise, warn_caller
 from exportlm.export._wrapper import ExportCacheWrapper
+from exportlm.export.guard import open_artifact
 from exportlm.export.job import export_job
 from exportlm.export.runtime import TorchModuleRuntime, resolve_device
 from exportlm.export.targets import export_target
@@ -164,5 +165,8 @@ def load_torchscript(artifact: Path, *, device: str = "cpu") -> TorchModuleRunti
     if not path.is_file():
         raise FileNotFoundError(f"torchscript runtime: no TorchScript file at {path}")
     target = resolve_device(device, "torchscript")
-    module = torch.jit.load(str(path), map_location=target).eval()
+    # The verified bytes when load_exported checked them (torch.jit.load reads a file object
+    # into memory first; a .pt is small next to the process that runs it).
+    with open_artifact(path, what="torchscript artifact") as file:
+        module = torch.jit.load(file, map_location=target).eval()
     return TorchModuleRuntime(module, target, "torchscript")

@@ -21,6 +21,7 @@ from exportlm.export import (
     export_target,
     resolve_example_inputs,
 )
+from exportlm.export.guard import open_artifact
 
 __all__ = ["export_traced", "load_traced"]
 
@@ -66,8 +67,9 @@ def export_traced(model: torch.nn.Module, output_path: Path, *, example_inputs: 
 
 def load_traced(artifact: Path, *, device: str = "cpu") -> Callable[[torch.Tensor], torch.Tensor]:
     """Load a traced ``.pt`` on ``device``; returns ``input_ids -> logits``."""
-    with _quiet_jit():
-        module = torch.jit.load(str(artifact), map_location=device).eval()
+    # open_artifact: the bytes load_exported verified, not whatever the path names by now
+    with _quiet_jit(), open_artifact(artifact) as file:
+        module = torch.jit.load(file, map_location=device).eval()
 
     def run(input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
