@@ -44,7 +44,6 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.quant",
         "exportlm.modules",
         "exportlm._progress",
-        "exportlm.safeio",
     },
     "exportlm.inspection": {"exportlm.errors", "exportlm.quant"},
     "exportlm.inventory": {
