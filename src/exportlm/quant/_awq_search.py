@@ -90,8 +90,10 @@ def awq_weight_scale(weights: list[torch.Tensor], block_size: int | None) -> tor
     """Mean over the rows of ``|W|`` divided by each block's amax (ModelOpt's weight statistic).
 
     ``weights`` are the ``[out, in]`` weights of one group, scored as one fused weight.
+    Computed in float64 (see :func:`awq_scale`): a float32 mean's last bit depends on
+    the CPU's reduction kernel, and these values reach the checkpoint's bytes.
     """
-    weight = torch.cat([w.detach().float() for w in weights])
+    weight = torch.cat([w.detach().double() for w in weights])
     rows, cols = weight.shape
     if block_size and cols % block_size == 0:
         blocks = weight.abs().reshape(-1, block_size)
@@ -102,8 +104,18 @@ def awq_weight_scale(weights: list[torch.Tensor], block_size: int | None) -> tor
 
 
 def awq_scale(act: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``s = act^alpha / weight^(1-alpha)``, clamped to [1e-4, 1e4], normalised (ModelOpt's)."""
-    s = (act.float().pow(alpha) / (weight.float().pow(1 - alpha) + _TINY)).clamp(1e-4, 1e4)
+    """``s = act^alpha / weight^(1-alpha)``, clamped to [1e-4, 1e4], normalised (ModelOpt's).
+
+    Computed in float64 and returned in float64; callers round once to float32. In
+    float32, ``pow`` and the mean of :func:`awq_weight_scale` differ in the last bit
+    between CPU kernels (measured: Intel vs AMD, AVX-512 vs default), and with a fixed
+    ``alpha`` (:func:`~exportlm.quant.synthetic_calibration`) those bits are the
+    checkpoint's ``pre_quant_scale`` / ``weight_scale``, which goldens compare by hash.
+    A float64 result is ~1e-16 off in relative terms, far below float32's rounding step,
+    so the float32 value it rounds to is the same on every machine (except for a value
+    within 1e-16 of a float32 rounding boundary).
+    """
+    s = (act.double().pow(alpha) / (weight.double().pow(1 - alpha) + _TINY)).clamp(1e-4, 1e4)
     return s / (s.max() * s.min()).sqrt()
 
 
@@ -160,7 +172,7 @@ class ScaleSearch:
         reference = F.linear(x, weight).float()
         sse = torch.zeros(len(AWQ_ALPHAS))
         for i, alpha in enumerate(AWQ_ALPHAS):
-            s = awq_scale(self.act, wscale, alpha)
+            s = awq_scale(self.act, wscale, alpha).to(torch.float32)
             quantized = fake_quant_fresh(self.quantizers[member], weight * s.to(weight.dtype))
             out = F.linear(x / s.to(x.dtype), quantized).float()
             sse[i] = (out - reference).pow(2).sum().cpu()
