@@ -111,18 +111,18 @@ class Case:
     """
 
     base: str
-    mutate: Callable[[Path], None]
+    mutate: Callable[[Path], object]
     rule: str
     file: str
     error: type[ExportLMError] = MalformedCheckpointError
     keep_manifest: bool = False
 
 
-def _header(edit: Callable[[dict[str, Any]], Any]) -> Callable[[Path], None]:
+def _header(edit: Callable[[dict[str, Any]], Any]) -> Callable[[Path], object]:
     return lambda d: edit_header(d / SHARD, edit)
 
 
-def _raw(edit: Callable[[bytes], bytes]) -> Callable[[Path], None]:
+def _raw(edit: Callable[[bytes], bytes]) -> Callable[[Path], object]:
     return lambda d: (d / SHARD).write_bytes(edit((d / SHARD).read_bytes()))
 
 
@@ -131,7 +131,7 @@ def _overlap(header: dict[str, Any]) -> None:
     header["model.embed_tokens.weight"]["data_offsets"] = header["lm_head.weight"]["data_offsets"]
 
 
-def _tensor(name: str, value: float) -> Callable[[Path], None]:
+def _tensor(name: str, value: float) -> Callable[[Path], object]:
     return lambda d: edit_tensors(
         d / SHARD, lambda t: t.__setitem__(name, torch.full_like(t[name], value))
     )
@@ -168,6 +168,12 @@ CASES: dict[str, Case] = {
     "hidden-size-negative": Case(
         "single",
         lambda d: edit_json(d / "config.json", lambda c: c.update(hidden_size=-4)),
+        "config-field-invalid",
+        "config.json",
+    ),
+    "config-dtype-list": Case(  # found by the fuzzer: transformers raised IndexError
+        "single",
+        lambda d: edit_json(d / "config.json", lambda c: c.update(dtype=[])),
         "config-field-invalid",
         "config.json",
     ),

@@ -22,7 +22,16 @@ from exportlm.errors import (
     NotRegularFileError,
 )
 from exportlm.export.guard import UnverifiedArtifactWarning
-from tests._malformed import CASES, INDEX, MANIFEST_CASES, Q_PROJ, SHARD, copy_base, export_bases
+from tests._malformed import (
+    CASES,
+    INDEX,
+    MANIFEST_CASES,
+    Q_PROJ,
+    SHARD,
+    copy_base,
+    edit_json,
+    export_bases,
+)
 
 TARGET = "hf_checkpoint"
 
@@ -147,3 +156,21 @@ def test_transformers_is_asked_never_to_trust_remote_code(
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", spy)
     load(copy_base(bases["single"], tmp_path / "ckpt"))
     assert seen == [False]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("num_hidden_layers", 100_000, "num_hidden_layers is 100000"),  # hung building 1e5 layers
+        ("hidden_size", 2**40, r"has shape \[256, 128\]"),
+        ("num_attention_heads", 64, "self_attn.o_proj.weight has shape"),
+    ],
+)
+def test_config_sizes_the_tensors_contradict_are_refused_before_a_model_is_built(
+    field: str, value: int, match: str, bases: dict[str, Path], tmp_path: Path
+) -> None:
+    directory = copy_base(bases["single"], tmp_path / "ckpt")
+    edit_json(directory / "config.json", lambda c: c.update({field: value}))
+    with pytest.raises(MalformedCheckpointError, match=match) as caught:
+        load(directory)
+    assert caught.value.field is not None

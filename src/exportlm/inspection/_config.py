@@ -16,11 +16,14 @@ the ``hf_checkpoint`` loader raises the same verdicts the inspector reports.
 
 from __future__ import annotations
 
+import enum
 import functools
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from exportlm.inspection._loaders import compressed_tensors_formats, modelopt_quant_algos
 
@@ -53,15 +56,25 @@ def _annotations(model_type: str) -> Mapping[str, Any]:
         return {}
     hints: dict[str, Any] = {}
     for klass in reversed(cls.__mro__):
-        try:
-            hints.update(typing.get_type_hints(klass))
-        except Exception:  # an annotation transformers cannot resolve stays unchecked
-            continue
+        for annotated in (klass, vars(klass).get("__init__")):  # fields, then keyword arguments
+            if annotated is None:
+                continue
+            try:  # transformers annotates with names it imports lazily (torch.dtype)
+                found = typing.get_type_hints(annotated, localns={"torch": torch})
+            except Exception:  # an annotation transformers cannot resolve stays unchecked
+                raw = vars(annotated).get("__annotations__", {}) if annotated is klass else {}
+                found = {k: v for k, v in raw.items() if not isinstance(v, str)}
+            hints.update({k: v for k, v in found.items() if k not in ("return", "kwargs")})
     return hints
 
 
 def _conforms(value: Any, hint: Any) -> bool:
-    """``value`` (parsed JSON) is of type ``hint``; hints beyond JSON's types are not checked."""
+    """``value`` (parsed JSON) is of type ``hint``.
+
+    JSON holds a class other than its own types (``torch.dtype`` aside, which is
+    also annotated ``str``) as an object; an Enum as one of its values; a hint
+    this function does not know (a ``TypeVar``, ``Callable``) is not checked.
+    """
     origin = typing.get_origin(hint)
     if hint is Any:
         return True
@@ -83,6 +96,10 @@ def _conforms(value: Any, hint: Any) -> bool:
         args = typing.get_args(hint)
         return isinstance(value, list) and (not args or all(_conforms(v, args[0]) for v in value))
     if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return value in {member.value for member in hint}
+    if isinstance(hint, type):  # torch.dtype, a TypedDict, a sub-config: JSON holds them as objects
         return isinstance(value, dict)
     return True
 

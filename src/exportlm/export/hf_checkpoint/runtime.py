@@ -27,6 +27,8 @@ from exportlm.export.hf_checkpoint.formats import StoredFormats
 from exportlm.export.hf_checkpoint.static import StaticQuantization
 from exportlm.export.hf_checkpoint.untrusted import (
     StoredTensors,
+    check_layer_count,
+    check_shapes,
     read_model_config,
     read_stored_tensors,
 )
@@ -135,13 +137,15 @@ def _rebuild_model(directory: Path, device: torch.device) -> Any:
             f"({transformers.__version__}) does not have; install a version that does"
         )
     stored = read_stored_tensors(directory)
+    check_layer_count(config, stored)  # before any model is built: a huge count would hang
     weights, activation_scales = _dequantized(directory, stored)
+    with torch.device("meta"):  # an empty model: the parameters' paths and shapes only
+        skeleton = model_cls(config)
     if not _has_conversion_table(config) and any(SPLIT_EXPERT.match(n) for n in weights):
         # transformers merges split experts only through a conversion table: without
-        # one, stack them into the experts' own layout, read off an empty (meta) model
-        with torch.device("meta"):
-            skeleton = model_cls(config)
+        # one, stack them into the experts' own layout, read off the empty model
         weights = fuse_split_experts(weights, skeleton)
+    check_shapes(skeleton, weights, stored)
     model = _from_state_dict(model_cls, config, weights, directory)
     model.eval()
     StaticQuantization(model, activation_scales, set(stored.tensors)).apply(model)
@@ -156,7 +160,9 @@ def _auto_config(transformers: Any, directory: Path) -> Any:
     """transformers' config of ``directory`` (already validated), never running its code."""
     try:
         return transformers.AutoConfig.from_pretrained(directory, trust_remote_code=False)
-    except (ValueError, KeyError, TypeError, AttributeError, OSError) as err:
+    except Exception as err:  # any failure to parse a validated dict is the file's defect
+        if isinstance(err, ExportLMError):
+            raise
         path = directory / "config.json"
         raise MalformedCheckpointError(
             f"{path}: transformers cannot build a config from it ({type(err).__name__}: {err}); "

@@ -24,6 +24,7 @@ The same checks are the error-level file rules of ``exportlm inspect``.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,16 @@ from exportlm.inspection import (
     read_safetensors_header,
 )
 
-__all__ = ["StoredTensors", "read_model_config", "read_stored_tensors"]
+__all__ = [
+    "StoredTensors",
+    "check_layer_count",
+    "check_shapes",
+    "read_model_config",
+    "read_stored_tensors",
+]
+
+#: The stored layer index of a decoder block (``model.layers.3.``, ``transformer.h.3.``, ``blocks.3.``).
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
 def read_model_config(directory: Path) -> dict[str, Any]:
@@ -197,3 +207,44 @@ def _load(files: list[Path]) -> dict[str, torch.Tensor]:
                 path=file,
             ) from err
     return tensors
+
+
+def check_layer_count(config: Any, stored: StoredTensors) -> None:
+    """Refuse a ``num_hidden_layers`` that disagrees with the stored layers, before a model exists.
+
+    A config may ask for a million layers with the tensors of two: transformers would
+    build (and randomly initialise) them all. Checked where the names show layer
+    indices (``model.layers.{i}.``); other layouts are left to :func:`check_shapes`.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    count = getattr(text, "num_hidden_layers", None)
+    indices = {int(m[1]) for name in stored.tensors if (m := _LAYER.search(name))}
+    if not isinstance(count, int) or not indices or indices == set(range(count)):
+        return
+    raise MalformedCheckpointError(
+        f"config.json: num_hidden_layers is {count}, but the shards store layers "
+        f"{min(indices)}..{max(indices)} ({len(indices)} of them); fix config.json or copy "
+        "every shard",
+        path=next(iter(stored.files.values())).parent / CONFIG_NAME,
+        field="num_hidden_layers",
+    )
+
+
+def check_shapes(skeleton: Any, weights: dict[str, torch.Tensor], stored: StoredTensors) -> None:
+    """Refuse a weight whose shape is not its parameter's in ``skeleton`` (an empty model).
+
+    Compares names the model has as they are (names transformers converts on load,
+    Mixtral's split experts, are checked by transformers itself).
+    """
+    expected = skeleton.state_dict()
+    for name, tensor in sorted(weights.items()):
+        want = expected.get(name)
+        if want is None or tuple(want.shape) == tuple(tensor.shape):
+            continue
+        file = stored.file_of(name) or stored.file_of(f"{name.rpartition('.')[0]}.weight")
+        raise MalformedCheckpointError(
+            f"{file}: tensor {name} has shape {list(tensor.shape)}, but the model config.json "
+            f"describes has {list(want.shape)} there; the header or config.json is wrong",
+            path=file,
+            field=name,
+        )
