@@ -44,8 +44,15 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.quant",
         "exportlm.modules",
         "exportlm._progress",
+        "exportlm.hfdir",  # the hf_checkpoint loader reads untrusted configs through it
+        "exportlm.inspection",  # ... and validates headers with the inspector's own rules
     },
-    "exportlm.inspection": {"exportlm.errors", "exportlm.quant"},
+    "exportlm.inspection": {
+        "exportlm.errors",
+        "exportlm.quant",
+        "exportlm.safeio",
+        "exportlm.hfdir",
+    },
     "exportlm.inventory": {
         "exportlm.registry",
         "exportlm.export",

@@ -2,7 +2,10 @@
 serving loaders' rules (:mod:`exportlm.inspection`).
 
 Exit codes: 0 when no error-level rule fails, 1 when one does, 2 for a usage
-error (a path that does not exist or is neither a checkpoint nor an ONNX file).
+error (a path that does not exist or is neither a checkpoint nor an ONNX file) and
+for a file that cannot be read: a FIFO, a device or a directory where a file is
+expected is refused before it is read (never waited on), as is one that the OS
+will not open.
 The findings go to standard output: a table, or one JSON object with ``--json``.
 ``--rules`` lists the rules instead.
 """
@@ -15,7 +18,7 @@ from pathlib import Path
 
 from exportlm.cli._errors import EXIT_FAILURE, EXIT_OK, UsageError
 from exportlm.cli._list import print_table
-from exportlm.errors import InvalidInputError
+from exportlm.errors import InvalidInputError, NotRegularFileError
 
 __all__ = ["add_inspect_arguments", "cmd_inspect"]
 
@@ -65,8 +68,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
     try:
         report = inspect_checkpoint(args.path)
-    except InvalidInputError as err:
+    except (InvalidInputError, NotRegularFileError) as err:
         raise UsageError(str(err)) from err
+    except OSError as err:  # permission denied, I/O error: the path cannot be read
+        raise UsageError(f"cannot read {err.filename or args.path}: {err.strerror or err}") from err
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
         return EXIT_OK if report.ok else EXIT_FAILURE

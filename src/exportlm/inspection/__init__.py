@@ -11,7 +11,9 @@ The name rules of the ``checkpoint_names`` conformance check live here too
 (:func:`checkpoint_name_problems`, :func:`listed_names`, :func:`saved_tensor_names`).
 """
 
-from exportlm.inspection._files import TensorInfo, read_safetensors_header
+from exportlm.inspection._config import config_field_problems, quant_config_problems
+from exportlm.inspection._files import escape_problem
+from exportlm.inspection._header import TensorInfo, read_safetensors_header
 from exportlm.inspection._inspect import InspectionReport, inspect_checkpoint
 from exportlm.inspection._names import (
     ListedName,
@@ -31,9 +33,12 @@ __all__ = [
     "Severity",
     "TensorInfo",
     "checkpoint_name_problems",
+    "config_field_problems",
+    "escape_problem",
     "get_rule",
     "inspect_checkpoint",
     "listed_names",
+    "quant_config_problems",
     "read_safetensors_header",
     "saved_tensor_names",
 ]

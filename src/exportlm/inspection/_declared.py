@@ -107,9 +107,10 @@ def _modelopt(section: Mapping[str, Any], method: str | None, source: str) -> De
     algo = section.get("quant_algo")
     group = section.get("group_size")
     if algo == MIXED_PRECISION:
+        listed = section.get("quantized_layers")
         layers = {
             str(layer): _modelopt_scheme(cfg.get("quant_algo"), cfg.get("group_size"))
-            for layer, cfg in (section.get("quantized_layers") or {}).items()
+            for layer, cfg in (listed.items() if isinstance(listed, dict) else ())
             if isinstance(cfg, dict)
         }
         return Declared("modelopt", method, source, layers=layers, kv_cache=bool(kv))
@@ -123,11 +124,21 @@ def _modelopt_scheme(algo: Any, group_size: Any) -> LayerScheme:
     except UnknownNameError:
         spec = None
     static = bool(spec is not None and spec.recipe is not None and spec.recipe.quantize_inputs)
-    return LayerScheme(spec, str(algo), static, int(group_size) if group_size else None)
+    return LayerScheme(spec, str(algo), static, _group_size(group_size))
+
+
+def _group_size(value: Any) -> int | None:
+    """A declared group size; anything but a positive int is none (``config-field-invalid``)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
 
 
 def _compressed_tensors(config: Mapping[str, Any]) -> Declared:
-    groups = [g for g in (config.get("config_groups") or {}).values() if isinstance(g, dict)]
+    listed = config.get("config_groups")
+    groups = [
+        g for g in (listed.values() if isinstance(listed, dict) else ()) if isinstance(g, dict)
+    ]
     schemes = [_ct_scheme(group, config.get("format")) for group in groups]
     default = schemes[0] if len(schemes) == 1 else None
     source = "config.json quantization_config"
@@ -142,7 +153,8 @@ def _compressed_tensors(config: Mapping[str, Any]) -> Declared:
 
 def _ct_scheme(group: Mapping[str, Any], default_format: Any) -> LayerScheme:
     """The registered format whose compressed-tensors scheme stores ``group``'s layout."""
-    weights = group.get("weights") or {}
+    weights = group.get("weights")
+    weights = weights if isinstance(weights, dict) else {}
     inputs = group.get("input_activations")
     fmt = str(group.get("format") or default_format or "?")
     static = isinstance(inputs, dict) and not inputs.get("dynamic", False)
@@ -151,6 +163,6 @@ def _ct_scheme(group: Mapping[str, Any], default_format: Any) -> LayerScheme:
         if scheme is None or scheme.format != fmt:
             continue
         if all(weights.get(key) == scheme.weights.get(key) for key in _CT_LAYOUT_KEYS):
-            return LayerScheme(spec, fmt, static, weights.get("group_size"))
+            return LayerScheme(spec, fmt, static, _group_size(weights.get("group_size")))
     label = f"{fmt} ({', '.join(f'{k}={weights.get(k)}' for k in _CT_LAYOUT_KEYS)})"
-    return LayerScheme(None, label, static, weights.get("group_size"))
+    return LayerScheme(None, label, static, _group_size(weights.get("group_size")))

@@ -1,48 +1,44 @@
 """Reading a checkpoint directory without loading its tensors.
 
-Each ``*.safetensors`` header is parsed here (8-byte little-endian length, then
-that many bytes of JSON: ``{name: {"dtype", "shape", "data_offsets"}}``), so a
-multi-gigabyte checkpoint is inspected from a few kilobytes per shard. Tensor
-values are read (with ``safetensors.safe_open``) only for the rules that need
-them: scales, which are tiny.
+Each ``*.safetensors`` header is parsed by :mod:`~exportlm.inspection._header`
+(the 8-byte length and the JSON header, never the data), so a multi-gigabyte
+checkpoint is inspected from a few kilobytes per shard; the index and the JSON
+configs are read with :mod:`exportlm.hfdir`. Every file is opened through
+:mod:`exportlm.safeio`: a FIFO or a device raises
+:class:`~exportlm.errors.NotRegularFileError` instead of blocking. Tensor values
+are read (with ``safetensors.safe_open``) only for the rules that need them:
+scales, which are tiny, and only from shards whose header is sound.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import struct
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
 
-from exportlm.errors import InvalidInputError
+from exportlm.errors import InvalidInputError, MalformedCheckpointError
+from exportlm.hfdir import read_json_object
+from exportlm.inspection._header import HeaderProblem, TensorInfo, parse_safetensors_header
 
 __all__ = [
+    "CONFIG",
     "HF_QUANT_CONFIG",
     "INDEX",
     "Checkpoint",
-    "TensorInfo",
+    "escape_problem",
     "read_checkpoint",
-    "read_safetensors_header",
+    "read_json",
     "safetensors_dtype",
 ]
 
 INDEX = "model.safetensors.index.json"
 HF_QUANT_CONFIG = "hf_quant_config.json"
-#: A header larger than this is not a safetensors header (the format caps it at 100 MB).
-_MAX_HEADER = 100_000_000
+CONFIG = "config.json"
 
-#: Bytes per element of each safetensors dtype string.
-_ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
 _TORCH_TO_SAFETENSORS = {
     torch.bool: "BOOL",
     torch.uint8: "U8",
@@ -66,80 +62,24 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
     return _TORCH_TO_SAFETENSORS.get(dtype, str(dtype).removeprefix("torch."))
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor as a safetensors header describes it.
+def escape_problem(directory: Path, name: str, *, follow_links: bool) -> str | None:
+    """Why file name ``name`` (from an index or a config) reaches outside ``directory``, or ``None``.
 
-    Attributes:
-        name: the saved name.
-        dtype: the safetensors dtype string (``"F8_E4M3"``, ``"F32"``...).
-        shape: the stored shape.
-        file: the shard holding it (a file name in the checkpoint directory).
+    An absolute path (POSIX or Windows), a ``..`` component, or (``follow_links``)
+    a path whose symbolic links resolve outside ``directory``.
     """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: str
-
-    @property
-    def numel(self) -> int:
-        """The number of elements."""
-        return math.prod(self.shape)
-
-
-def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """The tensors ``path``'s header declares, without reading their data.
-
-    Raises :class:`~exportlm.errors.InvalidInputError` naming the file when the
-    header cannot be parsed, or when a tensor's bytes lie beyond the end of the
-    file or do not match its dtype and shape (a truncated download).
-    """
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise InvalidInputError(
-                f"{path.name}: {size} bytes, too short for a safetensors header"
-            )
-        (length,) = struct.unpack("<Q", head)
-        if length > min(_MAX_HEADER, size - 8):
-            raise InvalidInputError(
-                f"{path.name}: the header claims {length} bytes but the file has {size}; "
-                "the file is not safetensors or is truncated"
-            )
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise InvalidInputError(f"{path.name}: the header is not valid JSON ({err})") from err
-    if not isinstance(header, dict):
-        raise InvalidInputError(f"{path.name}: the header is not a JSON object")
-    data_size = size - 8 - length
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        info = _tensor_info(path.name, name, entry, data_size)
-        tensors[name] = info
-    return tensors
-
-
-def _tensor_info(file: str, name: str, entry: Any, data_size: int) -> TensorInfo:
-    try:
-        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        info = TensorInfo(name, str(dtype), tuple(int(d) for d in shape), file)
-    except (KeyError, TypeError, ValueError) as err:
-        raise InvalidInputError(
-            f"{file}: the header entry of {name!r} is malformed: {entry!r}"
-        ) from err
-    expected = info.numel * _ITEMSIZE.get(info.dtype, 0)
-    if end > data_size or (info.dtype in _ITEMSIZE and end - begin != expected):
-        raise InvalidInputError(
-            f"{file}: tensor {name!r} ({info.dtype} {list(info.shape)}, {expected} bytes) spans "
-            f"bytes {begin}..{end} of a {data_size}-byte data section; the file is truncated "
-            "or was written wrongly"
-        )
-    return info
+    if not name or "\x00" in name:
+        return f"{name!r} is not a file name"
+    if PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute() or name[:1] == "\\":
+        return f"{name!r} is an absolute path"
+    if ".." in PurePosixPath(name.replace("\\", "/")).parts:
+        return f"{name!r} climbs out of the directory ('..')"
+    if follow_links:
+        root = os.path.realpath(directory)
+        target = os.path.realpath(directory / name)
+        if os.path.commonpath([root, target]) != root:
+            return f"{name!r} is a symbolic link to {target}, outside {directory}"
+    return None
 
 
 @dataclass
@@ -148,47 +88,67 @@ class Checkpoint:
 
     Attributes:
         directory: the checkpoint directory.
-        tensors: every tensor by name (the first shard holding it, in file order).
+        tensors: every well-formed tensor by name (the first shard holding it, in file order).
         locations: every shard holding each tensor (more than one is a defect).
         shards: the ``*.safetensors`` files read, sorted.
-        unreadable: ``{file: reason}`` of shards whose header could not be read.
+        shard_problems: ``{file: problems}`` of shards whose header is not sound.
         index: the index's ``weight_map`` (tensor -> shard), ``None`` without an index.
         index_problem: why the index could not be read, or ``None``.
-        config: ``config.json`` (``{}`` when absent).
-        hf_quant_config: ``hf_quant_config.json`` (``{}`` when absent).
+        index_escapes: ``{tensor: why}`` of index entries naming a file outside the directory.
+        config: ``config.json`` (``{}`` when absent or unreadable).
+        hf_quant_config: ``hf_quant_config.json`` (``{}`` when absent or unreadable).
+        config_problems: ``{file: why}`` of JSON configs that are missing or unreadable.
     """
 
     directory: Path
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     locations: dict[str, list[str]] = field(default_factory=dict)
     shards: list[str] = field(default_factory=list)
-    unreadable: dict[str, str] = field(default_factory=dict)
+    shard_problems: dict[str, tuple[HeaderProblem, ...]] = field(default_factory=dict)
     index: dict[str, str] | None = None
     index_problem: str | None = None
+    index_escapes: dict[str, str] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     hf_quant_config: dict[str, Any] = field(default_factory=dict)
+    config_problems: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def unreadable(self) -> dict[str, str]:
+        """``{file: first problem}`` of the shards whose header is not sound."""
+        return {file: problems[0].message for file, problems in self.shard_problems.items()}
+
+    def readable(self, name: str) -> bool:
+        """Tensor ``name`` lies in a shard whose header is sound (its values can be read)."""
+        info = self.tensors.get(name)
+        return info is not None and info.file not in self.shard_problems
 
     def values(self, name: str) -> torch.Tensor:
         """The stored values of tensor ``name`` (read from its shard; use for small tensors)."""
-        from safetensors import safe_open
-
-        info = self.tensors[name]
-        with safe_open(str(self.directory / info.file), framework="pt") as f:
-            tensor: torch.Tensor = f.get_tensor(name)
-        return tensor
+        return next(v for _, v in self.iter_values([name]))
 
     def iter_values(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, values)`` of each of ``names``, one tensor in memory at a time, each shard
-        opened once."""
-        from safetensors import safe_open
+        opened once.
+
+        Raises :class:`~exportlm.errors.MalformedCheckpointError` naming the shard when
+        safetensors cannot read it.
+        """
+        from safetensors import SafetensorError, safe_open
 
         by_file: dict[str, list[str]] = {}
         for name in names:
             by_file.setdefault(self.tensors[name].file, []).append(name)
         for file, in_file in sorted(by_file.items()):
-            with safe_open(str(self.directory / file), framework="pt") as f:
-                for name in in_file:
-                    yield name, f.get_tensor(name)
+            path = self.directory / file
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    loaded = [(name, f.get_tensor(name)) for name in in_file]
+            except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+                raise MalformedCheckpointError(
+                    f"{file}: safetensors cannot read it ({err}); the file is corrupted",
+                    path=path,
+                ) from err
+            yield from loaded
 
     @property
     def quantization_config(self) -> dict[str, Any]:
@@ -201,48 +161,84 @@ def read_checkpoint(directory: Path) -> Checkpoint:
     """Read ``directory``'s shard headers, index and JSON configs (no tensor data).
 
     Raises :class:`~exportlm.errors.InvalidInputError` when ``directory`` holds no
-    ``*.safetensors`` file and no index (it is not a safetensors checkpoint).
+    ``*.safetensors`` file and no index (it is not a safetensors checkpoint), and
+    :class:`~exportlm.errors.NotRegularFileError` when a file it reads is a FIFO, a
+    device or a directory. Defects of the files are recorded, never raised.
     """
     checkpoint = Checkpoint(directory)
     checkpoint.shards = sorted(p.name for p in directory.glob("*.safetensors"))
-    if not checkpoint.shards and not (directory / INDEX).is_file():
+    if not checkpoint.shards and not os.path.lexists(directory / INDEX):
         raise InvalidInputError(
             f"{directory} holds no *.safetensors file and no {INDEX}; expected a Hugging Face "
             "safetensors checkpoint directory (or pass an .onnx file)"
         )
     for shard in checkpoint.shards:
         try:
-            header = read_safetensors_header(directory / shard)
-        except (InvalidInputError, OSError) as err:
-            checkpoint.unreadable[shard] = str(err)
+            header = parse_safetensors_header(directory / shard)
+        except FileNotFoundError as err:  # a dangling link
+            problem = HeaderProblem("shard-unreadable", None, f"{shard}: cannot be read ({err})")
+            checkpoint.shard_problems[shard] = (problem,)
             continue
-        for name, info in header.items():
+        if header.problems:
+            checkpoint.shard_problems[shard] = header.problems
+        for name, info in header.tensors.items():
             checkpoint.tensors.setdefault(name, info)
             checkpoint.locations.setdefault(name, []).append(shard)
-    checkpoint.index, checkpoint.index_problem = _read_index(directory / INDEX)
-    checkpoint.config = read_json(directory / "config.json")
-    checkpoint.hf_quant_config = read_json(directory / HF_QUANT_CONFIG)
+    _read_index(checkpoint)
+    checkpoint.config = _read_config(checkpoint, CONFIG, required=True)
+    checkpoint.hf_quant_config = _read_config(checkpoint, HF_QUANT_CONFIG, required=False)
     return checkpoint
 
 
-def _read_index(path: Path) -> tuple[dict[str, str] | None, str | None]:
-    if not path.is_file():
-        return None, None
+def _read_config(checkpoint: Checkpoint, name: str, *, required: bool) -> dict[str, Any]:
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return None, f"{path.name} cannot be read or has no weight_map ({err!r})"
+        return read_json_object(checkpoint.directory / name, what=name)
+    except FileNotFoundError:
+        if required:
+            checkpoint.config_problems[name] = (
+                f"{name} is missing: every loader builds the model from it. Copy it along "
+                "with the shards"
+            )
+    except MalformedCheckpointError as err:
+        checkpoint.config_problems[name] = str(err)
+    return {}
+
+
+def _read_index(checkpoint: Checkpoint) -> None:
+    path = checkpoint.directory / INDEX
+    try:
+        data = read_json_object(path, what="safetensors index")
+    except FileNotFoundError:
+        return
+    except MalformedCheckpointError as err:
+        checkpoint.index_problem = str(err)
+        return
+    weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict):
-        return None, f"{path.name}: weight_map is not a JSON object"
-    return {str(k): str(v) for k, v in weight_map.items()}, None
+        checkpoint.index_problem = (
+            f"{INDEX}: weight_map is {type(weight_map).__name__}, expected an object "
+            "{tensor name: shard file}"
+        )
+        return
+    bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
+    if bad:
+        checkpoint.index_problem = (
+            f"{INDEX}: weight_map[{bad[0]!r}] is {weight_map[bad[0]]!r}, expected a shard file name"
+        )
+        return
+    checkpoint.index = dict(weight_map)
+    for name, shard in sorted(weight_map.items()):
+        why = escape_problem(checkpoint.directory, shard, follow_links=False)
+        if why is not None:
+            checkpoint.index_escapes[name] = why
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file, ``{}`` when absent, unreadable or not an object."""
-    if not path.is_file():
-        return {}
+    """A JSON object file, ``{}`` when absent or malformed.
+
+    A FIFO, a device or a directory raises :class:`~exportlm.errors.NotRegularFileError`.
+    """
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_json_object(path, what=path.name)
+    except (FileNotFoundError, MalformedCheckpointError):
         return {}
-    return data if isinstance(data, dict) else {}

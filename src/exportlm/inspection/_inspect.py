@@ -15,7 +15,12 @@ from exportlm.inspection._files import read_checkpoint
 from exportlm.inspection._layers import layer_findings, quantized_layers
 from exportlm.inspection._onnx import onnx_findings
 from exportlm.inspection._rules import RULES, Finding, Severity
-from exportlm.inspection._structure import config_findings, file_findings, kv_findings
+from exportlm.inspection._structure import (
+    config_file_findings,
+    config_findings,
+    file_findings,
+    kv_findings,
+)
 from exportlm.inspection._values import value_findings
 
 __all__ = ["InspectionReport", "inspect_checkpoint"]
@@ -100,6 +105,7 @@ def inspect_checkpoint(path: str | Path) -> InspectionReport:
     layers = quantized_layers(checkpoint, declared)
     findings = [
         *file_findings(checkpoint),
+        *config_file_findings(checkpoint),
         *config_findings(checkpoint, declared, len(layers)),
         *layer_findings(checkpoint, declared),
         *kv_findings(checkpoint, declared),

@@ -14,7 +14,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from exportlm.inspection._declared import Declared, LayerScheme
-from exportlm.inspection._files import FLOAT_SCALE_DTYPES, Checkpoint, TensorInfo, safetensors_dtype
+from exportlm.inspection._files import FLOAT_SCALE_DTYPES, Checkpoint, safetensors_dtype
+from exportlm.inspection._header import TensorInfo
 from exportlm.inspection._rules import RULES, Finding
 from exportlm.quant.formats import FormatSpec, Leaf, formats, scale_leaf_names
 

@@ -8,10 +8,18 @@ follows the version the user has.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = ["SERVING_QUANT_METHODS", "loaders_knowing", "transformers_quant_methods"]
+__all__ = [
+    "MODELOPT_QUANT_ALGOS",
+    "SERVING_QUANT_METHODS",
+    "compressed_tensors_formats",
+    "loaders_knowing",
+    "modelopt_quant_algos",
+    "transformers_quant_methods",
+]
 
 #: ``quant_method`` values each serving engine dispatches on (a subset: the common ones).
 SERVING_QUANT_METHODS: Mapping[str, frozenset[str]] = MappingProxyType(
@@ -60,3 +68,44 @@ def loaders_knowing(method: str) -> tuple[list[str], list[str]]:
         label = f"transformers {version('transformers')}"
         (known if method in hf else unknown).append(label)
     return known, unknown
+
+
+#: ModelOpt ``quant_algo`` values the ModelOpt-layout loaders dispatch on: TensorRT-LLM
+#: ``tensorrt_llm/quantization/mode.py`` (``QuantAlgo``) and vLLM
+#: ``vllm/model_executor/layers/quantization/modelopt.py``; the registered formats' own
+#: values are added by :func:`modelopt_quant_algos`.
+MODELOPT_QUANT_ALGOS = frozenset(
+    {
+        "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "FP8_BLOCK_SCALES", "NVFP4",
+        "NVFP4_AWQ", "W4A16_NVFP4", "W4A8_NVFP4_FP8", "MXFP4", "W4A16_MXFP4", "W4A8_MXFP4_FP8",
+        "MXFP8", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W4A8_AWQ", "W8A16", "W8A16_GPTQ",
+        "W8A8_SQ_PER_CHANNEL", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "INT8", "NO_QUANT",
+        "MIXED_PRECISION",
+    }
+)  # fmt: skip
+#: compressed-tensors ``CompressionFormat`` values (0.20), used when it is not installed.
+_CT_FORMATS = frozenset(
+    {
+        "dense", "sparse-bitmask", "sparse-24-bitmask", "int-quantized", "float-quantized",
+        "naive-quantized", "pack-quantized", "marlin-24", "mixed-precision",
+        "nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp6-pack-quantized", "mxfp8-quantized",
+    }
+)  # fmt: skip
+
+
+def modelopt_quant_algos() -> frozenset[str]:
+    """Every ``quant_algo`` a ModelOpt-layout loader or a registered format knows."""
+    from exportlm.quant.formats import formats
+
+    own = {spec.modelopt.quant_algo for spec in formats() if spec.modelopt is not None}
+    return MODELOPT_QUANT_ALGOS | own
+
+
+@functools.cache
+def compressed_tensors_formats() -> frozenset[str]:
+    """The compressed-tensors ``format`` values (the installed package's, else 0.20's)."""
+    try:
+        from compressed_tensors.config import CompressionFormat
+    except ImportError:
+        return _CT_FORMATS
+    return _CT_FORMATS | {str(f.value) for f in CompressionFormat}

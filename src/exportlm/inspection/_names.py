@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from exportlm.errors import MalformedCheckpointError
+from exportlm.hfdir import read_json_object
 from exportlm.inspection._files import HF_QUANT_CONFIG, INDEX, read_json
+from exportlm.inspection._header import read_safetensors_header
 
 __all__ = [
     "ListedName",
@@ -69,12 +71,22 @@ class NameProblem:
 
 
 def saved_tensor_names(directory: Path) -> list[str]:
-    """Every tensor name of the checkpoint: the index's ``weight_map``, else the shards' headers."""
+    """Every tensor name of the checkpoint: the index's ``weight_map``, else the shards' headers.
+
+    Raises :class:`~exportlm.errors.MalformedCheckpointError` naming the file when the
+    index or a header is malformed.
+    """
     index = directory / INDEX
     if index.is_file():
-        return sorted(json.loads(index.read_text())["weight_map"])
-    from exportlm.inspection._files import read_safetensors_header
-
+        weight_map = read_json_object(index, what="safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise MalformedCheckpointError(
+                f"{index}: weight_map is {type(weight_map).__name__}, expected an object "
+                "{tensor name: shard file}",
+                path=index,
+                field="weight_map",
+            )
+        return sorted(weight_map)
     names: list[str] = []
     for file in sorted(directory.glob("*.safetensors")):
         names.extend(read_safetensors_header(file))
@@ -89,25 +101,32 @@ def listed_names(directory: Path) -> list[ListedName]:
 def listed_in(hf_quant_config: dict[str, Any], config: dict[str, Any]) -> list[ListedName]:
     """:func:`listed_names` of already-read ``hf_quant_config.json`` and ``config.json``."""
     listed: list[ListedName] = []
-    quantization = hf_quant_config.get("quantization") or {}
+    quantization = _object(hf_quant_config.get("quantization"))
     where = f"{HF_QUANT_CONFIG}: quantization"
     listed += _entries(quantization.get("exclude_modules"), f"{where}.exclude_modules", True)
     listed += _entries(quantization.get("quantized_layers"), f"{where}.quantized_layers", False)
-    section = config.get("quantization_config") or {}
+    section = _object(config.get("quantization_config"))
     where = "config.json: quantization_config"
     listed += _entries(section.get("ignore"), f"{where}.ignore", True)
     listed += _entries(section.get("exclude_modules"), f"{where}.exclude_modules", True)
     listed += _entries(section.get("quantized_layers"), f"{where}.quantized_layers", False)
-    for group_name, group in (section.get("config_groups") or {}).items():
+    for group_name, group in _object(section.get("config_groups")).items():
         group_targets = group.get("targets") if isinstance(group, dict) else None
+        if not isinstance(group_targets, list):
+            continue
         # module paths only: class names ("Linear") and regexes over classes are not names
-        modules = [t for t in group_targets or [] if isinstance(t, str) and _is_module_path(t)]
+        modules = [t for t in group_targets if isinstance(t, str) and _is_module_path(t)]
         listed += _entries(modules, f"{where}.config_groups.{group_name}.targets", False)
     if config.get("tie_word_embeddings"):
         # A tied lm_head saves no tensor of its own (its weight is the saved input
         # embedding); ModelOpt lists it as excluded all the same, so that entry is valid.
         listed = [i for i in listed if not (i.excluded and i.entry.split(".")[-1] == "lm_head")]
     return listed
+
+
+def _object(value: Any) -> dict[str, Any]:
+    """``value`` if it is a JSON object, else ``{}`` (a malformed section is its own finding)."""
+    return value if isinstance(value, dict) else {}
 
 
 def _entries(value: Any, where: str, excluded: bool) -> list[ListedName]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from exportlm.errors import MissingDependencyError
+from exportlm.inspection._files import escape_problem
 from exportlm.inspection._rules import RULES, Finding
 
 __all__ = ["QUANTIZED_ONNX_DTYPES", "onnx_findings"]
@@ -94,10 +95,18 @@ def _initializer(onnx: Any, init: Any, directory: Path) -> dict[str, Any]:
     if init.data_location == _EXTERNAL:
         meta = {item.key: item.value for item in init.external_data}
         entry["location"] = meta.get("location")
-        entry["offset"] = int(meta.get("offset", 0))
-        entry["length"] = int(meta["length"]) if "length" in meta else expected
+        entry["offset"] = _count(meta.get("offset", 0))
+        entry["length"] = _count(meta["length"]) if "length" in meta else expected
         entry["path"] = directory / str(meta.get("location", ""))
     return entry
+
+
+def _count(value: Any) -> int:
+    """An external-data offset or length; a malformed one counts as ``-1`` (never satisfiable)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return -1
 
 
 def _external(initializers: list[dict[str, Any]], path: Path) -> Iterator[Finding]:
@@ -105,6 +114,16 @@ def _external(initializers: list[dict[str, Any]], path: Path) -> Iterator[Findin
     sizes: dict[Path, int | None] = {}
     for init in initializers:
         if init["location"] is None:
+            continue
+        escape = escape_problem(path.parent, str(init["location"]), follow_links=False)
+        if escape is not None:
+            yield RULES["onnx-external-data-path"].finding(
+                init["name"],
+                f"initializer {init['name']} of {path.name} is stored in {escape}: onnxruntime "
+                "would read a file outside the model's directory. Keep external data next to "
+                "the .onnx file, named by a relative path",
+                location=init["location"],
+            )
             continue
         file: Path = init["path"]
         if file not in sizes:
@@ -118,7 +137,7 @@ def _external(initializers: list[dict[str, Any]], path: Path) -> Iterator[Findin
                 "external-data file along with the .onnx file",
                 location=init["location"],
             )
-        elif size < end:
+        elif size < end or min(init["offset"], init["length"]) < 0:
             yield rule.finding(
                 init["name"],
                 f"initializer {init['name']} needs bytes {init['offset']}..{end} of "

@@ -107,6 +107,40 @@ _TABLE: tuple[Rule, ...] = (
         "Every *.safetensors file has a valid header and holds all the bytes its header declares.",
     ),
     Rule(
+        "shard-dtype-unknown",
+        _E,
+        (_VLLM, _SGL, _TRT, _HF),
+        "Every tensor's dtype in a safetensors header is a safetensors dtype.",
+    ),
+    Rule(
+        "shard-tensor-malformed",
+        _E,
+        (_VLLM, _SGL, _TRT, _HF),
+        "Every header entry has a dtype, a shape of non-negative ints and two ordered "
+        "data_offsets spanning exactly dtype x shape bytes.",
+    ),
+    Rule(
+        "shard-byte-ranges",
+        _E,
+        (_VLLM, _SGL, _TRT, _HF),
+        "The tensors of a shard tile its data section: no shared bytes, no gap, nothing after "
+        "the last tensor.",
+    ),
+    Rule(
+        "index-unreadable",
+        _E,
+        (_VLLM, _HF),
+        "model.safetensors.index.json is a JSON object whose weight_map maps tensor names to "
+        "shard file names.",
+    ),
+    Rule(
+        "index-path-escapes",
+        _E,
+        (_VLLM, _HF),
+        "Every shard the index names is a relative path inside the checkpoint directory "
+        "(no absolute path, no '..').",
+    ),
+    Rule(
         "index-mismatch",
         _E,
         (_VLLM, _HF),
@@ -129,11 +163,38 @@ _TABLE: tuple[Rule, ...] = (
     ),
     # -- configs
     Rule(
+        "config-unreadable",
+        _E,
+        (*_SERVING, _HF),
+        "config.json exists and is a JSON object; hf_quant_config.json, where present, is one.",
+    ),
+    Rule(
+        "config-field-invalid",
+        _E,
+        (*_SERVING, _HF),
+        "config.json's fields have the types and values the architecture's config class "
+        "declares: architectures a list of class names, sizes positive ints.",
+    ),
+    Rule(
+        "custom-code",
+        _E,
+        (_HF, _VLLM),
+        "Loading the checkpoint runs no code of its own (no auto_map in its configs, no *.py "
+        "files); exportlm's loader refuses such a checkpoint.",
+    ),
+    Rule(
         "quant-method-unknown",
         _E,
         (*_SERVING, _HF),
         "config.json's quant_method is one a "
         "serving loader knows; loaders that do not know it are reported.",
+    ),
+    Rule(
+        "quant-algo-unknown",
+        _E,
+        (*_SERVING, _CT),
+        "Every ModelOpt quant_algo is one the ModelOpt loaders know, and every "
+        "compressed-tensors config group has quantization args and a known format.",
     ),
     Rule(
         "quant-method-loaders",
@@ -265,6 +326,14 @@ _TABLE: tuple[Rule, ...] = (
         ("onnxruntime",),
         "The default-domain opset is at least the one its "
         "initializers' dtypes need (19 for float8, 21 for int4).",
+        "onnx",
+    ),
+    Rule(
+        "onnx-external-data-path",
+        _E,
+        ("onnxruntime",),
+        "Every external-data location is a relative path inside the model's directory (no "
+        "absolute path, no '..', no link out of it).",
         "onnx",
     ),
     Rule(

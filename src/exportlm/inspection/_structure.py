@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from exportlm.errors import MalformedCheckpointError
+from exportlm.hfdir import custom_code_reasons
+from exportlm.inspection._config import config_field_problems, quant_config_problems
 from exportlm.inspection._declared import Declared
-from exportlm.inspection._files import INDEX, Checkpoint
+from exportlm.inspection._files import CONFIG, INDEX, Checkpoint
 from exportlm.inspection._loaders import loaders_knowing
 from exportlm.inspection._names import listed_in, name_problems
 from exportlm.inspection._rules import RULES, Finding
 
-__all__ = ["config_findings", "file_findings", "kv_findings"]
+__all__ = ["config_findings", "config_file_findings", "file_findings", "kv_findings"]
 
 #: Names of input embeddings a tied ``lm_head.weight`` duplicates.
 _EMBEDDINGS = (
@@ -26,9 +29,12 @@ _INTERNAL_SUFFIXES = ("_quantizer",)
 
 
 def file_findings(checkpoint: Checkpoint) -> Iterator[Finding]:
-    """``shard-unreadable``, ``index-mismatch``, ``tied-duplicate``, ``leaked-buffer``."""
-    for shard, reason in sorted(checkpoint.unreadable.items()):
-        yield RULES["shard-unreadable"].finding(shard, reason)
+    """``shard-*``, ``index-*``, ``tied-duplicate``, ``leaked-buffer``."""
+    for shard, problems in sorted(checkpoint.shard_problems.items()):
+        for problem in problems:
+            yield RULES[problem.rule].finding(
+                shard, problem.message, file=shard, tensor=problem.field
+            )
     yield from _index(checkpoint)
     yield from _tied(checkpoint)
     for name in sorted(checkpoint.tensors):
@@ -50,7 +56,18 @@ def _index(checkpoint: Checkpoint) -> Iterator[Finding]:
         if len(files) > 1:
             yield rule.finding(name, f"{name} is saved in {len(files)} shards ({', '.join(files)})")
     if checkpoint.index_problem:
-        yield rule.finding(INDEX, checkpoint.index_problem)
+        yield RULES["index-unreadable"].finding(
+            INDEX,
+            f"{checkpoint.index_problem}. Loaders find the shards through the index; rewrite it "
+            "from the shards' headers",
+        )
+    for name, why in sorted(checkpoint.index_escapes.items()):
+        yield RULES["index-path-escapes"].finding(
+            f"{INDEX}: {name}",
+            f"{INDEX} maps {name} to {why}: a loader would read a file outside the checkpoint "
+            "(any file the user can read). Shard names are plain file names in the directory",
+            tensor=name,
+        )
     index = checkpoint.index
     if index is None:
         if len(checkpoint.shards) > 1:
@@ -61,6 +78,8 @@ def _index(checkpoint: Checkpoint) -> Iterator[Finding]:
             )
         return
     for name, shard in sorted(index.items()):
+        if name in checkpoint.index_escapes:
+            continue
         held = checkpoint.locations.get(name)
         if held is None:
             missing = "" if shard in checkpoint.shards else f" (and {shard} does not exist)"
@@ -177,3 +196,28 @@ def kv_findings(checkpoint: Checkpoint, declared: Declared) -> Iterator[Finding]
             declared.source,
             f"{declared.source} declares KV-cache quantization but no k_scale / v_scale is saved",
         )
+
+
+def config_file_findings(checkpoint: Checkpoint) -> Iterator[Finding]:
+    """``config-unreadable``, ``config-field-invalid``, ``custom-code``, ``quant-algo-unknown``."""
+    for file, why in sorted(checkpoint.config_problems.items()):
+        yield RULES["config-unreadable"].finding(file, why)
+    if CONFIG not in checkpoint.config_problems:
+        for field, message in config_field_problems(checkpoint.config):
+            yield RULES["config-field-invalid"].finding(f"{CONFIG}: {field}", message, field=field)
+    try:
+        reasons = custom_code_reasons(checkpoint.directory, checkpoint.config)
+    except MalformedCheckpointError as err:  # a tokenizer / processor config that is not JSON
+        yield RULES["config-unreadable"].finding(str(err.path), str(err))
+        reasons = []
+    for reason in reasons:
+        yield RULES["custom-code"].finding(
+            reason.split(" ")[0],
+            f"{reason}: transformers would import and run the checkpoint's own code "
+            "(trust_remote_code), and exportlm's loader refuses it. Use an architecture "
+            "transformers ships, or load the model with code you have reviewed",
+        )
+    for rule, subject, message in quant_config_problems(
+        checkpoint.hf_quant_config, checkpoint.config
+    ):
+        yield RULES[rule].finding(subject, message)

@@ -11,9 +11,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
+from exportlm.errors import MalformedCheckpointError
 from exportlm.inspection._files import FLOAT_SCALE_DTYPES, Checkpoint
 from exportlm.inspection._layers import QuantizedLayer
 from exportlm.inspection._rules import RULES, Finding
@@ -33,14 +37,23 @@ def value_findings(checkpoint: Checkpoint, layers: list[QuantizedLayer]) -> Iter
     scales = sorted(
         name
         for name, info in checkpoint.tensors.items()
-        if "scale" in name.rpartition(".")[2] and info.dtype in _SCALE_DTYPES
+        if "scale" in name.rpartition(".")[2]
+        and info.dtype in _SCALE_DTYPES
+        and checkpoint.readable(name)
     )
     singles: dict[str, float] = {}
-    for name, tensor in checkpoint.iter_values(scales):
-        values = tensor.float()
-        yield from _value_problems(name, values)
-        if values.numel() == 1:
-            singles[name] = float(values.reshape(()))
+    try:
+        for name, tensor in checkpoint.iter_values(scales):
+            values = tensor.float()
+            file = checkpoint.tensors[name].file
+            for found in _value_problems(name, values):  # the file too: the tensor is in it
+                details = MappingProxyType({**found.details, "file": file})
+                yield replace(found, message=f"{found.message} (in {file})", details=details)
+            if values.numel() == 1:
+                singles[name] = float(values.reshape(()))
+    except MalformedCheckpointError as err:  # a header sound to us that safetensors refuses
+        yield RULES["shard-unreadable"].finding(Path(str(err.path)).name, str(err))
+        return
     yield from _moe_input_scales(singles)
     yield from _gate_up(layers, singles)
 

@@ -19,6 +19,11 @@ A quantized weight is stored in one of two layouts, both ModelOpt's:
 
 The leaf names (``weight``, ``weight_scale``, ``input_scale``, ``k_scale``...) and
 what each format stores under them come from the registered format specs.
+
+Every scale read here is checked first (:func:`check_scale`): a NaN or an
+infinity anywhere, a negative entry, or a per-tensor scale that is not positive
+raises :class:`~exportlm.errors.MalformedCheckpointError` naming the tensor, so a
+corrupted scale is refused instead of turning the logits into NaN.
 """
 
 from __future__ import annotations
@@ -29,16 +34,50 @@ from typing import Any, NamedTuple
 
 import torch
 
-from exportlm.errors import UnsupportedFormatError
+from exportlm.errors import MalformedCheckpointError, UnsupportedFormatError
 from exportlm.export.hf_checkpoint.formats import StoredFormats
 from exportlm.quant import dequantize
 from exportlm.quant.formats import FormatSpec, formats, scale_leaf_names
 
-__all__ = ["ActivationScale", "dequantize_state"]
+__all__ = ["ActivationScale", "check_scale", "dequantize_state"]
 
 #: The activation leaves whose meaning the format spec contract fixes.
 _INPUT_SCALE = "input_scale"  # a recipe that quantizes inputs writes it
 _PRE_QUANT_SCALE = "pre_quant_scale"  # an AWQ recipe writes it
+
+
+def check_scale(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as float32 if it is a usable scale, else :class:`MalformedCheckpointError`.
+
+    Usable: a float dtype, finite everywhere, no negative entry, and (a single value: a per-tensor
+    scale, which loaders divide by) positive. Per-row and per-block scales may hold
+    zeros (those rows dequantize to zero, as exported).
+    """
+    if not tensor.is_floating_point():
+        raise MalformedCheckpointError(
+            f"scale {name} is stored as {str(tensor.dtype).removeprefix('torch.')}, but scales "
+            "are floats; the header's dtype is wrong. Export the checkpoint again",
+            field=name,
+        )
+    values = tensor.float()
+    bad = int((~torch.isfinite(values)).sum())
+    if bad:
+        raise MalformedCheckpointError(
+            f"scale {name} holds {bad} NaN / infinite value(s) of {values.numel()}: every value "
+            "it scales would be NaN. The checkpoint is corrupted; export it again",
+            field=name,
+        )
+    single = values.numel() == 1
+    if int((values < 0).sum()) or (single and float(values.reshape(())) <= 0):
+        shown = (
+            f"{float(values.reshape(())):g}" if single else f"{int((values < 0).sum())} negatives"
+        )
+        raise MalformedCheckpointError(
+            f"scale {name} is {shown}: a scale is a positive magnitude (loaders divide by "
+            "per-tensor scales). The checkpoint is corrupted; export it again",
+            field=name,
+        )
+    return values
 
 
 class ActivationScale(NamedTuple):
@@ -137,14 +176,16 @@ def dequantize_state(
                     f"{input_scale}: the checkpoint stores a static input scale, but "
                     f"{slot.data} is in format {spec.name!r}, which quantizes no activations"
                 )
-            scales[input_scale] = ActivationScale(spec.format, tensors[input_scale].float(), block)
+            value = check_scale(input_scale, tensors[input_scale])
+            scales[input_scale] = ActivationScale(spec.format, value, block)
             used.add(input_scale)
     for name, tensor in tensors.items():
         if name in used:
             continue
         leaf = name.rpartition(".")[2]
         if leaf in leaves.kv_cache:
-            scales[name] = ActivationScale(declared.kv_cache_format(name).format, tensor.float())
+            value = check_scale(name, tensor)
+            scales[name] = ActivationScale(declared.kv_cache_format(name).format, value)
         elif _is_scale(leaf, leaves):
             raise UnsupportedFormatError(
                 f"{name} is a quantization scale, but the checkpoint stores no quantized "
@@ -181,6 +222,9 @@ def _dequantize(
         if (name := slot.name(leaf.name, leaves.data)) in tensors
     }
     names = [slot.name(leaf, leaves.data) for leaf in stored]
+    for leaf, name in zip(stored, names, strict=True):
+        if leaf != spec.data_leaf.name:
+            check_scale(name, stored[leaf])
     scale = stored.get(_scale_leaf(spec))
     if spec.granularity == "tensor" and scale is not None and scale.numel() > 1:
         weight, block = _dequantize_stacked(slot, spec, stored, scale), None
@@ -189,7 +233,7 @@ def _dequantize(
         weight, block = dequantize(q, torch.float32), q.block_size
     pre_quant_scale = slot.name(_PRE_QUANT_SCALE, leaves.data)
     if pre_quant_scale in tensors:  # AWQ: y = (x * s) @ W^T == x @ (W * s)^T
-        weight = weight * tensors[pre_quant_scale].float().reshape(1, -1)
+        weight = weight * check_scale(pre_quant_scale, tensors[pre_quant_scale]).reshape(1, -1)
         names.append(pre_quant_scale)
     return weight, block, names
 

@@ -13,21 +13,25 @@ re-applies static input / KV-cache quantization with the stored scales
 from __future__ import annotations
 
 import functools
-import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from exportlm.errors import InvalidInputError
+from exportlm.errors import ExportLMError, InvalidInputError, MalformedCheckpointError
 from exportlm.export._wrapper import extract_logits
-from exportlm.export.hf_checkpoint.dequantize import dequantize_state
+from exportlm.export.hf_checkpoint.dequantize import ActivationScale, dequantize_state
 from exportlm.export.hf_checkpoint.experts import SPLIT_EXPERT, fuse_split_experts
 from exportlm.export.hf_checkpoint.formats import StoredFormats
-from exportlm.export.hf_checkpoint.sink import INDEX_NAME, SINGLE_FILE_NAME
 from exportlm.export.hf_checkpoint.static import StaticQuantization
+from exportlm.export.hf_checkpoint.untrusted import (
+    StoredTensors,
+    check_layer_count,
+    check_shapes,
+    read_model_config,
+    read_stored_tensors,
+)
 from exportlm.export.runtime import TorchModuleRuntime, resolve_device
 
 __all__ = ["KVRoundtrip", "kv_cache_roundtrip", "load_hf_checkpoint"]
@@ -46,9 +50,21 @@ def load_hf_checkpoint(artifact: Path, *, device: str | torch.device = "cpu") ->
     (the vocabulary is ``config.json``'s ``vocab_size``) with
     :class:`~exportlm.errors.InvalidInputError`, as the other runtimes do.
 
+    The directory is untrusted input (:mod:`~exportlm.export.hf_checkpoint.untrusted`):
+    its configs, index and safetensors headers are validated, and its shards confined
+    to it, before transformers or safetensors read them; transformers is always called
+    with ``trust_remote_code=False``.
+
     Raises:
-        InvalidInputError: ``artifact`` is not a Hugging Face checkpoint directory,
-            or ``device`` is not a device.
+        MalformedCheckpointError: a config, the index, a header or a tensor is
+            malformed (missing, not JSON, a wrong field type or value, a shard outside
+            the directory, a NaN / infinite / non-positive scale, weights that do not
+            fit the model); the message names the file and the field or tensor.
+        CustomCodeRefusedError: loading would run the checkpoint's own code (``auto_map``,
+            ``*.py``).
+        NotRegularFileError: a file it reads is a FIFO, a device or a directory.
+        InvalidInputError: the architecture is not in this transformers, or ``device``
+            is not a device.
         RuntimeUnavailableError: ``device`` is CUDA and this machine has none.
         UnsupportedFormatError: the checkpoint declares (or stores) a quantization
             format no registered :class:`~exportlm.quant.formats.FormatSpec` has.
@@ -108,47 +124,31 @@ def kv_cache_roundtrip(
 
 def _rebuild_model(directory: Path, device: torch.device) -> Any:
     import transformers
-    from transformers.utils import logging as hf_logging
 
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise InvalidInputError(
-            f"{directory} is not a Hugging Face checkpoint: it has no config.json"
-        )
-    config = transformers.AutoConfig.from_pretrained(directory)
-    quant_config = getattr(config, "quantization_config", None)
-    if quant_config is not None:
+    read_model_config(directory)  # every config check, and no custom code, before transformers
+    config = _auto_config(transformers, directory)
+    if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # we dequantize ourselves; transformers must not
-    arch = (config.architectures or [None])[0]
-    model_cls = getattr(transformers, arch, None) if arch else None
-    if model_cls is None:
+    arch = config.architectures[0]
+    model_cls = getattr(transformers, arch, None)
+    if not (isinstance(model_cls, type) and issubclass(model_cls, transformers.PreTrainedModel)):
         raise InvalidInputError(
-            f"{config_path} names architecture {arch!r}, which this transformers "
+            f"{directory / 'config.json'} names architecture {arch!r}, which this transformers "
             f"({transformers.__version__}) does not have; install a version that does"
         )
-    tensors = dict(_read_checkpoint(directory))
-    weights, activation_scales = dequantize_state(tensors, StoredFormats.read(directory))
+    stored = read_stored_tensors(directory)
+    check_layer_count(config, stored)  # before any model is built: a huge count would hang
+    weights, activation_scales = _dequantized(directory, stored)
+    with torch.device("meta"):  # an empty model: the parameters' paths and shapes only
+        skeleton = model_cls(config)
     if not _has_conversion_table(config) and any(SPLIT_EXPERT.match(n) for n in weights):
         # transformers merges split experts only through a conversion table: without
-        # one, stack them into the experts' own layout, read off an empty (meta) model
-        with torch.device("meta"):
-            skeleton = model_cls(config)
+        # one, stack them into the experts' own layout, read off the empty model
         weights = fuse_split_experts(weights, skeleton)
-    progress = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a runtime load is not a download: no bar per call
-    try:
-        model = model_cls.from_pretrained(
-            None,
-            config=config,
-            state_dict=weights,
-            dtype=config.dtype or torch.float32,
-            attn_implementation="eager",
-        )
-    finally:
-        if progress:
-            hf_logging.enable_progress_bar()
+    check_shapes(skeleton, weights, stored)
+    model = _from_state_dict(model_cls, config, weights, directory)
     model.eval()
-    StaticQuantization(model, activation_scales, set(tensors)).apply(model)
+    StaticQuantization(model, activation_scales, set(stored.tensors)).apply(model)
     # Moved after the static scales are loaded: they are buffers of the quantizers, so
     # they land on ``device`` with the weights. A scale left on the CPU would still
     # work on CUDA, but as a CPU scalar, which CUDA divides by through its reciprocal:
@@ -156,20 +156,98 @@ def _rebuild_model(directory: Path, device: torch.device) -> Any:
     return model.to(device)
 
 
-def _read_checkpoint(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+def _auto_config(transformers: Any, directory: Path) -> Any:
+    """transformers' config of ``directory`` (already validated), never running its code."""
+    try:
+        return transformers.AutoConfig.from_pretrained(directory, trust_remote_code=False)
+    except Exception as err:  # any failure to parse a validated dict is the file's defect
+        if isinstance(err, ExportLMError):
+            raise
+        path = directory / "config.json"
+        raise MalformedCheckpointError(
+            f"{path}: transformers cannot build a config from it ({type(err).__name__}: {err}); "
+            "fix the file or export the model again",
+            path=path,
+        ) from err
 
-    index = directory / INDEX_NAME
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / SINGLE_FILE_NAME).is_file():
-        files = [SINGLE_FILE_NAME]
-    else:
-        raise InvalidInputError(f"{directory} holds neither {SINGLE_FILE_NAME} nor {INDEX_NAME}")
-    for file in files:
-        with safe_open(str(directory / file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield key, f.get_tensor(key)
+
+def _dequantized(
+    directory: Path, stored: StoredTensors
+) -> tuple[dict[str, torch.Tensor], dict[str, ActivationScale]]:
+    """The float weights and static scales, every defect an exportlm error naming the file."""
+    try:
+        declared = StoredFormats.read(directory)
+    except (ValueError, TypeError, AttributeError, KeyError) as err:
+        if isinstance(err, ExportLMError):
+            raise
+        raise MalformedCheckpointError(
+            f"{directory}: the quantization configs cannot be read ({type(err).__name__}: {err})",
+            path=directory,
+        ) from err
+    try:
+        weights, scales = dequantize_state(stored.tensors, declared)
+    except MalformedCheckpointError as err:
+        file = err.path or stored.file_of(err.field)
+        raise MalformedCheckpointError(f"{file}: {err}", path=file, field=err.field) from err
+    except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        if isinstance(err, ExportLMError):
+            raise
+        raise MalformedCheckpointError(
+            f"{directory}: the stored codes and scales do not fit together "
+            f"({type(err).__name__}: {err}); the checkpoint is corrupted",
+            path=directory,
+        ) from err
+    for name, tensor in weights.items():
+        if not (tensor.is_floating_point() or name in scales):
+            file = stored.file_of(name)
+            raise MalformedCheckpointError(
+                f"{file}: tensor {name} is stored as {str(tensor.dtype).removeprefix('torch.')}, "
+                "but it is neither quantized codes (no scale beside it) nor a float weight; "
+                "the header's dtype is wrong",
+                path=file,
+                field=name,
+            )
+    return weights, scales
+
+
+def _from_state_dict(
+    model_cls: Any, config: Any, weights: dict[str, torch.Tensor], directory: Path
+) -> Any:
+    """``model_cls`` built from ``weights``; a missing, unexpected or misshapen weight is refused."""
+    from transformers.utils import logging as hf_logging
+
+    progress = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a runtime load is not a download: no bar per call
+    try:
+        model, info = model_cls.from_pretrained(
+            None,
+            config=config,
+            state_dict=weights,
+            dtype=config.dtype or torch.float32,
+            attn_implementation="eager",
+            trust_remote_code=False,
+            output_loading_info=True,
+        )
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as err:
+        raise MalformedCheckpointError(
+            f"{directory}: the weights do not fit {model_cls.__name__} as config.json describes "
+            f"it ({type(err).__name__}: {err}); the checkpoint is corrupted",
+            path=directory,
+        ) from err
+    finally:
+        if progress:
+            hf_logging.enable_progress_bar()
+    wrong = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
+    if wrong:
+        kind, names = next(iter(wrong.items()))
+        raise MalformedCheckpointError(
+            f"{directory}: {kind.replace('_', ' ')} {', '.join(map(str, names[:5]))}: the saved "
+            f"tensors are not the weights of {model_cls.__name__} as config.json describes it; "
+            "the checkpoint is corrupted or incomplete",
+            path=directory,
+            field=str(names[0]),
+        )
+    return model
 
 
 def _has_conversion_table(config: Any) -> bool:

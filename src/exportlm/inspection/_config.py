@@ -1,0 +1,257 @@
+"""``config.json`` and the quantization configs, held to what their loaders accept.
+
+:func:`config_field_problems` checks a model config's field types and values:
+``architectures`` a list of class names, ``model_type`` a string, the common size
+fields positive ints, and every field the architecture's transformers config
+class annotates (``LlamaConfig.hidden_size: int``...) of its annotated type. The
+class is looked up in transformers' own ``CONFIG_MAPPING`` by ``model_type``: no
+code of the checkpoint runs, and without transformers the generic rules still do.
+
+:func:`quant_config_problems` checks ``quant_algo`` (ModelOpt) and the
+compressed-tensors ``config_groups`` against the values their loaders know.
+
+Both return plain ``(field, message)`` / ``(rule, subject, message)`` tuples, so
+the ``hf_checkpoint`` loader raises the same verdicts the inspector reports.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from exportlm.inspection._loaders import compressed_tensors_formats, modelopt_quant_algos
+
+__all__ = ["SIZE_FIELDS", "config_field_problems", "quant_config_problems"]
+
+#: Size fields every loader divides or allocates by: a positive int where present.
+SIZE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "n_routed_experts", "n_layer", "n_head", "n_embd",
+)  # fmt: skip
+_CONFIG = "config.json"
+_HF_QUANT = "hf_quant_config.json"
+_CT_TYPES = ("int", "float")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@functools.cache
+def _annotations(model_type: str) -> Mapping[str, Any]:
+    """The field annotations of transformers' config class for ``model_type`` (``{}``: unknown)."""
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[model_type]
+    except (ImportError, KeyError, ValueError):
+        return {}
+    hints: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        for annotated in (klass, vars(klass).get("__init__")):  # fields, then keyword arguments
+            if annotated is None:
+                continue
+            try:  # transformers annotates with names it imports lazily (torch.dtype)
+                found = typing.get_type_hints(annotated, localns={"torch": torch})
+            except Exception:  # an annotation transformers cannot resolve stays unchecked
+                raw = vars(annotated).get("__annotations__", {}) if annotated is klass else {}
+                found = {k: v for k, v in raw.items() if not isinstance(v, str)}
+            hints.update({k: v for k, v in found.items() if k not in ("return", "kwargs")})
+    return hints
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """``value`` (parsed JSON) is of type ``hint``.
+
+    JSON holds a class other than its own types (``torch.dtype`` aside, which is
+    also annotated ``str``) as an object; an Enum as one of its values; a hint
+    this function does not know (a ``TypeVar``, ``Callable``) is not checked.
+    """
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in typing.get_args(hint))
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list or hint is list:
+        args = typing.get_args(hint)
+        return isinstance(value, list) and (not args or all(_conforms(v, args[0]) for v in value))
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return value in {member.value for member in hint}
+    if isinstance(hint, type):  # torch.dtype, a TypedDict, a sub-config: JSON holds them as objects
+        return isinstance(value, dict)
+    return True
+
+
+def config_field_problems(config: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(field, message)`` of every invalid field of the model config ``config``."""
+    problems: list[tuple[str, str]] = []
+    arch = config.get("architectures")
+    if not (isinstance(arch, list) and arch and all(isinstance(a, str) and a for a in arch)):
+        problems.append(
+            (
+                "architectures",
+                f"{_CONFIG}: architectures is {arch!r}, expected a non-empty list of model class "
+                'names (["LlamaForCausalLM"]): loaders pick the model class from it',
+            )
+        )
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        problems.append(
+            (
+                "model_type",
+                f'{_CONFIG}: model_type is {model_type!r}, expected a string ("llama"): '
+                "transformers' AutoConfig picks the config class from it",
+            )
+        )
+    for name in SIZE_FIELDS:
+        value = config.get(name)
+        if value is not None and not _positive_int(value):
+            problems.append(
+                (
+                    name,
+                    f"{_CONFIG}: {name} is {value!r}, expected a positive int: loaders size "
+                    "the model's tensors by it",
+                )
+            )
+    flagged = {field for field, _ in problems}
+    hints = _annotations(model_type) if isinstance(model_type, str) else {}
+    for name, hint in sorted(hints.items()):
+        if name in config and name not in flagged and not _conforms(config[name], hint):
+            shown = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+            problems.append(
+                (
+                    name,
+                    f"{_CONFIG}: {name} is {config[name]!r}, but transformers' config class for "
+                    f"model_type {model_type!r} declares it {shown}",
+                )
+            )
+    return problems
+
+
+def _algo_problem(algo: Any, where: str, subject: str) -> tuple[str, str, str] | None:
+    known = modelopt_quant_algos()
+    if algo is None or (isinstance(algo, str) and algo in known):
+        return None
+    return (
+        "quant-algo-unknown",
+        subject,
+        f"{where} quant_algo is {algo!r}, which no ModelOpt loader knows (one of "
+        f"{', '.join(sorted(known))}): vLLM and TensorRT-LLM refuse the checkpoint. Export "
+        "with a registered format",
+    )
+
+
+def _modelopt_problems(section: Mapping[str, Any], where: str, subject: str) -> list[Any]:
+    found = [_algo_problem(section.get("quant_algo"), where, subject)]
+    layers = section.get("quantized_layers")
+    if isinstance(layers, dict):
+        for layer, cfg in sorted(layers.items()):
+            algo = cfg.get("quant_algo") if isinstance(cfg, dict) else cfg
+            found.append(_algo_problem(algo, f"{where} quantized_layers[{layer!r}]", subject))
+    elif layers is not None:
+        found.append(
+            (
+                "quant-algo-unknown",
+                subject,
+                f"{where} quantized_layers is {type(layers).__name__}, expected an object "
+                "{layer: {quant_algo}}",
+            )
+        )
+    return [p for p in found if p is not None]
+
+
+def _ct_problems(section: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    where = f"{_CONFIG} quantization_config"
+    groups = section.get("config_groups")
+    if not isinstance(groups, dict):
+        return [
+            (
+                "quant-algo-unknown",
+                _CONFIG,
+                f"{where}: config_groups is {groups!r}, expected an object {{group: scheme}}",
+            )
+        ]
+    known = compressed_tensors_formats()
+    problems: list[tuple[str, str, str]] = []
+    for name, group in sorted(groups.items()):
+        weights = group.get("weights") if isinstance(group, dict) else None
+        fmt = (group.get("format") if isinstance(group, dict) else None) or section.get("format")
+        why = None
+        if not isinstance(weights, dict):
+            why = f"weights is {weights!r}, expected quantization args"
+        elif not _positive_int(weights.get("num_bits")) or weights.get("type") not in _CT_TYPES:
+            why = (
+                f"weights num_bits={weights.get('num_bits')!r} type={weights.get('type')!r}, "
+                "expected a positive num_bits and type 'int' or 'float'"
+            )
+        elif fmt is not None and fmt not in known:
+            why = f"format {fmt!r} is no compressed-tensors format ({', '.join(sorted(known))})"
+        if why:
+            problems.append(
+                (
+                    "quant-algo-unknown",
+                    _CONFIG,
+                    f"{where}.config_groups[{name!r}]: {why}; compressed-tensors cannot "
+                    "decompress the layers",
+                )
+            )
+    return problems
+
+
+def quant_config_problems(
+    hf_quant_config: Mapping[str, Any], config: Mapping[str, Any]
+) -> list[tuple[str, str, str]]:
+    """``(rule, subject, message)`` of every unknown ``quant_algo`` or compressed-tensors scheme."""
+    problems: list[tuple[str, str, str]] = []
+    if hf_quant_config:
+        section = hf_quant_config.get("quantization")
+        if isinstance(section, dict):
+            problems += _modelopt_problems(section, f"{_HF_QUANT} quantization", _HF_QUANT)
+        else:
+            problems.append(
+                (
+                    "quant-algo-unknown",
+                    _HF_QUANT,
+                    f"{_HF_QUANT}: quantization is {section!r}, expected an object with quant_algo",
+                )
+            )
+    section = config.get("quantization_config")
+    if section is None:
+        return problems
+    if not isinstance(section, dict) or not isinstance(section.get("quant_method"), str):
+        method = section.get("quant_method") if isinstance(section, dict) else section
+        problems.append(
+            (
+                "config-field-invalid",
+                _CONFIG,
+                f"{_CONFIG}: quantization_config must be an object with a quant_method string; "
+                f"got {method!r}",
+            )
+        )
+    elif section["quant_method"] == "modelopt":
+        problems += _modelopt_problems(section, f"{_CONFIG} quantization_config", _CONFIG)
+    elif section["quant_method"] == "compressed-tensors":
+        problems += _ct_problems(section)
+    return problems
