@@ -118,12 +118,14 @@ $(WHEEL_STAMP): pyproject.toml constraints-cpu.txt | wheel
 	@touch $(WHEEL_STAMP)
 
 # From an empty directory, so nothing of the checkout can be imported; no PYTHONPATH.
+# On a failure that directory is kept (a golden's .obtained file is written there).
 # .ci/wheel_contents.py prints where exportlm was imported from and fails unless it
 # is the wheel's copy in .venv-wheel carrying every golden `git ls-files` lists.
 test-wheel: wheel $(WHEEL_STAMP)
 	$(WHEEL_PIP) install --quiet --force-reinstall --no-deps $(WHEEL_DIR)/exportlm-*.whl
-	@set -e; root=$(CURDIR); python=$$root/$(WHEEL_BIN)/python; \
-	tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; cd "$$tmp"; \
+	@set -e; root="$(CURDIR)"; python="$(abspath $(WHEEL_BIN))/python"; \
+	tmp=$$(mktemp -d); cd "$$tmp"; \
+	trap 'if [ $$? -eq 0 ]; then rm -rf "$$tmp"; else echo "test-wheel: kept $$tmp"; fi' EXIT; \
 	git -C "$$root" ls-files goldens | env -u PYTHONPATH "$$python" "$$root/.ci/wheel_contents.py"; \
 	set -x; env -u PYTHONPATH "$$python" -m pytest -p no:cacheprovider -n $(JOBS) \
 		--export-targets=all $(CONFORMANCE_SEED) --export-report="$$root/conformance-wheel.json"
