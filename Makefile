@@ -5,6 +5,10 @@
 #
 # `make test-lowest` does the same in .venv-lowest with every direct dependency
 # at the lower bound pyproject.toml declares (see .ci/lowest_constraints.py).
+#
+# `make test-wheel` checks what users install: it builds the wheel, installs it
+# (not editable, with the `pytest` extra) into .venv-wheel and runs
+# `pytest --export-targets=all` from an empty directory against it.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -37,7 +41,17 @@ LOWEST_TESTS ?= tests/test_registry.py tests/test_models.py tests/test_quant.py 
 	tests/test_plugin_reporting.py tests/test_plugin_config.py tests/test_api.py \
 	tests/test_fixtures.py
 
-.PHONY: install test test-lowest lint conformance bench clean
+# The wheel: built into WHEEL_DIR by .venv-wheel's own setuptools (no editable
+# install involved), its dependencies installed once per pyproject.toml change, the
+# freshly built wheel itself reinstalled on every run.
+WHEEL_VENV  ?= .venv-wheel
+WHEEL_BIN   := $(WHEEL_VENV)/bin
+WHEEL_PIP   := $(WHEEL_BIN)/python -m pip
+WHEEL_DIR   ?= build/wheel
+WHEEL_TOOLS := $(WHEEL_VENV)/.exportlm-build-tools
+WHEEL_STAMP := $(WHEEL_VENV)/.exportlm-deps-installed
+
+.PHONY: install test test-lowest lint conformance wheel test-wheel bench clean
 
 # Let the venv keep compiled bytecode even where the environment disables it:
 # every pytest process (one per xdist worker) would otherwise recompile torch's,
@@ -88,8 +102,37 @@ test-lowest: $(LOWEST_STAMP)
 		'^(torch|transformers|safetensors|numpy|onnx|onnxruntime|onnxscript|pytest|pytest-xdist|hypothesis)=='
 	$(LOWEST_BIN)/python -m pytest -n $(JOBS) --dist loadgroup -p no:cacheprovider $(LOWEST_TESTS)
 
+# The build requirements of pyproject.toml's [build-system], for --no-build-isolation.
+$(WHEEL_TOOLS): pyproject.toml
+	@test -x $(WHEEL_BIN)/python || $(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_PIP) install --quiet --upgrade '$(PIP_VERSION)' 'setuptools>=77' wheel
+	@touch $(WHEEL_TOOLS)
+
+# A clean build: setuptools' build/lib would carry a deleted module into the wheel.
+wheel: $(WHEEL_TOOLS)
+	rm -rf build/lib build/bdist.* $(WHEEL_DIR)
+	$(WHEEL_PIP) wheel --quiet --no-deps --no-build-isolation . -w $(WHEEL_DIR)
+
+$(WHEEL_STAMP): pyproject.toml constraints-cpu.txt | wheel
+	$(WHEEL_PIP) install --quiet -c constraints-cpu.txt "$$(ls $(WHEEL_DIR)/exportlm-*.whl)[pytest]"
+	@touch $(WHEEL_STAMP)
+
+# From an empty directory, so nothing of the checkout can be imported; no PYTHONPATH.
+# On a failure that directory is kept (a golden's .obtained file is written there).
+# .ci/wheel_contents.py prints where exportlm was imported from and fails unless it
+# is the wheel's copy in .venv-wheel carrying every golden `git ls-files` lists.
+test-wheel: wheel $(WHEEL_STAMP)
+	$(WHEEL_PIP) install --quiet --force-reinstall --no-deps $(WHEEL_DIR)/exportlm-*.whl
+	@set -e; root="$(CURDIR)"; python="$(abspath $(WHEEL_BIN))/python"; \
+	tmp=$$(mktemp -d); cd "$$tmp"; \
+	trap 'if [ $$? -eq 0 ]; then rm -rf "$$tmp"; else echo "test-wheel: kept $$tmp"; fi' EXIT; \
+	git -C "$$root" ls-files goldens | env -u PYTHONPATH "$$python" "$$root/.ci/wheel_contents.py"; \
+	set -x; env -u PYTHONPATH "$$python" -m pytest -p no:cacheprovider -n $(JOBS) \
+		--export-targets=all $(CONFORMANCE_SEED) --export-report="$$root/conformance-wheel.json"
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_export_overhead.py
 
 clean:
-	rm -rf $(VENV) $(LOWEST_VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json
+	rm -rf $(VENV) $(LOWEST_VENV) $(WHEEL_VENV) build .pytest_cache .mypy_cache .ruff_cache \
+		conformance-report.json conformance-wheel.json

@@ -15,7 +15,10 @@ accepted too::
     pytest "exportcheck::roundtrip_logits[onnx-llama-cpu]"  # one item
     pytest "exportcheck::roundtrip_logits::roundtrip_logits[onnx-llama-cpu]"
 
-A file or directory named ``exportcheck`` in the invocation directory wins over
+Run from a directory below the rootdir, pytest prints node ids relative to it
+(``../exportcheck::trust::trust[onnx-cpu]``, as it would a test file's): those are
+accepted too, so the id on a FAILED line reruns from the directory it was printed
+in. A file or directory named ``exportcheck`` where the argument points wins over
 these: such an argument is left to pytest. Imports only pytest.
 """
 
@@ -35,6 +38,8 @@ ROOT = "exportcheck"
 _SEP = "::"
 _CHECK = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _ITEM = re.compile(r"(?P<check>[A-Za-z_][A-Za-z0-9_]*)\[(?P<params>[^\[\]\s]+)\]\Z")
+#: ``exportcheck`` as pytest prints it from a directory ``n`` levels below the rootdir.
+_ROOT_PATH = re.compile(r"(?:\.\.[/\\])*" + ROOT + r"[/\\]?\Z")
 
 
 def check_nodeid(check: str) -> str:
@@ -51,10 +56,11 @@ def item_id_of(text: str) -> str | None:
     """The item id (``check[params]``) a suite node id names, or ``None`` if it names none.
 
     Accepts ``exportcheck::<check>::<check>[<params>]`` and the short form
-    ``exportcheck::<check>[<params>]``.
+    ``exportcheck::<check>[<params>]``, also as printed from below the rootdir
+    (``../exportcheck::...``).
     """
     parts = text.split(_SEP)
-    if parts[0] != ROOT or len(parts) not in (2, 3):
+    if not _ROOT_PATH.match(parts[0]) or len(parts) not in (2, 3):
         return None
     match = _ITEM.match(parts[-1])
     if match is None or (len(parts) == 3 and parts[1] != match["check"]):
@@ -84,14 +90,22 @@ class SuiteArgs:
         return frozenset(item for item, _ in self.items)
 
 
-def _is_suite_arg(arg: str, invocation_dir: Path) -> bool:
-    path = arg.split(_SEP, 1)[0].rstrip("/")
-    if path != ROOT:
-        return False
+def _suite_arg(arg: str, invocation_dir: Path) -> str | None:
+    """``arg`` with its path part written ``exportcheck``, or ``None`` if it is no suite id.
+
+    The path part is ``exportcheck``, or ``../exportcheck`` and so on (pytest's
+    rendering of a node id relative to an invocation directory below the rootdir);
+    a file or directory at that path makes it pytest's argument instead.
+    """
+    path, sep, rest = arg.partition(_SEP)
+    if not _ROOT_PATH.match(path):
+        return None
     try:
-        return not (invocation_dir / path).exists()
+        if (invocation_dir / path).exists():
+            return None
     except OSError:  # pragma: no cover - an unreadable directory: leave the argument to pytest
-        return False
+        return None
+    return (ROOT + sep + rest).rstrip("/")
 
 
 def split_suite_args(args: Iterable[str], invocation_dir: Path) -> tuple[SuiteArgs, list[str]]:
@@ -101,15 +115,16 @@ def split_suite_args(args: Iterable[str], invocation_dir: Path) -> tuple[SuiteAr
     items: list[tuple[str, str]] = []
     rest: list[str] = []
     for arg in args:
-        if not _is_suite_arg(arg, invocation_dir):
+        suite_arg = _suite_arg(arg, invocation_dir)
+        if suite_arg is None:
             rest.append(arg)
             continue
-        parts = arg.rstrip("/").split(_SEP)
+        parts = suite_arg.split(_SEP)
         if len(parts) == 1:
             whole = True
         elif len(parts) == 2 and _CHECK.match(parts[1]):
             checks.add(parts[1])
-        elif (item := item_id_of(arg)) is not None:
+        elif (item := item_id_of(suite_arg)) is not None:
             items.append((item, arg))
         else:
             raise pytest.UsageError(

@@ -94,8 +94,12 @@ def dynamic_shapes(case: TargetCase) -> CheckResult:
     return CheckResult.passed("; ".join(passed), shapes=[list(s) for s in DYNAMIC_SHAPES])
 
 
-class _CacheByDefault(nn.Module):
-    """A decoder whose plain call returns ``(logits, kv_cache)``: ``use_cache`` defaults to True."""
+class CacheByDefaultDecoder(nn.Module):
+    """A decoder whose plain call returns ``(logits, kv_cache)``: ``use_cache`` defaults to True.
+
+    Not underscored: a target's ``accepts`` may name the model's class, and that
+    reason reaches the user as ``cache_wrapper``'s skip reason.
+    """
 
     def __init__(self, decoder: DecoderModel) -> None:
         super().__init__()
@@ -126,11 +130,12 @@ def cache_wrapper(case: TargetCase) -> CheckResult:
     require_device(case, info)
     decoder = DecoderModel()
     seeded_init_(decoder, case.seed)
-    model = _CacheByDefault(decoder).eval().to(case.device)
+    model = CacheByDefaultDecoder(decoder).eval().to(case.device)
     reason = accepts_reason(case.target, model)
     if reason:
         return CheckResult.skipped(
-            f"target {case.target_id!r} does not take a plain decoder: {reason}"
+            f"target {case.target_id!r} does not take a plain torch decoder "
+            f"(this check's model returns (logits, kv_cache)): {reason}"
         )
     with torch.no_grad():
         raw = model(input_ids_for(model, 1, 2, seed=0, device=case.device))

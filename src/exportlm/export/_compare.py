@@ -6,7 +6,8 @@ every conformance check, so a number means the same thing wherever it is printed
 The comparison is ``|actual - expected| <= atol + rtol * |expected|`` elementwise
 (the convention of :class:`exportlm.export.TargetInfo` and ``torch.isclose``),
 computed in float64 on the host so the numbers in a message do not depend on the
-device or dtype of the logits.
+device or dtype of the logits. A failure's message names both sides' dtype and shape
+when they differ (a runtime that returns float16 logits says so).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LogitsComparison", "compare_logits", "to_numpy"]
+__all__ = ["LogitsComparison", "compare_logits", "dtype_name", "to_numpy"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class LogitsComparison:
         numel: number of compared elements.
         nonfinite: number of positions where either side is NaN or inf.
         actual_shape, expected_shape: the shapes compared.
+        actual_dtype, expected_dtype: the dtypes as given (``"float16"``,
+            ``"bfloat16"``), before the float64 copy the numbers are computed on.
     """
 
     max_abs: float
@@ -45,19 +48,35 @@ class LogitsComparison:
     nonfinite: int
     actual_shape: tuple[int, ...]
     expected_shape: tuple[int, ...]
+    actual_dtype: str = "float64"
+    expected_dtype: str = "float64"
 
     @property
     def shape_mismatch(self) -> bool:
         """True when the two sides do not have the same shape (nothing else was compared)."""
         return self.actual_shape != self.expected_shape
 
+    @property
+    def dtype_mismatch(self) -> bool:
+        """True when the two sides came with different dtypes (compared in float64 anyway)."""
+        return self.actual_dtype != self.expected_dtype
+
     def summary(self) -> str:
-        """One line for a failure message: the numbers and the tolerance."""
+        """One line for a failure message: the numbers and the tolerance.
+
+        When dtypes or shapes differ, it ends with both sides' dtype and shape.
+        """
+        sides = (
+            f"; got {self.actual_dtype} {list(self.actual_shape)}, expected "
+            f"{self.expected_dtype} {list(self.expected_shape)}"
+            if self.dtype_mismatch
+            else ""
+        )
         if self.shape_mismatch:
             return (
                 f"shape {list(self.actual_shape)} does not match the expected "
                 f"{list(self.expected_shape)}"
-            )
+            ) + sides
         text = (
             f"max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}, "
             f"{self.mismatch_pct:.3g}% of {self.numel} elements beyond "
@@ -65,7 +84,7 @@ class LogitsComparison:
         )
         if self.nonfinite:
             text += f"; {self.nonfinite} NaN/inf value(s)"
-        return text
+        return text + sides
 
     def details(self) -> dict[str, Any]:
         """A JSON-friendly dict for ``CheckResult.details`` and the report."""
@@ -73,6 +92,14 @@ class LogitsComparison:
         data["actual_shape"] = list(self.actual_shape)
         data["expected_shape"] = list(self.expected_shape)
         return data
+
+
+def dtype_name(value: Any) -> str:
+    """``"float16"`` for a torch tensor or numpy array of that dtype (numpy's name otherwise)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return str(np.asarray(value).dtype)
+    return str(dtype).removeprefix("torch.")
 
 
 def to_numpy(value: Any) -> np.ndarray:
@@ -98,14 +125,17 @@ def compare_logits(actual: Any, expected: Any, atol: float, rtol: float) -> Logi
     is a mismatch at that element (never "equal because both are NaN"). A shape
     mismatch fails with every number set to ``inf``.
     """
+    dtypes = {"actual_dtype": dtype_name(actual), "expected_dtype": dtype_name(expected)}
     a = to_numpy(actual)
     e = to_numpy(expected)
     if a.shape != e.shape:
         inf = float("inf")
-        return LogitsComparison(inf, inf, 100.0, False, atol, rtol, 0, 0, a.shape, e.shape)
+        return LogitsComparison(
+            inf, inf, 100.0, False, atol, rtol, 0, 0, a.shape, e.shape, **dtypes
+        )
     numel = int(e.size)
     if numel == 0:
-        return LogitsComparison(0.0, 0.0, 0.0, True, atol, rtol, 0, 0, a.shape, e.shape)
+        return LogitsComparison(0.0, 0.0, 0.0, True, atol, rtol, 0, 0, a.shape, e.shape, **dtypes)
     finite = np.isfinite(a) & np.isfinite(e)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         diff = np.where(finite, np.abs(a - e), np.inf)
@@ -124,4 +154,5 @@ def compare_logits(actual: Any, expected: Any, atol: float, rtol: float) -> Logi
         nonfinite=int((~finite).sum()),
         actual_shape=tuple(a.shape),
         expected_shape=tuple(e.shape),
+        **dtypes,
     )
