@@ -22,7 +22,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import exportlm
-from exportlm.errors import CustomCodeRefusedError, ExportLMError, MalformedCheckpointError
+from exportlm.errors import (
+    CustomCodeRefusedError,
+    ExportLMError,
+    MalformedCheckpointError,
+    UnknownQuantAlgoError,
+)
 from exportlm.models import build_model
 from exportlm.quant import quantize
 
@@ -250,6 +255,7 @@ CASES: dict[str, Case] = {
         ),
         "quant-algo-unknown",
         "config.json",
+        UnknownQuantAlgoError,
     ),
     "hf-quant-config-garbage": Case(
         "single",

@@ -167,9 +167,15 @@ def test_runtime_unknown_kwarg_and_missing_file(traced: Path, tmp_path: Path) ->
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("target", ["torchscript", "torch_export"])
-def test_cuda_runtime_without_cuda_says_so(traced: Path, target: str) -> None:
+def test_cuda_runtime_without_cuda_says_so(traced: Path, target: str, tmp_path: Path) -> None:
+    # each runtime gets its own target's artifact: a manifest vouches for one target only
+    artifact = (
+        traced
+        if target == "torchscript"
+        else exportlm.export_model(target, build_model("decoder"), tmp_path / "d.pt2")
+    )
     with pytest.raises(RuntimeError, match="CUDA is not available"):
-        exportlm.load_exported(target, traced, device="cuda")
+        exportlm.load_exported(target, artifact, device="cuda")
 
 
 def test_export_prints_nothing_and_logs_one_line(

@@ -28,6 +28,7 @@ __all__ = [
     "TiedWeightsError",
     "UnclaimedModuleError",
     "UnknownNameError",
+    "UnknownQuantAlgoError",
     "UnknownOptionError",
     "UnsupportedDtypeError",
     "UnsupportedFormatError",
@@ -262,3 +263,10 @@ class MissingDependencyError(ExportLMError, ImportError):
             f"Install it with: pip install 'exportlm[{extra}]'",
             name=self.modules[0] if self.modules else None,
         )
+
+
+class UnknownQuantAlgoError(MalformedCheckpointError, UnsupportedFormatError):
+    """A checkpoint declares a ``quant_algo`` (or scheme) that no registered format and no
+    known loader has: the checkpoint is malformed for this exportlm, and the format is
+    unsupported until one is registered (``exportlm.quant.formats.register_format``).
+    """

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from exportlm.errors import MalformedCheckpointError
+from exportlm.errors import MalformedCheckpointError, UnknownQuantAlgoError
 from exportlm.export.hf_checkpoint.configs import HF_QUANT_CONFIG_NAME
 from exportlm.export.hf_checkpoint.sink import INDEX_NAME, SINGLE_FILE_NAME
 from exportlm.hfdir import CONFIG_NAME, read_config, read_json_object, refuse_custom_code
@@ -86,8 +86,13 @@ def read_model_config(directory: Path) -> dict[str, Any]:
     quant_problems = quant_config_problems(hf_quant, config)
     if quant_problems:
         rule, subject, message = quant_problems[0]
-        field = "quant_algo" if rule == "quant-algo-unknown" else "quantization_config"
-        raise MalformedCheckpointError(message, path=directory / subject, field=field)
+        if rule == "quant-algo-unknown":
+            raise UnknownQuantAlgoError(
+                f"{directory / subject}: {message}", path=directory / subject, field="quant_algo"
+            )
+        raise MalformedCheckpointError(
+            message, path=directory / subject, field="quantization_config"
+        )
     return config
 
 
