@@ -17,12 +17,18 @@ exporter failed on the graph), and only when nothing in its cause chain is an
 property of the key). A record is data (type name and text), signed with this
 user's HMAC key (:mod:`exportlm.export.trustkey`); an unsigned or changed record
 is ignored. ``--export-no-cache`` (no cache directory) remembers nothing.
+
+Two xdist workers that need the same export at once serialize on
+:meth:`ExportFailureMemo.exclusive` (an ``fcntl`` lock per key), so the second
+one reads what the first left: the published artifact, or the failure record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +72,24 @@ class ExportFailureMemo:
 
     def _path(self, key: str) -> Path | None:
         return None if self.root is None else self.root / f"{key}.json"
+
+    @contextlib.contextmanager
+    def exclusive(self, key: str) -> Iterator[None]:
+        """Hold the inter-process lock of ``key`` (no-op without a root or ``fcntl``)."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: both workers export
+            yield
+            return
+        if self.root is None:
+            yield
+            return
+        with open(self.root / f"{key}.lock", "a+b") as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
     def recall(self, key: str) -> RememberedExportFailure | None:
         """The failure remembered under ``key``, or ``None``."""

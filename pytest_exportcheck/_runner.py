@@ -10,6 +10,7 @@ Imported only once the suite is active (it imports exportlm and torch).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import shutil
@@ -170,8 +171,9 @@ class ItemRunner:
         cache, profile = self.cache, self.services.profile
         kwargs, device = {**spec.export_kwargs, **extra}, spec.device or "cpu"
         misses = cache.misses
-        with self.services.phase("export") as phase:
-            key = self._failure_key(spec.target, kwargs, model, device)
+        key = self._failure_key(spec.target, kwargs, model, device)
+        exclusive = self.failures.exclusive(key) if key else contextlib.nullcontext()
+        with self.services.phase("export") as phase, exclusive:
             remembered = None if key is None else self.failures.recall(key)
             if remembered is not None:
                 phase.name = "cache"
