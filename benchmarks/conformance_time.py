@@ -54,7 +54,11 @@ def _run(directory: Path, label: str, workers: str, extra: list[str]) -> dict[st
     ]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=directory, capture_output=True, text=True, check=False)
+    # As `make conformance`: bytecode is kept even where the environment disables it.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    done = subprocess.run(
+        command, cwd=directory, env=env, capture_output=True, text=True, check=False
+    )
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
