@@ -12,9 +12,10 @@ in ``<pytest cache>/exportcheck/failures/<key>.json`` and raises it again as
 :class:`~exportlm.errors.ExportFailedError`, with the original message.
 
 Only :class:`~exportlm.errors.ExportFailedError` is remembered (the underlying
-exporter failed on the graph), and only when nothing in its cause chain is an
-``OSError`` or ``MemoryError`` (a full disk or an exhausted machine is not a
-property of the key). A record is data (type name and text), signed with this
+exporter failed on the graph), and only when nothing in its cause chain is a
+``MemoryError`` or an ``OSError`` with an ``errno`` (a full disk or an exhausted
+machine is not a property of the key; ``inspect.getsource``'s ``OSError`` for a
+class TorchScript cannot read is). A record is data (type name and text), signed with this
 user's HMAC key (:mod:`exportlm.export.trustkey`); an unsigned or changed record
 is ignored. ``--export-no-cache`` (no cache directory) remembers nothing.
 
@@ -41,7 +42,11 @@ logger = logging.getLogger(__name__)
 
 #: Bump when the record changes.
 MEMO_FORMAT = 1
-_TRANSIENT = (OSError, MemoryError)
+
+
+def _transient(err: BaseException) -> bool:
+    """Whether ``err`` says something about the machine rather than the export."""
+    return isinstance(err, MemoryError) or (isinstance(err, OSError) and err.errno is not None)
 
 
 class RememberedExportFailure(ExportFailedError):
@@ -126,7 +131,7 @@ class ExportFailureMemo:
             return
         if isinstance(err, RememberedExportFailure):
             return
-        if any(isinstance(e, _TRANSIENT) for e in _chain(err)):
+        if any(_transient(e) for e in _chain(err)):
             return
         record: dict[str, Any] = {"format": MEMO_FORMAT, "key": key, "message": str(err)}
         signature = trustkey.sign(_canonical(record))

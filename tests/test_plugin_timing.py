@@ -10,11 +10,14 @@ remembered across runs. No assertion here is about how long anything took.
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
 import pytest
 
+from exportlm.errors import ExportFailedError
+from pytest_exportcheck._failure_memo import ExportFailureMemo, RememberedExportFailure
 from pytest_exportcheck._report import ItemRecord, ReportBuilder
 from pytest_exportcheck.checks._services import CheckServices, ItemProfile
 
@@ -210,3 +213,30 @@ def test_the_slowest_items_and_the_cache_use_come_from_the_records(tmp_path: Pat
     assert [r.id for r in report.slowest(2)] == ["c[2]", "c[1]"]
     assert report.cache_use() == {"served_from_cache": 1, "exported": 1, "exports": 1}
     assert report.durations_lines(1)[0].endswith("; no shared artifact)")
+
+
+def _failed_export(cause: BaseException) -> ExportFailedError:
+    try:
+        try:
+            raise cause
+        except BaseException as err:
+            raise ExportFailedError("the exporter gave up on the graph") from err
+    except ExportFailedError as failed:
+        return failed
+
+
+def test_only_failures_of_the_export_itself_are_remembered(tmp_path: Path) -> None:
+    memo = ExportFailureMemo(tmp_path)
+    memo.remember("source", _failed_export(OSError("could not get source code")))
+    memo.remember("disk", _failed_export(OSError(errno.ENOSPC, "No space left on device")))
+    memo.remember("memory", _failed_export(MemoryError()))
+    memo.remember("other", RuntimeError("not an exporter failure"))
+    recalled = memo.recall("source")
+    assert isinstance(recalled, RememberedExportFailure)
+    assert isinstance(recalled, ExportFailedError)
+    assert str(recalled) == "the exporter gave up on the graph"
+    assert [memo.recall(k) for k in ("disk", "memory", "other")] == [None, None, None]
+    record = tmp_path / "source.json"
+    record.write_text(record.read_text().replace("gave up", "succeeded"))  # unsigned change
+    assert memo.recall("source") is None
+    assert ExportFailureMemo(None).recall("source") is None
