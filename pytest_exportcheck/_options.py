@@ -162,6 +162,14 @@ _SPECS: tuple[_Spec, ...] = (
     ),
     _Spec("--export-no-cache", "do not reuse exported artifacts across runs", "bool"),
     _Spec(
+        "--export-durations",
+        "print the N slowest exportcheck items with their time per phase (build, export, "
+        "cache, load, compare) and whether their artifact came from the cache (0: off)",
+        "str",
+        "N",
+        "0",
+    ),
+    _Spec(
         "--export-only",
         "run only the conformance suite; the repo's own tests are not collected",
         "bool",
@@ -240,6 +248,7 @@ class Options:
     report: Path | None
     no_cache: bool
     only: bool
+    durations: int = 0
 
     @property
     def active(self) -> bool:
@@ -281,6 +290,7 @@ class Options:
             report=_path(config, specs["export_report"]),
             no_cache=bool(_value(config, specs["export_no_cache"])),
             only=bool(_value(config, specs["export_only"])),
+            durations=_count(_value(config, specs["export_durations"]), "--export-durations"),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
@@ -312,6 +322,7 @@ class Options:
             "report": path(self.report),
             "no_cache": self.no_cache,
             "only": self.only,
+            "durations": self.durations,
         }
 
 
@@ -330,6 +341,17 @@ def _update_scope(value: Any) -> str | None:
             f"{value}` if {value!r} is a path or another argument"
         )
     return text
+
+
+def _count(value: Any, flag: str) -> int:
+    """A non-negative integer option."""
+    try:
+        number = int(str(value if value is not None else 0).strip())
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise pytest.UsageError(f"{flag}: expected a number of items >= 0, got {value!r}")
+    return number
 
 
 def _parse_devices(text: str) -> tuple[str, ...]:
