@@ -8,7 +8,7 @@ import copy
 import torch
 from torch import nn
 
-from exportlm.errors import ExportLMError
+from exportlm.errors import DuplicateTensorError, ExportLMError
 from exportlm.modules import DictSink, ExportContext, ModuleExporter
 from exportlm.quant import is_quantized_module
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
@@ -133,7 +133,10 @@ def _direct_export(
     before = {k: v.detach().clone() for k, v in module.state_dict().items()}
     try:
         exporter.prepare_moe_inputs(name, module, ctx)
-        exporter.export(name, module, ctx)
+        with ctx.exporting(exporter, name, module):
+            exporter.export(name, module, ctx)
+    except DuplicateTensorError as err:  # not a refusal: a name written twice is a bug
+        return [f"{name}: {err}"], err
     except ExportLMError:
         return [], None  # a clear refusal (e.g. of a zero amax) is allowed
     except Exception as err:

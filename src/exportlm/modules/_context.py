@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
 
-from exportlm.errors import ExportError
+from exportlm.errors import DuplicateTensorError, ExportError
 from exportlm.modules._ties import TieBook
 from exportlm.quant import TensorQuantizer
 
@@ -245,8 +246,23 @@ class ExportContext:
     quant_config: QuantConfigCollector = field(default_factory=QuantConfigCollector)
     amax_overrides: dict[TensorQuantizer, torch.Tensor] = field(default_factory=dict)
     ties: TieBook = field(default_factory=TieBook)
-    _written: dict[str, None] = field(default_factory=dict, repr=False)
+    _written: dict[str, str] = field(default_factory=dict, repr=False)
     _num_bytes: int = field(default=0, repr=False)
+    _writer: str = field(default="the export driver (a plain tensor)", repr=False)
+
+    @contextlib.contextmanager
+    def exporting(self, exporter: object, name: str, module: nn.Module) -> Iterator[None]:
+        """Attribute every tensor emitted inside to ``exporter`` exporting ``module`` (``name``).
+
+        The driver wraps each ``export`` call in it, so a duplicate name can say
+        who wrote it the second time.
+        """
+        previous = self._writer
+        self._writer = f"module exporter {exporter!r} on {name!r} ({type(module).__name__})"
+        try:
+            yield
+        finally:
+            self._writer = previous
 
     def saved_name(self, name: str) -> str | None:
         """The checkpoint name of in-memory tensor or module ``name``; ``None``: not saved."""
@@ -257,7 +273,7 @@ class ExportContext:
 
         A QLoRA adapter tensor and the dropped copy of a tied quantized tensor
         are not written; a saved name written twice raises
-        :class:`~exportlm.errors.ExportError`.
+        :class:`~exportlm.errors.DuplicateTensorError` naming both writers.
         """
         saved = self.saved_name(name)
         if saved is None:
@@ -266,13 +282,18 @@ class ExportContext:
         if self.ties.absorbs(name, tensor):
             return
         if saved in self._written:
-            raise ExportError(
-                f"tensor {saved!r} was written twice; two exporters (or a tie and an "
-                "exporter) claim the same name. Check the module exporter registry."
+            raise DuplicateTensorError(
+                f"tensor {saved!r} was written twice: first by {self._written[saved]}, again by "
+                f"{self._writer}. Every checkpoint tensor is written once: emit each name once "
+                "in the exporter, or, when two exporters claim the same module, narrow one of "
+                "them (keys, predicate)."
             )
-        self._written[saved] = None
+        try:
+            self.sink.add(saved, tensor)
+        except DuplicateTensorError as err:
+            raise DuplicateTensorError(f"{err}; the second write came from {self._writer}") from err
+        self._written[saved] = self._writer
         self._num_bytes += tensor.numel() * tensor.element_size()
-        self.sink.add(saved, tensor)
         self.ties.wrote(name, tensor)
 
     def emit_plain(self, name: str, tensor: torch.Tensor) -> None:
