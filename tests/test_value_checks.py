@@ -38,6 +38,7 @@ from exportlm.quant import QuantModule, TensorQuantizer
 
 DOUBLED = {doubled}
 WITH_MODEL = {with_model}
+SCALE_FACTOR = {scale_factor}
 
 
 class QuantScaledLinear(QuantModule, nn.Linear):
@@ -74,7 +75,7 @@ class ScaledLinearExporter(ModuleExporter):
         ctx.emit_scale(f"{{name}}.weight_scale", q.scale)
         if DOUBLED:
             ctx.emit_scale(f"{{name}}.weight_scale", q.scale)
-        ctx.emit_scale(f"{{name}}.channel_scale", module.channel_scale)
+        ctx.emit_scale(f"{{name}}.channel_scale", module.channel_scale * SCALE_FACTOR)
         ctx.quant_config.add_layer(name, module.quant_algo)
 
     def dequantized_module(self, module, tensors):
@@ -101,8 +102,15 @@ ARGS = (
 )
 
 
-def _project(pytester: pytest.Pytester, *, doubled: bool = False, with_model: bool = True) -> None:
-    pytester.makeconftest(PLUGIN.format(doubled=doubled, with_model=with_model))
+def _project(
+    pytester: pytest.Pytester,
+    *,
+    doubled: bool = False,
+    with_model: bool = True,
+    scale_factor: float = 1.0,
+) -> None:
+    plugin = PLUGIN.format(doubled=doubled, with_model=with_model, scale_factor=scale_factor)
+    pytester.makeconftest(plugin)
     pytester.makefile(".toml", pyproject='[project]\nname = "acme-scaled"\nversion = "1"\n')
 
 
@@ -143,11 +151,24 @@ def test_writing_weight_scale_twice_fails_naming_the_check_and_the_tensor(
     items = _items(pytester)
     for check_id in ("quantized_generated", "golden_checkpoint", "export_contract"):
         message = items[check_id]["message"]
-        assert "'0.weight_scale' was written twice" in message or (
-            "weight_scale' was written twice" in message
-        ), (check_id, message)
-    assert "ScaledLinearExporter" in items["quantized_generated"]["message"]
-    result.stdout.fnmatch_lines(["FAILED *quantized_generated[[]scaled_linear[]]*"])
+        assert "tensor '0.weight_scale' was written twice" in message, (check_id, message)
+    assert (
+        "module exporter 'scaled_linear' on '0' (QuantScaledLinear)"
+        in items["quantized_generated"]["message"]
+    )
+    for check_id in ("export_contract", "quantized_generated", "golden_checkpoint"):
+        result.stdout.fnmatch_lines([f"FAILED *{check_id}[[]scaled_linear[]]*"])
+
+
+def test_a_scale_two_percent_off_fails_the_dequantized_forward(pytester: pytest.Pytester) -> None:
+    _project(pytester, scale_factor=1.02)
+    result = pytester.runpytest_subprocess(
+        *ARGS[:2], "--export-checks=quantized_generated", *ARGS[3:]
+    )
+    result.assert_outcomes(failed=1)
+    message = _items(pytester)["quantized_generated"]["message"]
+    assert "0 (QuantScaledLinear): the written tensors ['channel_scale', 'weight', " in message
+    assert "off the fake-quant forward, beyond 1e-06 + 0.0001 * max|fake_quant|" in message
 
 
 def test_an_exporter_without_a_conformance_model_fails_value_coverage(
@@ -191,7 +212,7 @@ def test_a_duplicate_write_names_the_tensor_and_the_exporter_that_wrote_it_again
         export_quantized_state(_fp8_linear(), DictSink(), registry=registry)
     message = str(raised.value)
     assert "tensor '0.weight_scale' was written twice" in message
-    assert "<TwiceExporter 'twice'> on '0' (QuantLinear)" in message
+    assert "by module exporter 'twice' on '0' (QuantLinear), which emits it twice" in message
 
 
 def test_the_checkpoint_writer_refuses_a_second_tensor_of_one_name(tmp_path: Path) -> None:

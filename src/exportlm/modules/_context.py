@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -13,6 +13,9 @@ from torch import nn
 from exportlm.errors import DuplicateTensorError, ExportError
 from exportlm.modules._ties import TieBook
 from exportlm.quant import TensorQuantizer
+
+if TYPE_CHECKING:
+    from exportlm.modules._base import ModuleExporter
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -251,14 +254,16 @@ class ExportContext:
     _writer: str = field(default="the export driver (a plain tensor)", repr=False)
 
     @contextlib.contextmanager
-    def exporting(self, exporter: object, name: str, module: nn.Module) -> Iterator[None]:
+    def exporting(self, exporter: ModuleExporter, name: str, module: nn.Module) -> Iterator[None]:
         """Attribute every tensor emitted inside to ``exporter`` exporting ``module`` (``name``).
 
         The driver wraps each ``export`` call in it, so a duplicate name can say
         who wrote it the second time.
         """
         previous = self._writer
-        self._writer = f"module exporter {exporter!r} on {name!r} ({type(module).__name__})"
+        self._writer = (
+            f"module exporter {exporter.display_name!r} on {name!r} ({type(module).__name__})"
+        )
         try:
             yield
         finally:
@@ -282,11 +287,16 @@ class ExportContext:
         if self.ties.absorbs(name, tensor):
             return
         if saved in self._written:
+            first = self._written[saved]
+            who = (
+                f"by {first}, which emits it twice: emit each name once"
+                if first == self._writer
+                else f"first by {first}, again by {self._writer}: when two exporters claim "
+                "the same name, narrow one of them (keys, predicate)"
+            )
             raise DuplicateTensorError(
-                f"tensor {saved!r} was written twice: first by {self._written[saved]}, again by "
-                f"{self._writer}. Every checkpoint tensor is written once: emit each name once "
-                "in the exporter, or, when two exporters claim the same module, narrow one of "
-                "them (keys, predicate)."
+                f"tensor {saved!r} was written twice, {who}. Every checkpoint tensor is "
+                "written exactly once."
             )
         try:
             self.sink.add(saved, tensor)
