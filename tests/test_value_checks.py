@@ -84,7 +84,8 @@ class ScaledLinearExporter(ModuleExporter):
     if WITH_MODEL:
         def conformance_model(self, seed):
             generator = torch.Generator().manual_seed(seed)
-            return nn.Sequential(QuantScaledLinear(32, 16, generator))
+            layer = QuantScaledLinear(32, 32, generator)
+            return nn.Sequential(layer, layer)  # one layer under two names: a tie
 
 
 EXPORT_MODULE_REGISTRY.register(ScaledLinearExporter(), name="scaled_linear")
@@ -93,7 +94,7 @@ EXPORT_MODULE_REGISTRY.register(ScaledLinearExporter(), name="scaled_linear")
 ARGS = (
     "--export-exporters=scaled_linear",
     "--export-models=decoder",
-    "--export-checks=quantized_generated,golden_checkpoint,export_contract",
+    "--export-checks=quantized_generated,golden_checkpoint,export_contract,tied_weights",
     "--export-report=report.json",
     "-p",
     "xdist",
@@ -123,22 +124,24 @@ def test_a_correct_exporter_with_its_golden_passes_its_value_checks(
     pytester: pytest.Pytester,
 ) -> None:
     _project(pytester)
-    pytester.runpytest_subprocess(*ARGS, "--export-update-goldens").assert_outcomes(passed=3)
+    pytester.runpytest_subprocess(*ARGS, "--export-update-goldens").assert_outcomes(passed=4)
     golden = pytester.path / "goldens" / "checkpoint" / "conformance" / "scaled_linear.json"
     written = json.loads(golden.read_text())
     assert sorted(written["tensors"]) == ["0.channel_scale", "0.weight", "0.weight_scale"]
     assert written["quantization"]["quant_algo"] == "FP8"
-    pytester.runpytest_subprocess(*ARGS).assert_outcomes(passed=3)  # against the golden: no skip
+    assert written["ties"] == {"0.weight=1.weight": ["0.weight"]}
+    pytester.runpytest_subprocess(*ARGS).assert_outcomes(passed=4)  # against the golden: no skip
     items = _items(pytester)
     assert items["quantized_generated"]["outcome"] == "pass"
     assert items["golden_checkpoint"]["outcome"] == "pass"
+    assert items["tied_weights"]["outcome"] == "pass"
     assert "conformance" in items["golden_checkpoint"]["message"]
 
 
 def test_a_golden_that_is_missing_fails(pytester: pytest.Pytester) -> None:
     _project(pytester)
     result = pytester.runpytest_subprocess(*ARGS)
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(["*golden_checkpoint*scaled_linear*", "*is missing*"])
 
 
@@ -147,9 +150,9 @@ def test_writing_weight_scale_twice_fails_naming_the_check_and_the_tensor(
 ) -> None:
     _project(pytester, doubled=True)
     result = pytester.runpytest_subprocess(*ARGS, "--export-update-goldens")
-    result.assert_outcomes(failed=3)
+    result.assert_outcomes(failed=4)
     items = _items(pytester)
-    for check_id in ("quantized_generated", "golden_checkpoint", "export_contract"):
+    for check_id in ("quantized_generated", "golden_checkpoint", "export_contract", "tied_weights"):
         message = items[check_id]["message"]
         assert "tensor '0.weight_scale' was written twice" in message, (check_id, message)
     assert (
@@ -183,7 +186,7 @@ def test_an_exporter_without_a_conformance_model_fails_value_coverage(
         assert "value_coverage[scaled_linear]" in message
         assert "conformance_model(self, seed: int) -> nn.Module" in message
     assert items["export_contract"]["outcome"] == "skip"
-    result.assert_outcomes(failed=2, skipped=1)
+    result.assert_outcomes(failed=2, skipped=2)
 
 
 # ----------------------------------------------------------------------------- duplicates

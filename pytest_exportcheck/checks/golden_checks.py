@@ -346,7 +346,9 @@ def golden_calibration(case: ExporterCase) -> CheckResult:
             }
     if not cases:
         return CheckResult.skipped(
-            f"module exporter {case.name!r} writes no calibrated scale in the golden cases"
+            f"module exporter {case.name!r} writes no calibrated scale in the golden cases "
+            "(the scales of its conformance_model(), calibrated by its author, are compared "
+            "exactly by golden_checkpoint)"
         )
     data = {
         "exporter": case.name,
