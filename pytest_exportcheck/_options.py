@@ -6,16 +6,14 @@ Every ``--export-*`` option has an ini key of the same name with ``_`` for ``-``
 
 from __future__ import annotations
 
-import errno
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from pytest_exportcheck._option_paths import check_kind, check_report_path
 
 __all__ = [
     "DEVICES",
@@ -162,6 +160,14 @@ _SPECS: tuple[_Spec, ...] = (
     ),
     _Spec("--export-no-cache", "do not reuse exported artifacts across runs", "bool"),
     _Spec(
+        "--export-durations",
+        "print the N slowest exportcheck items with their time per phase (build, export, "
+        "cache, load, compare) and whether their artifact came from the cache (0: off)",
+        "str",
+        "N",
+        "0",
+    ),
+    _Spec(
         "--export-only",
         "run only the conformance suite; the repo's own tests are not collected",
         "bool",
@@ -240,6 +246,7 @@ class Options:
     report: Path | None
     no_cache: bool
     only: bool
+    durations: int = 0
 
     @property
     def active(self) -> bool:
@@ -281,14 +288,15 @@ class Options:
             report=_path(config, specs["export_report"]),
             no_cache=bool(_value(config, specs["export_no_cache"])),
             only=bool(_value(config, specs["export_only"])),
+            durations=_count(_value(config, specs["export_durations"]), "--export-durations"),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
                 "--export-only needs --export-targets or --export-exporters "
                 "(e.g. --export-targets=all); otherwise nothing would run"
             )
-        _check_kind(options.xfails_file, "--export-xfails-file", directory=False)
-        _check_kind(options.goldens_dir, "--export-goldens-dir", directory=True)
+        check_kind(options.xfails_file, "--export-xfails-file", directory=False)
+        check_kind(options.goldens_dir, "--export-goldens-dir", directory=True)
         if options.report is not None and not hasattr(config, "workerinput"):
             check_report_path(options.report)  # the controller writes it, at the very end
         return options
@@ -312,6 +320,7 @@ class Options:
             "report": path(self.report),
             "no_cache": self.no_cache,
             "only": self.only,
+            "durations": self.durations,
         }
 
 
@@ -332,6 +341,17 @@ def _update_scope(value: Any) -> str | None:
     return text
 
 
+def _count(value: Any, flag: str) -> int:
+    """A non-negative integer option."""
+    try:
+        number = int(str(value if value is not None else 0).strip())
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise pytest.UsageError(f"{flag}: expected a number of items >= 0, got {value!r}")
+    return number
+
+
 def _parse_devices(text: str) -> tuple[str, ...]:
     parts: Sequence[str] = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in parts if p not in DEVICES]
@@ -341,59 +361,3 @@ def _parse_devices(text: str) -> tuple[str, ...]:
             f"expected one or more of {', '.join(DEVICES)} (comma-separated)"
         )
     return tuple(d for d in DEVICES if d in parts)
-
-
-def _check_kind(path: Path | None, option: str, *, directory: bool) -> None:
-    """An existing ``path`` of the wrong kind (a file for a directory, a FIFO) is a usage error.
-
-    Only ``stat``, nothing opened (a FIFO cannot block); a missing path is left to its reader.
-    exportlm is imported only when there is a path to check (a passive run imports none).
-    """
-    if path is None or not path.exists():
-        return
-    from exportlm.errors import NotRegularFileError
-    from exportlm.safeio import ensure_directory, ensure_regular_file
-
-    try:
-        (ensure_directory if directory else ensure_regular_file)(path, what=option)
-    except NotRegularFileError as err:
-        raise pytest.UsageError(
-            f"{option}: {path} is a {err.kind}; expected the path of a {err.expected}"
-        ) from err
-
-
-def check_report_path(path: Path) -> None:
-    """Refuse an ``--export-report`` path the report could not be written to, up front.
-
-    The report is written at the end of the run, atomically (a temporary sibling,
-    then ``os.replace``; missing parent directories are created). This probes that
-    now, the same way and without leaving anything behind, so an unwritable path is
-    a usage error naming the path and the OS error before any export runs.
-    """
-    what = f"--export-report: cannot write the JSON report to {path}"
-    if path.is_dir():
-        raise pytest.UsageError(f"{what}: it is a directory; give the path of a .json file")
-    if path.exists() and not path.is_file():
-        raise pytest.UsageError(
-            f"{what}: it exists and is not a regular file (a device, FIFO or socket); "
-            "give the path of a .json file"
-        )
-    existing = path.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    try:
-        if not existing.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
-        if existing == path.parent:
-            fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=existing)
-            os.close(fd)
-            os.unlink(probe)
-        else:  # the report creates the missing directories: can one be created here?
-            shutil.rmtree(tempfile.mkdtemp(prefix=".exportcheck-report.", dir=existing))
-    except OSError as err:
-        reason = err.strerror or type(err).__name__
-        where = f" ({err.filename})" if err.filename else ""
-        raise pytest.UsageError(
-            f"{what}: {reason}{where} [errno {err.errno}]; choose a writable location or fix "
-            "the permissions"
-        ) from err

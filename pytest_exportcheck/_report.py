@@ -83,6 +83,8 @@ class ItemRecord:
     duration: float = 0.0
     message: str = ""
     details: dict[str, Any] = field(default_factory=dict)
+    #: Where the item's time went (``CheckServices`` profile): seconds per phase, cache use.
+    profile: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         """The JSON record (without the internal sort index)."""
@@ -123,6 +125,9 @@ class ReportBuilder:
         if isinstance(result, dict):
             record.message = str(result.get("message", ""))
             record.details = dict(result.get("details", {}))
+        profile = data.get("profile") if report.when == "call" else None
+        if isinstance(profile, dict):
+            record.profile = dict(profile)
         _fold_outcome(
             record, report, check_failed=isinstance(result, dict) and result.get("status") == "fail"
         )
@@ -150,13 +155,28 @@ class ReportBuilder:
         counts = Counter(r.message for r in self.records.values() if r.outcome == "skip")
         return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
+    def cache_use(self) -> dict[str, int]:
+        """Items whose artifacts all came from the cache, items that exported, and exports."""
+        profiles = [r.profile for r in self.records.values()]
+        return {
+            "served_from_cache": sum(p.get("artifact") == "cached" for p in profiles),
+            "exported": sum(p.get("artifact") == "exported" for p in profiles),
+            "exports": sum(int(p.get("exports", 0)) for p in profiles),
+        }
+
+    def slowest(self, n: int) -> list[ItemRecord]:
+        """The ``n`` items that took longest (setup, call and teardown together)."""
+        ranked = sorted(self.records.values(), key=lambda r: (-r.duration, r.nodeid))
+        return ranked[: max(0, n)]
+
     def to_json(self, **header: Any) -> dict[str, Any]:
-        """The JSON report: ``header`` fields, matrix, totals, per-item records."""
+        """The JSON report: ``header`` fields, matrix, totals, cache use, per-item records."""
         return {
             "format": REPORT_FORMAT,
             **header,
             "matrix": self.matrix(),
             "totals": self.totals(),
+            "cache": self.cache_use(),
             "items": [r.as_json() for r in self.sorted_records()],
         }
 
@@ -179,6 +199,17 @@ class ReportBuilder:
         )
         for reason, count in self.skip_reasons()[:5]:
             lines.append(f"  skipped {count}x: {reason}")
+        lines.append(_cache_line(self.cache_use()))
+        return lines
+
+    def durations_lines(self, n: int) -> list[str]:
+        """``--export-durations=N``: the slowest ``n`` items and where their time went."""
+        lines = []
+        for rec in self.slowest(n):
+            profile = rec.profile
+            parts = [f"{p} {float(profile.get(p, 0.0)):.2f}s" for p in _PROFILE_COLUMNS]
+            artifact = _ARTIFACT_WORDS.get(str(profile.get("artifact")), "no shared artifact")
+            lines.append(f"{rec.duration:7.2f}s {rec.id}  ({', '.join(parts)}; {artifact})")
         return lines
 
     def sorted_records(self) -> list[ItemRecord]:
@@ -187,6 +218,16 @@ class ReportBuilder:
 
 
 _WORDS = {"pass": "passed", "fail": "failed", "xfail": "xfailed", "skip": "skipped"}
+#: The profile phases ``--export-durations`` shows, in order.
+_PROFILE_COLUMNS = ("build", "export", "cache", "load", "compare", "other")
+_ARTIFACT_WORDS = {"cached": "artifact from the cache", "exported": "artifact exported"}
+
+
+def _cache_line(use: Mapping[str, int]) -> str:
+    return (
+        f"artifact cache: {use['served_from_cache']} items served from the cache, "
+        f"{use['exported']} exported ({use['exports']} exports)"
+    )
 
 
 def _fold_outcome(record: ItemRecord, report: pytest.TestReport, *, check_failed: bool) -> None:

@@ -10,10 +10,12 @@ Imported only once the suite is active (it imports exportlm and torch).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import shutil
 import tempfile
+import time
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -23,12 +25,14 @@ import pytest
 from pytest_exportcheck._cache import ArtifactCache
 from pytest_exportcheck._collect import ItemSpec
 from pytest_exportcheck._discovery import Discovery
+from pytest_exportcheck._failure_memo import ExportFailureMemo
 from pytest_exportcheck._golden_setup import golden_store
 from pytest_exportcheck._hypothesis import hypothesis_profile
 from pytest_exportcheck._nodes import CheckFailed, ExportCheckItem
 from pytest_exportcheck._options import Options
 from pytest_exportcheck._report import jsonable
 from pytest_exportcheck.checks import CHECKS, CheckResult, CheckSpec, ExporterCase, TargetCase
+from pytest_exportcheck.checks._services import CheckServices
 
 __all__ = ["SEED", "ItemRunner", "build_toy_model"]
 
@@ -44,17 +48,30 @@ def build_toy_model(name: str, seed: int) -> Any:
 
 
 class ItemRunner:
-    """Runs items of one pytest process; holds the artifact cache and the golden store."""
+    """Runs items of one pytest process; holds the artifact cache, the golden store and the
+    services the checks share (:class:`~pytest_exportcheck.checks._services.CheckServices`)."""
 
     def __init__(self, config: pytest.Config, options: Options, discovery: Discovery) -> None:
         self.config = config
         self.options = options
         self.discovery = discovery
         self.scratch = _Scratch(config)
+        self.services = CheckServices(build_toy_model)
+        #: node id -> the time profile of the item that ran (``ItemProfile.as_json``).
+        self.profiles: dict[str, dict[str, Any]] = {}
         self._accepts: dict[tuple[str, str], str | None] = {}
 
     def __call__(self, item: ExportCheckItem) -> None:
-        """Run ``item``: check its device, build its case, call its check, record the result."""
+        """Run ``item`` and record its time profile (also when it skips or fails)."""
+        profile = self.services.begin_item()
+        start = time.perf_counter()
+        try:
+            self._run(item)
+        finally:
+            self.profiles[item.nodeid] = profile.as_json(time.perf_counter() - start)
+
+    def _run(self, item: ExportCheckItem) -> None:
+        """Check the item's device, build its case, call its check, record the result."""
         result = self._result(item)
         item.result = {
             "status": result.status,
@@ -109,6 +126,7 @@ class ItemRunner:
             "seed": SEED,
             "goldens": self.goldens,
             "options": {**self.options.as_dict(), "expected_failure": _xfail_reason(item)},
+            "services": self.services,
         }
         if check.scope == "exporter":
             if spec.exporter is None:  # pragma: no cover - plan() sets it
@@ -137,7 +155,7 @@ class ItemRunner:
         if accepts is None:
             return
         if (target, model) not in self._accepts:
-            self._accepts[(target, model)] = accepts(build_toy_model(model, SEED))
+            self._accepts[(target, model)] = accepts(self.services.pristine_model(model, SEED))
         reason = self._accepts[(target, model)]
         if reason:
             pytest.skip(f"target {target!r} does not accept model {model!r}: {reason}")
@@ -150,25 +168,66 @@ class ItemRunner:
         if spec.target is None:  # pragma: no cover
             raise RuntimeError(f"item {spec.name} has no target to export with")
         info = self.discovery.targets[spec.target]
-        return self.cache.export(
-            spec.target,
-            {**spec.export_kwargs, **extra},
-            model,
-            seed=SEED,
-            device=spec.device or "cpu",
-            suffix=info.suffix,
-            directory=info.artifact == "directory",
-        )
+        cache, profile = self.cache, self.services.profile
+        kwargs, device = {**spec.export_kwargs, **extra}, spec.device or "cpu"
+        misses = cache.misses
+        key = self._failure_key(spec.target, kwargs, model, device)
+        exclusive = self.failures.exclusive(key) if key else contextlib.nullcontext()
+        with self.services.phase("export") as phase, exclusive:
+            remembered = None if key is None else self.failures.recall(key)
+            if remembered is not None:
+                phase.name = "cache"
+                profile.count("cache_hits")
+                raise remembered
+            try:
+                return cache.export(
+                    spec.target,
+                    kwargs,
+                    model,
+                    seed=SEED,
+                    device=device,
+                    suffix=info.suffix,
+                    directory=info.artifact == "directory",
+                )
+            except Exception as err:
+                if key is not None:
+                    self.failures.remember(key, err)
+                raise
+            finally:
+                exported = cache.misses > misses
+                profile.count("cache_misses" if exported else "cache_hits")
+                profile.count("exports", cache.misses - misses)
+                phase.name = "export" if exported else "cache"
+
+    def _failure_key(self, target: str, kwargs: Any, model: Any, device: str) -> str | None:
+        """The artifact cache's key of this export, when failures are remembered across runs."""
+        if self.failures.root is None:
+            return None
+        from exportlm.export import EXPORT_REGISTRY
+
+        return self.cache.key(target, EXPORT_REGISTRY.get(target), kwargs, model, SEED, device)
+
+    def _cache_dir(self, name: str) -> Path | None:
+        """``<pytest cache>/exportcheck/<name>``; ``None`` under --export-no-cache or no cacheprovider."""
+        cache = getattr(self.config, "cache", None)  # absent under -p no:cacheprovider
+        if cache is None or self.options.no_cache:
+            return None
+        root = Path(cache.mkdir("exportcheck")) / name
+        root.mkdir(parents=True, exist_ok=True)
+        return root
+
+    @cached_property
+    def failures(self) -> ExportFailureMemo:
+        """Exports whose exporter failed, remembered across runs under their cache key."""
+        return ExportFailureMemo(self._cache_dir("failures"))
 
     @cached_property
     def cache(self) -> ArtifactCache:
         """Cross-run artifact cache (pytest cache dir) unless --export-no-cache or no cacheprovider."""
-        root: Path | None = None
-        cache = getattr(self.config, "cache", None)  # absent under -p no:cacheprovider
-        if cache is not None and not self.options.no_cache:
-            root = cache.mkdir("exportcheck") / "artifacts"
-            root.mkdir(parents=True, exist_ok=True)
-        return ArtifactCache(self.scratch.mktemp("exportcheck-artifacts"), root, build_toy_model)
+        root = self._cache_dir("artifacts")
+        return ArtifactCache(
+            self.scratch.mktemp("exportcheck-artifacts"), root, self.services.model
+        )
 
     @cached_property
     def goldens(self) -> Any:

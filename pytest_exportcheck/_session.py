@@ -140,8 +140,12 @@ class ExportCheckSession:
         if not isinstance(item, ExportCheckItem):
             return
         coordinates = item.spec.properties()
-        result = item.result if report.when == "call" else None
-        setattr(report, REPORT_ATTRIBUTE, {"item": coordinates, "result": result})
+        call = report.when == "call"
+        result = item.result if call else None
+        profile = self.runner.profiles.get(item.nodeid) if call else None
+        setattr(
+            report, REPORT_ATTRIBUTE, {"item": coordinates, "result": result, "profile": profile}
+        )
         if report.when == "teardown" and self._testcase_properties:
             record = {"item": coordinates, "result": item.result}
             report.user_properties = [*report.user_properties, *testcase_properties(record)]
@@ -160,6 +164,10 @@ class ExportCheckSession:
         width = self.config.get_terminal_writer().fullwidth
         for line in self.report.summary_lines(width):
             terminal.write_line(line)
+        if self.options.durations:
+            terminal.write_sep("=", f"exportcheck: slowest {self.options.durations} items")
+            for line in self.report.durations_lines(self.options.durations):
+                terminal.write_line(line)
         if self.options.report is not None:
             terminal.write_line(f"JSON report: {self.options.report}")
         unused = self.unused_goldens()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -401,6 +402,7 @@ def test_example_plugin_passes_the_suite(
     make_distribution(site, project["name"], project["entry-points"], version=project["version"])
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(example / "src")]))
     (pytester.path / "pyproject.toml").write_text((example / "pyproject.toml").read_text())
+    shutil.copytree(example / "goldens", pytester.path / "goldens")  # its committed goldens
 
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-W", "error::DeprecationWarning"

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.checks.catalogue import (
     BUILTIN_CHECKS,
     CatalogueError,
@@ -110,6 +111,9 @@ class TargetCase:
         export_instance: ``(model, **extra_kwargs) -> Path``: like ``export``, for
             a model the check built itself (cached by its class, config, weights
             and source); ``None``: checks export such models afresh.
+        services: what the checks of one process share (toy models, runtimes, the
+            item's time profile; :class:`~pytest_exportcheck.checks._services.CheckServices`);
+            by default a fresh one, so nothing is shared.
     """
 
     target: str
@@ -123,6 +127,7 @@ class TargetCase:
     goldens: Any = None
     options: Mapping[str, Any] = field(default_factory=dict)
     export_instance: Callable[..., Path] | None = None
+    services: CheckServices = field(default_factory=CheckServices, repr=False, compare=False)
 
     @property
     def target_id(self) -> str:
@@ -134,8 +139,8 @@ class TargetCase:
 class ExporterCase:
     """A module exporter under test, by its name in the module-exporter registry.
 
-    ``model_name`` is set for per-model exporter checks; ``goldens`` and
-    ``options`` as in :class:`TargetCase`.
+    ``model_name`` is set for per-model exporter checks; ``goldens``,
+    ``options`` and ``services`` as in :class:`TargetCase`.
     """
 
     name: str
@@ -145,6 +150,7 @@ class ExporterCase:
     model_name: str | None = None
     goldens: Any = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    services: CheckServices = field(default_factory=CheckServices, repr=False, compare=False)
 
 
 class UnknownCheckError(KeyError):

@@ -115,6 +115,11 @@ class RecordingExporter(ModuleExporter):
     def __init__(self, inner: ModuleExporter, label: str, recorder: Recorder) -> None:
         self.inner, self.label, self.recorder = inner, label, recorder
 
+    @property
+    def display_name(self) -> str:
+        """The wrapped exporter's name, so messages of the driver name it."""
+        return self.label
+
     def prepare_moe_inputs(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
         """Delegated as it is (nothing is written here)."""
         self.inner.prepare_moe_inputs(name, module, ctx)

@@ -10,7 +10,6 @@ runtime loader, the runtime) stop the check through
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from exportlm.export import (
     make_input_ids,
     runtime_loader,
 )
-from exportlm.models import build_model, model_names
+from exportlm.models import model_names
 from pytest_exportcheck.checks._api import CheckResult, TargetCase
 from pytest_exportcheck.checks._common import CheckAbort, attempt
 
@@ -128,9 +127,13 @@ def require_cuda_capability(
 
 
 def build_case_model(case: TargetCase, name: str) -> nn.Module:
-    """Family ``name`` with ``case.seed``, on ``case.device``; skips when the target refuses it."""
-    model = attempt(f"building toy model {name!r}", build_model, name, seed=case.seed)
-    model = model.eval().to(case.device)
+    """Family ``name`` with ``case.seed``, on ``case.device``; skips when the target refuses it.
+
+    The family is built once per process (``case.services``); each call returns a
+    copy of its own, which the check may change.
+    """
+    built = attempt(f"building toy model {name!r}", case.services.model, name, case.seed)
+    model: nn.Module = built.eval().to(case.device)
     reason = accepts_reason(case.target, model)
     if reason:
         raise CheckAbort(
@@ -155,7 +158,7 @@ def default_model_name(case: TargetCase) -> str:
     ]
     for name in candidates:
         try:
-            model = build_model(name, seed=case.seed)
+            model = case.services.pristine_model(name, case.seed)
         except Exception:  # a broken third-party family must not hide the others
             continue
         if not accepts_reason(case.target, model):
@@ -195,9 +198,16 @@ def export_fresh(case: TargetCase, model: nn.Module, directory: Path, **extra: A
     directory.mkdir(parents=True, exist_ok=True)
     kwargs = {**dict(case.export_kwargs), **extra}
     output = directory / artifact_name(info)
-    return attempt(
-        f"export with target {case.target_id!r}", export_model, case.target, model, output, **kwargs
-    )
+    with case.services.phase("export"):
+        case.services.profile.count("exports")
+        return attempt(
+            f"export with target {case.target_id!r}",
+            export_model,
+            case.target,
+            model,
+            output,
+            **kwargs,
+        )
 
 
 def shared_artifact(case: TargetCase, model_name: str, **extra: Any) -> Path:
@@ -229,12 +239,8 @@ def runtime_kwargs(case: TargetCase) -> dict[str, Any]:
 def load_runtime(case: TargetCase, artifact: Path) -> Callable[[torch.Tensor], Any]:
     """The artifact loaded in the target's own runtime."""
     what = f"loading {artifact.name} in the runtime of {case.target_id!r}"
-    return attempt(what, load_exported, case.target, artifact, **runtime_kwargs(case))
-
-
-#: Loaded runtimes of shared artifacts, most recent last (see :func:`load_shared_runtime`).
-_SHARED_RUNTIMES: OrderedDict[tuple[Any, ...], Callable[[torch.Tensor], Any]] = OrderedDict()
-_SHARED_RUNTIMES_KEPT = 4
+    with case.services.phase("load"):
+        return attempt(what, load_exported, case.target, artifact, **runtime_kwargs(case))
 
 
 def load_shared_runtime(case: TargetCase, artifact: Path) -> Callable[[torch.Tensor], Any]:
@@ -242,19 +248,17 @@ def load_shared_runtime(case: TargetCase, artifact: Path) -> Callable[[torch.Ten
 
     Only for artifacts from ``case.export`` (the plugin's read-only cache): the
     per-model checks of one artifact (``roundtrip_logits``, ``dynamic_shapes``)
-    then load it once. The last few are kept; anything else loads afresh.
+    then load it once (``case.services`` keeps the last few); anything else loads
+    afresh.
     """
     if case.export is None:
         return load_runtime(case, artifact)
     kwargs = runtime_kwargs(case)
     stat = artifact.stat()
     key = (case.target, str(artifact), stat.st_mtime_ns, stat.st_size, repr(sorted(kwargs.items())))
-    runtime = _SHARED_RUNTIMES.pop(key, None)
-    if runtime is None:
-        runtime = load_runtime(case, artifact)
-    _SHARED_RUNTIMES[key] = runtime
-    while len(_SHARED_RUNTIMES) > _SHARED_RUNTIMES_KEPT:
-        _SHARED_RUNTIMES.popitem(last=False)
+    runtime: Callable[[torch.Tensor], Any] = case.services.shared_runtime(
+        key, lambda: load_runtime(case, artifact)
+    )
     return runtime
 
 
@@ -286,9 +290,10 @@ def roundtrip(
     target's declared ``atol`` / ``rtol``; NaN / inf anywhere fails.
     """
     ids = input_ids_for(model, shape[0], shape[1], seed=case.seed + IDS_SEED, device=case.device)
-    expected = eager_logits(model, ids)
-    actual = run_runtime(runtime, ids)
-    result = compare_logits(actual, expected, info.atol, info.rtol)
+    with case.services.phase("compare"):
+        expected = eager_logits(model, ids)
+        actual = run_runtime(runtime, ids)
+        result = compare_logits(actual, expected, info.atol, info.rtol)
     where = f"input_ids {list(shape)}"
     if not result.passed:
         return CheckResult.failed(

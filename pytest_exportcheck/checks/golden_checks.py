@@ -47,6 +47,12 @@ from pytest_exportcheck.checks._survey import (
     recipe_label,
     survey_of,
 )
+from pytest_exportcheck.checks.exporters.values import (
+    conformance_golden,
+    no_golden_case,
+    written_by,
+    written_ties,
+)
 from pytest_exportcheck.goldens import GoldenStore, tensor_values, tensors_digest
 
 __all__ = [
@@ -165,22 +171,6 @@ def _quantized(
     return q
 
 
-def _written_by(q: QuantizedModel, exporter: str) -> list[str]:
-    return [n for c in q.calls if c.exporter == exporter for n in c.names]
-
-
-def _ties(q: QuantizedModel) -> dict[str, list[str]]:
-    """Per tied group (one Parameter under several names): the names written."""
-    groups: dict[int, list[str]] = {}
-    for name, param in q.model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return {
-        "=".join(group): sorted(n for n in group if n in q.tensors)
-        for group in groups.values()
-        if len(group) > 1
-    }
-
-
 def _mask_producer(config: Any) -> Any:
     """``config`` with every ``producer.version`` replaced: goldens outlive releases."""
     if isinstance(config, Mapping):
@@ -246,7 +236,7 @@ def _checkpoint_data(
     }
     if not configs and q.summary is not None:  # no checkpoint writer for this model
         data["quantization"] = q.summary.quantization_config()
-    ties = _ties(q)
+    ties = written_ties(q)
     if ties:
         data["ties"] = dict(sorted(ties.items()))
     return data
@@ -279,17 +269,23 @@ def golden_checkpoint(case: ExporterCase) -> CheckResult:
     ``checkpoint/<case>/<exporter>.json`` per case of :data:`GOLDEN_CASES` in
     which the exporter writes something: its tensors (values of scales, a
     summary of large tensors, shown in a mismatch but not compared), the tied
-    groups and the quantization configs written beside them. Skips when the
-    exporter writes nothing in any case, or without a golden store.
+    groups and the quantization configs written beside them. The exporter's
+    ``conformance_model(seed)``, when it has one, is one more case,
+    ``checkpoint/conformance/<exporter>.json`` (with the driver's quantization
+    summary as its config). Fails (``value_coverage``) when the exporter writes
+    nothing in any case, claims no toy-model module and has no conformance model;
+    skips when it claims toy-model modules only, or without a golden store.
     """
     exporter_entry(case)
     store = _store(case)
     if store is None:
         return CheckResult.skipped("no golden store in the case (the plugin passes one)")
     results: list[tuple[str, CheckResult]] = []
+    claims = 0  # modules of the golden cases' toy models the exporter claims
     for golden in GOLDEN_CASES:
         q = _quantized(golden, case.seed, "synthetic", case.device)
-        names = _written_by(q, case.name)
+        claims += sum(1 for c in q.claims if c.exporter == case.name)
+        names = written_by(q, case.name)
         if not names:
             continue
         try:
@@ -298,12 +294,11 @@ def golden_checkpoint(case: ExporterCase) -> CheckResult:
             return CheckResult.failed(f"golden case {golden.id}: {error_text(err)}", exception=err)
         result = store.check(f"checkpoint/{golden.id}/{case.name}", data, owner=_owner(case.name))
         results.append((golden.id, result))
+    own = conformance_golden(case, store, owner=_owner(case.name))
+    if own is not None:
+        results.append(("conformance", own))
     if not results:
-        ids = ", ".join(g.id for g in GOLDEN_CASES)
-        return CheckResult.skipped(
-            f"module exporter {case.name!r} writes nothing in any of the {len(GOLDEN_CASES)} "
-            f"golden cases ({ids})"
-        )
+        return no_golden_case(case, [g.id for g in GOLDEN_CASES], claims)
     return _combine(results, "checkpoint")
 
 
@@ -342,7 +337,7 @@ def golden_calibration(case: ExporterCase) -> CheckResult:
                 "another machine may choose another; change the case's seed or calibration "
                 "data, not the golden (see exportlm.quant.awq_margin)"
             )
-        values = _calibrated(q, _written_by(q, case.name))
+        values = _calibrated(q, written_by(q, case.name))
         if values:
             cases[golden.id] = {
                 "model": golden.model,
@@ -351,7 +346,9 @@ def golden_calibration(case: ExporterCase) -> CheckResult:
             }
     if not cases:
         return CheckResult.skipped(
-            f"module exporter {case.name!r} writes no calibrated scale in the golden cases"
+            f"module exporter {case.name!r} writes no calibrated scale in the golden cases "
+            "(the scales of its conformance_model(), calibrated by its author, are compared "
+            "exactly by golden_checkpoint)"
         )
     data = {
         "exporter": case.name,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "ExportError",
+    "DuplicateTensorError",
     "ExportFailedError",
     "InvalidConfigError",
     "InvalidInputError",
@@ -242,6 +243,14 @@ class UnclaimedModuleError(QuantizationError, ExportError):
 
 class TiedWeightsError(QuantizationError, ExportError):
     """Tensors declared tied hold different values."""
+
+
+class DuplicateTensorError(ExportFailedError):
+    """One checkpoint tensor name was written twice in one export.
+
+    Raised by the export context and by the checkpoint sink; the message names the
+    tensor and the module exporter (and module) that wrote it the second time.
+    """
 
 
 class MissingDependencyError(ExportLMError, ImportError):

@@ -8,7 +8,7 @@ import copy
 import torch
 from torch import nn
 
-from exportlm.errors import ExportLMError
+from exportlm.errors import DuplicateTensorError, ExportLMError
 from exportlm.modules import DictSink, ExportContext, ModuleExporter
 from exportlm.quant import is_quantized_module
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
@@ -25,6 +25,7 @@ from pytest_exportcheck.checks.exporters._examples import (
     hook_examples,
     no_examples,
 )
+from pytest_exportcheck.checks.exporters.values import conformance_export
 
 __all__ = ["claims_all_quantized", "export_contract", "tensor_problems"]
 
@@ -133,7 +134,10 @@ def _direct_export(
     before = {k: v.detach().clone() for k, v in module.state_dict().items()}
     try:
         exporter.prepare_moe_inputs(name, module, ctx)
-        exporter.export(name, module, ctx)
+        with ctx.exporting(exporter, name, module):
+            exporter.export(name, module, ctx)
+    except DuplicateTensorError as err:  # not a refusal: a name written twice is a bug
+        return [f"{name}: {err}"], err
     except ExportLMError:
         return [], None  # a clear refusal (e.g. of a zero amax) is allowed
     except Exception as err:
@@ -157,7 +161,8 @@ def export_contract(case: ExporterCase) -> CheckResult:
     models: no exception; every tensor name starts with ``<module name>.``; the
     module's parameters and buffers are unchanged afterwards; no NaN/inf in any
     floating tensor; no zero in a scale (``weight_scale``, ``weight_scale_2``,
-    ``input_scale``, ``k_scale``, ``v_scale``). Then once per claimed type (and
+    ``input_scale``, ``k_scale``, ``v_scale``); the calls of the exporter's
+    ``conformance_model(seed)`` export count too. Then once per claimed type (and
     ``conformance_examples()``) on a copy with all-zero weights and amax: a zero
     amax must give a safe scale or a clear ``ExportLMError``, never a zero or
     NaN scale.
@@ -165,10 +170,14 @@ def export_contract(case: ExporterCase) -> CheckResult:
     exporter, _, _ = exporter_entry(case)
     survey = survey_for(case)
     examples = claimed_examples(case, exporter, survey)
+    by_model = {(q.model_name, q.recipe): q for q in survey.quantized}
     calls = survey.calls_of(case.name)
+    own = conformance_export(case, exporter)
+    if own is not None:  # the exporter's conformance_model(seed), exported by the driver
+        by_model[(own.model_name, own.recipe)] = own
+        calls += [c for c in own.calls if c.exporter == case.name]
     if not calls and not examples:
         return no_examples(case, survey)
-    by_model = {(q.model_name, q.recipe): q for q in survey.quantized}
     problems = [p for c in calls for p in _call_problems(c, by_model[(c.model, c.recipe)])]
     causes = [c.exception for c in calls]
     hooks = hook_examples(case, exporter)

@@ -20,6 +20,7 @@ from pytest_exportcheck.checks._survey import (
     survey_for,
     tie_groups,
 )
+from pytest_exportcheck.checks.exporters.values import CONFORMANCE_LABEL, conformance_export
 
 __all__ = ["moe_inputs", "tied_weights"]
 
@@ -167,23 +168,25 @@ def tied_weights(case: ExporterCase) -> CheckResult:
     written exactly once, and every other parameter is written (or exported by an
     exporter that owns its module). Then a copy whose declared tie was broken
     (the tied target given other values) must make ``export_quantized_state``
-    raise :class:`~exportlm.errors.TiedWeightsError`.
+    raise :class:`~exportlm.errors.TiedWeightsError`. The exporter's
+    ``conformance_model(seed)`` counts as one more model when it has ties.
     """
-    exporter_entry(case)
+    exporter, _, _ = exporter_entry(case)
     survey = survey_for(case)
+    own = conformance_export(case, exporter)
     relevant = [
         q
-        for q in survey.quantized
+        for q in [*survey.quantized, *([own] if own is not None else [])]
         if tie_groups(q.model) and any(c.exporter == case.name for c in q.calls)
     ]
     if not relevant:
         return CheckResult.skipped(
             f"module exporter {case.name!r} exports nothing in a tied toy model "
-            f"(selected: {', '.join(survey.models)})"
+            f"(selected: {', '.join(survey.models)}) nor in a tied conformance_model()"
         )
     problems = [p for q in relevant for p in _tie_problems(q)]
     causes = [q.exception for q in relevant]
-    for model_name in sorted({q.model_name for q in relevant}):
+    for model_name in sorted({q.model_name for q in relevant} - {CONFORMANCE_LABEL}):
         found, raised = _untied_problems(model_name, case.seed)
         problems += found
         causes.append(raised)

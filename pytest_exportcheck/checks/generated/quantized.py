@@ -23,8 +23,15 @@ from pytest_exportcheck.checks._survey import (
     exporter_entry,
     exporter_names,
     registry_state,
+    survey_for,
     survey_one,
     tie_groups,
+)
+from pytest_exportcheck.checks.exporters.values import (
+    conformance_export,
+    conformance_problems,
+    toy_claims,
+    uncovered,
 )
 from pytest_exportcheck.checks.generated._shared import (
     GeneratedFailure,
@@ -289,12 +296,23 @@ def quantized_generated(case: ExporterCase) -> CheckResult:
       the same elementwise function (FP8 code times the same float32 scale) of
       identical inputs, with no matmul or reduction in between.
 
-    Skips, with the reason, for an exporter that claims nothing in the generated
-    models. A failure shrinks to the smallest structure, printed as JSON (and
+    Then the exporter's own ``conformance_model(seed)``, when it has one, is
+    exported and checked the same way, and read back: every module it claims,
+    rebuilt by ``dequantized_module()``, reproduces the fake-quant forward
+    within ``1e-6 + 1e-4 * max|fake_quant|``
+    (:mod:`pytest_exportcheck.checks.exporters.values`). An exporter that claims
+    nothing in the generated models and has no conformance model fails
+    (``value_coverage``); one that claims toy-model modules skips. A failure shrinks to the smallest structure, printed as JSON (and
     written to a file) with an ``exportlm export --target hf_checkpoint
     --quantize RECIPE --model FILE.json`` command that rebuilds and exports it.
     """
-    exporter_entry(case)
+    exporter, _, _ = exporter_entry(case)
+    own = conformance_export(case, exporter)
+    problems = [] if own is None else conformance_problems(own, exporter, case.name)
+    if own is not None and problems:
+        return CheckResult.failed(
+            f"module exporter {case.name!r}: {listed(problems)}", exception=own.exception
+        )
     state = registry_state()
     tally = Tally()
     budget = generated_budget()
@@ -309,12 +327,20 @@ def quantized_generated(case: ExporterCase) -> CheckResult:
     seconds = round(time.perf_counter() - start, 2)
     if failure is not None:
         return _failed(case, failure)
-    if not tally.claimed:
-        return CheckResult.skipped(
-            f"module exporter {case.name!r} claims no module of the generated models "
-            f"({tally.quantized_models} quantized models from {budget} drawn "
-            f"structures x {', '.join(GENERATED_RECIPES)})"
+    if not tally.claimed and own is None:
+        what = (
+            f"the generated models ({tally.quantized_models} quantized models from {budget} "
+            f"drawn structures x {', '.join(GENERATED_RECIPES)})"
         )
+        claims = toy_claims(case.name, survey_for(case))
+        if claims:
+            return CheckResult.skipped(
+                f"module exporter {case.name!r} claims no module of {what} (it claims "
+                f"{claims} module(s) of the toy models, which the other exporter checks cover)"
+            )
+        return uncovered(case.name, f"the toy models nor of {what}")
+    if own is not None:
+        tally.claimed += sum(1 for c in own.claims if c.exporter == case.name)
     return CheckResult.passed(
         f"{tally.claimed} module(s) claimed by {case.name} in {tally.quantized_models} quantized "
         f"generated models; {tally.fp8_weights} of its FP8 weights bit-identical to fake quant; "

@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ from exportlm.export import (
 )
 from exportlm.export.manifest import DIRECTORY_MANIFEST_NAME, MANIFEST_SUFFIX
 from pytest_exportcheck.checks._api import TargetCase
-from pytest_exportcheck.checks._support import artifact_name, runtime_kwargs
+from pytest_exportcheck.checks._support import artifact_name, build_case_model, runtime_kwargs
 
 __all__ = ["InjectedPublishFailure", "fail_nth_publish", "multi_file_problems"]
 
@@ -111,16 +113,22 @@ def _other_weights(model: nn.Module) -> nn.Module:
 
 
 def multi_file_problems(
-    case: TargetCase, info: TargetInfo, build: Callable[[], nn.Module], kwargs: dict[str, Any]
+    case: TargetCase, info: TargetInfo, name: str, kwargs: dict[str, Any]
 ) -> tuple[str, str]:
-    """Run the multi-file phases; returns ``(problem, "")`` or ``("", what passed)``.
+    """Run the multi-file phases on family ``name``; returns ``(problem, "")`` or
+    ``("", what passed)``.
 
     A factory that takes ``external_data`` gets ``external_data=True``, so even the
-    small toy model is written as several files.
+    small toy model is written as several files. The artifact the second phase
+    fails over is the shared (cached) export of ``name`` with these options, copied.
     """
+
+    def build() -> nn.Module:
+        return build_case_model(case, name)
+
     names, _ = accepted_kwargs(EXPORT_REGISTRY.get(case.target), skip=2)
-    if "external_data" in names:
-        kwargs = {**kwargs, "external_data": True}
+    external = {"external_data": True} if "external_data" in names else {}
+    kwargs = {**kwargs, **external}
     notes: list[str] = []
     for phase in ("fresh", "existing"):
         directory = case.workdir / f"atomic_multi_{phase}"
@@ -128,10 +136,11 @@ def multi_file_problems(
         output = directory / artifact_name(info)
         before: dict[str, str] = {}
         if phase == "existing":
-            export_model(case.target, build(), output, **kwargs)
+            _existing_artifact(case, output, name, kwargs, external)
             before = _tree(directory)
         err: BaseException | None = None
-        with fail_nth_publish(output, FAILING_STEP) as seen:
+        with fail_nth_publish(output, FAILING_STEP) as seen, case.services.phase("export"):
+            case.services.profile.count("exports")
             try:
                 export_model(case.target, _other_weights(build()), output, **kwargs)
             except Exception as raised:
@@ -146,6 +155,32 @@ def multi_file_problems(
             return f"{phase}: failing rename {FAILING_STEP} of {seen}: {problem}", ""
         notes.append(f"{phase}: rename {FAILING_STEP} of {len(seen)} failed, old artifact kept")
     return "", "; ".join(notes)
+
+
+def _existing_artifact(
+    case: TargetCase,
+    output: Path,
+    name: str,
+    kwargs: dict[str, Any],
+    external: dict[str, Any],
+) -> None:
+    """Put an artifact of family ``name`` at ``output``: a writable copy of the shared
+    (cached) export when the case has one, else a fresh export."""
+    if case.export is None:
+        with case.services.phase("export"):
+            case.services.profile.count("exports")
+            export_model(case.target, build_case_model(case, name), output, **kwargs)
+        return
+    artifact = Path(case.export(name, **external))
+    for source in sorted(artifact.parent.iterdir()):
+        name = output.name if source.name == artifact.name else source.name
+        target = output.parent / name
+        if source.is_dir():
+            shutil.copytree(source, target)
+        else:
+            shutil.copyfile(source, target)
+    for path in [output.parent, *output.parent.rglob("*")]:
+        path.chmod(path.stat().st_mode | stat.S_IWUSR)
 
 
 def _left_problem(case: TargetCase, output: Path, directory: Path, before: dict[str, str]) -> str:

@@ -119,10 +119,12 @@ def _write_sentinel(path: Path, info: TargetInfo) -> Path:
 
 def _failing_export(case: TargetCase, model: nn.Module, output: Path) -> BaseException | None:
     kwargs = {**dict(case.export_kwargs), **_overwrite_kwargs(case)}
-    try:
-        export_model(case.target, model, output, **kwargs)
-    except Exception as err:
-        return err
+    with case.services.phase("export"):
+        case.services.profile.count("exports")
+        try:
+            export_model(case.target, model, output, **kwargs)
+        except Exception as err:
+            return err
     return None
 
 
@@ -180,9 +182,7 @@ def atomic_failure(case: TargetCase) -> CheckResult:
         outcomes.append(f"{phase}: {_cause_chain(err)}")
     if info.has("multi_file") or info.artifact == "directory":
         kwargs = {**dict(case.export_kwargs), **_overwrite_kwargs(case)}
-        problem, passed = multi_file_problems(
-            case, info, lambda: build_case_model(case, name), kwargs
-        )
+        problem, passed = multi_file_problems(case, info, name, kwargs)
         if problem:
             return CheckResult.failed(
                 f"a multi-file export of {name!r} with {case.target_id} that failed part way "

@@ -42,7 +42,7 @@ from pytest_exportcheck.checks._support import (
     build_case_model,
     default_model_name,
     eager_logits,
-    export_fresh,
+    export_instance,
     input_ids_for,
     load_runtime,
     require_device,
@@ -140,7 +140,9 @@ def roundtrip_quantized(case: TargetCase) -> CheckResult:
         if isinstance(model, str):
             skipped[recipe] = model
             continue
-        artifact = export_fresh(case, model, case.workdir / recipe)
+        # Cached by the quantized model's class, config, weights, scales and source, like
+        # the quantized exports of checkpoint_names and loadable: a rerun loads it.
+        artifact = export_instance(case, model, case.workdir / recipe)
         runtime = load_runtime(case, artifact)
         with torch.no_grad():
             failure, details = _compare(case, info, model, runtime)

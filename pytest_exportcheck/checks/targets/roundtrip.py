@@ -163,9 +163,10 @@ def deterministic(case: TargetCase) -> CheckResult:
     first = shared_artifact(case, name)
     second = export_fresh(case, model, case.workdir / "deterministic")
     ids = input_ids_for(model, *TRACED_SHAPE, seed=case.seed + IDS_SEED, device=case.device)
-    a = run_runtime(load_shared_runtime(case, first), ids)
-    b = run_runtime(load_runtime(case, second), ids)
-    result = compare_logits(b, a, 0.0, 0.0)
+    runtimes = load_shared_runtime(case, first), load_runtime(case, second)
+    with case.services.phase("compare"):
+        a, b = (run_runtime(runtime, ids) for runtime in runtimes)
+        result = compare_logits(b, a, 0.0, 0.0)
     same_bytes = _digest(first) == _digest(second)
     if not result.passed:
         return CheckResult.failed(

@@ -15,6 +15,11 @@ This package depends on :mod:`exportlm.quant` only: never on the toy models
 from __future__ import annotations
 
 from exportlm.modules._base import MatchKey, ModuleExporter, ModulePredicate
+from exportlm.modules._conformance import (
+    ConformanceModel,
+    DequantizedLinear,
+    library_dequantized_module,
+)
 from exportlm.modules._context import (
     EXPORT_FORMATS,
     DictSink,
@@ -54,7 +59,9 @@ __all__ = [
     "MODULE_EXPORTERS_GROUP",
     "MODULE_EXPORTER_REGISTRY",
     "BMMExpertsExporter",
+    "ConformanceModel",
     "DbrxExpertsExporter",
+    "DequantizedLinear",
     "DictSink",
     "ExpertSlice",
     "ExportContext",
@@ -78,6 +85,7 @@ __all__ = [
     "builtin_module_exporters",
     "ensure_module_exporters_registered",
     "export_quantized_state",
+    "library_dequantized_module",
     "qlora_saved_name",
     "register_builtin_module_exporters",
     "resolve_tied_weights",

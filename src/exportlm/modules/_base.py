@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -67,6 +68,43 @@ class ModuleExporter(abc.ABC):
         For a quantized module the exporter owns the whole subtree (its children
         are not visited). Must not modify ``module``.
         """
+
+    def conformance_model(self, seed: int) -> nn.Module | None:
+        """A small model holding at least one module this exporter claims, already
+        quantized and calibrated, for the conformance suite's value checks.
+
+        Its weights and calibration must depend on ``seed`` only (use
+        :func:`exportlm.quant.synthetic_calibration`), because
+        ``golden_checkpoint`` compares what the exporter writes for it byte for
+        byte. Default: the modules of ``conformance_examples()`` (when the exporter
+        has that method) as ``examples.{i}`` of a :class:`ConformanceModel`;
+        ``None`` otherwise, and then an exporter whose modules no toy model holds
+        fails the value checks with a message asking for this method.
+        """
+        hook = getattr(self, "conformance_examples", None)
+        if hook is None:
+            return None
+        from exportlm.modules._conformance import ConformanceModel
+
+        examples = list(hook())
+        return ConformanceModel(examples) if examples else None
+
+    def dequantized_module(
+        self, module: nn.Module, tensors: Mapping[str, torch.Tensor]
+    ) -> nn.Module | None:
+        """A float module built from the ``tensors`` this exporter wrote for ``module``
+        (names relative to the module's prefix: ``weight``, ``weight_scale``, ...).
+
+        The value checks run it on the inputs of the fake-quantized ``module`` and
+        compare the two outputs within a stated tolerance. Default: the library's
+        formats (:func:`~exportlm.modules.library_dequantized_module`: a linear or
+        an embedding whose ``weight`` is stored in the format of its
+        ``weight_quantizer``). Override it when your module computes more than
+        that (an extra per-channel scale, another layout); ``None``: no reference.
+        """
+        from exportlm.modules._conformance import library_dequantized_module
+
+        return library_dequantized_module(module, tensors)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.display_name!r}>"

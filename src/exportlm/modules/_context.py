@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from torch import nn
 
-from exportlm.errors import ExportError
+from exportlm.errors import DuplicateTensorError, ExportError
 from exportlm.modules._ties import TieBook
 from exportlm.quant import TensorQuantizer
+
+if TYPE_CHECKING:
+    from exportlm.modules._base import ModuleExporter
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -245,8 +249,25 @@ class ExportContext:
     quant_config: QuantConfigCollector = field(default_factory=QuantConfigCollector)
     amax_overrides: dict[TensorQuantizer, torch.Tensor] = field(default_factory=dict)
     ties: TieBook = field(default_factory=TieBook)
-    _written: dict[str, None] = field(default_factory=dict, repr=False)
+    _written: dict[str, str] = field(default_factory=dict, repr=False)
     _num_bytes: int = field(default=0, repr=False)
+    _writer: str = field(default="the export driver (a plain tensor)", repr=False)
+
+    @contextlib.contextmanager
+    def exporting(self, exporter: ModuleExporter, name: str, module: nn.Module) -> Iterator[None]:
+        """Attribute every tensor emitted inside to ``exporter`` exporting ``module`` (``name``).
+
+        The driver wraps each ``export`` call in it, so a duplicate name can say
+        who wrote it the second time.
+        """
+        previous = self._writer
+        self._writer = (
+            f"module exporter {exporter.display_name!r} on {name!r} ({type(module).__name__})"
+        )
+        try:
+            yield
+        finally:
+            self._writer = previous
 
     def saved_name(self, name: str) -> str | None:
         """The checkpoint name of in-memory tensor or module ``name``; ``None``: not saved."""
@@ -257,7 +278,7 @@ class ExportContext:
 
         A QLoRA adapter tensor and the dropped copy of a tied quantized tensor
         are not written; a saved name written twice raises
-        :class:`~exportlm.errors.ExportError`.
+        :class:`~exportlm.errors.DuplicateTensorError` naming both writers.
         """
         saved = self.saved_name(name)
         if saved is None:
@@ -266,13 +287,23 @@ class ExportContext:
         if self.ties.absorbs(name, tensor):
             return
         if saved in self._written:
-            raise ExportError(
-                f"tensor {saved!r} was written twice; two exporters (or a tie and an "
-                "exporter) claim the same name. Check the module exporter registry."
+            first = self._written[saved]
+            who = (
+                f"by {first}, which emits it twice: emit each name once"
+                if first == self._writer
+                else f"first by {first}, again by {self._writer}: when two exporters claim "
+                "the same name, narrow one of them (keys, predicate)"
             )
-        self._written[saved] = None
+            raise DuplicateTensorError(
+                f"tensor {saved!r} was written twice, {who}. Every checkpoint tensor is "
+                "written exactly once."
+            )
+        try:
+            self.sink.add(saved, tensor)
+        except DuplicateTensorError as err:
+            raise DuplicateTensorError(f"{err}; the second write came from {self._writer}") from err
+        self._written[saved] = self._writer
         self._num_bytes += tensor.numel() * tensor.element_size()
-        self.sink.add(saved, tensor)
         self.ties.wrote(name, tensor)
 
     def emit_plain(self, name: str, tensor: torch.Tensor) -> None:

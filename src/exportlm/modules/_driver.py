@@ -97,13 +97,15 @@ def _walk(
             exporter = registry.match(module)
             if exporter is None:
                 raise UnclaimedModuleError(_unclaimed_message(name, module, registry))
-            exporter.export(name, module, ctx)
+            with ctx.exporting(exporter, name, module):
+                exporter.export(name, module, ctx)
             owned = name
             continue
         _emit_own_tensors(name, module, ctx, persistent)
         exporter = registry.match(module)
         if exporter is not None and exporter.exports_unquantized:
-            exporter.export(name, module, ctx)
+            with ctx.exporting(exporter, name, module):
+                exporter.export(name, module, ctx)
         # Unquantized linear-like modules and embeddings are listed as excluded,
         # as ModelOpt lists them (lm_head, routers, embed_tokens).
         if _is_linear_like(module) or isinstance(module, nn.Embedding):

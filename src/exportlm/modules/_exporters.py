@@ -144,14 +144,18 @@ class QuantEmbeddingExporter(ModuleExporter):
         """Quantized embeddings for the conformance suite.
 
         The built-in recipes leave embeddings in full precision (as ModelOpt's
-        defaults do), so no toy model has one; these are built explicitly.
+        defaults do), so no toy model has one; these are built explicitly, from
+        numpy's PCG64 (the same bytes on every torch version and machine: they are
+        also the ``conformance_model`` whose golden ``golden_checkpoint`` compares).
         """
+        import numpy as np
+
         from exportlm.quant import quantize
 
         examples: list[nn.Module] = []
         for seed, recipe in enumerate(("int8_wo", "fp8")):
-            generator = torch.Generator().manual_seed(seed)
-            table = torch.empty(256, 128).normal_(0.0, 0.02, generator=generator)
+            draws = np.random.Generator(np.random.PCG64(seed)).standard_normal((256, 128))
+            table = torch.from_numpy((draws * 0.02).astype(np.float32))
             holder = nn.ModuleDict(
                 {"embed_tokens": nn.Embedding.from_pretrained(table, freeze=False)}
             )

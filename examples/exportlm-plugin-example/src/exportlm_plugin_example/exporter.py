@@ -14,8 +14,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from exportlm.models import seeded_init_
 from exportlm.modules import ExportContext, QuantLinearExporter
-from exportlm.quant import quantize
+from exportlm.quant import quantize, synthetic_calibration
 
 __all__ = ["MarkedLinearExporter"]
 
@@ -40,12 +41,18 @@ class MarkedLinearExporter(QuantLinearExporter):
         ctx.emit(f"{name}.example_marked", torch.ones(1, dtype=torch.uint8))
 
     def conformance_examples(self) -> list[nn.Module]:
-        """Marked FP8 linears for the conformance checks (the toy models have none)."""
-        generator = torch.Generator().manual_seed(0)
+        """Marked FP8 linears for the conformance checks (the toy models have none).
+
+        Calibrated with ``synthetic_calibration``: the statistics come from the seed,
+        not from a forward pass, so the bytes the exporter writes are the same on
+        every machine and the golden ``checkpoint/conformance/example_marked_linear``
+        compares them exactly.
+        """
+        linears = seeded_init_(nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 64)), seed=0)
         model: Any = quantize(
-            nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 64)),
+            linears,
             "fp8",
-            calibrate=lambda m: m(torch.randn(4, 128, generator=generator)),
+            calibrate=synthetic_calibration(0, run_forward=lambda m: m(torch.zeros(1, 128))),
         )
         examples = [model[0], model[1]]
         for module in examples:

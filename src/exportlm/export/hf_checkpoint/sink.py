@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from exportlm.errors import ExportFailedError, InvalidInputError
+from exportlm.errors import DuplicateTensorError, ExportFailedError, InvalidInputError
 from exportlm.export.hf_checkpoint.naming import CheckpointNamer
 from exportlm.quant.formats import scale_leaf_names
 
@@ -158,9 +158,9 @@ class ShardedSafetensorsWriter:
                 f"cannot add {name!r}: the checkpoint writer is already finished"
             )
         if name in self._names:
-            raise ExportFailedError(
-                f"tensor name {name!r} was emitted twice; every checkpoint tensor needs a unique name "
-                "(this is a bug in a module exporter or in the name mapping)"
+            raise DuplicateTensorError(
+                f"tensor name {name!r} was written twice; every checkpoint tensor needs a unique "
+                "name (this is a bug in a module exporter or in the name mapping)"
             )
         if tensor.dtype not in SAFETENSORS_DTYPES:
             raise ExportFailedError(
@@ -261,14 +261,27 @@ class CheckpointSink:
             frozenset(scale_leaf_names()) if self._compressed_tensors else frozenset()
         )
         self._closed = False
+        self._sources: dict[str, str] = {}  # checkpoint name -> the driver's name it came from
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Accept one tensor from the export driver."""
+        """Accept one tensor from the export driver.
+
+        Raises :class:`~exportlm.errors.DuplicateTensorError` when its checkpoint
+        name was written before (the export context adds which exporter wrote it).
+        """
         if self._closed:
             raise ExportFailedError(f"tensor {name!r} arrived after the export finished")
         for ckpt_name, value in self.namer.rename(name, tensor):
             if self._compressed_tensors:
                 ckpt_name, value = _to_compressed_tensors(ckpt_name, value, self._scale_leaves)
+            first = self._sources.get(ckpt_name)
+            if first is not None:
+                raise DuplicateTensorError(
+                    f"checkpoint tensor {ckpt_name!r} was written twice: first from {first!r}, "
+                    f"again from {name!r}; every checkpoint tensor needs a unique name (a module "
+                    "exporter emits it twice, or two names map to it)"
+                )
+            self._sources[ckpt_name] = name
             self._writer.add(ckpt_name, value)
 
     def close(self) -> None:

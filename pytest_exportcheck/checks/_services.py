@@ -1,0 +1,163 @@
+"""What the checks of one process share, passed in explicitly: ``case.services``.
+
+A :class:`CheckServices` is created by whoever builds the cases: the plugin's
+runner makes one per pytest process and hands it to every case, so the items of a
+worker build each toy model once, load a shared artifact's runtime once and time
+what each item spent; a script that builds a :class:`~pytest_exportcheck.checks.TargetCase`
+itself gets a fresh one per case (nothing shared, nothing cached).
+
+It holds:
+
+* the toy models: each ``(family, seed)`` is built once (:meth:`pristine_model`,
+  for read-only uses such as a target's ``accepts``) and every caller that may
+  change or export the model gets its own deep copy (:meth:`model`);
+* the runtimes of shared (read-only, cached) artifacts, the last few kept
+  (:meth:`shared_runtime`);
+* the current item's :class:`ItemProfile`: seconds per phase (``build``,
+  ``export``, ``cache``, ``load``, ``compare``) and counts (``builds``,
+  ``exports``, ``cache_hits``, ``cache_misses``), for ``--export-durations`` and
+  the JSON report.
+
+This module imports neither torch nor Hypothesis (the model factory is called
+lazily), so the case classes can default to a fresh instance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PHASES", "CheckServices", "ItemProfile"]
+
+#: The phases an item's time is split into (besides ``other``), in report order.
+PHASES = ("build", "export", "cache", "load", "compare")
+#: How many loaded runtimes of shared artifacts a process keeps.
+RUNTIMES_KEPT = 4
+
+
+@dataclass
+class _Frame:
+    """One open phase: ``name`` may still change before it closes (a cache hit)."""
+
+    name: str
+    start: float
+    inner: float = 0.0
+
+
+@dataclass
+class ItemProfile:
+    """Where one item's time went: exclusive seconds per phase, and event counts.
+
+    Phases nest (an export builds its model): a phase's time excludes the time of
+    the phases opened inside it, so the phases never add up to more than the item.
+    """
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    counts: Counter[str] = field(default_factory=Counter)
+    _stack: list[_Frame] = field(default_factory=list, repr=False)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[_Frame]:
+        """Time the block as ``name`` (the yielded frame's ``name`` may be changed inside)."""
+        frame = _Frame(name, time.perf_counter())
+        self._stack.append(frame)
+        try:
+            yield frame
+        finally:
+            self._stack.pop()
+            elapsed = time.perf_counter() - frame.start
+            self.seconds[frame.name] = self.seconds.get(frame.name, 0.0) + elapsed - frame.inner
+            if self._stack:
+                self._stack[-1].inner += elapsed
+
+    def count(self, event: str, n: int = 1) -> None:
+        """Count ``n`` occurrences of ``event`` (``builds``, ``cache_hits``, ...)."""
+        self.counts[event] += n
+
+    @property
+    def artifact(self) -> str | None:
+        """``"cached"`` (every shared artifact from the cache), ``"exported"`` (some were
+        exported), or ``None`` (the item asked the cache for none)."""
+        if self.counts["cache_misses"]:
+            return "exported"
+        return "cached" if self.counts["cache_hits"] else None
+
+    def as_json(self, total: float) -> dict[str, Any]:
+        """``{"total", "build", ..., "other", "artifact", counts...}`` in seconds (ms rounded)."""
+        phases = {p: round(self.seconds.get(p, 0.0), 3) for p in PHASES}
+        other = max(0.0, total - sum(self.seconds.get(p, 0.0) for p in PHASES))
+        counts = {k: int(v) for k, v in sorted(self.counts.items()) if v}
+        return {
+            "total": round(total, 3),
+            **phases,
+            "other": round(other, 3),
+            "artifact": self.artifact,
+            **counts,
+        }
+
+
+class CheckServices:
+    """The state the checks of one process share; see the module docstring.
+
+    Args:
+        build: ``(family, seed) -> nn.Module``; default: ``exportlm.models.build_model``.
+    """
+
+    def __init__(self, build: Callable[[str, int], Any] | None = None) -> None:
+        self._build = build
+        self._models: dict[tuple[str, int], Any] = {}
+        self._runtimes: OrderedDict[Hashable, Any] = OrderedDict()
+        self.profile = ItemProfile()
+
+    # -- the current item ---------------------------------------------------
+    def begin_item(self) -> ItemProfile:
+        """Start the profile of a new item (the previous one is dropped) and return it."""
+        self.profile = ItemProfile()
+        return self.profile
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[_Frame]:
+        """:meth:`ItemProfile.phase` of the current item."""
+        return self.profile.phase(name)
+
+    # -- toy models ---------------------------------------------------------
+    def pristine_model(self, name: str, seed: int) -> Any:
+        """Family ``name`` built with ``seed``, once per process; never change it."""
+        key = (name, seed)
+        if key not in self._models:
+            with self.phase("build"):
+                self._models[key] = self._construct(name, seed)
+            self.profile.count("builds")
+        return self._models[key]
+
+    def model(self, name: str, seed: int) -> Any:
+        """A copy of :meth:`pristine_model` of its own, which the caller may change or export."""
+        pristine = self.pristine_model(name, seed)
+        with self.phase("build"):
+            try:
+                return copy.deepcopy(pristine)
+            except Exception:  # a family whose modules do not deep-copy: build it again
+                self.profile.count("builds")
+                return self._construct(name, seed)
+
+    def _construct(self, name: str, seed: int) -> Any:
+        if self._build is not None:
+            return self._build(name, seed)
+        from exportlm.models import build_model
+
+        return build_model(name, seed=seed).eval()
+
+    # -- runtimes of shared artifacts ----------------------------------------
+    def shared_runtime(self, key: Hashable, load: Callable[[], Any]) -> Any:
+        """The runtime loaded under ``key`` (``load()`` the first time); the last few are kept."""
+        runtime = self._runtimes.pop(key, None)
+        if runtime is None:
+            runtime = load()
+        self._runtimes[key] = runtime
+        while len(self._runtimes) > RUNTIMES_KEPT:
+            self._runtimes.popitem(last=False)
+        return runtime
