@@ -31,6 +31,7 @@ from exportlm.export.guard import UnverifiedArtifactWarning
 from exportlm.export.manifest import manifest_path
 from exportlm.export.options import resolve_dtype
 from exportlm.models import DecoderConfig, DecoderModel
+from tests._payload import Payload, export_quietly, small_model
 
 _IDS = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
 
@@ -47,27 +48,6 @@ def key_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def _model() -> DecoderModel:
-    torch.manual_seed(0)
-    return DecoderModel(DecoderConfig(hidden_size=32, intermediate_size=64, num_layers=1)).eval()
-
-
-def _export(target: str, path: Path) -> Path:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return export_model(target, _model(), path)
-
-
-class _Payload:
-    """Unpickling this writes a marker file: the harmless stand-in for an attack."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[object, tuple[str, str]]:
-        return (Path.write_text, (self.marker, "pwned"))  # type: ignore[return-value]
-
-
 def test_built_in_targets_declare_whether_loading_executes_code() -> None:
     assert get_target_info("torchscript").executes_code
     assert get_target_info("torch_export").executes_code
@@ -81,7 +61,7 @@ def test_a_poisoned_file_is_refused_before_anything_runs(
 ) -> None:
     marker = tmp_path / "marker"
     poisoned = tmp_path / f"received{suffix}"
-    torch.save({"weights": _Payload(marker)}, poisoned)
+    torch.save({"weights": Payload(marker)}, poisoned)
     with pytest.raises(UntrustedArtifactError) as excinfo:
         load_exported(target, poisoned)
     message = str(excinfo.value)
@@ -96,7 +76,7 @@ def test_a_poisoned_file_is_refused_before_anything_runs(
 
 @pytest.mark.parametrize("target", ["torchscript", "torch_export"])
 def test_our_own_export_loads_without_trust(target: str, tmp_path: Path, key_file: Path) -> None:
-    path = _export(target, tmp_path / "m.bin")
+    path = export_quietly(target, tmp_path / "m.bin")
     assert load_exported(target, path)(_IDS).shape == (2, 4, 256)
     if os.name == "posix":
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
@@ -105,7 +85,7 @@ def test_our_own_export_loads_without_trust(target: str, tmp_path: Path, key_fil
 def test_an_artifact_signed_with_another_key_needs_trust(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = _export("torchscript", tmp_path / "m.pt")
+    path = export_quietly("torchscript", tmp_path / "m.pt")
     monkeypatch.setenv("EXPORTLM_KEY_FILE", str(tmp_path / "other-machine" / "key"))
     with pytest.raises(UntrustedArtifactError, match="not signed by this machine"):
         load_exported("torchscript", path)
@@ -113,7 +93,7 @@ def test_an_artifact_signed_with_another_key_needs_trust(
 
 
 def test_a_copied_manifest_does_not_vouch_for_other_bytes(tmp_path: Path) -> None:
-    path = _export("torchscript", tmp_path / "m.pt")
+    path = export_quietly("torchscript", tmp_path / "m.pt")
     foreign = tmp_path / "foreign.pt"
     shutil.copy(path, foreign)
     data = json.loads(manifest_path(path).read_text())
@@ -130,7 +110,7 @@ def test_a_copied_manifest_does_not_vouch_for_other_bytes(tmp_path: Path) -> Non
 
 def test_an_old_manifest_without_the_artifact_name_cannot_vouch(tmp_path: Path) -> None:
     """Schema 1 did not require the artifact's name: such a manifest needs trust=True."""
-    path = _export("torchscript", tmp_path / "m.pt")
+    path = export_quietly("torchscript", tmp_path / "m.pt")
     data = json.loads(manifest_path(path).read_text())
     data = {k: v for k, v in data.items() if k not in ("artifact", "hmac")}
     data["schema"] = 1
@@ -143,7 +123,7 @@ def test_an_old_manifest_without_the_artifact_name_cannot_vouch(tmp_path: Path) 
 
 
 def test_a_schema_1_manifest_that_names_its_file_still_vouches(tmp_path: Path) -> None:
-    path = _export("torchscript", tmp_path / "m.pt")
+    path = export_quietly("torchscript", tmp_path / "m.pt")
     data = json.loads(manifest_path(path).read_text())
     data = {k: v for k, v in data.items() if k != "hmac"} | {"schema": 1}
     data["hmac"] = trustkey.sign(_canonical(data))
@@ -152,7 +132,7 @@ def test_a_schema_1_manifest_that_names_its_file_still_vouches(tmp_path: Path) -
 
 
 def test_a_tampered_file_is_refused_even_with_trust(tmp_path: Path) -> None:
-    path = _export("torch_export", tmp_path / "m.pt2")
+    path = export_quietly("torch_export", tmp_path / "m.pt2")
     with open(path, "ab") as handle:
         handle.write(b"\0")
     with pytest.raises(ArtifactIntegrityError) as excinfo:
@@ -162,7 +142,7 @@ def test_a_tampered_file_is_refused_even_with_trust(tmp_path: Path) -> None:
 
 
 def test_no_manifest_code_format_refused_data_format_warns(tmp_path: Path) -> None:
-    pt = _export("torchscript", tmp_path / "m.pt")
+    pt = export_quietly("torchscript", tmp_path / "m.pt")
     manifest_path(pt).unlink()
     with pytest.raises(UntrustedArtifactError, match="no manifest"):
         load_exported("torchscript", pt)
@@ -190,7 +170,7 @@ def test_meta_device_model_is_refused_before_writing(tmp_path: Path) -> None:
 def test_runtime_refuses_empty_and_out_of_vocabulary_ids(
     ids: torch.Tensor, problem: str, fix: str, tmp_path: Path
 ) -> None:
-    runtime = load_exported("torchscript", _export("torchscript", tmp_path / "m.pt"))
+    runtime = load_exported("torchscript", export_quietly("torchscript", tmp_path / "m.pt"))
     with pytest.raises(InvalidInputError) as excinfo:
         runtime(ids)
     assert problem in str(excinfo.value)
@@ -242,10 +222,10 @@ def test_special_output_paths_are_refused_not_replaced(tmp_path: Path) -> None:
     fifo = tmp_path / "pipe.pt"
     os.mkfifo(fifo)
     with pytest.raises(UnsupportedOutputPathError, match="not a regular file or directory"):
-        export_model("torchscript", _model(), fifo)
+        export_model("torchscript", small_model(), fifo)
     assert stat.S_ISFIFO(fifo.lstat().st_mode)
     with pytest.raises(UnsupportedOutputPathError):
-        export_model("torchscript", _model(), "/dev/null")
+        export_model("torchscript", small_model(), "/dev/null")
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
 
 
@@ -276,13 +256,13 @@ def test_a_code_executing_runtime_that_reopens_the_path_is_named(tmp_path: Path)
     EXPORT_REGISTRY.register("h_reopens", write)
     RUNTIME_REGISTRY.register("h_reopens", reopen)
     try:
-        path = export_model("h_reopens", _model(), tmp_path / "m.bin")
+        path = export_model("h_reopens", small_model(), tmp_path / "m.bin")
         with pytest.warns(UnverifiedArtifactWarning, match="not through .*open_artifact"):
             load_exported("h_reopens", path)
     finally:
         EXPORT_REGISTRY.unregister("h_reopens")
         RUNTIME_REGISTRY.unregister("h_reopens")
-    built_in = _export("torchscript", tmp_path / "m.pt")
+    built_in = export_quietly("torchscript", tmp_path / "m.pt")
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnverifiedArtifactWarning)
         load_exported("torchscript", built_in)  # the built-in runtimes read the verified bytes

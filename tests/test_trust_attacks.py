@@ -39,7 +39,7 @@ from exportlm.export import (
 )
 from exportlm.export.guard import open_artifact
 from exportlm.export.manifest import manifest_path
-from exportlm.models import DecoderConfig, DecoderModel
+from tests._payload import Payload, export_quietly, small_model
 
 _IDS = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
 SUFFIX = {"torch_export": ".pt2", "torchscript": ".pt"}
@@ -62,27 +62,6 @@ _LIB.impl("touch", _touch, "CompositeExplicitAutograd")
 @pytest.fixture(autouse=True)
 def _own_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(trustkey.KEY_FILE_ENV, str(tmp_path / "home" / "key"))
-
-
-def _model() -> DecoderModel:
-    torch.manual_seed(0)
-    return DecoderModel(DecoderConfig(hidden_size=32, intermediate_size=64, num_layers=1)).eval()
-
-
-def _export(target: str, path: Path) -> Path:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return export_model(target, _model(), path)
-
-
-class _Payload:
-    """Unpickling this writes the marker file."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Callable[..., object], tuple[object, ...]]:
-        return pathlib.Path.write_text, (pathlib.Path(self.marker), "pwned")
 
 
 class _Touching(torch.nn.Module):
@@ -115,7 +94,7 @@ def _evil_pt2(good: Path, evil: Path, marker: Path) -> None:
     first["use_pickle"] = True  # torch.export.load then torch.load(weights_only=False)s it
     records[config_name] = json.dumps(config).encode()
     buffer = io.BytesIO()
-    torch.save(_Payload(marker), buffer)
+    torch.save(Payload(marker), buffer)
     records[f"data/weights/{first['path_name']}"] = buffer.getvalue()
     writer = torch._C.PyTorchFileWriter(str(evil))
     for name, data in records.items():
@@ -142,7 +121,7 @@ def _evil(target: str, good: Path, evil: Path, marker: Path) -> Path:
 def test_the_evil_payloads_are_live(target: str, tmp_path: Path) -> None:
     """The control: the target's own loader, given the evil file directly, runs the payload."""
     marker = tmp_path / "marker"
-    good = _export(target, tmp_path / f"good{SUFFIX[target]}")
+    good = export_quietly(target, tmp_path / f"good{SUFFIX[target]}")
     evil = _evil(target, good, tmp_path / f"evil{SUFFIX[target]}", marker)
     with warnings.catch_warnings(), contextlib.suppress(Exception):
         warnings.simplefilter("ignore")
@@ -156,7 +135,7 @@ def test_a_copied_manifest_vouches_for_nothing(target: str, trust: bool, tmp_pat
     """``evil.pt2.manifest.json`` copied from ``good.pt2``'s: refused before the loader runs."""
     marker = tmp_path / "marker"
     suffix = SUFFIX[target]
-    good = _export(target, tmp_path / f"good{suffix}")
+    good = export_quietly(target, tmp_path / f"good{suffix}")
     evil = _evil(target, good, tmp_path / f"evil{suffix}", marker)
     shutil.copy(manifest_path(good), manifest_path(evil))
     with pytest.raises(ArtifactIntegrityError) as excinfo:
@@ -173,7 +152,7 @@ def test_a_copied_manifest_vouches_for_nothing(target: str, trust: bool, tmp_pat
 def test_a_renamed_artifact_is_not_vouched_for_under_its_new_name(
     target: str, tmp_path: Path
 ) -> None:
-    good = _export(target, tmp_path / f"good{SUFFIX[target]}")
+    good = export_quietly(target, tmp_path / f"good{SUFFIX[target]}")
     renamed = tmp_path / f"renamed{SUFFIX[target]}"
     good.rename(renamed)
     manifest_path(good).rename(manifest_path(renamed))
@@ -186,7 +165,7 @@ def test_a_renamed_artifact_is_not_vouched_for_under_its_new_name(
 
 def test_a_manifest_of_another_target_does_not_vouch(tmp_path: Path) -> None:
     """A torchscript ``.pt`` with its own manifest, loaded as ``torch_export``: not vouched for."""
-    pt = _export("torchscript", tmp_path / "m.pt")
+    pt = export_quietly("torchscript", tmp_path / "m.pt")
     with pytest.raises(UntrustedArtifactError, match="written for target 'torchscript'"):
         load_exported("torch_export", pt)
 
@@ -219,7 +198,7 @@ def test_the_loader_reads_the_verified_bytes_after_the_path_was_replaced(
     EXPORT_REGISTRY.register("h_attack_bytes", write)
     RUNTIME_REGISTRY.register("h_attack_bytes", load)
     try:
-        path = export_model("h_attack_bytes", _model(), tmp_path / "m.bin")
+        path = export_model("h_attack_bytes", small_model(), tmp_path / "m.bin")
         path.chmod(mode)  # world-writable: the loader reads a private copy made while hashing
         load_exported("h_attack_bytes", path)
     finally:
@@ -321,7 +300,7 @@ def test_a_path_swapped_during_load_never_runs_the_payload(
     marker = tmp_path / "marker"
     shared = tmp_path / "shared"
     shared.mkdir()
-    path = _export(target, shared / f"model{SUFFIX[target]}")
+    path = export_quietly(target, shared / f"model{SUFFIX[target]}")
     evil = _evil(target, path, shared / f".incoming{SUFFIX[target]}", marker)
     for file in (path, evil):
         file.chmod(mode)
