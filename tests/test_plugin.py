@@ -102,10 +102,14 @@ def _items(report: Path) -> dict[str, dict[str, Any]]:
 
 
 def _without_durations(report: Path) -> dict[str, Any]:
+    """The report less what differs between two runs of the same items: times, the
+    report path, and where each item's artifact came from (exported, or the cache)."""
     data = json.loads(report.read_text())
     for item in data["items"]:
         item.pop("duration")
+        item.pop("profile", None)
     data.pop("options")  # the report path differs between the runs
+    data.pop("cache", None)
     return data
 
 
@@ -281,6 +285,9 @@ def test_fake_third_party_plugin(
         pytester.path / "serial.json"
     )
     assert _exports(counter) == ["good"]  # the cross-run cache served both workers
+    cache_use = json.loads((pytester.path / "parallel.json").read_text())["cache"]
+    assert cache_use["exports"] == 0, cache_use  # and the report says so
+    assert cache_use["served_from_cache"] > 0, cache_use
 
 
 def test_export_only_no_cache_require_device_and_user_profile(
