@@ -15,11 +15,35 @@ from exportlm.export.hf_checkpoint import export_hf_checkpoint
 
 
 @contextmanager
+def checkpoint_target(name: str, export: Callable[..., Path], **declaration: Any) -> Iterator[str]:
+    """Register ``export`` as target ``name``, declared as ``hf_checkpoint`` is.
+
+    ``quantized`` and ``multi_file`` capabilities, a directory artifact, the
+    ``hf_checkpoint`` runtime, its tolerance; ``declaration`` adds to or overrides
+    the keywords of :func:`~exportlm.export.export_target`. Unregistered on exit.
+    """
+    ensure_exporters_registered()
+    keywords: dict[str, Any] = {
+        "runtime": "hf_checkpoint",
+        "atol": 1e-4,
+        "rtol": 1e-3,
+        "capabilities": {"quantized", "multi_file"},
+        "artifact": "directory",
+        **declaration,
+    }
+    EXPORT_REGISTRY.register(name, export_target(name, **keywords)(export))
+    try:
+        yield name
+    finally:
+        EXPORT_REGISTRY.unregister(name)
+
+
+@contextmanager
 def faulty_checkpoint_target(name: str, fault: Callable[[Path], None]) -> Iterator[str]:
     """Register target ``name``: the ``hf_checkpoint`` export, then ``fault(directory)``.
 
-    It declares what ``hf_checkpoint`` declares (``quantized``, a directory artifact,
-    the ``hf_checkpoint`` runtime); it is unregistered on exit.
+    It declares what ``hf_checkpoint`` declares (:func:`checkpoint_target`); it is
+    unregistered on exit.
     """
 
     def export(model: Any, output_path: Path, *, example_inputs: Any = None) -> Path:
@@ -27,13 +51,5 @@ def faulty_checkpoint_target(name: str, fault: Callable[[Path], None]) -> Iterat
         fault(out)
         return out
 
-    ensure_exporters_registered()
-    declared = export_target(
-        name, runtime="hf_checkpoint", atol=1e-4, rtol=1e-3,
-        capabilities={"quantized", "multi_file"}, artifact="directory",
-    )(export)  # fmt: skip
-    EXPORT_REGISTRY.register(name, declared)
-    try:
-        yield name
-    finally:
-        EXPORT_REGISTRY.unregister(name)
+    with checkpoint_target(name, export) as registered:
+        yield registered

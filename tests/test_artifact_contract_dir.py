@@ -15,17 +15,14 @@ from typing import Any
 import pytest
 
 from exportlm.export import (
-    EXPORT_REGISTRY,
     atomic_output,
-    ensure_exporters_registered,
-    export_target,
     get_target_info,
 )
 from exportlm.export.hf_checkpoint import export_hf_checkpoint
 from exportlm.export.manifest import read_manifest
 from pytest_exportcheck.checks import CHECKS, CheckResult, TargetCase
 from pytest_exportcheck.checks.targets.artifact import temporary_files
-from tests._faulty_target import faulty_checkpoint_target
+from tests._faulty_target import checkpoint_target, faulty_checkpoint_target
 
 LEFTOVER = "tmp3k9x_q2.partial"
 
@@ -50,16 +47,9 @@ def staged_leftover_target() -> Iterator[str]:
             _write_leftover(staged)  # before exportlm writes the manifest: it gets listed
         return Path(output_path)
 
-    ensure_exporters_registered()
-    declared = export_target(
-        name, runtime="hf_checkpoint", capabilities={"quantized", "multi_file"},
-        artifact="directory", accepts=get_target_info("hf_checkpoint").accepts,
-    )(export)  # fmt: skip
-    EXPORT_REGISTRY.register(name, declared)
-    try:
-        yield name
-    finally:
-        EXPORT_REGISTRY.unregister(name)
+    accepts = get_target_info("hf_checkpoint").accepts
+    with checkpoint_target(name, export, accepts=accepts) as registered:
+        yield registered
 
 
 def test_the_real_checkpoint_target_passes(tmp_path: Path) -> None:
