@@ -22,7 +22,7 @@ from exportlm.export import (
     get_target_info,
 )
 from exportlm.models import MODEL_REGISTRY, ensure_models_registered, model_expected_failures
-from exportlm.modules import MODULE_EXPORTER_REGISTRY, ensure_module_exporters_registered
+from exportlm.module_exporters import MODULE_EXPORTER_REGISTRY, ensure_module_exporters_registered
 from pytest_exportcheck._collect import ExporterPlan, ItemSpec, Plan, TargetPlan, plan
 from pytest_exportcheck._xfails import XfailBook, declared_book
 from pytest_exportcheck.api import ExpectedFailures, Names

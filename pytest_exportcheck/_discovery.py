@@ -3,7 +3,7 @@
 One :func:`discover` call loads every exportlm registry (built-ins and entry points)
 and turns it into plain data the rest of the plugin works from, including the
 plugins that failed to load. This is the only module of the plugin that knows the
-registry APIs of ``exportlm.export``, ``exportlm.models`` and ``exportlm.modules``;
+registry APIs of ``exportlm.export``, ``exportlm.models`` and ``exportlm.module_exporters``;
 it is imported only once the suite is active (it imports torch).
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from exportlm.export import EXPORT_REGISTRY, TargetInfo, get_target_info
 from exportlm.inventory import plugin_inventory
 from exportlm.models import MODEL_REGISTRY
-from exportlm.modules import MODULE_EXPORTER_REGISTRY
+from exportlm.module_exporters import MODULE_EXPORTER_REGISTRY
 
 __all__ = ["Discovery", "PluginFailure", "PluginRecord", "TargetRow", "discover"]
 

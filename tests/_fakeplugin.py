@@ -29,7 +29,7 @@ from exportlm.export import (
     ExportCacheWrapper, atomic_output, export_target, infer_vocab_size, make_input_ids,
 )
 from exportlm.models import build_model
-from exportlm.modules import QuantLinearExporter
+from exportlm.module_exporters import QuantLinearExporter
 
 
 def _count(name):

@@ -45,7 +45,7 @@ def register_exporter() -> Iterator[Callable[..., str]]:
     ``register(exporter, *keys, predicate=None, prepend=False)`` returns the
     name it is registered under (:data:`FAKE_EXPORTER`).
     """
-    from exportlm.modules import (
+    from exportlm.module_exporters import (
         EXPORT_MODULE_REGISTRY,
         MODULE_EXPORTER_REGISTRY,
         ensure_module_exporters_registered,

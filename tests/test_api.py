@@ -19,7 +19,7 @@ import pytest
 # what the runs load once here, so they reuse it (and its registries).
 import exportlm.export
 import exportlm.models
-import exportlm.modules  # noqa: F401
+import exportlm.module_exporters  # noqa: F401
 import pytest_exportcheck.checks  # noqa: F401
 from exportlm.errors import UnknownNameError
 from pytest_exportcheck import ExportCheckWarning

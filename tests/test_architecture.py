@@ -33,7 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     },
     "exportlm.quant": {"exportlm.errors", "exportlm.registry", "exportlm.inputs"},
     "exportlm.models": {"exportlm.errors", "exportlm.registry"},
-    "exportlm.modules": {"exportlm.errors", "exportlm.registry", "exportlm.quant"},
+    "exportlm.module_exporters": {"exportlm.errors", "exportlm.registry", "exportlm.quant"},
+    "exportlm.modules": {"exportlm.module_exporters"},  # deprecated alias, removed in 0.3
     "exportlm.export": {
         "exportlm",  # __version__ for the producer field of checkpoint configs
         "exportlm.atomic",
@@ -42,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.registry",
         "exportlm.inputs",
         "exportlm.quant",
-        "exportlm.modules",
+        "exportlm.module_exporters",
         "exportlm._progress",
         "exportlm.hfdir",  # the hf_checkpoint loader reads untrusted configs through it
         "exportlm.inspection",  # ... and validates headers with the inspector's own rules
@@ -57,7 +58,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.registry",
         "exportlm.export",
         "exportlm.models",
-        "exportlm.modules",
+        "exportlm.module_exporters",
     },
 }
 

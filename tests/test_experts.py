@@ -9,7 +9,7 @@ from torch import nn
 
 from exportlm.errors import UnclaimedModuleError, UnsupportedFormatError
 from exportlm.models import IterableMoEModel, tiny_hf_model
-from exportlm.modules import (
+from exportlm.module_exporters import (
     DictSink,
     ExportContext,
     ExportModuleRegistry,

@@ -17,7 +17,7 @@ from exportlm.errors import (
 )
 from exportlm.export import make_input_ids
 from exportlm.models import DecoderModel
-from exportlm.modules import DictSink, export_quantized_state
+from exportlm.module_exporters import DictSink, export_quantized_state
 from exportlm.quant import (
     QUANT_FORMATS,
     FormatSpec,

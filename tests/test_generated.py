@@ -38,7 +38,7 @@ import torch
 from exportlm.export import (
     ExportCacheWrapper, atomic_output, export_target, infer_vocab_size, make_input_ids,
 )
-from exportlm.modules import QuantLinearExporter
+from exportlm.module_exporters import QuantLinearExporter
 
 COMMON = dict(atol=1e-5, rtol=1e-5, capabilities={"dynamic_shapes"}, suffix=".pt")
 
@@ -322,7 +322,10 @@ def test_a_profile_the_user_chose_wins(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_quantized_generated_passes_on_the_builtin_exporters(tmp_path: Path) -> None:
-    from exportlm.modules import MODULE_EXPORTER_REGISTRY, ensure_module_exporters_registered
+    from exportlm.module_exporters import (
+        MODULE_EXPORTER_REGISTRY,
+        ensure_module_exporters_registered,
+    )
 
     ensure_module_exporters_registered()
     builtin = [

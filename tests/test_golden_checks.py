@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from exportlm.modules import (
+from exportlm.module_exporters import (
     EXPORT_MODULE_REGISTRY,
     ExportContext,
     QuantLinearExporter,

@@ -19,7 +19,7 @@ import torch
 # what the suite loads once here, so those runs reuse it (and its registries).
 import exportlm.export
 import exportlm.models
-import exportlm.modules  # noqa: F401
+import exportlm.module_exporters  # noqa: F401
 import pytest_exportcheck.checks  # noqa: F401
 from pytest_exportcheck._session import Float32Precision
 from pytest_exportcheck.checks import CatalogueError, CheckSpec

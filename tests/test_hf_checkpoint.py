@@ -153,7 +153,7 @@ def test_existing_directory_is_refused_then_replaced_with_overwrite(
 def test_failure_midway_leaves_no_partial_checkpoint(
     llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import exportlm.modules
+    import exportlm.module_exporters
 
     def half_then_fail(model: Any, sink: Any, **kwargs: Any) -> Any:
         for name, tensor in list(model.state_dict().items())[:5]:
@@ -163,7 +163,7 @@ def test_failure_midway_leaves_no_partial_checkpoint(
     target = tmp_path / "ckpt"
     exportlm.export_model(TARGET, llama, target, max_shard_size=10_000)
     before = {p.name: p.read_bytes() for p in target.iterdir()}
-    monkeypatch.setattr(exportlm.modules, "export_quantized_state", half_then_fail)
+    monkeypatch.setattr(exportlm.module_exporters, "export_quantized_state", half_then_fail)
     with pytest.raises(RuntimeError, match="midway"):
         exportlm.export_model(TARGET, llama, target, overwrite=True, max_shard_size=10_000)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before

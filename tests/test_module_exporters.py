@@ -11,7 +11,7 @@ from torch import nn
 from exportlm.errors import TiedWeightsError, UnclaimedModuleError, UnsupportedFormatError
 from exportlm.export import make_input_ids
 from exportlm.models import DecoderModel, IterableMoEModel, tiny_hf_model
-from exportlm.modules import (
+from exportlm.module_exporters import (
     DictSink,
     ExportContext,
     ExportModuleRegistry,
@@ -215,7 +215,7 @@ def test_a_third_party_exporter_takes_over_with_prepend() -> None:
         def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
             ctx.emit(f"{name}.marker", torch.zeros(()))
 
-    from exportlm.modules import register_builtin_module_exporters
+    from exportlm.module_exporters import register_builtin_module_exporters
 
     registry = ExportModuleRegistry()
     register_builtin_module_exporters(registry)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from exportlm.models import DecoderModel
-from exportlm.modules import DictSink, export_quantized_state, qlora_saved_name
+from exportlm.module_exporters import DictSink, export_quantized_state, qlora_saved_name
 from exportlm.quant import QuantLinear, quantize
 from tests._lora import LoraLinear
 

@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 from exportlm.errors import PluginLoadError, RegistryConflictError, UnknownNameError
-from exportlm.modules import (
+from exportlm.module_exporters import (
     EXPORT_MODULE_REGISTRY,
     MODULE_EXPORTER_REGISTRY,
     ExportContext,
@@ -319,7 +319,7 @@ def test_restore_puts_back_a_snapshot_with_names_and_provenance() -> None:
 
 _PLUGIN_SOURCE = """
 from torch import nn
-from exportlm.modules import ModuleExporter
+from exportlm.module_exporters import ModuleExporter
 
 
 class FrontExporter(ModuleExporter):
@@ -383,3 +383,13 @@ def test_entry_point_exporters_load_by_name_with_declared_keys(plugin_path: Path
     assert "declares no match keys" in str(registry.failed()["keyless"])
     assert any(isinstance(e, RegistryConflictError) for e in registry.plugin_errors)
     assert registry.entry("quant_linear").builtin  # the built-in keeps its name
+
+
+def test_old_room_name_still_imports_and_warns() -> None:
+    import importlib
+
+    sys.modules.pop("exportlm.modules", None)
+    with pytest.warns(DeprecationWarning, match="exportlm.module_exporters"):
+        old = importlib.import_module("exportlm.modules")
+    assert old.ModuleExporter is ModuleExporter
+    assert old.EXPORT_MODULE_REGISTRY is EXPORT_MODULE_REGISTRY

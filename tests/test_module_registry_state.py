@@ -37,7 +37,7 @@ from hypothesis.stateful import (
 )
 from torch import nn
 
-from exportlm.modules import ExportContext, ExportModuleRegistry, ModuleExporter
+from exportlm.module_exporters import ExportContext, ExportModuleRegistry, ModuleExporter
 
 # ----------------------------------------------------------------------------- exporters
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from exportlm.errors import TiedWeightsError
 from exportlm.models import DecoderModel, tiny_hf_model
-from exportlm.modules import DictSink, QuantExportSummary, export_quantized_state
+from exportlm.module_exporters import DictSink, QuantExportSummary, export_quantized_state
 from exportlm.quant import QuantEmbedding, QuantLinear, quantize
 
 #: Both tied modules quantized alike: one FP8 tensor can stand for both.

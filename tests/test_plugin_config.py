@@ -18,7 +18,7 @@ import pytest
 
 import exportlm.export
 import exportlm.models
-import exportlm.modules  # noqa: F401
+import exportlm.module_exporters  # noqa: F401
 import pytest_exportcheck.checks  # noqa: F401
 from exportlm.errors import PluginLoadError
 from tests._fakeplugin import install

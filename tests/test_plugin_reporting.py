@@ -17,7 +17,7 @@ import torch
 
 import exportlm.export
 import exportlm.models
-import exportlm.modules  # noqa: F401
+import exportlm.module_exporters  # noqa: F401
 import pytest_exportcheck.checks  # noqa: F401
 
 SUITE = [

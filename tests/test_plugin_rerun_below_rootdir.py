@@ -16,7 +16,7 @@ import pytest
 
 import exportlm.export
 import exportlm.models
-import exportlm.modules  # noqa: F401
+import exportlm.module_exporters  # noqa: F401
 import pytest_exportcheck.checks  # noqa: F401
 from pytest_exportcheck._nodeids import item_id_of
 

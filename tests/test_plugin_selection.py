@@ -16,7 +16,7 @@ import pytest
 # what the suite loads once here, so those runs reuse it (and its registries).
 import exportlm.export
 import exportlm.models
-import exportlm.modules  # noqa: F401
+import exportlm.module_exporters  # noqa: F401
 import pytest_exportcheck.checks  # noqa: F401
 
 SUITE = [

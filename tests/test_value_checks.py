@@ -18,7 +18,7 @@ from torch import nn
 
 from exportlm.errors import DuplicateTensorError
 from exportlm.export.hf_checkpoint.sink import ShardedSafetensorsWriter
-from exportlm.modules import (
+from exportlm.module_exporters import (
     DictSink,
     ExportContext,
     ExportModuleRegistry,
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exportlm.modules import EXPORT_MODULE_REGISTRY, ModuleExporter, library_dequantized_module
+from exportlm.module_exporters import EXPORT_MODULE_REGISTRY, ModuleExporter, library_dequantized_module
 from exportlm.quant import QuantModule, TensorQuantizer
 
 DOUBLED = {doubled}

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from exportlm.modules import ExportContext, ModuleExporter
+from exportlm.module_exporters import ExportContext, ModuleExporter
 from exportlm.quant import is_quantized_module
 from pytest_exportcheck.checks._common import error_text
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from exportlm.errors import UnsupportedFormatError
 from exportlm.models import MODEL_REGISTRY, build_model, ensure_models_registered, model_names
-from exportlm.modules import (
+from exportlm.module_exporters import (
     EXPORT_MODULE_REGISTRY,
     MODULE_EXPORTER_REGISTRY,
     ExporterEntry,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exportlm.modules import MODULE_EXPORTER_REGISTRY
+from exportlm.module_exporters import MODULE_EXPORTER_REGISTRY
 from exportlm.quant import PORTABLE_MARGIN, awq_margin
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, error_text

@@ -34,7 +34,10 @@ def registries() -> list[Registry[Any]]:
     """
     from exportlm.export import EXPORT_REGISTRY, RUNTIME_REGISTRY, ensure_exporters_registered
     from exportlm.models import MODEL_REGISTRY, ensure_models_registered
-    from exportlm.modules import MODULE_EXPORTER_REGISTRY, ensure_module_exporters_registered
+    from exportlm.module_exporters import (
+        MODULE_EXPORTER_REGISTRY,
+        ensure_module_exporters_registered,
+    )
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PluginWarning)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from exportlm.modules import ModuleExporter
+from exportlm.module_exporters import ModuleExporter
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
 from pytest_exportcheck.checks._common import CheckAbort, error_text
 from pytest_exportcheck.checks._survey import Survey, copy_registry

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from exportlm.errors import DuplicateTensorError, ExportLMError
-from exportlm.modules import DictSink, ExportContext, ModuleExporter
+from exportlm.module_exporters import DictSink, ExportContext, ModuleExporter
 from exportlm.quant import is_quantized_module
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import aborts_to_result, listed

@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given
 from torch import nn
 
-from exportlm.modules import ExporterEntry, ModuleExporter
+from exportlm.module_exporters import ExporterEntry, ModuleExporter
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import aborts_to_result, listed
 from pytest_exportcheck.checks._survey import Survey, copy_registry, exporter_entry, survey_for

@@ -10,7 +10,7 @@ from torch import nn
 
 from exportlm.errors import TiedWeightsError
 from exportlm.models import build_model
-from exportlm.modules import DictSink, export_quantized_state, resolve_tied_weights
+from exportlm.module_exporters import DictSink, export_quantized_state, resolve_tied_weights
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import aborts_to_result, listed
 from pytest_exportcheck.checks._survey import (

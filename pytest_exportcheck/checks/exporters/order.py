@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from exportlm.modules import ExportContext, ExporterEntry, ModuleExporter
+from exportlm.module_exporters import ExportContext, ExporterEntry, ModuleExporter
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import aborts_to_result
 from pytest_exportcheck.checks._survey import copy_registry, exporter_entry, survey_for

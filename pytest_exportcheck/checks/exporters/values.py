@@ -2,7 +2,7 @@
 
 An exporter whose modules no toy model holds (a third party's ``QuantScaledLinear``)
 still gets its values checked: ``conformance_model(seed)`` (see
-:class:`exportlm.modules.ModuleExporter`) builds a small quantized model holding
+:class:`exportlm.module_exporters.ModuleExporter`) builds a small quantized model holding
 its modules, which is exported through a recording copy of the registry like a
 surveyed toy model. ``quantized_generated``, ``golden_checkpoint`` and
 ``export_contract`` read that export (:func:`conformance_export`), and the
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from exportlm.modules import ModuleExporter
+from exportlm.module_exporters import ModuleExporter
 from exportlm.quant import is_quantized_module
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
 from pytest_exportcheck.checks._common import CheckAbort, error_text

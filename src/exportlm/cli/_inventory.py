@@ -85,11 +85,11 @@ def collect_inventory() -> Inventory:
 
 def _module_exporters() -> list[dict[str, str]]:
     """The module exporters in match order (first match wins), with their match keys."""
-    from exportlm import modules
+    from exportlm import module_exporters
 
-    modules.ensure_module_exporters_registered()
+    module_exporters.ensure_module_exporters_registered()
     rows: list[dict[str, str]] = []
-    for entry in modules.MODULE_EXPORTER_REGISTRY.entries():
+    for entry in module_exporters.MODULE_EXPORTER_REGISTRY.entries():
         keys = ", ".join(k if isinstance(k, str) else k.__name__ for k in entry.keys)
         if entry.predicate is not None:
             keys = f"{keys} + predicate" if keys else "predicate"

@@ -2,7 +2,7 @@
 
 ``quantize(model, "fp8")`` converts a model's linear layers (and fused MoE
 experts) into wrappers that fake-quantize weights and activations, calibrated
-by max calibration. The exporters of :mod:`exportlm.modules` write the real
+by max calibration. The exporters of :mod:`exportlm.module_exporters` write the real
 quantized tensors; for every format the fake-quantized weight equals the
 dequantized exported weight bit for bit.
 

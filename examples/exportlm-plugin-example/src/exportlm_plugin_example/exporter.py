@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from exportlm.models import seeded_init_
-from exportlm.modules import ExportContext, QuantLinearExporter
+from exportlm.module_exporters import ExportContext, QuantLinearExporter
 from exportlm.quant import quantize, synthetic_calibration
 
 __all__ = ["MarkedLinearExporter"]

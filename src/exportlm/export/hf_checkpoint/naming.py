@@ -161,7 +161,7 @@ def module_namer(
     Mixtral ``mlp.gate`` -> ``block_sparse_moe.gate``, split experts ``w1``/``w2``/``w3``).
     A QLoRA adapter, whose tensors are dropped, is not saved.
     """
-    from exportlm.modules import qlora_saved_name, resolve_tied_weights
+    from exportlm.module_exporters import qlora_saved_name, resolve_tied_weights
 
     ties = resolve_tied_weights(model)  # {dropped tensor name: kept tensor name}
 

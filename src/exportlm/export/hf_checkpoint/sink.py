@@ -1,6 +1,6 @@
 """Where the export driver's tensors go: renamed, laid out for the format, streamed to shards.
 
-:class:`CheckpointSink` is the sink :func:`exportlm.modules.export_quantized_state`
+:class:`CheckpointSink` is the sink :func:`exportlm.module_exporters.export_quantized_state`
 writes to: it maps every tensor to its checkpoint name (:class:`CheckpointNamer`),
 applies the compressed-tensors layout where asked, and hands it to the streaming
 shard writer, so no full state dict is ever built.

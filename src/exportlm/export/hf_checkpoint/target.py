@@ -9,7 +9,7 @@ Layout (see ``docs/checkpoint-format.md``)::
       generation_config.json             # when the model can generate
       hf_quant_config.json               # only when quantized, modelopt format
 
-The export driver (:func:`exportlm.modules.export_quantized_state`) walks the
+The export driver (:func:`exportlm.module_exporters.export_quantized_state`) walks the
 model one module at a time and hands every tensor to a
 :class:`~exportlm.export.hf_checkpoint.sink.CheckpointSink`, so no full state
 dict is ever built. The directory is assembled in a temporary sibling, gets its
@@ -134,7 +134,7 @@ def export_hf_checkpoint(
     cast_to: torch.dtype | None = None
     if dtype is not None:
         cast_to = resolve_dtype(dtype, where="hf_checkpoint dtype", supported=_FLOAT_DTYPES)
-    from exportlm.modules import export_quantized_state
+    from exportlm.module_exporters import export_quantized_state
 
     output = Path(output_path)
     options = {"format": format, "max_shard_size": max_shard_size, "dtype": cast_to}

@@ -1,8 +1,8 @@
 """What an exporter gives the conformance suite's value checks: a model, and a way back.
 
-:meth:`ModuleExporter.conformance_model <exportlm.modules.ModuleExporter.conformance_model>`
+:meth:`ModuleExporter.conformance_model <exportlm.module_exporters.ModuleExporter.conformance_model>`
 builds a small model holding the modules an exporter claims;
-:meth:`ModuleExporter.dequantized_module <exportlm.modules.ModuleExporter.dequantized_module>`
+:meth:`ModuleExporter.dequantized_module <exportlm.module_exporters.ModuleExporter.dequantized_module>`
 turns the tensors it wrote for one module back into a float module whose forward
 must reproduce the fake-quantized module's. :func:`library_dequantized_module` is
 that default for the layouts the library's formats know (``weight`` + the format's

@@ -8,15 +8,15 @@ import torch
 from torch import nn
 
 from exportlm.errors import UnclaimedModuleError
-from exportlm.modules._context import (
+from exportlm.module_exporters._context import (
     EXPORT_FORMATS,
     ExportContext,
     ExportFormat,
     QuantExportSummary,
     TensorSink,
 )
-from exportlm.modules._registry import ExportModuleRegistry
-from exportlm.modules._ties import tie_book
+from exportlm.module_exporters._registry import ExportModuleRegistry
+from exportlm.module_exporters._ties import tie_book
 from exportlm.quant import TensorQuantizer, is_quantized_module
 
 __all__ = ["export_quantized_state"]
@@ -61,7 +61,10 @@ def export_quantized_state(
     if format not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {format!r}")
     if registry is None:
-        from exportlm.modules import EXPORT_MODULE_REGISTRY, ensure_module_exporters_registered
+        from exportlm.module_exporters import (
+            EXPORT_MODULE_REGISTRY,
+            ensure_module_exporters_registered,
+        )
 
         ensure_module_exporters_registered()
         registry = EXPORT_MODULE_REGISTRY

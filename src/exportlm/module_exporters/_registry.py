@@ -33,8 +33,13 @@ from typing import Any, cast, overload
 from torch import nn
 
 from exportlm.errors import RegistryConflictError, UnknownNameError
-from exportlm.modules._base import MatchKey, ModuleExporter, ModulePredicate, declared_match
-from exportlm.modules._entry import ExporterEntry, MatchExplanation
+from exportlm.module_exporters._base import (
+    MatchKey,
+    ModuleExporter,
+    ModulePredicate,
+    declared_match,
+)
+from exportlm.module_exporters._entry import ExporterEntry, MatchExplanation
 from exportlm.registry import Registry
 
 __all__ = [

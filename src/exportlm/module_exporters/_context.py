@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from exportlm.errors import DuplicateTensorError, ExportError
-from exportlm.modules._ties import TieBook
+from exportlm.module_exporters._ties import TieBook
 from exportlm.quant import TensorQuantizer
 
 if TYPE_CHECKING:
-    from exportlm.modules._base import ModuleExporter
+    from exportlm.module_exporters._base import ModuleExporter
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -238,7 +238,7 @@ class ExportContext:
             (e.g. one input amax for all experts of a block), used instead of the
             quantizer's own without modifying the model.
         ties: the model's tied tensors (default: none), see
-            :func:`~exportlm.modules.resolve_tied_weights`.
+            :func:`~exportlm.module_exporters.resolve_tied_weights`.
     """
 
     model: nn.Module

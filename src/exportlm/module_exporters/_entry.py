@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from exportlm.modules._base import MatchKey, ModuleExporter, ModulePredicate
+from exportlm.module_exporters._base import MatchKey, ModuleExporter, ModulePredicate
 from exportlm.registry import RegistryEntry
 
 __all__ = ["ExporterEntry", "MatchExplanation"]

@@ -14,13 +14,13 @@ This package depends on :mod:`exportlm.quant` only: never on the toy models
 
 from __future__ import annotations
 
-from exportlm.modules._base import MatchKey, ModuleExporter, ModulePredicate
-from exportlm.modules._conformance import (
+from exportlm.module_exporters._base import MatchKey, ModuleExporter, ModulePredicate
+from exportlm.module_exporters._conformance import (
     ConformanceModel,
     DequantizedLinear,
     library_dequantized_module,
 )
-from exportlm.modules._context import (
+from exportlm.module_exporters._context import (
     EXPORT_FORMATS,
     DictSink,
     ExpertSlice,
@@ -31,9 +31,9 @@ from exportlm.modules._context import (
     TensorSink,
     qlora_saved_name,
 )
-from exportlm.modules._driver import export_quantized_state
-from exportlm.modules._experts import DbrxExpertsExporter
-from exportlm.modules._exporters import (
+from exportlm.module_exporters._driver import export_quantized_state
+from exportlm.module_exporters._experts import DbrxExpertsExporter
+from exportlm.module_exporters._exporters import (
     BMMExpertsExporter,
     FusedExpertsExporter,
     IterableCatchAllExporter,
@@ -44,13 +44,13 @@ from exportlm.modules._exporters import (
     builtin_module_exporters,
     register_builtin_module_exporters,
 )
-from exportlm.modules._registry import (
+from exportlm.module_exporters._registry import (
     ExporterEntry,
     ExportModuleRegistry,
     MatchExplanation,
     validate_module_exporter,
 )
-from exportlm.modules._ties import TieBook, resolve_tied_weights
+from exportlm.module_exporters._ties import TieBook, resolve_tied_weights
 from exportlm.registry import load_entry_point_registry, once
 
 __all__ = [

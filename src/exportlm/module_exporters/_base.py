@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from exportlm.modules._context import ExportContext
+    from exportlm.module_exporters._context import ExportContext
 
 __all__ = ["MatchKey", "ModuleExporter", "ModulePredicate"]
 
@@ -26,7 +26,7 @@ class ModuleExporter(abc.ABC):
     Subclasses implement :meth:`export`; MoE exporters also
     :meth:`prepare_moe_inputs`. Class attributes describe the exporter to the
     registry: they are what :meth:`ExportModuleRegistry.register
-    <exportlm.modules.ExportModuleRegistry.register>` uses when it is given no
+    <exportlm.module_exporters.ExportModuleRegistry.register>` uses when it is given no
     keys and no predicate, which is how entry-point exporters are registered.
 
     Attributes:
@@ -84,7 +84,7 @@ class ModuleExporter(abc.ABC):
         hook = getattr(self, "conformance_examples", None)
         if hook is None:
             return None
-        from exportlm.modules._conformance import ConformanceModel
+        from exportlm.module_exporters._conformance import ConformanceModel
 
         examples = list(hook())
         return ConformanceModel(examples) if examples else None
@@ -97,12 +97,12 @@ class ModuleExporter(abc.ABC):
 
         The value checks run it on the inputs of the fake-quantized ``module`` and
         compare the two outputs within a stated tolerance. Default: the library's
-        formats (:func:`~exportlm.modules.library_dequantized_module`: a linear or
+        formats (:func:`~exportlm.module_exporters.library_dequantized_module`: a linear or
         an embedding whose ``weight`` is stored in the format of its
         ``weight_quantizer``). Override it when your module computes more than
         that (an extra per-channel scale, another layout); ``None``: no reference.
         """
-        from exportlm.modules._conformance import library_dequantized_module
+        from exportlm.module_exporters._conformance import library_dequantized_module
 
         return library_dequantized_module(module, tensors)
 

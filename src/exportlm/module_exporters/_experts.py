@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from exportlm.errors import UnsupportedFormatError
-from exportlm.modules._base import ModuleExporter
-from exportlm.modules._context import ExportContext
+from exportlm.module_exporters._base import ModuleExporter
+from exportlm.module_exporters._context import ExportContext
 from exportlm.quant import TensorQuantizer
 from exportlm.quant._experts import QuantDbrxExperts
 

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from exportlm.errors import UnsupportedFormatError
-from exportlm.modules._context import ExpertSlice, ExportContext
-from exportlm.modules._experts import DbrxExpertsExporter
-from exportlm.modules._registry import ExportModuleRegistry, MatchKey, ModuleExporter
+from exportlm.module_exporters._context import ExpertSlice, ExportContext
+from exportlm.module_exporters._experts import DbrxExpertsExporter
+from exportlm.module_exporters._registry import ExportModuleRegistry, MatchKey, ModuleExporter
 from exportlm.quant import (
     QuantBMMExperts,
     QuantEmbedding,
