@@ -22,7 +22,7 @@ from exportlm.export import (
     get_target_info,
 )
 from exportlm.models import MODEL_REGISTRY, ensure_models_registered, model_expected_failures
-from exportlm.module_exporters import MODULE_EXPORTER_REGISTRY, ensure_module_exporters_registered
+from exportlm.module_exporters import EXPORT_MODULE_REGISTRY, ensure_module_exporters_registered
 from pytest_exportcheck._collect import ExporterPlan, ItemSpec, Plan, TargetPlan, plan
 from pytest_exportcheck._xfails import XfailBook, declared_book
 from pytest_exportcheck.api import ExpectedFailures, Names
@@ -107,11 +107,7 @@ def expected_failures(selection: Selection, expected: ExpectedFailures | None) -
     """
     book = declared_book(
         {t.name: get_target_info(t.name) for t in selection.plan.targets if t.loaded},
-        {
-            e.name: MODULE_EXPORTER_REGISTRY.get(e.name)
-            for e in selection.plan.exporters
-            if e.loaded
-        },
+        {e.name: EXPORT_MODULE_REGISTRY.get(e.name) for e in selection.plan.exporters if e.loaded},
         {m: model_expected_failures(m) for m in selection.plan.models},
     )
     if expected is None:
@@ -148,7 +144,7 @@ def _target_names() -> list[str]:
 
 def _exporter_names() -> list[str]:
     ensure_module_exporters_registered()
-    return [*MODULE_EXPORTER_REGISTRY.names(), *MODULE_EXPORTER_REGISTRY.failed()]
+    return [*EXPORT_MODULE_REGISTRY.names(), *EXPORT_MODULE_REGISTRY.failed()]
 
 
 def _model_names() -> tuple[list[str], dict[str, str]]:
@@ -181,7 +177,7 @@ def _target_row(target_id: str) -> TargetPlan:
 
 
 def _exporter_plans(names: Iterable[str]) -> tuple[ExporterPlan, ...]:
-    failed = MODULE_EXPORTER_REGISTRY.failed()
+    failed = EXPORT_MODULE_REGISTRY.failed()
     return tuple(
         ExporterPlan(n, str(failed[n]) if n in failed else None, loaded=n not in failed)
         for n in names

@@ -16,7 +16,7 @@ from typing import Any
 from exportlm.export import EXPORT_REGISTRY, TargetInfo, get_target_info
 from exportlm.inventory import plugin_inventory
 from exportlm.models import MODEL_REGISTRY
-from exportlm.module_exporters import MODULE_EXPORTER_REGISTRY
+from exportlm.module_exporters import EXPORT_MODULE_REGISTRY
 
 __all__ = ["Discovery", "PluginFailure", "PluginRecord", "TargetRow", "discover"]
 
@@ -109,7 +109,7 @@ def discover() -> Discovery:
     return Discovery(
         targets={name: get_target_info(name) for name in EXPORT_REGISTRY.names()},
         models=tuple(MODEL_REGISTRY.names()),
-        exporters={e.name: e.obj for e in MODULE_EXPORTER_REGISTRY.entries()},
+        exporters={e.name: e.obj for e in EXPORT_MODULE_REGISTRY.entries()},
         plugins=plugins,
         failures=tuple(sorted(failures, key=lambda f: (f.kind, f.name, f.message))),
     )

@@ -47,7 +47,6 @@ def register_exporter() -> Iterator[Callable[..., str]]:
     """
     from exportlm.module_exporters import (
         EXPORT_MODULE_REGISTRY,
-        MODULE_EXPORTER_REGISTRY,
         ensure_module_exporters_registered,
     )
 
@@ -66,6 +65,6 @@ def register_exporter() -> Iterator[Callable[..., str]]:
     for exporter in added:  # a test may have unregistered one itself
         if exporter in EXPORT_MODULE_REGISTRY.exporters():
             EXPORT_MODULE_REGISTRY.unregister(exporter)
-    if FAKE_EXPORTER in MODULE_EXPORTER_REGISTRY:
-        MODULE_EXPORTER_REGISTRY.unregister(FAKE_EXPORTER)
+    if FAKE_EXPORTER in EXPORT_MODULE_REGISTRY:
+        EXPORT_MODULE_REGISTRY.unregister(FAKE_EXPORTER)
     assert EXPORT_MODULE_REGISTRY.exporters() == order

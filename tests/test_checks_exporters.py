@@ -17,7 +17,6 @@ from torch import nn
 
 from exportlm.module_exporters import (
     EXPORT_MODULE_REGISTRY,
-    MODULE_EXPORTER_REGISTRY,
     ExportContext,
     ModuleExporter,
     QuantLinearExporter,
@@ -268,7 +267,7 @@ def without_quant_linear() -> Iterator[None]:
     """Take the built-in QuantLinear exporter out of dispatch for one test, then restore the order."""
     ensure_module_exporters_registered()
     snapshot = EXPORT_MODULE_REGISTRY.entries()
-    EXPORT_MODULE_REGISTRY.unregister(MODULE_EXPORTER_REGISTRY.get("quant_linear"))
+    EXPORT_MODULE_REGISTRY.unregister(EXPORT_MODULE_REGISTRY.get("quant_linear"))
     yield
     EXPORT_MODULE_REGISTRY.restore(snapshot)
     assert EXPORT_MODULE_REGISTRY.entries() == snapshot

@@ -323,13 +323,13 @@ def test_a_profile_the_user_chose_wins(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_quantized_generated_passes_on_the_builtin_exporters(tmp_path: Path) -> None:
     from exportlm.module_exporters import (
-        MODULE_EXPORTER_REGISTRY,
+        EXPORT_MODULE_REGISTRY,
         ensure_module_exporters_registered,
     )
 
     ensure_module_exporters_registered()
     builtin = [
-        e.name for e in MODULE_EXPORTER_REGISTRY.entries() if e.provider.startswith("exportlm")
+        e.name for e in EXPORT_MODULE_REGISTRY.entries() if e.provider.startswith("exportlm")
     ]
     assert {"quant_linear", "fused_experts"} <= set(builtin)
     outcomes: dict[str, str] = {}

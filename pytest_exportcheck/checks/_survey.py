@@ -30,7 +30,6 @@ from exportlm.errors import UnsupportedFormatError
 from exportlm.models import MODEL_REGISTRY, build_model, ensure_models_registered, model_names
 from exportlm.module_exporters import (
     EXPORT_MODULE_REGISTRY,
-    MODULE_EXPORTER_REGISTRY,
     ExporterEntry,
     ExportFormat,
     ExportModuleRegistry,
@@ -125,9 +124,9 @@ class Survey:
 
 
 def exporter_names() -> dict[int, str]:
-    """``id(exporter) -> name`` for every named exporter (``MODULE_EXPORTER_REGISTRY``)."""
+    """``id(exporter) -> name`` for every named exporter (``EXPORT_MODULE_REGISTRY``)."""
     ensure_module_exporters_registered()
-    return {id(e.obj): e.name for e in MODULE_EXPORTER_REGISTRY.entries()}
+    return {id(e.obj): e.name for e in EXPORT_MODULE_REGISTRY.entries()}
 
 
 def _name_of(exporter: ModuleExporter, names: Mapping[int, str]) -> str:
@@ -138,7 +137,7 @@ def exporter_entry(case: ExporterCase) -> tuple[ModuleExporter, ExporterEntry, i
     """The exporter named ``case.name``, its dispatch entry and position; a failed result if absent."""
     ensure_module_exporters_registered()
     try:
-        exporter = MODULE_EXPORTER_REGISTRY.get(case.name)
+        exporter = EXPORT_MODULE_REGISTRY.get(case.name)
     except Exception as err:
         raise CheckAbort(
             CheckResult.failed(f"module exporter {case.name!r}: {error_text(err)}")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exportlm.module_exporters import MODULE_EXPORTER_REGISTRY
+from exportlm.module_exporters import EXPORT_MODULE_REGISTRY
 from exportlm.quant import PORTABLE_MARGIN, awq_margin
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, error_text
@@ -139,7 +139,7 @@ def _store(case: ExporterCase) -> GoldenStore | None:
 def _owner(name: str) -> str | None:
     """The distribution that provides exporter ``name`` (``exportlm`` for built-ins)."""
     try:
-        entry = MODULE_EXPORTER_REGISTRY.entry(name)
+        entry = EXPORT_MODULE_REGISTRY.entry(name)
     except Exception:
         return None
     if entry.builtin:

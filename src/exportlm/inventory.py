@@ -35,7 +35,7 @@ def registries() -> list[Registry[Any]]:
     from exportlm.export import EXPORT_REGISTRY, RUNTIME_REGISTRY, ensure_exporters_registered
     from exportlm.models import MODEL_REGISTRY, ensure_models_registered
     from exportlm.module_exporters import (
-        MODULE_EXPORTER_REGISTRY,
+        EXPORT_MODULE_REGISTRY,
         ensure_module_exporters_registered,
     )
 
@@ -44,7 +44,7 @@ def registries() -> list[Registry[Any]]:
         ensure_exporters_registered()
         ensure_module_exporters_registered()
         ensure_models_registered()
-    module_registry: Registry[Any] = MODULE_EXPORTER_REGISTRY
+    module_registry: Registry[Any] = EXPORT_MODULE_REGISTRY
     return [EXPORT_REGISTRY, RUNTIME_REGISTRY, module_registry, MODEL_REGISTRY]
 
 

@@ -1,6 +1,6 @@
 """Checks of module exporters (scope ``"exporter"``), run for every exporter by name.
 
-``case.name`` is a name in ``exportlm.module_exporters.MODULE_EXPORTER_REGISTRY``; the
+``case.name`` is a name in ``exportlm.module_exporters.EXPORT_MODULE_REGISTRY``; the
 exporter's dispatch entry (keys, predicate, position) is read from
 ``EXPORT_MODULE_REGISTRY``. Registry experiments run on copies; the global
 registry is never modified.

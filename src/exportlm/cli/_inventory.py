@@ -89,7 +89,7 @@ def _module_exporters() -> list[dict[str, str]]:
 
     module_exporters.ensure_module_exporters_registered()
     rows: list[dict[str, str]] = []
-    for entry in module_exporters.MODULE_EXPORTER_REGISTRY.entries():
+    for entry in module_exporters.EXPORT_MODULE_REGISTRY.entries():
         keys = ", ".join(k if isinstance(k, str) else k.__name__ for k in entry.keys)
         if entry.predicate is not None:
             keys = f"{keys} + predicate" if keys else "predicate"

@@ -57,7 +57,6 @@ __all__ = [
     "EXPORT_FORMATS",
     "EXPORT_MODULE_REGISTRY",
     "MODULE_EXPORTERS_GROUP",
-    "MODULE_EXPORTER_REGISTRY",
     "BMMExpertsExporter",
     "ConformanceModel",
     "DbrxExpertsExporter",
@@ -98,8 +97,6 @@ MODULE_EXPORTERS_GROUP = "exportlm.module_exporters"
 #: The module-exporter registry: named entries in dispatch order (first match wins),
 #: used by :func:`export_quantized_state`, reports and the conformance suite.
 EXPORT_MODULE_REGISTRY = ExportModuleRegistry()
-#: The same registry under its name-registry name (kept for compatibility).
-MODULE_EXPORTER_REGISTRY = EXPORT_MODULE_REGISTRY
 
 
 @once

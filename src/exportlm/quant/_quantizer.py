@@ -100,11 +100,6 @@ class TensorQuantizer(nn.Module):
         return get_format(self.format)
 
     # -- calibration -------------------------------------------------------
-    @property
-    def is_calibrated(self) -> bool:
-        """True once an amax is known (from data or set explicitly)."""
-        return self.amax is not None
-
     def collect(self, x: torch.Tensor) -> None:
         """Update ``amax`` with the max of ``|x|`` (max calibration)."""
         x = x.detach().abs().to(torch.float32)
