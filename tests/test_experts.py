@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from exportlm.errors import UnclaimedModuleError, UnsupportedFormatError
+from exportlm.export.hf_checkpoint.configs import CheckpointQuantization
 from exportlm.models import IterableMoEModel, tiny_hf_model
 from exportlm.module_exporters import (
     DictSink,
@@ -95,7 +96,7 @@ def test_llama4_fp8_fake_quant_weights_equal_the_dequantized_per_expert_export()
             tensors[f"{name}.{e}.up_proj.weight_scale"],
         )
     assert f"{name}.gate_up_proj" not in tensors
-    assert summary.quant_algo == "FP8"
+    assert CheckpointQuantization.of(summary).quant_algo == "FP8"
     assert "model.layers.0.feed_forward.router" in summary.exclude_modules
 
 
@@ -105,7 +106,7 @@ def test_llama4_quantizes_and_exports_with_every_recipe(recipe: str) -> None:
     name, _ = _experts(model)
     tensors, summary = _export(model)
     assert tensors[f"{name}.3.down_proj.weight"].dtype != torch.float32
-    assert summary.quant_algo is not None
+    assert summary.quantized_layers
     with torch.no_grad():
         assert torch.isfinite(model(_ids()).logits).all()
 

@@ -16,8 +16,9 @@ from exportlm.errors import (
     UnsupportedFormatError,
 )
 from exportlm.export import make_input_ids
+from exportlm.export.hf_checkpoint.configs import CheckpointQuantization
 from exportlm.models import DecoderModel
-from exportlm.module_exporters import DictSink, export_quantized_state
+from exportlm.module_exporters import DictSink, LayerFacts, export_quantized_state
 from exportlm.quant import (
     QUANT_FORMATS,
     FormatSpec,
@@ -144,17 +145,17 @@ def test_a_registered_format_round_trips_through_quantize_export_and_dequantize(
         # Exact on purpose: the fake-quantized weight and the dequantized export are the
         # same elementwise ops on the same tensor (no matmul, no order-dependent reduction).
         assert torch.equal(dequantize(int6.from_leaves(leaves)), fake), name
-    assert summary.quant_algo == "W6A16"
-    assert summary.quantization_config()["quant_algo"] == "W6A16"
+    assert summary.layer_formats == (LayerFacts(int6),)
+    assert CheckpointQuantization.of(summary).hf_quant_config()["quant_algo"] == "W6A16"
 
 
 def test_a_registered_format_mixes_with_the_built_in_ones(int6: FormatSpec) -> None:
     model = quantize(DecoderModel(num_layers=1), {"*": "fp8", "*.mlp.*": "int6_wo"})
     sink = DictSink()
     summary = export_quantized_state(model, sink)
-    assert summary.quant_algo == "MIXED_PRECISION"
-    assert summary.quantized_layers["layers.0.mlp.down_proj"] == {"quant_algo": "W6A16"}
-    assert summary.quantized_layers["layers.0.self_attn.q_proj"] == {"quant_algo": "FP8"}
+    layers = CheckpointQuantization.of(summary).hf_quant_config()["quantized_layers"]
+    assert layers["layers.0.mlp.down_proj"] == {"quant_algo": "W6A16"}
+    assert layers["layers.0.self_attn.q_proj"] == {"quant_algo": "FP8"}
     assert sink.tensors["layers.0.mlp.down_proj.weight"].dtype == torch.int8
     assert sink.tensors["layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
 

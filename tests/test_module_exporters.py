@@ -10,16 +10,19 @@ from torch import nn
 
 from exportlm.errors import TiedWeightsError, UnclaimedModuleError, UnsupportedFormatError
 from exportlm.export import make_input_ids
+from exportlm.export.hf_checkpoint.configs import CheckpointQuantization
 from exportlm.models import DecoderModel, IterableMoEModel, tiny_hf_model
 from exportlm.module_exporters import (
     DictSink,
     ExportContext,
     ExportModuleRegistry,
+    LayerFacts,
     ModuleExporter,
+    QuantExportSummary,
     QuantLinearExporter,
     export_quantized_state,
 )
-from exportlm.quant import QuantExperts, QuantLinear, quantize
+from exportlm.quant import QuantExperts, QuantLinear, get_format, quantize
 from tests._lora import LoraLinear
 
 
@@ -27,6 +30,12 @@ def _export(model: nn.Module, **kwargs: object) -> tuple[dict[str, torch.Tensor]
     sink = DictSink()
     summary = export_quantized_state(model, sink, **kwargs)  # type: ignore[arg-type]
     return sink.tensors, summary
+
+
+def _section(summary: object) -> dict[str, object]:
+    """``hf_quant_config.json``'s section, from the checkpoint writer's builder."""
+    assert isinstance(summary, QuantExportSummary)
+    return CheckpointQuantization.of(summary).hf_quant_config()
 
 
 def _state_bytes(model: nn.Module) -> bytes:
@@ -65,7 +74,7 @@ def test_fp8_fake_quant_weights_equal_dequantized_export_bit_for_bit(family: str
                         assert torch.equal(fake, _fp8_dequant(tensors, f"{name}.{e}.{proj}"))
                         checked += 1
     assert checked >= 7
-    assert summary.quant_algo == "FP8"  # type: ignore[attr-defined]
+    assert _section(summary)["quant_algo"] == "FP8"
 
 
 def test_fp8_layout_matches_modelopt() -> None:
@@ -78,7 +87,7 @@ def test_fp8_layout_matches_modelopt() -> None:
         assert tensors[f"{prefix}.{scale}"].dim() == 0
     assert "layers.0.self_attn.v_proj.v_scale" in tensors
     assert tensors["lm_head.weight"].dtype == torch.float32
-    config = summary.quantization_config()  # type: ignore[attr-defined]
+    config = _section(summary)
     assert config == {
         "quant_algo": "FP8",
         "kv_cache_quant_algo": "FP8",
@@ -124,7 +133,7 @@ def test_other_formats_layouts(
     if recipe == "int4_awq":  # no norm before down_proj: its scale stays pre_quant_scale
         assert f"{prefix}.pre_quant_scale" not in tensors
         assert tensors["layers.0.mlp.down_proj.pre_quant_scale"].shape == (256,)
-    config = summary.quantization_config()  # type: ignore[attr-defined]
+    config = _section(summary)
     assert (
         config["quant_algo"]
         == {"nvfp4": "NVFP4", "int4_awq": "W4A16_AWQ", "int8_wo": "W8A16"}[recipe]
@@ -134,11 +143,19 @@ def test_other_formats_layouts(
 def test_mixed_precision_summary_lists_quantized_layers() -> None:
     model = quantize(DecoderModel(num_layers=1), {"*": "fp8", "*.mlp.*": "nvfp4"})
     _, summary = _export(model)
-    config = summary.quantization_config()  # type: ignore[attr-defined]
+    assert isinstance(summary, QuantExportSummary)
+    # the exporters record neutral facts: the format's spec and the group size
+    assert summary.quantized_layers["layers.0.self_attn.q_proj"] == LayerFacts(get_format("fp8"))
+    assert summary.quantized_layers["layers.0.mlp.down_proj"] == LayerFacts(get_format("nvfp4"), 16)
+    assert len(summary.layer_formats) == 2
+    config = _section(summary)
     assert config["quant_algo"] == "MIXED_PRECISION"
     layers = config["quantized_layers"]
+    assert isinstance(layers, dict)
     assert layers["layers.0.self_attn.q_proj"] == {"quant_algo": "FP8"}
     assert layers["layers.0.mlp.down_proj"] == {"quant_algo": "NVFP4", "group_size": 16}
+    # as ModelOpt 0.47 writes MIXED_PRECISION: a layer not listed is unquantized
+    assert "exclude_modules" not in config
 
 
 def test_export_does_not_modify_the_model() -> None:
@@ -313,7 +330,8 @@ def test_unquantized_model_exports_its_state_dict() -> None:
     model = DecoderModel(num_layers=1)
     tensors, summary = _export(model)
     assert tensors.keys() == model.state_dict().keys()
-    assert summary.quant_algo is None  # type: ignore[attr-defined]
+    assert _section(summary)["quant_algo"] is None
+    assert summary.quantized_layers == {}  # type: ignore[attr-defined]
     assert "lm_head" in summary.exclude_modules  # type: ignore[attr-defined]
 
 

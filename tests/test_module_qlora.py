@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from exportlm.export.hf_checkpoint.configs import CheckpointQuantization
 from exportlm.models import DecoderModel
 from exportlm.module_exporters import DictSink, export_quantized_state, qlora_saved_name
 from exportlm.quant import QuantLinear, quantize
@@ -28,8 +29,9 @@ def test_qlora_summary_lists_only_the_names_written() -> None:
     assert list(summary.tensor_names) == list(sink.tensors)
     assert not any("lora_" in n or "base_layer" in n for n in summary.tensor_names)
     assert "layers.0.mlp.up_proj.weight_scale_2" in sink.tensors  # NVFP4, under the base name
-    assert summary.quant_algo == "MIXED_PRECISION"
-    layers = summary.quantization_config()["quantized_layers"]
+    section = CheckpointQuantization.of(summary).hf_quant_config()
+    assert section["quant_algo"] == "MIXED_PRECISION"
+    layers = section["quantized_layers"]
     assert layers["layers.0.self_attn.q_proj"]["quant_algo"] == "FP8"
     assert layers["layers.0.mlp.up_proj"]["quant_algo"] == "NVFP4"
     saved = _prefixes(summary.tensor_names)

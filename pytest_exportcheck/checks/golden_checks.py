@@ -235,7 +235,10 @@ def _checkpoint_data(
         "configs": configs,
     }
     if not configs and q.summary is not None:  # no checkpoint writer for this model
-        data["quantization"] = q.summary.quantization_config()
+        from exportlm.export.hf_checkpoint.configs import CheckpointQuantization
+
+        # the section the checkpoint writer's one builder makes, under the exported names
+        data["quantization"] = CheckpointQuantization.of(q.summary).hf_quant_config()
     ties = written_ties(q)
     if ties:
         data["ties"] = dict(sorted(ties.items()))

@@ -133,13 +133,19 @@ def conformance_golden(
         return CheckResult.failed(
             f"{CONFORMANCE_LABEL}: the export raised {q.error}", exception=q.exception
         )
+    from exportlm.export.hf_checkpoint.configs import CheckpointQuantization
+
+    # the hf_quant_config.json section the checkpoint writer's one builder makes of it
+    quantization = (
+        CheckpointQuantization.of(q.summary).hf_quant_config() if q.summary is not None else {}
+    )
     data: dict[str, Any] = {
         "case": "conformance",
         "model": f"{case.name}.{CONFORMANCE_LABEL}({case.seed})",
         "seed": case.seed,
         "exporter": case.name,
         "tensors": tensors_digest({n: q.tensors[n] for n in written_by(q, case.name)}),
-        "quantization": q.summary.quantization_config() if q.summary is not None else {},
+        "quantization": quantization,
     }
     ties = written_ties(q)
     if ties:

@@ -20,11 +20,10 @@ from typing import Any
 
 from exportlm.errors import UnknownNameError
 from exportlm.inspection._files import HF_QUANT_CONFIG, Checkpoint
-from exportlm.quant.formats import FormatSpec, format_for_quant_algo, formats
+from exportlm.quant.formats import MIXED_PRECISION, FormatSpec, format_for_quant_algo, formats
 
 __all__ = ["MIXED_PRECISION", "Declared", "LayerScheme", "read_declared"]
 
-MIXED_PRECISION = "MIXED_PRECISION"
 #: compressed-tensors quantization-args keys that decide the stored layout.
 _CT_LAYOUT_KEYS = ("num_bits", "type", "strategy")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -13,6 +13,15 @@ from torch import nn
 from exportlm.errors import DuplicateTensorError, ExportError
 from exportlm.module_exporters._ties import TieBook
 from exportlm.quant import TensorQuantizer
+from exportlm.quant.formats import (
+    CHECKPOINT_LAYOUTS,
+    DEFAULT_LAYOUT,
+    CheckpointLayout,
+    ExportFormat,
+    FormatSpec,
+    checkpoint_layout,
+    format_for_quant_algo,
+)
 
 if TYPE_CHECKING:
     from exportlm.module_exporters._base import ModuleExporter
@@ -23,17 +32,15 @@ __all__ = [
     "ExpertSlice",
     "ExportContext",
     "ExportFormat",
+    "LayerFacts",
     "QuantConfigCollector",
     "QuantExportSummary",
     "TensorSink",
     "qlora_saved_name",
 ]
 
-ExportFormat = Literal["modelopt", "compressed-tensors"]
-#: Checkpoint layouts ``export_quantized_state`` can write.
-EXPORT_FORMATS: tuple[str, ...] = ("modelopt", "compressed-tensors")
-
-MIXED_PRECISION = "MIXED_PRECISION"
+#: Checkpoint layouts ``export_quantized_state`` can write (their ``format=`` names).
+EXPORT_FORMATS: tuple[str, ...] = tuple(CHECKPOINT_LAYOUTS)
 
 _LORA_PREFIX = "lora_"
 _BASE_LAYER = "base_layer"
@@ -85,28 +92,37 @@ class ExpertSlice:
     projection: str
 
 
-def _layer_config(quant_algo: str, group_size: int | None) -> dict[str, Any]:
-    """One layer's entry, as ModelOpt writes it in ``hf_quant_config.json``."""
-    config: dict[str, Any] = {"quant_algo": quant_algo}
-    if group_size:
-        config["group_size"] = group_size
-    if quant_algo == "W4A16_AWQ":
-        config.update(has_zero_point=False, pre_quant_scale=True)
-    return config
+@dataclass(frozen=True)
+class LayerFacts:
+    """What an exporter records about one quantized layer: neutral facts, no config text.
+
+    The checkpoint writer turns them into each layout's config fields (the
+    :class:`~exportlm.quant.formats.FormatSpec` holds those fields).
+
+    Attributes:
+        spec: the format of the layer's weights.
+        group_size: the block / group size the weights are quantized in, ``None``
+            for per-tensor and per-row formats.
+    """
+
+    spec: FormatSpec
+    group_size: int | None = None
+
+
+def _spec_of(format: FormatSpec | str) -> FormatSpec:
+    """``format`` as a spec; a string is a module's ``quant_algo`` (what exporters passed)."""
+    return format if isinstance(format, FormatSpec) else format_for_quant_algo(format)
 
 
 @dataclass(frozen=True)
 class QuantExportSummary:
-    """What an export wrote, and the quantization section of ``hf_quant_config.json``.
+    """What an export wrote, and the facts its quantization config is built from.
 
     Attributes:
-        quant_algo: ``"FP8"``, ``"NVFP4"``, ``"W4A16_AWQ"``, ``"W8A16"``,
-            ``"MIXED_PRECISION"`` or ``None`` (nothing quantized).
-        kv_cache_quant_algo: ``"FP8"`` or ``None``.
         exclude_modules: every linear-like module left unquantized (sorted).
-        quantized_layers: ``{layer: {"quant_algo": ..., ...}}`` per quantized linear
-            (canonical names for split experts).
-        group_size: the block / group size when all layers share one, else ``None``.
+        quantized_layers: ``{layer: LayerFacts}`` per quantized linear, in the
+            order they were exported (canonical names for split experts).
+        kv_cache: the format of the KV-cache scales, or ``None``.
         canonical_modules: ``{canonical expert linear: ExpertSlice}`` for split experts.
         tensor_names: every tensor name written, in order.
         num_bytes: total bytes written.
@@ -114,54 +130,49 @@ class QuantExportSummary:
             written once (under the tie's source name).
 
     Every name is the name in the checkpoint: under QLoRA, adapters are absent
-    and ``base_layer`` is dropped from paths (:func:`qlora_saved_name`).
+    and ``base_layer`` is dropped from paths (:func:`qlora_saved_name`). The
+    checkpoint configs are built from this by
+    :class:`~exportlm.export.hf_checkpoint.configs.CheckpointQuantization`.
     """
 
-    quant_algo: str | None
-    kv_cache_quant_algo: str | None
     exclude_modules: tuple[str, ...]
-    quantized_layers: Mapping[str, Mapping[str, Any]]
-    group_size: int | None
+    quantized_layers: Mapping[str, LayerFacts]
+    kv_cache: FormatSpec | None
     canonical_modules: Mapping[str, ExpertSlice]
     tensor_names: tuple[str, ...]
     num_bytes: int
     tied_weights: Mapping[str, str] = field(default_factory=dict)
 
-    def quantization_config(self) -> dict[str, Any]:
-        """The ``"quantization"`` section of ModelOpt's ``hf_quant_config.json``.
+    @property
+    def layer_formats(self) -> tuple[LayerFacts, ...]:
+        """The distinct ``(format, group size)`` of the quantized layers, first seen first.
 
-        One algorithm: its layer config (``quant_algo``, ``group_size``, AWQ
-        flags) plus ``kv_cache_quant_algo`` and ``exclude_modules``. Several:
-        ``quant_algo: MIXED_PRECISION`` with ``quantized_layers``.
+        None: nothing quantized; one: every layer alike; several: mixed precision.
         """
-        config: dict[str, Any] = {
-            "quant_algo": self.quant_algo,
-            "kv_cache_quant_algo": self.kv_cache_quant_algo,
-        }
-        if self.quant_algo == MIXED_PRECISION:
-            config["quantized_layers"] = {k: dict(v) for k, v in self.quantized_layers.items()}
-        elif self.quant_algo is not None:
-            config.update(_layer_config(self.quant_algo, self.group_size))
-        config["exclude_modules"] = list(self.exclude_modules)
-        return config
+        return tuple(dict.fromkeys(self.quantized_layers.values()))
 
 
 @dataclass
 class QuantConfigCollector:
-    """The quantization config gathered while exporting (exporters record into it)."""
+    """The quantization facts gathered while exporting (exporters record into it)."""
 
-    layers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    kv_cache: dict[str, str] = field(default_factory=dict)
+    layers: dict[str, LayerFacts] = field(default_factory=dict)
+    kv_cache: dict[str, FormatSpec] = field(default_factory=dict)
     excluded: list[str] = field(default_factory=list)
     canonical: dict[str, ExpertSlice] = field(default_factory=dict)
 
-    def add_layer(self, name: str, quant_algo: str, group_size: int | None = None) -> None:
-        """Record that linear ``name`` is quantized with ``quant_algo``."""
-        self.layers[name] = _layer_config(quant_algo, group_size)
+    def add_layer(self, name: str, format: FormatSpec | str, group_size: int | None = None) -> None:
+        """Record that linear ``name`` is quantized in ``format`` (in groups of ``group_size``).
 
-    def add_kv_cache(self, name: str, algo: str) -> None:
-        """Record a KV-cache scale written under ``name``."""
-        self.kv_cache[name] = algo
+        ``format``: the weight quantizer's spec (``module.weight_quantizer.spec``);
+        a string is read as the module's ``quant_algo``, which exporters written
+        before :class:`LayerFacts` pass.
+        """
+        self.layers[name] = LayerFacts(_spec_of(format), group_size or None)
+
+    def add_kv_cache(self, name: str, format: FormatSpec | str) -> None:
+        """Record a KV-cache scale written under ``name`` in ``format``."""
+        self.kv_cache[name] = _spec_of(format)
 
     def exclude(self, name: str) -> None:
         """Record that linear-like module ``name`` stays unquantized."""
@@ -176,27 +187,21 @@ class QuantConfigCollector:
         saved_name: Callable[[str], str | None] = lambda name: name,
         tied_weights: Mapping[str, str] | None = None,
     ) -> QuantExportSummary:
-        """Freeze the collected config into a :class:`QuantExportSummary`.
+        """Freeze the collected facts into a :class:`QuantExportSummary`.
 
         ``saved_name`` maps the module names exporters recorded to the names
         they are saved under (``None``: not saved, left out); ``tensor_names``
         and ``tied_weights`` are saved names already.
         """
-        layers = _saved_keys(self.layers, saved_name)
-        algos = {cfg["quant_algo"] for cfg in layers.values()}
-        configs = {tuple(sorted(cfg.items())) for cfg in layers.values()}
-        quant_algo = None if not algos else (MIXED_PRECISION if len(configs) > 1 else algos.pop())
-        sizes = {cfg.get("group_size") for cfg in layers.values()}
-        kv_algos = set(_saved_keys(self.kv_cache, saved_name).values())
-        if len(kv_algos) > 1:
-            raise ExportError(f"mixed KV-cache formats {sorted(kv_algos)} cannot be exported")
+        kv_formats = list(dict.fromkeys(_saved_keys(self.kv_cache, saved_name).values()))
+        if len(kv_formats) > 1:
+            names = sorted(spec.name for spec in kv_formats)
+            raise ExportError(f"mixed KV-cache formats {names} cannot be exported")
         excluded = {saved_name(name) for name in self.excluded} - {None}
         return QuantExportSummary(
-            quant_algo=quant_algo,
-            kv_cache_quant_algo=kv_algos.pop() if kv_algos else None,
             exclude_modules=tuple(sorted(n for n in excluded if n is not None)),
-            quantized_layers=layers,
-            group_size=sizes.pop() if len(sizes) == 1 else None,
+            quantized_layers=_saved_keys(self.layers, saved_name),
+            kv_cache=kv_formats[0] if kv_formats else None,
             canonical_modules=_saved_keys(self.canonical, saved_name),
             tensor_names=tensor_names,
             num_bytes=num_bytes,
@@ -231,8 +236,9 @@ class ExportContext:
         dtype: dtype of unquantized floating tensors (``None`` keeps theirs).
             Scales are always float32.
         is_qlora: the model carries LoRA adapters (dropped) around ``base_layer``s.
-        format: ``"modelopt"`` (default) or ``"compressed-tensors"`` (FP8 only).
-        quant_config: the quantization config collected so far (in-memory module
+        format: the checkpoint layout's name (:data:`EXPORT_FORMATS`); what it
+            means for the tensors is :attr:`layout`.
+        quant_config: the quantization facts collected so far (in-memory module
             names; :meth:`summary` maps them to saved names).
         amax_overrides: amax values an exporter's ``prepare_moe_inputs`` decided
             (e.g. one input amax for all experts of a block), used instead of the
@@ -245,7 +251,7 @@ class ExportContext:
     sink: TensorSink
     dtype: torch.dtype | None = None
     is_qlora: bool = False
-    format: ExportFormat = "modelopt"
+    format: ExportFormat = DEFAULT_LAYOUT
     quant_config: QuantConfigCollector = field(default_factory=QuantConfigCollector)
     amax_overrides: dict[TensorQuantizer, torch.Tensor] = field(default_factory=dict)
     ties: TieBook = field(default_factory=TieBook)
@@ -268,6 +274,11 @@ class ExportContext:
             yield
         finally:
             self._writer = previous
+
+    @property
+    def layout(self) -> CheckpointLayout:
+        """The checkpoint layout written (:attr:`format`): scale shapes, formats it holds."""
+        return checkpoint_layout(self.format)
 
     def saved_name(self, name: str) -> str | None:
         """The checkpoint name of in-memory tensor or module ``name``; ``None``: not saved."""
@@ -315,12 +326,8 @@ class ExportContext:
         self.emit(name, tensor)
 
     def emit_scale(self, name: str, scale: torch.Tensor) -> None:
-        """Write a float32 scale; per-tensor scales are 0-d (ModelOpt) or ``[1]``
-        (compressed-tensors)."""
-        scale = scale.detach().to(torch.float32)
-        if self.format == "compressed-tensors" and scale.dim() == 0:
-            scale = scale.reshape(1)
-        self.emit(name, scale)
+        """Write a float32 scale; a per-tensor one in the :attr:`layout`'s shape for it."""
+        self.emit(name, self.layout.stored_scale(scale.detach().to(torch.float32)))
 
     def amax_of(self, quantizer: TensorQuantizer) -> torch.Tensor | None:
         """The amax to export for ``quantizer``: an override, else its calibrated amax."""

@@ -9,7 +9,6 @@ from torch import nn
 
 from exportlm.errors import UnclaimedModuleError
 from exportlm.module_exporters._context import (
-    EXPORT_FORMATS,
     ExportContext,
     ExportFormat,
     QuantExportSummary,
@@ -18,6 +17,7 @@ from exportlm.module_exporters._context import (
 from exportlm.module_exporters._registry import ExportModuleRegistry
 from exportlm.module_exporters._ties import tie_book
 from exportlm.quant import TensorQuantizer, is_quantized_module
+from exportlm.quant.formats import DEFAULT_LAYOUT, checkpoint_layout
 
 __all__ = ["export_quantized_state"]
 
@@ -28,7 +28,7 @@ def export_quantized_state(
     model: nn.Module,
     sink: TensorSink,
     *,
-    format: ExportFormat = "modelopt",
+    format: ExportFormat = DEFAULT_LAYOUT,
     dtype: torch.dtype | None = None,
     is_qlora: bool = False,
     registry: ExportModuleRegistry | None = None,
@@ -46,7 +46,8 @@ def export_quantized_state(
     Args:
         model: a (fake-)quantized or plain model.
         sink: anything with ``add(name, tensor)``; it receives checkpoint names.
-        format: ``"modelopt"`` or ``"compressed-tensors"`` (FP8 only).
+        format: the checkpoint layout, a name of
+            :data:`~exportlm.quant.formats.CHECKPOINT_LAYOUTS` (default: ModelOpt's).
         dtype: dtype of the unquantized floating tensors (default: keep).
         is_qlora: drop LoRA adapter tensors and write ``x.base_layer.weight`` as
             ``x.weight``; the summary names what was written, under those names.
@@ -58,8 +59,7 @@ def export_quantized_state(
             module of a tie is quantized, or two tied quantized copies differ.
         QuantizationError: a NaN / inf amax, or a never-calibrated quantizer.
     """
-    if format not in EXPORT_FORMATS:
-        raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {format!r}")
+    checkpoint_layout(format)  # ValueError for an unknown layout, before any work
     if registry is None:
         from exportlm.module_exporters import (
             EXPORT_MODULE_REGISTRY,

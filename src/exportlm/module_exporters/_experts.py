@@ -15,6 +15,7 @@ from exportlm.module_exporters._base import ModuleExporter
 from exportlm.module_exporters._context import ExportContext
 from exportlm.quant import TensorQuantizer
 from exportlm.quant._experts import QuantDbrxExperts
+from exportlm.quant.formats import CHECKPOINT_LAYOUTS
 
 __all__ = ["DbrxExpertsExporter"]
 
@@ -43,11 +44,13 @@ class DbrxExpertsExporter(ModuleExporter):
             raise TypeError(
                 f"{self!r} exports QuantDbrxExperts modules, got {type(module).__name__}"
             )
-        if ctx.format != "modelopt":
+        if not ctx.layout.stacked_experts:
+            able = [n for n, layout in CHECKPOINT_LAYOUTS.items() if layout.stacked_experts]
             raise UnsupportedFormatError(
-                f"{name}: DBRX experts are written in DBRX's own layout, a ModelOpt checkpoint "
-                f"only; format={ctx.format!r} has no names for it. Export with "
-                "format='modelopt', or exclude the experts from quantization."
+                f"{name}: DBRX experts are written in DBRX's own layout of stacked experts; "
+                f"format={ctx.format!r} has no names for it. Export with "
+                f"{' or '.join(f'format={n!r}' for n in able)}, or exclude the experts from "
+                "quantization."
             )
         for projection, tensors in _DBRX_TENSORS.items():
             codes, scales = self._quantize(name, module, projection, ctx)
@@ -63,7 +66,8 @@ class DbrxExpertsExporter(ModuleExporter):
                     scale = input_q.scale_from(ctx.amax_of(input_q))
                     ctx.emit_scale(f"{prefix}_input_scale", scale)
         if module.quant_algo:
-            ctx.quant_config.add_layer(f"{name}.mlp", module.quant_algo, module.group_size)
+            spec = module.weight_quantizer_of("gate_up_proj").spec
+            ctx.quant_config.add_layer(f"{name}.mlp", spec, module.group_size)
 
     @staticmethod
     def _quantize(

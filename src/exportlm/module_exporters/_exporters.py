@@ -24,7 +24,7 @@ from exportlm.quant import (
     is_quantized_module,
     unify_expert_input_amax,
 )
-from exportlm.quant.formats import formats
+from exportlm.quant.formats import CHECKPOINT_LAYOUTS, FormatSpec, formats
 
 __all__ = [
     "BMMExpertsExporter",
@@ -40,11 +40,14 @@ __all__ = [
 
 
 def _check_format(ctx: ExportContext, name: str, quantizer: TensorQuantizer) -> None:
-    if ctx.format == "compressed-tensors" and quantizer.spec.compressed_tensors is None:
-        writable = " / ".join(str(s.format).upper() for s in formats() if s.compressed_tensors)
+    layout = ctx.layout
+    if not layout.holds(quantizer.spec):
+        writable = " / ".join(str(s.format).upper() for s in formats() if layout.holds(s))
+        others = [n for n, other in CHECKPOINT_LAYOUTS.items() if other.holds(quantizer.spec)]
+        instead = " or ".join(f"format={n!r}" for n in others) or "another format"
         raise UnsupportedFormatError(
-            f"{name}: format='compressed-tensors' writes {writable} only, but this module is "
-            f"{quantizer.format}; export with format='modelopt'"
+            f"{name}: format={ctx.format!r} writes {writable} only, but this module is "
+            f"{quantizer.format}; export with {instead}"
         )
 
 
@@ -57,14 +60,13 @@ def _emit_weight(ctx: ExportContext, prefix: str, q: QuantizedTensor) -> None:
             ctx.emit(f"{prefix}.{leaf.name}", tensor)
 
 
-def _kv_cache_algo(name: str, quantizer: TensorQuantizer) -> str:
-    kv_cache = quantizer.spec.kv_cache
-    if kv_cache is None:
+def _kv_cache_format(name: str, quantizer: TensorQuantizer) -> FormatSpec:
+    if quantizer.spec.kv_cache is None:
         raise UnsupportedFormatError(
             f"{name}: the KV-cache quantizer is {quantizer.format}, a format without a KV-cache "
             "scheme; quantize the KV cache with a KV-cache recipe (e.g. 'fp8_kv')"
         )
-    return kv_cache.quant_algo
+    return quantizer.spec
 
 
 def _emit_input(
@@ -98,7 +100,7 @@ class QuantLinearExporter(ModuleExporter):
             _check_format(ctx, name, weight_q)
             q = weight_q.quantize(module.effective_weight(), amax=ctx.amax_of(weight_q))
             _emit_weight(ctx, name, q)
-            ctx.quant_config.add_layer(name, module.quant_algo, module.group_size)
+            ctx.quant_config.add_layer(name, weight_q.spec, module.group_size)
             _emit_input(ctx, name, module.input_quantizer)
         else:
             ctx.emit_plain(f"{name}.weight", module.weight)
@@ -110,7 +112,7 @@ class QuantLinearExporter(ModuleExporter):
             ctx.emit_scale(
                 f"{name}.{output_q.kv_role}_scale", output_q.scale_from(ctx.amax_of(output_q))
             )
-            ctx.quant_config.add_kv_cache(name, _kv_cache_algo(name, output_q))
+            ctx.quant_config.add_kv_cache(name, _kv_cache_format(name, output_q))
 
 
 class MoELinearExporter(QuantLinearExporter):
@@ -138,7 +140,7 @@ class QuantEmbeddingExporter(ModuleExporter):
         _check_format(ctx, name, quantizer)
         _emit_weight(ctx, name, quantizer.quantize(module.weight, amax=ctx.amax_of(quantizer)))
         if module.quant_algo:
-            ctx.quant_config.add_layer(name, module.quant_algo, module.group_size)
+            ctx.quant_config.add_layer(name, quantizer.spec, module.group_size)
 
     def conformance_examples(self) -> list[nn.Module]:
         """Quantized embeddings for the conformance suite.
@@ -195,7 +197,7 @@ class FusedExpertsExporter(ModuleExporter):
                         ctx.emit_plain(f"{prefix}.bias", bias)
                     _emit_input(ctx, prefix, input_q, expert)
                     if module.quant_algo:
-                        ctx.quant_config.add_layer(prefix, module.quant_algo, module.group_size)
+                        ctx.quant_config.add_layer(prefix, weight_q.spec, module.group_size)
                     ctx.quant_config.canonical[prefix] = ExpertSlice(name, expert, linear)
 
     @staticmethod

@@ -2,7 +2,7 @@
 
 :class:`CheckpointSink` is the sink :func:`exportlm.module_exporters.export_quantized_state`
 writes to: it maps every tensor to its checkpoint name (:class:`CheckpointNamer`),
-applies the compressed-tensors layout where asked, and hands it to the streaming
+applies the layout's rules (:class:`~exportlm.quant.formats.CheckpointLayout`), and hands it to the streaming
 shard writer, so no full state dict is ever built.
 
 :class:`ShardedSafetensorsWriter`: tensors in, shards out as they fill.
@@ -34,7 +34,7 @@ import torch
 
 from exportlm.errors import DuplicateTensorError, ExportFailedError, InvalidInputError
 from exportlm.export.hf_checkpoint.naming import CheckpointNamer
-from exportlm.quant.formats import scale_leaf_names
+from exportlm.quant.formats import CheckpointLayout, checkpoint_layout, scale_leaf_names
 
 __all__ = [
     "INDEX_NAME",
@@ -255,11 +255,9 @@ class CheckpointSink:
     ) -> None:
         self.namer = namer
         self._writer = writer
-        self._compressed_tensors = format == "compressed-tensors"
+        self._layout = checkpoint_layout(format)
         # read once per export: the formats registered now are the ones this export writes
-        self._scale_leaves = (
-            frozenset(scale_leaf_names()) if self._compressed_tensors else frozenset()
-        )
+        self._scale_leaves = frozenset(scale_leaf_names())
         self._closed = False
         self._sources: dict[str, str] = {}  # checkpoint name -> the driver's name it came from
 
@@ -272,8 +270,7 @@ class CheckpointSink:
         if self._closed:
             raise ExportFailedError(f"tensor {name!r} arrived after the export finished")
         for ckpt_name, value in self.namer.rename(name, tensor):
-            if self._compressed_tensors:
-                ckpt_name, value = _to_compressed_tensors(ckpt_name, value, self._scale_leaves)
+            ckpt_name, value = _laid_out(self._layout, ckpt_name, value, self._scale_leaves)
             first = self._sources.get(ckpt_name)
             if first is not None:
                 raise DuplicateTensorError(
@@ -292,18 +289,19 @@ class CheckpointSink:
 _KV_SCALE = re.compile(r"^(?P<attn>.*)\.(?P<proj>[kv])_proj\.(?P=proj)_scale$")
 
 
-def _to_compressed_tensors(
-    name: str, tensor: torch.Tensor, scale_leaves: frozenset[str]
+def _laid_out(
+    layout: CheckpointLayout, name: str, tensor: torch.Tensor, scale_leaves: frozenset[str]
 ) -> tuple[str, torch.Tensor]:
-    """compressed-tensors layout: per-tensor scales have shape ``[1]``; KV scales sit on the attention.
+    """``name`` and ``tensor`` as ``layout`` stores them: per-tensor scales in its shape
+    (:meth:`CheckpointLayout.stored_scale`, the rule ``ExportContext.emit_scale`` applies
+    too), KV-cache scales on the attention module where it puts them.
 
     ``scale_leaves``: the leaves that are scales in some registered format
     (:func:`~exportlm.quant.formats.scale_leaf_names`).
     """
-    leaf = name.rsplit(".", 1)[-1]
-    if tensor.dim() == 0 and leaf in scale_leaves:
-        tensor = tensor.reshape(1)
-    match = _KV_SCALE.match(name)
+    if name.rsplit(".", 1)[-1] in scale_leaves:
+        tensor = layout.stored_scale(tensor)
+    match = _KV_SCALE.match(name) if layout.kv_scales_on_attention else None
     if match:
         name = f"{match['attn']}.{match['proj']}_scale"
     return name, tensor

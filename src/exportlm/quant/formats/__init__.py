@@ -28,6 +28,14 @@ the KV cache (``k_scale`` / ``v_scale``, recipe ``fp8_kv``).
 from exportlm.quant.formats._fp8 import FP8
 from exportlm.quant.formats._int4 import INT4
 from exportlm.quant.formats._int8 import INT8
+from exportlm.quant.formats._layouts import (
+    CHECKPOINT_LAYOUTS,
+    DEFAULT_LAYOUT,
+    MIXED_PRECISION,
+    CheckpointLayout,
+    ExportFormat,
+    checkpoint_layout,
+)
 from exportlm.quant.formats._nvfp4 import E2M1_VALUES, NVFP4
 from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
@@ -52,14 +60,19 @@ from exportlm.quant.formats._spec import DequantizeFn, FormatSpec, Granularity, 
 
 __all__ = [
     "BUILTIN_FORMATS",
+    "CHECKPOINT_LAYOUTS",
+    "DEFAULT_LAYOUT",
     "E2M1_VALUES",
     "FP8",
     "INT4",
     "INT8",
+    "MIXED_PRECISION",
     "NVFP4",
     "QUANT_FORMATS",
+    "CheckpointLayout",
     "CompressedTensorsScheme",
     "DequantizeFn",
+    "ExportFormat",
     "FormatSpec",
     "Granularity",
     "KVCacheScheme",
@@ -69,6 +82,7 @@ __all__ = [
     "QuantizeFn",
     "WeightRecipe",
     "activation_leaf_names",
+    "checkpoint_layout",
     "format_for_kv_cache_algo",
     "format_for_quant_algo",
     "formats",
