@@ -28,6 +28,7 @@ __all__ = [
     "read_config",
     "read_json_object",
     "refuse_custom_code",
+    "shard_name_problem",
     "vet_model_directory",
 ]
 
@@ -146,16 +147,42 @@ def vet_model_directory(
     return config
 
 
+def shard_name_problem(directory: str | os.PathLike[str], name: str) -> str | None:
+    """Why shard ``name`` (from a weight index) is not a file of ``directory``; ``None``: it is.
+
+    The one confinement rule for shard names, used by :func:`vet_model_directory`
+    and the ``hf_checkpoint`` loader: a plain file name next to the index (not
+    empty, no NUL, not ``.`` / ``..``, no path separator, so no absolute path and
+    no ``..`` component), and, where it is a symbolic link, one that resolves
+    inside ``directory``.
+    """
+    if not name or "\x00" in name or name in (".", ".."):
+        return f"{name!r} is not a file name"
+    parts = name.replace("\\", "/").split("/")
+    if name[:1] in ("/", "\\") or (name[:1].isalpha() and name[1:2] == ":"):
+        return f"{name!r} is an absolute path"
+    if ".." in parts:
+        return f"{name!r} climbs out of the directory ('..')"
+    if len(parts) > 1:
+        return f"{name!r} is a path, not a plain file name"
+    root = os.path.realpath(directory)
+    target = os.path.realpath(Path(directory) / name)
+    if os.path.commonpath([root, target]) != root:
+        return f"{name!r} is a symbolic link to {target}, outside {directory}"
+    return None
+
+
 def _check_shard_names(root: Path) -> None:
-    """Every shard a weight index names is a plain file name of ``root`` (no path, no ``..``)."""
+    """Every shard a weight index names is a file of ``root`` (:func:`shard_name_problem`)."""
     for index in sorted(root.glob("*.index.json")):
         weight_map = read_json_object(index, what="weight index").get("weight_map", {})
         names = weight_map.values() if isinstance(weight_map, dict) else [weight_map]
         for name in sorted({str(n) for n in names}):
-            if Path(name).name != name or name in ("", ".", ".."):
+            why = shard_name_problem(root, name)
+            if why is not None:
                 raise MalformedCheckpointError(
                     f"weight index {index} names shard {name!r}, which is not a file name "
-                    "inside the checkpoint directory; expected names such as "
+                    f"inside the checkpoint directory ({why}); expected names such as "
                     "model-00001-of-00002.safetensors",
                     path=index,
                     field="weight_map",

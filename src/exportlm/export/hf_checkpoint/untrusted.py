@@ -34,10 +34,15 @@ import torch
 from exportlm.errors import MalformedCheckpointError, UnknownQuantAlgoError
 from exportlm.export.hf_checkpoint.configs import HF_QUANT_CONFIG_NAME
 from exportlm.export.hf_checkpoint.sink import INDEX_NAME, SINGLE_FILE_NAME
-from exportlm.hfdir import CONFIG_NAME, read_config, read_json_object, refuse_custom_code
+from exportlm.hfdir import (
+    CONFIG_NAME,
+    read_config,
+    read_json_object,
+    refuse_custom_code,
+    shard_name_problem,
+)
 from exportlm.inspection import (
     config_field_problems,
-    escape_problem,
     quant_config_problems,
     read_safetensors_header,
 )
@@ -109,7 +114,7 @@ class StoredTensors:
 
 
 def _confined(directory: Path, name: str, index: Path) -> Path:
-    why = escape_problem(directory, name, follow_links=True)
+    why = shard_name_problem(directory, name)
     if why is not None:
         raise MalformedCheckpointError(
             f"{index} names shard {why}: exportlm reads only files inside the checkpoint "
