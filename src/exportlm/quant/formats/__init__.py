@@ -23,6 +23,10 @@ int8      int8 ``[out, in]``            ``weight_scale`` fp32 ``[out] = row_amax
 
 FP8 and NVFP4 also quantize activations (``input_scale``); FP8 is the format of
 the KV cache (``k_scale`` / ``v_scale``, recipe ``fp8_kv``).
+
+The checkpoint layouts are data as well (:data:`CHECKPOINT_LAYOUTS`, one
+:class:`CheckpointLayout` per ``format=`` value: the shape of per-tensor scales,
+the formats it holds), and :data:`MIXED_PRECISION` is defined here once.
 """
 
 from exportlm.quant.formats._fp8 import FP8
