@@ -149,9 +149,6 @@ def test_the_checkout_is_made_importable_without_installing(tmp_path: Path) -> N
     (info,) = tmp_path.glob("exportlm-*.dist-info")
     entry_points = (info / "entry_points.txt").read_text()
     assert "[pytest11]\nexportcheck = pytest_exportcheck.plugin" in entry_points
-    assert "torch_export = exportlm.export.torch_export:build_torch_export_exporter" in (
-        entry_points
-    )
 
 
 def test_the_summary_counts_outcomes_per_check(tmp_path: Path) -> None:

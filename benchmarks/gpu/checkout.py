@@ -3,8 +3,8 @@
 ``python checkout.py ROOT DIR``: when this python already finds the ``exportlm``
 distribution (``pip install -e .``, e.g. ``.venv``), prints nothing. Otherwise it
 writes ``DIR/exportlm-<version>.dist-info`` (``METADATA`` and the entry points of
-``ROOT/pyproject.toml``: the torch targets and the ``pytest11`` plugin are
-registered through them) and prints the ``PYTHONPATH`` that makes the checkout
+``ROOT/pyproject.toml``: the ``pytest11`` plugin is registered
+through them) and prints the ``PYTHONPATH`` that makes the checkout
 importable: ``ROOT/src``, ``ROOT`` (for ``pytest_exportcheck``) and ``DIR``.
 The python's own packages (its CUDA torch) stay first on the path. Writes
 nothing outside ``DIR``.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from exportlm._version import __version__
 from exportlm.errors import (
     ExportError,
     ExportFailedError,
@@ -28,8 +29,6 @@ from exportlm.errors import (
     UnsupportedFormatError,
 )
 from exportlm.registry import Registry, RegistryEntry, load_entry_point_registry
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ExportError",

@@ -8,7 +8,7 @@ with renames. The guarantees, and their limits:
   beside the artifact (ONNX external data) must carry names unique to their content
   or writer; they are published first, the artifact file last, each by ``os.replace``.
   A reader sees the old artifact or the new one, never the new graph on old data or
-  the old graph on new data. Files written by a :func:`before_publish` hook (the
+  the old graph on new data. Files written by the ``before_publish`` hook (the
   manifest) are published after the artifact. Companions of earlier exports that the
   new artifact no longer uses are removed afterwards (``companions`` patterns).
 * **Directory artifacts**: the staged directory is exchanged with the existing one by
@@ -37,7 +37,6 @@ process at) every publishing step; the conformance suite uses it too.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import ctypes
 import errno
 import os
@@ -52,8 +51,8 @@ from pathlib import Path
 from exportlm.errors import OutputExistsError, UnsupportedOutputPathError
 
 __all__ = [
+    "PublishHook",
     "atomic_output",
-    "before_publish",
     "check_output_path",
     "publish_steps",
     "remove_stale_staging",
@@ -67,23 +66,7 @@ _STALE_GRACE_S = 60.0  # a staging entry without a writer lock may be being crea
 
 #: ``(staged artifact, destination) -> files written for publishing after the artifact``.
 PublishHook = Callable[[Path, Path], Sequence[Path]]
-_HOOKS: contextvars.ContextVar[tuple[PublishHook, ...]] = contextvars.ContextVar(
-    "exportlm_publish_hooks", default=()
-)
 _STEP_OBSERVERS: list[Callable[[str, Path], None]] = []
-
-
-@contextlib.contextmanager
-def before_publish(hook: PublishHook) -> Iterator[None]:
-    """Run ``hook(staged, destination)`` before each :func:`atomic_output` of this context publishes.
-
-    Files it returns are published after the artifact (the manifest); if it raises, nothing is.
-    """
-    token = _HOOKS.set((*_HOOKS.get(), hook))
-    try:
-        yield
-    finally:
-        _HOOKS.reset(token)
 
 
 @contextlib.contextmanager
@@ -126,6 +109,7 @@ def atomic_output(
     directory: bool = False,
     overwrite: bool = True,
     companions: Sequence[str] = (),
+    before_publish: PublishHook | None = None,
 ) -> Iterator[Path]:
     """Yield a staged path for ``path``; publish it all at once only on success.
 
@@ -139,6 +123,10 @@ def atomic_output(
     ``companions`` are glob patterns (e.g. ``"model.onnx.*.data"``) of sibling names
     that belong to the artifact: after publishing, those the new artifact did not
     write are removed. Leftovers of dead writers to ``path`` are removed first.
+
+    ``before_publish(staged, path)`` runs once the body is done and before anything is
+    published; the files it returns (the manifest) are published after the artifact,
+    and if it raises, nothing is.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -156,9 +144,9 @@ def atomic_output(
             if not directory and not staged.exists():
                 raise FileNotFoundError(f"exporter wrote nothing at {staged}")
             last: list[Path] = []
-            for hook in _HOOKS.get():
+            if before_publish is not None:
                 _step("hook", staged)
-                last.extend(Path(p) for p in hook(staged, target))
+                last.extend(Path(p) for p in before_publish(staged, target))
             _apply_umask_modes(payload)
             with _publish_lock(target.parent):
                 check_output_path(target)

@@ -62,13 +62,16 @@ def resolve_example_inputs(
     *,
     batch: int = DEFAULT_BATCH,
     seq: int = DEFAULT_SEQ,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Normalize ``example_inputs`` to a tuple of tensors whose first is integer ``input_ids``.
 
-    ``None`` builds deterministic ids from the model's vocabulary on the model's device.
+    ``None`` builds deterministic ids from the model's vocabulary on the model's device
+    (``vocab_size`` when the caller knows it already, else :func:`infer_vocab_size`).
     """
     if example_inputs is None:
-        ids = make_input_ids(infer_vocab_size(model), batch, seq, device=_model_device(model))
+        vocab = vocab_size if vocab_size is not None else infer_vocab_size(model)
+        ids = make_input_ids(vocab, batch, seq, device=_model_device(model))
         return (ids,)
     inputs = (
         tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -38,8 +37,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DISABLE_PLUGINS_ENV = "EXPORTLM_DISABLE_PLUGINS"
-#: The distribution whose own entry points stay loaded under the kill switch.
-OWN_DISTRIBUTION = "exportlm"
 
 BUILTIN_PROVIDER = "exportlm (built in)"
 
@@ -74,21 +71,11 @@ def once(fn: Callable[[], None]) -> Callable[[], None]:
 def plugins_disabled() -> bool:
     """True when ``EXPORTLM_DISABLE_PLUGINS`` is set to a true value.
 
-    The kill switch turns off third-party plugins only: entry points that the
-    ``exportlm`` distribution itself declares (the built-in ``torchscript``,
-    ``torch_export`` and ``hf_checkpoint`` targets) are still loaded.
+    The kill switch turns off every entry point. exportlm declares none of its own:
+    the built-in targets, module exporters and model families are registered in code,
+    so they stay.
     """
     return os.environ.get(DISABLE_PLUGINS_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def _is_own(ep: metadata.EntryPoint) -> bool:
-    """Whether ``ep`` is declared by the ``exportlm`` distribution itself."""
-    dist = getattr(ep, "dist", None)
-    try:
-        name = dist.metadata["Name"] if dist is not None else None
-    except Exception:  # pragma: no cover - broken metadata: not provably ours
-        return False
-    return bool(name) and re.sub(r"[-_.]+", "-", str(name)).lower() == OWN_DISTRIBUTION
 
 
 @dataclass(frozen=True)
@@ -305,19 +292,18 @@ def _entry_points(group: str) -> list[metadata.EntryPoint]:
 
 
 def _selected_entry_points(group: str) -> list[metadata.EntryPoint]:
-    """The entry points of ``group`` to load: all, or only exportlm's own under the kill switch."""
+    """The entry points of ``group`` to load: all of them, or none under the kill switch."""
     eps = _entry_points(group)
     if not plugins_disabled():
         return eps
-    skipped = sorted(f"{ep.name} = {ep.value}" for ep in eps if not _is_own(ep))
-    if skipped:
+    if eps:
         logger.info(
-            "%s=1: not loading the third-party entry points of %s: %s",
+            "%s=1: not loading the entry points of %s: %s",
             DISABLE_PLUGINS_ENV,
             group,
-            "; ".join(skipped),
+            "; ".join(f"{ep.name} = {ep.value}" for ep in eps),
         )
-    return [ep for ep in eps if _is_own(ep)]
+    return []
 
 
 def _distribution_label(ep: metadata.EntryPoint) -> str | None:
@@ -344,9 +330,8 @@ def load_entry_point_registry(
     With ``raise_errors=True`` (default) the first error is raised after every
     other plugin was loaded; with ``False`` errors are only recorded in
     ``registry.plugin_errors`` / ``registry.failed()`` and issued as
-    :class:`PluginWarning`. With ``EXPORTLM_DISABLE_PLUGINS=1`` only the entry
-    points of the ``exportlm`` distribution itself (the built-in targets) are
-    loaded; every third-party one is skipped.
+    :class:`PluginWarning`. With ``EXPORTLM_DISABLE_PLUGINS=1`` no entry point is
+    loaded (exportlm's own entries are registered in code and stay).
 
     Returns the names registered by this call.
     """

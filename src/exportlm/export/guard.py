@@ -1,10 +1,11 @@
 """The trust boundary and the manifest of every export: what export and load do around a target.
 
-* :func:`manifest_for_export`: around an export, writes the artifact's manifest
-  (:mod:`~exportlm.export.manifest`) into the staging area just before it is published
-  (:func:`~exportlm.atomic.before_publish`), so it is published last and a complete
-  manifest means a complete artifact. A target that does not stage through
-  :func:`~exportlm.atomic.atomic_output` gets its manifest written after it returns.
+* :class:`PendingManifest`: the manifest (:mod:`~exportlm.export.manifest`) of one export,
+  made once by the export job. The job hands :meth:`PendingManifest.hook` to
+  :func:`~exportlm.atomic.atomic_output`, which writes it into the staging area just before
+  publishing, so it is published last and a complete manifest means a complete artifact.
+  Around a factory that exportlm does not run, :meth:`PendingManifest.finish` writes it
+  after the factory returns.
 * :func:`verified_load`: around a runtime loader, opens the artifact file once, verifies
   those bytes against its manifest (always, ``trust`` or not: it must be the manifest's
   own artifact, by name, and match it byte for byte), refuses a code-executing format
@@ -17,38 +18,36 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from exportlm.atomic import before_publish
-from exportlm.errors import InvalidModelError, UntrustedArtifactError
+from exportlm.errors import InvalidModelError, ManifestSchemaError, UntrustedArtifactError
 from exportlm.export._verified import VerifiedFile, hold, open_artifact, serving
-from exportlm.export.manifest import Manifest, model_hash, read_manifest, verify_artifact
+from exportlm.export.declaration import TargetInfo
+from exportlm.export.manifest import (
+    DIRECTORY_MANIFEST_NAME,
+    MANIFEST_SUFFIX,
+    Manifest,
+    model_hash,
+    read_manifest,
+    verify_artifact,
+)
 from exportlm.export.manifest import write_manifest as _write_manifest
-
-if TYPE_CHECKING:
-    from exportlm.export.targets import TargetInfo
 
 __all__ = [
     "TRUST_HINT",
+    "PendingManifest",
     "UnverifiedArtifactWarning",
     "check_real_weights",
-    "finish_manifest",
-    "manifest_for_export",
     "open_artifact",
     "verified_load",
 ]
 
 TRUST_HINT = "pass trust=True to load_exported (exportlm CLI: --trust)"
-
-_ACTIVE: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    "exportlm_manifest_destinations", default=frozenset()
-)
 
 
 class UnverifiedArtifactWarning(UserWarning):
@@ -90,25 +89,55 @@ def _inputs(info: TargetInfo, options: Mapping[str, Any]) -> list[dict[str, Any]
     return [{"name": "input_ids", "dtype": "int64", "shape": shape}]
 
 
-def _vocab_size(model: Any) -> int | None:
-    from exportlm.inputs import infer_vocab_size
+#: What identifies one written manifest file: a rewrite is a new file (``os.replace``).
+_Stamp = tuple[int, int, int, int]
 
+
+def _stamp(path: Path) -> _Stamp | None:
     try:
-        return infer_vocab_size(model)
-    except Exception:  # any model: an unknown vocabulary is simply not recorded
+        st = path.stat()
+    except OSError:
         return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _manifest_locations(destination: Path) -> tuple[Path, Path]:
+    """Where the manifest of ``destination`` lives as a file artifact and as a directory one."""
+    return (
+        destination.with_name(destination.name + MANIFEST_SUFFIX),
+        destination / DIRECTORY_MANIFEST_NAME,
+    )
 
 
 @dataclass
-class _Request:
+class PendingManifest:
+    """The manifest of one export, not yet written; see the module docstring.
+
+    Attributes:
+        info: the target, as registered (its name is the manifest's ``target``).
+        model: hashed when the manifest is written, so a failing export reads no weight first.
+        options: the options the manifest records.
+        vocab_size: the model's vocabulary (``None`` when it cannot be told).
+        destination: the absolute path the artifact is published at.
+    """
+
     info: TargetInfo
-    model: Any  # hashed when the manifest is written: a failing export reads no weight first
+    model: Any
     options: Mapping[str, Any]
     vocab_size: int | None
     destination: Path
     written: bool = False
+    _before: dict[Path, _Stamp | None] = field(default_factory=dict, repr=False)
 
-    def write(self, artifact: Path, companions: Sequence[Path] = ()) -> Path:
+    def __post_init__(self) -> None:
+        self._before = {p: _stamp(p) for p in _manifest_locations(self.destination)}
+
+    def write(
+        self,
+        artifact: Path,
+        companions: Sequence[Path] = (),
+        files: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> Path:
         """Write the manifest of ``artifact`` (staged or final), naming the published artifact."""
         self.written = True
         return _write_manifest(
@@ -123,10 +152,13 @@ class _Request:
             vocab_size=self.vocab_size,
             companions=companions,
             name=self.destination.name,
+            files=files,
         )
 
     def hook(self, staged: Path, destination: Path) -> Sequence[Path]:
-        if self.written or os.path.abspath(destination) != str(self.destination):
+        """``atomic_output``'s ``before_publish``: the manifest of the staged artifact."""
+        del destination  # the job staged exactly this export's destination
+        if self.written:
             return []
         if staged.is_dir():
             self.write(staged)
@@ -134,41 +166,29 @@ class _Request:
         companions = [p for p in staged.parent.iterdir() if p != staged and p.is_file()]
         return [self.write(staged, companions)]
 
+    def finish(self, artifact: Path) -> None:
+        """After a factory exportlm did not run: write the manifest of what it left at ``artifact``.
 
-@contextlib.contextmanager
-def manifest_for_export(
-    info: TargetInfo, model: Any, output_path: str | os.PathLike[str], options: Mapping[str, Any]
-) -> Iterator[_Request | None]:
-    """Write the manifest of the artifact exported inside this context (see the module docstring).
+        A factory may itself call one of exportlm's writers (a built-in target, whose job
+        wrote a manifest when it published). A manifest written during this export for
+        this very artifact keeps the files it lists, as hashed when they were published,
+        and is re-signed for this target; otherwise the files are hashed now.
+        """
+        if self.written or not artifact.exists():
+            return
+        self.write(artifact, files=self._fresh_files(artifact))
 
-    Nested contexts for the same destination write one manifest (the outermost's).
-    Yields the pending request, or ``None`` when an outer context owns it; the caller
-    passes the written artifact to :func:`finish_manifest`.
-    """
-    destination = os.path.abspath(output_path)
-    if destination in _ACTIVE.get():
-        yield None
-        return
-    check_real_weights(model, info.name)
-    request = _Request(
-        info=info,
-        model=model,
-        options=dict(options),
-        vocab_size=_vocab_size(model),
-        destination=Path(destination),
-    )
-    token = _ACTIVE.set(_ACTIVE.get() | {destination})
-    try:
-        with before_publish(request.hook):
-            yield request
-    finally:
-        _ACTIVE.reset(token)
-
-
-def finish_manifest(request: _Request | None, artifact: Path) -> None:
-    """Write the manifest after the fact for a target that did not stage through ``atomic_output``."""
-    if request is not None and not request.written and artifact.exists():
-        request.write(artifact)
+    def _fresh_files(self, artifact: Path) -> Mapping[str, Mapping[str, Any]] | None:
+        path = _manifest_locations(self.destination)[1 if artifact.is_dir() else 0]
+        if _stamp(path) in (None, self._before.get(path)):
+            return None
+        try:
+            manifest = read_manifest(artifact)
+        except ManifestSchemaError:
+            return None
+        if manifest is None or manifest.artifact_name != self.destination.name:
+            return None
+        return manifest.files
 
 
 @contextlib.contextmanager

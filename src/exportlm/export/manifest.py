@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from exportlm.atomic import write_bytes_atomic
 from exportlm.errors import ArtifactIntegrityError, ManifestSchemaError, NotRegularFileError
 from exportlm.export import trustkey
 from exportlm.export._manifest_data import json_safe, model_hash, versions
@@ -156,6 +157,7 @@ def write_manifest(
     vocab_size: int | None = None,
     companions: Sequence[Path] = (),
     name: str | None = None,
+    files: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Path:
     """Hash the artifact's files and write its signed manifest atomically; returns the manifest path.
 
@@ -171,11 +173,13 @@ def write_manifest(
         companions: further files of a file artifact (e.g. ONNX external data).
         name: the name the artifact is published under (default: its own), recorded
             and signed as the one artifact this manifest vouches for.
+        files: the file entries (``{relative path: {"sha256", "size"}}``) as hashed
+            earlier, when the files were published; default: hash them now.
     """
-    from exportlm.atomic import write_bytes_atomic
-
     path = Path(artifact)
-    root, files = _artifact_files(path, companions)
+    if files is None:
+        root, paths = _artifact_files(path, companions)
+        files = _file_entries(root, paths)
     data: dict[str, Any] = {
         "schema": MANIFEST_SCHEMA,
         "target": target,
@@ -187,7 +191,7 @@ def write_manifest(
         "tolerance": json_safe(dict(tolerance)),
         "model_sha256": model_hash,
         "vocab_size": vocab_size,
-        "files": _file_entries(root, files),
+        "files": {name: dict(entry) for name, entry in sorted(files.items())},
     }
     signature = trustkey.sign(_canonical(data))
     if signature is not None:

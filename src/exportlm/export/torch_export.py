@@ -1,7 +1,8 @@
 """The ``torch_export`` export target (``.pt2``) and its ``torch.export.load`` runtime.
 
-Registered through the ``exportlm.export_backends`` / ``exportlm.export_runtimes``
-entry points (``build_torch_export_exporter``, ``load_torch_export``).
+A built-in target, registered in code
+(:func:`~exportlm.export.builtins.register_builtin_targets`): the factory
+:func:`export_torch_export` and the runtime :func:`load_torch_export`.
 
 Batch and sequence are exported as ``Dim.DYNAMIC`` by default: torch.export
 infers their ranges from the model (e.g. ``2 <= seq`` because size-1 dims are
@@ -27,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from exportlm.errors import InvalidInputError, InvalidModelError
 from exportlm.export._past import (
@@ -38,15 +38,16 @@ from exportlm.export._past import (
     probe_past_layout,
 )
 from exportlm.export._wrapper import ExportCacheWrapper
+from exportlm.export.declaration import TargetInfo
 from exportlm.export.generation import PastStepRuntime
 from exportlm.export.guard import open_artifact
-from exportlm.export.job import export_job
+from exportlm.export.job import ExportRequest, export_job, job_target
 from exportlm.export.runtime import TorchModuleRuntime, resolve_device
-from exportlm.export.targets import export_target
 
 __all__ = [
     "TORCH_EXPORT_ATOL",
     "TORCH_EXPORT_RTOL",
+    "TORCH_EXPORT_TARGET",
     "TorchExportGenerationRuntime",
     "build_torch_export_exporter",
     "export_torch_export",
@@ -67,9 +68,23 @@ def _dynamic_shapes(dynamic: bool) -> dict[str, Any] | None:
     return {"input_ids": {0: dim, 1: dim}}
 
 
+#: The ``torch_export`` target's declaration.
+TORCH_EXPORT_TARGET = TargetInfo(
+    name="torch_export",
+    runtime="torch_export",
+    atol=TORCH_EXPORT_ATOL,
+    rtol=TORCH_EXPORT_RTOL,
+    capabilities=frozenset({"dynamic_shapes", "cuda", "kv_cache"}),
+    artifact="file",
+    suffix=".pt2",
+    executes_code=True,  # torch.export.load unpickles and runs code
+    description="torch.export ExportedProgram .pt2 (dynamic batch/seq) run via torch.export.load",
+)
+
+
+@job_target(TORCH_EXPORT_TARGET)
 def export_torch_export(
-    model: nn.Module,
-    output_path: Path,
+    request: ExportRequest,
     *,
     example_inputs: Any = None,
     dynamic: bool = True,
@@ -77,6 +92,9 @@ def export_torch_export(
     kv_cache: bool = False,
 ) -> Path:
     """Export ``model`` with ``torch.export`` and save the ``.pt2`` at ``output_path``.
+
+    The factory is ``export_torch_export(model, output_path, **options)``; its body gets
+    the :class:`~exportlm.export.job.ExportRequest` (:func:`~exportlm.export.job.job_target`).
 
     Args:
         model: any ``nn.Module`` whose ``forward(input_ids)`` returns logits,
@@ -105,9 +123,7 @@ def export_torch_export(
         )
     hint = "Try dynamic=False, or the 'torchscript' target."
     options = {"dynamic": dynamic, "strict": strict, "kv_cache": kv_cache}
-    with export_job(
-        "torch_export", model, output_path, example_inputs, hint=hint, options=options
-    ) as job:
+    with export_job(request, example_inputs, hint=hint, options=options) as job:
         if kv_cache:
             layout = probe_past_layout(job.model)
             ids = job.inputs[0]
@@ -119,31 +135,18 @@ def export_torch_export(
                 strict=strict,
             )
         else:
-            wrapper = ExportCacheWrapper(model).eval()
+            wrapper = ExportCacheWrapper(job.model).eval()
             program = torch.export.export(
                 wrapper, job.inputs[:1], dynamic_shapes=_dynamic_shapes(dynamic), strict=strict
             )
         with open(job.staged, "wb") as file:  # a file object: no suffix check on the name
             torch.export.save(program, file)
-    return Path(output_path)
+    return request.output_path
 
 
 def build_torch_export_exporter() -> Any:
-    """The ``torch_export`` export factory (the ``exportlm.export_backends`` entry point)."""
-    return _TORCH_EXPORT_TARGET
-
-
-_TORCH_EXPORT_TARGET = export_target(
-    "torch_export",
-    runtime="torch_export",
-    atol=TORCH_EXPORT_ATOL,
-    rtol=TORCH_EXPORT_RTOL,
-    capabilities={"dynamic_shapes", "cuda", "kv_cache"},
-    artifact="file",
-    suffix=".pt2",
-    executes_code=True,  # torch.export.load / torch.jit.load unpickle and run code
-    description="torch.export ExportedProgram .pt2 (dynamic batch/seq) run via torch.export.load",
-)(export_torch_export)
+    """The declared ``torch_export`` export factory, for code that builds its own registry."""
+    return export_torch_export
 
 
 class TorchExportGenerationRuntime(PastStepRuntime):

@@ -1,7 +1,8 @@
 """The ``torchscript`` export target (``.pt``) and its ``torch.jit.load`` runtime.
 
-Registered through the ``exportlm.export_backends`` / ``exportlm.export_runtimes``
-entry points (``build_torchscript_exporter``, ``load_torchscript``).
+A built-in target, registered in code
+(:func:`~exportlm.export.builtins.register_builtin_targets`): the factory
+:func:`export_torchscript` and the runtime :func:`load_torchscript`.
 
 ``method="trace"`` (default) records the ops of one forward through
 :class:`~exportlm.export.ExportCacheWrapper`; batch and sequence stay symbolic
@@ -28,14 +29,15 @@ from exportlm.errors import InvalidInputError
 from exportlm.export._moe import TRACEABLE_EXPERTS
 from exportlm.export._quiet import CapturedNoise, warn_caller
 from exportlm.export._wrapper import ExportCacheWrapper
+from exportlm.export.declaration import TargetInfo
 from exportlm.export.guard import open_artifact
-from exportlm.export.job import export_job
+from exportlm.export.job import ExportRequest, export_job, job_target
 from exportlm.export.runtime import TorchModuleRuntime, resolve_device
-from exportlm.export.targets import export_target
 
 __all__ = [
     "TORCHSCRIPT_ATOL",
     "TORCHSCRIPT_RTOL",
+    "TORCHSCRIPT_TARGET",
     "TorchScriptDeprecationWarning",
     "build_torchscript_exporter",
     "export_torchscript",
@@ -89,15 +91,33 @@ def _trace(model: nn.Module, inputs: tuple[torch.Tensor, ...], check_trace: bool
         return torch.jit.trace(wrapper, inputs[:1], check_trace=check_trace)
 
 
+#: The ``torchscript`` target's declaration.
+TORCHSCRIPT_TARGET = TargetInfo(
+    name="torchscript",
+    runtime="torchscript",
+    atol=TORCHSCRIPT_ATOL,
+    rtol=TORCHSCRIPT_RTOL,
+    capabilities=frozenset({"dynamic_shapes", "cuda"}),
+    artifact="file",
+    suffix=".pt",
+    variants={"trace": {"method": "trace"}, "script": {"method": "script"}},
+    executes_code=True,  # torch.jit.load unpickles and runs code
+    description="TorchScript .pt (torch.jit.trace, or script) run with torch.jit.load",
+)
+
+
+@job_target(TORCHSCRIPT_TARGET)
 def export_torchscript(
-    model: nn.Module,
-    output_path: Path,
+    request: ExportRequest,
     *,
     example_inputs: Any = None,
     method: Literal["trace", "script"] = "trace",
     check_trace: bool = False,
 ) -> Path:
     """Export ``model`` as a TorchScript ``.pt`` at ``output_path``; returns the path.
+
+    The factory is ``export_torchscript(model, output_path, **options)``; its body gets
+    the :class:`~exportlm.export.job.ExportRequest` (:func:`~exportlm.export.job.job_target`).
 
     Args:
         model: any ``nn.Module`` whose ``forward(input_ids)`` returns logits,
@@ -126,37 +146,23 @@ def export_torchscript(
     )
     experts = TRACEABLE_EXPERTS if method == "trace" else None
     with export_job(
-        "torchscript",
-        model,
-        output_path,
+        request,
         example_inputs,
         experts=experts,
         hint=hint,
         options={"method": method, "check_trace": check_trace},
     ) as job:
-        module = _script(model) if method == "script" else _trace(model, job.inputs, check_trace)
+        module = (
+            _script(job.model) if method == "script" else _trace(job.model, job.inputs, check_trace)
+        )
         torch.jit.save(module, str(job.staged))
     _warn_deprecated(job.noise, method)
-    return Path(output_path)
+    return request.output_path
 
 
 def build_torchscript_exporter() -> Any:
-    """The ``torchscript`` export factory (the ``exportlm.export_backends`` entry point)."""
-    return _TORCHSCRIPT_TARGET
-
-
-_TORCHSCRIPT_TARGET = export_target(
-    "torchscript",
-    runtime="torchscript",
-    atol=TORCHSCRIPT_ATOL,
-    rtol=TORCHSCRIPT_RTOL,
-    capabilities={"dynamic_shapes", "cuda"},
-    artifact="file",
-    suffix=".pt",
-    variants={"trace": {"method": "trace"}, "script": {"method": "script"}},
-    executes_code=True,  # torch.export.load / torch.jit.load unpickle and run code
-    description="TorchScript .pt (torch.jit.trace, or script) run with torch.jit.load",
-)(export_torchscript)
+    """The declared ``torchscript`` export factory, for code that builds its own registry."""
+    return export_torchscript
 
 
 def load_torchscript(artifact: Path, *, device: str = "cpu") -> TorchModuleRuntime:

@@ -1,7 +1,7 @@
 """The ``hf_checkpoint`` export target: a (quantized) Hugging Face checkpoint directory.
 
-Registered through the ``exportlm.export_backends`` / ``exportlm.export_runtimes``
-entry points (:func:`build_hf_checkpoint_exporter`, :func:`load_hf_checkpoint`).
+A built-in target, registered in code (:mod:`~exportlm.export.builtins`):
+:func:`export_hf_checkpoint` and its runtime :func:`load_hf_checkpoint`.
 
 One concern per module:
 

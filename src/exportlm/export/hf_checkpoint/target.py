@@ -12,10 +12,11 @@ Layout (see ``docs/checkpoint-format.md``)::
 The export driver (:func:`exportlm.module_exporters.export_quantized_state`) walks the
 model one module at a time and hands every tensor to a
 :class:`~exportlm.export.hf_checkpoint.sink.CheckpointSink`, so no full state
-dict is ever built. The directory is assembled in a temporary sibling, gets its
-manifest (``exportlm-manifest.json``, :mod:`~exportlm.export.manifest`) and is swapped
-in atomically (:func:`~exportlm.atomic.atomic_output`: the path names the old
-checkpoint or the new one at every instant on Linux).
+dict is ever built. The directory is assembled by the shared export job
+(:func:`~exportlm.export.job.export_job`) in a temporary sibling, gets its manifest
+(``exportlm-manifest.json``, :mod:`~exportlm.export.manifest`) and is swapped in
+atomically (:func:`~exportlm.atomic.atomic_output`: the path names the old checkpoint
+or the new one at every instant on Linux).
 
 Only transformers ``PreTrainedModel`` instances are accepted: the checkpoint's
 ``config.json`` must name a model class that the runtime (and vLLM, TensorRT-LLM,
@@ -30,11 +31,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
-from exportlm.atomic import atomic_output
-from exportlm.errors import InvalidInputError, InvalidModelError
-from exportlm.export.guard import manifest_for_export
+from exportlm.errors import InvalidInputError
+from exportlm.export.declaration import TargetInfo
 from exportlm.export.hf_checkpoint.configs import (
     CHECKPOINT_FORMATS,
     quantization_section,
@@ -42,10 +41,10 @@ from exportlm.export.hf_checkpoint.configs import (
 )
 from exportlm.export.hf_checkpoint.naming import CheckpointNamer, module_namer
 from exportlm.export.hf_checkpoint.sink import CheckpointSink, ShardedSafetensorsWriter
+from exportlm.export.job import ExportRequest, export_job, job_target
 from exportlm.export.options import resolve_dtype
-from exportlm.export.targets import export_target, get_target_info
 
-__all__ = ["build_hf_checkpoint_exporter", "export_hf_checkpoint"]
+__all__ = ["HF_CHECKPOINT_TARGET", "build_hf_checkpoint_exporter", "export_hf_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,27 +67,25 @@ def _hf_accepts(model: Any) -> str | None:
     return None
 
 
-def build_hf_checkpoint_exporter() -> Callable[..., Path]:
-    """Entry point of ``exportlm.export_backends``: the declared ``hf_checkpoint`` factory."""
-    return export_hf_checkpoint
-
-
-@export_target(
-    "hf_checkpoint",
+#: The ``hf_checkpoint`` target's declaration.
+HF_CHECKPOINT_TARGET = TargetInfo(
+    name="hf_checkpoint",
     runtime="hf_checkpoint",
     # Unquantized: the same float weights, the diff is 0. Quantized: measured 0 for
     # FP8 / NVFP4 / INT8 on every tiny family, < 4e-7 for AWQ (folded pre_quant_scale);
     # the bound is looser for any user model (op order, attention kernels); see docs.
     atol=1e-4,
     rtol=1e-3,
-    capabilities={"quantized", "multi_file", "cuda"},
+    capabilities=frozenset({"quantized", "multi_file", "cuda"}),
     artifact="directory",
     accepts=_hf_accepts,
     description="Hugging Face checkpoint directory (safetensors shards; ModelOpt or compressed-tensors quantization)",
 )
+
+
+@job_target(HF_CHECKPOINT_TARGET)
 def export_hf_checkpoint(
-    model: nn.Module,
-    output_path: Path,
+    request: ExportRequest,
     *,
     format: Literal["modelopt", "compressed-tensors"] = "modelopt",
     max_shard_size: int | str = "5GB",
@@ -99,6 +96,9 @@ def export_hf_checkpoint(
     safe_serialization: bool = True,
 ) -> Path:
     """Write ``model`` (quantized with :func:`exportlm.quant.quantize`, or not) as an HF checkpoint.
+
+    The factory is ``export_hf_checkpoint(model, output_path, **options)``; its body gets
+    the :class:`~exportlm.export.job.ExportRequest` (:func:`~exportlm.export.job.job_target`).
 
     Args:
         model: a transformers ``PreTrainedModel``; never modified.
@@ -128,21 +128,15 @@ def export_hf_checkpoint(
         raise InvalidInputError(
             f"format must be one of {', '.join(CHECKPOINT_FORMATS)}, got {format!r}"
         )
-    reason = _hf_accepts(model)
-    if reason:
-        raise InvalidModelError(f"hf_checkpoint cannot export this model: {reason}")
     cast_to: torch.dtype | None = None
     if dtype is not None:
         cast_to = resolve_dtype(dtype, where="hf_checkpoint dtype", supported=_FLOAT_DTYPES)
     from exportlm.module_exporters import export_quantized_state
 
-    output = Path(output_path)
     options = {"format": format, "max_shard_size": max_shard_size, "dtype": cast_to}
     options |= {"overwrite": overwrite, "is_qlora": is_qlora}
-    with (
-        manifest_for_export(get_target_info("hf_checkpoint"), model, output, options),
-        atomic_output(output, directory=True, overwrite=overwrite) as staging,
-    ):
+    with export_job(request, options=options, traced=False, overwrite=overwrite) as job:
+        model, staging = job.model, job.staged
         writer = ShardedSafetensorsWriter(staging, max_shard_size=max_shard_size)
         sink = CheckpointSink(CheckpointNamer(model), writer, format)
         try:
@@ -159,6 +153,11 @@ def export_hf_checkpoint(
             len(written.weight_map),
             written.total_size,
             len(written.files),
-            output,
+            request.output_path,
         )
-    return output
+    return request.output_path
+
+
+def build_hf_checkpoint_exporter() -> Callable[..., Path]:
+    """The declared ``hf_checkpoint`` export factory, for code that builds its own registry."""
+    return export_hf_checkpoint

@@ -40,7 +40,8 @@ from torch import nn
 from exportlm.errors import InvalidInputError, InvalidModelError, UnsupportedDtypeError
 from exportlm.export._optional import require_modules
 from exportlm.export._wrapper import ExportCacheWrapper, accepts_attention_mask
-from exportlm.export.job import ExportJob, export_job
+from exportlm.export.declaration import TargetInfo
+from exportlm.export.job import ExportJob, ExportRequest, export_job, job_target
 from exportlm.export.onnx._external import name_external_data_by_content
 from exportlm.export.onnx._io import AXES, INPUT_NAMES, OUTPUT_NAMES
 from exportlm.export.onnx._legacy import (
@@ -50,12 +51,12 @@ from exportlm.export.onnx._legacy import (
 )
 from exportlm.export.onnx._past import check_kv_cache_options, torch_onnx_export
 from exportlm.export.onnx._qdq import check_quantized_export, qdq_refusal, quantized_graph
-from exportlm.export.targets import export_target
 
 __all__ = [
     "DEFAULT_OPSET",
     "ONNX_ATOL",
     "ONNX_RTOL",
+    "ONNX_TARGET",
     "build_onnx_exporter",
     "export_onnx_target",
     "export_to_onnx",
@@ -218,20 +219,23 @@ def _torch_onnx_options(
     return options
 
 
-@export_target(
-    "onnx",
+#: The ``onnx`` target's declaration.
+ONNX_TARGET = TargetInfo(
+    name="onnx",
     runtime="onnx",
     atol=ONNX_ATOL,
     rtol=ONNX_RTOL,
-    capabilities=_CAPABILITIES,
+    capabilities=frozenset(_CAPABILITIES),
     accepts=qdq_refusal,
     artifact="file",
     suffix=".onnx",
     description="ONNX graph (torch.onnx dynamo exporter, dynamic batch/seq) run in onnxruntime",
 )
+
+
+@job_target(ONNX_TARGET)
 def export_onnx_target(
-    model: nn.Module,
-    output_path: Path,
+    request: ExportRequest,
     *,
     example_inputs: Any = None,
     opset: int = DEFAULT_OPSET,
@@ -243,6 +247,9 @@ def export_onnx_target(
     kv_cache: bool = False,
 ) -> Path:
     """Export ``model`` to an ONNX file at ``output_path``; returns the path.
+
+    The factory is ``export_onnx_target(model, output_path, **options)``; its body gets
+    the :class:`~exportlm.export.job.ExportRequest` (:func:`~exportlm.export.job.job_target`).
 
     Args:
         model: any ``nn.Module`` whose ``forward(input_ids)`` returns logits,
@@ -272,6 +279,7 @@ def export_onnx_target(
             not installed: ``pip install 'exportlm[onnx]'``.
         ExportFailedError: ``torch.onnx.export`` failed (the cause is chained).
     """
+    model = request.model
     _check_opset(opset)
     _check_dtypes(model)
     check_kv_cache_options(kv_cache, dynamo=dynamo, dynamic=dynamic, attention_mask=attention_mask)
@@ -291,11 +299,9 @@ def export_onnx_target(
         "attention_mask": attention_mask,
         "kv_cache": kv_cache,
     }
-    name = Path(output_path).name
+    name = request.output_path.name
     with export_job(
-        "onnx",
-        model,
-        output_path,
+        request,
         example_inputs,
         hint=hint,
         options=recorded,
@@ -328,7 +334,7 @@ def export_onnx_target(
             warn_legacy_trace(job, dynamic)
         if use_external:
             name_external_data_by_content(job.staged)
-    return Path(output_path)
+    return request.output_path
 
 
 def export_to_onnx(
@@ -358,10 +364,9 @@ def export_to_onnx(
 
 
 def build_onnx_exporter() -> Callable[..., Path]:
-    """The declared ``onnx`` export factory, as an ``exportlm.export_backends`` entry point returns it.
+    """The declared ``onnx`` export factory, for code that builds its own registry or wraps it.
 
-    ``onnx`` is registered in code by :func:`~exportlm.export.ensure_exporters_registered`
-    (it must resolve with no entry-point metadata); this factory is the same object,
-    for code that builds its own registry or wraps the target.
+    ``onnx`` is registered in code with the other built-ins
+    (:func:`~exportlm.export.builtins.register_builtin_targets`); this is the same object.
     """
     return export_onnx_target

@@ -1,0 +1,169 @@
+"""What an export target declares about itself: :class:`TargetInfo` and the :func:`export_target` decorator.
+
+The floor of the export core: the job, the trust boundary, every target and the
+registries import it; it imports nothing of exportlm. A target is an export factory
+``(model, output_path, **options) -> Path`` with a :class:`TargetInfo` attached by
+:func:`export_target`; its runtime is a loader ``(artifact, **options) -> (input_ids -> logits)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal, Protocol, TypeVar
+
+__all__ = [
+    "CAPABILITIES",
+    "ExportFactory",
+    "RuntimeCallable",
+    "RuntimeLoader",
+    "TargetInfo",
+    "declare",
+    "declared_info",
+    "export_target",
+]
+
+#: Capability names a target may declare. The conformance suite reads them.
+CAPABILITIES = frozenset({"dynamic_shapes", "kv_cache", "quantized", "multi_file", "cuda"})
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class RuntimeCallable(Protocol):
+    """A loaded artifact: ``input_ids (LongTensor [batch, seq]) -> logits (FloatTensor)``."""
+
+    def __call__(self, input_ids: Any) -> Any: ...
+
+
+class ExportFactory(Protocol):
+    """``(model, output_path, **kwargs) -> Path`` of the written artifact."""
+
+    def __call__(self, model: Any, output_path: Path, **kwargs: Any) -> Path: ...
+
+
+class RuntimeLoader(Protocol):
+    """``(artifact, **kwargs) -> RuntimeCallable``."""
+
+    def __call__(self, artifact: Path, **kwargs: Any) -> RuntimeCallable: ...
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What an export target declares about itself, in one place the harness reads.
+
+    Attributes:
+        name: the target's registry name.
+        runtime: name of the runtime loader in ``RUNTIME_REGISTRY`` that runs the artifact.
+        atol, rtol: logits tolerance of a roundtrip against the eager model
+            (``|a - b| <= atol + rtol * |b|`` elementwise).
+        capabilities: subset of :data:`CAPABILITIES`.
+        artifact: ``"file"`` or ``"directory"``.
+        suffix: conventional file suffix (``".onnx"``), informative.
+        variants: named kwarg sets the conformance suite exports with, e.g.
+            ``{"trace": {"method": "trace"}, "script": {"method": "script"}}``;
+            empty means one default variant.
+        expected_failures: ``{pattern: reason}``. A pattern is a check id
+            (``"roundtrip_logits"``) or an fnmatch pattern over the full item id
+            ``check[target-model-device]`` (``"roundtrip_logits[torchscript:script-*]"``).
+        accepts: optional ``model -> reason | None``; a reason means the target
+            cannot take that model (a counted skip in the suite, an error in export).
+        description: one line for ``exportlm list``.
+        executes_code: loading the artifact can execute code (unpickling, TorchScript):
+            ``load_exported`` then refuses an artifact whose manifest does not prove
+            it was written on this machine unless ``trust=True`` (see ``docs/security.md``).
+    """
+
+    name: str
+    runtime: str
+    atol: float = 1e-4
+    rtol: float = 1e-3
+    capabilities: frozenset[str] = frozenset()
+    artifact: Literal["file", "directory"] = "file"
+    suffix: str = ""
+    variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    expected_failures: Mapping[str, str] = field(default_factory=dict)
+    accepts: Callable[[Any], str | None] | None = field(default=None, compare=False)
+    description: str = ""
+    executes_code: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.capabilities) - CAPABILITIES
+        if unknown:
+            raise ValueError(
+                f"target {self.name!r} declares unknown capabilities {sorted(unknown)}; "
+                f"known: {sorted(CAPABILITIES)}"
+            )
+        if self.artifact not in ("file", "directory"):
+            raise ValueError(f"target {self.name!r}: artifact must be 'file' or 'directory'")
+        object.__setattr__(self, "capabilities", frozenset(self.capabilities))
+
+    def has(self, capability: str) -> bool:
+        """True when the target declares ``capability``."""
+        return capability in self.capabilities
+
+
+_INFO_ATTR = "__exportlm_target__"
+
+
+def export_target(
+    name: str,
+    *,
+    runtime: str | None = None,
+    atol: float = 1e-4,
+    rtol: float = 1e-3,
+    capabilities: frozenset[str] | set[str] | tuple[str, ...] = (),
+    artifact: Literal["file", "directory"] = "file",
+    suffix: str = "",
+    variants: Mapping[str, Mapping[str, Any]] | None = None,
+    expected_failures: Mapping[str, str] | None = None,
+    accepts: Callable[[Any], str | None] | None = None,
+    description: str = "",
+    executes_code: bool = False,
+) -> Callable[[F], F]:
+    """Decorator declaring an export factory's :class:`TargetInfo`.
+
+    ``runtime`` defaults to ``name``. ``executes_code=True`` declares that loading
+    the artifact can run code (a pickle, TorchScript): see :class:`TargetInfo`. The
+    decorated function is unchanged apart from the attached declaration, so it can be
+    registered in code or exposed through the ``exportlm.export_backends`` entry-point group.
+    """
+    info = TargetInfo(
+        name=name,
+        runtime=runtime or name,
+        atol=atol,
+        rtol=rtol,
+        capabilities=frozenset(capabilities),
+        artifact=artifact,
+        suffix=suffix,
+        variants=dict(variants or {}),
+        expected_failures=dict(expected_failures or {}),
+        accepts=accepts,
+        description=description,
+        executes_code=executes_code,
+    )
+
+    def decorate(fn: F) -> F:
+        return declare(fn, info)
+
+    return decorate
+
+
+def declare(factory: F, info: TargetInfo) -> F:
+    """Attach ``info`` to ``factory`` (what :func:`export_target` does); returns ``factory``."""
+    setattr(factory, _INFO_ATTR, info)
+    return factory
+
+
+def declared_info(factory: Callable[..., Any], name: str | None = None) -> TargetInfo | None:
+    """The :class:`TargetInfo` attached to ``factory`` (``None`` when it has none).
+
+    With ``name``, the declaration as registered under that name (a factory
+    registered under another name than it declares answers to the registered one).
+    """
+    info = getattr(factory, _INFO_ATTR, None)
+    if not isinstance(info, TargetInfo):
+        return None
+    if name is None or info.name == name:
+        return info
+    return replace(info, name=name)
