@@ -37,7 +37,6 @@ ALLOWED: dict[str, set[str]] = {
     "exportlm.module_exporters": {"exportlm.errors", "exportlm.registry", "exportlm.quant"},
     "exportlm.modules": {"exportlm.module_exporters"},  # deprecated alias, removed in 0.3
     "exportlm.export": {
-        "exportlm",  # until hf_checkpoint/configs.py reads exportlm._version (being moved)
         "exportlm._version",  # __version__ for the producer field of checkpoint configs
         "exportlm.atomic",
         "exportlm.errors",
@@ -180,23 +179,6 @@ def test_every_room_is_described_in_the_architecture_doc() -> None:
 #: connected component of the file graph, by module name. The test fails when one is
 #: gone or has changed (update or remove it here), so this list only ever shrinks.
 KNOWN_LIBRARY_CYCLES: list[frozenset[str]] = [
-    # hf_checkpoint/configs.py reads exportlm.__version__ from the facade, whose
-    # export_model imports exportlm.export; gone once configs reads exportlm._version.
-    frozenset(
-        {
-            "exportlm",
-            "exportlm.export",
-            "exportlm.export.builtins",
-            "exportlm.export.hf_checkpoint.configs",
-            "exportlm.export.hf_checkpoint.dequantize",
-            "exportlm.export.hf_checkpoint.formats",
-            "exportlm.export.hf_checkpoint.runtime",
-            "exportlm.export.hf_checkpoint.static",
-            "exportlm.export.hf_checkpoint.target",
-            "exportlm.export.hf_checkpoint.untrusted",
-            "exportlm.export.targets",
-        }
-    ),
     # The quantized-tensor type and the format registry import each other (lazily).
     frozenset(
         {

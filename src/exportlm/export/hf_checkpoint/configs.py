@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from exportlm._version import __version__
 from exportlm.errors import UnsupportedFormatError
 from exportlm.module_exporters import LayerFacts, QuantExportSummary
 from exportlm.quant.formats import (
@@ -274,8 +275,6 @@ def _kv_scheme(spec: FormatSpec) -> KVCacheScheme:
 
 
 def _producer() -> dict[str, str]:
-    from exportlm import __version__
-
     return {"name": "exportlm", "version": __version__}
 
 
