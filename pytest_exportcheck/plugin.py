@@ -4,7 +4,8 @@ The suite's hooks are methods of :class:`~pytest_exportcheck.session._session.Ex
 which ``pytest_configure`` creates and registers as a plugin only when the suite
 is requested: an ``--export-targets`` / ``--export-exporters`` selection (or their
 ini twins), or a node id of the suite on the command line
-(``pytest "exportcheck::roundtrip_logits[onnx-llama-cpu]"``). Otherwise the plugin
+(``pytest "exportcheck::roundtrip_logits[onnx-llama-cpu]"``), or a bare ``--lf`` after a
+run whose suite items failed (those items are planned). Otherwise the plugin
 registers its markers, adds no items and imports nothing heavy.
 """
 
@@ -42,7 +43,11 @@ def pytest_configure(config: pytest.Config) -> None:
     options = Options.from_config(config)
     suite_args, other_args = split_suite_args(config.args, config.invocation_params.dir)
     if not (options.active or suite_args):
-        return
+        from pytest_exportcheck.session._rerun import last_failed_suite_args
+
+        suite_args = last_failed_suite_args(config)  # a bare --lf after a failed suite run
+        if not suite_args:
+            return
     from pytest_exportcheck.session._requirements import require_suite_modules
 
     require_suite_modules()

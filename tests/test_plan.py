@@ -29,7 +29,12 @@ from pytest_exportcheck.plan import (
     plan,
 )
 from pytest_exportcheck.plan._api_request import ApiSelection, api_planner, single_item
-from pytest_exportcheck.plan._nodeids import item_id_of, item_nodeid, split_suite_args
+from pytest_exportcheck.plan._nodeids import (
+    item_id_of,
+    item_nodeid,
+    last_failed_args,
+    split_suite_args,
+)
 
 
 @dataclass(frozen=True)
@@ -209,3 +214,18 @@ def test_case_options_are_typed_and_read_as_a_mapping() -> None:
     }
     assert case_options(("a", "b"), None) == CaseOptions("a,b", "cpu")
     assert options.get("nope") is None
+
+
+def test_last_failed_records_name_the_suite_items_only() -> None:
+    record = {
+        "tests/test_x.py::test_y": True,
+        item_nodeid("logits", "logits[alpha-big-cpu]"): True,
+        "exportcheck::once[beta:fast-cpu]": True,
+    }
+    args = last_failed_args(record)
+    assert args.item_ids == {"logits[alpha-big-cpu]", "once[beta:fast-cpu]"}
+    assert args.lenient
+    assert not last_failed_args(["not", "a", "dict"])
+    # An item that vanished since (its target was uninstalled) is dropped, not an error.
+    gone = last_failed_args({"exportcheck::once::once[gamma-cpu]": True})
+    assert _planner().items(PlanRequest(), gone) == []

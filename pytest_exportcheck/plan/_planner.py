@@ -130,7 +130,8 @@ class Planner:
             )
             chosen |= {s.name for s in plan(self.plan(every_check)) if s.check in args.checks}
         universe = plan(self.everything())
-        _require_known(args, {s.name for s in universe})
+        if not args.lenient:
+            _require_known(args, {s.name for s in universe})
         chosen |= args.item_ids
         return [s for s in universe if s.name in chosen]
 
