@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_exportcheck._profiles import HYPOTHESIS_PROFILE
 from pytest_exportcheck.api import parametrize_with_checks
 
 __all__ = ["HYPOTHESIS_PROFILE", "ExportCheckWarning", "__version__", "parametrize_with_checks"]
 
 __version__ = "0.1.0"
-
-#: The Hypothesis profiles exportcheck items run under unless the user chose a profile
-#: (``--hypothesis-profile``): ``"ci"`` (derandomized) when the ``CI`` environment
-#: variable is set, else ``"dev"``. Both have ``deadline=None``, a fixed
-#: ``max_examples`` and ``database=None`` (no ``.hypothesis/`` directory).
-HYPOTHESIS_PROFILE = {"dev": "exportcheck-dev", "ci": "exportcheck-ci"}
 
 
 class ExportCheckWarning(pytest.PytestWarning):

@@ -28,13 +28,14 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_exportcheck._collect import ItemSpec
-    from pytest_exportcheck.checks import CheckResult, CheckSpec, ExporterCase, TargetCase
+    from pytest_exportcheck.checks import CheckResult
+    from pytest_exportcheck.plan import CaseOptions
+    from pytest_exportcheck.plan._items import ItemSpec
 
 __all__ = ["CheckFailedError", "ExportCheck", "parametrize_with_checks", "run_check"]
 
@@ -67,7 +68,7 @@ class ExportCheck:
         item: the planned item (check id, target or exporter, model, device, and a
             capability-gap ``skip`` reason or a plugin ``failure`` text).
         seed: seed of the toy models.
-        models: the selected model families (exporter checks survey these).
+        models: the selected model families (exporter checks survey these); empty: all.
         goldens_dir: directory of the golden files, or ``None`` (the goldens shipped
             with pytest-exportcheck for the built-in exporters).
         expected_failure: the reason the item is marked as an expected failure, or ``None``.
@@ -91,6 +92,13 @@ class ExportCheck:
 
     def __repr__(self) -> str:
         return f"ExportCheck({self.name})"
+
+    @property
+    def options(self) -> CaseOptions:
+        """The typed options its check sees (``case.options``), as the suite builds them."""
+        from pytest_exportcheck.plan import case_options
+
+        return case_options(self.models, self.item.device, expected_failure=self.expected_failure)
 
     def result(self, workdir: str | Path | None = None) -> CheckResult:
         """Run the check and return its result, without pytest's pass / fail / skip.
@@ -169,17 +177,19 @@ def parametrize_with_checks(
     :class:`~exportlm.errors.UnknownNameError` listing the available ones, so a
     typo is a collection error of the test module.
     """
-    from pytest_exportcheck import _api_plan
-    from pytest_exportcheck._collect import plan
     from pytest_exportcheck.checks import CHECKS
+    from pytest_exportcheck.plan import discover, plan
+    from pytest_exportcheck.plan._api_request import ApiSelection, api_planner, expected_failures
 
-    selection = _api_plan.Selection.resolve(targets, exporters, models, checks, device)
-    book = _api_plan.expected_failures(selection, expected_failed_checks)
+    planner = api_planner(discover(), CHECKS)
+    selection = ApiSelection.resolve(planner, targets, exporters, models, checks, device)
+    book = expected_failures(planner, selection, expected_failed_checks)
     params = []
     for item in plan(selection.plan):
         rules = book.match(item.name, item.check, item.column)
         reason = "; ".join(f"{r.reason} [{r.source}]" for r in rules) or None
-        check = ExportCheck(item, seed, selection.plan.models, _path(goldens_dir), reason)
+        models = () if selection.models.all else selection.plan.models
+        check = ExportCheck(item, seed, models, _path(goldens_dir), reason)
         marks = [pytest.mark.exportcheck]
         spec = CHECKS.get(item.check)
         marks += [getattr(pytest.mark, m) for m in sorted(getattr(spec, "markers", ()))]
@@ -211,9 +221,14 @@ def run_check(
     suite; expected failures are not applied. ``workdir`` and ``goldens_dir`` as
     in :meth:`ExportCheck.result` and :func:`parametrize_with_checks`.
     """
-    from pytest_exportcheck._api_plan import single_item
+    from pytest_exportcheck.checks import CHECKS
+    from pytest_exportcheck.plan import discover
+    from pytest_exportcheck.plan._api_request import api_planner, single_item
 
-    item = single_item(check_id, target=target, exporter=exporter, model=model, device=device)
+    planner = api_planner(discover(), CHECKS)
+    item = single_item(
+        planner, check_id, target=target, exporter=exporter, model=model, device=device
+    )
     check = ExportCheck(item, seed, (model,) if model else (), _path(goldens_dir))
     return check.result(workdir)
 
@@ -238,69 +253,14 @@ def _fresh_workdir(parent: str | Path | None, label: str) -> Iterator[Path]:
 
 
 def _execute(check: ExportCheck, workdir: Path) -> CheckResult:
-    """Build the item's case and call its check function."""
-    from pytest_exportcheck.checks import CHECKS, CheckResult
-
-    item = check.item
-    if item.failure is not None:  # a plugin that failed to load
-        return CheckResult.failed(item.failure)
-    spec = CHECKS.get(item.check)
-    if spec is None:  # pragma: no cover - plan() emits only catalogue checks and failures
-        return CheckResult.passed(f"{item.column} loaded")
-    if item.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            return CheckResult.skipped("CUDA is not available (torch.cuda.is_available() is False)")
-    case = _case(check, spec, workdir)
-    if isinstance(case, CheckResult):
-        return case
-    result = spec.fn(case)
-    if not isinstance(result, CheckResult):
-        raise TypeError(
-            f"check {item.check!r} returned {type(result).__name__}; a check must return a "
-            "CheckResult"
-        )
-    return result
-
-
-def _case(check: ExportCheck, spec: CheckSpec, workdir: Path) -> TargetCase | ExporterCase | Any:
-    """The item's case, or a skip result when the target does not accept the model."""
-    from pytest_exportcheck.checks import CheckResult, ExporterCase, TargetCase
+    """Run the item through the engine the suite runs it with, exporting afresh into ``workdir``."""
     from pytest_exportcheck.goldens import BUILTIN_GOLDENS, GoldenStore
+    from pytest_exportcheck.plan import discover
+    from pytest_exportcheck.run import RunServices, run_item
 
-    item = check.item
     goldens = GoldenStore(check.goldens_dir or workdir / "goldens", fallbacks=(BUILTIN_GOLDENS,))
-    options = {
-        "models": ",".join(check.models) or "all",
-        "device": item.device or "cpu",
-        "expected_failure": check.expected_failure,
-    }
-    common: dict[str, Any] = {"seed": check.seed, "goldens": goldens, "options": options}
-    if spec.scope == "exporter":
-        name = item.exporter or item.column
-        return ExporterCase(name, workdir, item.device or "cpu", model_name=item.model, **common)
-    target = item.target or item.column
-    refusal = _refusal(target, item.model, check.seed)
-    if refusal:
-        return CheckResult.skipped(
-            f"target {target!r} does not accept model {item.model!r}: {refusal}"
-        )
-    device = item.device or "cpu"
-    kwargs = dict(item.export_kwargs)
-    return TargetCase(target, item.variant, kwargs, item.model, device, workdir, **common)
-
-
-def _refusal(target: str, model: str | None, seed: int) -> str | None:
-    """Why ``target`` cannot take toy family ``model`` (its ``accepts``), or ``None``."""
-    from exportlm.export import get_target_info
-    from exportlm.models import build_model
-
-    accepts = get_target_info(target).accepts
-    if accepts is None or model is None:
-        return None
-    reason = accepts(build_model(model, seed=seed))
-    return str(reason) if reason else None
+    services = RunServices(discover(), lambda _name: workdir, goldens, seed=check.seed)
+    return run_item(check.item, services, check.options)
 
 
 def _path(value: str | Path | None) -> Path | None:

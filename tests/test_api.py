@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,11 +20,15 @@ import pytest
 # what the runs load once here, so they reuse it (and its registries).
 import exportlm.export
 import exportlm.models
-import exportlm.module_exporters  # noqa: F401
+import exportlm.module_exporters
 import pytest_exportcheck.checks  # noqa: F401
+import pytest_exportcheck.run._runner as run_runner
 from exportlm.errors import UnknownNameError
+from exportlm.export import get_target_info
 from pytest_exportcheck import ExportCheckWarning
 from pytest_exportcheck.api import CheckFailedError, ExportCheck, parametrize_with_checks, run_check
+from pytest_exportcheck.checks import CheckResult
+from pytest_exportcheck.plan import CaseOptions
 
 #: A conftest registering ``offset_logits``: a correct export with a wrong runtime.
 OFFSET_TARGET = """
@@ -324,3 +329,64 @@ def test_importing_the_api_imports_no_torch() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ----------------------------------------------------------------------------- one engine
+
+#: The item both fronts run in the tests below (a per-model target check).
+SAME_ITEM = "roundtrip_logits[torchscript:trace-decoder-cpu]"
+
+
+def _case_facts(case: Any) -> tuple[Any, ...]:
+    """What a check sees of its case, but the directory and the export callables."""
+    return (
+        type(case).__name__,
+        case.target,
+        case.variant,
+        dict(case.export_kwargs),
+        case.model_name,
+        case.device,
+        case.seed,
+        case.options,
+    )
+
+
+def test_the_suite_and_the_api_hand_a_check_the_same_case(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both run the item through ``run_item``; the case (but its workdir) is the same."""
+    seen: list[Any] = []
+    real = run_runner.build_case
+
+    def recording(*args: Any) -> Any:
+        seen.append(real(*args))
+        return CheckResult.skipped("recorded, not run")
+
+    monkeypatch.setattr(run_runner, "build_case", recording)
+    suite = pytester.runpytest(
+        "-p", "no:cacheprovider", "--export-models=decoder", f"exportcheck::{SAME_ITEM}"
+    )
+    assert suite.parseoutcomes() == {"skipped": 1}, suite.stdout.str()
+    api = run_check("roundtrip_logits", target="torchscript:trace", model="decoder")
+    assert api.message == "recorded, not run"
+    suite_case, api_case = seen
+    assert _case_facts(suite_case) == _case_facts(api_case)
+    assert suite_case.options == CaseOptions("decoder", "cpu", False, None)
+    assert suite_case.export is not None  # the suite's cached exports ...
+    assert api_case.export is None  # ... the API exports afresh
+
+
+def test_one_toy_model_build_per_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target's ``accepts``, and the export, use the one build of the item's model."""
+    builds: list[str] = []
+    real = exportlm.models.build_model
+
+    def counting(name: str, **kwargs: Any) -> Any:
+        builds.append(name)
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(exportlm.models, "build_model", counting)
+    assert get_target_info("onnx").accepts is not None  # the build is shared with accepts
+    result = run_check("roundtrip_logits", target="onnx", model="decoder")
+    assert result.status == "pass", result.message
+    assert builds == ["decoder"]

@@ -370,3 +370,80 @@ def test_no_import_circle_between_files(package: str, known: list[frozenset[str]
         f"known circles of {package} that are gone or changed; update the allowlist:\n"
         + "\n".join(f"  {sorted(c)}" for c in stale)
     )
+
+
+# ----------------------------------------------------------------------------- the plugin's layers
+
+#: part of the plugin -> the parts of it that it must not import (anywhere, lazily too).
+#: ``pytest_exportcheck`` is the package face (``__init__``), not the whole package.
+PLUGIN_FORBIDDEN: dict[str, set[str]] = {
+    "pytest_exportcheck.plan": {
+        "pytest_exportcheck.run",
+        "pytest_exportcheck.session",
+        "pytest_exportcheck.plugin",
+    },
+    "pytest_exportcheck.run": {"pytest_exportcheck.session", "pytest_exportcheck.plugin"},
+    "pytest_exportcheck.checks": {
+        "pytest_exportcheck",
+        "pytest_exportcheck.plan",
+        "pytest_exportcheck.session",
+        "pytest_exportcheck.plugin",
+    },
+    "pytest_exportcheck.goldens": {
+        "pytest_exportcheck",
+        "pytest_exportcheck.plan",
+        "pytest_exportcheck.session",
+        "pytest_exportcheck.plugin",
+    },
+}
+#: What the plan package must not import when it is imported (function bodies and
+#: ``if TYPE_CHECKING:`` blocks aside): it is pure, so the plugin stays light while passive.
+PLAN_HEAVY = ("torch", "exportlm", "hypothesis", "numpy", "transformers")
+
+
+def _forbidden_part(imported: str, forbidden: set[str]) -> str | None:
+    for part in forbidden:
+        if part == "pytest_exportcheck":
+            if imported == part:
+                return part
+        elif imported == part or imported.startswith(part + "."):
+            return part
+    return None
+
+
+@pytest.mark.parametrize("part", sorted(PLUGIN_FORBIDDEN))
+def test_the_plugin_keeps_its_layers(part: str) -> None:
+    found: dict[str, set[str]] = {}
+    for path in _python_files():
+        module = _module_name(path)
+        if module != part and not module.startswith(part + "."):
+            continue
+        for imported in _imports(ast.parse(path.read_text(encoding="utf-8"))):
+            if _forbidden_part(imported, PLUGIN_FORBIDDEN[part]):
+                found.setdefault(module, set()).add(imported)
+    assert not found, f"{part} must not import {sorted(PLUGIN_FORBIDDEN[part])}; found {found}"
+
+
+def _module_level_imports(tree: ast.Module) -> Iterator[str]:
+    """Imports run when the module is imported: not in functions, not under TYPE_CHECKING."""
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield from _imports(node)
+            continue
+        stack.extend(c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt))
+
+
+def test_the_plan_package_is_pure_at_import() -> None:
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "pytest_exportcheck" / "plan").glob("*.py")):
+        for imported in _module_level_imports(ast.parse(path.read_text(encoding="utf-8"))):
+            if imported.split(".")[0] in PLAN_HEAVY:
+                found.setdefault(path.name, set()).add(imported)
+    assert not found, f"pytest_exportcheck.plan imports at import time: {found}"

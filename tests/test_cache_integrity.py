@@ -22,8 +22,8 @@ import torch
 
 from exportlm.export import load_exported, trustkey
 from pytest_exportcheck import ExportCheckWarning
-from pytest_exportcheck._cache import ArtifactCache
-from pytest_exportcheck._runner import SEED, build_toy_model
+from pytest_exportcheck.run._cache import ArtifactCache
+from pytest_exportcheck.run._runner import SEED, build_toy_model
 
 TARGET = "torchscript"
 

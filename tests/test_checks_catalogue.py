@@ -51,7 +51,7 @@ def test_catalogue_and_planner_import_without_torch_or_hypothesis() -> None:
         for name in ("torch", "hypothesis", "numpy", "transformers"):
             sys.modules[name] = None
         import pytest_exportcheck.checks.catalogue
-        import pytest_exportcheck._collect
+        import pytest_exportcheck.plan._items
         from pytest_exportcheck.checks import CHECKS, CheckResult, get_check
         import pytest_exportcheck.goldens
         spec = get_check("roundtrip_generated")

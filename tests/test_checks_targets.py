@@ -363,8 +363,8 @@ def test_a_path_outside_the_output_directory_fails_artifact_contract_through_the
     tmp_path: Path, fake_target: Callable[..., str]
 ) -> None:
     """The plugin's cache refuses an artifact returned outside its export directory."""
-    from pytest_exportcheck._cache import ArtifactCache
-    from pytest_exportcheck._runner import build_toy_model
+    from pytest_exportcheck.run._cache import ArtifactCache
+    from pytest_exportcheck.run._runner import build_toy_model
 
     def elsewhere(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
         target = Path(output_path).parent.parent / "elsewhere.pt"

@@ -24,9 +24,9 @@ from exportlm.cli import main
 from exportlm.errors import InvalidConfigError
 from exportlm.models import ModelSpec, build_from_spec
 from pytest_exportcheck import HYPOTHESIS_PROFILE
-from pytest_exportcheck._hypothesis import hypothesis_profile, register_profiles
 from pytest_exportcheck.checks import CHECKS, ExporterCase
 from pytest_exportcheck.checks.generated import GENERATED_EXAMPLES, generated_budget
+from pytest_exportcheck.run._hypothesis import hypothesis_profile, register_profiles
 from tests._distinfo import make_distribution
 
 GEN_PLUGIN = '''

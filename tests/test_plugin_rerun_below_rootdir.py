@@ -18,7 +18,7 @@ import exportlm.export
 import exportlm.models
 import exportlm.module_exporters  # noqa: F401
 import pytest_exportcheck.checks  # noqa: F401
-from pytest_exportcheck._nodeids import item_id_of
+from pytest_exportcheck.plan._nodeids import item_id_of
 
 ITEM = "plugin_loads[torchscript:trace]"
 

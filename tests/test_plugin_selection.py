@@ -125,6 +125,17 @@ def test_last_failed_and_failed_first(project: pytest.Pytester) -> None:
     assert sorted(ran) == sorted([*ORDER, "test_own.py::test_own"])
 
 
+def test_a_bare_last_failed_reruns_the_failed_suite_items(project: pytest.Pytester) -> None:
+    """``pytest --lf`` with no --export-* option plans the suite items pytest recorded as failed."""
+    project.makeini("[pytest]\nexport_xfails_file = xfails.txt\n")  # what makes FAILING fail
+    project.runpytest(*SUITE[:2]).assert_outcomes(passed=6, failed=1)
+
+    bare = project.runpytest("--lf", "-v")
+    assert _ran(bare) == [FAILING], bare.stdout.str()
+    bare.assert_outcomes(failed=1)
+    assert bare.ret == pytest.ExitCode.TESTS_FAILED
+
+
 def test_stepwise_stops_at_the_failure_and_resumes_there(project: pytest.Pytester) -> None:
     first = project.runpytest(*SUITE, "--export-only", "--sw", "-v")
     assert _ran(first) == ORDER[:5]  # stopped at the failure

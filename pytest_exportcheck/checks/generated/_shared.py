@@ -18,7 +18,7 @@ import hypothesis.core
 from hypothesis import seed, settings
 
 from exportlm.models import ModelSpec
-from pytest_exportcheck import HYPOTHESIS_PROFILE
+from pytest_exportcheck._profiles import HYPOTHESIS_PROFILE
 from pytest_exportcheck.checks._api import CheckResult
 
 __all__ = [

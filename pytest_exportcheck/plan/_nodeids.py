@@ -31,7 +31,15 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["ROOT", "SuiteArgs", "check_nodeid", "item_id_of", "item_nodeid", "split_suite_args"]
+__all__ = [
+    "ROOT",
+    "SuiteArgs",
+    "check_nodeid",
+    "item_id_of",
+    "item_nodeid",
+    "last_failed_args",
+    "split_suite_args",
+]
 
 #: Name (and node id) of the collector holding every item of the suite.
 ROOT = "exportcheck"
@@ -74,12 +82,15 @@ class SuiteArgs:
 
     ``whole``: ``exportcheck`` was given; ``checks``: check ids given as
     ``exportcheck::<check>``; ``items``: item ids given as (long or short) node
-    ids, with the argument each came from.
+    ids, with the argument each came from; ``lenient``: they come from pytest's
+    ``cache/lastfailed`` (:func:`last_failed_args`), where a vanished item is no error.
     """
 
     whole: bool = False
     checks: frozenset[str] = frozenset()
     items: tuple[tuple[str, str], ...] = ()
+    #: Items that no longer exist are dropped, not a usage error (``--lf`` reruns).
+    lenient: bool = False
 
     def __bool__(self) -> bool:
         return self.whole or bool(self.checks) or bool(self.items)
@@ -134,3 +145,20 @@ def split_suite_args(args: Iterable[str], invocation_dir: Path) -> tuple[SuiteAr
                 f"(e.g. {item_nodeid('roundtrip_logits', 'roundtrip_logits[onnx-decoder-cpu]')})"
             )
     return SuiteArgs(whole, frozenset(checks), tuple(items)), rest
+
+
+def last_failed_args(lastfailed: object) -> SuiteArgs:
+    """The suite's items among pytest's ``cache/lastfailed`` record (``{node id: true}``).
+
+    What a bare ``pytest --lf`` after a failed suite run plans: those items,
+    whatever the ``--export-*`` selection was; items that no longer exist are
+    dropped (``lenient``).
+    """
+    if not isinstance(lastfailed, dict):
+        return SuiteArgs()
+    items = []
+    for nodeid in sorted(k for k in lastfailed if isinstance(k, str)):
+        item = item_id_of(nodeid)
+        if item is not None:
+            items.append((item, nodeid))
+    return SuiteArgs(items=tuple(items), lenient=True)

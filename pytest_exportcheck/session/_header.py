@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest_exportcheck
-from pytest_exportcheck._cache import library_versions
-from pytest_exportcheck._discovery import Discovery
-from pytest_exportcheck._options import Options
+from pytest_exportcheck.plan._discovery import Discovery
+from pytest_exportcheck.run._cache import library_versions
+from pytest_exportcheck.session._options import Options
 
 __all__ = ["cuda_status", "environment", "header_lines"]
 

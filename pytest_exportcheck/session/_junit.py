@@ -7,7 +7,7 @@ Per item: the xunit1 family (``-o junit_family=xunit1``) allows properties on a
 ``exportcheck.result`` (status, message, details); the xunit2 schema (pytest's
 default family) allows none there, so each item's record is one suite-level
 ``exportcheck.item`` property instead. A test's ``classname`` comes from its
-node id (``exportcheck.roundtrip_logits``, see :mod:`pytest_exportcheck._nodeids`).
+node id (``exportcheck.roundtrip_logits``, see :mod:`pytest_exportcheck.plan._nodeids`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pytest_exportcheck._report import ItemRecord
+from pytest_exportcheck.session._report import ItemRecord
 
 __all__ = ["add_suite_properties", "testcase_properties", "wants_testcase_properties"]
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pytest_exportcheck import HYPOTHESIS_PROFILE
+from pytest_exportcheck._profiles import HYPOTHESIS_PROFILE
 
 __all__ = ["hypothesis_profile", "in_ci", "register_profiles"]
 

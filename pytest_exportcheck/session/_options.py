@@ -6,77 +6,28 @@ Every ``--export-*`` option has an ini key of the same name with ``_`` for ``-``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pytest_exportcheck._option_paths import check_kind, check_report_path
+from pytest_exportcheck.plan._selection import DEVICES, NameSelection, PlanRequest
+from pytest_exportcheck.session._option_paths import check_kind, check_report_path
 
 __all__ = [
     "DEVICES",
     "UPDATE_SCOPES",
     "Options",
-    "Selection",
     "add_options",
     "check_report_path",
 ]
 
-#: Devices ``--export-device`` accepts.
-DEVICES = ("cpu", "cuda")
 #: Values of ``--export-update-goldens``; the bare flag means the first.
 UPDATE_SCOPES = ("own", "all")
 
 GROUP = "exportcheck"
-
-
-@dataclass(frozen=True)
-class Selection:
-    """A name selection: ``all``, an explicit list, or nothing."""
-
-    all: bool = False
-    names: tuple[str, ...] = ()
-
-    @classmethod
-    def parse(cls, text: str, option: str = "the selection") -> Selection:
-        """``"all"`` -> every name; ``"none"`` -> nothing; ``"a,b"`` -> those names.
-
-        An empty value (``--export-targets=``) is a usage error naming ``option``."""
-        parts = sorted({p.strip() for p in text.split(",") if p.strip()})
-        if parts == ["all"]:
-            return cls(all=True)
-        if not parts:
-            raise pytest.UsageError(
-                f"{option}: the value is empty ({text!r}), so nothing would be selected; "
-                f"pass 'all', a comma-separated list of names (e.g. {option}=a,b), "
-                "or 'none' to select nothing on purpose"
-            )
-        if parts == ["none"]:
-            return cls()
-        if "all" in parts or "none" in parts:
-            raise pytest.UsageError(
-                f"'all' and 'none' cannot be combined with names, got {text!r}; "
-                "pass either 'all', 'none' or a comma-separated list of names"
-            )
-        return cls(names=tuple(parts))
-
-    def resolve(self, available: Iterable[str], *, what: str, option: str) -> list[str]:
-        """The selected names, sorted; an unknown name is a usage error listing the known ones."""
-        known = sorted(set(available))
-        if self.all:
-            return known
-        unknown = [n for n in self.names if n not in known]
-        if unknown:
-            raise pytest.UsageError(
-                f"{option}: unknown {what} {', '.join(map(repr, unknown))}; "
-                f"available: {', '.join(known) or '(none)'}, or 'all'"
-            )
-        return list(self.names)
-
-    def __str__(self) -> str:
-        return "all" if self.all else (",".join(self.names) or "none")
 
 
 @dataclass(frozen=True)
@@ -234,10 +185,10 @@ def _path(config: pytest.Config, spec: _Spec) -> Path | None:
 class Options:
     """The resolved ``--export-*`` options of one pytest run."""
 
-    targets: Selection | None
-    exporters: Selection | None
-    models: Selection
-    checks: Selection
+    targets: NameSelection | None
+    exporters: NameSelection | None
+    models: NameSelection
+    checks: NameSelection
     devices: tuple[str, ...]
     require_device: bool
     xfails_file: Path | None
@@ -254,32 +205,47 @@ class Options:
         return self.targets is not None or self.exporters is not None
 
     @property
-    def target_selection(self) -> Selection:
+    def target_selection(self) -> NameSelection:
         """Targets to check; unset means none."""
-        return self.targets or Selection()
+        return self.targets or NameSelection()
 
     @property
-    def exporter_selection(self) -> Selection:
+    def exporter_selection(self) -> NameSelection:
         """Exporters to check; unset means all with ``--export-targets=all``, else none."""
         if self.exporters is not None:
             return self.exporters
-        return Selection(all=True) if self.targets is not None and self.targets.all else Selection()
+        return (
+            NameSelection(all=True)
+            if self.targets is not None and self.targets.all
+            else NameSelection()
+        )
+
+    def request(self, checks: NameSelection | None = None) -> PlanRequest:
+        """The plan request of this selection; every target and exporter while it selects none."""
+        everything = NameSelection(all=True)
+        return PlanRequest(
+            self.target_selection if self.active else everything,
+            self.exporter_selection if self.active else everything,
+            self.models,
+            checks or self.checks,
+            self.devices,
+        )
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Options:
         """Read and validate the options (a bad value is a ``pytest.UsageError``)."""
         specs = {s.ini: s for s in _SPECS}
 
-        def selection(name: str) -> Selection | None:
+        def selection(name: str) -> NameSelection | None:
             raw = _value(config, specs[name])
-            return None if raw is None else Selection.parse(str(raw), specs[name].flag)
+            return None if raw is None else NameSelection.parse(str(raw), specs[name].flag)
 
         devices = _parse_devices(str(_value(config, specs["export_device"]) or "cpu"))
         options = cls(
             targets=selection("export_targets"),
             exporters=selection("export_exporters"),
-            models=selection("export_models") or Selection(all=True),
-            checks=selection("export_checks") or Selection(all=True),
+            models=selection("export_models") or NameSelection(all=True),
+            checks=selection("export_checks") or NameSelection(all=True),
             devices=devices,
             require_device=bool(_value(config, specs["export_require_device"])),
             xfails_file=_path(config, specs["export_xfails_file"]),

@@ -50,7 +50,7 @@ from typing import Any
 
 from exportlm.errors import ExportError
 from pytest_exportcheck import ExportCheckWarning
-from pytest_exportcheck._cache_entry import (
+from pytest_exportcheck.run._cache_entry import (
     UnsoundEntryError,
     evict,
     read_entry,

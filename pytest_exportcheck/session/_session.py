@@ -1,9 +1,12 @@
-"""The state of one exportcheck run; every hook in ``plugin.py`` hands off to it.
+"""The state of one exportcheck run, registered as a pytest plugin: hooks are its methods.
 
-Created in ``pytest_configure`` only when the suite is requested, so everything
-here may import exportlm (and through it torch). It ties together the planner
-(:mod:`._planner`: which items exist), the nodes (:mod:`._nodes`), the runner
-(:mod:`._runner`: running one item) and the reporting (:mod:`._report`,
+Created in ``pytest_configure`` (see :mod:`pytest_exportcheck.plugin`) only when the
+suite is requested, and registered with ``config.pluginmanager`` the way
+pytest-xdist registers its session objects: each hook below is a method, so no
+module hook looks the state up. Everything here may import exportlm (and through
+it torch). It ties together the plan (:mod:`pytest_exportcheck.plan`: which items
+exist), the nodes (:mod:`._nodes`), the runner (:mod:`._item_runner`, on top of
+:func:`pytest_exportcheck.run.run_item`) and the reporting (:mod:`._report`,
 :mod:`._header`, :mod:`._junit`). Runs in every process: the xdist controller
 uses it for the header, the warnings about unmatched expected failures, the
 matrix and the reports; workers (and a run without xdist) collect and run the
@@ -14,32 +17,31 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pytest_exportcheck._collect import ItemSpec
-from pytest_exportcheck._discovery import Discovery, discover
-from pytest_exportcheck._golden_setup import goldens_dir
-from pytest_exportcheck._header import environment, header_lines
-from pytest_exportcheck._hypothesis import register_profiles
-from pytest_exportcheck._junit import (
+from pytest_exportcheck import ExportCheckWarning
+from pytest_exportcheck.checks import CHECKS
+from pytest_exportcheck.plan import Discovery, ItemSpec, Planner, XfailBook, discover
+from pytest_exportcheck.plan._nodeids import ROOT, SuiteArgs
+from pytest_exportcheck.plan._xfails import load_xfails_file
+from pytest_exportcheck.run._hypothesis import register_profiles
+from pytest_exportcheck.session._float32 import Float32Precision
+from pytest_exportcheck.session._golden_setup import goldens_dir
+from pytest_exportcheck.session._header import environment, header_lines
+from pytest_exportcheck.session._item_runner import SuiteRunner
+from pytest_exportcheck.session._junit import (
     add_suite_properties,
     testcase_properties,
     wants_testcase_properties,
 )
-from pytest_exportcheck._markers import EXPECTED_WARNINGS, register_marker
-from pytest_exportcheck._nodeids import ROOT, SuiteArgs
-from pytest_exportcheck._nodes import ExportCheckItem, SuiteCollector
-from pytest_exportcheck._options import Options
-from pytest_exportcheck._planner import SuitePlanner
-from pytest_exportcheck._report import REPORT_ATTRIBUTE, ReportBuilder, write_json_atomic
-from pytest_exportcheck._runner import ItemRunner
-from pytest_exportcheck._xfails import XfailBook
-from pytest_exportcheck.checks import CHECKS
+from pytest_exportcheck.session._markers import EXPECTED_WARNINGS, register_marker
+from pytest_exportcheck.session._nodes import ExportCheckItem, SuiteCollector
+from pytest_exportcheck.session._options import Options
+from pytest_exportcheck.session._report import REPORT_ATTRIBUTE, ReportBuilder, write_json_atomic
 
 __all__ = ["ExportCheckSession", "Float32Precision"]
 
@@ -58,10 +60,10 @@ class ExportCheckSession:
         self.options = options
         self.report = ReportBuilder()
         self.discovery: Discovery = discover()
-        planner = SuitePlanner(options, self.discovery, CHECKS)
-        self.xfails: XfailBook = planner.xfail_book()
-        self.specs: list[ItemSpec] = planner.items(args)
-        self.runner = ItemRunner(config, options, self.discovery)
+        planner = Planner(self.discovery, CHECKS)
+        self.xfails: XfailBook = _xfail_book(planner, options)
+        self.specs: list[ItemSpec] = planner.items(options.request(), args)
+        self.runner = SuiteRunner(config, options, self.discovery)
         self.goldens_dir: Path = goldens_dir(config, options)
         #: TF32 off while a run that selects CUDA lasts (restored by :meth:`finish`).
         self.precision = Float32Precision(options.devices)
@@ -73,7 +75,7 @@ class ExportCheckSession:
         if _is_worker(config):
             _share_cpus_between_workers(config)
         else:
-            planner.warn_unmatched(config, self.xfails)
+            _warn_unmatched(config, planner, self.xfails)
 
     # -- header -------------------------------------------------------------
     def environment(self) -> dict[str, Any]:
@@ -82,20 +84,27 @@ class ExportCheckSession:
         env["environment"]["float32"] = self.precision.describe()
         return env
 
-    def report_header(self) -> list[str]:
+    def pytest_report_header(self) -> list[str]:
         """The lines of the report header (the last one: how float32 matmuls run)."""
         lines = header_lines(self.environment(), self.discovery)
         return [*lines, f"exportcheck float32: {self.precision.describe()}"]
 
     # -- collection ---------------------------------------------------------
-    def ignore_collect(self, path: Path) -> bool | None:
+    def pytest_ignore_collect(self, collection_path: Path) -> bool | None:
         """With ``--export-only``, nothing of the repo is collected (explicit file args aside)."""
         return True if self.options.only else None
 
-    def add_to_collection(self, session: pytest.Session, report: pytest.CollectReport) -> None:
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(
+        self, collector: pytest.Collector
+    ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
         """Add the ``exportcheck`` collector to what the session collected."""
-        if not report.passed or not self.specs:
-            return
+        report = yield
+        if isinstance(collector, pytest.Session) and report.passed and self.specs:
+            self._add_suite(collector, report)
+        return report
+
+    def _add_suite(self, session: pytest.Session, report: pytest.CollectReport) -> None:
         root = SuiteCollector.from_parent(
             session,
             name=ROOT,
@@ -121,7 +130,10 @@ class ExportCheckSession:
             reason = "; ".join(f"{r.reason} [{r.source}]" for r in rules)
             item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
 
-    def modify_items(self, session: pytest.Session, items: list[pytest.Item]) -> None:
+    @pytest.hookimpl(tryfirst=True)  # before -k / -m / --lf / --sw, so they apply to our items
+    def pytest_collection_modifyitems(
+        self, session: pytest.Session, items: list[pytest.Item]
+    ) -> None:
         """Put the suite's items in plan order; with --export-only, deselect every other item."""
         if self.options.only:
             others = [item for item in items if not isinstance(item, ExportCheckItem)]
@@ -135,10 +147,17 @@ class ExportCheckSession:
             items[position] = item
 
     # -- running ------------------------------------------------------------
-    def annotate(self, item: pytest.Item, report: pytest.TestReport) -> None:
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         """Attach the item's record to its report (and, for JUnit xunit1, its properties)."""
-        if not isinstance(item, ExportCheckItem):
-            return
+        report = yield
+        if isinstance(item, ExportCheckItem):
+            self._annotate(item, report)
+        return report
+
+    def _annotate(self, item: ExportCheckItem, report: pytest.TestReport) -> None:
         coordinates = item.spec.properties()
         call = report.when == "call"
         result = item.result if call else None
@@ -151,13 +170,14 @@ class ExportCheckSession:
             report.user_properties = [*report.user_properties, *testcase_properties(record)]
 
     # -- reporting ----------------------------------------------------------
-    def add_report(self, report: pytest.TestReport) -> None:
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Fold a test report into the matrix (controller / single process only)."""
         if not _is_worker(self.config):
             self.report.add(report)
 
-    def terminal_summary(self, terminal: Any) -> None:
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """Write the matrix section of the terminal summary."""
+        terminal = terminalreporter
         if _is_worker(self.config) or self.config.option.collectonly:
             return
         terminal.write_sep("=", "exportcheck conformance matrix")
@@ -202,7 +222,8 @@ class ExportCheckSession:
         goldens = self.runner.goldens
         return [p for p in goldens.unused(used) if p.exists()]
 
-    def finish(self) -> None:
+    @pytest.hookimpl(tryfirst=True)  # before the JUnit XML writer writes its file
+    def pytest_sessionfinish(self) -> None:
         """Write the JSON report and the JUnit properties; call ``pytest_exportcheck_report``."""
         self.runner.close()
         self.precision.stop()
@@ -247,131 +268,25 @@ def _share_cpus_between_workers(config: pytest.Config) -> None:
         torch.set_num_threads(share)
 
 
-# ----------------------------------------------------------------------------- float32 precision
-
-
-@dataclass(frozen=True)
-class _Float32Settings:
-    """torch's float32 matmul / cuDNN settings, read and written through one API.
-
-    ``api`` is ``"legacy"`` (``allow_tf32`` and ``set_float32_matmul_precision``) or,
-    where torch refuses to read the legacy flags because the new
-    ``fp32_precision`` attributes were set, ``"fp32_precision"``.
-    """
-
-    api: str
-    values: tuple[Any, ...]
-
-
-#: The new-API attributes (owner path, attribute) saved and restored as they are.
-_FP32_PRECISION_ATTRS = (
-    ("", "fp32_precision"),
-    ("cuda.matmul", "fp32_precision"),
-    ("cudnn", "fp32_precision"),
-    ("cudnn.conv", "fp32_precision"),
-    ("cudnn.rnn", "fp32_precision"),
-)
-
-
-def _backend(path: str) -> Any:
-    import torch
-
-    owner: Any = torch.backends
-    for part in filter(None, path.split(".")):
-        owner = getattr(owner, part)
-    return owner
-
-
-def _read_float32_settings() -> _Float32Settings:
-    import torch
-
+def _xfail_book(planner: Planner, options: Options) -> XfailBook:
+    """Expected failures declared by targets, exporters, model families and the xfails file."""
     try:
-        return _Float32Settings(
-            "legacy",
-            (
-                torch.backends.cuda.matmul.allow_tf32,
-                torch.backends.cudnn.allow_tf32,
-                torch.get_float32_matmul_precision(),
-            ),
+        book = planner.xfail_book()
+    except TypeError as err:
+        raise pytest.UsageError(str(err)) from err
+    if options.xfails_file is not None:
+        book.extend(load_xfails_file(options.xfails_file))
+    return book
+
+
+def _warn_unmatched(config: pytest.Config, planner: Planner, book: XfailBook) -> None:
+    """Warn (a usage error under ``-W error``) about rules that match no possible item."""
+    for rule in planner.unmatched(book):
+        warning = ExportCheckWarning(
+            f"expected failure {rule.pattern!r} ({rule.source}) matches no exportcheck "
+            "item; fix the check id or item id pattern, or remove the entry"
         )
-    except RuntimeError:  # torch refuses legacy reads after the new API was used
-        values = tuple(getattr(_backend(o), a) for o, a in _FP32_PRECISION_ATTRS)
-        return _Float32Settings("fp32_precision", values)
-
-
-def _write_float32_settings(settings: _Float32Settings) -> None:
-    import torch
-
-    if settings.api == "legacy":
-        matmul, cudnn, precision = settings.values
-        torch.backends.cuda.matmul.allow_tf32 = matmul
-        torch.backends.cudnn.allow_tf32 = cudnn
-        torch.set_float32_matmul_precision(precision)
-        return
-    for (owner, attr), value in zip(_FP32_PRECISION_ATTRS, settings.values):
-        setattr(_backend(owner), attr, value)
-
-
-#: TF32 off everywhere: float32 matmuls and convolutions in full IEEE float32.
-_STRICT = _Float32Settings("legacy", (False, False, "highest"))
-
-
-class Float32Precision:
-    """Turns TF32 off for a run that selects CUDA, and restores the settings afterwards.
-
-    With TF32, CUDA float32 matmuls round their inputs to 10 mantissa bits: logits
-    move by about 1e-3 relative, beyond every built-in tolerance, so a roundtrip
-    would compare TF32 noise instead of the export. :meth:`start` saves torch's
-    settings and sets ``torch.backends.cuda.matmul.allow_tf32 = False``,
-    ``torch.backends.cudnn.allow_tf32 = False`` and
-    ``torch.set_float32_matmul_precision("highest")``; :meth:`stop` writes back what
-    was saved. It applies to the whole pytest process (the repo's own tests in the
-    same run included), only when ``cuda`` is among ``devices`` and CUDA is
-    available; otherwise nothing is touched.
-    """
-
-    def __init__(
-        self, devices: tuple[str, ...], cuda_available: Callable[[], bool] | None = None
-    ) -> None:
-        self.devices = devices
-        self._cuda_available = cuda_available
-        self._saved: _Float32Settings | None = None
-        self.applied = False
-
-    @property
-    def wanted(self) -> bool:
-        """True when the run selects CUDA and CUDA is available."""
-        if "cuda" not in self.devices:
-            return False
-        if self._cuda_available is not None:
-            return self._cuda_available()
-        import torch
-
-        return bool(torch.cuda.is_available())
-
-    def start(self) -> None:
-        """Save the current settings and turn TF32 off (no-op unless :attr:`wanted`)."""
-        if self.applied or not self.wanted:
-            return
-        self._saved = _read_float32_settings()
-        _write_float32_settings(_STRICT)
-        self.applied = True
-        logger.info("exportcheck: TF32 off for the run (saved %s)", self._saved)
-
-    def stop(self) -> None:
-        """Restore the settings :meth:`start` saved (idempotent)."""
-        if self._saved is not None:
-            _write_float32_settings(self._saved)
-        self._saved = None
-        self.applied = False
-
-    def describe(self) -> str:
-        """One line for the header and the reports."""
-        if self.applied:
-            return (
-                "TF32 off for this run (cuda.matmul.allow_tf32=False, cudnn.allow_tf32=False, "
-                "float32_matmul_precision=highest); restored at the end"
-            )
-        if "cuda" in self.devices:
-            return "CUDA not available: float32 settings untouched"
-        return "no CUDA device selected: float32 settings untouched"
+        try:
+            config.issue_config_time_warning(warning, stacklevel=2)
+        except ExportCheckWarning as err:  # -W error::...ExportCheckWarning
+            raise pytest.UsageError(str(err)) from err

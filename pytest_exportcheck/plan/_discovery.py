@@ -3,26 +3,25 @@
 One :func:`discover` call loads every exportlm registry (built-ins and entry points)
 and turns it into plain data the rest of the plugin works from, including the
 plugins that failed to load. This is the only module of the plugin that knows the
-registry APIs of ``exportlm.export``, ``exportlm.models`` and ``exportlm.module_exporters``;
-it is imported only once the suite is active (it imports torch).
+registry APIs of ``exportlm.export``, ``exportlm.models`` and ``exportlm.module_exporters``
+(the suite and ``parametrize_with_checks`` both plan from its record). Importing it
+imports no exportlm: :func:`discover` does, and through it torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from exportlm.export import EXPORT_REGISTRY, TargetInfo, get_target_info
-from exportlm.inventory import plugin_inventory
-from exportlm.models import MODEL_REGISTRY
-from exportlm.module_exporters import EXPORT_MODULE_REGISTRY
+if TYPE_CHECKING:
+    from exportlm.export import TargetInfo
 
-__all__ = ["Discovery", "PluginFailure", "PluginRecord", "TargetRow", "discover"]
+__all__ = ["Discovery", "InstalledPlugin", "PluginFailure", "TargetRow", "discover"]
 
 
 @dataclass(frozen=True)
-class PluginRecord:
+class InstalledPlugin:
     """One registered object: its kind (``target``, ``runtime``, ...), name and provider."""
 
     kind: str
@@ -63,13 +62,18 @@ class TargetRow:
 
 @dataclass(frozen=True)
 class Discovery:
-    """Everything registered, sorted by name."""
+    """Everything registered, sorted by name.
+
+    ``model_failures`` holds, per loaded model family, the expected failures it
+    declares (``{check id or item-id pattern: reason}``).
+    """
 
     targets: dict[str, TargetInfo] = field(default_factory=dict)
     models: tuple[str, ...] = ()
     exporters: dict[str, Any] = field(default_factory=dict)
-    plugins: tuple[PluginRecord, ...] = ()
+    plugins: tuple[InstalledPlugin, ...] = ()
     failures: tuple[PluginFailure, ...] = ()
+    model_failures: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def rows(self, target: str) -> list[TargetRow]:
         """The matrix rows of ``target``: one per declared variant, else one."""
@@ -77,10 +81,6 @@ class Discovery:
         if not info.variants:
             return [TargetRow(target, None, {}, info)]
         return [TargetRow(target, v, dict(info.variants[v]), info) for v in sorted(info.variants)]
-
-    def failed_names(self, kind: str) -> list[str]:
-        """Names of ``kind`` whose plugin failed to import (not name conflicts)."""
-        return sorted({f.name for f in self.failures if f.kind == kind and not f.conflict})
 
 
 #: The inventory's registry kinds -> the plugin's row kinds.
@@ -93,9 +93,14 @@ def discover() -> Discovery:
     Reads :func:`exportlm.inventory.plugin_inventory`, the one inventory that
     ``exportlm list`` and the ``plugin_loads`` check read too.
     """
+    from exportlm.export import EXPORT_REGISTRY, get_target_info
+    from exportlm.inventory import plugin_inventory
+    from exportlm.models import MODEL_REGISTRY, model_expected_failures
+    from exportlm.module_exporters import EXPORT_MODULE_REGISTRY
+
     records = plugin_inventory()  # loads the registries; broken plugins are recorded
     plugins = tuple(
-        PluginRecord(_KINDS.get(r.kind, r.kind), r.name, r.provider)
+        InstalledPlugin(_KINDS.get(r.kind, r.kind), r.name, r.provider)
         for r in records
         if r.status == "loaded"
     )
@@ -106,10 +111,12 @@ def discover() -> Discovery:
         for r in records
         if r.status != "loaded"
     )
+    models = tuple(MODEL_REGISTRY.names())
     return Discovery(
         targets={name: get_target_info(name) for name in EXPORT_REGISTRY.names()},
-        models=tuple(MODEL_REGISTRY.names()),
+        models=models,
         exporters={e.name: e.obj for e in EXPORT_MODULE_REGISTRY.entries()},
         plugins=plugins,
         failures=tuple(sorted(failures, key=lambda f: (f.kind, f.name, f.message))),
+        model_failures={m: model_expected_failures(m) for m in models},
     )

@@ -1,9 +1,9 @@
 """The pytest nodes of the suite: ``exportcheck`` > one collector per check > items.
 
 The suite's root collector is added to the session's own collection (see
-:meth:`pytest_exportcheck._session.ExportCheckSession.add_to_collection`), so its
+:meth:`pytest_exportcheck.session._session.ExportCheckSession.add_to_collection`), so its
 items are collected, counted, selected (``-k``, ``-m``, ``--lf``, ``--sw``) and
-reported like any test's. Node ids are in :mod:`pytest_exportcheck._nodeids`.
+reported like any test's. Node ids are in :mod:`pytest_exportcheck.plan._nodeids`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_exportcheck._collect import ItemSpec
-from pytest_exportcheck._nodeids import item_nodeid
+from pytest_exportcheck.plan._items import ItemSpec
+from pytest_exportcheck.plan._nodeids import item_nodeid
 
 if TYPE_CHECKING:
     from pytest_exportcheck.checks import CheckResult

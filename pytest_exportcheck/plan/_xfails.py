@@ -36,8 +36,7 @@ from typing import Any
 
 import pytest
 
-from exportlm.safeio import read_regular_bytes
-from pytest_exportcheck._nodeids import ROOT, item_id_of
+from pytest_exportcheck.plan._nodeids import ROOT, item_id_of
 
 __all__ = ["MAX_XFAILS_BYTES", "XfailBook", "XfailRule", "declared_book", "load_xfails_file"]
 
@@ -135,6 +134,8 @@ def declared_book(
 
 def load_xfails_file(path: Path) -> list[XfailRule]:
     """The rules of an xfails file (node-id lines or JSON); a bad file is a usage error."""
+    from exportlm.safeio import read_regular_bytes
+
     try:
         raw = read_regular_bytes(path, what="xfails file", max_bytes=MAX_XFAILS_BYTES)
     except FileNotFoundError as err:

@@ -1,0 +1,221 @@
+"""The one planner: a discovery record + a request (+ node-id arguments) -> the items.
+
+:class:`Planner` resolves a :class:`~pytest_exportcheck.plan.PlanRequest` against
+what :func:`~pytest_exportcheck.plan.discover` found, hands the result to the pure
+:func:`~pytest_exportcheck.plan.plan`, narrows it to the suite's node ids given on
+the command line, and gathers the expected failures declared by targets, module
+exporters and model families. The ``pytest --export-*`` suite and
+``parametrize_with_checks`` / ``run_check`` both plan through it; they differ only in
+the error an unknown name raises (a usage error naming the option, or
+:class:`~exportlm.errors.UnknownNameError`). It never reads a registry itself.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import pytest
+
+from pytest_exportcheck.plan._discovery import Discovery, PluginFailure
+from pytest_exportcheck.plan._items import (
+    PLUGIN_LOADS,
+    ExporterPlan,
+    ItemSpec,
+    Plan,
+    TargetPlan,
+    plan,
+)
+from pytest_exportcheck.plan._nodeids import ROOT, SuiteArgs
+from pytest_exportcheck.plan._selection import EVERYTHING, PlanRequest, UnknownNames, usage_error
+from pytest_exportcheck.plan._xfails import XfailBook, XfailRule, declared_book
+
+if TYPE_CHECKING:
+    from pytest_exportcheck.checks import CheckSpec
+
+__all__ = ["Planner"]
+
+_KINDS = ("target", "runtime", "module exporter", "model family")
+#: ``kind -> name -> failures`` of the plugins that failed to load.
+_Failed = Mapping[str, Mapping[str, list[PluginFailure]]]
+
+
+class Planner:
+    """Plans items from a discovery record, a request and the suite's node-id arguments.
+
+    Args:
+        discovery: what is installed (:func:`~pytest_exportcheck.plan.discover`).
+        checks: check id -> spec (the catalogue, ``pytest_exportcheck.checks.CHECKS``).
+        unknown: builds the exception an unknown name raises.
+    """
+
+    def __init__(
+        self,
+        discovery: Discovery,
+        checks: Mapping[str, CheckSpec],
+        unknown: UnknownNames = usage_error,
+    ) -> None:
+        self.discovery = discovery
+        self.checks = checks
+        self.unknown = unknown
+        self._failed: _Failed = {kind: self._failures(kind) for kind in _KINDS}
+
+    # -- plans --------------------------------------------------------------
+    def plan(self, request: PlanRequest) -> Plan:
+        """The names of ``request`` resolved against what is installed."""
+        d, failed = self.discovery, self._failed
+        targets = request.targets.resolve(
+            [*d.targets, *failed["target"]],
+            what="export target",
+            option="--export-targets",
+            unknown=self.unknown,
+        )
+        exporters = request.exporters.resolve(
+            [*d.exporters, *failed["module exporter"]],
+            what="module exporter",
+            option="--export-exporters",
+            unknown=self.unknown,
+        )
+        models = request.models.resolve(
+            [*d.models, *failed["model family"]],
+            what="model family",
+            option="--export-models",
+            unknown=self.unknown,
+        )
+        check_ids = request.checks.resolve(
+            [*self.checks, PLUGIN_LOADS],
+            what="check",
+            option="--export-checks",
+            unknown=self.unknown,
+        )
+        return Plan(
+            checks=tuple(spec for c, spec in self.checks.items() if c in check_ids),
+            targets=tuple(self._target_plan(t) for t in targets),
+            exporters=tuple(self._exporter_plan(e) for e in exporters),
+            extra_failures=(
+                self._extra_failures(targets, models, every_runtime=request.targets.all)
+                if PLUGIN_LOADS in check_ids
+                else {}
+            ),
+            models=tuple(m for m in models if m in d.models),
+            devices=request.devices,
+        )
+
+    def everything(self) -> Plan:
+        """The plan of every item that could exist: all names, checks and devices."""
+        return self.plan(PlanRequest.everything())
+
+    def items(self, request: PlanRequest, args: SuiteArgs | None = None) -> list[ItemSpec]:
+        """The run's items: the request's, or those the suite's node-id arguments name.
+
+        ``exportcheck`` names the request's items; ``exportcheck::<check>`` the
+        items of that check over the requested targets, exporters, models and
+        devices; an item id names that item whatever the request (like a test
+        path on the command line, which pytest collects whatever ``testpaths``
+        says). Order is plan order.
+        """
+        if not args:
+            return plan(self.plan(request))
+        chosen = {s.name for s in plan(self.plan(request))} if args.whole else set()
+        if args.checks:
+            unknown = sorted(args.checks - set(self.checks) - {PLUGIN_LOADS})
+            if unknown:
+                raise pytest.UsageError(
+                    f"{', '.join(f'{ROOT}::{c}' for c in unknown)}: no such check; "
+                    f"available: {', '.join(self.checks)}"
+                )
+            every_check = PlanRequest(
+                request.targets, request.exporters, request.models, EVERYTHING, request.devices
+            )
+            chosen |= {s.name for s in plan(self.plan(every_check)) if s.check in args.checks}
+        universe = plan(self.everything())
+        if not args.lenient:
+            _require_known(args, {s.name for s in universe})
+        chosen |= args.item_ids
+        return [s for s in universe if s.name in chosen]
+
+    # -- expected failures --------------------------------------------------
+    def xfail_book(self, only: Plan | None = None) -> XfailBook:
+        """Expected failures declared by targets, exporters and model families.
+
+        ``only``: those of its targets, exporters and models; ``None``: of all installed.
+
+        Raises:
+            TypeError: a module exporter declares them as something else than a mapping.
+        """
+        d = self.discovery
+        targets: Iterable[str] = d.targets
+        exporters: Iterable[str] = d.exporters
+        models: Iterable[str] = d.models
+        if only is not None:
+            targets = [t.name for t in only.targets if t.loaded]
+            exporters = [e.name for e in only.exporters if e.loaded]
+            models = only.models
+        return declared_book(
+            {t: d.targets[t] for t in targets if t in d.targets},
+            {e: d.exporters[e] for e in exporters if e in d.exporters},
+            {m: d.model_failures.get(m, {}) for m in models},
+        )
+
+    def unmatched(self, book: XfailBook, within: Plan | None = None) -> list[XfailRule]:
+        """Rules of ``book`` that match no item of ``within`` (default: every possible item)."""
+        universe = plan(self.everything() if within is None else within)
+        return book.unmatched((s.name, s.check, s.column) for s in universe)
+
+    # -- rows ---------------------------------------------------------------
+    def _failures(self, kind: str) -> dict[str, list[PluginFailure]]:
+        out: dict[str, list[PluginFailure]] = {}
+        for failure in self.discovery.failures:
+            if failure.kind == kind:
+                out.setdefault(failure.name, []).append(failure)
+        return out
+
+    def _extra_failures(
+        self, targets: list[str], models: list[str], *, every_runtime: bool
+    ) -> dict[str, str]:
+        """Failing plugin_loads of selected model families and of runtimes no target uses."""
+        d, failed = self.discovery, self._failed
+        used = {d.targets[t].runtime for t in targets if t in d.targets}
+        extra = {
+            f"model:{m}": _failure_text(failed["model family"][m])
+            for m in models
+            if m in failed["model family"]
+        }
+        if every_runtime:
+            extra |= {
+                f"runtime:{r}": _failure_text(fs)
+                for r, fs in failed["runtime"].items()
+                if r not in used
+            }
+        return {k: v for k, v in extra.items() if v is not None}
+
+    def _target_plan(self, name: str) -> TargetPlan:
+        failed = self._failed
+        if name not in self.discovery.targets:
+            return TargetPlan(name, failure=_failure_text(failed["target"][name]), loaded=False)
+        info = self.discovery.targets[name]
+        problems = [*failed["target"].get(name, []), *failed["runtime"].get(info.runtime, [])]
+        rows = tuple((row.variant, row.export_kwargs) for row in self.discovery.rows(name))
+        return TargetPlan(name, rows, info.capabilities, failure=_failure_text(problems))
+
+    def _exporter_plan(self, name: str) -> ExporterPlan:
+        failure = _failure_text(self._failed["module exporter"].get(name, []))
+        return ExporterPlan(name, failure, loaded=name in self.discovery.exporters)
+
+
+def _require_known(args: SuiteArgs, known: set[str]) -> None:
+    for item, arg in args.items:
+        if item in known:
+            continue
+        close = difflib.get_close_matches(item, sorted(known), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise pytest.UsageError(
+            f"{arg}: no such exportcheck item among every installed target, exporter, "
+            f"model family and device{hint}"
+        )
+
+
+def _failure_text(failures: list[PluginFailure]) -> str | None:
+    """The messages of ``failures``, one per line; ``None`` when there are none."""
+    return "\n".join(f.message for f in failures) or None

@@ -1,0 +1,231 @@
+"""The plan package on its own: plain unit tests over fake discovery records (no pytester, no torch).
+
+The planner, the expected-failure book, selections and node ids are pure; these
+tests build a :class:`~pytest_exportcheck.plan.Discovery` by hand (two fake
+targets, one with variants, a failed target, an exporter, a failed model
+family) and check what the one planner plans for the suite and for the API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_exportcheck.checks import CheckSpec
+from pytest_exportcheck.plan import (
+    PLUGIN_LOADS,
+    CaseOptions,
+    Discovery,
+    NameSelection,
+    Planner,
+    PlanRequest,
+    PluginFailure,
+    XfailBook,
+    case_options,
+    plan,
+)
+from pytest_exportcheck.plan._api_request import ApiSelection, api_planner, single_item
+from pytest_exportcheck.plan._nodeids import (
+    item_id_of,
+    item_nodeid,
+    last_failed_args,
+    split_suite_args,
+)
+
+
+@dataclass(frozen=True)
+class FakeTarget:
+    """The parts of ``TargetInfo`` the planner reads."""
+
+    runtime: str = "rt"
+    capabilities: frozenset[str] = frozenset({"dynamic"})
+    variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    expected_failures: Mapping[str, str] = field(default_factory=dict)
+    accepts: Any = None
+
+
+def _fn(case: Any) -> Any:  # pragma: no cover - never called: planning only
+    raise AssertionError("planning must not run a check")
+
+
+CHECKS = {
+    spec.id: spec
+    for spec in (
+        CheckSpec(PLUGIN_LOADS, "target", _fn),
+        CheckSpec("once", "target", _fn),
+        CheckSpec("logits", "target", _fn, per_model=True),
+        CheckSpec("dynamic", "target", _fn, per_model=True, needs={"dynamic", "cuda"}),
+        CheckSpec("golden", "exporter", _fn, markers={"slow"}),
+    )
+}
+
+DISCOVERY = Discovery(
+    targets={
+        "alpha": FakeTarget(expected_failures={"logits[alpha-big-*]": "too big"}),
+        "beta": FakeTarget(
+            runtime="brt", capabilities=frozenset(), variants={"fast": {"opt": 1}, "slow": {}}
+        ),
+    },
+    models=("big", "small"),
+    exporters={"qlin": object()},
+    failures=(
+        PluginFailure("target", "broken", "acme 1.0", "ImportError: no module acme"),
+        PluginFailure("model family", "ghost", "acme 1.0", "ImportError: ghost"),
+    ),
+    model_failures={"small": {"dynamic": "small is static"}},
+)
+
+
+def _planner() -> Planner:
+    return Planner(DISCOVERY, CHECKS)
+
+
+def _ids(request: PlanRequest) -> list[str]:
+    return [s.name for s in plan(_planner().plan(request))]
+
+
+def test_planning_names_every_item_in_a_fixed_order() -> None:
+    request = PlanRequest(NameSelection.of(["alpha"]), models=NameSelection.of(["big"]))
+    assert _ids(request) == [
+        "plugin_loads[alpha]",
+        "once[alpha-cpu]",
+        "logits[alpha-big-cpu]",
+        "dynamic[alpha-big-cpu]",
+    ]
+
+
+def test_variants_are_rows_and_capability_gaps_are_skips_with_a_reason() -> None:
+    request = PlanRequest(NameSelection.of("beta"), models=NameSelection.of("small"))
+    specs = {s.name: s for s in plan(_planner().plan(request))}
+    assert [n for n in specs if n.startswith("plugin_loads")] == [
+        "plugin_loads[beta:fast]",
+        "plugin_loads[beta:slow]",
+    ]
+    assert specs["logits[beta:fast-small-cpu]"].export_kwargs == {"opt": 1}
+    assert specs["logits[beta:fast-small-cpu]"].skip is None
+    gap = specs["dynamic[beta:slow-small-cpu]"].skip
+    assert gap is not None
+    assert "'cuda', 'dynamic'" in gap
+    assert "declared: none" in gap
+
+
+def test_a_failed_plugin_is_a_failing_plugin_loads_item_and_nothing_else() -> None:
+    request = PlanRequest(NameSelection.of("all"), models=NameSelection.of(["ghost"]))
+    specs = {s.name: s for s in plan(_planner().plan(request))}
+    assert specs["plugin_loads[broken]"].failure == "ImportError: no module acme"
+    assert not [n for n in specs if "broken-" in n]
+    assert specs["plugin_loads[model:ghost]"].failure == "ImportError: ghost"
+    assert specs["plugin_loads[alpha]"].failure is None
+
+
+def test_exporter_items_and_their_markers() -> None:
+    request = PlanRequest(exporters=NameSelection.of("qlin"), models=NameSelection())
+    (item,) = plan(_planner().plan(request))
+    assert (item.name, item.scope, item.column, item.markers) == (
+        "golden[qlin]",
+        "exporter",
+        "qlin",
+        frozenset({"slow"}),
+    )
+
+
+def test_selection_parsing_and_unknown_names() -> None:
+    assert NameSelection.parse("b, a,a") == NameSelection(names=("a", "b"))
+    assert NameSelection.parse("all").all
+    assert NameSelection.parse("none") == NameSelection()
+    with pytest.raises(pytest.UsageError, match="the value is empty"):
+        NameSelection.parse(" ,", "--export-models")
+    with pytest.raises(pytest.UsageError, match="cannot be combined"):
+        NameSelection.parse("all,a")
+    with pytest.raises(pytest.UsageError, match=r"--export-targets: unknown export target 'gamma'"):
+        _planner().plan(PlanRequest(NameSelection.of("gamma")))
+
+
+def test_the_api_plans_the_suites_items_and_raises_unknown_name_error() -> None:
+    from exportlm.errors import UnknownNameError
+
+    planner = api_planner(DISCOVERY, CHECKS)
+    selection = ApiSelection.resolve(planner, ["alpha"], (), ["big"], None, "cpu")
+    suite = PlanRequest(NameSelection.of("alpha"), models=NameSelection.of("big"))
+    assert [s.name for s in plan(selection.plan)] == _ids(suite)
+    with pytest.raises(UnknownNameError):
+        ApiSelection.resolve(planner, ["gamma"], (), "all", None, "cpu")
+    with pytest.raises(ValueError, match="select at least one"):
+        ApiSelection.resolve(planner, (), (), "all", None, "cpu")
+
+
+def test_run_check_plans_one_item_of_a_variant_row() -> None:
+    planner = api_planner(DISCOVERY, CHECKS)
+    item = single_item(
+        planner, "logits", target="beta:fast", exporter=None, model="big", device="cuda"
+    )
+    assert (item.name, dict(item.export_kwargs)) == ("logits[beta:fast-big-cuda]", {"opt": 1})
+    with pytest.raises(ValueError, match="runs per model"):
+        single_item(planner, "logits", target="alpha", exporter=None, model=None, device="cpu")
+
+
+def test_expected_failures_resolve_by_scope_and_pattern() -> None:
+    planner = _planner()
+    book = planner.xfail_book()
+    (rule,) = book.match("logits[alpha-big-cpu]", "logits", "alpha")
+    assert (rule.reason, rule.source) == ("too big", "TargetInfo of 'alpha'")
+    assert not book.match("logits[alpha-small-cpu]", "logits", "alpha")
+    assert not book.match("logits[beta:fast-big-cpu]", "logits", "beta:fast")
+    # A model family's rule applies to every row.
+    assert [r.reason for r in book.match("dynamic[beta:fast-small-cpu]", "dynamic", "beta:fast")]
+    assert planner.unmatched(book) == []
+    stray = XfailBook()
+    stray.add({"logits[nowhere-*]": "x"}, source="file", scope=None)
+    assert [r.pattern for r in planner.unmatched(stray)] == ["logits[nowhere-*]"]
+
+
+def test_node_ids_round_trip_and_name_only_planned_items(tmp_path: Path) -> None:
+    specs = plan(_planner().everything())
+    for spec in specs:
+        assert item_id_of(item_nodeid(spec.check, spec.name)) == spec.name
+    node = item_nodeid("logits", "logits[alpha-big-cpu]")
+    args, rest = split_suite_args([node, "tests/x.py", "exportcheck::once"], tmp_path)
+    assert rest == ["tests/x.py"]
+    assert args.item_ids == {"logits[alpha-big-cpu]"}
+    assert args.checks == {"once"}
+    request = PlanRequest(NameSelection.of("beta"))
+    chosen = [s.name for s in _planner().items(request, args)]
+    # The check's items over the request, the named item whatever the request; plan order.
+    assert chosen == ["logits[alpha-big-cpu]", "once[beta:fast-cpu]", "once[beta:slow-cpu]"]
+    bad, _ = split_suite_args(["exportcheck::logits[alpha-huge-cpu]"], tmp_path)
+    with pytest.raises(pytest.UsageError, match="no such exportcheck item"):
+        _planner().items(request, bad)
+
+
+def test_case_options_are_typed_and_read_as_a_mapping() -> None:
+    options = case_options("all", "cuda", require_device=True, expected_failure="known")
+    assert options == CaseOptions("all", "cuda", True, "known")
+    assert options["models"] == "all"
+    assert options.get("expected_failure") == "known"
+    assert dict(options) == {
+        "models": "all",
+        "device": "cuda",
+        "require_device": True,
+        "expected_failure": "known",
+    }
+    assert case_options(("a", "b"), None) == CaseOptions("a,b", "cpu")
+    assert options.get("nope") is None
+
+
+def test_last_failed_records_name_the_suite_items_only() -> None:
+    record = {
+        "tests/test_x.py::test_y": True,
+        item_nodeid("logits", "logits[alpha-big-cpu]"): True,
+        "exportcheck::once[beta:fast-cpu]": True,
+    }
+    args = last_failed_args(record)
+    assert args.item_ids == {"logits[alpha-big-cpu]", "once[beta:fast-cpu]"}
+    assert args.lenient
+    assert not last_failed_args(["not", "a", "dict"])
+    # An item that vanished since (its target was uninstalled) is dropped, not an error.
+    gone = last_failed_args({"exportcheck::once::once[gamma-cpu]": True})
+    assert _planner().items(PlanRequest(), gone) == []
