@@ -12,18 +12,9 @@ Importing this package imports neither torch nor exportlm.
 
 from __future__ import annotations
 
-import pytest
-
+from exportlm._version import __version__
 from pytest_exportcheck._profiles import HYPOTHESIS_PROFILE
+from pytest_exportcheck._warnings import ExportCheckWarning
 from pytest_exportcheck.api import parametrize_with_checks
 
 __all__ = ["HYPOTHESIS_PROFILE", "ExportCheckWarning", "__version__", "parametrize_with_checks"]
-
-__version__ = "0.1.0"
-
-
-class ExportCheckWarning(pytest.PytestWarning):
-    """An exportcheck configuration problem that does not stop the run.
-
-    For example an expected-failure entry that matches no conformance item.
-    """

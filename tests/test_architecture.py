@@ -200,11 +200,7 @@ KNOWN_LIBRARY_CYCLES: list[frozenset[str]] = [
 ]
 
 #: The same for the plugin, which is being restructured into plan / run / pytest packages.
-KNOWN_PLUGIN_CYCLES: list[frozenset[str]] = [
-    # parametrize_with_checks plans through _api_plan, which imports the package face
-    # and api back.
-    frozenset({"pytest_exportcheck", "pytest_exportcheck._api_plan", "pytest_exportcheck.api"}),
-]
+KNOWN_PLUGIN_CYCLES: list[frozenset[str]] = []
 
 
 def _is_type_checking(test: ast.expr) -> bool:

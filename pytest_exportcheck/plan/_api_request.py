@@ -188,7 +188,7 @@ def _declared(expected: ExpectedFailures, name: str) -> Mapping[str, str]:
 
 def _warn_unmatched(planner: Planner, book: XfailBook, within: Plan) -> None:
     """Warn about each rule that matches no item of the selection under any check."""
-    from pytest_exportcheck import ExportCheckWarning
+    from pytest_exportcheck._warnings import ExportCheckWarning
 
     for rule in planner.unmatched(book, within):
         warnings.warn(

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from exportlm.errors import ExportError
-from pytest_exportcheck import ExportCheckWarning
+from pytest_exportcheck._warnings import ExportCheckWarning
 from pytest_exportcheck.run._cache_entry import (
     UnsoundEntryError,
     evict,

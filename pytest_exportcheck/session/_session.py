@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from pytest_exportcheck import ExportCheckWarning
+from pytest_exportcheck._warnings import ExportCheckWarning
 from pytest_exportcheck.checks import CHECKS
 from pytest_exportcheck.plan import Discovery, ItemSpec, Planner, XfailBook, discover
 from pytest_exportcheck.plan._nodeids import ROOT, SuiteArgs
