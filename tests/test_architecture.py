@@ -199,7 +199,7 @@ KNOWN_LIBRARY_CYCLES: list[frozenset[str]] = [
     frozenset({"exportlm.module_exporters", "exportlm.module_exporters._driver"}),
 ]
 
-#: The same for the plugin, which is being restructured into plan / run / pytest packages.
+#: The same for the plugin (none left).
 KNOWN_PLUGIN_CYCLES: list[frozenset[str]] = []
 
 
