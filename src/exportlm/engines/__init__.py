@@ -29,6 +29,7 @@ from exportlm.engines.registry import (
     engine_names,
     ensure_engines_registered,
     get_engine,
+    validate_engine,
 )
 from exportlm.engines.run import probe_engine, run_engine
 from exportlm.engines.spec import WORKERS_DIR, Engine, Match, Support, Verdict
@@ -71,4 +72,5 @@ __all__ = [
     "parse_engine_options",
     "probe_engine",
     "run_engine",
+    "validate_engine",
 ]

@@ -14,13 +14,14 @@ __all__ = [
     "engine_names",
     "ensure_engines_registered",
     "get_engine",
+    "validate_engine",
 ]
 
 #: The entry-point group third-party engines register under (value: an :class:`Engine`).
 ENGINES_GROUP = "exportlm.engines"
 
 
-def _validate_engine(name: str, obj: Any) -> Engine:
+def validate_engine(name: str, obj: Any) -> Engine:
     """An entry point's object must be an :class:`Engine` of that name with a worker on disk."""
     if not isinstance(obj, Engine):
         raise TypeError(
@@ -40,13 +41,13 @@ def _validate_engine(name: str, obj: Any) -> Engine:
     return obj
 
 
-ENGINE_REGISTRY: Registry[Engine] = Registry("engine", validate=_validate_engine)
+ENGINE_REGISTRY: Registry[Engine] = Registry("engine", validate=validate_engine)
 
 
 @once
 def _register() -> None:
     for engine in builtin_engines():
-        ENGINE_REGISTRY.register(engine.name, _validate_engine(engine.name, engine), builtin=True)
+        ENGINE_REGISTRY.register(engine.name, validate_engine(engine.name, engine), builtin=True)
     load_entry_point_registry(ENGINES_GROUP, ENGINE_REGISTRY, raise_errors=False)
 
 
