@@ -154,7 +154,7 @@ $(ENGINES_DIR)/%/.exportlm-engine-installed: .ci/engines/%.txt
 engines: $(ENGINE_STAMPS)
 
 test-engines: $(STAMP) engines
-	env $(ENGINE_ENV) $(BIN)/python -m pytest -n 0 tests/test_engines*.py -rs
+	env $(ENGINE_ENV) $(BIN)/python -m pytest -n 0 tests/test_engines*.py -s -rs
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_export_overhead.py

