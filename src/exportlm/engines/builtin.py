@@ -42,7 +42,13 @@ VLLM = Engine(
     worker="vllm_worker.py",
     table_version="0.32.0",
     table=(
-        Support(_HF, evidence="measured: fp32 and bf16 checkpoints, served"),
+        Support(
+            _HF,
+            evidence=(
+                "measured: fp32 and bf16 checkpoints served; the request must name the dtype: "
+                "dtype='auto' runs a float32 checkpoint in bfloat16 on the CPU build"
+            ),
+        ),
         Support(
             _HF,
             _MO,
