@@ -27,6 +27,7 @@ from exportlm.engines import (
     EngineRequest,
     EngineResult,
     Verdict,
+    artifact_kind,
     find_interpreter,
     get_engine,
     run_engine,
@@ -292,3 +293,27 @@ def test_vllm_cpu_does_what_its_table_says_with_our_quantized_checkpoints(
     assert match.row.message in refusal.detail, (
         f"vllm {refusal.version} says something else now; update its table: {refusal.detail}"
     )
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("fp32", ("hf_checkpoint", None, None, "float32")),
+        ("bf16", ("hf_checkpoint", None, None, "bfloat16")),
+        ("modelopt/int8_wo", ("hf_checkpoint", "modelopt", "W8A16", "float32")),
+        ("modelopt/fp8", ("hf_checkpoint", "modelopt", "FP8", "float32")),
+        ("compressed-tensors/fp8", ("hf_checkpoint", "compressed-tensors", "FP8", "float32")),
+        ("onnx", ("onnx", "plain", None, "float32")),
+    ],
+)
+def test_an_artifact_is_named_in_the_terms_of_the_support_tables(
+    kind: str, expected: tuple[str | None, ...], artifacts: Callable[..., Path]
+) -> None:
+    found = artifact_kind(artifacts(kind))
+    assert (found.target, found.layout, found.scheme, found.dtype) == expected
+    verdict = (
+        get_engine("vllm")
+        .support(found.target, found.layout, found.scheme, dtype=found.dtype)
+        .verdict
+    )
+    assert verdict is not Verdict.UNKNOWN or found.target == "onnx"

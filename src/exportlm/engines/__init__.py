@@ -7,6 +7,7 @@
   ``exportlm.engines`` entry-point group.
 - :func:`find_interpreter`, :func:`parse_engine_options`: which Python runs an engine
   (``--export-engine NAME=PATH``, ``EXPORTLM_ENGINE_<NAME>``, or this one).
+- :func:`artifact_kind`: a checkpoint directory or ONNX file in the tables' terms.
 - :func:`run_engine`: an :class:`EngineRequest` served from an artifact by the
   engine's worker in a subprocess; an :class:`EngineResult`, or a specific
   :class:`~exportlm.errors.EngineError`.
@@ -14,6 +15,7 @@
 Importing this package imports no engine and no torch.
 """
 
+from exportlm.engines.artifact import ArtifactKind, artifact_kind
 from exportlm.engines.builtin import builtin_engines
 from exportlm.engines.interpreter import (
     ENGINE_ENV_PREFIX,
@@ -49,6 +51,7 @@ __all__ = [
     "ENGINE_REGISTRY",
     "PROTOCOL",
     "WORKERS_DIR",
+    "ArtifactKind",
     "Engine",
     "EngineCrashedError",
     "EngineError",
@@ -63,6 +66,7 @@ __all__ = [
     "Match",
     "Support",
     "Verdict",
+    "artifact_kind",
     "builtin_engines",
     "engine_env_var",
     "engine_names",
