@@ -1,0 +1,80 @@
+"""What kind of artifact a path is, in the terms of the engines' support tables.
+
+:func:`artifact_kind` reads only configs (never weights, never code): a checkpoint
+directory's ``config.json`` (its ``quantization_config``), or an ONNX file's name.
+The result is what :meth:`Engine.support` takes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from exportlm.hfdir import read_config
+
+__all__ = ["ArtifactKind", "artifact_kind"]
+
+#: compressed-tensors' scheme names by (weight type, weight bits, activation type and
+#: bits or None): the preset names of compressed_tensors.quantization.quant_scheme.
+_CT_SCHEMES: Mapping[tuple[str, int, tuple[str, int] | None], str] = {
+    ("float", 8, ("float", 8)): "FP8",
+    ("float", 8, None): "FP8_WEIGHT_ONLY",
+    ("int", 8, ("int", 8)): "W8A8",
+    ("int", 8, None): "W8A16",
+    ("int", 4, None): "W4A16",
+    ("float", 4, ("float", 4)): "NVFP4",
+    ("float", 4, None): "NVFP4A16",
+}
+
+
+@dataclass(frozen=True)
+class ArtifactKind:
+    """An artifact as the support tables name it (see :class:`~exportlm.engines.Support`)."""
+
+    target: str
+    layout: str | None
+    scheme: str | None
+    dtype: str
+
+
+def _ct_scheme(quant: Mapping[str, Any]) -> str | None:
+    groups = quant.get("config_groups") or {}
+    schemes = set()
+    for group in groups.values():
+        weights = group.get("weights") or {}
+        acts = group.get("input_activations")
+        act = (str(acts.get("type")), int(acts.get("num_bits", 0))) if acts else None
+        key = (str(weights.get("type")), int(weights.get("num_bits", 0)), act)
+        schemes.add(_CT_SCHEMES.get(key, f"unknown {key}"))
+    return "MIXED_PRECISION" if len(schemes) > 1 else next(iter(schemes), None)
+
+
+def _checkpoint_kind(config: Mapping[str, Any]) -> ArtifactKind:
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    quant = config.get("quantization_config")
+    if not quant:
+        return ArtifactKind("hf_checkpoint", None, None, dtype)
+    method = str(quant.get("quant_method"))
+    if method == "compressed-tensors":
+        return ArtifactKind("hf_checkpoint", method, _ct_scheme(quant), dtype)
+    algo = quant.get("quant_algo")
+    return ArtifactKind("hf_checkpoint", method, None if algo is None else str(algo), dtype)
+
+
+def artifact_kind(path: str | os.PathLike[str]) -> ArtifactKind:
+    """The kind of the artifact at ``path``: a checkpoint directory or an ``.onnx`` file.
+
+    An ONNX file is ``ArtifactKind("onnx", "plain", None, "float32")``: which graph
+    interface and QDQ format it has is the ONNX target's to say (its manifest).
+    Raises ``ValueError`` for anything else, and what
+    :func:`exportlm.hfdir.read_config` raises for a malformed ``config.json``.
+    """
+    artifact = Path(path)
+    if artifact.is_dir():
+        return _checkpoint_kind(read_config(artifact))
+    if artifact.suffix == ".onnx":
+        return ArtifactKind("onnx", "plain", None, "float32")
+    raise ValueError(f"{artifact}: neither a checkpoint directory nor an .onnx file")
