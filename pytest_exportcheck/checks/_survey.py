@@ -8,8 +8,11 @@ ran on which module, the tensor names it wrote, whether the module's state
 changed and what it raised. The global registry and the models' exporters are
 never modified.
 
-The survey is computed once per process for a given registry state, model
-selection and seed (the exporter checks share it). Internal to
+The survey is computed once per :class:`~._services.CheckServices` (the plugin
+has one per process) for a given registry state, model selection and seed (the
+exporter checks share it); the calibrated state of each quantized toy model is
+shared across processes and runs through ``services.shared_dir``
+(:mod:`._survey_store`), so one process calibrates it and the others read it back. Internal to
 :mod:`pytest_exportcheck.checks` (a documented internal module: the exporter,
 golden and generated checks read it through its public names).
 """
@@ -43,6 +46,13 @@ from exportlm.quant import is_quantized_module, quantize, synthetic_calibration
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
 from pytest_exportcheck.checks._common import CheckAbort, error_text
 from pytest_exportcheck.checks._recording import ExportCall, Recorder, RecordingExporter
+from pytest_exportcheck.checks._services import CheckServices
+from pytest_exportcheck.checks._survey_store import (
+    CalibratedState,
+    StateStore,
+    model_digest,
+    source_digest,
+)
 
 __all__ = [
     "SCALE_LEAVES",
@@ -207,38 +217,108 @@ def _quantize(
     model_name: str,
     recipe: RecipeKey,
     seed: int,
-    calibration: Calibration = "data",
-    device: str = "cpu",
-) -> nn.Module | str:
-    """The quantized model (cached), or why it could not be built."""
+    calibration: Calibration,
+    device: str,
+    services: CheckServices,
+    *,
+    wait: bool = True,
+) -> nn.Module | str | None:
+    """The quantized model (once per process), or why it could not be built.
+
+    ``None`` only when ``wait`` is off and another process is calibrating it.
+    Quantization does not depend on the exporter registry, so fakes registered
+    by tests or plugins re-run only dispatch and export. A recorder restores a
+    module an exporter modified, so a remembered model stays as quantized.
+    """
     ensure_models_registered()
-    factory = id(MODEL_REGISTRY.get(model_name))
-    return _quantize_cached(model_name, factory, recipe, seed, calibration, device)
+    factory = MODEL_REGISTRY.get(model_name)
+    key = ("quantized", model_name, factory, recipe, seed, calibration, device)
+    if services.known(key):
+        return services.memo(key, _never)
+    got = _quantize_afresh(model_name, recipe, seed, calibration, device, services, wait)
+    return None if got is None else services.memo(key, lambda: got)
 
 
-@functools.lru_cache(maxsize=64)
-def _quantize_cached(
+def _never() -> nn.Module | str:  # pragma: no cover - only called for a key that is known
+    raise RuntimeError("a known memo key was computed again")
+
+
+def _quantize_afresh(
     model_name: str,
-    factory_id: int,
     recipe: RecipeKey,
     seed: int,
     calibration: Calibration,
     device: str,
-) -> nn.Module | str:
-    # Quantization does not depend on the exporter registry, so fakes registered
-    # by tests or plugins re-run only dispatch and export. A recorder restores a
-    # module an exporter modified, so a cached model stays as quantized.
+    services: CheckServices,
+    wait: bool,
+) -> nn.Module | str | None:
+    plan = recipe if isinstance(recipe, str) else dict(recipe)
     try:
         model = build_model(model_name, seed=seed).to(device)  # seeded on the CPU, then moved
-        plan = recipe if isinstance(recipe, str) else dict(recipe)
-        calibrate = synthetic_calibration(seed) if calibration == "synthetic" else None
-        return quantize(model, plan, calibrate)
+        if calibration == "synthetic":
+            return quantize(model, plan, synthetic_calibration(seed))
+        shared = services.shared_dir
+        store = StateStore(None if shared is None else shared / "calibrated")
+        if store.root is None:
+            return quantize(model, plan)
+        key = store.key(_material(model_name, model, recipe, seed, device, services))
+        with store.lock(key, wait=wait) as held:
+            if not held:
+                return None
+            state = store.read(key)
+            restored = None if state is None else _restore(model_name, plan, seed, device, state)
+            if restored is not None:
+                return restored
+            quantized = quantize(model, plan)
+            store.write(key, CalibratedState.of(quantized))
+            return quantized
     except UnsupportedFormatError as err:
         return f"{recipe_label(recipe)} does not fit {model_name}: {err}"
     except Exception as err:
         label = recipe_label(recipe)
         logger.warning("quantizing %s with %s failed: %s", model_name, label, err)
         return f"quantizing {model_name} with {label} raised {type(err).__name__}: {err}"
+
+
+def _material(
+    model_name: str,
+    model: nn.Module,
+    recipe: RecipeKey,
+    seed: int,
+    device: str,
+    services: CheckServices,
+) -> dict[str, Any]:
+    """What a calibrated state depends on (the key of :class:`StateStore`)."""
+    entry = MODEL_REGISTRY.get(model_name)
+    family = str(getattr(getattr(entry, "factory", entry), "__module__", None) or "exportlm")
+    packages = sorted({"exportlm", type(model).__module__.split(".")[0], family.split(".")[0]})
+    return {
+        "family": model_name,
+        "recipe": recipe_label(recipe),
+        "seed": seed,
+        "device": device,
+        "calibration": "data",
+        "model": model_digest(model),
+        "sources": [
+            services.memo(("source", p), functools.partial(source_digest, p)) for p in packages
+        ],
+        "torch": torch.__version__,
+    }
+
+
+def _restore(
+    model_name: str, plan: Any, seed: int, device: str, state: CalibratedState
+) -> nn.Module | None:
+    """The calibrated state loaded onto the structure (the recipe with synthetic
+    statistics, no forward pass); ``None`` when it does not fit."""
+    try:
+        structure = quantize(
+            build_model(model_name, seed=seed).to(device), plan, synthetic_calibration(seed)
+        )
+        return state.restore(structure)
+    except Exception as err:
+        logger.info("calibrated state of %s not restored, calibrating again: %s", model_name, err)
+        return None
 
 
 def survey_one(
@@ -272,34 +352,62 @@ def survey_one(
 
 
 def registry_state() -> tuple[Any, ...]:
-    """A hashable fingerprint of the dispatch registry and the exporter names (cache keys)."""
-    return tuple(
-        (id(e.exporter), e.keys, id(e.predicate)) for e in EXPORT_MODULE_REGISTRY.entries()
-    ) + tuple(sorted(exporter_names().items()))
+    """The dispatch registry and the exporter names, as a memo key.
+
+    It holds the exporters and predicates themselves (not their ``id()``), so a
+    survey is never served to a registry whose objects merely reuse the addresses
+    of collected ones.
+    """
+    ensure_module_exporters_registered()
+    entries = tuple((e.exporter, e.keys, e.predicate) for e in EXPORT_MODULE_REGISTRY.entries())
+    names = tuple(
+        sorted(((e.name, e.obj) for e in MODULE_EXPORTER_REGISTRY.entries()), key=lambda p: p[0])
+    )
+    return entries + names
 
 
-@functools.lru_cache(maxsize=32)
 def _survey(
     models: tuple[str, ...],
     recipes: tuple[RecipeKey, ...],
     seed: int,
-    state: tuple[Any, ...],
     calibration: Calibration,
     format: ExportFormat,
-    device: str = "cpu",
+    device: str,
+    services: CheckServices,
 ) -> Survey:
     names = exporter_names()
+    built = _quantized_models(models, recipes, seed, calibration, device, services)
     quantized: list[QuantizedModel] = []
     skipped: dict[str, str] = {}
     for model_name in models:
         for recipe in recipes:
-            model = _quantize(model_name, recipe, seed, calibration, device)
+            model = built[(model_name, recipe)]
             label = recipe_label(recipe)
             if isinstance(model, str):
                 skipped[f"{model_name}/{label}"] = model
                 continue
             quantized.append(survey_one(model_name, label, model, names, format))
     return Survey(models, quantized, skipped)
+
+
+def _quantized_models(
+    models: tuple[str, ...],
+    recipes: tuple[RecipeKey, ...],
+    seed: int,
+    calibration: Calibration,
+    device: str,
+    services: CheckServices,
+) -> dict[tuple[str, RecipeKey], nn.Module | str]:
+    """Every model x recipe quantized. A first pass skips what another process is
+    calibrating (so two workers split the work), a second waits for it and reads it."""
+    done: dict[tuple[str, RecipeKey], nn.Module | str] = {}
+    for wait in (False, True):
+        for pair in ((m, r) for m in models for r in recipes):
+            if pair not in done:
+                got = _quantize(*pair, seed, calibration, device, services, wait=wait)
+                if got is not None:
+                    done[pair] = got
+    return done
 
 
 def survey_of(
@@ -310,24 +418,30 @@ def survey_of(
     calibration: Calibration = "data",
     format: ExportFormat = "modelopt",
     device: str = "cpu",
+    services: CheckServices | None = None,
 ) -> Survey:
-    """The (cached) survey of ``models`` x ``recipes`` with the current registry.
+    """The survey of ``models`` x ``recipes`` with the current registry.
 
     ``calibration="synthetic"`` quantizes with machine-independent statistics
     (for goldens); ``format`` is the checkpoint layout the driver writes;
     ``device`` is where the models are quantized and exported (the weights are
     seeded on the CPU, then moved, so they are the same bits on every device).
+    Computed once per ``services`` (a case's :class:`CheckServices`; default: a
+    new one, nothing remembered) and registry state.
     """
     ensure_module_exporters_registered()
     ensure_models_registered()
-    return _survey(
-        tuple(models), tuple(recipes), seed, registry_state(), calibration, format, device
+    services = CheckServices() if services is None else services
+    models, recipes = tuple(models), tuple(recipes)
+    key = ("survey", models, recipes, seed, registry_state(), calibration, format, device)
+    return services.memo(
+        key, lambda: _survey(models, recipes, seed, calibration, format, device, services)
     )
 
 
 def survey_for(case: ExporterCase) -> Survey:
     """The survey of the case's selected toy models (``--export-models``)."""
-    return survey_of(selected_models(case), case.seed)
+    return survey_of(selected_models(case), case.seed, services=case.services)
 
 
 def tie_groups(model: nn.Module) -> list[list[str]]:
