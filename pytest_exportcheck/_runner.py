@@ -121,6 +121,8 @@ class ItemRunner:
 
     def _case(self, item: ExportCheckItem, check: CheckSpec) -> TargetCase | ExporterCase:
         spec = item.spec
+        # Read once the cache provider is configured (it is not yet in __init__).
+        self.services.shared_dir = self.shared_dir
         common: dict[str, Any] = {
             "workdir": self.scratch.mktemp(spec.name),
             "seed": SEED,
@@ -215,6 +217,11 @@ class ItemRunner:
         root = Path(cache.mkdir("exportcheck")) / name
         root.mkdir(parents=True, exist_ok=True)
         return root
+
+    @cached_property
+    def shared_dir(self) -> Path | None:
+        """What the checks share across workers and runs (``CheckServices.shared_dir``)."""
+        return self._cache_dir("shared")
 
     @cached_property
     def failures(self) -> ExportFailureMemo:
