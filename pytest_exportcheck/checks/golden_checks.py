@@ -38,7 +38,12 @@ from typing import Any
 from exportlm.module_exporters import MODULE_EXPORTER_REGISTRY
 from exportlm.quant import PORTABLE_MARGIN, awq_margin
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
-from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, error_text
+from pytest_exportcheck.checks._common import (
+    CheckAbort,
+    aborts_to_result,
+    error_text,
+    golden_result,
+)
 from pytest_exportcheck.checks._survey import (
     Calibration,
     QuantizedModel,
@@ -287,7 +292,8 @@ def golden_checkpoint(case: ExporterCase) -> CheckResult:
             data = _checkpoint_data(case, q, golden, names)
         except Exception as err:
             return CheckResult.failed(f"golden case {golden.id}: {error_text(err)}", exception=err)
-        result = store.check(f"checkpoint/{golden.id}/{case.name}", data, owner=_owner(case.name))
+        outcome = store.check(f"checkpoint/{golden.id}/{case.name}", data, owner=_owner(case.name))
+        result = golden_result(outcome)
         results.append((golden.id, result))
     own = conformance_golden(case, store, owner=_owner(case.name))
     if own is not None:
@@ -352,4 +358,4 @@ def golden_calibration(case: ExporterCase) -> CheckResult:
         "tolerance": {"rtol": CALIBRATION_RTOL, "atol": CALIBRATION_ATOL},
         "cases": cases,
     }
-    return store.check(f"calibration/{case.name}", data, owner=_owner(case.name))
+    return golden_result(store.check(f"calibration/{case.name}", data, owner=_owner(case.name)))

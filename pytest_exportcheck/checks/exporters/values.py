@@ -34,7 +34,7 @@ from torch import nn
 from exportlm.module_exporters import ModuleExporter
 from exportlm.quant import is_quantized_module
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
-from pytest_exportcheck.checks._common import CheckAbort, error_text
+from pytest_exportcheck.checks._common import CheckAbort, error_text, golden_result
 from pytest_exportcheck.checks._survey import (
     QuantizedModel,
     Survey,
@@ -141,7 +141,7 @@ def conformance_golden(
     ties = written_ties(q)
     if ties:
         data["ties"] = dict(sorted(ties.items()))
-    return store.check(f"checkpoint/conformance/{case.name}", data, owner=owner)
+    return golden_result(store.check(f"checkpoint/conformance/{case.name}", data, owner=owner))
 
 
 def no_golden_case(case: ExporterCase, case_ids: list[str], claims: int = 0) -> CheckResult:
