@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_exportcheck.checks import _survey as survey_module
+from pytest_exportcheck.checks import _survey_quantize as survey_module
 from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.checks._survey import Survey, registry_state, survey_of
 

@@ -28,7 +28,7 @@ from exportlm.module_exporters import (
     QuantLinearExporter,
 )
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
-from pytest_exportcheck.checks.golden_checks import GOLDEN_CASES, golden_case
+from pytest_exportcheck.checks.exporters.golden import GOLDEN_CASES, golden_case
 from pytest_exportcheck.goldens import GoldenStore
 
 ROOT = Path(__file__).resolve().parents[1]
