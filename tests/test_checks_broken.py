@@ -33,6 +33,7 @@ from exportlm.module_exporters import (
 from exportlm.quant import QuantModule, TensorQuantizer
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
 from pytest_exportcheck.checks import _survey as survey_module
+from pytest_exportcheck.checks._services import CheckServices
 
 
 class ProbeQuant(QuantModule):
@@ -56,9 +57,14 @@ class ProbeQuantExporter(ModuleExporter):
         ctx.emit(f"{name}.weight", module.weight.detach())
 
 
+#: One services object for the module, as the plugin has one per process: the
+#: survey is computed once per registry state, not once per test.
+SERVICES = CheckServices()
+
+
 def run_precedence(tmp_path: Path, name: str) -> CheckResult:
     # no toy model holds a ProbeQuant: the examples come from conformance_examples()
-    case = ExporterCase(name, tmp_path, options={"models": "decoder"})
+    case = ExporterCase(name, tmp_path, options={"models": "decoder"}, services=SERVICES)
     return CHECKS["precedence"].fn(case)
 
 

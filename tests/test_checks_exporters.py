@@ -25,11 +25,17 @@ from exportlm.module_exporters import (
 )
 from exportlm.quant import QuantModule, TensorQuantizer
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
+from pytest_exportcheck.checks._services import CheckServices
+
+#: One services object for the module, as the plugin has one per process: the
+#: survey is computed once per registry state, not once per test.
+SERVICES = CheckServices()
 
 
 def run(
     check_id: str, name: str, tmp_path: Path, models: str = "decoder", **kwargs: Any
 ) -> CheckResult:
+    kwargs.setdefault("services", SERVICES)
     case = ExporterCase(name, tmp_path, options={"models": models}, **kwargs)
     return CHECKS[check_id].fn(case)
 

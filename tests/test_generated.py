@@ -26,6 +26,7 @@ from exportlm.models import ModelSpec, build_from_spec
 from pytest_exportcheck import HYPOTHESIS_PROFILE
 from pytest_exportcheck._hypothesis import hypothesis_profile, register_profiles
 from pytest_exportcheck.checks import CHECKS, ExporterCase
+from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.checks.generated import GENERATED_EXAMPLES, generated_budget
 from tests._distinfo import make_distribution
 
@@ -334,9 +335,12 @@ def test_quantized_generated_passes_on_the_builtin_exporters(tmp_path: Path) -> 
     assert {"quant_linear", "fused_experts"} <= set(builtin)
     outcomes: dict[str, str] = {}
     register_profiles()
+    services = CheckServices()  # one survey for every exporter, as in one plugin process
     for name in builtin:
         with hypothesis_profile():
-            result = CHECKS["quantized_generated"].fn(ExporterCase(name, workdir=tmp_path / name))
+            result = CHECKS["quantized_generated"].fn(
+                ExporterCase(name, workdir=tmp_path / name, services=services)
+            )
         assert result.status != "fail", result.message
         outcomes[name] = result.status
     assert outcomes["quant_linear"] == outcomes["fused_experts"] == "pass"

@@ -28,6 +28,7 @@ from exportlm.module_exporters import (
     QuantLinearExporter,
 )
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
+from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.checks.exporters.golden import GOLDEN_CASES, golden_case
 from pytest_exportcheck.goldens import GoldenStore
 
@@ -43,10 +44,13 @@ BUILTIN_EXPORTERS = (
     "iterable_catch_all",
 )
 GOLDEN_CHECKS = ("golden_checkpoint", "golden_calibration")
+#: One services object for the module, as the plugin has one per process: the
+#: survey is computed once per registry state, not once per test.
+SERVICES = CheckServices()
 
 
 def run(check_id: str, exporter: str, tmp_path: Path, store: GoldenStore) -> CheckResult:
-    return CHECKS[check_id].fn(ExporterCase(exporter, tmp_path, goldens=store))
+    return CHECKS[check_id].fn(ExporterCase(exporter, tmp_path, goldens=store, services=SERVICES))
 
 
 @pytest.mark.parametrize("exporter", BUILTIN_EXPORTERS)
