@@ -33,7 +33,7 @@ from exportlm.module_exporters import (
 from exportlm.quant import QuantModule, TensorQuantizer
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
 from pytest_exportcheck.checks import _survey as survey_module
-from pytest_exportcheck.checks._services import CheckServices
+from tests._services import SERVICES
 
 
 class ProbeQuant(QuantModule):
@@ -55,11 +55,6 @@ class ProbeQuantExporter(ModuleExporter):
 
     def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
         ctx.emit(f"{name}.weight", module.weight.detach())
-
-
-#: One services object for the module, as the plugin has one per process: the
-#: survey is computed once per registry state, not once per test.
-SERVICES = CheckServices()
 
 
 def run_precedence(tmp_path: Path, name: str) -> CheckResult:

@@ -25,11 +25,7 @@ from exportlm.module_exporters import (
 )
 from exportlm.quant import QuantModule, TensorQuantizer
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
-from pytest_exportcheck.checks._services import CheckServices
-
-#: One services object for the module, as the plugin has one per process: the
-#: survey is computed once per registry state, not once per test.
-SERVICES = CheckServices()
+from tests._services import SERVICES
 
 
 def run(

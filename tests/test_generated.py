@@ -26,9 +26,9 @@ from exportlm.models import ModelSpec, build_from_spec
 from pytest_exportcheck import HYPOTHESIS_PROFILE
 from pytest_exportcheck._hypothesis import hypothesis_profile, register_profiles
 from pytest_exportcheck.checks import CHECKS, ExporterCase
-from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.checks.generated import GENERATED_EXAMPLES, generated_budget
 from tests._distinfo import make_distribution
+from tests._services import SERVICES
 
 GEN_PLUGIN = '''
 """Targets and an exporter that are only wrong on structures the toy models lack."""
@@ -335,11 +335,10 @@ def test_quantized_generated_passes_on_the_builtin_exporters(tmp_path: Path) -> 
     assert {"quant_linear", "fused_experts"} <= set(builtin)
     outcomes: dict[str, str] = {}
     register_profiles()
-    services = CheckServices()  # one survey for every exporter, as in one plugin process
     for name in builtin:
         with hypothesis_profile():
             result = CHECKS["quantized_generated"].fn(
-                ExporterCase(name, workdir=tmp_path / name, services=services)
+                ExporterCase(name, workdir=tmp_path / name, services=SERVICES)
             )
         assert result.status != "fail", result.message
         outcomes[name] = result.status

@@ -28,9 +28,9 @@ from exportlm.module_exporters import (
     QuantLinearExporter,
 )
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
-from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.checks.exporters.golden import GOLDEN_CASES, golden_case
 from pytest_exportcheck.goldens import GoldenStore
+from tests._services import SERVICES
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO_GOLDENS = ROOT / "goldens"
@@ -44,9 +44,6 @@ BUILTIN_EXPORTERS = (
     "iterable_catch_all",
 )
 GOLDEN_CHECKS = ("golden_checkpoint", "golden_calibration")
-#: One services object for the module, as the plugin has one per process: the
-#: survey is computed once per registry state, not once per test.
-SERVICES = CheckServices()
 
 
 def run(check_id: str, exporter: str, tmp_path: Path, store: GoldenStore) -> CheckResult:
