@@ -30,8 +30,8 @@ from exportlm.quant import (
     synthetic_calibration,
 )
 from pytest_exportcheck.checks import CHECKS, ExporterCase
-from pytest_exportcheck.checks import golden_checks as golden_checks_module
-from pytest_exportcheck.checks.golden_checks import golden_case
+from pytest_exportcheck.checks.exporters import golden as golden_checks_module
+from pytest_exportcheck.checks.exporters.golden import golden_case
 from pytest_exportcheck.goldens import GoldenStore
 
 #: Fake-quant model against the same model with the fold undone: the two compute

@@ -24,7 +24,7 @@ from exportlm.errors import UnsupportedFormatError
 from exportlm.models import HF_FAMILIES, build_model
 from exportlm.quant import quantize
 from pytest_exportcheck.checks import CHECKS, TargetCase
-from pytest_exportcheck.checks.checkpoint import checkpoint_name_problems
+from pytest_exportcheck.checks.targets.checkpoint import checkpoint_name_problems
 from tests._distinfo import make_distribution
 
 TARGET = "hf_checkpoint"

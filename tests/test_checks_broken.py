@@ -33,6 +33,7 @@ from exportlm.module_exporters import (
 from exportlm.quant import QuantModule, TensorQuantizer
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
 from pytest_exportcheck.checks import _survey as survey_module
+from tests._services import SERVICES
 
 
 class ProbeQuant(QuantModule):
@@ -58,7 +59,7 @@ class ProbeQuantExporter(ModuleExporter):
 
 def run_precedence(tmp_path: Path, name: str) -> CheckResult:
     # no toy model holds a ProbeQuant: the examples come from conformance_examples()
-    case = ExporterCase(name, tmp_path, options={"models": "decoder"})
+    case = ExporterCase(name, tmp_path, options={"models": "decoder"}, services=SERVICES)
     return CHECKS["precedence"].fn(case)
 
 

@@ -24,11 +24,13 @@ from exportlm.module_exporters import (
 )
 from exportlm.quant import QuantModule, TensorQuantizer
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
+from tests._services import SERVICES
 
 
 def run(
     check_id: str, name: str, tmp_path: Path, models: str = "decoder", **kwargs: Any
 ) -> CheckResult:
+    kwargs.setdefault("services", SERVICES)
     case = ExporterCase(name, tmp_path, options={"models": models}, **kwargs)
     return CHECKS[check_id].fn(case)
 

@@ -28,6 +28,7 @@ from pytest_exportcheck.checks import CHECKS, ExporterCase
 from pytest_exportcheck.checks.generated import GENERATED_EXAMPLES, generated_budget
 from pytest_exportcheck.run._hypothesis import hypothesis_profile, register_profiles
 from tests._distinfo import make_distribution
+from tests._services import SERVICES
 
 GEN_PLUGIN = '''
 """Targets and an exporter that are only wrong on structures the toy models lack."""
@@ -336,7 +337,9 @@ def test_quantized_generated_passes_on_the_builtin_exporters(tmp_path: Path) -> 
     register_profiles()
     for name in builtin:
         with hypothesis_profile():
-            result = CHECKS["quantized_generated"].fn(ExporterCase(name, workdir=tmp_path / name))
+            result = CHECKS["quantized_generated"].fn(
+                ExporterCase(name, workdir=tmp_path / name, services=SERVICES)
+            )
         assert result.status != "fail", result.message
         outcomes[name] = result.status
     assert outcomes["quant_linear"] == outcomes["fused_experts"] == "pass"

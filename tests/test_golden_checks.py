@@ -28,8 +28,9 @@ from exportlm.module_exporters import (
     QuantLinearExporter,
 )
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
-from pytest_exportcheck.checks.golden_checks import GOLDEN_CASES, golden_case
+from pytest_exportcheck.checks.exporters.golden import GOLDEN_CASES, golden_case
 from pytest_exportcheck.goldens import GoldenStore
+from tests._services import SERVICES
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO_GOLDENS = ROOT / "goldens"
@@ -46,7 +47,7 @@ GOLDEN_CHECKS = ("golden_checkpoint", "golden_calibration")
 
 
 def run(check_id: str, exporter: str, tmp_path: Path, store: GoldenStore) -> CheckResult:
-    return CHECKS[check_id].fn(ExporterCase(exporter, tmp_path, goldens=store))
+    return CHECKS[check_id].fn(ExporterCase(exporter, tmp_path, goldens=store, services=SERVICES))
 
 
 @pytest.mark.parametrize("exporter", BUILTIN_EXPORTERS)

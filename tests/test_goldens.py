@@ -24,7 +24,8 @@ DATA = {"tensors": {"w": {"dtype": "float32", "shape": [2], "sha256": "ab"}}, "n
 
 def test_missing_golden_fails_and_says_how_to_create_it(tmp_path: Path) -> None:
     result = GoldenStore(tmp_path).check("fp8/decoder", DATA)
-    assert result.status == "fail"
+    assert result.ok is False
+    assert result.kind == "missing"
     assert "is missing" in result.message
     assert "--export-update-goldens" in result.message
     assert not (tmp_path / "fp8").exists()
@@ -32,7 +33,7 @@ def test_missing_golden_fails_and_says_how_to_create_it(tmp_path: Path) -> None:
 
 def test_update_writes_sorted_json_and_passes(tmp_path: Path) -> None:
     result = GoldenStore(tmp_path, update=True).check("fp8/decoder", {"b": 1, "a": [1, 2]})
-    assert result.status == "pass"
+    assert result.ok
     assert "written" in result.message
     text = (tmp_path / "fp8" / "decoder.json").read_text()
     assert text == '{\n  "a": [\n    1,\n    2\n  ],\n  "b": 1\n}\n'
@@ -44,7 +45,7 @@ def test_matching_golden_passes_and_removes_a_stale_obtained_file(tmp_path: Path
     store = GoldenStore(tmp_path)
     (tmp_path / "g.json").write_text(dump_golden(DATA))
     (tmp_path / "g.obtained").write_text("old")
-    assert store.check("g", DATA).status == "pass"
+    assert store.check("g", DATA).ok
     assert not (tmp_path / "g.obtained").exists()
 
 
@@ -54,7 +55,8 @@ def test_mismatch_writes_obtained_and_names_what_differs(tmp_path: Path) -> None
     changed = json.loads(json.dumps(DATA))
     changed["tensors"]["w"]["sha256"] = "cd"
     result = store.check("g", changed)
-    assert result.status == "fail"
+    assert result.ok is False
+    assert result.kind == "mismatch"
     assert json.loads((tmp_path / "g.obtained").read_text()) == changed
     assert "w (float32 [2]): bytes differ" in result.message
     assert "--export-update-goldens" in result.message
@@ -77,7 +79,7 @@ def test_a_one_ulp_change_of_a_scale_reads_as_both_values(tmp_path: Path) -> Non
         dump_golden({"tensors": tensors_digest({"a.input_scale": scale})})
     )
     result = store.check("g", {"tensors": tensors_digest({"a.input_scale": nudged})})
-    assert result.status == "fail"
+    assert result.ok is False
     assert "a.input_scale: 0.001175117 -> 0.0011751171 (rel 8.5e-08)" in result.message
 
 
@@ -96,7 +98,7 @@ def test_summaries_are_shown_but_never_compared(tmp_path: Path) -> None:
     other = json.loads(json.dumps(record))
     other["summary"]["mean"] = 0.99  # another machine's rounding of a statistic
     (tmp_path / "g.json").write_text(dump_golden({"tensors": {"w": other}}))
-    assert GoldenStore(tmp_path).check("g", {"tensors": {"w": record}}).status == "pass"
+    assert GoldenStore(tmp_path).check("g", {"tensors": {"w": record}}).ok
     changed = tensor_record(torch.full((64,), 2.0))
     result = GoldenStore(tmp_path).check("g", {"tensors": {"w": changed}})
     assert "w (float32 [64]): bytes differ; absmax 1.0 -> 2.0, mean 0.99 -> 2.0" in result.message
@@ -107,17 +109,17 @@ def test_approx_values_compare_within_the_obtained_tolerance(tmp_path: Path) -> 
     (tmp_path / "g.json").write_text(dump_golden(golden))
     store = GoldenStore(tmp_path)
     close = {"tolerance": {"rtol": 1e-4, "atol": 0.0}, "approx": {"s": [1.00005, 2.0]}}
-    assert store.check("g", close).status == "pass"
+    assert store.check("g", close).ok
     far = {"tolerance": {"rtol": 1e-4, "atol": 0.0}, "approx": {"s": [1.0, 2.01]}}
     result = store.check("g", far)
-    assert result.status == "fail"
+    assert result.ok is False
     assert (
         "approx s: 2.0 -> 2.01 (rel 5.0e-03) beyond atol=0 + rtol=0.0001*|golden|" in result.message
     )
     # A golden cannot loosen the tolerance: the check's own (the obtained one) applies.
     loose = {"tolerance": {"rtol": 1.0, "atol": 1.0}, "approx": {"s": [1.0, 2.0]}}
     (tmp_path / "g.json").write_text(dump_golden(loose))
-    assert store.check("g", far).status == "fail"
+    assert store.check("g", far).ok is False
 
 
 def test_configs_compare_exactly_and_name_the_key(tmp_path: Path) -> None:
@@ -149,10 +151,10 @@ def test_update_refused_for_another_distribution_compares_instead(tmp_path: Path
 
     store = GoldenStore(tmp_path, update=True, may_update=only_mine)
     refused = store.check("g", {"x": 2}, owner="exportlm")
-    assert refused.status == "fail"
+    assert refused.ok is False
     assert "not updated: exportlm provides it" in refused.message
     assert json.loads((tmp_path / "g.json").read_text()) == {"x": 1}
-    assert store.check("g", {"x": 2}, owner="mine").status == "pass"
+    assert store.check("g", {"x": 2}, owner="mine").ok
     assert json.loads((tmp_path / "g.json").read_text()) == {"x": 2}
 
 
@@ -194,9 +196,9 @@ def test_fallback_goldens_are_read_but_never_written(tmp_path: Path) -> None:
     GoldenStore(shipped, update=True).check("fp8/x", {"a": 1})
     before = (shipped / "fp8" / "x.json").read_text()
     store = GoldenStore(local, fallbacks=(shipped,))
-    assert store.check("fp8/x", {"a": 1}).status == "pass"
+    assert store.check("fp8/x", {"a": 1}).ok
     mismatch = store.check("fp8/x", {"a": 2})
-    assert mismatch.status == "fail"
+    assert mismatch.ok is False
     assert str(shipped / "fp8" / "x.json") in mismatch.message
     assert GoldenStore(local, update=True, fallbacks=(shipped,)).check("fp8/x", {"a": 2}).ok
     assert (local / "fp8" / "x.json").exists()

@@ -83,8 +83,17 @@ def test_each_process_builds_a_toy_model_once_and_reports_profiles(
     pytester.makeconftest(COUNTING_FAMILY)
     result = pytester.runpytest_subprocess(*ARGS, "-n", workers, "--export-durations=3")
     _ran_clean(result)
-    assert all(count == 1 for count in _builds(pytester).values()), _builds(pytester)
+    builds = _builds(pytester)
+    assert all(count == 1 for count in builds.values()), builds
     items = _report(pytester)
+    # The services' own count agrees: one build in all, on the first item of the
+    # (target, family) of each process (runner accepts, cache key and check share it).
+    counted = [
+        item["profile"].get("builds", 0)  # type: ignore[union-attr]
+        for item in items.values()
+        if item["model"] == "counted"
+    ]
+    assert sum(counted) == len(builds), counted
     profile = items["roundtrip_logits[torchscript:trace-counted-cpu]"]["profile"]
     assert isinstance(profile, dict)
     assert set(profile) >= {"total", "build", "export", "cache", "load", "compare", "other"}

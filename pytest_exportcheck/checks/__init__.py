@@ -16,10 +16,10 @@ Importing this package (or :mod:`~pytest_exportcheck.checks.catalogue`) imports
 neither torch nor Hypothesis: a check's implementation module is imported the
 first time its :attr:`CheckSpec.fn` is read. The implementation modules:
 
-- :mod:`.targets` (``registration``, ``artifact``, ``roundtrip``, ``failures``) and
-  :mod:`.checkpoint`: target checks;
-- :mod:`.exporters` (``dispatch``, ``order``, ``contract``, ``layout``) and
-  :mod:`.golden_checks`: module-exporter checks;
+- :mod:`.targets` (``registration``, ``artifact``, ``roundtrip``, ``failures``,
+  ``generation``, ``trust``, ``quantized``, ``checkpoint``, ``loadable``): target checks;
+- :mod:`.exporters` (``dispatch``, ``order``, ``contract``, ``layout``, ``values``,
+  ``golden``, ``fp8_gemm``): module-exporter checks;
 - :mod:`.generated` (``roundtrip``, ``quantized``): the checks on structures
   drawn by Hypothesis.
 """
@@ -45,10 +45,8 @@ from pytest_exportcheck.checks._api import (
 if TYPE_CHECKING:
     from exportlm.export import LogitsComparison, compare_logits
     from pytest_exportcheck.checks import (
-        checkpoint,
         exporters,
         generated,
-        golden_checks,
         targets,
     )
 
@@ -62,12 +60,10 @@ __all__ = [
     "TargetCase",
     "UnknownCheckError",
     "check",
-    "checkpoint",
     "compare_logits",
     "exporters",
     "generated",
     "get_check",
-    "golden_checks",
     "register_check",
     "targets",
 ]
@@ -77,7 +73,7 @@ _LAZY_ATTRIBUTES = {
     "LogitsComparison": "exportlm.export",
     "compare_logits": "exportlm.export",
 }
-_LAZY_MODULES = frozenset({"checkpoint", "exporters", "generated", "golden_checks", "targets"})
+_LAZY_MODULES = frozenset({"exporters", "generated", "targets"})
 
 
 def __getattr__(name: str) -> Any:

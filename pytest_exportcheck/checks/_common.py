@@ -16,15 +16,19 @@ from __future__ import annotations
 import functools
 import traceback
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pytest_exportcheck.checks._api import CheckResult
+
+if TYPE_CHECKING:
+    from pytest_exportcheck.goldens import GoldenOutcome
 
 __all__ = [
     "CheckAbort",
     "aborts_to_result",
     "attempt",
     "error_text",
+    "golden_result",
     "listed",
 ]
 
@@ -86,3 +90,10 @@ def listed(items: Iterable[str]) -> str:
     items = list(items)
     text = "; ".join(items[:_MAX_LISTED])
     return text + (f"; ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
+
+
+def golden_result(outcome: GoldenOutcome) -> CheckResult:
+    """The check result of a golden store's outcome: passed when it matched or was written."""
+    if outcome.ok:
+        return CheckResult.passed(outcome.message, **outcome.details)
+    return CheckResult.failed(outcome.message, **outcome.details)

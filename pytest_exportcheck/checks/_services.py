@@ -13,6 +13,16 @@ It holds:
   change or export the model gets its own deep copy (:meth:`model`);
 * the runtimes of shared (read-only, cached) artifacts, the last few kept
   (:meth:`shared_runtime`);
+* what the checks compute once per process and read many times (the quantization
+  survey, the recorded export of a conformance model, the configs a golden case
+  writes): :meth:`memo`, keyed on values. A key holds the objects it names (a
+  registry's exporters, a family's factory), never their ``id()``, so an entry
+  cannot be served to another object that happens to reuse a collected one's address;
+* ``shared_dir``: a directory that the processes of a run, and later runs, share
+  (the plugin passes ``.pytest_cache/d/exportcheck/shared``; ``None``: nothing is
+  shared across processes). The quantization survey keeps the calibrated state of
+  its quantized toy models there (:mod:`._survey_store`), so that one process
+  calibrates each and the others read it back;
 * the current item's :class:`ItemProfile`: seconds per phase (``build``,
   ``export``, ``cache``, ``load``, ``compare``) and counts (``builds``,
   ``exports``, ``cache_hits``, ``cache_misses``), for ``--export-durations`` and
@@ -30,12 +40,14 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 __all__ = ["PHASES", "CheckServices", "ItemProfile"]
 
 #: The phases an item's time is split into (besides ``other``), in report order.
 PHASES = ("build", "export", "cache", "load", "compare")
+_T = TypeVar("_T")
 #: How many loaded runtimes of shared artifacts a process keeps.
 RUNTIMES_KEPT = 4
 
@@ -106,12 +118,18 @@ class CheckServices:
 
     Args:
         build: ``(family, seed) -> nn.Module``; default: ``exportlm.models.build_model``.
+        shared_dir: the directory shared across processes and runs (see the module
+            docstring); ``None`` shares nothing beyond this object.
     """
 
-    def __init__(self, build: Callable[[str, int], Any] | None = None) -> None:
+    def __init__(
+        self, build: Callable[[str, int], Any] | None = None, shared_dir: Path | None = None
+    ) -> None:
         self._build = build
+        self.shared_dir = shared_dir
         self._models: dict[tuple[str, int], Any] = {}
         self._runtimes: OrderedDict[Hashable, Any] = OrderedDict()
+        self._memo: dict[Hashable, Any] = {}
         self.profile = ItemProfile()
 
     # -- the current item ---------------------------------------------------
@@ -150,6 +168,23 @@ class CheckServices:
         from exportlm.models import build_model
 
         return build_model(name, seed=seed).eval()
+
+    # -- values computed once per process ---------------------------------------
+    def memo(self, key: Hashable, compute: Callable[[], _T]) -> _T:
+        """``compute()`` the first time ``key`` is asked for, the same value afterwards.
+
+        ``key`` is compared by value: a tuple of names, numbers and the objects
+        the value depends on (held by the key, so never confused with a later
+        object at the same address). An exception is not remembered.
+        """
+        if key not in self._memo:
+            self._memo[key] = compute()  # an exception leaves the key unknown
+        value: _T = self._memo[key]
+        return value
+
+    def known(self, key: Hashable) -> bool:
+        """Whether :meth:`memo` holds a value for ``key``."""
+        return key in self._memo
 
     # -- runtimes of shared artifacts ----------------------------------------
     def shared_runtime(self, key: Hashable, load: Callable[[], Any]) -> Any:

@@ -8,26 +8,27 @@ ran on which module, the tensor names it wrote, whether the module's state
 changed and what it raised. The global registry and the models' exporters are
 never modified.
 
-The survey is computed once per process for a given registry state, model
-selection and seed (the exporter checks share it). Internal to
+The survey is computed once per :class:`~._services.CheckServices` (the plugin
+has one per process) for a given registry state, model selection and seed (the
+exporter checks share it); the calibrated state of each quantized toy model is
+shared across processes and runs through ``services.shared_dir``
+(:mod:`._survey_store`), so one process calibrates it and the others read it back. Internal to
 :mod:`pytest_exportcheck.checks` (a documented internal module: the exporter,
 golden and generated checks read it through its public names).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from exportlm.errors import UnsupportedFormatError
-from exportlm.models import MODEL_REGISTRY, build_model, ensure_models_registered, model_names
+from exportlm.models import ensure_models_registered, model_names
 from exportlm.module_exporters import (
     EXPORT_MODULE_REGISTRY,
     ExporterEntry,
@@ -38,10 +39,17 @@ from exportlm.module_exporters import (
     ensure_module_exporters_registered,
     export_quantized_state,
 )
-from exportlm.quant import is_quantized_module, quantize, synthetic_calibration
+from exportlm.quant import is_quantized_module
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
 from pytest_exportcheck.checks._common import CheckAbort, error_text
 from pytest_exportcheck.checks._recording import ExportCall, Recorder, RecordingExporter
+from pytest_exportcheck.checks._services import CheckServices
+from pytest_exportcheck.checks._survey_quantize import (
+    Calibration,
+    RecipeKey,
+    quantized_models,
+    recipe_label,
+)
 
 __all__ = [
     "SCALE_LEAVES",
@@ -68,13 +76,6 @@ logger = logging.getLogger(__name__)
 
 #: Recipes every toy model is quantized with (combinations that do not fit a model are skipped).
 SURVEY_RECIPES = ("fp8", "nvfp4", "int4_awq", "int8_wo", "fp8+fp8_kv")
-#: How a surveyed model is calibrated: ``"data"`` (a forward pass, as users do) or
-#: ``"synthetic"`` (:func:`exportlm.quant.synthetic_calibration`: the same bytes on
-#: every machine, for goldens).
-Calibration = Literal["data", "synthetic"]
-#: A recipe as the survey takes it: a string, or a mixed-precision mapping as
-#: sorted ``(pattern, recipe)`` pairs (hashable, so surveys can be cached).
-RecipeKey = str | tuple[tuple[str, str], ...]
 #: Tensor-name leaves that are scales: never zero, never NaN/inf.
 SCALE_LEAVES = ("weight_scale", "weight_scale_2", "input_scale", "k_scale", "v_scale")
 
@@ -195,51 +196,6 @@ def _recording_registry(recorder: Recorder, names: Mapping[int, str]) -> ExportM
 # ----------------------------------------------------------------------------- the survey
 
 
-def recipe_label(recipe: RecipeKey) -> str:
-    """``fp8`` / ``fp8+fp8_kv`` as they are; a mixed recipe as ``*=fp8,*.mlp.*=nvfp4``."""
-    if isinstance(recipe, str):
-        return recipe
-    return ",".join(f"{pattern}={value}" for pattern, value in recipe)
-
-
-def _quantize(
-    model_name: str,
-    recipe: RecipeKey,
-    seed: int,
-    calibration: Calibration = "data",
-    device: str = "cpu",
-) -> nn.Module | str:
-    """The quantized model (cached), or why it could not be built."""
-    ensure_models_registered()
-    factory = id(MODEL_REGISTRY.get(model_name))
-    return _quantize_cached(model_name, factory, recipe, seed, calibration, device)
-
-
-@functools.lru_cache(maxsize=64)
-def _quantize_cached(
-    model_name: str,
-    factory_id: int,
-    recipe: RecipeKey,
-    seed: int,
-    calibration: Calibration,
-    device: str,
-) -> nn.Module | str:
-    # Quantization does not depend on the exporter registry, so fakes registered
-    # by tests or plugins re-run only dispatch and export. A recorder restores a
-    # module an exporter modified, so a cached model stays as quantized.
-    try:
-        model = build_model(model_name, seed=seed).to(device)  # seeded on the CPU, then moved
-        plan = recipe if isinstance(recipe, str) else dict(recipe)
-        calibrate = synthetic_calibration(seed) if calibration == "synthetic" else None
-        return quantize(model, plan, calibrate)
-    except UnsupportedFormatError as err:
-        return f"{recipe_label(recipe)} does not fit {model_name}: {err}"
-    except Exception as err:
-        label = recipe_label(recipe)
-        logger.warning("quantizing %s with %s failed: %s", model_name, label, err)
-        return f"quantizing {model_name} with {label} raised {type(err).__name__}: {err}"
-
-
 def survey_one(
     model_name: str,
     recipe: str,
@@ -271,28 +227,36 @@ def survey_one(
 
 
 def registry_state() -> tuple[Any, ...]:
-    """A hashable fingerprint of the dispatch registry and the exporter names (cache keys)."""
-    return tuple(
-        (id(e.exporter), e.keys, id(e.predicate)) for e in EXPORT_MODULE_REGISTRY.entries()
-    ) + tuple(sorted(exporter_names().items()))
+    """The dispatch registry and the exporter names, as a memo key.
+
+    It holds the exporters and predicates themselves (not their ``id()``), so a
+    survey is never served to a registry whose objects merely reuse the addresses
+    of collected ones.
+    """
+    ensure_module_exporters_registered()
+    entries = tuple((e.exporter, e.keys, e.predicate) for e in EXPORT_MODULE_REGISTRY.entries())
+    names = tuple(
+        sorted(((e.name, e.obj) for e in MODULE_EXPORTER_REGISTRY.entries()), key=lambda p: p[0])
+    )
+    return entries + names
 
 
-@functools.lru_cache(maxsize=32)
 def _survey(
     models: tuple[str, ...],
     recipes: tuple[RecipeKey, ...],
     seed: int,
-    state: tuple[Any, ...],
     calibration: Calibration,
     format: ExportFormat,
-    device: str = "cpu",
+    device: str,
+    services: CheckServices,
 ) -> Survey:
     names = exporter_names()
+    built = quantized_models(models, recipes, seed, calibration, device, services)
     quantized: list[QuantizedModel] = []
     skipped: dict[str, str] = {}
     for model_name in models:
         for recipe in recipes:
-            model = _quantize(model_name, recipe, seed, calibration, device)
+            model = built[(model_name, recipe)]
             label = recipe_label(recipe)
             if isinstance(model, str):
                 skipped[f"{model_name}/{label}"] = model
@@ -309,24 +273,30 @@ def survey_of(
     calibration: Calibration = "data",
     format: ExportFormat = "modelopt",
     device: str = "cpu",
+    services: CheckServices | None = None,
 ) -> Survey:
-    """The (cached) survey of ``models`` x ``recipes`` with the current registry.
+    """The survey of ``models`` x ``recipes`` with the current registry.
 
     ``calibration="synthetic"`` quantizes with machine-independent statistics
     (for goldens); ``format`` is the checkpoint layout the driver writes;
     ``device`` is where the models are quantized and exported (the weights are
     seeded on the CPU, then moved, so they are the same bits on every device).
+    Computed once per ``services`` (a case's :class:`CheckServices`; default: a
+    new one, nothing remembered) and registry state.
     """
     ensure_module_exporters_registered()
     ensure_models_registered()
-    return _survey(
-        tuple(models), tuple(recipes), seed, registry_state(), calibration, format, device
+    services = CheckServices() if services is None else services
+    models, recipes = tuple(models), tuple(recipes)
+    key = ("survey", models, recipes, seed, registry_state(), calibration, format, device)
+    return services.memo(
+        key, lambda: _survey(models, recipes, seed, calibration, format, device, services)
     )
 
 
 def survey_for(case: ExporterCase) -> Survey:
     """The survey of the case's selected toy models (``--export-models``)."""
-    return survey_of(selected_models(case), case.seed)
+    return survey_of(selected_models(case), case.seed, services=case.services)
 
 
 def tie_groups(model: nn.Module) -> list[list[str]]:

@@ -250,7 +250,7 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec(
         "checkpoint_names",
         "target",
-        "pytest_exportcheck.checks.checkpoint:checkpoint_names",
+        f"{_T}.checkpoint:checkpoint_names",
         per_model=True,
         needs=frozenset({"quantized"}),
         summary="Names in a quantized checkpoint's configs are the names its tensors are "
@@ -259,7 +259,7 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec(
         "loadable",
         "target",
-        "pytest_exportcheck.checks.loadable:loadable",
+        f"{_T}.loadable:loadable",
         per_model=True,
         needs=frozenset({"quantized"}),
         summary="Quantized checkpoints (FP8 + FP8 KV, NVFP4, INT4 AWQ, INT8) pass every "
@@ -343,14 +343,14 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec(
         "golden_checkpoint",
         "exporter",
-        "pytest_exportcheck.checks.golden_checks:golden_checkpoint",
+        f"{_E}.golden:golden_checkpoint",
         summary="What the exporter writes for every golden case equals its golden, byte for byte.",
         per_device=True,
     ),
     CheckSpec(
         "golden_calibration",
         "exporter",
-        "pytest_exportcheck.checks.golden_checks:golden_calibration",
+        f"{_E}.golden:golden_calibration",
         summary="The activation scales the exporter writes after real calibration match the "
         "golden's within ``rtol=1e-4, atol=1e-12`` "
         "(``|obtained - golden| <= atol + rtol * |golden|``).",

@@ -23,7 +23,8 @@ What is compared (:func:`golden_diff`):
 
 A tensor's ``summary`` is for reading only: it is shown in a diff, never compared.
 
-:class:`GoldenStore` implements the outcomes the plugin promises:
+:class:`GoldenStore` implements the outcomes the plugin promises, each a
+:class:`GoldenOutcome` (the golden checks turn it into their result):
 
 - missing golden: fails, telling how to create it;
 - ``update=True``: (re)writes the golden atomically and passes, except for a
@@ -54,6 +55,7 @@ from pytest_exportcheck.goldens._store import (
     GOLDEN_SUFFIX,
     OBTAINED_SUFFIX,
     UPDATE_HINT,
+    GoldenOutcome,
     GoldenStore,
     dump_golden,
     write_text_atomic,
@@ -65,6 +67,7 @@ __all__ = [
     "OBTAINED_SUFFIX",
     "SMALL_TENSOR",
     "UPDATE_HINT",
+    "GoldenOutcome",
     "GoldenStore",
     "dump_golden",
     "golden_diff",

@@ -1,6 +1,8 @@
-"""Golden files on disk: the store, its outcomes (missing / update / match / mismatch).
+"""Golden files on disk: the store and its outcomes (missing / written / match / mismatch).
 
-Internal to :mod:`pytest_exportcheck.goldens`.
+Internal to :mod:`pytest_exportcheck.goldens`. The store knows nothing of checks:
+it returns a :class:`GoldenOutcome`, which the golden checks turn into their
+``CheckResult``.
 """
 
 from __future__ import annotations
@@ -8,17 +10,18 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from exportlm.atomic import write_text_atomic
-from pytest_exportcheck.checks._api import CheckResult
 from pytest_exportcheck.goldens._diff import golden_diff
 
 __all__ = [
     "GOLDEN_SUFFIX",
     "OBTAINED_SUFFIX",
     "UPDATE_HINT",
+    "GoldenOutcome",
     "GoldenStore",
     "dump_golden",
     "write_text_atomic",
@@ -32,6 +35,28 @@ UPDATE_HINT = (
 )
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 _MAX_DIFF_LINES = 60
+
+
+#: What comparing with (or writing) a golden came to.
+OutcomeKind = Literal["match", "written", "updated", "missing", "mismatch"]
+
+
+@dataclass(frozen=True)
+class GoldenOutcome:
+    """The outcome of :meth:`GoldenStore.check`: its kind, a message and details.
+
+    ``details`` always holds ``goldens`` (the golden paths involved) and, for a
+    failed outcome, ``golden`` (and ``obtained``, ``differences`` for a mismatch).
+    """
+
+    kind: OutcomeKind
+    message: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the data matches its golden, or the golden was written."""
+        return self.kind in ("match", "written", "updated")
 
 
 def dump_golden(data: Mapping[str, Any]) -> str:
@@ -98,7 +123,7 @@ class GoldenStore:
                 return candidate
         return golden
 
-    def check(self, name: str, data: Mapping[str, Any], owner: str | None = None) -> CheckResult:
+    def check(self, name: str, data: Mapping[str, Any], owner: str | None = None) -> GoldenOutcome:
         """Compare ``data`` with the golden ``name``; see the module docstring for outcomes.
 
         ``owner`` is the distribution that provides what the golden describes
@@ -112,32 +137,37 @@ class GoldenStore:
         obtained = self.obtained_path(name)
         note = f" (not updated: {refused})" if refused else ""
         if not golden.exists():
-            return CheckResult.failed(
+            return GoldenOutcome(
+                "missing",
                 f"golden {golden} is missing{note}; to create it, run `pytest "
                 "--export-exporters=<exporter> --export-update-goldens` and commit the file",
-                golden=str(golden),
-                goldens=[str(golden)],
+                {"golden": str(golden), "goldens": [str(golden)]},
             )
         expected = json.loads(golden.read_text(encoding="utf-8"))
         lines = golden_diff(expected, data)
         if not lines:
             if obtained.exists():
                 obtained.unlink(missing_ok=True)
-            return CheckResult.passed(f"matches golden {golden}{note}", goldens=[str(golden)])
+            return GoldenOutcome(
+                "match", f"matches golden {golden}{note}", {"goldens": [str(golden)]}
+            )
         write_text_atomic(obtained, dump_golden(data))
         shown = lines[:_MAX_DIFF_LINES]
         if len(lines) > _MAX_DIFF_LINES:
             shown.append(f"... ({len(lines) - _MAX_DIFF_LINES} more differences)")
-        return CheckResult.failed(
+        return GoldenOutcome(
+            "mismatch",
             f"result differs from golden {golden} in {len(lines)} place(s){note}; obtained "
             f"written to {obtained}; {UPDATE_HINT}\n" + "\n".join(f"  {line}" for line in shown),
-            golden=str(golden),
-            obtained=str(obtained),
-            goldens=[str(golden)],
-            differences=lines[:_MAX_DIFF_LINES],
+            {
+                "golden": str(golden),
+                "obtained": str(obtained),
+                "goldens": [str(golden)],
+                "differences": lines[:_MAX_DIFF_LINES],
+            },
         )
 
-    def _write(self, name: str, data: Mapping[str, Any]) -> CheckResult:
+    def _write(self, name: str, data: Mapping[str, Any]) -> GoldenOutcome:
         golden = self.path(name)
         self.used.add(str(golden))
         existed = golden.exists()
@@ -145,9 +175,8 @@ class GoldenStore:
         if not existed or golden.read_text(encoding="utf-8") != text:
             write_text_atomic(golden, text)
         self.obtained_path(name).unlink(missing_ok=True)
-        return CheckResult.passed(
-            f"golden {golden} {'updated' if existed else 'written'}", goldens=[str(golden)]
-        )
+        kind: OutcomeKind = "updated" if existed else "written"
+        return GoldenOutcome(kind, f"golden {golden} {kind}", {"goldens": [str(golden)]})
 
     def unused(self, used: Iterable[str]) -> list[Path]:
         """Golden files under ``directory`` that are not in ``used`` (paths), sorted."""

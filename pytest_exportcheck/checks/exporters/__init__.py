@@ -25,11 +25,13 @@ module per concern:
 - :mod:`.contract`: ``claims_all_quantized``, ``export_contract`` (what an export
   call may do);
 - :mod:`.layout`: ``moe_inputs``, ``tied_weights`` (what the checkpoint holds).
-- :mod:`.fp8_gemm`: ``fp8_gemm`` (the FP8 linears through ``torch._scaled_mm``, on CUDA).
+- :mod:`.fp8_gemm`: ``fp8_gemm`` (the FP8 linears through ``torch._scaled_mm``, on CUDA);
+- :mod:`.golden`: ``golden_checkpoint``, ``golden_calibration`` (what the exporter
+  writes for fixed quantized toy models, against goldens); :mod:`.values`: the value
+  checks of an exporter's own conformance model.
 
-``quantized_generated`` (:mod:`pytest_exportcheck.checks.generated`) and the
-golden checks (:mod:`pytest_exportcheck.checks.golden_checks`) are exporter
-checks too.
+``quantized_generated`` (:mod:`pytest_exportcheck.checks.generated`) is an exporter
+check too.
 """
 
 from __future__ import annotations

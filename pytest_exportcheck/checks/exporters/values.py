@@ -25,7 +25,6 @@ silent skip.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,7 +34,7 @@ from torch import nn
 from exportlm.module_exporters import ModuleExporter
 from exportlm.quant import is_quantized_module
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
-from pytest_exportcheck.checks._common import CheckAbort, error_text
+from pytest_exportcheck.checks._common import CheckAbort, error_text, golden_result
 from pytest_exportcheck.checks._survey import (
     QuantizedModel,
     Survey,
@@ -75,13 +74,11 @@ VALUE_ATOL = 1e-6
 def conformance_export(case: ExporterCase, exporter: ModuleExporter) -> QuantizedModel | None:
     """The recorded export of the exporter's ``conformance_model(case.seed)`` (``None``:
     it has none); a failed check when the method raises or returns no module."""
-    return _export(case.name, exporter, case.seed, case.device, registry_state())
+    key = ("conformance", case.name, exporter, case.seed, case.device, registry_state())
+    return case.services.memo(key, lambda: _export(case.name, exporter, case.seed, case.device))
 
 
-@functools.lru_cache(maxsize=32)
-def _export(
-    name: str, exporter: ModuleExporter, seed: int, device: str, state: tuple[Any, ...]
-) -> QuantizedModel | None:
+def _export(name: str, exporter: ModuleExporter, seed: int, device: str) -> QuantizedModel | None:
     try:
         model = exporter.conformance_model(seed)
     except Exception as err:
@@ -150,7 +147,7 @@ def conformance_golden(
     ties = written_ties(q)
     if ties:
         data["ties"] = dict(sorted(ties.items()))
-    return store.check(f"checkpoint/conformance/{case.name}", data, owner=owner)
+    return golden_result(store.check(f"checkpoint/conformance/{case.name}", data, owner=owner))
 
 
 def no_golden_case(case: ExporterCase, case_ids: list[str], claims: int = 0) -> CheckResult:

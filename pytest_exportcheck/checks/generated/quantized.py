@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import shlex
 import time
 from collections import defaultdict
@@ -58,19 +57,22 @@ def _quantize_spec(spec: ModelSpec, recipe: str, seed: int) -> nn.Module | str:
         return f"{recipe} does not fit: {err}"
 
 
-@functools.lru_cache(maxsize=64)
 def _generated_survey(
-    spec: ModelSpec, recipe: str, seed: int, state: tuple[Any, ...]
+    case: ExporterCase, spec: ModelSpec, recipe: str, state: tuple[Any, ...]
 ) -> QuantizedModel | str:
     """The recorded export of ``spec`` quantized with ``recipe`` (or why it does not fit).
 
-    Cached per registry state, so the exporter rows of one run share it (under
-    the derandomized CI profile they draw the same structures).
+    Remembered per registry state in ``case.services``, so the exporter rows of one
+    process share it (under the derandomized CI profile they draw the same structures).
     """
-    model = _quantize_spec(spec, recipe, seed)
-    if isinstance(model, str):
-        return model
-    return survey_one(f"generated:{spec.family}", recipe, model, exporter_names())
+
+    def compute() -> QuantizedModel | str:
+        model = _quantize_spec(spec, recipe, case.seed)
+        if isinstance(model, str):
+            return model
+        return survey_one(f"generated:{spec.family}", recipe, model, exporter_names())
+
+    return case.services.memo(("generated", spec, recipe, case.seed, state), compute)
 
 
 def _expected_fp8(q: QuantizedModel) -> dict[str, tuple[str, torch.Tensor]]:
@@ -239,7 +241,7 @@ def _check_spec(case: ExporterCase, spec: ModelSpec, state: tuple[Any, ...], tal
     """Quantize ``spec`` with each recipe and check the export; raises :class:`GeneratedFailure`."""
     for recipe in GENERATED_RECIPES:
         try:
-            q = _generated_survey(spec, recipe, case.seed, state)
+            q = _generated_survey(case, spec, recipe, state)
         except Exception as err:
             raise GeneratedFailure(
                 spec,

@@ -9,11 +9,14 @@ concern:
 - :mod:`.artifact`: ``artifact_contract`` (what an export writes);
 - :mod:`.roundtrip`: ``roundtrip_logits``, ``dynamic_shapes``, ``cache_wrapper``,
   ``deterministic`` (what the artifact computes);
-- :mod:`.failures`: ``atomic_failure``, ``unknown_kwargs`` (how a target fails).
+- :mod:`.failures`: ``atomic_failure``, ``unknown_kwargs`` (how a target fails);
+- :mod:`.generation`: ``generation_parity``; :mod:`.trust`: ``trust``;
+  :mod:`.quantized`: ``roundtrip_quantized``;
+- :mod:`.checkpoint`: ``checkpoint_names`` and :mod:`.loadable`: ``loadable`` (what a
+  quantized checkpoint directory says about itself).
 
-``checkpoint_names`` (:mod:`pytest_exportcheck.checks.checkpoint`) and
-``roundtrip_generated`` (:mod:`pytest_exportcheck.checks.generated`) are target
-checks too.
+``roundtrip_generated`` (:mod:`pytest_exportcheck.checks.generated`) is a target
+check too.
 """
 
 from __future__ import annotations

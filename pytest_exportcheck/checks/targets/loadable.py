@@ -24,7 +24,7 @@ from pytest_exportcheck.checks._support import (
     default_model_name,
     export_instance,
 )
-from pytest_exportcheck.checks.checkpoint import quantized_toy, require_checkpoint_target
+from pytest_exportcheck.checks.targets.checkpoint import quantized_toy, require_checkpoint_target
 
 __all__ = ["FALLBACK_RECIPE", "LOADABLE_RECIPES", "loadable"]
 

@@ -38,7 +38,12 @@ from typing import Any
 from exportlm.module_exporters import EXPORT_MODULE_REGISTRY
 from exportlm.quant import PORTABLE_MARGIN, awq_margin
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
-from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, error_text
+from pytest_exportcheck.checks._common import (
+    CheckAbort,
+    aborts_to_result,
+    error_text,
+    golden_result,
+)
 from pytest_exportcheck.checks._survey import (
     Calibration,
     QuantizedModel,
@@ -147,18 +152,17 @@ def _owner(name: str) -> str | None:
     return entry.distribution.split(" ")[0] if entry.distribution else None
 
 
-def _quantized(
-    golden: GoldenCase, seed: int, calibration: Calibration, device: str = "cpu"
-) -> QuantizedModel:
+def _quantized(case: ExporterCase, golden: GoldenCase, calibration: Calibration) -> QuantizedModel:
     """The surveyed golden case, quantized and exported on ``device``; a failed check when
     it cannot be quantized or exported."""
     survey = survey_of(
         (golden.model,),
-        seed,
+        case.seed,
         (golden.recipe,),
         calibration=calibration,
         format="compressed-tensors" if golden.format == "compressed-tensors" else "modelopt",
-        device=device,
+        device=case.device,
+        services=case.services,
     )
     if survey.skipped:
         reason = next(iter(survey.skipped.values()))
@@ -185,18 +189,13 @@ def _mask_producer(config: Any) -> Any:
     return config
 
 
-#: ``(id(model), format) -> configs``: one checkpoint write per quantized model and process.
-_CONFIGS: dict[tuple[int, str], tuple[Any, dict[str, Any]]] = {}
-
-
-def _written_configs(q: QuantizedModel, golden: GoldenCase, workdir: Path) -> dict[str, Any]:
-    """The configs the ``hf_checkpoint`` writer puts beside the tensors (HF models only)."""
-    key = (id(q.model), golden.format)
-    cached = _CONFIGS.get(key)
-    if cached is None or cached[0] is not q.model:
-        cached = (q.model, _write_configs(q, golden, workdir))
-        _CONFIGS[key] = cached
-    return cached[1]
+def _written_configs(case: ExporterCase, q: QuantizedModel, golden: GoldenCase) -> dict[str, Any]:
+    """The configs the ``hf_checkpoint`` writer puts beside the tensors (HF models only):
+    one checkpoint write per quantized model (the key holds it) and ``case.services``."""
+    return case.services.memo(
+        ("golden configs", q.model, golden.format),
+        lambda: _write_configs(q, golden, case.workdir),
+    )
 
 
 def _write_configs(q: QuantizedModel, golden: GoldenCase, workdir: Path) -> dict[str, Any]:
@@ -220,9 +219,10 @@ def _write_configs(q: QuantizedModel, golden: GoldenCase, workdir: Path) -> dict
 
 
 def _checkpoint_data(
-    q: QuantizedModel, golden: GoldenCase, exporter: str, names: list[str], workdir: Path, seed: int
+    case: ExporterCase, q: QuantizedModel, golden: GoldenCase, names: list[str]
 ) -> dict[str, Any]:
-    configs = _written_configs(q, golden, workdir)
+    exporter, seed = case.name, case.seed
+    configs = _written_configs(case, q, golden)
     data: dict[str, Any] = {
         "case": golden.id,
         "model": golden.model,
@@ -286,16 +286,17 @@ def golden_checkpoint(case: ExporterCase) -> CheckResult:
     results: list[tuple[str, CheckResult]] = []
     claims = 0  # modules of the golden cases' toy models the exporter claims
     for golden in GOLDEN_CASES:
-        q = _quantized(golden, case.seed, "synthetic", case.device)
+        q = _quantized(case, golden, "synthetic")
         claims += sum(1 for c in q.claims if c.exporter == case.name)
         names = written_by(q, case.name)
         if not names:
             continue
         try:
-            data = _checkpoint_data(q, golden, case.name, names, case.workdir, case.seed)
+            data = _checkpoint_data(case, q, golden, names)
         except Exception as err:
             return CheckResult.failed(f"golden case {golden.id}: {error_text(err)}", exception=err)
-        result = store.check(f"checkpoint/{golden.id}/{case.name}", data, owner=_owner(case.name))
+        outcome = store.check(f"checkpoint/{golden.id}/{case.name}", data, owner=_owner(case.name))
+        result = golden_result(outcome)
         results.append((golden.id, result))
     own = conformance_golden(case, store, owner=_owner(case.name))
     if own is not None:
@@ -331,7 +332,7 @@ def golden_calibration(case: ExporterCase) -> CheckResult:
         return CheckResult.skipped("no golden store in the case (the plugin passes one)")
     cases: dict[str, Any] = {}
     for golden in GOLDEN_CASES:
-        q = _quantized(golden, case.seed, "data", case.device)
+        q = _quantized(case, golden, "data")
         margin = awq_margin(q.model)
         if store.update and margin <= PORTABLE_MARGIN:
             return CheckResult.failed(
@@ -360,4 +361,4 @@ def golden_calibration(case: ExporterCase) -> CheckResult:
         "tolerance": {"rtol": CALIBRATION_RTOL, "atol": CALIBRATION_ATOL},
         "cases": cases,
     }
-    return store.check(f"calibration/{case.name}", data, owner=_owner(case.name))
+    return golden_result(store.check(f"calibration/{case.name}", data, owner=_owner(case.name)))
