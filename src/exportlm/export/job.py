@@ -122,8 +122,9 @@ def job_target(info: TargetInfo) -> Callable[[JobBody], Callable[..., Path]]:
         params = list(inspect.signature(body).parameters.values())[1:]
         positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
         head = [inspect.Parameter(n, positional) for n in ("model", "output_path")]
+        # The signature is the factory's; __wrapped__ (the body) stays, so its annotations
+        # resolve in the body's module (typing.get_type_hints follows it).
         factory.__signature__ = inspect.Signature([*head, *params], return_annotation=Path)  # type: ignore[attr-defined]
-        del factory.__wrapped__  # the signature above, not the body's, is the factory's
         setattr(factory, _BODY_ATTR, body)
         return declare(factory, info)
 
