@@ -321,7 +321,9 @@ def export_onnx_target(
         ):
             if translations:
                 options["custom_translation_table"] = translations
-            torch_onnx_export(job, wrapper, args, options, kv_cache=kv_cache)  # see _past.py
+            torch_onnx_export(
+                job, wrapper, args, options, kv_cache=kv_cache, attention_mask=attention_mask
+            )  # see _past.py
         if not dynamo:
             if use_external:
                 consolidate_external_data(job.staged)
