@@ -22,6 +22,7 @@ batch through such a graph is wrong: keep the default for serving.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from exportlm.export._past import (
     probe_past_layout,
 )
 from exportlm.export.job import ExportJob
+from exportlm.export.onnx._serving import write_serving_files
 
 __all__ = [
     "PAST_PREFIX",
@@ -81,11 +83,17 @@ def torch_onnx_export(
     *,
     kv_cache: bool,
     attention_mask: bool | None = None,
+    layout: str = "file",
+    genai_config: bool = False,
 ) -> None:
     """``torch.onnx.export`` of the logits-only ``wrapper`` on ``args``, or with ``kv_cache``
-    of the past-key-values graph (:func:`export_past_graph`), to ``job.staged``."""
+    of the past-key-values graph (:func:`export_past_graph`) and the serving files that
+    ``layout`` / ``genai_config`` ask for (:mod:`._serving`), to ``job.staged``."""
     if kv_cache:
-        export_past_graph(job, options, attention_mask=attention_mask)
+        graph = export_past_graph(job, options, attention_mask=attention_mask)
+        write_serving_files(
+            job.model, job.staged, graph, optimum=layout == "optimum", genai=genai_config
+        )
     else:
         torch.onnx.export(wrapper, args, str(job.staged), **options)
 
@@ -112,8 +120,9 @@ def example_mask(ids: torch.Tensor, past: int) -> torch.Tensor:
 
 def export_past_graph(
     job: ExportJob, torch_options: dict[str, Any], *, attention_mask: bool | None = None
-) -> None:
-    """Export the past-key-values graph of ``job.model`` to ``job.staged``.
+) -> PastLayout:
+    """Export the past-key-values graph of ``job.model`` to ``job.staged``; returns its layout
+    (``attention_mask`` / ``position_ids``: the graph's inputs).
 
     ``torch_options`` are the ``torch.onnx.export`` keywords of a logits-only export
     (opset, optimize, external data); names and dynamic shapes are replaced here.
@@ -156,6 +165,7 @@ def export_past_graph(
         torch.onnx.export(wrapper, args, str(job.staged), **options)
     if masked:
         name_mask_axis(job.staged)
+    return replace(layout, attention_mask=masked, position_ids=masked and layout.position_ids)
 
 
 #: The mask's length axis, as Optimum's exporter names the same sum.
