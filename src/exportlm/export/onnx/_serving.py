@@ -105,8 +105,9 @@ def genai_config_for(config: Any, filename: str, layout: PastLayout) -> dict[str
     """onnxruntime-genai's ``genai_config.json`` for the past-key-values graph ``filename``.
 
     ``pad_token_id`` is the config's, else its end-of-sequence id (as transformers'
-    ``generate`` falls back): onnxruntime-genai finds padding by that id in ``input_ids``,
-    and pads a batch on the right.
+    ``generate`` falls back), else 0: onnxruntime-genai finds padding by that id in
+    ``input_ids``, and pads a batch on the right. Token ids the config leaves unset are
+    left out (onnxruntime-genai reads a JSON null as an error).
     """
     kv_heads, head_size = layout.heads[0]
     eos = _first(getattr(config, "eos_token_id", None))
@@ -121,9 +122,10 @@ def genai_config_for(config: Any, filename: str, layout: PastLayout) -> dict[str
         inputs["position_ids"] = "position_ids"
     inputs["past_key_names"] = past[0].replace(".0.", ".%d.")
     inputs["past_value_names"] = past[1].replace(".0.", ".%d.")
+    ids = {"bos_token_id": _first(getattr(config, "bos_token_id", None)), "eos_token_id": eos}
     return {
         "model": {
-            "bos_token_id": _first(getattr(config, "bos_token_id", None)),
+            **{name: value for name, value in ids.items() if value is not None},
             "context_length": context,
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
@@ -140,8 +142,7 @@ def genai_config_for(config: Any, filename: str, layout: PastLayout) -> dict[str
                 "num_hidden_layers": layout.num_layers,
                 "num_key_value_heads": kv_heads,
             },
-            "eos_token_id": eos,
-            "pad_token_id": pad if pad is not None else eos,
+            "pad_token_id": next((v for v in (pad, eos) if v is not None), 0),
             "type": _GENAI_TYPE,
             "vocab_size": int(config.vocab_size),
         },
