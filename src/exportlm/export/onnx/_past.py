@@ -80,19 +80,20 @@ def torch_onnx_export(
     wrapper: nn.Module,
     args: tuple[torch.Tensor, ...],
     options: dict[str, Any],
-    *,
-    kv_cache: bool,
-    attention_mask: bool | None = None,
-    layout: str = "file",
-    genai_config: bool = False,
+    recorded: dict[str, Any],
 ) -> None:
-    """``torch.onnx.export`` of the logits-only ``wrapper`` on ``args``, or with ``kv_cache``
-    of the past-key-values graph (:func:`export_past_graph`) and the serving files that
+    """``torch.onnx.export`` of the logits-only ``wrapper`` on ``args``, or, when the target's
+    ``recorded`` options say ``kv_cache``, of the past-key-values graph
+    (:func:`export_past_graph`, honouring ``attention_mask``) and the serving files that
     ``layout`` / ``genai_config`` ask for (:mod:`._serving`), to ``job.staged``."""
-    if kv_cache:
-        graph = export_past_graph(job, options, attention_mask=attention_mask)
+    if recorded.get("kv_cache"):
+        graph = export_past_graph(job, options, attention_mask=recorded.get("attention_mask"))
         write_serving_files(
-            job.model, job.staged, graph, optimum=layout == "optimum", genai=genai_config
+            job.model,
+            job.staged,
+            graph,
+            optimum=recorded.get("layout") == "optimum",
+            genai=bool(recorded.get("genai_config")),
         )
     else:
         torch.onnx.export(wrapper, args, str(job.staged), **options)

@@ -332,16 +332,7 @@ def export_onnx_target(
         ):
             if translations:
                 options["custom_translation_table"] = translations
-            torch_onnx_export(  # see _past.py
-                job,
-                wrapper,
-                args,
-                options,
-                kv_cache=kv_cache,
-                attention_mask=attention_mask,
-                layout=layout,
-                genai_config=genai_config,
-            )
+            torch_onnx_export(job, wrapper, args, options, recorded)  # see _past.py
         if not dynamo:
             if use_external:
                 consolidate_external_data(job.staged)
