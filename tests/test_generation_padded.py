@@ -72,7 +72,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
 
 
 def _eager_alone(model: Any, prompts: list[list[int]]) -> list[list[int]]:
-    return [greedy_generate(model, torch.tensor([p]), NEW_TOKENS).tokens[0].tolist() for p in prompts]
+    return [
+        greedy_generate(model, torch.tensor([p]), NEW_TOKENS).tokens[0].tolist() for p in prompts
+    ]
 
 
 # ----------------------------------------------------------------------------- our runtime
@@ -118,7 +120,8 @@ def test_a_model_without_position_ids_gets_a_mask_input_and_its_own_positions(
     got = greedy_generate(runtime, ids, NEW_TOKENS, attention_mask=mask)
     eager = greedy_generate(model, ids, NEW_TOKENS, attention_mask=mask)
     assert got.tokens.tolist() == eager.tokens.tolist()
-    assert runtime.takes_mask and not runtime.takes_positions
+    assert runtime.takes_mask
+    assert not runtime.takes_positions
 
 
 def test_a_mask_of_the_wrong_shape_names_what_was_expected(served: Callable[..., Any]) -> None:
@@ -149,7 +152,9 @@ def test_the_folder_holds_what_optimum_and_genai_read(served: Callable[..., Any]
     assert graph_inputs[:3] == named
     layers = model.config.num_hidden_layers
     assert graph_inputs[3:] == [
-        decoder["inputs"][f"past_{kind}_names"] % i for i in range(layers) for kind in ("key", "value")
+        decoder["inputs"][f"past_{kind}_names"] % i
+        for i in range(layers)
+        for kind in ("key", "value")
     ]
     assert (decoder["num_hidden_layers"], decoder["num_key_value_heads"]) == (layers, 2)
     assert genai["pad_token_id"] == model.config.eos_token_id  # the config has no pad id
@@ -160,7 +165,12 @@ def test_the_folder_holds_what_optimum_and_genai_read(served: Callable[..., Any]
     [
         ("llama", {"layout": "optimum"}, InvalidInputError, "need kv_cache=True"),
         ("llama", {"layout": "tree", "kv_cache": True}, InvalidInputError, "layout must be one of"),
-        ("decoder", {"genai_config": True, "kv_cache": True}, InvalidModelError, "not a transformers"),
+        (
+            "decoder",
+            {"genai_config": True, "kv_cache": True},
+            InvalidModelError,
+            "not a transformers",
+        ),
     ],
 )
 def test_serving_options_that_cannot_be_honoured_are_refused_before_writing(

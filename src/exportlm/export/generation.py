@@ -351,7 +351,9 @@ def greedy_generate(
             "and load the artifact with exportlm.load_exported"
         )
     ids = check_runtime_inputs(input_ids, "greedy_generate")
-    mask = check_attention_mask(attention_mask, *ids.shape, "greedy_generate")
+    mask = check_attention_mask(
+        attention_mask, int(ids.shape[0]), int(ids.shape[1]), "greedy_generate"
+    )
     logits, past = runner.prefill(input_ids, **_mask_arg(mask))
     steps: list[torch.Tensor] = []
     tokens: list[torch.Tensor] = []

@@ -151,9 +151,7 @@ def _refusals(checkpoint: Checkpoint, declared: Declared) -> list[Finding]:
     return found
 
 
-def _method_findings(
-    checkpoint: Checkpoint, declared: Declared, method: str
-) -> Iterator[Finding]:
+def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) -> Iterator[Finding]:
     """``quant-method-unknown``, ``engine-refuses-scheme`` and ``quant-method-loaders``."""
     known, unknown = loaders_knowing(method)
     if not known:

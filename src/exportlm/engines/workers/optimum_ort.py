@@ -88,7 +88,9 @@ def main() -> int:
     try:
         answer = run(json.load(sys.stdin))
     except Exception as err:  # the engine's own message is the answer
-        json.dump({"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()}, sys.stdout)
+        json.dump(
+            {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()}, sys.stdout
+        )
         return 1
     json.dump(answer, sys.stdout)
     return 0

@@ -54,12 +54,12 @@ def _config(model: nn.Module) -> Any | None:
     return None
 
 
-def check_serving_options(
-    model: Any, *, layout: str, genai_config: bool, kv_cache: bool
-) -> None:
+def check_serving_options(model: Any, *, layout: str, genai_config: bool, kv_cache: bool) -> None:
     """Refuse ``layout`` / ``genai_config`` values this export cannot honour (before writing)."""
     if layout not in LAYOUTS:
-        raise InvalidInputError(f"onnx export: layout must be one of {list(LAYOUTS)}, got {layout!r}")
+        raise InvalidInputError(
+            f"onnx export: layout must be one of {list(LAYOUTS)}, got {layout!r}"
+        )
     wanted = [f"layout={layout!r}"] if layout != "file" else []
     wanted += ["genai_config=True"] if genai_config else []
     if not wanted:
