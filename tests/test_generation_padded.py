@@ -3,16 +3,15 @@
 The graph takes ``attention_mask`` and ``position_ids`` (Optimum's names), so a batch
 of left-padded prompts of different lengths generates, row by row, what each prompt
 generates alone in the eager model. The engine tests run Optimum's
-``ORTModelForCausalLM`` and onnxruntime-genai out of process, in the interpreter that
-``EXPORTLM_ENGINE_OPTIMUM_ORT`` / ``EXPORTLM_ENGINE_ORT_GENAI`` name (each skips with
-the reason when its variable is unset); their workers read a JSON request on stdin.
+``ORTModelForCausalLM`` and onnxruntime-genai out of process through
+``exportlm.engines.run_engine``, in the interpreter that
+``EXPORTLM_ENGINE_OPTIMUM_ONNXRUNTIME`` / ``EXPORTLM_ENGINE_ONNXRUNTIME_GENAI`` name
+(each skips with the reason when no interpreter has the engine).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,13 +20,13 @@ import pytest
 import torch
 
 import exportlm
-from exportlm.errors import InvalidInputError, InvalidModelError
+from exportlm.engines import EngineRequest, EngineResult, run_engine
+from exportlm.errors import EngineUnavailableError, InvalidInputError, InvalidModelError
 from exportlm.export import get_target_info, greedy_generate, make_input_ids
 from exportlm.models import build_model
 
 NEW_TOKENS = 8
 LENGTHS = (3, 5, 7)  # three prompts of different lengths, left-padded to 7
-WORKERS = Path(exportlm.__file__).parent / "engines" / "workers"
 #: Teacher-forced logprobs of an engine against the eager model (float32 both sides;
 #: onnxruntime reorders reductions: measured <= 2e-6 here, 50x margin).
 LOGPROB_ATOL = 1e-4
@@ -185,49 +184,33 @@ def test_serving_options_that_cannot_be_honoured_are_refused_before_writing(
 # ----------------------------------------------------------------------------- real engines
 
 
-def _engine(variable: str) -> str:
-    python = os.environ.get(variable)
-    if not python:
-        pytest.skip(f"set {variable} to an interpreter with the engine installed")
-    return python
-
-
-def _ask(python: str, worker: str, request: dict[str, Any]) -> dict[str, Any]:
-    done = subprocess.run(
-        [python, str(WORKERS / worker)],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+def _serve(engine: str, folder: Path, prompts: list[list[int]]) -> EngineResult:
+    request = EngineRequest.left_padded(prompts, max_new_tokens=NEW_TOKENS)
     try:
-        answer: dict[str, Any] = json.loads(done.stdout)
-    except json.JSONDecodeError:
-        pytest.fail(f"{worker} wrote no JSON (exit {done.returncode}): {done.stderr[-2000:]}")
-    assert "error" not in answer, f"{worker}: {answer.get('error')}\n{answer.get('trace')}"
-    return answer
+        return run_engine(engine, folder / "model.onnx", request)
+    except EngineUnavailableError as err:
+        pytest.skip(str(err))
 
 
 def _eager_logprobs(model: Any, rows: list[list[int]]) -> list[torch.Tensor]:
+    """log p(row[i + 1] | row[:i + 1]) of each prompt alone, in the eager model."""
     picked = []
     for row in rows:
         ids = torch.tensor([row])
         with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits.float(), dim=-1)[0]
+            logp = torch.log_softmax(model(ids).logits.double(), dim=-1)[0]
         picked.append(logp[:-1].gather(-1, ids[0, 1:, None])[:, 0])
     return picked
 
 
-def _check_engine(model: Any, prompts: list[list[int]], answer: dict[str, Any]) -> None:
-    alone = _eager_alone(model, prompts)
-    assert answer["tokens"] == alone, f"{answer['engine']} {answer['versions']}"
-    rows = [p + t for p, t in zip(prompts, alone, strict=True)]
+def _check_engine(model: Any, prompts: list[list[int]], result: EngineResult) -> None:
+    where = f"{result.engine} {result.engine_version}"
+    assert result.tokens == _eager_alone(model, prompts), where
     for r, (got, expected) in enumerate(
-        zip(answer["logprobs"], _eager_logprobs(model, rows), strict=True)
+        zip(result.logprobs, _eager_logprobs(model, prompts), strict=True)
     ):
-        diff = float((torch.tensor(got) - expected).abs().max())
-        assert diff <= LOGPROB_ATOL, f"row {r}: logprobs {diff:.2e} off ({answer['versions']})"
+        diff = float((torch.tensor(got, dtype=torch.float64) - expected).abs().max())
+        assert diff <= LOGPROB_ATOL, f"{where} row {r}: logprobs {diff:.2e} off"
 
 
 # Not mixtral: optimum-onnx 0.1.0 sizes the empty past with num_attention_heads for model
@@ -237,35 +220,29 @@ def _check_engine(model: Any, prompts: list[list[int]], answer: dict[str, Any]) 
 def test_optimum_generates_the_eager_tokens_on_a_left_padded_batch(
     served: Callable[..., Any], family: str
 ) -> None:
-    python = _engine("EXPORTLM_ENGINE_OPTIMUM_ORT")
     model, folder = served(family)
     prompts = _prompts(model.config.vocab_size)
-    request = {"artifact": str(folder), "prompts": prompts, "max_new_tokens": NEW_TOKENS}
-    _check_engine(model, prompts, _ask(python, "optimum_ort.py", {**request, "pad_token_id": 0}))
+    _check_engine(model, prompts, _serve("optimum-onnxruntime", folder, prompts))
 
 
 def test_optimum_on_a_graph_without_the_mask_generates_other_tokens(
     served: Callable[..., Any],
 ) -> None:
     """The failure the mask input fixes: Optimum drops the mask, padded rows go wrong."""
-    python = _engine("EXPORTLM_ENGINE_OPTIMUM_ORT")
     model, folder = served("llama", attention_mask=False)
     prompts = _prompts(model.config.vocab_size)
-    request = {"artifact": str(folder), "prompts": prompts, "max_new_tokens": NEW_TOKENS}
-    answer = _ask(python, "optimum_ort.py", {**request, "pad_token_id": 0})
+    result = _serve("optimum-onnxruntime", folder, prompts)
     alone = _eager_alone(model, prompts)
-    assert answer["tokens"][-1] == alone[-1]  # the unpadded row is right
-    assert answer["tokens"][:-1] != alone[:-1]
+    assert result.tokens[-1] == alone[-1]  # the unpadded row is right
+    assert result.tokens[:-1] != alone[:-1]
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3_moe"])
 def test_onnxruntime_genai_generates_the_eager_tokens_on_a_padded_batch(
     served: Callable[..., Any], family: str
 ) -> None:
-    python = _engine("EXPORTLM_ENGINE_ORT_GENAI")
     model, folder = served(family)
     prompts = _prompts(model.config.vocab_size)
-    request = {"artifact": str(folder), "prompts": prompts, "max_new_tokens": NEW_TOKENS}
-    answer = _ask(python, "ort_genai.py", request)
-    assert answer["padding"] == "right"  # genai's own convention, see the worker
-    _check_engine(model, prompts, answer)
+    result = _serve("onnxruntime-genai", folder, prompts)
+    assert any("right-padded" in note for note in result.notes)  # genai's own convention
+    _check_engine(model, prompts, result)

@@ -1,100 +1,69 @@
-"""Worker: greedy tokens and teacher-forced logprobs from Optimum's ``ORTModelForCausalLM``.
+"""Optimum ONNX Runtime worker: ``ORTModelForCausalLM`` on a ``kv_cache=True`` ONNX graph.
 
-Runs in the engine's own interpreter (``optimum-onnx`` + ``onnxruntime`` + torch), never
-in exportlm's: it imports only the engine, numpy and the standard library. It reads one
-JSON request on stdin and writes one JSON answer on stdout::
-
-    request:  {"artifact": DIR, "prompts": [[id, ...], ...], "max_new_tokens": N,
-               "pad_token_id": P, "file_name": "model.onnx" (optional)}
-    answer:   {"engine": "optimum-onnxruntime", "versions": {...},
-               "tokens": [[id] * N per prompt],
-               "logprobs": [[log p(x[t+1] | x[:t+1]) for every position of prompt + tokens]]}
-
-The batch is left-padded with ``pad_token_id`` and an ``attention_mask`` of 0 over the
-padding, as a user of ``generate`` would pass it. Greedy decoding, no end-of-sequence
-stop (``eos_token_id=None``), so exactly ``N`` tokens per prompt. A failure to load or run
-writes ``{"error": ...}`` and exits 1.
+Imports only optimum-onnx (with onnxruntime, transformers and torch, its own
+dependencies), numpy and the standard library. The artifact is the ``.onnx`` file of
+an Optimum-ready folder (``layout="optimum"``: ``config.json`` and
+``generation_config.json`` beside it) or that folder. The left-padded batch goes to
+``generate`` with its attention mask, as a user of Optimum passes it; Optimum feeds
+the graph's ``attention_mask`` / ``position_ids`` inputs itself (it silently drops the
+mask of a graph without one). Greedy decoding with no end-of-sequence stop, so exactly
+``max_new_tokens`` tokens per row. Teacher-forced logprobs come from one forward of
+the padded batch.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import traceback
-from importlib import metadata
+from pathlib import Path
 from typing import Any
 
-
-def _versions() -> dict[str, str]:
-    found = {}
-    for name in ("optimum-onnx", "optimum", "onnxruntime", "transformers", "torch"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return found
+import _worker
 
 
-def _left_pad(prompts: list[list[int]], pad: int) -> tuple[list[list[int]], list[list[int]]]:
-    width = max(len(p) for p in prompts)
-    ids = [[pad] * (width - len(p)) + list(p) for p in prompts]
-    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
-    return ids, mask
-
-
-def run(request: dict[str, Any]) -> dict[str, Any]:
-    import torch
+def _load(artifact: str) -> Any:
     from optimum.onnxruntime import ORTModelForCausalLM
+
+    path = Path(artifact)
+    folder, file_name = (path.parent, path.name) if path.is_file() else (path, None)
+    model = ORTModelForCausalLM.from_pretrained(folder, file_name=file_name, use_cache=True)
+    # generation_config.json names an end-of-sequence id; generate would stop a row there.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
+    """Load the folder, score the prompts, then generate greedily."""
+    import torch
     from transformers import GenerationConfig
 
-    model = ORTModelForCausalLM.from_pretrained(
-        request["artifact"], file_name=request.get("file_name"), use_cache=True
-    )
-    # The directory's generation_config.json names an eos token; generate would merge it
-    # back into the config below and stop a row early. The comparison wants N tokens.
-    model.generation_config.eos_token_id = None
-    prompts = request["prompts"]
-    new = int(request["max_new_tokens"])
-    pad = int(request["pad_token_id"])
-    ids, mask = _left_pad(prompts, pad)
-    input_ids, attention_mask = torch.tensor(ids), torch.tensor(mask)
-    config = GenerationConfig(
-        max_new_tokens=new, do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=pad
-    )
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+    req = ctx.request
+    ctx.options(())
+    with ctx.stage("load"):
+        model = _load(req["artifact"])
+    ids = torch.tensor(req["input_ids"], dtype=torch.long)
+    mask = torch.tensor(req["attention_mask"], dtype=torch.long)
+    logprobs: list[list[float]] = []
+    with ctx.stage("score"), torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.double()
+        logp = torch.log_softmax(logits, dim=-1)
+        for r, row in enumerate(req["attention_mask"]):
+            first = row.index(1)
+            logprobs.append(
+                [float(logp[r, i, ids[r, i + 1]]) for i in range(first, ids.shape[1] - 1)]
+            )
+    new = int(req["max_new_tokens"])
+    if new == 0:
+        return [[] for _ in logprobs], logprobs
+    with ctx.stage("generate"), torch.no_grad():
+        config = GenerationConfig(
+            max_new_tokens=new, do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0
         )
-    tokens = out[:, input_ids.shape[1] :]
-    full = torch.cat([input_ids, tokens], dim=1)
-    full_mask = torch.cat([attention_mask, torch.ones_like(tokens)], dim=1)
-    with torch.no_grad():
-        logits = model(input_ids=full, attention_mask=full_mask, use_cache=False).logits
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    picked = logprobs[:, :-1].gather(-1, full[:, 1:, None])[..., 0]
-    rows = []
-    for row, prompt in enumerate(prompts):
-        start = full.shape[1] - len(prompt) - new  # the row's first real position
-        rows.append([float(v) for v in picked[row, start:]])
-    return {
-        "engine": "optimum-onnxruntime",
-        "versions": _versions(),
-        "tokens": tokens.tolist(),
-        "logprobs": rows,
-    }
-
-
-def main() -> int:
-    try:
-        answer = run(json.load(sys.stdin))
-    except Exception as err:  # the engine's own message is the answer
-        json.dump(
-            {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()}, sys.stdout
-        )
-        return 1
-    json.dump(answer, sys.stdout)
-    return 0
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    return [[int(t) for t in row] for row in out[:, ids.shape[1] :]], logprobs
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(
+        _worker.main(
+            "optimum-onnxruntime", "optimum.onnxruntime", ("optimum-onnx", "optimum"), serve
+        )
+    )

@@ -1,48 +1,30 @@
-"""Worker: greedy tokens and teacher-forced logprobs from onnxruntime-genai.
+"""onnxruntime-genai worker: its ``Generator`` on a ``kv_cache=True`` ONNX graph.
 
-Runs in the engine's own interpreter (``onnxruntime-genai`` + numpy), never in
-exportlm's: it imports only the engine, numpy and the standard library. It reads one
-JSON request on stdin and writes one JSON answer on stdout::
-
-    request:  {"artifact": DIR (holding genai_config.json), "prompts": [[id, ...], ...],
-               "max_new_tokens": N}
-    answer:   {"engine": "onnxruntime-genai", "versions": {...}, "padding": "right",
-               "tokens": [[id] * N per prompt],
-               "logprobs": [[log p(x[t+1] | x[:t+1]) for every position of prompt + tokens]]}
-
-onnxruntime-genai finds padding by the ``pad_token_id`` of ``genai_config.json`` and
-reads it from the end of each row (``DefaultPositionInputs`` builds the mask and the
-position ids backwards from the last non-pad token), so the batch is padded on the
-right, which is that engine's convention; a left-padded row would be read as real
-tokens. Greedy search (``top_k=1``); a row that produced end-of-sequence is refused
-as an answer rather than cut short. A failure writes ``{"error": ...}`` and exits 1.
+Imports only onnxruntime-genai, numpy and the standard library. The artifact is the
+``.onnx`` file of a folder holding ``genai_config.json`` (``genai_config=True``) or that
+folder. onnxruntime-genai finds padding by the config's ``pad_token_id`` and reads it
+from the end of each row (``DefaultPositionInputs`` builds the mask and the position
+ids backwards from the last non-pad token), so a left-padded row would be read as
+real tokens: the prompts are re-padded on the right, that engine's convention, and a
+prompt holding the pad id is refused. Greedy search (``top_k=1``); a row that stops
+before ``max_new_tokens`` is refused rather than cut short. Teacher-forced logprobs
+come from the logits of one prefill of the right-padded prompts.
 """
 
 from __future__ import annotations
 
 import json
-import sys
-import traceback
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-
-def _versions() -> dict[str, str]:
-    found = {}
-    for name in ("onnxruntime-genai", "onnxruntime", "numpy"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return found
+import _worker
 
 
-def _right_pad(rows: list[list[int]], pad: int) -> Any:
+def _right_padded(rows: list[list[int]], pad: int) -> Any:
     import numpy as np
 
     width = max(len(r) for r in rows)
-    return np.array([list(r) + [pad] * (width - len(r)) for r in rows], dtype=np.int32)
+    return np.array([r + [pad] * (width - len(r)) for r in rows], dtype=np.int32)
 
 
 def _generator(og: Any, model: Any, batch: int, max_length: int) -> Any:
@@ -51,69 +33,61 @@ def _generator(og: Any, model: Any, batch: int, max_length: int) -> Any:
     return og.Generator(model, params)
 
 
-def _greedy(og: Any, model: Any, prompts: list[list[int]], pad: int, new: int) -> list[list[int]]:
-    ids = _right_pad(prompts, pad)
-    generator = _generator(og, model, len(prompts), ids.shape[1] + new)
+def _greedy(og: Any, model: Any, rows: list[list[int]], pad: int, new: int) -> list[list[int]]:
+    ids = _right_padded(rows, pad)
+    generator = _generator(og, model, len(rows), ids.shape[1] + new)
     generator.append_tokens(ids)
     steps: list[list[int]] = []
     while not generator.is_done() and len(steps) < new:
         generator.generate_next_token()
         steps.append([int(t) for t in generator.get_next_tokens()])
-    return [[step[row] for step in steps] for row in range(len(prompts))]
+    if len(steps) != new:
+        raise RuntimeError(f"onnxruntime-genai stopped after {len(steps)} of {new} tokens")
+    return [[step[r] for step in steps] for r in range(len(rows))]
 
 
-def _logprobs(og: Any, model: Any, rows: list[list[int]], pad: int) -> list[list[float]]:
+def _scores(og: Any, model: Any, rows: list[list[int]], pad: int) -> list[list[float]]:
     import numpy as np
 
-    ids = _right_pad(rows, pad)
+    ids = _right_padded(rows, pad)
     generator = _generator(og, model, len(rows), ids.shape[1] + 1)
-    generator.append_tokens(ids)  # one prefill over every row: logits of every position
+    generator.append_tokens(ids)  # one prefill: the logits of every position
     logits = np.asarray(generator.get_output("logits"), dtype=np.float64)
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    logp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
     return [
-        [float(logp[r, t, row[t + 1]]) for t in range(len(row) - 1)] for r, row in enumerate(rows)
+        [_worker.log_softmax_at(list(logits[r, i]), row[i + 1]) for i in range(len(row) - 1)]
+        for r, row in enumerate(rows)
     ]
 
 
-def run(request: dict[str, Any]) -> dict[str, Any]:
+def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
+    """Load the folder, score the prompts, then generate greedily."""
     import onnxruntime_genai as og
 
-    folder = Path(request["artifact"])
-    config = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
-    pad = int(config["model"]["pad_token_id"])
-    prompts = [list(map(int, p)) for p in request["prompts"]]
-    if any(pad in p for p in prompts):
-        raise ValueError(
-            f"a prompt holds the pad token id {pad} of genai_config.json; onnxruntime-genai "
-            "would mask it as padding"
-        )
-    new = int(request["max_new_tokens"])
-    model = og.Model(str(folder))
-    tokens = _greedy(og, model, prompts, pad, new)
-    if any(len(t) != new for t in tokens):
-        raise RuntimeError(f"onnxruntime-genai stopped before {new} tokens: {tokens}")
-    rows = [p + t for p, t in zip(prompts, tokens, strict=True)]
-    return {
-        "engine": "onnxruntime-genai",
-        "versions": _versions(),
-        "padding": "right",
-        "tokens": tokens,
-        "logprobs": _logprobs(og, model, rows, pad),
-    }
-
-
-def main() -> int:
-    try:
-        answer = run(json.load(sys.stdin))
-    except Exception as err:  # the engine's own message is the answer
-        json.dump(
-            {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()}, sys.stdout
-        )
-        return 1
-    json.dump(answer, sys.stdout)
-    return 0
+    req = ctx.request
+    ctx.options(())
+    rows = _worker.rows(req)
+    with ctx.stage("load"):
+        path = Path(req["artifact"])
+        folder = path.parent if path.is_file() else path
+        config = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
+        pad = int(config["model"]["pad_token_id"])
+        if any(pad in row for row in rows):
+            raise ValueError(
+                f"a prompt holds genai_config.json's pad_token_id {pad}: onnxruntime-genai "
+                "would read it as padding"
+            )
+        model = og.Model(str(folder))
+    ctx.notes.append("right-padded: onnxruntime-genai reads padding from the end of a row")
+    with ctx.stage("score"):
+        logprobs = _scores(og, model, rows, pad)
+    new = int(req["max_new_tokens"])
+    if new == 0:
+        return [[] for _ in rows], logprobs
+    with ctx.stage("generate"):
+        return _greedy(og, model, rows, pad, new), logprobs
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(
+        _worker.main("onnxruntime-genai", "onnxruntime_genai", ("onnxruntime-genai",), serve)
+    )
