@@ -108,6 +108,16 @@ def test_without_the_mask_input_a_padded_batch_is_refused_not_misread(
     assert greedy_generate(runtime, ids, 2, attention_mask=ones).tokens.shape == (3, 2)
 
 
+def test_a_torch_export_program_refuses_a_padded_mask(tmp_path: Path) -> None:
+    """The .pt2 program has no mask input: a padded batch is refused, never misread."""
+    model = build_model("llama")
+    out = exportlm.export_model("torch_export", model, tmp_path / "m.pt2", kv_cache=True)
+    runtime = exportlm.load_exported("torch_export", out)
+    ids, mask = _left_padded(_prompts(model.config.vocab_size))
+    with pytest.raises(InvalidInputError, match="no attention_mask input"):
+        greedy_generate(runtime, ids, 2, attention_mask=mask)
+
+
 def test_a_model_without_position_ids_gets_a_mask_input_and_its_own_positions(
     tmp_path: Path,
 ) -> None:
