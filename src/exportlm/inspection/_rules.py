@@ -204,6 +204,13 @@ _TABLE: tuple[Rule, ...] = (
         "the checkpoint's quant_method (transformers as installed).",
     ),
     Rule(
+        "engine-refuses-scheme",
+        _W,
+        (_VLLM, _SGL),
+        "An engine that knows the checkpoint's quant_method also accepts its algorithm / "
+        "scheme (ModelOpt quant_algo), by the engine's own support table.",
+    ),
+    Rule(
         "quant-config-missing",
         _W,
         (_HF, _VLLM),

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from exportlm.errors import MalformedCheckpointError
 from exportlm.hfdir import custom_code_reasons
 from exportlm.inspection._config import config_field_problems, quant_config_problems
-from exportlm.inspection._declared import Declared
+from exportlm.inspection._declared import MIXED_PRECISION, Declared
 from exportlm.inspection._files import CONFIG, INDEX, Checkpoint
-from exportlm.inspection._loaders import loaders_knowing
+from exportlm.inspection._loaders import engine_refusals, loaders_knowing
 from exportlm.inspection._names import listed_in, name_problems
 from exportlm.inspection._rules import RULES, Finding
 
@@ -120,27 +120,73 @@ def _tied(checkpoint: Checkpoint) -> Iterator[Finding]:
             )
 
 
+def _producer(checkpoint: Checkpoint) -> str | None:
+    """The producer's name the configs record (ModelOpt's ``producer.name``), if any."""
+    for section in (checkpoint.hf_quant_config, checkpoint.quantization_config):
+        producer = section.get("producer")
+        if isinstance(producer, dict) and isinstance(producer.get("name"), str):
+            return str(producer["name"])
+    return None
+
+
+def _refusals(checkpoint: Checkpoint, declared: Declared) -> list[Finding]:
+    """``engine-refuses-scheme``: engines whose support table refuses the declared scheme."""
+    labels = [MIXED_PRECISION] if declared.layers else [s.label for s in declared.schemes]
+    found = []
+    for refusal in engine_refusals(_producer(checkpoint), declared.quant_method, labels):
+        row = refusal.row
+        found.append(
+            RULES["engine-refuses-scheme"].finding(
+                "config.json",
+                f"{refusal.engine} refuses quant_method {row.quant_method!r} with algorithm "
+                f"{refusal.label!r} while it validates the config ({row.message}; "
+                f"{row.source}). {row.instead}",
+                engine=refusal.engine,
+                engine_name=row.engine,
+                scheme=refusal.label,
+                accepted=sorted(row.accepts),
+                instead=row.instead,
+            )
+        )
+    return found
+
+
+def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) -> Iterator[Finding]:
+    """``quant-method-unknown``, ``engine-refuses-scheme`` and ``quant-method-loaders``."""
+    known, unknown = loaders_knowing(method)
+    if not known:
+        yield RULES["quant-method-unknown"].finding(
+            "config.json",
+            f"quantization_config.quant_method is {method!r}, which no loader checked here "
+            f'knows ({", ".join(unknown)}): loading fails with "Unknown quantization '
+            "method\". Use 'modelopt' or 'compressed-tensors'",
+        )
+        return
+    refused = _refusals(checkpoint, declared)
+    yield from refused
+    refusing = sorted({str(f.details["engine"]) for f in refused})
+    names = {f.details["engine_name"] for f in refused}
+    loads = [loader for loader in known if loader not in names]
+    if unknown or refusing:
+        said = [f"loads in {', '.join(loads)}" if loads else "loads in no engine checked here"]
+        said += [f"refused by {', '.join(refusing)} (its algorithm)"] if refusing else []
+        said += [f"not in {', '.join(unknown)}"] if unknown else []
+        yield RULES["quant-method-loaders"].finding(
+            "config.json",
+            f"quant_method {method!r} {'; '.join(said)}",
+            known=loads,
+            refused=refusing,
+            unknown=unknown,
+        )
+
+
 def config_findings(
     checkpoint: Checkpoint, declared: Declared, quantized: int
 ) -> Iterator[Finding]:
     """``quant-method-*``, ``quant-config-missing`` and the listed-name rules."""
     method = declared.quant_method
     if method is not None:
-        known, unknown = loaders_knowing(method)
-        if not known:
-            yield RULES["quant-method-unknown"].finding(
-                "config.json",
-                f"quantization_config.quant_method is {method!r}, which no loader checked here "
-                f'knows ({", ".join(unknown)}): loading fails with "Unknown quantization '
-                "method\". Use 'modelopt' or 'compressed-tensors'",
-            )
-        elif unknown:
-            yield RULES["quant-method-loaders"].finding(
-                "config.json",
-                f"quant_method {method!r} loads in {', '.join(known)}; not in {', '.join(unknown)}",
-                known=known,
-                unknown=unknown,
-            )
+        yield from _method_findings(checkpoint, declared, method)
     elif quantized and declared.layout == "none":
         yield RULES["quant-config-missing"].finding(
             "config.json",

@@ -51,6 +51,7 @@ from exportlm.export.onnx._legacy import (
 )
 from exportlm.export.onnx._past import check_kv_cache_options, torch_onnx_export
 from exportlm.export.onnx._qdq import check_quantized_export, qdq_refusal, quantized_graph
+from exportlm.export.onnx._serving import SERVING_FILES, check_serving_options
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -245,6 +246,8 @@ def export_onnx_target(
     external_data: bool | None = None,
     attention_mask: bool | None = None,
     kv_cache: bool = False,
+    layout: str = "file",
+    genai_config: bool = False,
 ) -> Path:
     """Export ``model`` to an ONNX file at ``output_path``; returns the path.
 
@@ -270,6 +273,11 @@ def export_onnx_target(
             for transformers models, whose masking needs it for the legacy exporter.
         kv_cache: export the past-key-values graph instead (``past_key_values.{i}.key`` ...
             in, ``logits`` and ``present.{i}.key`` ... out; see :mod:`._past`); dynamo only.
+        layout: ``"optimum"`` also writes ``config.json`` and ``generation_config.json``
+            beside the graph, the folder Optimum's ``ORTModelForCausalLM`` loads
+            (``kv_cache=True``, transformers models; see :mod:`._serving`).
+        genai_config: also write onnxruntime-genai's ``genai_config.json`` beside the graph
+            (``kv_cache=True``, transformers models).
 
     Raises:
         InvalidModelError / InvalidInputError: the model or inputs do not fit.
@@ -283,6 +291,7 @@ def export_onnx_target(
     _check_opset(opset)
     _check_dtypes(model)
     check_kv_cache_options(kv_cache, dynamo=dynamo, dynamic=dynamic, attention_mask=attention_mask)
+    check_serving_options(model, layout=layout, genai_config=genai_config, kv_cache=kv_cache)
     check_quantized_export(model, opset=opset, dynamo=dynamo)
     _require_exporter(dynamo)
     hint = (
@@ -299,13 +308,15 @@ def export_onnx_target(
         "attention_mask": attention_mask,
         "kv_cache": kv_cache,
     }
+    if layout != "file" or genai_config:  # recorded only when asked: older manifests stay equal
+        recorded.update(layout=layout, genai_config=genai_config)
     name = request.output_path.name
     with export_job(
         request,
         example_inputs,
         hint=hint,
         options=recorded,
-        companions=(f"{name}.data", f"{name}.*.data"),
+        companions=(f"{name}.data", f"{name}.*.data", *SERVING_FILES),
     ) as job:
         wrapper, args, names = _export_args(job, attention_mask)
         use_external = (
@@ -327,7 +338,7 @@ def export_onnx_target(
         ):
             if translations:
                 options["custom_translation_table"] = translations
-            torch_onnx_export(job, wrapper, args, options, kv_cache=kv_cache)  # see _past.py
+            torch_onnx_export(job, wrapper, args, options, recorded)  # see _past.py
         if not dynamo:
             if use_external:
                 consolidate_external_data(job.staged)

@@ -1,7 +1,9 @@
 """The ``onnx`` runtime: an ONNX artifact in onnxruntime, called as ``input_ids -> logits``.
 
 A past-key-values graph (exported with ``kv_cache=True``) loads as an
-:class:`OnnxGenerationRuntime`, which also has ``prefill`` and ``decode`` steps.
+:class:`OnnxGenerationRuntime`, which also has ``prefill`` and ``decode`` steps;
+it feeds the graph's ``attention_mask`` and ``position_ids`` inputs (when it has
+them) from the caller's padding mask, as Optimum does.
 
 onnxruntime is optional (the ``onnx`` extra): it is imported when an artifact
 is loaded, and :func:`load_onnx` raises :class:`~exportlm.errors.MissingDependencyError`
@@ -72,33 +74,40 @@ class OnnxRuntimeModel:
 _PAST_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
 
 
-def _past_layout(session: Any, path: Path) -> PastLayout:
-    """The layout of a past-key-values graph, read from its inputs (or InvalidModelError)."""
+#: Inputs a past-key-values graph may take between ``input_ids`` and the past, in order.
+_STEP_INPUTS = ("attention_mask", "position_ids")
+
+
+def _past_layout(session: Any, path: Path) -> tuple[PastLayout, tuple[str, ...]]:
+    """The layout of a past-key-values graph and its mask / position inputs (or InvalidModelError)."""
     inputs = session.get_inputs()
-    layers = (len(inputs) - 1) // 2
     names = [i.name for i in inputs]
-    expected = ["input_ids", *flat_past_names(layers, PAST_PREFIX)]
+    extra = tuple(n for n in _STEP_INPUTS if n in names)
+    past = inputs[1 + len(extra) :]
+    layers = len(past) // 2
+    expected = ["input_ids", *extra, *flat_past_names(layers, PAST_PREFIX)]
     outputs = [o.name for o in session.get_outputs()]
     heads: list[tuple[int, int]] = []
-    for value in inputs[1::2]:
+    for value in past[::2]:
         shape = value.shape
         if len(shape) == 4 and isinstance(shape[1], int) and isinstance(shape[3], int):
             heads.append((shape[1], shape[3]))
-    dtype = _PAST_DTYPES.get(inputs[1].type)
+    dtype = _PAST_DTYPES.get(past[0].type) if past else None
     if (
         names != expected
+        or extra == ("position_ids",)
         or outputs != ["logits", *flat_past_names(layers, PRESENT_PREFIX)]
         or len(heads) != layers
         or dtype is None
     ):
         raise InvalidModelError(
             f"{path}: graph inputs {names} and outputs {outputs} are not the past-key-values "
-            f"interface exportlm writes (input_ids, {PAST_PREFIX}.{{i}}.key/value "
-            f"[batch, kv_heads, past_sequence, head_dim] float -> logits, "
-            f"{PRESENT_PREFIX}.{{i}}.key/value); export with kv_cache=True, or run the file "
-            "with onnxruntime directly"
+            f"interface exportlm writes (input_ids, optionally attention_mask and position_ids, "
+            f"{PAST_PREFIX}.{{i}}.key/value [batch, kv_heads, past_sequence, head_dim] float -> "
+            f"logits, {PRESENT_PREFIX}.{{i}}.key/value); export with kv_cache=True, or run the "
+            "file with onnxruntime directly"
         )
-    return PastLayout(tuple(heads), dtype, "tuple", PAST_PREFIX)
+    return PastLayout(tuple(heads), dtype, "tuple", PAST_PREFIX), extra
 
 
 class OnnxGenerationRuntime(PastStepRuntime):
@@ -111,9 +120,10 @@ class OnnxGenerationRuntime(PastStepRuntime):
 
     def __init__(self, session: Any, path: Path) -> None:
         vocab = session.get_outputs()[0].shape[-1]
-        super().__init__(
-            _past_layout(session, path), "onnx", vocab if isinstance(vocab, int) else None
-        )
+        layout, extra = _past_layout(session, path)
+        super().__init__(layout, "onnx", vocab if isinstance(vocab, int) else None)
+        self.takes_mask = "attention_mask" in extra
+        self.takes_positions = "position_ids" in extra
         self.session = session
         self.path = path
         self._inputs = [i.name for i in session.get_inputs()]
@@ -122,10 +132,23 @@ class OnnxGenerationRuntime(PastStepRuntime):
     def _step(
         self, input_ids: torch.Tensor, past: list[torch.Tensor]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        arrays = [input_ids.cpu().numpy(), *(t.numpy() for t in past)]
+        return self._feed([input_ids, *past])
+
+    def _masked_step(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        extra = [attention_mask] + ([position_ids] if position_ids is not None else [])
+        return self._feed([input_ids, *extra, *past])
+
+    def _feed(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        arrays = [t.cpu().numpy() for t in tensors]
         outputs = self.session.run(self._outputs, dict(zip(self._inputs, arrays, strict=True)))
-        tensors = [torch.from_numpy(np.ascontiguousarray(o)) for o in outputs]
-        return tensors[0], tensors[1:]
+        results = [torch.from_numpy(np.ascontiguousarray(o)) for o in outputs]
+        return results[0], results[1:]
 
     def __repr__(self) -> str:
         return (
