@@ -311,3 +311,35 @@ def test_conformance_examples_are_checked(
     assert result.status == "fail"
     assert "example0.weight_scale holds NaN/inf" in result.message
     assert run("mro_match", name, tmp_path).status == "pass"
+
+
+def test_the_survey_memo_key_holds_the_registry_objects_not_their_ids() -> None:
+    from pytest_exportcheck.checks._survey import registry_state
+
+    state = registry_state()
+    assert state
+    assert not any(isinstance(part, int) for entry in state for part in entry)
+
+
+def test_the_survey_quantizes_each_model_once_per_services(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pytest_exportcheck.checks import _survey_quantize
+    from pytest_exportcheck.checks._services import CheckServices
+    from pytest_exportcheck.checks._survey import survey_of
+
+    models, recipes = ("llama", "decoder_tied"), ("fp8", "int8_wo")
+    seen: list[str] = []
+    real = _survey_quantize.quantize
+
+    def counting(model: Any, recipe: Any, calibrate: Any = None, **kwargs: Any) -> Any:
+        seen.append(f"{type(model).__name__}/{recipe}")
+        return real(model, recipe, calibrate, **kwargs)
+
+    monkeypatch.setattr(_survey_quantize, "quantize", counting)
+    services = CheckServices()
+    survey_of(models, 0, recipes, services=services)
+    survey_of(models, 0, recipes, services=services)  # remembered by the same services
+    assert len(seen) == len(models) * len(recipes)
+    survey_of(models, 0, recipes, services=CheckServices())  # a new services quantizes again
+    assert len(seen) == 2 * len(models) * len(recipes)

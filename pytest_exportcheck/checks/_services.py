@@ -18,11 +18,6 @@ It holds:
   writes): :meth:`memo`, keyed on values. A key holds the objects it names (a
   registry's exporters, a family's factory), never their ``id()``, so an entry
   cannot be served to another object that happens to reuse a collected one's address;
-* ``shared_dir``: a directory that the processes of a run, and later runs, share
-  (the plugin passes ``.pytest_cache/d/exportcheck/shared``; ``None``: nothing is
-  shared across processes). The quantization survey keeps the calibrated state of
-  its quantized toy models there (:mod:`._survey_store`), so that one process
-  calibrates each and the others read it back;
 * the current item's :class:`ItemProfile`: seconds per phase (``build``,
   ``export``, ``cache``, ``load``, ``compare``) and counts (``builds``,
   ``exports``, ``cache_hits``, ``cache_misses``), for ``--export-durations`` and
@@ -40,7 +35,6 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = ["PHASES", "CheckServices", "ItemProfile"]
@@ -118,15 +112,10 @@ class CheckServices:
 
     Args:
         build: ``(family, seed) -> nn.Module``; default: ``exportlm.models.build_model``.
-        shared_dir: the directory shared across processes and runs (see the module
-            docstring); ``None`` shares nothing beyond this object.
     """
 
-    def __init__(
-        self, build: Callable[[str, int], Any] | None = None, shared_dir: Path | None = None
-    ) -> None:
+    def __init__(self, build: Callable[[str, int], Any] | None = None) -> None:
         self._build = build
-        self.shared_dir = shared_dir
         self._models: dict[tuple[str, int], Any] = {}
         self._runtimes: OrderedDict[Hashable, Any] = OrderedDict()
         self._memo: dict[Hashable, Any] = {}

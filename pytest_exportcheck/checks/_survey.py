@@ -10,11 +10,9 @@ never modified.
 
 The survey is computed once per :class:`~._services.CheckServices` (the plugin
 has one per process) for a given registry state, model selection and seed (the
-exporter checks share it); the calibrated state of each quantized toy model is
-shared across processes and runs through ``services.shared_dir``
-(:mod:`._survey_store`), so one process calibrates it and the others read it back. Internal to
-:mod:`pytest_exportcheck.checks` (a documented internal module: the exporter,
-golden and generated checks read it through its public names).
+exporter checks share it), and each toy model x recipe is quantized once per
+services. Internal to :mod:`pytest_exportcheck.checks` (a documented internal
+module: the exporter, golden and generated checks read it through its public names).
 """
 
 from __future__ import annotations
@@ -236,7 +234,7 @@ def registry_state() -> tuple[Any, ...]:
     ensure_module_exporters_registered()
     entries = tuple((e.exporter, e.keys, e.predicate) for e in EXPORT_MODULE_REGISTRY.entries())
     names = tuple(
-        sorted(((e.name, e.obj) for e in MODULE_EXPORTER_REGISTRY.entries()), key=lambda p: p[0])
+        sorted(((e.name, e.obj) for e in EXPORT_MODULE_REGISTRY.entries()), key=lambda p: p[0])
     )
     return entries + names
 
