@@ -75,10 +75,11 @@ class MovesOnReregister(ExportModuleRegistry):
         *keys: Any,
         predicate: Any = None,
         prepend: bool = False,
+        **named: Any,
     ) -> ModuleExporter:
         if any(e.exporter is exporter for e in self.entries()):
             self.unregister(exporter)
-        return super().register(exporter, *keys, predicate=predicate, prepend=prepend)
+        return super().register(exporter, *keys, predicate=predicate, prepend=prepend, **named)
 
 
 class IgnoresPrepend(ExportModuleRegistry):
@@ -90,8 +91,9 @@ class IgnoresPrepend(ExportModuleRegistry):
         *keys: Any,
         predicate: Any = None,
         prepend: bool = False,
+        **named: Any,
     ) -> ModuleExporter:
-        return super().register(exporter, *keys, predicate=predicate)
+        return super().register(exporter, *keys, predicate=predicate, **named)
 
 
 class LastMatchWins(ExportModuleRegistry):
@@ -112,7 +114,7 @@ def _install(
     """What the checks see as the global dispatch registry: a ``registry_class`` with its entries."""
     broken = registry_class()
     for entry in EXPORT_MODULE_REGISTRY.entries():
-        broken.register(entry.exporter, *entry.keys, predicate=entry.predicate)
+        broken.register(entry.exporter, *entry.keys, predicate=entry.predicate, name=entry.name)
     assert broken.entries() == EXPORT_MODULE_REGISTRY.entries()  # same entries, other rules
     monkeypatch.setattr(survey_module, "EXPORT_MODULE_REGISTRY", broken)
     return broken
@@ -149,7 +151,7 @@ def test_a_registry_with_other_ordering_rules_fails_precedence(
     _install(monkeypatch, registry_class)
     result = run_precedence(tmp_path, name)
     assert result.status == "fail", result.message
-    assert "probe_quant [ProbeQuant]" in result.message  # names the entry
+    assert f"{name} [ProbeQuant]" in result.message  # names the entry as registered
     assert expected in result.message
 
 
