@@ -32,6 +32,11 @@ from exportlm.module_exporters._context import (
     TensorSink,
     qlora_saved_name,
 )
+from exportlm.module_exporters._default import (
+    EXPORT_MODULE_REGISTRY,
+    MODULE_EXPORTERS_GROUP,
+    ensure_module_exporters_registered,
+)
 from exportlm.module_exporters._driver import export_quantized_state
 from exportlm.module_exporters._experts import DbrxExpertsExporter
 from exportlm.module_exporters._exporters import (
@@ -52,7 +57,6 @@ from exportlm.module_exporters._registry import (
     validate_module_exporter,
 )
 from exportlm.module_exporters._ties import TieBook, resolve_tied_weights
-from exportlm.registry import load_entry_point_registry, once
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -92,26 +96,3 @@ __all__ = [
     "resolve_tied_weights",
     "validate_module_exporter",
 ]
-
-#: Entry-point group of third-party module exporters (public name, do not rename).
-MODULE_EXPORTERS_GROUP = "exportlm.module_exporters"
-
-#: The module-exporter registry: named entries in dispatch order (first match wins),
-#: used by :func:`export_quantized_state`, reports and the conformance suite.
-EXPORT_MODULE_REGISTRY = ExportModuleRegistry()
-
-
-@once
-def ensure_module_exporters_registered() -> None:
-    """Register the built-ins and load ``exportlm.module_exporters`` entry points (idempotent).
-
-    Built-ins go into :data:`EXPORT_MODULE_REGISTRY` in their documented order.
-    An entry-point exporter (a :class:`ModuleExporter` subclass or instance) is
-    registered under its entry-point name with the keys and predicate it
-    declares, appended (or prepended when its class sets ``prepend = True``). A
-    plugin that fails to load, or claims a taken name, is recorded
-    (``EXPORT_MODULE_REGISTRY.failed()``, ``.plugin_errors``) and warned about;
-    the others load.
-    """
-    register_builtin_module_exporters(EXPORT_MODULE_REGISTRY)
-    load_entry_point_registry(MODULE_EXPORTERS_GROUP, EXPORT_MODULE_REGISTRY, raise_errors=False)

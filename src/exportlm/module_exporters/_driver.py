@@ -14,6 +14,10 @@ from exportlm.module_exporters._context import (
     QuantExportSummary,
     TensorSink,
 )
+from exportlm.module_exporters._default import (
+    EXPORT_MODULE_REGISTRY,
+    ensure_module_exporters_registered,
+)
 from exportlm.module_exporters._registry import ExportModuleRegistry
 from exportlm.module_exporters._ties import tie_book
 from exportlm.quant import TensorQuantizer, is_quantized_module
@@ -61,11 +65,6 @@ def export_quantized_state(
     """
     checkpoint_layout(format)  # ValueError for an unknown layout, before any work
     if registry is None:
-        from exportlm.module_exporters import (
-            EXPORT_MODULE_REGISTRY,
-            ensure_module_exporters_registered,
-        )
-
         ensure_module_exporters_registered()
         registry = EXPORT_MODULE_REGISTRY
     ctx = ExportContext(

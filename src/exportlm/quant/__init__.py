@@ -13,7 +13,7 @@ recipe, to everything above.
 
 from exportlm.quant._awq import awq_margin
 from exportlm.quant._awq_search import PORTABLE_MARGIN
-from exportlm.quant._experts import experts_base
+from exportlm.quant._experts import experts_base, is_fused_experts
 from exportlm.quant._formats import dequantize, quantize_tensor
 from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
@@ -24,7 +24,6 @@ from exportlm.quant._modules import (
     QuantLinear,
     QuantModule,
     QuantMoELinear,
-    is_fused_experts,
     is_quantized_module,
 )
 from exportlm.quant._quantize import (

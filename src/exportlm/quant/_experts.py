@@ -40,6 +40,7 @@ __all__ = [
     "QuantLlama4Experts",
     "experts_base",
     "has_stacked_weights",
+    "is_fused_experts",
 ]
 
 
@@ -221,3 +222,10 @@ def experts_base(module: nn.Module) -> type[QuantExperts] | None:
 def has_stacked_weights(module: nn.Module) -> bool:
     """True for a module holding expert weights stacked in one 3-D (or higher) parameter."""
     return any(p.dim() >= 3 for p in _own_parameters(module).values())
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """True for experts stored as 3-D ``gate_up_proj`` and ``down_proj`` parameters that
+    have a quantized wrapper (transformers-5 Mixtral / Qwen-MoE / GptOss, Llama4)."""
+    base = experts_base(module)
+    return base is not None and base.stores_fused_parameters

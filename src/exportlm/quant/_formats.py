@@ -92,4 +92,4 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     This is exactly what the fake-quantized model computes with, so for every
     format ``dequantize(quantize_tensor(x, ...))`` equals the fake-quantized ``x``.
     """
-    return get_format(q.format).dequantize(q).to(dtype or q.dtype)
+    return q.dequantize(dtype)

@@ -28,7 +28,6 @@ __all__ = [
     "QuantLinear",
     "QuantMoELinear",
     "QuantModule",
-    "is_fused_experts",
     "is_quantized_module",
     "quant_experts_class",
     "smoothing_of",
@@ -138,16 +137,6 @@ class QuantEmbedding(QuantModule, nn.Embedding):
             self.scale_grad_by_freq,
             self.sparse,
         )
-
-
-def is_fused_experts(module: nn.Module) -> bool:
-    """True for experts stored as 3-D ``gate_up_proj`` and ``down_proj`` parameters that
-    have a quantized wrapper (transformers-5 Mixtral / Qwen-MoE / GptOss, Llama4)."""
-    # Imported here: the layouts' wrappers subclass the classes of this module.
-    from exportlm.quant._experts import experts_base
-
-    base = experts_base(module)
-    return base is not None and base.stores_fused_parameters
 
 
 class QuantExperts(QuantModule):

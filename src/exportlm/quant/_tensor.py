@@ -5,6 +5,11 @@ numeric kernels build :class:`QuantizedTensor` objects and derive their scales
 with :func:`safe_scale`, and the generic :func:`~exportlm.quant.quantize_tensor` /
 :func:`~exportlm.quant.dequantize` look the format up in the registry.
 
+The two members here that need a format's spec (``QuantFormat.maxbound`` and
+``QuantizedTensor.dequantize``) read it through :func:`install_format_lookup`:
+the registry passes its lookup in when it is built, so this module imports
+nothing of the registry or the specs above it (they import this module).
+
 Safe scales: an amax of zero (an all-zero tensor, an activation that was
 always zero) gives the scale ``1.0`` (logged at debug level), so no scale is
 ever zero and no division makes an inf or NaN; a NaN or infinite amax raises
@@ -15,7 +20,9 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -27,9 +34,11 @@ __all__ = [
     "INT4_MAX",
     "INT8_MAX",
     "FormatId",
+    "FormatKernels",
     "QuantFormat",
     "QuantizedTensor",
     "format_name",
+    "install_format_lookup",
     "safe_scale",
     "split_blocks",
 ]
@@ -61,10 +70,7 @@ class QuantFormat(str, enum.Enum):
     @property
     def maxbound(self) -> float:
         """The largest representable magnitude used to derive the scale."""
-        # Imported here: the registry's built-in specs import this module.
-        from exportlm.quant.formats import get_format
-
-        return get_format(self).maxbound
+        return _spec_of(self).maxbound
 
     def __str__(self) -> str:
         return self.value
@@ -104,10 +110,33 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dequantized tensor (see :func:`~exportlm.quant.dequantize`)."""
-        # Imported here: the generic dequantize reads the registry, which imports this module.
-        from exportlm.quant._formats import dequantize
+        return _spec_of(self.format).dequantize(self).to(dtype or self.dtype)
 
-        return dequantize(self, dtype)
+
+class FormatKernels(Protocol):
+    """What this module reads of a registered format (a :class:`~exportlm.quant.FormatSpec`)."""
+
+    @property
+    def maxbound(self) -> float: ...
+
+    @property
+    def dequantize(self) -> Callable[[QuantizedTensor], torch.Tensor]: ...
+
+
+#: The registry's lookup, passed in by :mod:`exportlm.quant.formats` when it is built
+#: (importing any part of :mod:`exportlm.quant` builds it first).
+_FORMAT_LOOKUP: list[Callable[[FormatId], FormatKernels]] = []
+
+
+def install_format_lookup(lookup: Callable[[FormatId], FormatKernels]) -> None:
+    """Make ``lookup`` (the format registry's ``get_format``) the one this module reads."""
+    _FORMAT_LOOKUP[:] = [lookup]
+
+
+def _spec_of(fmt: FormatId) -> FormatKernels:
+    if not _FORMAT_LOOKUP:  # unreachable through the package: its __init__ builds the registry
+        raise RuntimeError("exportlm.quant.formats is not imported: no format registry yet")
+    return _FORMAT_LOOKUP[0](fmt)
 
 
 def safe_scale(amax: torch.Tensor, divisor: float, *, where: str) -> torch.Tensor:

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Iterator
 
 from exportlm.errors import RegistryConflictError, UnknownNameError
-from exportlm.quant._tensor import FormatId, format_name
+from exportlm.quant._tensor import FormatId, format_name, install_format_lookup
 from exportlm.quant.formats._fp8 import FP8
 from exportlm.quant.formats._int4 import INT4
 from exportlm.quant.formats._int8 import INT8
@@ -152,3 +152,5 @@ def activation_leaf_names() -> tuple[str, ...]:
 
 for _spec in BUILTIN_FORMATS:
     register_format(_spec, builtin=True)
+# QuantFormat.maxbound and QuantizedTensor.dequantize (below the specs) read specs here.
+install_format_lookup(get_format)
