@@ -390,3 +390,10 @@ def test_one_toy_model_build_per_item(monkeypatch: pytest.MonkeyPatch) -> None:
     result = run_check("roundtrip_logits", target="onnx", model="decoder")
     assert result.status == "pass", result.message
     assert builds == ["decoder"]
+
+
+def test_the_plugin_version_is_the_distribution_version() -> None:
+    import exportlm
+    import pytest_exportcheck
+
+    assert pytest_exportcheck.__version__ == exportlm.__version__

@@ -253,6 +253,14 @@ def test_no_interpreter_says_how_to_give_one(tmp_path: Path) -> None:
     assert "--export-engine fake=PATH" in found.reason
 
 
+def test_a_dotted_engine_module_whose_package_is_missing_has_no_interpreter(
+    tmp_path: Path,
+) -> None:
+    found = find_interpreter(_fake(tmp_path, module="exportlm_no_such_pkg.runtime"), environ={})
+    assert found.path is None
+    assert "exportlm_no_such_pkg.runtime does not import" in found.reason
+
+
 def test_engine_options_parse_name_equals_path() -> None:
     assert parse_engine_options(["vllm=/opt/v/bin/python", "openvino = /x"]) == {
         "vllm": "/opt/v/bin/python",

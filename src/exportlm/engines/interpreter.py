@@ -82,7 +82,7 @@ def find_interpreter(
         return Interpreter(_resolve(eng, overrides[eng.name], where), "option", where)
     if env.get(var):
         return Interpreter(_resolve(eng, env[var], var), "env", var)
-    if importlib.util.find_spec(eng.module) is not None:
+    if _importable(eng.module):
         return Interpreter(Path(sys.executable), "current", f"{eng.module} imports here")
     hint = f"; {eng.notes}" if eng.notes else ""
     return Interpreter(
@@ -91,6 +91,14 @@ def find_interpreter(
         f"{eng.module} does not import in {sys.executable} and neither {var} nor "
         f"--export-engine {eng.name}=PATH names an interpreter{hint}",
     )
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` is found here, without importing it (a missing parent is no)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # find_spec("a.b") imports "a", which may be absent
+        return False
 
 
 def parse_engine_options(values: Iterable[str]) -> dict[str, str]:
