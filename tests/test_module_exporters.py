@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from exportlm.errors import TiedWeightsError, UnclaimedModuleError, UnsupportedFormatError
+from exportlm.errors import TiedWeightsError, UnclaimedModuleError
 from exportlm.export import make_input_ids
 from exportlm.export.hf_checkpoint.configs import CheckpointQuantization
 from exportlm.models import DecoderModel, IterableMoEModel, tiny_hf_model
