@@ -17,7 +17,14 @@ from exportlm.inspection._declared import Declared, LayerScheme
 from exportlm.inspection._files import FLOAT_SCALE_DTYPES, Checkpoint, safetensors_dtype
 from exportlm.inspection._header import TensorInfo
 from exportlm.inspection._rules import RULES, Finding
-from exportlm.quant.formats import FormatSpec, Leaf, formats, scale_leaf_names
+from exportlm.quant.formats import (
+    CHECKPOINT_LAYOUTS,
+    FormatSpec,
+    Leaf,
+    LeafCodec,
+    formats,
+    scale_leaf_names,
+)
 
 __all__ = ["QuantizedLayer", "layer_findings", "modules_of", "quantized_layers"]
 
@@ -61,13 +68,30 @@ def _weight_scale_names() -> set[str]:
     return {leaf.name for spec in formats() for leaf in spec.weight_leaves if leaf.source != "data"}
 
 
+def _codec_codes() -> set[str]:
+    """The codes leaves layouts store under their own names (``weight_packed``)."""
+    return {
+        codec.codes.name
+        for spec in formats()
+        for layout in CHECKPOINT_LAYOUTS.values()
+        if (codec := layout.codec(spec)) is not None
+    }
+
+
+def _codec(spec: FormatSpec, declared: Declared) -> LeafCodec | None:
+    layout = CHECKPOINT_LAYOUTS.get(declared.layout)
+    return layout.codec(spec) if layout is not None else None
+
+
 def quantized_layers(checkpoint: Checkpoint, declared: Declared) -> list[QuantizedLayer]:
     """Every quantized module of ``checkpoint`` with its format (see the module docstring)."""
-    codes, scales = _code_dtypes(), _weight_scale_names()
+    codes, scales, packed = _code_dtypes(), _weight_scale_names(), _codec_codes()
     found: list[QuantizedLayer] = []
     for module, leaves in sorted(modules_of(checkpoint).items()):
         weight = leaves.get("weight")
-        if weight is None or not (weight.dtype in codes or scales & set(leaves)):
+        # a layout's own codes leaf (compressed-tensors' weight_packed) marks a quantized layer
+        native = weight is not None and (weight.dtype in codes or bool(scales & set(leaves)))
+        if not (native or packed & set(leaves)):
             continue
         scheme = declared.scheme(module)
         spec = scheme.spec if scheme is not None else _fitting_spec(leaves)
@@ -77,6 +101,8 @@ def quantized_layers(checkpoint: Checkpoint, declared: Declared) -> list[Quantiz
 
 def _fitting_spec(leaves: Mapping[str, TensorInfo]) -> FormatSpec | None:
     """The one registered format whose code dtype and weight leaves ``leaves`` store."""
+    if "weight" not in leaves:
+        return None
     fits = [
         spec
         for spec in formats()
@@ -108,7 +134,43 @@ def layer_findings(checkpoint: Checkpoint, declared: Declared) -> Iterator[Findi
     yield from _stray_scales(checkpoint, {layer.module for layer in layers})
 
 
+def _codec_layer(layer: QuantizedLayer, spec: FormatSpec, codec: LeafCodec) -> Iterator[Finding]:
+    """A layer stored in a layout's own names: its stored leaves present, in their dtypes.
+
+    Shapes are not checked here (the logical shape is a stored value, ``weight_shape``);
+    the loader checks them when it decodes the layer.
+    """
+    for leaf in codec.weights:
+        info = layer.leaves.get(leaf.name)
+        expected = safetensors_dtype(leaf.dtype)
+        if info is None:
+            yield RULES["scale-missing"].finding(
+                f"{layer.module}.{leaf.name}",
+                f"{layer.module} is quantized as {spec.name} but stores no {leaf.name} (the "
+                "layout stores it for every quantized weight); loaders fail on the missing "
+                "parameter. Export the layer with all of its tensors",
+                format=spec.name,
+            )
+            continue
+        # compressed-tensors stores float scales in the model's dtype (bf16 / fp16 / fp32)
+        floats = leaf.kind == "scale" and leaf.dtype.is_floating_point and leaf.dtype.itemsize == 4
+        allowed = FLOAT_SCALE_DTYPES if floats else {expected}
+        if info.dtype not in allowed:
+            rule = "weight-dtype" if leaf.kind == "codes" else "scale-dtype"
+            yield RULES[rule].finding(
+                info.name,
+                f"{info.name} is stored as {info.dtype}; format {spec.name!r} in this layout "
+                f"stores {leaf.name} as {' or '.join(sorted(allowed))}. Kernels read its raw bytes",
+                stored=info.dtype,
+                expected=sorted(allowed),
+            )
+
+
 def _layer(layer: QuantizedLayer, spec: FormatSpec, declared: Declared) -> Iterator[Finding]:
+    codec = _codec(spec, declared)
+    if codec is not None and codec.codes.name in layer.leaves:
+        yield from _codec_layer(layer, spec, codec)
+        return
     weight = layer.leaves["weight"]
     expected = safetensors_dtype(spec.stored_dtype)
     if weight.dtype != expected:

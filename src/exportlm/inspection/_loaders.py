@@ -92,8 +92,9 @@ _VLLM_MODELOPT = (
     "MIXED_PRECISION",
 )  # fmt: skip
 _CT_INSTEAD = (
-    "vLLM runs integer weights in the compressed-tensors layout (W8A8 int8, WNA16 "
-    "pack-quantized): export with format='compressed-tensors' for a recipe it supports"
+    "vLLM runs integer weights in the compressed-tensors layout: export with "
+    "format='compressed-tensors' (INT4 AWQ as W4A16 pack-quantized, served by its CPU build; "
+    "INT8 weight-only as W8A16 pack-quantized, GPU only: the CPU WNA16 kernel takes 4-bit)"
 )
 
 #: Engine support by (producer, quant_method, algorithm / scheme), read from each engine's
