@@ -131,6 +131,12 @@ class CheckpointLayout:
                     f"format {spec.name!r} in the {self.name} layout stores {missing}; got only "
                     f"{sorted(leaves)}"
                 )
+            codes = leaves[codec.codes.name]
+            if codes.dtype != codec.codes.dtype:
+                raise UnsupportedFormatError(
+                    f"format {spec.name!r} in the {self.name} layout stores {codec.codes.name!r} "
+                    f"as {codec.codes.dtype}, got {codes.dtype}; the tensor is not in this format"
+                )
             leaves = codec.decode(leaves)
         return spec.from_leaves(leaves)
 
