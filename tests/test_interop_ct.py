@@ -18,12 +18,13 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
 
 import exportlm
 from exportlm.models import tiny_hf_model
 from exportlm.quant import dequantize, quantize
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, get_format
+from tests.test_interop import _calibration_batch as _batch
+from tests.test_interop import _tensors
 
 pytestmark = pytest.mark.interop
 
@@ -37,19 +38,6 @@ RECIPES: dict[str, tuple[str, list[str] | None]] = {
 }
 LAYOUT = CHECKPOINT_LAYOUTS["compressed-tensors"]
 LOGITS_ATOL = 1e-4
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118
-                out[key] = f.get_tensor(key)
-    return out
-
-
-def _batch(vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
 def _export(recipe: str, out: Path) -> tuple[torch.nn.Module, Path]:
