@@ -39,7 +39,7 @@ from exportlm.engines.reference import (
 from exportlm.engines.registry import get_engine
 from exportlm.engines.run import run_engine
 from exportlm.engines.spec import Engine, Match, Verdict
-from exportlm.engines.tolerances import MIN_MARGIN, Tolerance, tolerance_for
+from exportlm.engines.tolerances import Tolerance, tolerance_for
 from exportlm.errors import EngineError, EngineUnavailableError
 
 __all__ = [
@@ -96,6 +96,7 @@ class Served:
         engine_error: the engine's own error text when it refused, crashed or timed out.
         tolerance_evidence: where the tolerance comes from (a measurement).
         seconds: the worker's load / generate / score times.
+        table_version: the engine version its support table was read from.
     """
 
     engine: str
@@ -114,6 +115,13 @@ class Served:
     engine_error: str = ""
     tolerance_evidence: str = ""
     seconds: Mapping[str, float] = field(default_factory=dict)
+    table_version: str = ""
+
+    @property
+    def off_table(self) -> bool:
+        """Whether the engine that answered is not the version its support table was read from."""
+        found = self.engine_version
+        return bool(self.table_version and found and found != self.table_version)
 
     @property
     def ok(self) -> bool:
@@ -143,6 +151,7 @@ class Served:
             "gap_at": list(self.gap_at) if self.gap_at else None,
             "tokens_equal": self.tokens_equal,
             "diverges": list(self.diverges) if self.diverges else None,
+            "table_version": self.table_version,
             "message": self.message,
         }
 
@@ -313,6 +322,7 @@ def serve_and_compare(
         Outcome.FAILED,
         job.match.verdict,
         "",
+        table_version=job.engine.table_version,
     )
     if tol is None:
         return replace(
@@ -321,7 +331,7 @@ def serve_and_compare(
             "(exportlm.engines.tolerances.TOLERANCES); pass tolerance=",
         )
     if prompts is None:
-        prompts = choose_prompts(model, min_margin=max(MIN_MARGIN, 2 * tol.atol))
+        prompts = choose_prompts(model, min_margin=2 * tol.atol)
     ref = eager_reference(model, prompts, new_tokens)
     hints = options
     if hints is None and job.match.row is not None and job.match.row.hints:
