@@ -7,7 +7,8 @@ artifact, :func:`exportlm.engines.artifact_kind`):
 
 * a checkpoint directory: the plain export, and for a target declaring ``quantized``
   each of :data:`QUANTIZED` (format, recipe), exported from the fake-quantized model
-  (transformers, vLLM);
+  (transformers, vLLM); on ``--export-device=cuda`` :data:`QUANTIZED_CUDA` instead,
+  vLLM's GPU-only FP8 / NVFP4 paths, in bfloat16 (``benchmarks/gpu/check.sh``);
 * an ``.onnx`` file: the plain graph (OpenVINO), and for a target declaring
   ``kv_cache`` the ``kv_cache=True`` graph in Optimum's folder with
   ``genai_config.json`` (``layout="optimum", genai_config=True``: Optimum ONNX Runtime,
@@ -51,12 +52,25 @@ from pytest_exportcheck.checks._support import (
 )
 from pytest_exportcheck.checks.targets.checkpoint import quantized_toy
 
-__all__ = ["KV_SERVING", "QUANTIZED", "SERVED_FAMILIES", "served"]
+__all__ = ["CUDA_DTYPE", "KV_SERVING", "QUANTIZED", "QUANTIZED_CUDA", "SERVED_FAMILIES", "served"]
 
 #: The families served: a dense one and an MoE one (both in every engine's measured rows).
 SERVED_FAMILIES = ("llama", "qwen3_moe")
 #: (checkpoint format, recipe) of the quantized checkpoints served besides the plain one.
 QUANTIZED: tuple[tuple[str, str], ...] = (("compressed-tensors", "fp8"), ("modelopt", "int8_wo"))
+#: On a CUDA device, instead: vLLM's GPU-only FP8 / NVFP4 paths, computed in bfloat16
+#: (vLLM 0.32's ModelOpt configs take bfloat16 / float16 activations only:
+#: vllm/model_executor/layers/quantization/modelopt.py, get_supported_act_dtypes).
+QUANTIZED_CUDA: tuple[tuple[str, str], ...] = (
+    ("modelopt", "fp8"),
+    ("compressed-tensors", "fp8"),
+    ("modelopt", "nvfp4"),
+)
+#: The compute dtype the quantized checkpoints are served in on a CUDA device.
+CUDA_DTYPE = "bfloat16"
+#: ``initializer_range`` of the models served in bfloat16: the default init gives top-2
+#: margins of ~1e-3, which bfloat16 rounding can swap; 0.3 gives clear winners.
+SHARP_INIT = 0.3
 #: The export options of the kv_cache graph the ONNX Runtime engines load.
 KV_SERVING = {"kv_cache": True, "layout": "optimum", "genai_config": True}
 
@@ -66,6 +80,7 @@ class _Artifact:
     label: str
     path: Path
     model: nn.Module
+    dtype: str | None = None  # None: the artifact's own
 
 
 def _engines_for(path: Path) -> list[Engine]:
@@ -81,17 +96,33 @@ def _engines_for(path: Path) -> list[Engine]:
     ]
 
 
+def _sharp(case: TargetCase, name: str, recipe: str) -> nn.Module:
+    """The family with :data:`SHARP_INIT` weights, fake-quantized with ``recipe``."""
+    from exportlm.errors import UnsupportedFormatError
+    from exportlm.models import tiny_hf_model
+    from exportlm.quant import quantize
+
+    model: nn.Module = tiny_hf_model(name, seed=case.seed, initializer_range=SHARP_INIT)
+    model = model.to(case.device)
+    try:
+        quantized: nn.Module = quantize(model, recipe)
+    except UnsupportedFormatError as err:
+        raise CheckAbort(CheckResult.skipped(f"{recipe} does not fit {name!r}: {err}")) from err
+    return quantized
+
+
 def _quantized(case: TargetCase, name: str) -> Iterator[_Artifact]:
-    for layout, recipe in QUANTIZED:
+    cuda = case.device.startswith("cuda")
+    for layout, recipe in QUANTIZED_CUDA if cuda else QUANTIZED:
         try:
-            model = quantized_toy(case, name, recipe)
+            model = _sharp(case, name, recipe) if cuda else quantized_toy(case, name, recipe)
         except CheckAbort as abort:
             if abort.result.status == "skip":
                 continue  # the recipe does not fit this family
             raise
         where = case.workdir / "served" / f"{layout}-{recipe}"
         path = export_instance(case, model, where, format=layout)
-        yield _Artifact(f"{layout} {recipe}", path, model)
+        yield _Artifact(f"{layout} {recipe}", path, model, CUDA_DTYPE if cuda else None)
 
 
 def _artifacts(case: TargetCase, name: str) -> Iterator[_Artifact]:
@@ -142,7 +173,12 @@ def served(case: TargetCase) -> CheckResult:
     for artifact in _artifacts(case, name):
         for engine in _engines_for(artifact.path):
             got = serve_and_compare(
-                engine, artifact.path, artifact.model, overrides=overrides, device=case.device
+                engine,
+                artifact.path,
+                artifact.model,
+                dtype=artifact.dtype,
+                overrides=overrides,
+                device="cuda" if case.device.startswith("cuda") else "cpu",
             )
             results.append((artifact.label, got))
     if not results:
