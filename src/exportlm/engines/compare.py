@@ -246,6 +246,7 @@ def _declared(served: Served, match: Match, err: EngineError | None, got: Served
         return replace(
             served,
             outcome=Outcome.FAILED,
+            engine_version=err.version,
             engine_error=detail,
             message=f"the table says {match.reason} (message {expected!r}), but "
             f"{served.engine} {err.version} says: {detail}",
