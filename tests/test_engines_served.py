@@ -1,60 +1,42 @@
-"""Our artifacts served by the real engines, each in its own interpreter.
+"""Our artifacts served by the real engines, each in its own interpreter, through
+:func:`exportlm.engines.serve_and_compare` (the ``served`` check's comparison).
 
 Each engine's interpreter comes from ``EXPORTLM_ENGINE_<NAME>`` (``make test-engines``
 passes the venvs ``make engines`` builds) or from this interpreter where the engine
 imports; otherwise the test skips and says to run ``make engines``.
 
 The eager reference is the toy model itself (the fake-quantized model for a quantized
-checkpoint), run in this process one unpadded row at a time. Prompts are chosen so that
-the eager top-2 margin at every greedy step is well above what the stated tolerance
-could swap (no near-ties); the engines get them as one left-padded batch.
+checkpoint), each prompt alone and unpadded; the engines get one left-padded batch of
+3 prompts (3, 7 and 12 tokens) chosen without near-ties, 8 new tokens.
 """
 
 from __future__ import annotations
 
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import exportlm
 from exportlm.engines import (
-    EngineRefusedError,
-    EngineRequest,
-    EngineResult,
+    MIN_MARGIN,
+    Outcome,
+    Served,
     Verdict,
     artifact_kind,
+    choose_prompts,
     find_interpreter,
     get_engine,
-    run_engine,
+    serve_and_compare,
 )
 from exportlm.models import tiny_hf_model
 from exportlm.quant import quantize
 
-NEW_TOKENS = 8
-PROMPT_LENGTHS = (3, 7, 12)
 #: Larger weights than the family default, so the toy's next-token distribution has
 #: clear winners (default init: top-2 margins of 1e-3 that bf16 rounding can swap).
 OVERRIDES = {"initializer_range": 0.3}
-
-#: The smallest eager top-2 logit margin a prompt's greedy decoding may have: below it,
-#: bf16 rounding (the loosest dtype here) could swap the top two tokens.
-MIN_MARGIN = 0.2
-
-#: Max |engine - eager| of a teacher-forced log-probability, per engine and dtype
-#: (measured maxima are in docs/engines.md; these leave headroom).
-LOGPROB_ATOL = {
-    ("vllm", "float32"): 1e-4,
-    # bf16 compute against float32 eager on the same bf16 weights: 0.161 measured at
-    # this weight scale (8 mantissa bits on logits of magnitude ~10), tokens still equal.
-    ("vllm", "bfloat16"): 0.25,
-    ("transformers", "float32"): 1e-4,
-    ("openvino", "float32"): 1e-4,
-}
 
 
 def _python(name: str, *imports: str) -> Path:
@@ -72,54 +54,29 @@ def _python(name: str, *imports: str) -> Path:
     return found.path
 
 
-@dataclass(frozen=True)
-class Eager:
-    """The eager model's greedy tokens, teacher-forced log-probs and smallest top-2 margin."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    margin: float
-
-
-@torch.no_grad()
-def _eager(model: torch.nn.Module, prompts: list[list[int]]) -> Eager:
-    tokens, logprobs, margin = [], [], float("inf")
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        lp = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
-        logprobs.append([float(lp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)])
-        row = list(prompt)
-        for _ in range(NEW_TOKENS):
-            last = model(torch.tensor([row])).logits[0, -1].double()
-            top = torch.topk(last, 2).values
-            margin = min(margin, float(top[0] - top[1]))
-            row.append(int(last.argmax()))
-        tokens.append(row[len(prompt) :])
-    return Eager(tokens, logprobs, margin)
-
-
-def _prompts(model: torch.nn.Module, min_margin: float) -> list[list[int]]:
-    """One prompt per length: the first seeded draw whose greedy decoding has no near-tie."""
-    rng = np.random.default_rng(19)
-    chosen = []
-    for length in PROMPT_LENGTHS:
-        for _ in range(100):
-            prompt = rng.integers(3, 256, size=length).tolist()
-            if _eager(model, [prompt]).margin > min_margin:
-                chosen.append(prompt)
-                break
-        else:
-            raise AssertionError(f"no prompt of length {length} without a near-tie")
-    return chosen
-
-
 def _model() -> torch.nn.Module:
-    return tiny_hf_model("llama", seed=0, **OVERRIDES)
+    return tiny_hf_model("llama", seed=0, **OVERRIDES).eval()
+
+
+def _bf16_model() -> torch.nn.Module:
+    """The eager model of a bf16 checkpoint: its bf16-rounded weights, computed in float32."""
+    model = _model()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    return model
+
+
+def _fake_quant(recipe: str) -> torch.nn.Module:
+    model = _model()
+    quantize(model, recipe)
+    return model
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    return _prompts(_model(), MIN_MARGIN)
+    """Prompts whose eager greedy steps all have a top-2 margin above MIN_MARGIN (bf16-safe)."""
+    return choose_prompts(_model(), min_margin=MIN_MARGIN)
 
 
 @pytest.fixture(scope="module")
@@ -149,38 +106,23 @@ def _export(kind: str, out: Path) -> Path:
     return exportlm.export_model("hf_checkpoint", model, out, format=layout)
 
 
-def _serve(engine: str, path: Path, prompts: list[list[int]], dtype: str | None) -> EngineResult:
-    request = EngineRequest.left_padded(prompts, max_new_tokens=NEW_TOKENS, dtype=dtype)
-    return run_engine(engine, path, request)
+def _passed(got: Served) -> float:
+    assert got.outcome is Outcome.PASSED, got.message
+    assert got.tokens_equal
+    assert got.max_gap is not None
+    assert got.atol is not None
+    assert got.max_gap <= got.atol
+    print(f"{got.engine} {got.engine_version} {got.kind}: {got.message}")
+    return got.max_gap
 
 
-def _assert_matches(result: EngineResult, eager: Eager, atol: float) -> float:
-    """Tokens equal row by row, log-probs within ``atol``; returns the largest difference."""
-    for row, (got, want) in enumerate(zip(result.tokens, eager.tokens)):
-        diverge = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)
-        assert diverge is None, (
-            f"{result.engine} {result.engine_version}: row {row} diverges at new token "
-            f"{diverge}: {got} != eager {want}"
+def _same_version_as_the_table(got: Served) -> None:
+    """A table row is about the version it was read from; another version is not checked."""
+    if got.off_table:
+        pytest.skip(
+            f"{got.engine}'s table was read from {got.table_version}; found "
+            f"{got.engine_version}: `make engines`"
         )
-    worst = max(
-        (
-            abs(g - w)
-            for got, want in zip(result.logprobs, eager.logprobs)
-            for g, w in zip(got, want)
-        ),
-        default=0.0,
-    )
-    assert worst <= atol, f"{result.engine} {result.engine_version}: logprobs {worst:.3g} off"
-    return worst
-
-
-def _bf16_model() -> torch.nn.Module:
-    """The eager model of a bf16 checkpoint: its bf16-rounded weights, computed in float32."""
-    model = _model()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(param.to(torch.bfloat16).float())
-    return model
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -188,35 +130,17 @@ def test_vllm_serves_our_plain_checkpoint(
     dtype: str, prompts: list[list[int]], artifacts: Callable[..., Path]
 ) -> None:
     _python("vllm")
-    kind, eager_model = ("fp32", _model()) if dtype == "float32" else ("bf16", _bf16_model())
-    result = _serve("vllm", artifacts(kind), prompts, dtype)
-    assert result.engine_version == get_engine("vllm").table_version
-    worst = _assert_matches(result, _eager(eager_model, prompts), LOGPROB_ATOL["vllm", dtype])
-    print(f"vllm {dtype}: max |logprob diff| {worst:.3g}, seconds {result.seconds}")
+    kind, eager = ("fp32", _model()) if dtype == "float32" else ("bf16", _bf16_model())
+    got = serve_and_compare("vllm", artifacts(kind), eager, prompts=prompts, dtype=dtype)
+    assert got.engine_version == get_engine("vllm").table_version
+    _passed(got)
 
 
 def test_transformers_serves_our_plain_checkpoint(
     prompts: list[list[int]], artifacts: Callable[..., Path]
 ) -> None:
     _python("transformers")
-    result = _serve("transformers", artifacts("fp32"), prompts, "float32")
-    worst = _assert_matches(
-        result, _eager(_model(), prompts), LOGPROB_ATOL["transformers", "float32"]
-    )
-    print(f"transformers fp32: max |logprob diff| {worst:.3g}")
-
-
-def _same_version_as_the_table(version: str | None, engine: str) -> None:
-    """A table row is about the version it was read from; another version is not checked."""
-    table = get_engine(engine).table_version
-    if version != table:
-        pytest.skip(f"{engine}'s table was read from {table}; found {version}: `make engines`")
-
-
-def _fake_quant(recipe: str) -> torch.nn.Module:
-    model = _model()
-    quantize(model, recipe)
-    return model
+    _passed(serve_and_compare("transformers", artifacts("fp32"), _model(), prompts=prompts))
 
 
 def test_transformers_serves_our_compressed_tensors_fp8_checkpoint(
@@ -227,23 +151,20 @@ def test_transformers_serves_our_compressed_tensors_fp8_checkpoint(
         get_engine("transformers").support("hf_checkpoint", "compressed-tensors", "FP8").verdict
         is Verdict.RUNS
     )
-    result = _serve("transformers", artifacts("compressed-tensors/fp8"), prompts, "float32")
-    eager = _eager(_fake_quant("fp8"), prompts)
-    worst = _assert_matches(result, eager, LOGPROB_ATOL["transformers", "float32"])
-    print(f"transformers compressed-tensors FP8: max |logprob diff| {worst:.3g}")
+    path = artifacts("compressed-tensors/fp8")
+    _passed(serve_and_compare("transformers", path, _fake_quant("fp8"), prompts=prompts))
 
 
 def test_transformers_misreads_a_modelopt_fp8_checkpoint_as_its_table_says(
     prompts: list[list[int]], artifacts: Callable[..., Path]
 ) -> None:
     _python("transformers")
-    match = get_engine("transformers").support("hf_checkpoint", "modelopt", "FP8")
-    assert match.verdict is Verdict.MISREADS
-    result = _serve("transformers", artifacts("modelopt/fp8"), prompts, "float32")
-    _same_version_as_the_table(result.engine_version, "transformers")
-    eager = _eager(_fake_quant("fp8"), prompts)
-    worst = max(abs(g - w) for r, e in zip(result.logprobs, eager.logprobs) for g, w in zip(r, e))
-    assert worst > 0.05, f"transformers now reads ModelOpt FP8 ({worst:.3g} off): update its table"
+    path = artifacts("modelopt/fp8")
+    got = serve_and_compare("transformers", path, _fake_quant("fp8"), prompts=prompts)
+    _same_version_as_the_table(got)
+    assert got.outcome is Outcome.MISREADS, got.message
+    assert got.max_gap is not None
+    assert got.max_gap > 0.05, f"transformers now reads ModelOpt FP8: update its table ({got})"
 
 
 def test_openvino_serves_our_plain_onnx_with_its_stated_hints(
@@ -253,10 +174,8 @@ def test_openvino_serves_our_plain_onnx_with_its_stated_hints(
     match = get_engine("openvino").support("onnx", "plain")
     assert match.verdict is Verdict.RUNS
     assert match.row is not None
-    request = EngineRequest.left_padded(prompts, max_new_tokens=NEW_TOKENS, options=match.row.hints)
-    result = run_engine("openvino", artifacts("onnx"), request)
-    worst = _assert_matches(result, _eager(_model(), prompts), LOGPROB_ATOL["openvino", "float32"])
-    print(f"openvino plain ONNX: max |logprob diff| {worst:.3g}, notes {result.notes}")
+    assert match.row.hints  # the comparison sends the row's hints
+    _passed(serve_and_compare("openvino", artifacts("onnx"), _model(), prompts=prompts))
 
 
 #: (layout, recipe, the support-table scheme) of the checkpoints vLLM CPU does not serve.
@@ -274,25 +193,18 @@ def test_vllm_cpu_does_what_its_table_says_with_our_quantized_checkpoints(
     layout: str, recipe: str, scheme: str, prompts: list[list[int]], artifacts: Callable[..., Path]
 ) -> None:
     _python("vllm")
-    match = get_engine("vllm").support(
-        "hf_checkpoint", layout, scheme, dtype="float32", device="cpu"
-    )
+    match = get_engine("vllm").support("hf_checkpoint", layout, scheme, device="cpu")
     assert match.verdict in (Verdict.REFUSED, Verdict.ENGINE_LIMIT)
-    assert match.row is not None
-    refusal: EngineRefusedError | None = None
-    try:
-        served = _serve("vllm", artifacts(f"{layout}/{recipe}"), prompts, None)
-    except EngineRefusedError as err:
-        refusal = err
-    if refusal is None:
-        _same_version_as_the_table(served.engine_version, "vllm")
-        pytest.fail(f"vllm served {layout} {scheme}, but its table says {match.verdict.value}")
-    print(f"vllm {layout} {scheme}: {refusal.detail}")
-    _same_version_as_the_table(refusal.version, "vllm")
-    assert refusal.stage == "load"
-    assert match.row.message in refusal.detail, (
-        f"vllm {refusal.version} says something else now; update its table: {refusal.detail}"
-    )
+    path = artifacts(f"{layout}/{recipe}")
+    # bfloat16: vLLM's ModelOpt configs refuse float32 activations at config validation.
+    got = serve_and_compare("vllm", path, _fake_quant(recipe), prompts=prompts, dtype="bfloat16")
+    _same_version_as_the_table(got)
+    print(f"vllm {layout} {scheme}: {got.outcome.value}: {got.engine_error}")
+    # The comparison holds the engine's words against the table's message: another
+    # message, or a load that now works, is a FAILED outcome naming both.
+    assert got.declared, got.message
+    assert got.outcome.value == match.verdict.value
+    assert got.engine_error
 
 
 @pytest.mark.parametrize(
@@ -311,9 +223,6 @@ def test_an_artifact_is_named_in_the_terms_of_the_support_tables(
 ) -> None:
     found = artifact_kind(artifacts(kind))
     assert (found.target, found.layout, found.scheme, found.dtype) == expected
-    verdict = (
-        get_engine("vllm")
-        .support(found.target, found.layout, found.scheme, dtype=found.dtype)
-        .verdict
-    )
-    assert verdict is not Verdict.UNKNOWN or found.target == "onnx"
+    engine = "openvino" if found.target == "onnx" else "vllm"
+    match = get_engine(engine).support(found.target, found.layout, found.scheme, dtype=found.dtype)
+    assert match.verdict is not Verdict.UNKNOWN

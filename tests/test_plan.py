@@ -211,6 +211,8 @@ def test_case_options_are_typed_and_read_as_a_mapping() -> None:
         "device": "cuda",
         "require_device": True,
         "expected_failure": "known",
+        "engines": (),
+        "require_engines": False,
     }
     assert case_options(("a", "b"), None) == CaseOptions("a,b", "cpu")
     assert options.get("nope") is None

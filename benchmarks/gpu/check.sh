@@ -10,8 +10,13 @@
 # limit, default 280), WORKERS (xdist workers, default 4; 0 runs in-process),
 # OUT (report directory, default a new temporary directory), DEVICE (default
 # cuda; DEVICE=cpu runs the same subset on the CPU, a dry run of this script).
-# Exit status: pytest's (0 all passed), 2 when this python cannot run CUDA,
-# 124 when pytest ran past BUDGET_S.
+# VLLM_PYTHON (default $EXPORTLM_ENGINE_VLLM): the interpreter of a GPU build of vLLM
+# (`pip install vllm==0.32.0` in a venv of its own); when set, step 3 runs the `served`
+# items of hf_checkpoint on CUDA: ModelOpt FP8, compressed-tensors FP8 and ModelOpt
+# NVFP4 checkpoints in vLLM, in bfloat16 (SERVED_BUDGET_S, default 600; every engine
+# run starts vLLM afresh, ~30-60 s). Unset: step 3 is skipped, and says so.
+# Exit status: pytest's (0 all passed; the worse of the two pytest runs), 2 when this
+# python cannot run CUDA, 124 when pytest ran past its budget.
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -45,7 +50,7 @@ fi
 
 # Step 1: the environment. Prints torch, CUDA, the device; exits 2 without CUDA.
 # Its last line is the comma-separated list of targets that declare 'cuda'.
-say "step 1/3: environment"
+say "step 1/4: environment"
 ENV_OUT="$("$PYTHON" "$ROOT/benchmarks/gpu/env.py" "$DEVICE")"
 status=$?
 if [ "$status" -ne 0 ]; then
@@ -61,7 +66,7 @@ fi
 
 # Step 2: the subset, on CUDA only; --export-require-device turns a missing or
 # too old GPU into failures instead of skips.
-say "step 2/3: pytest (budget ${BUDGET_S}s, workers ${WORKERS}, targets ${TARGETS})"
+say "step 2/4: pytest (budget ${BUDGET_S}s, workers ${WORKERS}, targets ${TARGETS})"
 say "report: $OUT/report.json, log: $OUT/pytest.log"
 XDIST=()
 if [ "$WORKERS" != "0" ]; then
@@ -83,7 +88,31 @@ if [ "$rc" -eq 124 ]; then
     echo "error: pytest ran past the budget of ${BUDGET_S}s (BUDGET_S); the partial log is $OUT/pytest.log" >&2
 fi
 
-# Step 3: the summary, from the JSON report.
-say "step 3/3: summary (pytest exit status $rc, wall ${wall}s)"
+# Step 3: vLLM's GPU-only FP8 / NVFP4 paths, through the `served` check (docs/engines.md).
+# The engine runs in its own interpreter; --export-require-engines makes a VLLM_PYTHON
+# that does not import vLLM a failure, not a skip.
+VLLM_PYTHON="${VLLM_PYTHON:-${EXPORTLM_ENGINE_VLLM:-}}"
+SERVED_BUDGET_S="${SERVED_BUDGET_S:-600}"
+served_rc=0
+if [ -z "$VLLM_PYTHON" ]; then
+    say "step 3/4: served on ${DEVICE}: skipped (set VLLM_PYTHON to a GPU build of vLLM's python)"
+else
+    say "step 3/4: served on ${DEVICE} with vLLM ${VLLM_PYTHON} (budget ${SERVED_BUDGET_S}s)"
+    timeout --signal=INT --kill-after=20 "$SERVED_BUDGET_S" "$PYTHON" -m pytest \
+        -p no:cacheprovider -n 0 -q -rfEs "${GATE[@]}" --export-only \
+        --export-targets=hf_checkpoint --export-checks=served --export-models=llama \
+        --export-engine "vllm=$VLLM_PYTHON" --export-require-engines \
+        --export-report="$OUT/served.json" 2>&1 | tee "$OUT/served.log"
+    served_rc=${PIPESTATUS[0]}
+    if [ "$served_rc" -eq 124 ]; then
+        echo "error: the served items ran past ${SERVED_BUDGET_S}s (SERVED_BUDGET_S); log: $OUT/served.log" >&2
+    fi
+fi
+
+# Step 4: the summary, from the JSON report.
+say "step 4/4: summary (pytest exit status $rc, served $served_rc, wall ${wall}s)"
 "$PYTHON" "$ROOT/benchmarks/gpu/summary.py" "$OUT/report.json" "$wall" || true
+if [ "$rc" -eq 0 ]; then
+    rc=$served_rc
+fi
 exit "$rc"

@@ -35,6 +35,9 @@ _VLLM_FP8_CPU = (
 _NVFP4_NO_KERNEL = "Failed to find a kernel that can implement the NVFP4 linear layer"
 _VLLM_NVFP4_CPU = f"measured: ValueError: {_NVFP4_NO_KERNEL}. Reasons: (none listed on CPU)"
 _VLLM_INT_DTYPES = ("float16", "bfloat16")  # no float32 path for integer-weight schemes
+# ModelOpt FP8 / NVFP4: get_supported_act_dtypes() is [bfloat16, half] (NVFP4: + float8),
+# min capability 80 / 75: on a GPU, request bfloat16 (the served check does).
+_MODELOPT_ACTS = "activations bfloat16 / float16 only (get_supported_act_dtypes); serve in bfloat16"
 
 VLLM = Engine(
     name="vllm",
@@ -57,7 +60,7 @@ VLLM = Engine(
             devices=_GPU,
             limit=_VLLM_FP8_CPU,
             message=_FP8_STUB,
-            evidence=_VLLM_SRC,
+            evidence=f"{_VLLM_SRC}/modelopt.py ModelOptFp8Config: {_MODELOPT_ACTS}",
         ),
         Support(
             _HF,
@@ -66,7 +69,7 @@ VLLM = Engine(
             devices=_GPU,
             limit=_VLLM_NVFP4_CPU,
             message=_NVFP4_NO_KERNEL,
-            evidence=_VLLM_SRC,
+            evidence=f"{_VLLM_SRC}/modelopt.py ModelOptNvFp4Config: {_MODELOPT_ACTS}",
         ),
         Support(
             _HF,

@@ -44,10 +44,17 @@ _OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERE
 
 
 def trim(text: str, lines: int = TRIM_LINES, chars: int = TRIM_CHARS) -> str:
-    """The last ``lines`` non-empty lines of ``text``, at most ``chars`` characters."""
+    """The last ``lines`` non-empty lines of ``text``, at most ``chars`` characters.
+
+    A longer text keeps its first quarter and its end: an engine's one-line error often
+    names the culprit first and then lists what it would take (vLLM's architectures).
+    """
     kept = [line for line in text.strip().splitlines() if line.strip()][-lines:]
     out = "\n".join(kept)
-    return out if len(out) <= chars else "..." + out[-chars:]
+    if len(out) <= chars:
+        return out
+    head = chars // 4
+    return out[:head] + " ... " + out[-(chars - head) :]
 
 
 def _worker_env(engine: Engine) -> dict[str, str]:
