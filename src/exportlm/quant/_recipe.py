@@ -43,6 +43,7 @@ class Algorithm:
         weight_axis: ``0`` for per-row weight scales (INT8), ``None`` otherwise.
         input: the activation format, or ``None`` for weight-only.
         awq: compute an AWQ ``pre_quant_scale`` from calibration activations.
+        smoothquant_alpha: SmoothQuant's migration strength, ``None`` without smoothing.
     """
 
     name: str
@@ -52,6 +53,7 @@ class Algorithm:
     weight_axis: int | None = None
     input: FormatId | None = None
     awq: bool = False
+    smoothquant_alpha: float | None = None
 
     @property
     def group_size(self) -> int | None:
@@ -70,8 +72,9 @@ class Algorithm:
             spec.format,
             recipe.block_size,
             recipe.axis,
-            spec.format if recipe.quantize_inputs else None,
+            (recipe.input_format or spec.format) if recipe.quantize_inputs else None,
             recipe.awq,
+            recipe.smoothquant_alpha,
         )
 
 

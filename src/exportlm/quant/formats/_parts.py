@@ -83,6 +83,12 @@ class WeightRecipe:
         quantize_inputs: activations are quantized with the same format (static,
             calibrated per-tensor scale); ``False`` for weight-only recipes.
         awq: compute an AWQ ``pre_quant_scale`` from calibration activations.
+        input_format: the registered format activations are quantized to when it is
+            not this one (INT8 W8A8: per-row int8 weights, per-tensor static or
+            per-token dynamic int8 inputs); ``None``: the format itself.
+        smoothquant_alpha: SmoothQuant's migration strength; set, the recipe smooths
+            each quantized linear's input channels into its weight before quantizing
+            (:mod:`exportlm.quant._smoothquant`). ``None``: no smoothing.
     """
 
     name: str
@@ -90,6 +96,8 @@ class WeightRecipe:
     axis: int | None = None
     quantize_inputs: bool = False
     awq: bool = False
+    input_format: str | None = None
+    smoothquant_alpha: float | None = None
 
 
 @dataclass(frozen=True)

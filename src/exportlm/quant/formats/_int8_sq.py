@@ -1,0 +1,103 @@
+"""INT8 W8A8 with SmoothQuant: per-channel int8 weights, per-tensor static int8 inputs.
+
+``int8_sq`` is NVIDIA ModelOpt's ``INT8_SMOOTHQUANT_CFG`` (``quant_algo:
+W8A8_SQ_PER_CHANNEL``, read by TensorRT-LLM): ``weight`` int8 ``[out, in]`` with
+``weight_scale`` fp32 ``[out] = row_amax / 127`` of the smoothed weight,
+``input_scale`` fp32 0-d ``= activation amax / 127`` (of the smoothed input) and
+``pre_quant_scale`` fp32 ``[in]``, the SmoothQuant scale the input is multiplied by
+(the weight was divided by it). Smoothing uses ModelOpt's default ``alpha = 1.0``
+(``SmoothQuantCalibConfig.alpha``); see :mod:`exportlm.quant._smoothquant`.
+
+Two specs: the weight format ``int8_sq`` (its scales derived from each row, as
+INT8 weight-only) and the activation format ``int8_tensor`` (one calibrated
+per-tensor scale), which the recipe names as its ``input_format``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from exportlm.quant._tensor import INT8_MAX, QuantizedTensor
+from exportlm.quant.formats._int8 import dequantize_int8, quantize_int8
+from exportlm.quant.formats._parts import Leaf, ModelOptScheme, WeightRecipe
+from exportlm.quant.formats._spec import FormatSpec
+
+__all__ = ["INT8_SQ", "INT8_TENSOR", "SMOOTHQUANT_ALPHA"]
+
+#: SmoothQuant's migration strength: ModelOpt 0.47's default
+#: (``modelopt.torch.quantization.config.SmoothQuantCalibConfig.alpha = 1.0``).
+SMOOTHQUANT_ALPHA = 1.0
+
+_INT8_ARGS = {"dynamic": False, "num_bits": 8, "type": "int"}
+
+
+def quantize_int8_rows(
+    x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
+) -> QuantizedTensor:
+    """Per-row int8 (INT8 weight-only's kernel) labelled ``int8_sq``; ``scale`` is unused."""
+    q = quantize_int8(x, scale=None, block_size=None, where=where)
+    return dataclasses.replace(q, format="int8_sq")
+
+
+def quantize_int8_tensor(
+    x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
+) -> QuantizedTensor:
+    """Round ``x / scale`` to int8 (clamped to [-128, 127]) with one calibrated scale."""
+    if scale is None:
+        raise ValueError(f"{where}: per-tensor int8 quantization needs the calibrated scale")
+    x32 = x.detach().to(torch.float32)
+    codes = (x32 / scale.to(x32.device)).round().clamp(-128, 127).to(torch.int8)
+    return QuantizedTensor("int8_tensor", codes, scale, shape=tuple(x.shape), dtype=x.dtype)
+
+
+def dequantize_int8_tensor(q: QuantizedTensor) -> torch.Tensor:
+    """``codes * scale`` in float32."""
+    return q.data.to(torch.float32) * q.scale
+
+
+INT8_SQ = FormatSpec(
+    format="int8_sq",
+    quantize=quantize_int8_rows,
+    dequantize=dequantize_int8,
+    maxbound=INT8_MAX,
+    amax_divisor=INT8_MAX,
+    granularity="row",
+    leaves=(
+        Leaf("weight", torch.int8, source="data"),
+        Leaf("weight_scale", torch.float32, source="scale"),
+        Leaf("input_scale", torch.float32, role="activation"),
+        Leaf("pre_quant_scale", torch.float32, role="activation"),
+    ),
+    recipe=WeightRecipe(
+        "int8_sq",
+        axis=0,
+        quantize_inputs=True,
+        input_format="int8_tensor",
+        smoothquant_alpha=SMOOTHQUANT_ALPHA,
+    ),
+    # ModelOpt 0.47 writes no config_groups for W8A8_SQ_PER_CHANNEL (quant_algo, ignore,
+    # producer only), as for W8A16.
+    modelopt=ModelOptScheme(
+        "W8A8_SQ_PER_CHANNEL",
+        weights=_INT8_ARGS,
+        input_activations=_INT8_ARGS,
+        config_groups=False,
+    ),
+)
+
+INT8_TENSOR = FormatSpec(
+    format="int8_tensor",
+    quantize=quantize_int8_tensor,
+    dequantize=dequantize_int8_tensor,
+    maxbound=INT8_MAX,
+    amax_divisor=INT8_MAX,
+    granularity="tensor",
+    leaves=(
+        Leaf("weight", torch.int8, source="data"),
+        Leaf("weight_scale", torch.float32, source="scale"),
+        Leaf("input_scale", torch.float32, role="activation"),
+    ),
+    calibrated=True,
+)
