@@ -86,6 +86,9 @@ class ActivationScale(NamedTuple):
     format: Any  # exportlm.quant.FormatId
     scale: torch.Tensor
     block_size: int | None = None
+    #: SmoothQuant: the scale the input is multiplied by before it is quantized (the
+    #: dequantized weight is the stored, smoothed one).
+    pre_quant_scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,10 @@ def dequantize_state(
                     f"{slot.data} is in format {spec.name!r}, which quantizes no activations"
                 )
             value = check_scale(input_scale, tensors[input_scale])
-            scales[input_scale] = ActivationScale(spec.format, value, block)
+            pre_quant_scale = slot.name(_PRE_QUANT_SCALE, leaves.data)
+            smoothing = tensors[pre_quant_scale].float() if pre_quant_scale in tensors else None
+            fmt = spec.recipe.input_format or spec.format
+            scales[input_scale] = ActivationScale(fmt, value, block, smoothing)
             used.add(input_scale)
     for name, tensor in tensors.items():
         if name in used:
@@ -233,8 +239,11 @@ def _dequantize(
         weight, block = dequantize(q, torch.float32), q.block_size
     pre_quant_scale = slot.name(_PRE_QUANT_SCALE, leaves.data)
     if pre_quant_scale in tensors:  # AWQ: y = (x * s) @ W^T == x @ (W * s)^T
-        weight = weight * check_scale(pre_quant_scale, tensors[pre_quant_scale]).reshape(1, -1)
+        scale = check_scale(pre_quant_scale, tensors[pre_quant_scale])
         names.append(pre_quant_scale)
+        # SmoothQuant (inputs quantized after the scale): the runtime scales the input
+        if slot.name(_INPUT_SCALE, leaves.data) not in tensors:
+            weight = weight * scale.reshape(1, -1)
     return weight, block, names
 
 
