@@ -116,6 +116,7 @@ GOLDEN_CASES: tuple[GoldenCase, ...] = (
     GoldenCase("nvfp4", "llama", "nvfp4"),
     GoldenCase("int4_awq", "llama", "int4_awq"),
     GoldenCase("int8_wo", "llama", "int8_wo"),
+    GoldenCase("int8_sq", "llama", "int8_sq"),
     GoldenCase(
         "mixed_precision",
         "llama",
