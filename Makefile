@@ -136,11 +136,16 @@ test-wheel: wheel $(WHEEL_STAMP)
 # engine tests as EXPORTLM_ENGINE_<NAME>=<its python>; a test whose engine venv is
 # missing skips and names `make engines`.
 ENGINES_DIR  ?= .venv-engines
-ENGINE_NAMES ?= transformers vllm openvino
-# What each venv's smoke test imports (default: the engine's own name).
+ENGINE_NAMES ?= transformers vllm openvino optimum ort_genai
+# What each venv's smoke test imports (default: the venv's own name).
 ENGINE_IMPORTS_transformers := transformers, compressed_tensors
+ENGINE_IMPORTS_optimum      := optimum.onnxruntime
+ENGINE_IMPORTS_ort_genai    := onnxruntime_genai
+# The engine each venv serves, where its name differs from the venv's.
+ENGINE_OF_optimum   := optimum-onnxruntime
+ENGINE_OF_ort_genai := onnxruntime-genai
 ENGINE_STAMPS := $(foreach e,$(ENGINE_NAMES),$(ENGINES_DIR)/$(e)/.exportlm-engine-installed)
-ENGINE_ENV   = $(foreach e,$(ENGINE_NAMES),EXPORTLM_ENGINE_$(shell echo $(e) | tr a-z- A-Z_)=$(abspath $(ENGINES_DIR)/$(e))/bin/python)
+ENGINE_ENV   = $(foreach e,$(ENGINE_NAMES),EXPORTLM_ENGINE_$(shell echo $(or $(ENGINE_OF_$(e)),$(e)) | tr a-z- A-Z_)=$(abspath $(ENGINES_DIR)/$(e))/bin/python)
 
 $(ENGINES_DIR)/%/.exportlm-engine-installed: .ci/engines/%.txt
 	@test -x $(ENGINES_DIR)/$*/bin/python || $(PYTHON) -m venv $(ENGINES_DIR)/$*
@@ -153,8 +158,13 @@ $(ENGINES_DIR)/%/.exportlm-engine-installed: .ci/engines/%.txt
 
 engines: $(ENGINE_STAMPS)
 
+# The engine tests (tests/test_engines*.py, tests/test_served*.py, the padded-ONNX ones),
+# then the plugin's `served` items over every built-in target, each engine from its venv.
 test-engines: $(STAMP) engines
-	env $(ENGINE_ENV) $(BIN)/python -m pytest -n 0 tests/test_engines*.py -s -rs
+	env $(ENGINE_ENV) $(BIN)/python -m pytest -n 0 tests/test_engines*.py \
+		tests/test_served*.py tests/test_generation_padded.py -rs
+	env $(ENGINE_ENV) $(BIN)/python -m pytest -n 0 --export-targets=all --export-only \
+		--export-checks=served --export-require-engines -rs
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_export_overhead.py

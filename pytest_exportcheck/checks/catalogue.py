@@ -273,6 +273,14 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
         summary="A quantized model's artifact, in the target's runtime, gives the fake-quant "
         "model's logits.",
     ),
+    CheckSpec(
+        "served",
+        "target",
+        f"{_T}.served:served",
+        per_model=True,
+        summary="The artifact, loaded by the real serving engines that take it, gives the eager "
+        "tokens.",
+    ),
     # ------------------------------------------------------------------ module-exporter checks
     CheckSpec(
         "mro_match",

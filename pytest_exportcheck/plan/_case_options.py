@@ -26,12 +26,16 @@ class CaseOptions(Mapping[str, Any]):
         device: the item's device (``"cpu"`` or ``"cuda"``).
         require_device: fail, instead of skip, when the device is missing.
         expected_failure: the reason the item is an expected failure, or ``None``.
+        engines: ``--export-engine`` values (``NAME=PATH``) for the ``served`` check.
+        require_engines: fail, instead of skip, when an engine has no interpreter.
     """
 
     models: str = "all"
     device: str = "cpu"
     require_device: bool = False
     expected_failure: str | None = None
+    engines: tuple[str, ...] = ()
+    require_engines: bool = False
 
     def __getitem__(self, key: str) -> Any:
         if key not in _KEYS:
@@ -54,7 +58,16 @@ def case_options(
     *,
     require_device: bool = False,
     expected_failure: str | None = None,
+    engines: Iterable[str] = (),
+    require_engines: bool = False,
 ) -> CaseOptions:
     """The options of one item: ``models`` is ``"all"``, ``"a,b"`` or the families (none: all)."""
     chosen = models if isinstance(models, str) else ",".join(models)
-    return CaseOptions(chosen or "all", device or "cpu", require_device, expected_failure)
+    return CaseOptions(
+        chosen or "all",
+        device or "cpu",
+        require_device,
+        expected_failure,
+        tuple(engines),
+        require_engines,
+    )

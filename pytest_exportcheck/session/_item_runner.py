@@ -78,6 +78,8 @@ class SuiteRunner:
             None if spec is None else spec.device,
             require_device=self.options.require_device,
             expected_failure=_xfail_reason(item),
+            engines=self.options.engines,
+            require_engines=self.options.require_engines,
         )
 
     def __call__(self, item: ExportCheckItem) -> None:

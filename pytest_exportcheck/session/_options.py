@@ -34,7 +34,9 @@ GROUP = "exportcheck"
 class _Spec:
     flag: str
     help: str
-    kind: str  # "str" | "bool" | "path" | "choice" (an optional value: bare flag = "own")
+    # "str" | "bool" | "path" | "choice" (an optional value: bare flag = "own") |
+    # "append" (repeatable; the ini key is a list of lines)
+    kind: str
     metavar: str | None = None
     default: str = ""
 
@@ -119,6 +121,18 @@ _SPECS: tuple[_Spec, ...] = (
         "0",
     ),
     _Spec(
+        "--export-engine",
+        "the interpreter (or venv) of a serving engine for the 'served' check, NAME=PATH; "
+        "repeatable (ini: one per line). EXPORTLM_ENGINE_<NAME> is honoured too",
+        "append",
+        "NAME=PATH",
+    ),
+    _Spec(
+        "--export-require-engines",
+        "fail, instead of skip, 'served' items whose engine has no interpreter (CI gates)",
+        "bool",
+    ),
+    _Spec(
         "--export-only",
         "run only the conformance suite; the repo's own tests are not collected",
         "bool",
@@ -134,6 +148,16 @@ def add_options(parser: pytest.Parser) -> None:
         if spec.kind == "bool":
             group.addoption(spec.flag, action="store_true", default=None, dest=dest, help=spec.help)
             parser.addini(spec.ini, f"default of {spec.flag}", type="bool", default=False)
+        elif spec.kind == "append":
+            group.addoption(
+                spec.flag,
+                action="append",
+                default=None,
+                dest=dest,
+                metavar=spec.metavar,
+                help=spec.help,
+            )
+            parser.addini(spec.ini, f"default of {spec.flag}", type="linelist", default=[])
         elif spec.kind == "choice":
             group.addoption(
                 spec.flag,
@@ -198,6 +222,9 @@ class Options:
     no_cache: bool
     only: bool
     durations: int = 0
+    #: ``--export-engine`` values, ``NAME=PATH`` each (checked again by the 'served' check).
+    engines: tuple[str, ...] = ()
+    require_engines: bool = False
 
     @property
     def active(self) -> bool:
@@ -255,6 +282,8 @@ class Options:
             no_cache=bool(_value(config, specs["export_no_cache"])),
             only=bool(_value(config, specs["export_only"])),
             durations=_count(_value(config, specs["export_durations"]), "--export-durations"),
+            engines=_engines(_value(config, specs["export_engine"])),
+            require_engines=bool(_value(config, specs["export_require_engines"])),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
@@ -287,6 +316,8 @@ class Options:
             "no_cache": self.no_cache,
             "only": self.only,
             "durations": self.durations,
+            "engines": list(self.engines),
+            "require_engines": self.require_engines,
         }
 
 
@@ -305,6 +336,20 @@ def _update_scope(value: Any) -> str | None:
             f"{value}` if {value!r} is a path or another argument"
         )
     return text
+
+
+def _engines(value: Any) -> tuple[str, ...]:
+    """``--export-engine`` values (command line or ini lines) as ``NAME=PATH`` strings."""
+    items = [str(v).strip() for v in (value or ()) if str(v).strip()]
+    names: list[str] = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise pytest.UsageError(f"--export-engine takes NAME=PATH, got {item!r}")
+        if name.strip() in names:
+            raise pytest.UsageError(f"--export-engine names engine {name.strip()!r} twice")
+        names.append(name.strip())
+    return tuple(items)
 
 
 def _count(value: Any, flag: str) -> int:

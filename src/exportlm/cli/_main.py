@@ -50,11 +50,18 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return cmd_inspect(args)
 
 
+def _run_verify(args: argparse.Namespace) -> int:
+    from exportlm.cli._verify import cmd_verify
+
+    return cmd_verify(args)
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "list": _run_list,
     "env": _run_env,
     "export": _run_export,
     "inspect": _run_inspect,
+    "verify": _run_verify,
 }
 
 

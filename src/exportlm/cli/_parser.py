@@ -123,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_inspect_arguments(p_inspect)
     _add_verbosity(p_inspect, "sub")
+    p_verify = sub.add_parser(
+        "verify", help="serve an artifact in a real engine and compare it with the eager model"
+    )
+    from exportlm.cli._verify import add_verify_arguments
+
+    add_verify_arguments(p_verify)
+    _add_quantization(p_verify)
+    _add_verbosity(p_verify, "sub")
     return parser
 
 

@@ -11,12 +11,26 @@
 - :func:`run_engine`: an :class:`EngineRequest` served from an artifact by the
   engine's worker in a subprocess; an :class:`EngineResult`, or a specific
   :class:`~exportlm.errors.EngineError`.
+- :func:`serve_and_compare`: the served comparison (prompts without near-ties, the
+  eager reference, the engine's answer, the stated :data:`TOLERANCES`) as one
+  :class:`Served` result naming engine, version, artifact, gap and divergence.
 
 Importing this package imports no engine and no torch.
 """
 
 from exportlm.engines.artifact import ArtifactKind, artifact_kind
 from exportlm.engines.builtin import builtin_engines
+from exportlm.engines.compare import (
+    NEW_TOKENS,
+    PROMPT_LENGTHS,
+    Outcome,
+    Reference,
+    Served,
+    choose_prompts,
+    compare_result,
+    eager_reference,
+    serve_and_compare,
+)
 from exportlm.engines.interpreter import (
     ENGINE_ENV_PREFIX,
     Interpreter,
@@ -35,6 +49,7 @@ from exportlm.engines.registry import (
 )
 from exportlm.engines.run import probe_engine, run_engine
 from exportlm.engines.spec import WORKERS_DIR, Engine, Match, Support, Verdict
+from exportlm.engines.tolerances import MIN_MARGIN, TOLERANCES, Tolerance, tolerance_for
 from exportlm.errors import (
     EngineCrashedError,
     EngineError,
@@ -49,7 +64,11 @@ __all__ = [
     "ENGINES_GROUP",
     "ENGINE_ENV_PREFIX",
     "ENGINE_REGISTRY",
+    "MIN_MARGIN",
+    "NEW_TOKENS",
+    "PROMPT_LENGTHS",
     "PROTOCOL",
+    "TOLERANCES",
     "WORKERS_DIR",
     "ArtifactKind",
     "Engine",
@@ -64,10 +83,17 @@ __all__ = [
     "EngineUnavailableError",
     "Interpreter",
     "Match",
+    "Outcome",
+    "Reference",
+    "Served",
     "Support",
+    "Tolerance",
     "Verdict",
     "artifact_kind",
     "builtin_engines",
+    "choose_prompts",
+    "compare_result",
+    "eager_reference",
     "engine_env_var",
     "engine_names",
     "ensure_engines_registered",
@@ -76,5 +102,7 @@ __all__ = [
     "parse_engine_options",
     "probe_engine",
     "run_engine",
+    "serve_and_compare",
+    "tolerance_for",
     "validate_engine",
 ]

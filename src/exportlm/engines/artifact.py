@@ -7,6 +7,7 @@ The result is what :meth:`Engine.support` takes.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,17 +65,44 @@ def _checkpoint_kind(config: Mapping[str, Any]) -> ArtifactKind:
     return ArtifactKind("hf_checkpoint", method, None if algo is None else str(algo), dtype)
 
 
+#: What the ONNX target writes beside a graph ``model.onnx``: ``model.onnx.manifest.json``.
+_MANIFEST_SUFFIX = ".manifest.json"
+
+
+def _onnx_in(folder: Path) -> Path | None:
+    graphs = sorted(folder.glob("*.onnx"))
+    return graphs[0] if len(graphs) == 1 else None
+
+
+def _onnx_layout(graph: Path) -> str:
+    """``"kv_cache"`` when the graph's manifest records ``kv_cache=True``, else ``"plain"``.
+
+    Read as plain JSON (no signature check: the engines decide nothing from it but which
+    support-table row to look up; the comparison itself decides the outcome).
+    """
+    manifest = graph.with_name(graph.name + _MANIFEST_SUFFIX)
+    try:
+        options = json.loads(manifest.read_text(encoding="utf-8")).get("options") or {}
+    except (OSError, ValueError, AttributeError):
+        return "plain"
+    return "kv_cache" if isinstance(options, dict) and options.get("kv_cache") else "plain"
+
+
 def artifact_kind(path: str | os.PathLike[str]) -> ArtifactKind:
     """The kind of the artifact at ``path``: a checkpoint directory or an ``.onnx`` file.
 
-    An ONNX file is ``ArtifactKind("onnx", "plain", None, "float32")``: which graph
-    interface and QDQ format it has is the ONNX target's to say (its manifest).
+    An ONNX file is ``ArtifactKind("onnx", layout, None, "float32")`` with layout
+    ``"kv_cache"`` when its manifest records ``kv_cache=True``, else ``"plain"``; a
+    folder holding one ``.onnx`` graph and a ``config.json`` (Optimum's layout) is
+    that graph.
     Raises ``ValueError`` for anything else, and what
     :func:`exportlm.hfdir.read_config` raises for a malformed ``config.json``.
     """
     artifact = Path(path)
+    if artifact.is_dir() and (artifact / "config.json").is_file() and _onnx_in(artifact):
+        artifact = _onnx_in(artifact) or artifact  # an Optimum / genai folder: its graph
     if artifact.is_dir():
         return _checkpoint_kind(read_config(artifact))
     if artifact.suffix == ".onnx":
-        return ArtifactKind("onnx", "plain", None, "float32")
+        return ArtifactKind("onnx", _onnx_layout(artifact), None, "float32")
     raise ValueError(f"{artifact}: neither a checkpoint directory nor an .onnx file")

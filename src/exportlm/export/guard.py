@@ -77,8 +77,43 @@ def _variant(info: TargetInfo, options: Mapping[str, Any]) -> str | None:
 _MISSING = object()
 
 
-def _inputs(info: TargetInfo, options: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Input names and dims: names for dynamic dims, sizes for a static export."""
+def _graph_inputs(artifact: Path) -> list[dict[str, Any]] | None:
+    """Every input of an ONNX graph (name, dtype, dims: a name for a dynamic one), or ``None``.
+
+    Read from the graph itself (weights kept external), so the manifest lists what the
+    graph really takes: ``input_ids``, ``attention_mask``, ``position_ids``,
+    ``past_key_values.*``. ``None`` for anything else, or where onnx is not installed.
+    """
+    if artifact.suffix != ".onnx" or not artifact.is_file():
+        return None
+    try:
+        import onnx
+        from onnx import helper
+    except ImportError:
+        return None
+    graph = onnx.load(str(artifact), load_external_data=False).graph
+    weights = {t.name for t in graph.initializer}
+    found = []
+    for value in graph.input:
+        if value.name in weights:  # an initializer listed as an input (old opsets)
+            continue
+        tensor = value.type.tensor_type
+        dims: list[Any] = [d.dim_param or d.dim_value for d in tensor.shape.dim]
+        dtype = str(helper.tensor_dtype_to_np_dtype(tensor.elem_type))
+        found.append({"name": value.name, "dtype": dtype, "shape": dims})
+    return found
+
+
+def _inputs(
+    info: TargetInfo, options: Mapping[str, Any], artifact: Path | None = None
+) -> list[dict[str, Any]]:
+    """Input names and dims: names for dynamic dims, sizes for a static export.
+
+    For an ONNX graph, every graph input as the graph declares it (:func:`_graph_inputs`).
+    """
+    graph = _graph_inputs(artifact) if artifact is not None else None
+    if graph:
+        return graph
     shape: list[Any] = ["batch", "sequence"]
     example = options.get("example_inputs")
     if options.get("dynamic") is False or not (
@@ -147,7 +182,7 @@ class PendingManifest:
             options=self.options,
             tolerance={"atol": self.info.atol, "rtol": self.info.rtol},
             model_hash=model_hash(self.model) if hasattr(self.model, "state_dict") else None,
-            inputs=_inputs(self.info, self.options),
+            inputs=_inputs(self.info, self.options, artifact),
             runtime=self.info.runtime,
             vocab_size=self.vocab_size,
             companions=companions,

@@ -1,0 +1,154 @@
+"""``exportlm verify PATH --engine NAME``: serve an artifact in a real engine and compare it
+with the eager model (:func:`exportlm.engines.serve_and_compare`, the ``served`` check's
+comparison).
+
+The eager reference is ``--model`` (a toy family with ``--seed``, a model spec or a
+local Hugging Face directory), fake-quantized with ``--quantize`` for a quantized
+artifact; for an unquantized checkpoint directory it defaults to the directory itself.
+The engine's interpreter is ``--python``, else ``EXPORTLM_ENGINE_<NAME>``, else this one
+where the engine imports.
+
+Exit codes: 0 the engine gave the eager tokens within its stated tolerance; 1 anything
+else (a difference, a refusal, a declared limit: the table says which); 2 a usage error:
+an unknown engine, an engine with no interpreter, a path that is no artifact, an ONNX
+file that does not parse, a bad ``--model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from exportlm.cli._errors import EXIT_FAILURE, EXIT_OK, UsageError
+from exportlm.cli._list import print_table
+from exportlm.errors import EngineInterpreterError, InvalidConfigError, InvalidInputError
+
+__all__ = ["add_verify_arguments", "cmd_verify"]
+
+
+def add_verify_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``verify`` subcommand's own arguments (the quantization group is added beside)."""
+    p.add_argument("path", type=Path, help="a checkpoint directory, an .onnx file or its folder")
+    p.add_argument(
+        "--engine", required=True, help="engine name (vllm, transformers, openvino, ...)"
+    )
+    p.add_argument(
+        "--model",
+        help="the eager reference: a toy family, a model spec FILE.json or a local Hugging Face "
+        "directory (default: PATH itself, for an unquantized checkpoint directory)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of a toy family's weights (default 0)")
+    p.add_argument("--dtype", help="compute dtype to ask the engine for (default: the artifact's)")
+    p.add_argument(
+        "--python",
+        metavar="PATH",
+        help="the engine's interpreter or venv (default: EXPORTLM_ENGINE_<NAME>, else this one)",
+    )
+    p.add_argument("--timeout", type=float, help="seconds the engine may take (default: its own)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
+    from exportlm.engines import find_interpreter, get_engine
+
+    engine = get_engine(args.engine)  # UnknownNameError: exit 2, listing the engines
+    overrides = {engine.name: args.python} if args.python else {}
+    try:
+        found = find_interpreter(engine, overrides)
+    except EngineInterpreterError as err:
+        raise UsageError(str(err)) from err
+    if found.path is None:
+        raise UsageError(f"--engine {engine.name}: {found.reason}")
+    return engine, overrides
+
+
+def _kind(path: Path) -> Any:
+    from exportlm.engines import artifact_kind
+
+    if not path.exists():
+        raise UsageError(f"{path}: no such file or directory")
+    try:
+        kind = artifact_kind(path)
+    except (ValueError, InvalidConfigError, InvalidInputError, OSError) as err:
+        raise UsageError(f"{path} is not an artifact an engine serves: {err}") from err
+    graph = path if path.suffix == ".onnx" else next(iter(sorted(path.glob("*.onnx"))), None)
+    if kind.target == "onnx" and graph is not None:
+        _parses(graph)
+    return kind
+
+
+def _parses(graph: Path) -> None:
+    try:
+        import onnx
+    except ImportError:  # nothing to check with; the engine says what it thinks
+        return
+    try:
+        onnx.load(str(graph), load_external_data=False)
+    except Exception as err:  # a DecodeError, a truncated file: not a model
+        raise UsageError(f"{graph} is not an ONNX model: {type(err).__name__}: {err}") from err
+
+
+def _reference(args: argparse.Namespace, path: Path, kind: Any) -> Any:
+    from exportlm.cli._calib import calibration_request, quantize_model
+    from exportlm.cli._model import resolve_model
+
+    if args.model is None:
+        if kind.target != "hf_checkpoint" or kind.layout is not None or args.quantize:
+            raise UsageError(
+                f"{path} ({kind.target}, {kind.layout or 'plain'}): give its eager reference "
+                "with --model FAMILY|DIR [--seed N] [--quantize RECIPE] (the model it was "
+                "exported from; only an unquantized checkpoint is its own reference)"
+            )
+        source = resolve_model(str(path))
+    else:
+        source = resolve_model(args.model)
+    calibration = calibration_request(args)
+    model = source.build(args.seed)
+    if args.quantize is not None and calibration is not None:
+        model, _ = quantize_model(model, args.quantize, calibration, source)
+    return model.eval()
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Run ``exportlm verify``; returns the exit code."""
+    from exportlm.engines import Outcome, serve_and_compare
+
+    engine, overrides = _engine(args)
+    path = Path(os.path.abspath(args.path))
+    kind = _kind(path)
+    model = _reference(args, path, kind)
+    got = serve_and_compare(
+        engine, path, model, dtype=args.dtype, overrides=overrides, timeout=args.timeout
+    )
+    if got.outcome is Outcome.UNAVAILABLE:
+        raise UsageError(got.message)
+    if args.json:
+        print(json.dumps(got.row(), indent=2))
+    else:
+        _print(got)
+    return EXIT_OK if got.outcome is Outcome.PASSED else EXIT_FAILURE
+
+
+def _print(got: Any) -> None:
+    kind = got.kind
+    gap = "-" if got.max_gap is None else f"{got.max_gap:.3g}"
+    atol = "-" if got.atol is None else f"{got.atol:g}"
+    where = "-" if got.diverges is None else f"row {got.diverges[0]}, token {got.diverges[1]}"
+    rows = [
+        (
+            f"{got.engine} {got.engine_version or '?'}",
+            f"{kind.target} {kind.layout or 'plain'} {kind.scheme or ''}".strip(),
+            got.dtype,
+            got.outcome.value,
+            gap,
+            atol,
+            {True: "yes", False: "no", None: "-"}[got.tokens_equal],
+            where,
+        )
+    ]
+    headers = ("engine", "artifact", "dtype", "outcome", "max gap", "tolerance", "tokens equal")
+    print_table((*headers, "first divergence"), rows)
+    print(got.message)

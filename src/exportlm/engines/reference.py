@@ -1,0 +1,142 @@
+"""The eager side of the served comparison: prompts without near-ties and the reference.
+
+:func:`choose_prompts` draws one prompt per length from a seeded generator and keeps
+the first whose eager greedy decoding has no near-tie; :func:`eager_reference` runs
+each prompt alone and unpadded through the eager model, recomputing the whole row at
+each step (no cache): greedy tokens, teacher-forced log-probabilities and the top-2
+margin at every step. Torch and numpy are imported by the functions that need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from exportlm.engines.tolerances import MIN_MARGIN
+
+__all__ = [
+    "FIRST_ID",
+    "NEW_TOKENS",
+    "PROMPT_LENGTHS",
+    "PROMPT_SEED",
+    "PROMPT_TRIES",
+    "Reference",
+    "choose_prompts",
+    "eager_reference",
+]
+
+#: Greedy tokens decoded after each prompt.
+NEW_TOKENS = 8
+#: One prompt of each length, left-padded to the longest in the engine's batch.
+PROMPT_LENGTHS = (3, 7, 12)
+#: The seed of the prompt draws, and how many draws one length may take.
+PROMPT_SEED = 19
+PROMPT_TRIES = 100
+#: Prompt ids start here: 0-2 are the pad / bos / eos ids the engines and configs use.
+FIRST_ID = 3
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The eager model on the prompts, each alone and unpadded.
+
+    ``tokens[r]``: greedy tokens after prompt ``r``; ``logprobs[r][i]``: log p(prompt
+    token ``i + 1`` | tokens ``0..i``); ``margins[r][s]``: the eager top-2 logit margin
+    at greedy step ``s``.
+    """
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    margins: list[list[float]]
+
+    @property
+    def min_margin(self) -> float:
+        """The smallest top-2 margin of any greedy step (``inf`` with no new tokens)."""
+        return min((m for row in self.margins for m in row), default=float("inf"))
+
+
+def _logits(model: Any, ids: Any) -> Any:
+    out = model(ids)
+    logits = getattr(out, "logits", out)
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    return logits
+
+
+def eager_reference(
+    model: Any, prompts: Sequence[Sequence[int]], new_tokens: int = NEW_TOKENS
+) -> Reference:
+    """The eager model's greedy tokens, teacher-forced logprobs and top-2 margins.
+
+    ``model(ids)`` must return logits ``[1, seq, vocab]`` (or an object with
+    ``.logits``, as a transformers model does). Each prompt runs alone and unpadded,
+    recomputing the whole row at each step (no cache): the plainest reference there is.
+    """
+    import torch
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    tokens, logprobs, margins = [], [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            row = [int(t) for t in prompt]
+            ids = torch.tensor([row], device=device)
+            lp = torch.log_softmax(_logits(model, ids)[0].double(), dim=-1)
+            logprobs.append([float(lp[i, row[i + 1]]) for i in range(len(row) - 1)])
+            steps: list[float] = []
+            for _ in range(new_tokens):
+                last = _logits(model, torch.tensor([row], device=device))[0, -1].double()
+                top = torch.topk(last, 2).values
+                steps.append(float(top[0] - top[1]))
+                row.append(int(last.argmax()))
+            tokens.append(row[len(prompt) :])
+            margins.append(steps)
+    return Reference([list(map(int, p)) for p in prompts], tokens, logprobs, margins)
+
+
+def _vocab(model: Any) -> int:
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None)
+    if isinstance(size, int) and size > FIRST_ID:
+        return size
+    import torch
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    with torch.no_grad():
+        return int(_logits(model, torch.tensor([[FIRST_ID]], device=device)).shape[-1])
+
+
+def choose_prompts(
+    model: Any,
+    *,
+    lengths: Sequence[int] = PROMPT_LENGTHS,
+    min_margin: float = MIN_MARGIN,
+    seed: int = PROMPT_SEED,
+    tries: int = PROMPT_TRIES,
+    new_tokens: int = NEW_TOKENS,
+) -> list[list[int]]:
+    """One prompt per length: the first seeded draw whose greedy decoding has no near-tie.
+
+    A near-tie is an eager top-2 margin at or below ``min_margin`` at some greedy step.
+    Chosen from the eager model alone (never from an engine's answer). When no draw of
+    a length clears ``min_margin`` the one with the largest margin is taken; the
+    comparison then reports a token difference at such a step as a near-tie.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    vocab = _vocab(model)
+    chosen: list[list[int]] = []
+    for length in lengths:
+        best: tuple[float, list[int]] | None = None
+        for _ in range(tries):
+            prompt = [int(t) for t in rng.integers(FIRST_ID, vocab, size=length)]
+            margin = eager_reference(model, [prompt], new_tokens).min_margin
+            if best is None or margin > best[0]:
+                best = (margin, prompt)
+            if margin > min_margin:
+                break
+        assert best is not None
+        chosen.append(best[1])
+    return chosen

