@@ -337,11 +337,11 @@ def test_compressed_tensors_attention_kv_scales_are_applied(tmp_path: Path) -> N
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
-def test_compressed_tensors_refuses_non_fp8(tmp_path: Path) -> None:
+def test_compressed_tensors_refuses_an_unfolded_awq_scale(tmp_path: Path) -> None:
     from exportlm.errors import UnsupportedFormatError
 
-    model, _ = quantized("llama", "int8_wo")
-    with pytest.raises(UnsupportedFormatError, match=r"compressed-tensors.*FP8"):
+    model, _ = quantized("llama", "int4_awq")  # o_proj / down_proj keep a pre_quant_scale
+    with pytest.raises(UnsupportedFormatError, match=r"compressed-tensors.*pre_quant_scale"):
         exportlm.export_model(TARGET, model, tmp_path / "ckpt", format="compressed-tensors")
     assert not (tmp_path / "ckpt").exists()
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from exportlm.errors import TiedWeightsError, UnclaimedModuleError, UnsupportedFormatError
+from exportlm.errors import TiedWeightsError, UnclaimedModuleError
 from exportlm.export import make_input_ids
 from exportlm.export.hf_checkpoint.configs import CheckpointQuantization
 from exportlm.models import DecoderModel, IterableMoEModel, tiny_hf_model
@@ -318,12 +318,17 @@ def test_dtype_applies_to_unquantized_tensors_only() -> None:
     assert tensors["layers.0.self_attn.q_proj.weight_scale"].dtype == torch.float32
 
 
-def test_compressed_tensors_format_writes_fp8_with_1d_scales_and_refuses_others() -> None:
+def test_compressed_tensors_format_writes_fp8_with_1d_scales_and_nvfp4_in_its_names() -> None:
     tensors, _ = _export(quantize(DecoderModel(num_layers=1), "fp8"), format="compressed-tensors")
     assert tensors["layers.0.mlp.up_proj.weight_scale"].shape == (1,)
     assert tensors["layers.0.mlp.up_proj.input_scale"].shape == (1,)
-    with pytest.raises(UnsupportedFormatError, match=r"compressed-tensors.*nvfp4"):
-        _export(quantize(DecoderModel(num_layers=1), "nvfp4"), format="compressed-tensors")
+    tensors, _ = _export(quantize(DecoderModel(num_layers=1), "nvfp4"), format="compressed-tensors")
+    assert {n.rpartition(".")[2] for n in tensors if n.startswith("layers.0.mlp.up_proj.")} == {
+        "weight_packed",
+        "weight_scale",
+        "weight_global_scale",
+        "input_global_scale",
+    }
 
 
 def test_unquantized_model_exports_its_state_dict() -> None:

@@ -52,12 +52,9 @@ def _check_format(ctx: ExportContext, name: str, quantizer: TensorQuantizer) -> 
 
 
 def _emit_weight(ctx: ExportContext, prefix: str, q: QuantizedTensor) -> None:
-    """The weight leaves of ``q``'s format spec, in its order; float32 scales as scales."""
-    for leaf, tensor in get_format(q.format).weight_tensors(q):
-        if leaf.is_float32_scale:
-            ctx.emit_scale(f"{prefix}.{leaf.name}", tensor)
-        else:  # codes, and scales stored in another dtype (NVFP4's float8 block scales)
-            ctx.emit(f"{prefix}.{leaf.name}", tensor)
+    """The weight leaves of ``q``'s format as the layout stores them, in its order."""
+    for leaf, tensor in ctx.layout.weight_tensors(get_format(q.format), q):
+        ctx.emit(f"{prefix}.{leaf}", tensor)
 
 
 def _kv_cache_format(name: str, quantizer: TensorQuantizer) -> FormatSpec:
@@ -70,18 +67,34 @@ def _kv_cache_format(name: str, quantizer: TensorQuantizer) -> FormatSpec:
 
 
 def _emit_input(
-    ctx: ExportContext, prefix: str, quantizer: TensorQuantizer, expert: int | None = None
+    ctx: ExportContext,
+    prefix: str,
+    quantizer: TensorQuantizer,
+    spec: FormatSpec,
+    expert: int | None = None,
 ) -> None:
-    """``input_scale`` and the AWQ ``pre_quant_scale`` (of ``expert`` when kept per expert).
+    """``input_scale`` and the AWQ ``pre_quant_scale`` (of ``expert`` when kept per expert),
+    stored as the layout stores the activation leaves of the weight's format ``spec``.
 
     A scale folded into the preceding norm (``folded_pre_quant_scale``) is not
     written: the norm's exported weight carries it.
     """
     if quantizer.enabled:
-        ctx.emit_scale(f"{prefix}.input_scale", quantizer.scale_from(ctx.amax_of(quantizer)))
+        amax = ctx.amax_of(quantizer)
+        _emit_activation(ctx, prefix, spec, "input_scale", quantizer.scale_from(amax))
     pqs = quantizer.pre_quant_scale
     if pqs is not None:
-        ctx.emit_scale(f"{prefix}.pre_quant_scale", pqs[expert] if pqs.dim() == 2 else pqs)
+        _emit_activation(
+            ctx, prefix, spec, "pre_quant_scale", pqs[expert] if pqs.dim() == 2 else pqs
+        )
+
+
+def _emit_activation(
+    ctx: ExportContext, prefix: str, spec: FormatSpec, leaf: str, scale: torch.Tensor
+) -> None:
+    """An activation leaf under the name (and as the reciprocal) the layout stores it with."""
+    stored = ctx.layout.activation_leaf(spec, leaf, prefix)
+    ctx.emit_scale(f"{prefix}.{stored.name}", 1.0 / scale.float() if stored.reciprocal else scale)
 
 
 class QuantLinearExporter(ModuleExporter):
@@ -101,7 +114,7 @@ class QuantLinearExporter(ModuleExporter):
             q = weight_q.quantize(module.effective_weight(), amax=ctx.amax_of(weight_q))
             _emit_weight(ctx, name, q)
             ctx.quant_config.add_layer(name, weight_q.spec, module.group_size)
-            _emit_input(ctx, name, module.input_quantizer)
+            _emit_input(ctx, name, module.input_quantizer, weight_q.spec)
         else:
             ctx.emit_plain(f"{name}.weight", module.weight)
             ctx.quant_config.exclude(name)
@@ -195,7 +208,7 @@ class FusedExpertsExporter(ModuleExporter):
                     _emit_weight(ctx, prefix, weight_q.quantize(weight, index=expert, amax=amax))
                     if bias is not None:
                         ctx.emit_plain(f"{prefix}.bias", bias)
-                    _emit_input(ctx, prefix, input_q, expert)
+                    _emit_input(ctx, prefix, input_q, weight_q.spec, expert)
                     if module.quant_algo:
                         ctx.quant_config.add_layer(prefix, weight_q.spec, module.group_size)
                     ctx.quant_config.canonical[prefix] = ExpertSlice(name, expert, linear)

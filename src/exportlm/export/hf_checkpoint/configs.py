@@ -9,10 +9,11 @@ exporters recorded (:class:`~exportlm.module_exporters.LayerFacts`: each layer's
   kv_cache_quant_algo, exclude_modules, ...}}`` (:meth:`~CheckpointQuantization.hf_quant_config`)
   and the same information as ``config.json``'s ``quantization_config``
   (``quant_method: "modelopt"``, :meth:`~CheckpointQuantization.modelopt_config`).
-* compressed-tensors (``format="compressed-tensors"``; transformers): one
+* compressed-tensors (``format="compressed-tensors"``; transformers, vLLM): one
   ``config_groups`` group in ``config.json``'s ``quantization_config``
-  (:meth:`~CheckpointQuantization.compressed_tensors_config`; FP8 per-tensor
-  ``float-quantized`` of the built-ins).
+  (:meth:`~CheckpointQuantization.compressed_tensors_config`; of the built-ins FP8
+  ``float-quantized``, INT4 group and INT8 channel ``pack-quantized``, NVFP4
+  ``nvfp4-pack-quantized``).
 
 Every format-specific field comes from the format's spec: a layer's ModelOpt entry
 is :meth:`FormatSpec.modelopt_layer_config`, a ModelOpt ``config_groups`` group
@@ -58,8 +59,7 @@ __all__ = [
 ]
 
 HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
-#: ``format=`` values: the ModelOpt layout, or compressed-tensors' (FP8 ``float-quantized``
-#: of the built-ins).
+#: ``format=`` values: the ModelOpt layout, or compressed-tensors'.
 CHECKPOINT_FORMATS = tuple(CHECKPOINT_LAYOUTS)
 
 SavedModule = Callable[[str], "str | None"]
@@ -198,8 +198,8 @@ class CheckpointQuantization:
         """``config.json``'s ``quantization_config`` in compressed-tensors' layout.
 
         The weight format (and the KV-cache format) must declare a compressed-tensors
-        scheme (:class:`~exportlm.quant.formats.CompressedTensorsScheme`; of the
-        built-ins, FP8 per-tensor ``float-quantized``); one group targets every ``Linear``.
+        scheme (:class:`~exportlm.quant.formats.CompressedTensorsScheme`); one group
+        targets every ``Linear``, with the layers' group size.
         """
         weights = self._compressed_tensors_weights()
         kv_args: Mapping[str, Any] | None = None
@@ -214,7 +214,8 @@ class CheckpointQuantization:
                     "compressed-tensors KV-cache scheme; use format='modelopt'"
                 )
             top_format = top_format or kv_spec.compressed_tensors.format
-        groups = {"group_0": weights.group(["Linear"])} if weights is not None else {}
+        group_size = self.formats[0].group_size if self.formats else None
+        groups = {"group_0": weights.group(["Linear"], group_size)} if weights is not None else {}
         return {
             "quant_method": "compressed-tensors",
             "format": top_format,

@@ -8,7 +8,10 @@ folds AWQ's ``pre_quant_scale`` in, and sets the static activation and KV-cache
 scales aside as :class:`ActivationScale` for
 :class:`~exportlm.export.hf_checkpoint.static.StaticQuantization`.
 
-A quantized weight is stored in one of two layouts, both ModelOpt's:
+A quantized weight is stored under its format's leaf names or under the names
+the checkpoint layout gives them (compressed-tensors' ``weight_packed``,
+``weight_shape``, ``weight_global_scale``, ``input_global_scale``: the layout's
+:class:`~exportlm.quant.formats.LeafCodec` decodes them), in one of two arrangements:
 
 * a module's ``<module>.weight`` with ``<module>.weight_scale``, ``<module>.input_scale``...
   (every linear, split experts ``experts.{e}.gate_proj``);
@@ -37,7 +40,13 @@ import torch
 from exportlm.errors import MalformedCheckpointError, UnsupportedFormatError
 from exportlm.export.hf_checkpoint.formats import StoredFormats
 from exportlm.quant import dequantize
-from exportlm.quant.formats import FormatSpec, formats, scale_leaf_names
+from exportlm.quant.formats import (
+    CHECKPOINT_LAYOUTS,
+    CheckpointLayout,
+    FormatSpec,
+    formats,
+    scale_leaf_names,
+)
 
 __all__ = ["ActivationScale", "check_scale", "dequantize_state"]
 
@@ -103,21 +112,31 @@ class _Leaves:
 
     @classmethod
     def registered(cls) -> _Leaves:
+        """Over every registered format, as every checkpoint layout stores it."""
         specs = formats()
-        by_source = {
-            source: frozenset(
-                leaf.name for s in specs for leaf in s.weight_leaves if leaf.source == source
-            )
-            for source in ("data", "scale")
+        stored = [
+            leaf
+            for s in specs
+            for layout in CHECKPOINT_LAYOUTS.values()
+            for leaf in layout.weight_leaves(s)
+        ]
+        renamed = {  # activation leaves a layout stores under its own name (input_global_scale)
+            scale.name
+            for s in specs
+            for layout in CHECKPOINT_LAYOUTS.values()
+            if (codec := layout.codec(s)) is not None
+            for scale in codec.activations.values()
+            if scale is not None
         }
+        scales = {leaf.name for leaf in stored if leaf.kind == "scale"}
         return cls(
-            data=by_source["data"],
-            scale=by_source["scale"],
-            weight=frozenset(leaf.name for s in specs for leaf in s.weight_leaves),
+            data=frozenset(leaf.name for leaf in stored if leaf.kind == "codes"),
+            scale=frozenset(scales),
+            weight=frozenset(leaf.name for leaf in stored),
             kv_cache=frozenset(
                 leaf.name for s in specs for leaf in s.leaves if leaf.role == "kv_cache"
             ),
-            scales=frozenset(scale_leaf_names()),
+            scales=frozenset(scale_leaf_names()) | scales | renamed,
         )
 
 
@@ -133,6 +152,11 @@ class _Slot:
     layer: str
     data: str
     stem: str
+
+    def weight(self, spec: FormatSpec) -> str:
+        """The name of the float weight: the format's own codes leaf (``weight``, not
+        a layout's ``weight_packed``), or the bare parameter itself."""
+        return self.data if self.stem.endswith("_") else self.stem + spec.data_leaf.name
 
     def name(self, leaf: str, data_leaves: frozenset[str]) -> str:
         """The tensor name of ``leaf`` of this weight."""
@@ -169,10 +193,11 @@ def dequantize_state(
     used: set[str] = set()
     for slot in list(_slots(tensors, leaves)):
         spec = declared.weight_format(slot.layer, _stored_leaves(slot, tensors, leaves))
-        weight, block, names = _dequantize(slot, spec, tensors, leaves)
-        weights[slot.data] = weight
+        weight, block, names = _dequantize(slot, spec, tensors, leaves, declared.layout)
+        weights[slot.weight(spec)] = weight
         used.update(names)
-        input_scale = slot.name(_INPUT_SCALE, leaves.data)
+        stored_input = declared.layout.activation_leaf(spec, _INPUT_SCALE, slot.data)
+        input_scale = slot.name(stored_input.name, leaves.data)
         if input_scale in tensors:
             if spec.recipe is None or not spec.recipe.quantize_inputs:
                 raise UnsupportedFormatError(
@@ -180,10 +205,14 @@ def dequantize_state(
                     f"{slot.data} is in format {spec.name!r}, which quantizes no activations"
                 )
             value = check_scale(input_scale, tensors[input_scale])
+            if stored_input.reciprocal:  # compressed-tensors' input_global_scale = 1 / input_scale
+                value = 1.0 / value
             pre_quant_scale = slot.name(_PRE_QUANT_SCALE, leaves.data)
             smoothing = tensors[pre_quant_scale].float() if pre_quant_scale in tensors else None
-            fmt = spec.recipe.input_format or spec.format
-            scales[input_scale] = ActivationScale(fmt, value, block, smoothing)
+            # keyed by the format's own leaf name, which the static quantization looks up
+            scales[slot.name(_INPUT_SCALE, leaves.data)] = ActivationScale(
+                spec.recipe.input_format or spec.format, value, block, smoothing
+            )
             used.add(input_scale)
     for name, tensor in tensors.items():
         if name in used:
@@ -219,23 +248,26 @@ def _stored_leaves(
 
 
 def _dequantize(
-    slot: _Slot, spec: FormatSpec, tensors: Mapping[str, torch.Tensor], leaves: _Leaves
+    slot: _Slot,
+    spec: FormatSpec,
+    tensors: Mapping[str, torch.Tensor],
+    leaves: _Leaves,
+    layout: CheckpointLayout,
 ) -> tuple[torch.Tensor, int | None, list[str]]:
     """``(float32 weight, block size, tensor names read)`` of one quantized weight."""
+    kinds = {leaf.name: leaf.kind for leaf in layout.weight_leaves(spec)}
     stored = {
-        leaf.name: tensors[name]
-        for leaf in spec.weight_leaves
-        if (name := slot.name(leaf.name, leaves.data)) in tensors
+        leaf: tensors[name] for leaf in kinds if (name := slot.name(leaf, leaves.data)) in tensors
     }
     names = [slot.name(leaf, leaves.data) for leaf in stored]
     for leaf, name in zip(stored, names, strict=True):
-        if leaf != spec.data_leaf.name:
+        if kinds[leaf] == "scale":
             check_scale(name, stored[leaf])
     scale = stored.get(_scale_leaf(spec))
     if spec.granularity == "tensor" and scale is not None and scale.numel() > 1:
         weight, block = _dequantize_stacked(slot, spec, stored, scale), None
     else:
-        q = spec.from_leaves(stored)
+        q = layout.from_leaves(spec, stored)
         weight, block = dequantize(q, torch.float32), q.block_size
     pre_quant_scale = slot.name(_PRE_QUANT_SCALE, leaves.data)
     if pre_quant_scale in tensors:  # AWQ: y = (x * s) @ W^T == x @ (W * s)^T

@@ -28,6 +28,8 @@ import torch
 from exportlm.errors import UnknownNameError, UnsupportedFormatError
 from exportlm.export.hf_checkpoint.configs import HF_QUANT_CONFIG_NAME, MIXED_PRECISION
 from exportlm.quant.formats import (
+    CHECKPOINT_LAYOUTS,
+    CheckpointLayout,
     FormatSpec,
     format_for_kv_cache_algo,
     format_for_quant_algo,
@@ -46,12 +48,15 @@ class StoredFormats:
         layers: ``{saved layer path: format}`` (``MIXED_PRECISION`` checkpoints).
         kv_cache: the KV-cache format, or ``None`` when none is declared.
         source: the file the declaration was read from, for error messages.
+        layout: the checkpoint layout the tensors are stored in (its names for a
+            format's leaves: :meth:`CheckpointLayout.weight_leaves`).
     """
 
     weights: FormatSpec | None = None
     layers: Mapping[str, FormatSpec] = field(default_factory=dict)
     kv_cache: FormatSpec | None = None
     source: str = "the checkpoint"
+    layout: CheckpointLayout = CHECKPOINT_LAYOUTS["modelopt"]
 
     @classmethod
     def read(cls, directory: Path) -> StoredFormats:
@@ -97,7 +102,10 @@ class StoredFormats:
         # one group: every quantized layer is in its format; several: read by stored leaves
         weights = specs[0] if len(specs) == 1 else None
         return cls(
-            weights=weights, kv_cache=_kv_by_scheme(config, "compressed_tensors"), source=source
+            weights=weights,
+            kv_cache=_kv_by_scheme(config, "compressed_tensors"),
+            source=source,
+            layout=CHECKPOINT_LAYOUTS["compressed-tensors"],
         )
 
     def weight_format(self, layer: str, leaves: Mapping[str, torch.Tensor]) -> FormatSpec:
@@ -185,10 +193,17 @@ def _kv_by_scheme(config: Mapping[str, Any], layout: str) -> FormatSpec | None:
 
 
 def _by_group(group: Mapping[str, Any], source: str) -> FormatSpec:
-    """The format whose compressed-tensors scheme writes ``group``."""
+    """The format whose compressed-tensors scheme writes ``group`` (with its group size).
+
+    Keys compressed-tensors writes as ``null`` (``output_activations``, an absent
+    ``input_activations``) are not compared.
+    """
     targets = list(group.get("targets") or [])
+    given = {k: v for k, v in group.items() if v is not None}
+    size = (group.get("weights") or {}).get("group_size")
     for spec in formats():
-        if spec.compressed_tensors is not None and spec.compressed_tensors.group(targets) == group:
+        scheme = spec.compressed_tensors
+        if scheme is not None and scheme.group(targets, size) == given:
             return spec
     raise UnsupportedFormatError(
         f"{source}: config group {dict(group)!r} is no registered format's compressed-tensors "

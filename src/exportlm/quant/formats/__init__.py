@@ -26,7 +26,11 @@ the KV cache (``k_scale`` / ``v_scale``, recipe ``fp8_kv``).
 
 The checkpoint layouts are data as well (:data:`CHECKPOINT_LAYOUTS`, one
 :class:`CheckpointLayout` per ``format=`` value: the shape of per-tensor scales,
-the formats it holds), and :data:`MIXED_PRECISION` is defined here once.
+the formats it holds), and :data:`MIXED_PRECISION` is defined here once. A
+format's scheme for a layout may carry a :class:`LeafCodec`: the layout's own
+names, dtypes and shapes for the format's tensors (compressed-tensors stores INT4
+and INT8 as ``pack-quantized`` int32 ``weight_packed``, NVFP4 with reciprocal
+``weight_global_scale`` / ``input_global_scale``).
 """
 
 from exportlm.quant.formats._fp8 import FP8
@@ -45,8 +49,11 @@ from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
     KVCacheScheme,
     Leaf,
+    LeafCodec,
     LeafRole,
     ModelOptScheme,
+    StoredLeaf,
+    StoredScale,
     WeightRecipe,
 )
 from exportlm.quant.formats._registry import (
@@ -81,9 +88,12 @@ __all__ = [
     "Granularity",
     "KVCacheScheme",
     "Leaf",
+    "LeafCodec",
     "LeafRole",
     "ModelOptScheme",
     "QuantizeFn",
+    "StoredLeaf",
+    "StoredScale",
     "WeightRecipe",
     "activation_leaf_names",
     "checkpoint_layout",

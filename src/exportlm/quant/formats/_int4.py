@@ -3,6 +3,10 @@
 ``weight`` uint8 ``[out / 2, in]`` (two int4 codes per byte, the even row in the
 low nibble); ``weight_scale`` fp32 ``[out, in / group] = group_amax / 7``; the
 AWQ ``pre_quant_scale`` fp32 ``[in]`` multiplies the input (activations stay float).
+
+compressed-tensors stores the same codes and scales as ``pack-quantized`` (W4A16,
+``strategy: group``): ``weight_packed`` int32 ``[out, in / 8]``, ``weight_scale``
+``[out, in / group]``, ``weight_shape`` (:mod:`~exportlm.quant.formats._ct_codecs`).
 """
 
 from __future__ import annotations
@@ -11,7 +15,13 @@ import torch
 
 from exportlm.errors import UnsupportedFormatError
 from exportlm.quant._tensor import INT4_MAX, QuantFormat, QuantizedTensor, safe_scale, split_blocks
-from exportlm.quant.formats._parts import Leaf, ModelOptScheme, WeightRecipe
+from exportlm.quant.formats._ct_codecs import pack_quantized_codec
+from exportlm.quant.formats._parts import (
+    CompressedTensorsScheme,
+    Leaf,
+    ModelOptScheme,
+    WeightRecipe,
+)
 from exportlm.quant.formats._spec import FormatSpec
 
 __all__ = ["INT4"]
@@ -30,19 +40,29 @@ def quantize_int4(
     groups = split_blocks(x, block_size, "int4", where)
     group_scale = safe_scale(groups.abs().amax(dim=-1), INT4_MAX, where=where)
     codes = (groups / group_scale.unsqueeze(-1)).round().clamp(-8, 7).to(torch.int8)
-    nibbles = (codes.reshape(x.shape) & 0x0F).to(torch.uint8)
-    packed = nibbles[..., 0::2, :] | (nibbles[..., 1::2, :] << 4)
+    packed = pack_int4_rows(codes.reshape(x.shape))
     return QuantizedTensor(
         QuantFormat.INT4, packed, group_scale, None, block_size, tuple(x.shape), x.dtype
     )
 
 
+def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
+    """Signed int4 ``codes`` (int8 ``[..., rows, cols]``) as bytes: pairs of rows, even row low."""
+    nibbles = (codes & 0x0F).to(torch.uint8)
+    return nibbles[..., 0::2, :] | (nibbles[..., 1::2, :] << 4)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """The signed int8 codes ``[..., 2 * rows, cols]`` of :func:`pack_int4_rows` bytes."""
+    low = (packed & 0x0F).to(torch.int8)
+    high = (packed >> 4).to(torch.int8)
+    codes = torch.stack((low, high), dim=-2).reshape(*packed.shape[:-2], -1, packed.shape[-1])
+    return torch.where(codes > 7, codes - 16, codes)
+
+
 def dequantize_int4(q: QuantizedTensor) -> torch.Tensor:
     """Unpacked signed codes times their group scale, float32."""
-    low = (q.data & 0x0F).to(torch.int8)
-    high = (q.data >> 4).to(torch.int8)
-    codes = torch.stack((low, high), dim=-2).reshape(q.shape)
-    codes = torch.where(codes > 7, codes - 16, codes).to(torch.float32)
+    codes = unpack_int4_rows(q.data).reshape(q.shape).to(torch.float32)
     block = q.block_size or q.shape[-1]
     groups = codes.reshape(*q.shape[:-1], -1, block) * q.scale.unsqueeze(-1)
     return groups.reshape(q.shape)
@@ -68,5 +88,18 @@ INT4 = FormatSpec(
         weights={"dynamic": False, "num_bits": 4, "type": "int"},
         layer_fields={"has_zero_point": False, "pre_quant_scale": True},
         config_groups=False,  # ModelOpt 0.47 writes none for W4A16_AWQ
+    ),
+    # llm-compressor's W4A16 (symmetric, group 128), as compressed-tensors serializes it
+    compressed_tensors=CompressedTensorsScheme(
+        "pack-quantized",
+        weights={
+            "num_bits": 4,
+            "type": "int",
+            "symmetric": True,
+            "group_size": 128,
+            "strategy": "group",
+            "dynamic": False,
+        },
+        codec=pack_quantized_codec(4, unpack_int4_rows, pack_int4_rows),
     ),
 )

@@ -1,6 +1,11 @@
 """INT8 weight-only (W8A16): ``weight`` int8 ``[out, in]``, ``weight_scale`` fp32 ``[out]``.
 
 Per-row symmetric scales ``row_amax / 127``; activations stay float.
+
+compressed-tensors stores weight-only INT8 as ``pack-quantized`` too (its format
+inference picks ``int-quantized`` only when activations are quantized): the codes
+offset by 128, four per int32 ``weight_packed`` ``[out, in / 4]``, ``strategy:
+channel`` with ``weight_scale`` ``[out, 1]``, ``weight_shape``.
 """
 
 from __future__ import annotations
@@ -8,7 +13,13 @@ from __future__ import annotations
 import torch
 
 from exportlm.quant._tensor import INT8_MAX, QuantFormat, QuantizedTensor, safe_scale
-from exportlm.quant.formats._parts import Leaf, ModelOptScheme, WeightRecipe
+from exportlm.quant.formats._ct_codecs import pack_quantized_codec
+from exportlm.quant.formats._parts import (
+    CompressedTensorsScheme,
+    Leaf,
+    ModelOptScheme,
+    WeightRecipe,
+)
 from exportlm.quant.formats._spec import FormatSpec
 
 __all__ = ["INT8"]
@@ -29,6 +40,10 @@ def dequantize_int8(q: QuantizedTensor) -> torch.Tensor:
     return q.data.to(torch.float32) * q.scale.unsqueeze(-1)
 
 
+def _same(codes: torch.Tensor) -> torch.Tensor:
+    return codes  # INT8's own codes are the signed int8 codes compressed-tensors packs
+
+
 INT8 = FormatSpec(
     format=QuantFormat.INT8,
     quantize=quantize_int8,
@@ -44,5 +59,17 @@ INT8 = FormatSpec(
     # ModelOpt 0.47 writes no config_groups for W8A16 (only quant_algo, ignore, producer)
     modelopt=ModelOptScheme(
         "W8A16", weights={"dynamic": False, "num_bits": 8, "type": "int"}, config_groups=False
+    ),
+    compressed_tensors=CompressedTensorsScheme(
+        "pack-quantized",
+        weights={
+            "num_bits": 8,
+            "type": "int",
+            "symmetric": True,
+            "group_size": None,
+            "strategy": "channel",
+            "dynamic": False,
+        },
+        codec=pack_quantized_codec(8, _same, _same),
     ),
 )

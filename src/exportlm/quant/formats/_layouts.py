@@ -6,17 +6,27 @@ the layouts for the tensors themselves: the shape of a per-tensor scale, which
 formats the layout can hold, whether it names stacked experts. The module
 exporters read these fields (``ExportContext.layout``) and the ``hf_checkpoint``
 writer reads the same ones, so neither branches on a layout's name.
+
+Where a layout stores a format's tensors under other names, dtypes or shapes
+(compressed-tensors' ``weight_packed`` int32 for INT4), the format's scheme for
+that layout carries a :class:`~exportlm.quant.formats.LeafCodec`; the methods
+here (:meth:`CheckpointLayout.weight_tensors`, :meth:`CheckpointLayout.from_leaves`,
+:meth:`CheckpointLayout.activation_leaf`) apply it both ways, so the writer and
+the loader never branch on a format or a layout either.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
 import torch
 
+from exportlm.errors import UnsupportedFormatError
+from exportlm.quant._tensor import QuantizedTensor
+from exportlm.quant.formats._parts import LeafCodec, StoredLeaf, StoredScale
 from exportlm.quant.formats._spec import FormatSpec
 
 __all__ = [
@@ -72,6 +82,74 @@ class CheckpointLayout:
         if scale.dim() == 0 and self.scalar_scale_shape:
             return scale.reshape(self.scalar_scale_shape)
         return scale
+
+    # -- a format's tensors in this layout ---------------------------------
+    def codec(self, spec: FormatSpec) -> LeafCodec | None:
+        """The :class:`LeafCodec` this layout stores ``spec`` with, ``None``: its own leaves."""
+        scheme = getattr(spec, self.scheme) if self.scheme is not None else None
+        return getattr(scheme, "codec", None)
+
+    def weight_leaves(self, spec: FormatSpec) -> tuple[StoredLeaf, ...]:
+        """The weight leaves this layout stores for ``spec``, in writing order."""
+        codec = self.codec(spec)
+        if codec is not None:
+            return codec.weights
+        return tuple(
+            StoredLeaf(leaf.name, leaf.dtype, "codes" if leaf.source == "data" else "scale")
+            for leaf in spec.weight_leaves
+        )
+
+    def weight_tensors(
+        self, spec: FormatSpec, q: QuantizedTensor
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(stored leaf name, tensor)`` of ``q`` as this layout stores it, ready to write.
+
+        Float32 scales are float32, a 0-d one in :attr:`scalar_scale_shape`
+        (:meth:`stored_scale`); a codec re-lays the format's leaves out.
+        """
+        codec = self.codec(spec)
+        native = {
+            leaf.name: t.detach().to(torch.float32) if leaf.is_float32_scale else t
+            for leaf, t in spec.weight_tensors(q)
+        }
+        if codec is None:
+            for name, tensor in native.items():
+                yield name, self.stored_scale(tensor) if tensor.dtype == torch.float32 else tensor
+            return
+        encoded = codec.encode(native)
+        for leaf in codec.weights:
+            if leaf.name in encoded:
+                yield leaf.name, encoded[leaf.name]
+
+    def from_leaves(self, spec: FormatSpec, leaves: Mapping[str, torch.Tensor]) -> QuantizedTensor:
+        """The :class:`QuantizedTensor` stored as ``leaves`` (stored names) in this layout."""
+        codec = self.codec(spec)
+        if codec is not None:
+            missing = [leaf.name for leaf in codec.weights if leaf.name not in leaves]
+            if missing:
+                raise UnsupportedFormatError(
+                    f"format {spec.name!r} in the {self.name} layout stores {missing}; got only "
+                    f"{sorted(leaves)}"
+                )
+            leaves = codec.decode(leaves)
+        return spec.from_leaves(leaves)
+
+    def activation_leaf(self, spec: FormatSpec, leaf: str, where: str) -> StoredScale:
+        """How this layout stores ``spec``'s activation leaf ``leaf`` (``input_scale``).
+
+        Raises :class:`UnsupportedFormatError` (naming ``where``) when the layout has
+        no tensor for it (compressed-tensors and an AWQ ``pre_quant_scale``).
+        """
+        codec = self.codec(spec)
+        if codec is None or leaf not in codec.activations:
+            return StoredScale(leaf)
+        stored = codec.activations[leaf]
+        if stored is None:
+            raise UnsupportedFormatError(
+                f"{where}: format={self.name!r} cannot store its {spec.name} {leaf!r}: "
+                f"{codec.refusal or 'the layout has no tensor for it'}"
+            )
+        return stored
 
 
 #: The layouts, by ``format=`` name: ModelOpt's (vLLM, TensorRT-LLM, SGLang) and

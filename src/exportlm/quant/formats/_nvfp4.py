@@ -4,6 +4,10 @@
 the low nibble); ``weight_scale`` float8_e4m3fn ``[out, in / 16]``
 ``= block_amax / (6 * weight_scale_2)``; ``weight_scale_2`` fp32 0-d
 ``= amax / (6 * 448)``. ModelOpt's ``NVFP4_DEFAULT_CFG`` (weights and inputs).
+
+compressed-tensors (``nvfp4-pack-quantized``) stores the same codes as
+``weight_packed`` and the same block scales, and the reciprocals of the second
+levels as ``weight_global_scale`` / ``input_global_scale`` (:mod:`~exportlm.quant.formats._ct_codecs`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,13 @@ import torch
 
 from exportlm.errors import UnsupportedFormatError
 from exportlm.quant._tensor import FP4_MAX, FP8_MAX, QuantFormat, QuantizedTensor, split_blocks
-from exportlm.quant.formats._parts import Leaf, ModelOptScheme, WeightRecipe
+from exportlm.quant.formats._ct_codecs import nvfp4_codec
+from exportlm.quant.formats._parts import (
+    CompressedTensorsScheme,
+    Leaf,
+    ModelOptScheme,
+    WeightRecipe,
+)
 from exportlm.quant.formats._spec import FormatSpec
 
 __all__ = ["E2M1_VALUES", "NVFP4"]
@@ -95,6 +105,17 @@ def dequantize_nvfp4(q: QuantizedTensor) -> torch.Tensor:
 
 
 _MODELOPT_ARGS = {"dynamic": False, "num_bits": 4, "type": "float"}
+# compressed-tensors' NVFP4 preset as it serializes it (llm-compressor's scheme="NVFP4")
+_CT_WEIGHTS = {
+    "num_bits": 4,
+    "type": "float",
+    "symmetric": True,
+    "group_size": 16,
+    "strategy": "tensor_group",
+    "dynamic": False,
+    "scale_dtype": "torch.float8_e4m3fn",
+}
+_CT_INPUTS = {**_CT_WEIGHTS, "dynamic": "local", "observer": "static_minmax"}
 
 NVFP4 = FormatSpec(
     format=QuantFormat.NVFP4,
@@ -114,5 +135,11 @@ NVFP4 = FormatSpec(
     packed_dim=-1,
     recipe=WeightRecipe("nvfp4", block_size=16, quantize_inputs=True),
     modelopt=ModelOptScheme("NVFP4", weights=_MODELOPT_ARGS, input_activations=_MODELOPT_ARGS),
+    compressed_tensors=CompressedTensorsScheme(
+        "nvfp4-pack-quantized",
+        weights=_CT_WEIGHTS,
+        input_activations=_CT_INPUTS,
+        codec=nvfp4_codec(),
+    ),
     share_fused_weight_amax=True,
 )

@@ -8,7 +8,7 @@ and its config fields in each checkpoint layout (:class:`ModelOptScheme`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
@@ -19,8 +19,11 @@ __all__ = [
     "CompressedTensorsScheme",
     "KVCacheScheme",
     "Leaf",
+    "LeafCodec",
     "LeafRole",
     "ModelOptScheme",
+    "StoredLeaf",
+    "StoredScale",
     "WeightRecipe",
     "is_token",
 ]
@@ -131,33 +134,125 @@ class ModelOptScheme:
             object.__setattr__(self, "input_activations", _frozen(self.input_activations))
 
 
+#: What a stored weight leaf holds: the codes, a scale, or the logical shape (an integer tensor).
+StoredKind = Literal["codes", "scale", "shape"]
+#: ``{leaf name: tensor}`` of one quantized weight (or of its activation scales).
+LeafTensors = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StoredLeaf:
+    """One tensor a layout stores for a quantized weight, under the layout's own name.
+
+    Attributes:
+        name: the stored leaf name (``"weight_packed"``).
+        dtype: the stored dtype.
+        kind: ``"codes"`` (exactly one per codec), ``"scale"`` (checked like every
+            scale when read) or ``"shape"`` (an integer tensor, read as is).
+    """
+
+    name: str
+    dtype: torch.dtype
+    kind: StoredKind = "scale"
+
+
+@dataclass(frozen=True)
+class StoredScale:
+    """How a layout stores one of a format's activation leaves (``input_scale``).
+
+    Attributes:
+        name: the stored name (``"input_global_scale"``).
+        reciprocal: stored as ``1 / scale`` (compressed-tensors' global scales).
+    """
+
+    name: str
+    reciprocal: bool = False
+
+
+@dataclass(frozen=True)
+class LeafCodec:
+    """A layout's own tensors for a format's leaves: other names, dtypes and shapes.
+
+    The format's kernels and its :class:`Leaf` list stay the one source of the
+    numbers; a codec only re-lays them out, both ways, as pure functions of the
+    leaves (so the checkpoint writer and the loader call them without knowing the
+    format or the layout).
+
+    Attributes:
+        weights: the stored weight leaves, in writing order (one of kind ``"codes"``).
+        encode: the format's weight leaves (``{"weight": ..., "weight_scale": ...}``,
+            float32 scales already float32) to the stored ones (every name of ``weights``).
+        decode: the stored weight leaves back to the format's (inverse of ``encode``).
+        activations: the format's activation leaves by name: how the layout stores
+            each, or ``None`` where the layout has no tensor for it (the writer refuses
+            a module that would need it, naming the leaf and ``refusal``). A leaf
+            not listed is stored under its own name.
+        refusal: why a leaf mapped to ``None`` cannot be stored and what to do instead.
+    """
+
+    weights: tuple[StoredLeaf, ...]
+    encode: Callable[[LeafTensors], dict[str, torch.Tensor]]
+    decode: Callable[[LeafTensors], dict[str, torch.Tensor]]
+    activations: Mapping[str, StoredScale | None] = field(default_factory=dict)
+    refusal: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "activations", _frozen(self.activations))
+        if [leaf.kind for leaf in self.weights].count("codes") != 1:
+            raise ValueError("a LeafCodec stores exactly one leaf of kind 'codes'")
+
+    @property
+    def codes(self) -> StoredLeaf:
+        """The stored leaf holding the codes (``weight_packed``)."""
+        return next(leaf for leaf in self.weights if leaf.kind == "codes")
+
+
 @dataclass(frozen=True)
 class CompressedTensorsScheme:
     """The format in compressed-tensors' layout (``quantization_config.config_groups``).
 
     Attributes:
-        format: the compressed-tensors format name (``"float-quantized"``).
+        format: the compressed-tensors format name (``"float-quantized"``,
+            ``"pack-quantized"``, ``"nvfp4-pack-quantized"``).
         weights: the group's ``weights`` quantization args (``num_bits``, ``type``,
-            ``strategy``, ``symmetric``, ``dynamic``...).
+            ``strategy``, ``symmetric``, ``dynamic``...), as compressed-tensors
+            serializes them; a ``group_size`` key is set to the layer's group size.
         input_activations: the group's ``input_activations`` args, ``None`` for weight-only.
+        codec: how the layout stores the format's tensors when it differs from the
+            format's own leaves (INT4 ``weight_packed`` int32...), ``None``: as they are.
     """
 
     format: str
     weights: Mapping[str, Any]
     input_activations: Mapping[str, Any] | None = None
+    codec: LeafCodec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weights", _frozen(self.weights))
         if self.input_activations is not None:
             object.__setattr__(self, "input_activations", _frozen(self.input_activations))
 
-    def group(self, targets: list[str]) -> dict[str, Any]:
-        """One ``config_groups`` entry for ``targets`` (keys in compressed-tensors' order)."""
-        group: dict[str, Any] = {"targets": list(targets), "weights": dict(self.weights)}
+    def group(self, targets: list[str], group_size: int | None = None) -> dict[str, Any]:
+        """One ``config_groups`` entry for ``targets`` (keys in compressed-tensors' order).
+
+        ``group_size`` (a block format's layer group size) replaces the ``group_size``
+        of the args that have one.
+        """
+        group: dict[str, Any] = {
+            "targets": list(targets),
+            "weights": _sized(self.weights, group_size),
+        }
         if self.input_activations is not None:
-            group["input_activations"] = dict(self.input_activations)
+            group["input_activations"] = _sized(self.input_activations, group_size)
         group["format"] = self.format
         return group
+
+
+def _sized(args: Mapping[str, Any], group_size: int | None) -> dict[str, Any]:
+    entry = dict(args)
+    if group_size and entry.get("group_size") is not None and entry.get("strategy") == "group":
+        entry["group_size"] = group_size
+    return entry
 
 
 @dataclass(frozen=True)
