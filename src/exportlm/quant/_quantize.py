@@ -148,7 +148,7 @@ def _calibrate_and_smooth(
     with steps.step("calibration (the calibrate function's forwards)"):
         handles = collect_expert_statistics(model) if awq else []
         try:
-            with trace_norms(model, enabled=awq) as norms:
+            with trace_norms(model, enabled=awq or bool(smoothquant.folding)) as norms:
                 groups = run_calibration(model, calibrate)
         finally:
             for handle in handles:
@@ -162,7 +162,7 @@ def _calibrate_and_smooth(
             fold_into_norms(model, norms)
     if smoothquant:
         with steps.step("SmoothQuant smoothing"):
-            apply_smoothquant(smoothquant, groups)
+            apply_smoothquant(model, smoothquant, groups, norms)
     _init_weight_amax(model)  # AWQ changed the weights the quantizers see
     return groups
 

@@ -92,6 +92,10 @@ class WeightRecipe:
         smoothquant_alpha: SmoothQuant's migration strength; set, the recipe smooths
             each quantized linear's input channels into its weight before quantizing
             (:mod:`exportlm.quant._smoothquant`). ``None``: no smoothing.
+        smoothquant_fold: smooth only groups of linears whose scale folds into the norm
+            that feeds them (llm-compressor's ``SmoothQuantModifier``: the layout then
+            needs no ``pre_quant_scale``); ``False``: every linear, the scale kept as
+            ``pre_quant_scale`` (ModelOpt's ``smoothquant``).
     """
 
     name: str
@@ -101,6 +105,7 @@ class WeightRecipe:
     awq: bool = False
     input_format: str | None = None
     smoothquant_alpha: float | None = None
+    smoothquant_fold: bool = False
 
 
 @dataclass(frozen=True)

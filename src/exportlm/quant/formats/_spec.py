@@ -133,8 +133,8 @@ class FormatSpec:
     def _recipe_problems(self, recipe: WeightRecipe) -> Iterator[str]:
         if not is_token(recipe.name) or "+" in recipe.name:
             yield f"recipe names have no spaces and no '+' (it combines recipes), got {recipe.name!r}"
-        if self.modelopt is None:
-            yield "a format with a recipe declares its ModelOpt scheme (quant_algo)"
+        if self.modelopt is None and self.compressed_tensors is None:
+            yield "a format with a recipe declares a checkpoint scheme (ModelOpt or compressed-tensors)"
         if self.needs_block != bool(recipe.block_size):
             yield "recipe.block_size is required by block formats and only by them"
         own_inputs = recipe.quantize_inputs and recipe.input_format is None
