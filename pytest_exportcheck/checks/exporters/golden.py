@@ -123,6 +123,7 @@ GOLDEN_CASES: tuple[GoldenCase, ...] = (
         (("*", "fp8"), ("*.mlp.*", "nvfp4"), ("*embed_tokens", "int8_wo")),
     ),
     GoldenCase("compressed_tensors", "llama", "fp8", "compressed-tensors"),
+    GoldenCase("w8a8", "llama", "w8a8", "compressed-tensors"),
 )
 
 
