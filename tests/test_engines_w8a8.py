@@ -46,7 +46,8 @@ def test_vllm_serves_our_w8a8_checkpoint_with_the_fake_quant_tokens(
     match = get_engine("vllm").support(
         "hf_checkpoint", "compressed-tensors", "W8A8", dtype=dtype, device="cpu"
     )
-    assert match.row is not None and match.verdict is Verdict.RUNS
+    assert match.row is not None
+    assert match.verdict is Verdict.RUNS
     served = serve_and_compare("vllm", artifact, model, dtype=dtype)
     print(served.row())
     assert served.ok, served.message
