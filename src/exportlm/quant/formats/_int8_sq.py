@@ -26,6 +26,7 @@ on CPUs too); ModelOpt has no such scheme, so ``format="modelopt"`` refuses it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ from exportlm.quant.formats._parts import (
     StoredLeaf,
     WeightRecipe,
 )
-from exportlm.quant.formats._spec import FormatSpec
+from exportlm.quant.formats._spec import FormatSpec, QuantizeFn
 
 __all__ = ["INT8_SQ", "INT8_TENSOR", "LLMC_SMOOTHING_STRENGTH", "SMOOTHQUANT_ALPHA", "W8A8"]
 
@@ -61,30 +62,40 @@ _CT_WEIGHTS = {
     "strategy": "channel",
     "dynamic": False,
 }
-_CT_TOKENS = {
-    "num_bits": 8,
-    "type": "int",
-    "symmetric": True,
-    "group_size": None,
-    "strategy": "token",
-    "dynamic": True,
-}
+_CT_TOKENS = {**_CT_WEIGHTS, "strategy": "token", "dynamic": True}
 
 
-def quantize_int8_rows(
-    x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
-) -> QuantizedTensor:
-    """Per-row int8 (INT8 weight-only's kernel) labelled ``int8_sq``; ``scale`` is unused."""
-    q = quantize_int8(x, scale=None, block_size=None, where=where)
-    return dataclasses.replace(q, format="int8_sq")
+def _rows_kernel(name: str) -> QuantizeFn:
+    """INT8 weight-only's per-row kernel, its tensors labelled with format ``name``."""
+
+    def quantize(
+        x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
+    ) -> QuantizedTensor:
+        q = quantize_int8(x, scale=None, block_size=None, where=where)
+        return dataclasses.replace(q, format=name)
+
+    return quantize
 
 
-def quantize_w8a8(
-    x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
-) -> QuantizedTensor:
-    """Per-row int8 (INT8 weight-only's kernel) labelled ``w8a8``; ``scale`` is unused."""
-    q = quantize_int8(x, scale=None, block_size=None, where=where)
-    return dataclasses.replace(q, format="w8a8")
+def _rows_spec(
+    name: str, leaves: tuple[Leaf, ...], recipe: WeightRecipe, **schemes: Any
+) -> FormatSpec:
+    """A per-row int8 weight format (``weight`` int8 ``[out, in]``, ``weight_scale [out]``)."""
+    return FormatSpec(
+        format=name,
+        quantize=_rows_kernel(name),
+        dequantize=dequantize_int8,
+        maxbound=INT8_MAX,
+        amax_divisor=INT8_MAX,
+        granularity="row",
+        leaves=(
+            Leaf("weight", torch.int8, source="data"),
+            Leaf("weight_scale", torch.float32, source="scale"),
+            *leaves,
+        ),
+        recipe=recipe,
+        **schemes,
+    )
 
 
 def _int_quantized_encode(leaves: LeafTensors) -> dict[str, torch.Tensor]:
@@ -131,20 +142,13 @@ def dequantize_int8_tensor(q: QuantizedTensor) -> torch.Tensor:
     return q.data.to(torch.float32) * q.scale
 
 
-INT8_SQ = FormatSpec(
-    format="int8_sq",
-    quantize=quantize_int8_rows,
-    dequantize=dequantize_int8,
-    maxbound=INT8_MAX,
-    amax_divisor=INT8_MAX,
-    granularity="row",
-    leaves=(
-        Leaf("weight", torch.int8, source="data"),
-        Leaf("weight_scale", torch.float32, source="scale"),
+INT8_SQ = _rows_spec(
+    "int8_sq",
+    (
         Leaf("input_scale", torch.float32, role="activation"),
         Leaf("pre_quant_scale", torch.float32, role="activation"),
     ),
-    recipe=WeightRecipe(
+    WeightRecipe(
         "int8_sq",
         axis=0,
         quantize_inputs=True,
@@ -176,19 +180,10 @@ INT8_TENSOR = FormatSpec(
     calibrated=True,
 )
 
-W8A8 = FormatSpec(
-    format="w8a8",
-    quantize=quantize_w8a8,
-    dequantize=dequantize_int8,
-    maxbound=INT8_MAX,
-    amax_divisor=INT8_MAX,
-    granularity="row",
-    leaves=(
-        Leaf("weight", torch.int8, source="data"),
-        Leaf("weight_scale", torch.float32, source="scale"),
-        Leaf("pre_quant_scale", torch.float32, role="activation"),
-    ),
-    recipe=WeightRecipe(
+W8A8 = _rows_spec(
+    "w8a8",
+    (Leaf("pre_quant_scale", torch.float32, role="activation"),),
+    WeightRecipe(
         "w8a8",
         axis=0,
         quantize_inputs=True,
