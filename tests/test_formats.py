@@ -246,7 +246,7 @@ def test_register_format_refuses_a_taken_name(
         ({"leaves": INT6.leaves[:1]}, "exactly one weight leaf has source 'data'"),
         ({"recipe": WeightRecipe("int6", quantize_inputs=True)}, "only a calibrated format"),
         ({"recipe": WeightRecipe("int6+kv")}, "no '\\+'"),
-        ({"modelopt": None}, "declares its ModelOpt scheme"),
+        ({"modelopt": None}, "declares a checkpoint scheme"),
     ],
 )
 def test_an_inconsistent_spec_is_refused_when_built(changes: dict[str, object], match: str) -> None:
