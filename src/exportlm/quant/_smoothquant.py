@@ -103,7 +103,7 @@ def apply_smoothquant(
                 continue
             if id(module) in plan.folding:
                 members = grouped.get(id(module), [module])
-                plan.originals.update({id(m): m.weight for m in members})
+                plan.originals.update({id(m): m.get_parameter("weight") for m in members})
                 _smooth_jointly(members, act.float(), alpha)
                 smoothed.update(map(id, members))
             else:
