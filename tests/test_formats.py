@@ -165,7 +165,9 @@ def test_a_weight_only_format_refuses_what_it_cannot_do(int6: FormatSpec) -> Non
     with pytest.raises(UnsupportedFormatError, match=r"writes FP8 / .* only.*int6"):
         export_quantized_state(model, DictSink(), format="compressed-tensors")
     quantizer = TensorQuantizer("int6", enabled=False, label="m.input_quantizer")
-    with pytest.raises(QuantizationError, match="static activation scales are FP8 or NVFP4"):
+    with pytest.raises(
+        QuantizationError, match="static activation scales are FP8 or INT8_TENSOR or NVFP4"
+    ):
         quantizer.load_scale(torch.tensor(1.0), "int6")
 
 
@@ -181,7 +183,9 @@ def test_an_unregistered_format_is_gone_everywhere() -> None:
     register_format(INT6)
     QUANT_FORMATS.unregister("int6")
     assert "int6_wo" not in recipe_names()
-    with pytest.raises(UnknownNameError, match=r"'int6'.*available: fp8, int4, int8, nvfp4"):
+    with pytest.raises(
+        UnknownNameError, match=r"'int6'.*available: fp8, int4, int8, int8_sq, int8_tensor, nvfp4"
+    ):
         TensorQuantizer("int6")
     with pytest.raises(UnknownNameError, match=r"'int6_wo'"):
         quantize(DecoderModel(num_layers=1), "int6_wo")
@@ -242,7 +246,7 @@ def test_register_format_refuses_a_taken_name(
         ({"leaves": INT6.leaves[:1]}, "exactly one weight leaf has source 'data'"),
         ({"recipe": WeightRecipe("int6", quantize_inputs=True)}, "only a calibrated format"),
         ({"recipe": WeightRecipe("int6+kv")}, "no '\\+'"),
-        ({"modelopt": None}, "declares its ModelOpt scheme"),
+        ({"modelopt": None}, "declares a checkpoint scheme"),
     ],
 )
 def test_an_inconsistent_spec_is_refused_when_built(changes: dict[str, object], match: str) -> None:

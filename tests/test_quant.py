@@ -302,7 +302,7 @@ def test_a_loaded_fp8_scale_is_used_as_stored(scale: float) -> None:
         (torch.tensor(0.0), QuantFormat.FP8, "finite positive"),
         (torch.tensor(math.nan), QuantFormat.FP8, "finite positive"),
         (torch.ones(2), QuantFormat.FP8, "one finite positive number"),
-        (torch.tensor(1.0), QuantFormat.INT8, "FP8 or NVFP4"),
+        (torch.tensor(1.0), QuantFormat.INT8, "FP8 or INT8_TENSOR or NVFP4"),
     ],
 )
 def test_load_scale_refuses_what_no_exporter_writes(

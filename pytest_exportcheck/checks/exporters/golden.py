@@ -116,12 +116,14 @@ GOLDEN_CASES: tuple[GoldenCase, ...] = (
     GoldenCase("nvfp4", "llama", "nvfp4"),
     GoldenCase("int4_awq", "llama", "int4_awq"),
     GoldenCase("int8_wo", "llama", "int8_wo"),
+    GoldenCase("int8_sq", "llama", "int8_sq"),
     GoldenCase(
         "mixed_precision",
         "llama",
         (("*", "fp8"), ("*.mlp.*", "nvfp4"), ("*embed_tokens", "int8_wo")),
     ),
     GoldenCase("compressed_tensors", "llama", "fp8", "compressed-tensors"),
+    GoldenCase("w8a8", "llama", "w8a8", "compressed-tensors"),
 )
 
 

@@ -29,7 +29,7 @@ from pytest_exportcheck.checks.targets.checkpoint import quantized_toy, require_
 __all__ = ["FALLBACK_RECIPE", "LOADABLE_RECIPES", "loadable"]
 
 #: The recipes each toy model is exported with: one per built-in format (+ the FP8 KV cache).
-LOADABLE_RECIPES = ("fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo")
+LOADABLE_RECIPES = ("fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo", "int8_sq")
 #: Tried when ``fp8+fp8_kv`` does not fit the model (a fused QKV projection).
 FALLBACK_RECIPE = "fp8"
 _SHOWN = 5

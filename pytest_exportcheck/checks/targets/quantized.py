@@ -53,7 +53,7 @@ from pytest_exportcheck.checks._support import (
 __all__ = ["FLIP_ATOL", "FLIP_RTOL", "INPUT_SETS", "QUANTIZED_RECIPES", "roundtrip_quantized"]
 
 #: The recipes the toy model is quantized with: static FP8 (W8A8) and INT8 weight-only.
-QUANTIZED_RECIPES = ("fp8", "int8_wo")
+QUANTIZED_RECIPES = ("fp8", "int8_wo", "int8_sq")
 #: Deterministic input sets each artifact is compared on.
 INPUT_SETS = 5
 #: Per-input-set bound when activations are quantized (one FP8 rounding flip; see above).

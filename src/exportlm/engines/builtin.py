@@ -83,6 +83,15 @@ VLLM = Engine(
         Support(
             _HF,
             _MO,
+            "W8A8_SQ_PER_CHANNEL",
+            verdict=Verdict.REFUSED,
+            evidence=_MODELOPT_REFUSAL,
+            message=_MODELOPT_REFUSED,
+            instead="compressed-tensors W8A8 (recipe 'w8a8'; int8, runs on CPU)",
+        ),
+        Support(
+            _HF,
+            _MO,
             "W4A16_AWQ",
             verdict=Verdict.REFUSED,
             evidence=_MODELOPT_REFUSAL,

@@ -79,7 +79,7 @@ def _emit_input(
     A scale folded into the preceding norm (``folded_pre_quant_scale``) is not
     written: the norm's exported weight carries it.
     """
-    if quantizer.enabled:
+    if quantizer.enabled and quantizer.spec.calibrated:  # dynamic inputs keep no scale
         amax = ctx.amax_of(quantizer)
         _emit_activation(ctx, prefix, spec, "input_scale", quantizer.scale_from(amax))
     pqs = quantizer.pre_quant_scale

@@ -94,11 +94,12 @@ class QuantLinear(QuantModule, nn.Linear):
         """The weight the quantizer sees: ``W / pre_quant_scale`` under AWQ, else ``W``.
 
         The scale is the input quantizer's ``pre_quant_scale``, or its
-        ``folded_pre_quant_scale`` when the preceding norm applies it.
+        ``folded_pre_quant_scale`` when the preceding norm applies it; ``W`` itself when
+        the weight is stored smoothed (SmoothQuant: ``input_quantizer.weight_smoothed``).
         """
         pqs = smoothing_of(self.input_quantizer)
         weight: torch.Tensor = self.weight
-        if pqs is None:
+        if pqs is None or self.input_quantizer.weight_smoothed:
             return weight
         scaled: torch.Tensor = weight / pqs.to(weight.dtype)
         return scaled

@@ -38,6 +38,7 @@ from exportlm.quant._refusals import (
     refuse_unconvertible,
     refuse_unplaceable_kv_cache,
 )
+from exportlm.quant._smoothquant import apply_smoothquant, plan_smoothquant
 from exportlm.quant._tensor import FormatId, QuantFormat
 from exportlm.quant._transaction import QuantizeSteps, quantize_transaction
 from exportlm.quant.formats import get_format
@@ -143,10 +144,11 @@ def _calibrate_and_smooth(
 
     Returns the groups of linears that read one input.
     """
+    smoothquant = plan_smoothquant(model)
     with steps.step("calibration (the calibrate function's forwards)"):
         handles = collect_expert_statistics(model) if awq else []
         try:
-            with trace_norms(model, enabled=awq) as norms:
+            with trace_norms(model, enabled=awq or bool(smoothquant.folding)) as norms:
                 groups = run_calibration(model, calibrate)
         finally:
             for handle in handles:
@@ -158,6 +160,9 @@ def _calibrate_and_smooth(
         with steps.step("AWQ smoothing and its fold into norms"):
             apply_awq(plan)
             fold_into_norms(model, norms)
+    if smoothquant:
+        with steps.step("SmoothQuant smoothing"):
+            apply_smoothquant(model, smoothquant, groups, norms)
     _init_weight_amax(model)  # AWQ changed the weights the quantizers see
     return groups
 

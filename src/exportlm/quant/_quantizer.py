@@ -85,6 +85,10 @@ class TensorQuantizer(nn.Module):
         #: quantizer's ``pre_quant_scale`` (:func:`~exportlm.quant.awq_margin`); ``None``
         #: when no search set it.
         self.awq_margin: float | None = None
+        #: The linear's weight already holds the division by :attr:`pre_quant_scale`
+        #: (SmoothQuant stores the smoothed weight, as ModelOpt does), so the weight
+        #: quantizer sees the weight as it is.
+        self.weight_smoothed = False
         self.register_buffer("amax", None)
         self.register_buffer("pre_quant_scale", None)
         #: An AWQ ``pre_quant_scale`` the preceding norm applies (folded into its

@@ -37,12 +37,14 @@ class Algorithm:
 
     Attributes:
         name: the recipe name (``"fp8"``).
-        quant_algo: the ModelOpt ``quant_algo`` written to ``hf_quant_config.json``.
+        quant_algo: the ModelOpt ``quant_algo`` written to ``hf_quant_config.json`` (the
+            recipe name for a format without a ModelOpt scheme).
         weight: the weight format.
         weight_block: NVFP4 block / INT4 group size, ``None`` for per-tensor / per-row.
         weight_axis: ``0`` for per-row weight scales (INT8), ``None`` otherwise.
         input: the activation format, or ``None`` for weight-only.
         awq: compute an AWQ ``pre_quant_scale`` from calibration activations.
+        smoothquant_alpha: SmoothQuant's migration strength, ``None`` without smoothing.
     """
 
     name: str
@@ -52,6 +54,7 @@ class Algorithm:
     weight_axis: int | None = None
     input: FormatId | None = None
     awq: bool = False
+    smoothquant_alpha: float | None = None
 
     @property
     def group_size(self) -> int | None:
@@ -62,16 +65,17 @@ class Algorithm:
     def of(cls, spec: FormatSpec) -> Algorithm:
         """The algorithm of ``spec``'s weight recipe (``ValueError`` when it has none)."""
         recipe, modelopt = spec.recipe, spec.modelopt
-        if recipe is None or modelopt is None:
+        if recipe is None:
             raise ValueError(f"format {spec.name!r} has no weight recipe")
         return cls(
             recipe.name,
-            modelopt.quant_algo,
+            recipe.name if modelopt is None else modelopt.quant_algo,
             spec.format,
             recipe.block_size,
             recipe.axis,
-            spec.format if recipe.quantize_inputs else None,
+            (recipe.input_format or spec.format) if recipe.quantize_inputs else None,
             recipe.awq,
+            recipe.smoothquant_alpha,
         )
 
 

@@ -95,6 +95,9 @@ class ActivationScale(NamedTuple):
     format: Any  # exportlm.quant.FormatId
     scale: torch.Tensor
     block_size: int | None = None
+    #: SmoothQuant: the scale the input is multiplied by before it is quantized (the
+    #: dequantized weight is the stored, smoothed one).
+    pre_quant_scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -204,9 +207,11 @@ def dequantize_state(
             value = check_scale(input_scale, tensors[input_scale])
             if stored_input.reciprocal:  # compressed-tensors' input_global_scale = 1 / input_scale
                 value = 1.0 / value
+            pre_quant_scale = slot.name(_PRE_QUANT_SCALE, leaves.data)
+            smoothing = tensors[pre_quant_scale].float() if pre_quant_scale in tensors else None
             # keyed by the format's own leaf name, which the static quantization looks up
             scales[slot.name(_INPUT_SCALE, leaves.data)] = ActivationScale(
-                spec.format, value, block
+                spec.recipe.input_format or spec.format, value, block, smoothing
             )
             used.add(input_scale)
     for name, tensor in tensors.items():
@@ -266,8 +271,11 @@ def _dequantize(
         weight, block = dequantize(q, torch.float32), q.block_size
     pre_quant_scale = slot.name(_PRE_QUANT_SCALE, leaves.data)
     if pre_quant_scale in tensors:  # AWQ: y = (x * s) @ W^T == x @ (W * s)^T
-        weight = weight * check_scale(pre_quant_scale, tensors[pre_quant_scale]).reshape(1, -1)
+        scale = check_scale(pre_quant_scale, tensors[pre_quant_scale])
         names.append(pre_quant_scale)
+        # SmoothQuant (inputs quantized after the scale): the runtime scales the input
+        if slot.name(_INPUT_SCALE, leaves.data) not in tensors:
+            weight = weight * scale.reshape(1, -1)
     return weight, block, names
 
 

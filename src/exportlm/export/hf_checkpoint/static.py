@@ -101,6 +101,9 @@ class StaticQuantization:
         if inputs is not None:
             quantizer = wrapper.input_quantizer
             quantizer.load_scale(inputs.scale, inputs.format, block_size=inputs.block_size)
+            if inputs.pre_quant_scale is not None:  # SmoothQuant: scale, then quantize
+                quantizer.pre_quant_scale = inputs.pre_quant_scale
+                quantizer.weight_smoothed = True
         if kv is not None:
             wrapper.output_quantizer.load_scale(kv.scale, kv.format)
             wrapper.output_quantizer.kv_role = (

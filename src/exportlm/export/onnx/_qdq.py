@@ -64,7 +64,7 @@ def _module_refusal(name: str, module: nn.Module) -> str | None:
             "target cannot express; quantize without the KV-cache recipe"
         )
     if inputs.pre_quant_scale is not None:
-        return f"{name} carries an AWQ pre_quant_scale (recipe int4_awq), which has no QDQ form"
+        return f"{name} carries a pre_quant_scale (recipe {_recipe_of(weight)!r}), which has no QDQ form"
     if weight.enabled:
         scheme = QDQ_SCHEMES.get(get_format(weight.format).name)
         if scheme is None or weight.block_size:

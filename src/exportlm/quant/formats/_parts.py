@@ -86,6 +86,16 @@ class WeightRecipe:
         quantize_inputs: activations are quantized with the same format (static,
             calibrated per-tensor scale); ``False`` for weight-only recipes.
         awq: compute an AWQ ``pre_quant_scale`` from calibration activations.
+        input_format: the registered format activations are quantized to when it is
+            not this one (INT8 W8A8: per-row int8 weights, per-tensor static or
+            per-token dynamic int8 inputs); ``None``: the format itself.
+        smoothquant_alpha: SmoothQuant's migration strength; set, the recipe smooths
+            each quantized linear's input channels into its weight before quantizing
+            (:mod:`exportlm.quant._smoothquant`). ``None``: no smoothing.
+        smoothquant_fold: smooth only groups of linears whose scale folds into the norm
+            that feeds them (llm-compressor's ``SmoothQuantModifier``: the layout then
+            needs no ``pre_quant_scale``); ``False``: every linear, the scale kept as
+            ``pre_quant_scale`` (ModelOpt's ``smoothquant``).
     """
 
     name: str
@@ -93,6 +103,9 @@ class WeightRecipe:
     axis: int | None = None
     quantize_inputs: bool = False
     awq: bool = False
+    input_format: str | None = None
+    smoothquant_alpha: float | None = None
+    smoothquant_fold: bool = False
 
 
 @dataclass(frozen=True)

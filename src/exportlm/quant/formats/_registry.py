@@ -10,6 +10,7 @@ from exportlm.quant._tensor import FormatId, format_name, install_format_lookup
 from exportlm.quant.formats._fp8 import FP8
 from exportlm.quant.formats._int4 import INT4
 from exportlm.quant.formats._int8 import INT8
+from exportlm.quant.formats._int8_sq import INT8_SQ, INT8_TENSOR, W8A8
 from exportlm.quant.formats._nvfp4 import NVFP4
 from exportlm.quant.formats._parts import LeafRole
 from exportlm.quant.formats._spec import FormatSpec
@@ -41,7 +42,7 @@ def _validate(name: str, obj: object) -> FormatSpec:
 #: Format specs by name (``"fp8"``, ``"nvfp4"``, ``"int4"``, ``"int8"`` + registered ones).
 QUANT_FORMATS: Registry[FormatSpec] = Registry("quantization format", _validate)
 #: The built-in specs, registered below in this order.
-BUILTIN_FORMATS: tuple[FormatSpec, ...] = (FP8, NVFP4, INT4, INT8)
+BUILTIN_FORMATS: tuple[FormatSpec, ...] = (FP8, NVFP4, INT4, INT8, INT8_SQ, INT8_TENSOR, W8A8)
 _LOCK = threading.Lock()
 
 

@@ -133,14 +133,22 @@ class FormatSpec:
     def _recipe_problems(self, recipe: WeightRecipe) -> Iterator[str]:
         if not is_token(recipe.name) or "+" in recipe.name:
             yield f"recipe names have no spaces and no '+' (it combines recipes), got {recipe.name!r}"
-        if self.modelopt is None:
-            yield "a format with a recipe declares its ModelOpt scheme (quant_algo)"
+        if self.modelopt is None and self.compressed_tensors is None:
+            yield "a format with a recipe declares a checkpoint scheme (ModelOpt or compressed-tensors)"
         if self.needs_block != bool(recipe.block_size):
             yield "recipe.block_size is required by block formats and only by them"
-        if recipe.quantize_inputs and not self.calibrated:
+        own_inputs = recipe.quantize_inputs and recipe.input_format is None
+        if own_inputs and not self.calibrated:
             yield "only a calibrated format can quantize activations"
-        if recipe.quantize_inputs and "input_scale" not in self._names("activation"):
+        if own_inputs and "input_scale" not in self._names("activation"):
             yield "a recipe that quantizes inputs writes the activation leaf 'input_scale'"
+        if recipe.input_format is not None and not recipe.quantize_inputs:
+            yield "recipe.input_format names the activations' format of a recipe that quantizes them"
+        alpha = recipe.smoothquant_alpha
+        if alpha is not None and not 0.0 <= alpha <= 1.0:
+            yield f"recipe.smoothquant_alpha must be in [0, 1], got {alpha!r}"
+        if alpha is not None and "pre_quant_scale" not in self._names("activation"):
+            yield "a SmoothQuant recipe writes the activation leaf 'pre_quant_scale'"
         if recipe.awq and "pre_quant_scale" not in self._names("activation"):
             yield "an AWQ recipe writes the activation leaf 'pre_quant_scale'"
 

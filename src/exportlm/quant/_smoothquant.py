@@ -1,0 +1,194 @@
+"""SmoothQuant: move activation outliers into the weights, as ModelOpt's ``smoothquant``.
+
+For every quantized linear whose recipe sets ``smoothquant_alpha`` (``int8_sq``):
+
+1. calibration records the per-input-channel amax of its input (``act``) beside the
+   per-tensor amax (the input quantizer's ``track_channels``);
+2. ``s = max|W|_col ^ (1 - alpha) / act ^ alpha`` (``max|W|_col``: the amax of each
+   input column of the weight), channels whose ``act`` is zero get ``s = 1``, and
+   ``s`` is clamped to ``[1e-4, 1e4]`` (ModelOpt 0.47 ``model_calib.smoothquant``);
+3. the input is multiplied by ``s`` (``pre_quant_scale``), the weight is stored
+   divided by it (``W * (1 / s)``: the smoothed weight is the parameter, as ModelOpt
+   keeps it) and the input amax becomes ``max(act * s)``;
+4. linears that read one input (``q/k/v``, ``gate/up``) take the mean of their
+   scales, each weight rescaled by ``old / mean`` (ModelOpt does this when it
+   exports, ``preprocess_linear_fusion``; here it happens before the weights are
+   quantized, so the fake-quantized model is what is exported).
+
+A recipe with ``smoothquant_fold`` (``w8a8``) smooths as llm-compressor's
+``SmoothQuantModifier`` does instead: one scale per group of linears that read one
+input, ``s = act ^ alpha / max(max|W|_col over the group, 1e-5) ^ (1 - alpha)``
+(floored at 1e-5), the weights multiplied by ``s`` and the scale folded into the
+norm that feeds the group (:mod:`exportlm.quant._fold`); a group no norm can absorb
+the scale of (``o_proj``, ``down_proj``, a norm that also feeds a router) is left
+unsmoothed, as llm-compressor's default mappings leave it.
+
+The ModelOpt layout keeps each linear's ``pre_quant_scale``, as ModelOpt writes it
+for ``W8A8_SQ_PER_CHANNEL`` (TensorRT-LLM applies it; ModelOpt folds scales into
+norms for AWQ formats only). Stacked experts are not smoothed (ModelOpt smooths
+linears only); their weights and inputs are quantized as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from exportlm.quant._fold import NormTrace, fold_into_norms
+from exportlm.quant._modules import QuantLinear
+
+__all__ = ["SmoothQuantPlan", "apply_smoothquant", "plan_smoothquant"]
+
+logger = logging.getLogger(__name__)
+
+#: ModelOpt's bounds of a smoothing scale and its zero-amax threshold.
+_SCALE_MIN, _SCALE_MAX = 1e-4, 1e4
+_EPSILON = 1.0 / (1 << 31)
+#: llm-compressor's ``MINIMUM_SMOOTHING_SCALE``.
+_LLMC_MIN_SCALE = 1e-5
+
+
+@dataclass
+class SmoothQuantPlan:
+    """The linears to smooth, the migration strength of each, and those whose scale folds."""
+
+    linears: list[tuple[QuantLinear, float]]
+    folding: set[int] = field(default_factory=set)
+    #: The weights a folding recipe replaced (by linear id), restored if the fold fails.
+    originals: dict[int, nn.Parameter] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.linears)
+
+
+def plan_smoothquant(model: nn.Module) -> SmoothQuantPlan:
+    """The linears whose recipe smooths them; their input quantizers start tracking channels.
+
+    Call before calibration: the smoothing reads the per-channel input amax.
+    """
+    linears, folding = [], set()
+    for module in model.modules():
+        if not isinstance(module, QuantLinear) or not module.input_quantizer.enabled:
+            continue
+        recipe = module.weight_quantizer.spec.recipe
+        alpha = None if recipe is None else recipe.smoothquant_alpha
+        if alpha is not None and module.weight_quantizer.enabled:
+            module.input_quantizer.track_channels = True
+            linears.append((module, alpha))
+            if recipe is not None and recipe.smoothquant_fold:
+                folding.add(id(module))
+    return SmoothQuantPlan(linears, folding)
+
+
+def apply_smoothquant(
+    model: nn.Module, plan: SmoothQuantPlan, groups: list[list[QuantLinear]], norms: NormTrace
+) -> int:
+    """Smooth every planned linear, then give each group of shared-input linears one scale.
+
+    Folding recipes smooth each group jointly and fold the scale into its norm
+    (``norms``: the norm outputs traced during calibration). Returns how many linears
+    were smoothed. A linear calibration never reached keeps its weight (the final
+    calibration check names it).
+    """
+    smoothed: set[int] = set()
+    grouped = {id(m): g for g in groups for m in g}
+    with torch.no_grad():
+        for module, alpha in plan.linears:
+            quantizer = module.input_quantizer
+            act = quantizer.channel_amax
+            if act is None or id(module) in smoothed:
+                continue
+            if id(module) in plan.folding:
+                members = grouped.get(id(module), [module])
+                plan.originals.update({id(m): m.get_parameter("weight") for m in members})
+                _smooth_jointly(members, act.float(), alpha)
+                smoothed.update(map(id, members))
+            else:
+                _smooth(module, act.float(), alpha)
+                smoothed.add(id(module))
+        for module, _ in plan.linears:
+            module.input_quantizer.track_channels = False
+            module.input_quantizer.reset_channels()
+        for group in groups:
+            if len(group) > 1 and all(
+                id(m) in smoothed and id(m) not in plan.folding for m in group
+            ):
+                _share_scale(group)
+        if plan.folding:
+            fold_into_norms(model, norms)
+            smoothed -= _unsmooth_unfolded(model, plan)
+    logger.info("SmoothQuant: smoothed %d linear(s)", len(smoothed))
+    return len(smoothed)
+
+
+def _smooth_jointly(members: list[QuantLinear], act: torch.Tensor, alpha: float) -> None:
+    """llm-compressor's ``_apply_smoothing`` of one mapping: one scale for the group."""
+    weight_amax = torch.stack([m.weight.abs().amax(dim=0).float() for m in members]).amax(0)
+    weight_amax = weight_amax.clamp(min=_LLMC_MIN_SCALE)
+    scale = (act.pow(alpha) / weight_amax.pow(1 - alpha)).clamp(min=_LLMC_MIN_SCALE)
+    pqs = (1.0 / scale).to(members[0].weight.dtype)  # one object: the group shares it
+    for module in members:
+        weight = module.weight
+        smoothed = (weight.float() * scale.to(weight.device)[None, :]).to(weight.dtype)
+        module.weight = nn.Parameter(smoothed, requires_grad=weight.requires_grad)
+        module.input_quantizer.pre_quant_scale = pqs
+        module.input_quantizer.weight_smoothed = True
+
+
+def _unsmooth_unfolded(model: nn.Module, plan: SmoothQuantPlan) -> set[int]:
+    """Restore the folding recipe's linears whose scale no norm absorbed; returns their ids."""
+    restored: set[int] = set()
+    names = {id(m): n for n, m in model.named_modules()}
+    for module, _ in plan.linears:
+        quantizer = module.input_quantizer
+        original = plan.originals.pop(id(module), None)
+        if id(module) not in plan.folding or quantizer.pre_quant_scale is None:
+            continue
+        if original is not None:
+            module.weight = original
+        quantizer.pre_quant_scale = None
+        quantizer.weight_smoothed = False
+        restored.add(id(module))
+        logger.info(
+            "SmoothQuant: %s is not smoothed: no norm feeding only its group can absorb "
+            "the scale (llm-compressor's mappings smooth norm-fed linears only)",
+            names.get(id(module), "a linear"),
+        )
+    return restored
+
+
+def _smooth(module: QuantLinear, act: torch.Tensor, alpha: float) -> None:
+    """ModelOpt's ``postprocess`` + ``apply_pre_quant_scale_and_smooth`` of one linear."""
+    weight = module.weight
+    dtype = weight.dtype
+    weight_amax = weight.abs().amax(dim=0, keepdim=True)
+    scale = (weight_amax.pow(1 - alpha) / act.pow(alpha)).squeeze()
+    if scale.min() <= _EPSILON:
+        scale[act <= _EPSILON] = 1
+    scale = scale.clamp(min=_SCALE_MIN, max=_SCALE_MAX).to(torch.float32)
+    quantizer = module.input_quantizer
+    quantizer.pre_quant_scale = scale.to(dtype)
+    quantizer.weight_smoothed = True
+    smoothed = (weight * (1.0 / scale).to(weight.device)[None, :]).to(dtype)
+    module.weight = nn.Parameter(smoothed, requires_grad=weight.requires_grad)
+    quantizer.amax = (act.to(dtype) * scale.to(act.device)).amax().to(dtype).float()
+
+
+def _share_scale(group: list[QuantLinear]) -> None:
+    """ModelOpt's resmoothing of linears fused into one GEMM: the mean scale for all."""
+    scales = [m.input_quantizer.pre_quant_scale for m in group]
+    if any(s is None for s in scales):  # pragma: no cover - smoothed linears have one
+        return
+    mean = torch.mean(torch.stack([s for s in scales if s is not None]), dim=0)
+    for module in group:
+        old = module.input_quantizer.pre_quant_scale
+        if old is not None and not torch.equal(old, mean):
+            weight = module.weight
+            rescaled = weight.to(torch.float32) * old.to(torch.float32) / mean.to(torch.float32)
+            module.weight = nn.Parameter(
+                rescaled.to(weight.dtype), requires_grad=weight.requires_grad
+            )
+        module.input_quantizer.pre_quant_scale = mean  # one object: the group shares it

@@ -1,0 +1,197 @@
+"""INT8 W8A8 with SmoothQuant: per-channel int8 weights, per-tensor static int8 inputs.
+
+``int8_sq`` is NVIDIA ModelOpt's ``INT8_SMOOTHQUANT_CFG`` (``quant_algo:
+W8A8_SQ_PER_CHANNEL``, read by TensorRT-LLM): ``weight`` int8 ``[out, in]`` with
+``weight_scale`` fp32 ``[out] = row_amax / 127`` of the smoothed weight,
+``input_scale`` fp32 0-d ``= activation amax / 127`` (of the smoothed input) and
+``pre_quant_scale`` fp32 ``[in]``, the SmoothQuant scale the input is multiplied by
+(the weight was divided by it). Smoothing uses ModelOpt's default ``alpha = 1.0``
+(``SmoothQuantCalibConfig.alpha``); see :mod:`exportlm.quant._smoothquant`.
+
+Two specs: the weight format ``int8_sq`` (its scales derived from each row, as
+INT8 weight-only) and the activation format ``int8_tensor`` (one calibrated
+per-tensor scale), which the recipe names as its ``input_format``.
+
+``w8a8`` is llm-compressor's ``W8A8`` scheme behind its ``SmoothQuantModifier``
+(``smoothing_strength = 0.5``, its default): the same per-row int8 weights, inputs
+quantized per token at run time (the ``int8`` format's per-row kernel on each
+token: no input scale is stored), and only the linears fed by a norm smoothed, the
+scale folded into that norm (``q/k/v`` <- ``input_layernorm``, ``gate/up`` <-
+``post_attention_layernorm``, llm-compressor's default mappings). It is written
+in compressed-tensors' ``int-quantized`` layout (``weight`` int8 ``[out, in]``,
+``weight_scale`` ``[out, 1]``), which vLLM serves (``compressed_tensors_w8a8_int8``,
+on CPUs too); ModelOpt has no such scheme, so ``format="modelopt"`` refuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from exportlm.quant._tensor import INT8_MAX, QuantizedTensor
+from exportlm.quant.formats._int8 import dequantize_int8, quantize_int8
+from exportlm.quant.formats._parts import (
+    CompressedTensorsScheme,
+    Leaf,
+    LeafCodec,
+    LeafTensors,
+    ModelOptScheme,
+    StoredLeaf,
+    WeightRecipe,
+)
+from exportlm.quant.formats._spec import FormatSpec, QuantizeFn
+
+__all__ = ["INT8_SQ", "INT8_TENSOR", "LLMC_SMOOTHING_STRENGTH", "SMOOTHQUANT_ALPHA", "W8A8"]
+
+#: SmoothQuant's migration strength: ModelOpt 0.47's default
+#: (``modelopt.torch.quantization.config.SmoothQuantCalibConfig.alpha = 1.0``).
+SMOOTHQUANT_ALPHA = 1.0
+
+#: llm-compressor's ``SmoothQuantModifier.smoothing_strength`` default.
+LLMC_SMOOTHING_STRENGTH = 0.5
+
+_INT8_ARGS = {"dynamic": False, "num_bits": 8, "type": "int"}
+#: compressed-tensors' ``W8A8`` preset (``quantization/quant_scheme.py`` ``INT8_W8A8``).
+_CT_WEIGHTS = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "group_size": None,
+    "strategy": "channel",
+    "dynamic": False,
+}
+_CT_TOKENS = {**_CT_WEIGHTS, "strategy": "token", "dynamic": True}
+
+
+def _rows_kernel(name: str) -> QuantizeFn:
+    """INT8 weight-only's per-row kernel, its tensors labelled with format ``name``."""
+
+    def quantize(
+        x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
+    ) -> QuantizedTensor:
+        q = quantize_int8(x, scale=None, block_size=None, where=where)
+        return dataclasses.replace(q, format=name)
+
+    return quantize
+
+
+def _rows_spec(
+    name: str, leaves: tuple[Leaf, ...], recipe: WeightRecipe, **schemes: Any
+) -> FormatSpec:
+    """A per-row int8 weight format (``weight`` int8 ``[out, in]``, ``weight_scale [out]``)."""
+    return FormatSpec(
+        format=name,
+        quantize=_rows_kernel(name),
+        dequantize=dequantize_int8,
+        maxbound=INT8_MAX,
+        amax_divisor=INT8_MAX,
+        granularity="row",
+        leaves=(
+            Leaf("weight", torch.int8, source="data"),
+            Leaf("weight_scale", torch.float32, source="scale"),
+            *leaves,
+        ),
+        recipe=recipe,
+        **schemes,
+    )
+
+
+def _int_quantized_encode(leaves: LeafTensors) -> dict[str, torch.Tensor]:
+    return {"weight": leaves["weight"], "weight_scale": leaves["weight_scale"].reshape(-1, 1)}
+
+
+def _int_quantized_decode(leaves: LeafTensors) -> dict[str, torch.Tensor]:
+    return {"weight": leaves["weight"], "weight_scale": leaves["weight_scale"].reshape(-1)}
+
+
+#: compressed-tensors ``int-quantized`` (``IntQuantizationCompressor``): the int8 codes
+#: as ``weight``, the channel scales as ``weight_scale [out, 1]``, no zero point
+#: (symmetric); no ``pre_quant_scale`` tensor (the scale must fold into the norm).
+_INT_QUANTIZED = LeafCodec(
+    weights=(
+        StoredLeaf("weight", torch.int8, "codes"),
+        StoredLeaf("weight_scale", torch.float32),
+    ),
+    encode=_int_quantized_encode,
+    decode=_int_quantized_decode,
+    activations={"pre_quant_scale": None},
+    refusal=(
+        "compressed-tensors has no pre_quant_scale tensor (llm-compressor's SmoothQuant "
+        "folds every scale into the preceding norm), and this linear's scale was not folded; "
+        "quantize with recipe 'w8a8' (which smooths only norm-fed linears) or export with "
+        "format='modelopt'"
+    ),
+)
+
+
+def quantize_int8_tensor(
+    x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
+) -> QuantizedTensor:
+    """Round ``x / scale`` to int8 (clamped to [-128, 127]) with one calibrated scale."""
+    if scale is None:
+        raise ValueError(f"{where}: per-tensor int8 quantization needs the calibrated scale")
+    x32 = x.detach().to(torch.float32)
+    codes = (x32 / scale.to(x32.device)).round().clamp(-128, 127).to(torch.int8)
+    return QuantizedTensor("int8_tensor", codes, scale, shape=tuple(x.shape), dtype=x.dtype)
+
+
+def dequantize_int8_tensor(q: QuantizedTensor) -> torch.Tensor:
+    """``codes * scale`` in float32."""
+    return q.data.to(torch.float32) * q.scale
+
+
+INT8_SQ = _rows_spec(
+    "int8_sq",
+    (
+        Leaf("input_scale", torch.float32, role="activation"),
+        Leaf("pre_quant_scale", torch.float32, role="activation"),
+    ),
+    WeightRecipe(
+        "int8_sq",
+        axis=0,
+        quantize_inputs=True,
+        input_format="int8_tensor",
+        smoothquant_alpha=SMOOTHQUANT_ALPHA,
+    ),
+    # ModelOpt 0.47 writes no config_groups for W8A8_SQ_PER_CHANNEL (quant_algo, ignore,
+    # producer only), as for W8A16.
+    modelopt=ModelOptScheme(
+        "W8A8_SQ_PER_CHANNEL",
+        weights=_INT8_ARGS,
+        input_activations=_INT8_ARGS,
+        config_groups=False,
+    ),
+)
+
+INT8_TENSOR = FormatSpec(
+    format="int8_tensor",
+    quantize=quantize_int8_tensor,
+    dequantize=dequantize_int8_tensor,
+    maxbound=INT8_MAX,
+    amax_divisor=INT8_MAX,
+    granularity="tensor",
+    leaves=(
+        Leaf("weight", torch.int8, source="data"),
+        Leaf("weight_scale", torch.float32, source="scale"),
+        Leaf("input_scale", torch.float32, role="activation"),
+    ),
+    calibrated=True,
+)
+
+W8A8 = _rows_spec(
+    "w8a8",
+    (Leaf("pre_quant_scale", torch.float32, role="activation"),),
+    WeightRecipe(
+        "w8a8",
+        axis=0,
+        quantize_inputs=True,
+        input_format="int8",  # per row of the last dimension: per token, at run time
+        smoothquant_alpha=LLMC_SMOOTHING_STRENGTH,
+        smoothquant_fold=True,
+    ),
+    compressed_tensors=CompressedTensorsScheme(
+        "int-quantized", weights=_CT_WEIGHTS, input_activations=_CT_TOKENS, codec=_INT_QUANTIZED
+    ),
+)
