@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from pytest_exportcheck.plan._selection import DEVICES, NameSelection, PlanRequest
+from pytest_exportcheck.plan._shard import Shard
+from pytest_exportcheck.session._coverage_options import add_coverage_options, coverage_options
 from pytest_exportcheck.session._option_paths import check_kind, check_report_path
 
 __all__ = [
@@ -156,6 +158,7 @@ def add_options(parser: pytest.Parser) -> None:
                 help=spec.help,
             )
             parser.addini(spec.ini, f"default of {spec.flag}", type="string", default=spec.default)
+    add_coverage_options(parser, group)
 
 
 def _value(config: pytest.Config, spec: _Spec) -> Any:
@@ -198,6 +201,12 @@ class Options:
     no_cache: bool
     only: bool
     durations: int = 0
+    #: ``--export-strict``: an unchecked row fails the run.
+    strict: bool = False
+    #: ``--export-lock``: ``check``, ``update`` or ``off``.
+    lock: str = "check"
+    #: ``--export-shard=K/N``, or ``None`` for the whole suite.
+    shard: Shard | None = None
 
     @property
     def active(self) -> bool:
@@ -255,6 +264,7 @@ class Options:
             no_cache=bool(_value(config, specs["export_no_cache"])),
             only=bool(_value(config, specs["export_only"])),
             durations=_count(_value(config, specs["export_durations"]), "--export-durations"),
+            **coverage_options(config),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
@@ -287,6 +297,9 @@ class Options:
             "no_cache": self.no_cache,
             "only": self.only,
             "durations": self.durations,
+            "strict": self.strict,
+            "lock": self.lock,
+            "shard": None if self.shard is None else str(self.shard),
         }
 
 
