@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +144,16 @@ def test_the_cli_refuses_unreadable_or_unmergeable_reports(
     ]:
         assert main(["report", "merge", str(good), str(bad)]) == 2
         assert words in capsys.readouterr().err
+
+
+def test_the_value_checks_are_catalogue_checks_of_their_scope_and_documented() -> None:
+    from pytest_exportcheck.checks.catalogue import BUILTIN_CHECKS
+    from pytest_exportcheck.session._coverage import VALUE_CHECKS
+
+    scopes = {spec.id: spec.scope for spec in BUILTIN_CHECKS}
+    for scope, checks in VALUE_CHECKS.items():
+        assert {scopes.get(c) for c in checks} == {scope}, checks
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "checks.md").read_text()
+    for scope, checks in VALUE_CHECKS.items():
+        (row,) = [line for line in docs.splitlines() if line.startswith(f"| `{scope}` | ")]
+        assert sorted(re.findall(r"`(\w+)`", row)[1:]) == sorted(checks)
