@@ -90,13 +90,13 @@ def test_the_lockfile_fails_when_a_capability_flag_turns_items_into_skips(
 ) -> None:
     monkeypatch.setenv("COVPLUGIN_DYNAMIC", "1")
     written = pytester.runpytest_subprocess(*SUITE, "--export-lock=update")
-    written.assert_outcomes(passed=8)
+    written.assert_outcomes(passed=9)  # and plugin_loads
     lock = json.loads((pytester.path / "exportcheck.lock").read_text())
     assert set(lock["items"]["target"]["saver"]["dynamic_shapes"].values()) == {"pass"}
 
     monkeypatch.setenv("COVPLUGIN_DYNAMIC", "0")
     lost = pytester.runpytest_subprocess(*SUITE)
-    lost.assert_outcomes(skipped=8)
+    lost.assert_outcomes(passed=1, skipped=8)
     assert lost.ret == pytest.ExitCode.TESTS_FAILED
     lost.stdout.fnmatch_lines(
         [
@@ -115,7 +115,7 @@ def test_the_lockfile_is_compared_on_the_xdist_controller(
     lockfile.write_text(json.dumps({"exportcheck_lock": 1, "items": entries}))
     monkeypatch.setenv("COVPLUGIN_DYNAMIC", "0")
     lost = pytester.runpytest_subprocess(*SUITE, *XDIST)
-    lost.assert_outcomes(skipped=8)
+    lost.assert_outcomes(passed=1, skipped=8)
     assert lost.ret == pytest.ExitCode.TESTS_FAILED
     lost.stdout.fnmatch_lines(["*FAILED, 8 change(s) lose coverage*", "  *: pass -> skip"])
     lockfile.write_text("{not json")
@@ -134,7 +134,7 @@ def test_strict_fails_on_an_exporter_whose_value_checks_all_skip(
     ]
     monkeypatch.setenv("CI", "true")  # strict by default
     lenient = pytester.runpytest_subprocess(*suite, "--export-strict=off", "--export-report=r.json")
-    lenient.assert_outcomes(passed=1, skipped=2)
+    lenient.assert_outcomes(passed=2, skipped=2)  # plugin_loads, precedence
     assert lenient.ret == 0
     lenient.stdout.fnmatch_lines(
         ["UNCHECKED exporter(s), no value check ran (all skipped or xfailed): lonely"]
@@ -142,7 +142,7 @@ def test_strict_fails_on_an_exporter_whose_value_checks_all_skip(
     assert _report(pytester, "r.json")["unchecked"] == {"exporter": ["lonely"]}
 
     failed = pytester.runpytest_subprocess(*suite, *XDIST)
-    failed.assert_outcomes(passed=1, skipped=2)
+    failed.assert_outcomes(passed=2, skipped=2)
     assert failed.ret == pytest.ExitCode.TESTS_FAILED
     failed.stdout.fnmatch_lines(
         ["exportcheck --export-strict: FAILED, 1 unchecked row(s) * exporter lonely"]
