@@ -198,3 +198,19 @@ def test_two_shards_and_report_merge_give_the_matrix_of_one_run(pytester: pytest
     assert combined["unchecked"] == reference["unchecked"]
     assert "check \\ target" in merged.stdout
     assert f"{sum(reference['totals'].values())} items from 2 report(s)" in merged.stdout
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("--export-strict=maybe", "--export-strict: expected on or off, got 'maybe'"),
+        ("--export-lock=sometimes", "--export-lock: expected one of check, update, off"),
+        ("--export-shard=x", "--export-shard: expected K/N with 1 <= K <= N (e.g. 1/2), got 'x'"),
+    ],
+)
+def test_bad_coverage_options_are_usage_errors(
+    pytester: pytest.Pytester, arg: str, message: str
+) -> None:
+    result = pytester.runpytest("--export-targets=onnx", arg)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}*"])

@@ -78,7 +78,10 @@ def _strict(text: str, env: Mapping[str, str]) -> bool:
         return True
     if text in _OFF:
         return False
-    raise pytest.UsageError(f"--export-strict: expected on or off, got {text!r}")
+    raise pytest.UsageError(
+        f"--export-strict: expected on or off, got {text!r}; a bare flag takes the next "
+        f"argument as its value: write `--export-strict=on {text}` if {text!r} is a path"
+    )
 
 
 def coverage_options(config: pytest.Config) -> dict[str, Any]:
