@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "exportlm.registry": {"exportlm.errors"},
     "exportlm.inputs": {"exportlm.errors"},
     "exportlm._progress": set(),
+    "exportlm._matrix": set(),  # the report matrix and merge: stdlib only
     "exportlm.safeio": {"exportlm.errors"},
     "exportlm.hfdir": {"exportlm.errors", "exportlm.safeio"},
     "exportlm.calibration": {

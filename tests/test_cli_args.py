@@ -61,7 +61,7 @@ def test_a_usage_error_in_a_fresh_process_is_one_line_and_exit_2() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "exportlm: error: missing command: env, export, inspect, list"),
+        ([], "exportlm: error: missing command: env, export, inspect, list, report"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["export", "--target", "onnx"], "the following arguments are required: --model, --out"),
         (

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from pytest_exportcheck.plan._selection import DEVICES, NameSelection, PlanRequest
+from pytest_exportcheck.plan._shard import Shard
+from pytest_exportcheck.session._coverage_options import add_coverage_options, coverage_options
 from pytest_exportcheck.session._option_paths import check_kind, check_report_path
 
 __all__ = [
@@ -180,6 +182,7 @@ def add_options(parser: pytest.Parser) -> None:
                 help=spec.help,
             )
             parser.addini(spec.ini, f"default of {spec.flag}", type="string", default=spec.default)
+    add_coverage_options(parser, group)
 
 
 def _value(config: pytest.Config, spec: _Spec) -> Any:
@@ -225,6 +228,12 @@ class Options:
     #: ``--export-engine`` values, ``NAME=PATH`` each (checked again by the 'served' check).
     engines: tuple[str, ...] = ()
     require_engines: bool = False
+    #: ``--export-strict``: an unchecked row fails the run.
+    strict: bool = False
+    #: ``--export-lock``: ``check``, ``update`` or ``off``.
+    lock: str = "check"
+    #: ``--export-shard=K/N``, or ``None`` for the whole suite.
+    shard: Shard | None = None
 
     @property
     def active(self) -> bool:
@@ -284,6 +293,7 @@ class Options:
             durations=_count(_value(config, specs["export_durations"]), "--export-durations"),
             engines=_engines(_value(config, specs["export_engine"])),
             require_engines=bool(_value(config, specs["export_require_engines"])),
+            **coverage_options(config),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
@@ -318,6 +328,9 @@ class Options:
             "durations": self.durations,
             "engines": list(self.engines),
             "require_engines": self.require_engines,
+            "strict": self.strict,
+            "lock": self.lock,
+            "shard": None if self.shard is None else str(self.shard),
         }
 
 

@@ -21,7 +21,9 @@ from typing import Any
 
 import pytest
 
+from exportlm._matrix import OUTCOMES, matrix_lines, matrix_of, render_matrix, totals_of
 from exportlm.atomic import write_text_atomic
+from pytest_exportcheck.session._coverage import VALUE_CHECKS, unchecked_rows, value_checks_json
 
 __all__ = [
     "OUTCOMES",
@@ -35,12 +37,7 @@ __all__ = [
 
 #: The attribute of a ``TestReport`` holding an exportcheck item's record.
 REPORT_ATTRIBUTE = "exportcheck"
-#: Outcomes of an item, in matrix order.
-OUTCOMES = ("pass", "fail", "xfail", "skip")
 REPORT_FORMAT = 1
-_SCOPE_TITLES = {"target": "target", "exporter": "exporter"}
-_SCOPE_ORDER = {"target": 0, "exporter": 1}
-_FLAGS = (("fail", "F"), ("xfail", "x"), ("skip", "s"))
 _SKIP_PREFIX = "Skipped: "
 
 
@@ -87,9 +84,8 @@ class ItemRecord:
     profile: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
-        """The JSON record (without the internal sort index)."""
+        """The JSON record (``check_index``: the check's catalogue position, the row order)."""
         data = asdict(self)
-        del data["check_index"]
         data["duration"] = round(self.duration, 4)
         return data
 
@@ -134,21 +130,18 @@ class ReportBuilder:
 
     def matrix(self) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
         """``{scope: {column: {check: {outcome: count}}}}``, sorted."""
-        out: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
-        for rec in self.sorted_records():
-            cell = (
-                out.setdefault(rec.scope, {})
-                .setdefault(rec.column, {})
-                .setdefault(rec.check, dict.fromkeys(OUTCOMES, 0))
-            )
-            cell[rec.outcome or "pass"] += 1
-        scopes = sorted(out, key=lambda s: (_SCOPE_ORDER.get(s, len(_SCOPE_ORDER)), s))
-        return {s: {c: out[s][c] for c in sorted(out[s])} for s in scopes}
+        return matrix_of(self._plain())
 
     def totals(self) -> dict[str, int]:
         """Item counts per outcome."""
-        counts = Counter(r.outcome or "pass" for r in self.records.values())
-        return {o: counts.get(o, 0) for o in OUTCOMES}
+        return totals_of(self._plain())
+
+    def unchecked(self) -> dict[str, list[str]]:
+        """``{scope: [column]}``: the rows whose value checks all skipped (or xfailed)."""
+        return unchecked_rows(self._plain())
+
+    def _plain(self) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self.records.values()]
 
     def skip_reasons(self) -> list[tuple[str, int]]:
         """Distinct skip reasons with their counts, most frequent first."""
@@ -176,6 +169,8 @@ class ReportBuilder:
             **header,
             "matrix": self.matrix(),
             "totals": self.totals(),
+            "value_checks": value_checks_json(),
+            "unchecked": self.unchecked(),
             "cache": self.cache_use(),
             "items": [r.as_json() for r in self.sorted_records()],
         }
@@ -184,13 +179,7 @@ class ReportBuilder:
         """Terminal lines: one matrix per scope, totals and skip reasons."""
         if not self.records:
             return ["no exportcheck items ran"]
-        lines: list[str] = []
-        order = {r.check: (r.check_index, r.check) for r in self.records.values()}
-        for scope, columns in self.matrix().items():
-            checks = sorted({c for cells in columns.values() for c in cells}, key=order.__getitem__)
-            title = f"check \\ {_SCOPE_TITLES.get(scope, scope)}"
-            lines += render_matrix(title, checks, columns, width)
-            lines.append("")
+        lines = matrix_lines(self._plain(), width, VALUE_CHECKS)
         totals = self.totals()
         lines.append(
             f"{sum(totals.values())} items: "
@@ -257,47 +246,6 @@ def _skip_reason(report: pytest.TestReport) -> str:
     longrepr = report.longrepr
     reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
     return str(reason).removeprefix(_SKIP_PREFIX)
-
-
-def _cell(counts: Mapping[str, int] | None) -> str:
-    if not counts:
-        return "-"
-    total = sum(counts.values())
-    text = f"{counts['pass']}/{total}"
-    flags = " ".join(f"{flag}{counts[o]}" for o, flag in _FLAGS if counts[o])
-    return f"{text} {flags}" if flags else text
-
-
-def render_matrix(
-    title: str,
-    rows: list[str],
-    columns: Mapping[str, Mapping[str, Mapping[str, int]]],
-    width: int,
-) -> list[str]:
-    """A check (rows) x target/exporter (columns) table, split into blocks fitting ``width``."""
-    label_width = max(len(title), *(len(r) for r in rows))
-    names = list(columns)
-    cells = {c: {r: _cell(columns[c].get(r)) for r in rows} for c in names}
-    widths = {c: max(len(c), *(len(v) for v in cells[c].values())) for c in names}
-    blocks: list[list[str]] = [[]]
-    used = label_width
-    for name in names:
-        if blocks[-1] and used + 2 + widths[name] > width:
-            blocks.append([])
-            used = label_width
-        blocks[-1].append(name)
-        used += 2 + widths[name]
-    lines: list[str] = []
-    for block in blocks:
-        if lines:
-            lines.append("")
-        lines.append(title.ljust(label_width) + "".join("  " + c.rjust(widths[c]) for c in block))
-        for row in rows:
-            lines.append(
-                row.ljust(label_width)
-                + "".join("  " + cells[c][row].rjust(widths[c]) for c in block)
-            )
-    return lines
 
 
 def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:

@@ -42,6 +42,7 @@ from pytest_exportcheck.session._markers import EXPECTED_WARNINGS, register_mark
 from pytest_exportcheck.session._nodes import ExportCheckItem, SuiteCollector
 from pytest_exportcheck.session._options import Options
 from pytest_exportcheck.session._report import REPORT_ATTRIBUTE, ReportBuilder, write_json_atomic
+from pytest_exportcheck.session._verdict import CoverageVerdict
 
 __all__ = ["ExportCheckSession", "Float32Precision"]
 
@@ -72,6 +73,10 @@ class ExportCheckSession:
         for name in sorted({m for spec in self.specs for m in spec.markers}):
             register_marker(config, name, "exportcheck items of checks marked so")
         self._testcase_properties = wants_testcase_properties(config)
+        #: strict, lockfile and shard: the coverage part of the verdict (:mod:`._verdict`).
+        self.coverage = CoverageVerdict(config.rootpath, options, self.specs)
+        if not _is_worker(config):
+            self.coverage.load()  # a bad lockfile is a usage error before anything runs
         if _is_worker(config):
             _share_cpus_between_workers(config)
         else:
@@ -140,6 +145,7 @@ class ExportCheckSession:
             if others:
                 session.config.hook.pytest_deselected(items=others)
                 items[:] = [item for item in items if isinstance(item, ExportCheckItem)]
+        self.coverage.deselect_other_shards(session, items)
         order = {spec.name: i for i, spec in enumerate(self.specs)}
         positions = [i for i, item in enumerate(items) if isinstance(item, ExportCheckItem)]
         ours = sorted((items[i] for i in positions), key=lambda it: order[it.name])
@@ -190,6 +196,7 @@ class ExportCheckSession:
                 terminal.write_line(line)
         if self.options.report is not None:
             terminal.write_line(f"JSON report: {self.options.report}")
+        self.coverage.summary(terminal)
         unused = self.unused_goldens()
         if unused:
             terminal.write_line(
@@ -223,12 +230,14 @@ class ExportCheckSession:
         return [p for p in goldens.unused(used) if p.exists()]
 
     @pytest.hookimpl(tryfirst=True)  # before the JUnit XML writer writes its file
-    def pytest_sessionfinish(self) -> None:
-        """Write the JSON report and the JUnit properties; call ``pytest_exportcheck_report``."""
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Judge coverage, write the JSON report and the JUnit properties, call the report hook."""
         self.runner.close()
         self.precision.stop()
         if _is_worker(self.config):
             return
+        if self.coverage.judge(self.report.sorted_records()) and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
         env = self.environment()
         data = self.report.to_json(**env)
         if self.options.report is not None:

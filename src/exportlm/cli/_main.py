@@ -56,12 +56,19 @@ def _run_verify(args: argparse.Namespace) -> int:
     return cmd_verify(args)
 
 
+def _run_report(args: argparse.Namespace) -> int:
+    from exportlm.cli._report import cmd_report
+
+    return cmd_report(args)
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "list": _run_list,
     "env": _run_env,
     "export": _run_export,
     "inspect": _run_inspect,
     "verify": _run_verify,
+    "report": _run_report,
 }
 
 

@@ -1,4 +1,4 @@
-"""The argument parser of ``exportlm``: subcommands ``list``, ``export`` and ``env``.
+"""The argument parser of ``exportlm``: ``list``, ``env``, ``export``, ``inspect``, ``report``.
 
 ``-v`` / ``-q`` are accepted before and after the subcommand and add up
 (:func:`verbosity`). An argument error raises
@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_verify_arguments(p_verify)
     _add_quantization(p_verify)
     _add_verbosity(p_verify, "sub")
+    from exportlm.cli._report import add_report_arguments
+
+    p_report = sub.add_parser("report", help="merge exportcheck JSON reports (shards, devices)")
+    _add_verbosity(add_report_arguments(p_report), "sub")
     return parser
 
 

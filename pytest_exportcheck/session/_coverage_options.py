@@ -1,0 +1,103 @@
+"""The coverage options: ``--export-strict``, ``--export-lock`` and ``--export-shard``.
+
+Each has an ini key of the same name (``export_strict``, ``export_lock``,
+``export_shard``); the command line wins. ``--export-strict`` is on by default
+when the environment variable ``CI`` is set (to anything but ``0`` / ``false``
+/ ``no``). Imports only pytest and the plan package.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from pytest_exportcheck.plan._shard import Shard
+
+__all__ = ["LOCK_MODES", "add_coverage_options", "coverage_options"]
+
+#: ``--export-lock``: compare with the lockfile when present, rewrite it, or ignore it.
+LOCK_MODES = ("check", "update", "off")
+_ON = ("on", "true", "1", "yes")
+_OFF = ("off", "false", "0", "no")
+
+
+def add_coverage_options(parser: pytest.Parser, group: Any) -> None:
+    """Add the three options and their ini twins to ``group`` (the exportcheck group)."""
+    group.addoption(
+        "--export-strict",
+        nargs="?",
+        const="on",
+        default=None,
+        dest="export_strict",
+        metavar="on|off",
+        help="fail the run when a target or exporter is unchecked (every value check skipped); "
+        "default: on when the environment variable CI is set",
+    )
+    group.addoption(
+        "--no-export-strict",
+        action="store_const",
+        const="off",
+        dest="export_strict",
+        help="same as --export-strict=off",
+    )
+    group.addoption(
+        "--export-lock",
+        default=None,
+        dest="export_lock",
+        metavar="|".join(LOCK_MODES),
+        help="coverage lockfile exportcheck.lock in the rootdir: 'check' (default: compare "
+        "when it exists), 'update' (rewrite it from this run) or 'off'",
+    )
+    group.addoption(
+        "--export-shard",
+        default=None,
+        dest="export_shard",
+        metavar="K/N",
+        help="run only shard K of N of the suite, split by (target, model family) groups",
+    )
+    parser.addini("export_strict", "default of --export-strict (on|off)", default="")
+    parser.addini("export_lock", "default of --export-lock", default="")
+    parser.addini("export_shard", "default of --export-shard", default="")
+
+
+def _raw(config: pytest.Config, name: str) -> str:
+    value = config.getoption(name)
+    if value is None:
+        value = config.getini(name)
+    return str(value or "").strip().lower()
+
+
+def _strict(text: str, env: Mapping[str, str]) -> bool:
+    if not text:
+        ci = env.get("CI", "").strip().lower()
+        return bool(ci) and ci not in _OFF
+    if text in _ON:
+        return True
+    if text in _OFF:
+        return False
+    raise pytest.UsageError(
+        f"--export-strict: expected on or off, got {text!r}; a bare flag takes the next "
+        f"argument as its value: write `--export-strict=on {text}` if {text!r} is a path"
+    )
+
+
+def coverage_options(config: pytest.Config) -> dict[str, Any]:
+    """``strict``, ``lock`` and ``shard`` of :class:`~._options.Options` (bad values: usage errors)."""
+    lock = _raw(config, "export_lock") or LOCK_MODES[0]
+    if lock not in LOCK_MODES:
+        raise pytest.UsageError(
+            f"--export-lock: expected one of {', '.join(LOCK_MODES)}, got {lock!r}"
+        )
+    shard_text = _raw(config, "export_shard")
+    try:
+        shard = Shard.parse(shard_text) if shard_text else None
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
+    return {
+        "strict": _strict(_raw(config, "export_strict"), os.environ),
+        "lock": lock,
+        "shard": shard,
+    }

@@ -1,0 +1,86 @@
+"""``exportlm report merge A.json B.json ... [-o all.json] [--strict]``: one matrix from many.
+
+Merges the JSON reports (``pytest --export-report``) of the jobs of one suite run,
+its shards (``--export-shard=K/N``) and devices, with :func:`exportlm._matrix.merge_reports`,
+writes the merged report atomically and prints its matrix. Exit codes: 0 merged,
+1 with ``--strict`` when a target or exporter is unchecked in the merged report,
+2 for a usage error: a report that cannot be read (missing, not JSON, a FIFO or
+device), or reports that cannot be merged (different versions or options, one item
+with two outcomes); the message names the file, key or items.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from exportlm._matrix import MergeError, matrix_lines, merge_reports
+from exportlm.atomic import check_output_path, write_text_atomic
+from exportlm.cli._errors import EXIT_FAILURE, EXIT_OK, UsageError
+from exportlm.errors import NotRegularFileError
+from exportlm.safeio import read_regular_text
+
+__all__ = ["add_report_arguments", "cmd_report"]
+
+_MAX_BYTES = 256 * 1024 * 1024
+_WORDS = {"pass": "passed", "fail": "failed", "xfail": "xfailed", "skip": "skipped"}
+
+
+def add_report_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``report`` subcommand and its ``merge`` action; returns the ``merge`` parser."""
+    actions = p.add_subparsers(dest="report_command", metavar="ACTION", required=True)
+    merge = actions.add_parser(
+        "merge", help="merge the JSON reports of a suite's shards and devices into one"
+    )
+    merge.add_argument("reports", nargs="+", type=Path, metavar="REPORT.json")
+    merge.add_argument("-o", "--output", type=Path, metavar="ALL.json", help="write the merge")
+    merge.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when a target or exporter is unchecked (every value check skipped)",
+    )
+    return merge
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(read_regular_text(path, what="JSON report", max_bytes=_MAX_BYTES))
+    except (NotRegularFileError, OSError, UnicodeDecodeError, ValueError) as err:
+        raise UsageError(f"report {path}: cannot be read as JSON ({err})") from err
+    if not isinstance(data, dict) or not isinstance(data.get("items"), list):
+        raise UsageError(
+            f"report {path}: not an exportcheck JSON report (no 'items' list); "
+            "write one with pytest --export-report=PATH.json"
+        )
+    return data
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Run ``exportlm report merge``."""
+    reports = [(str(path), _read(path)) for path in args.reports]
+    try:
+        merged = merge_reports(reports)
+    except MergeError as err:
+        raise UsageError(str(err)) from err
+    if args.output is not None:
+        check_output_path(args.output)
+        write_text_atomic(args.output, json.dumps(merged, indent=2, sort_keys=True) + "\n")
+    width = shutil.get_terminal_size((100, 24)).columns
+    for line in matrix_lines(merged["items"], width, merged.get("value_checks", {})):
+        print(line)
+    totals = merged["totals"]
+    print(
+        f"{sum(totals.values())} items from {len(reports)} report(s): "
+        + ", ".join(f"{count} {_WORDS.get(o, o)}" for o, count in totals.items())
+    )
+    if args.output is not None:
+        print(f"merged report: {args.output}")
+    unchecked = merged["unchecked"]
+    if args.strict and unchecked:
+        rows = ", ".join(f"{s} {c}" for s, cols in unchecked.items() for c in cols)
+        print(f"--strict: FAILED, unchecked row(s): {rows}")
+        return EXIT_FAILURE
+    return EXIT_OK

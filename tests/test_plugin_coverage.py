@@ -1,0 +1,216 @@
+"""Coverage in the verdict, end to end: the lockfile, --export-strict, shards + report merge.
+
+Each run is a ``runpytest_subprocess`` with a small distribution on ``PYTHONPATH``
+(so the registries stay isolated): a target ``saver`` (torch.save of the model, a
+runtime that loads it) whose ``dynamic_shapes`` capability an environment variable
+switches, and a module exporter ``lonely`` that claims a module no toy model
+contains, so every one of its value checks skips. Runs with xdist use
+``-n 2 --dist loadgroup`` as the rest of the plugin tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from exportlm._matrix import matrix_of
+from tests._distinfo import make_distribution
+
+PLUGIN = '''
+import os
+from pathlib import Path
+
+import torch
+
+from exportlm.export import ExportCacheWrapper, atomic_output, export_target
+from exportlm.module_exporters import QuantLinearExporter
+
+CAPS = {"dynamic_shapes"} if os.environ.get("COVPLUGIN_DYNAMIC") == "1" else set()
+
+
+@export_target("saver", runtime="saver", atol=1e-5, rtol=1e-5, capabilities=CAPS, suffix=".pt")
+def export_saver(model, output_path, *, example_inputs=None):
+    with atomic_output(output_path) as tmp:
+        torch.save(ExportCacheWrapper(model).eval(), tmp)
+    return Path(output_path)
+
+
+def load_saver(artifact, *, device="cpu"):
+    module = torch.load(artifact, weights_only=False, map_location=device).eval()
+
+    def run(input_ids):
+        with torch.no_grad():
+            return module(input_ids.to(device))
+
+    return run
+
+
+class LonelyExporter(QuantLinearExporter):
+    """Claims a module type that no toy model contains: nothing it writes is ever compared."""
+
+    name = "lonely"
+    keys = ("NoToyModelHasThisLinear",)
+'''
+
+ENTRY_POINTS = {
+    "exportlm.export_backends": {"saver": "covplugin:export_saver"},
+    "exportlm.export_runtimes": {"saver": "covplugin:load_saver"},
+    "exportlm.module_exporters": {"lonely": "covplugin:LonelyExporter"},
+}
+#: Eight families: with the capability off, dynamic_shapes gives 8 collection skips.
+FAMILIES = "decoder,decoder_tied,llama,llama_tied,mixtral,qwen2_moe,qwen3_moe,dbrx"
+XDIST = ("-n", "2", "--dist", "loadgroup")
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "site"
+    make_distribution(root, "covplugin", ENTRY_POINTS, {"covplugin.py": PLUGIN})
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("CI", raising=False)
+    return root
+
+
+def _report(pytester: pytest.Pytester, name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((pytester.path / name).read_text())
+    return data
+
+
+SUITE = ["--export-targets=saver", "--export-checks=dynamic_shapes", f"--export-models={FAMILIES}"]
+
+
+def test_the_lockfile_fails_when_a_capability_flag_turns_items_into_skips(
+    pytester: pytest.Pytester, site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COVPLUGIN_DYNAMIC", "1")
+    written = pytester.runpytest_subprocess(*SUITE, "--export-lock=update")
+    written.assert_outcomes(passed=9)  # and plugin_loads
+    lock = json.loads((pytester.path / "exportcheck.lock").read_text())
+    assert set(lock["items"]["target"]["saver"]["dynamic_shapes"].values()) == {"pass"}
+
+    monkeypatch.setenv("COVPLUGIN_DYNAMIC", "0")
+    lost = pytester.runpytest_subprocess(*SUITE)
+    lost.assert_outcomes(passed=1, skipped=8)
+    assert lost.ret == pytest.ExitCode.TESTS_FAILED
+    lost.stdout.fnmatch_lines(
+        [
+            "exportcheck lockfile */exportcheck.lock: FAILED, 8 change(s) lose coverage*",
+            "  dynamic_shapes[saver-dbrx-cpu]: pass -> skip",
+        ]
+    )
+
+
+def test_the_lockfile_is_compared_on_the_xdist_controller(
+    pytester: pytest.Pytester, site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = [f"dynamic_shapes[saver-{family}-cpu]" for family in FAMILIES.split(",")]
+    entries = {"target": {"saver": {"dynamic_shapes": dict.fromkeys(ids, "pass")}}}
+    lockfile = pytester.path / "exportcheck.lock"
+    lockfile.write_text(json.dumps({"exportcheck_lock": 1, "items": entries}))
+    monkeypatch.setenv("COVPLUGIN_DYNAMIC", "0")
+    lost = pytester.runpytest_subprocess(*SUITE, *XDIST)
+    lost.assert_outcomes(passed=1, skipped=8)
+    assert lost.ret == pytest.ExitCode.TESTS_FAILED
+    lost.stdout.fnmatch_lines(["*FAILED, 8 change(s) lose coverage*", "  *: pass -> skip"])
+    lockfile.write_text("{not json")
+    bad = pytester.runpytest_subprocess(*SUITE)
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    bad.stderr.fnmatch_lines([f"*exportcheck lockfile {lockfile}: cannot be read as JSON*"])
+
+
+def test_strict_fails_on_an_exporter_whose_value_checks_all_skip(
+    pytester: pytest.Pytester, site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    suite = [
+        "--export-exporters=lonely",
+        "--export-checks=precedence,export_contract,tied_weights",
+        "--export-models=llama",
+    ]
+    monkeypatch.setenv("CI", "true")  # strict by default
+    lenient = pytester.runpytest_subprocess(*suite, "--export-strict=off", "--export-report=r.json")
+    lenient.assert_outcomes(passed=1, skipped=2)
+    assert lenient.ret == 0
+    lenient.stdout.fnmatch_lines(
+        ["UNCHECKED exporter(s), no value check ran (all skipped or xfailed): lonely"]
+    )
+    assert _report(pytester, "r.json")["unchecked"] == {"exporter": ["lonely"]}
+
+    failed = pytester.runpytest_subprocess(*suite, *XDIST)
+    failed.assert_outcomes(passed=1, skipped=2)
+    assert failed.ret == pytest.ExitCode.TESTS_FAILED
+    failed.stdout.fnmatch_lines(
+        ["exportcheck --export-strict: FAILED, 1 unchecked row(s) * exporter lonely"]
+    )
+
+
+def test_a_bad_shard_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess("--export-targets=torchscript", "--export-shard=3/2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--export-shard: expected K/N with 1 <= K <= N*3/2*"])
+
+
+def test_two_shards_and_report_merge_give_the_matrix_of_one_run(pytester: pytest.Pytester) -> None:
+    suite = [
+        "--export-targets=torchscript",
+        "--export-models=llama,mixtral",
+        "--export-checks=registered,roundtrip_logits,dynamic_shapes,generation_parity,trust",
+        "-p",
+        "no:randomly",
+    ]
+    whole = pytester.runpytest_subprocess(*suite, "--export-report=whole.json")
+    assert whole.ret == 0
+    for k, extra in ((1, ()), (2, XDIST)):
+        shard = pytester.runpytest_subprocess(
+            *suite, f"--export-shard={k}/2", f"--export-report=s{k}.json", *extra
+        )
+        assert shard.ret == 0
+    one, two = _report(pytester, "s1.json"), _report(pytester, "s2.json")
+    assert one["items"]
+    assert two["items"]
+    assert not {i["nodeid"] for i in one["items"]} & {i["nodeid"] for i in two["items"]}
+    merged = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "exportlm",
+            "report",
+            "merge",
+            "s1.json",
+            "s2.json",
+            "-o",
+            "all.json",
+        ],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    reference = _report(pytester, "whole.json")
+    combined = _report(pytester, "all.json")
+    assert combined["matrix"] == reference["matrix"] == matrix_of(reference["items"])
+    assert combined["totals"] == reference["totals"]
+    assert combined["unchecked"] == reference["unchecked"]
+    assert "check \\ target" in merged.stdout
+    assert f"{sum(reference['totals'].values())} items from 2 report(s)" in merged.stdout
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("--export-strict=maybe", "--export-strict: expected on or off, got 'maybe'"),
+        ("--export-lock=sometimes", "--export-lock: expected one of check, update, off"),
+        ("--export-shard=x", "--export-shard: expected K/N with 1 <= K <= N (e.g. 1/2), got 'x'"),
+    ],
+)
+def test_bad_coverage_options_are_usage_errors(
+    pytester: pytest.Pytester, arg: str, message: str
+) -> None:
+    result = pytester.runpytest("--export-targets=onnx", arg)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}*"])
