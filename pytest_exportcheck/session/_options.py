@@ -37,10 +37,11 @@ class _Spec:
     kind: str  # "str" | "bool" | "path" | "choice" (an optional value: bare flag = "own")
     metavar: str | None = None
     default: str = ""
+    ini_key: str = ""  # an ini key other than the flag's twin
 
     @property
     def ini(self) -> str:
-        return self.flag.removeprefix("--").replace("-", "_")
+        return self.ini_key or self.flag.removeprefix("--").replace("-", "_")
 
 
 _SPECS: tuple[_Spec, ...] = (
@@ -123,6 +124,15 @@ _SPECS: tuple[_Spec, ...] = (
         "run only the conformance suite; the repo's own tests are not collected",
         "bool",
     ),
+    _Spec(
+        "--export-catalogue",
+        "the catalogue version the plugin conforms to (ini: exportcheck_catalogue): only "
+        "checks and model families of that version run, newer ones are counted "
+        "(default: the current version, every item)",
+        "str",
+        "N",
+        ini_key="exportcheck_catalogue",
+    ),
 )
 
 
@@ -198,6 +208,7 @@ class Options:
     no_cache: bool
     only: bool
     durations: int = 0
+    catalogue: int | None = None
 
     @property
     def active(self) -> bool:
@@ -255,6 +266,7 @@ class Options:
             no_cache=bool(_value(config, specs["export_no_cache"])),
             only=bool(_value(config, specs["export_only"])),
             durations=_count(_value(config, specs["export_durations"]), "--export-durations"),
+            catalogue=_catalogue(_value(config, specs["exportcheck_catalogue"])),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
@@ -287,6 +299,7 @@ class Options:
             "no_cache": self.no_cache,
             "only": self.only,
             "durations": self.durations,
+            "catalogue": self.catalogue,
         }
 
 
@@ -316,6 +329,19 @@ def _count(value: Any, flag: str) -> int:
     if number < 0:
         raise pytest.UsageError(f"{flag}: expected a number of items >= 0, got {value!r}")
     return number
+
+
+def _catalogue(value: Any) -> int | None:
+    """The pinned catalogue version (a positive integer), or ``None`` when unpinned."""
+    if value is None or str(value).strip().lower() in ("", "current", "latest"):
+        return None
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < 1:
+        raise pytest.UsageError(
+            f"exportcheck_catalogue / --export-catalogue: expected a catalogue version "
+            f"(1, 2, ...) or 'current', got {value!r}"
+        )
+    return int(text)
 
 
 def _parse_devices(text: str) -> tuple[str, ...]:
