@@ -95,14 +95,16 @@ class Planner:
             option="--export-exporters",
             unknown=self.unknown,
         )
+        # Names of a newer catalogue resolve (a pinned run counts them, it does not refuse).
+        every_model, every_check = self._unpinned[0].models, self._unpinned[1]
         models = request.models.resolve(
-            [*d.models, *failed["model family"]],
+            [*every_model, *failed["model family"]],
             what="model family",
             option="--export-models",
             unknown=self.unknown,
         )
         check_ids = request.checks.resolve(
-            [*self.checks, PLUGIN_LOADS],
+            [*every_check, PLUGIN_LOADS],
             what="check",
             option="--export-checks",
             unknown=self.unknown,

@@ -22,9 +22,9 @@ __all__ = ["FAILURES_DIR", "keep_failure"]
 FAILURES_DIR = Path(".exportcheck") / "failures"
 
 
-def _file_name(item_id: str) -> str:
-    """``roundtrip_generated[onnx-cpu]`` -> ``roundtrip_generated[onnx-cpu].json``, file-safe."""
-    return re.sub(r"[^\w.\[\]-]", "_", item_id) + ".json"
+def _stem(item_id: str) -> str:
+    """``roundtrip_generated[torchscript:trace-cpu]`` -> ``roundtrip_generated.torchscript_trace-cpu``."""
+    return re.sub(r"[^\w.-]", "_", item_id.replace("[", ".", 1).removesuffix("]"))
 
 
 def keep_failure(rootpath: Path, item_id: str, result: Any) -> list[str]:
@@ -43,7 +43,7 @@ def keep_failure(rootpath: Path, item_id: str, result: Any) -> list[str]:
     source = details.get("spec_file")
     if not isinstance(source, str):
         return []
-    kept = rootpath / FAILURES_DIR / _file_name(item_id)
+    kept = rootpath / FAILURES_DIR / f"{_stem(item_id)}.json"
     try:
         write_bytes_atomic(kept, Path(source).read_bytes())
     except OSError as err:
@@ -51,11 +51,21 @@ def keep_failure(rootpath: Path, item_id: str, result: Any) -> list[str]:
     lines = [f"shrunk structure kept in {kept}"]
     command = details.get("repro")
     if isinstance(command, str):
-        lines += ["reproduce outside pytest:", "  " + _reading(command, source, kept)]
+        out = kept.parent / "repro" / _stem(item_id)
+        lines += ["reproduce outside pytest:", "  " + _reading(command, source, kept, out)]
     return lines
 
 
-def _reading(command: str, source: str, kept: Path) -> str:
-    """``command`` with its ``--model`` file ``source`` replaced by ``kept``."""
+def _reading(command: str, source: str, kept: Path, out: Path) -> str:
+    """``command`` reading ``kept`` instead of ``source`` and writing under ``out``.
+
+    Both paths of the check's command lie in pytest's scratch directory, which a
+    later run deletes; the rewritten command lasts as long as ``.exportcheck/``.
+    """
     parts = shlex.split(command)
-    return shlex.join(str(kept) if part == source else part for part in parts)
+    for index, part in enumerate(parts):
+        if part == source:
+            parts[index] = str(kept)
+        elif index and parts[index - 1] == "--out":
+            parts[index] = str(out / Path(part).name)
+    return shlex.join(parts)
