@@ -43,8 +43,9 @@ CAPTURE = {capture!r}
 )
 def export_pt2like(model, output_path, *, example_inputs=None):
     inputs = resolve_example_inputs(model, example_inputs)
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
     with torch.no_grad():
-        program = torch.export.export(ExportCacheWrapper(model).eval(), (inputs,))
+        program = torch.export.export(ExportCacheWrapper(model).eval(), args)
     with atomic_output(output_path) as staged:
         torch.export.save(program, str(staged))
     return Path(output_path)
@@ -86,6 +87,7 @@ def test_a_torch_export_target_inherits_dbrx_declared_failure_from_its_cause(
     """Declared ``capture="torch.export"``: dbrx is an expected failure naming the cause and the
     family, decoder passes, the run is green. Undeclared: the same dbrx item is red."""
     _install(pytester, monkeypatch, capture)
+    monkeypatch.setenv("COLUMNS", "1000")  # the -rx line whole: reason, then its source
     result = pytester.runpytest_subprocess(
         "--export-targets=pt2like",
         "--export-models=decoder,dbrx",
@@ -104,6 +106,7 @@ def test_a_torch_export_target_inherits_dbrx_declared_failure_from_its_cause(
         return
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     assert dbrx["outcome"] == "xfail"
+    assert "GuardOnDataDependentSymNode" in dbrx["message"]  # it fails for the declared cause
     result.stdout.fnmatch_lines(
         [
             "XFAIL *roundtrip_logits[[]pt2like-dbrx-cpu[]]*data-dependent control flow in the "
