@@ -9,6 +9,7 @@ catalogue version hides the checks and families added after it and reports them.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,39 @@ def test_a_bare_stepwise_reruns_the_failed_suite_items(pytester: pytest.Pytester
 
     nothing = pytester.runpytest("-v")  # no --sw, no --lf: the suite is not asked for
     assert not any(line.startswith("exportcheck::") for line in nothing.outlines)
+
+
+# ------------------------------------------------------------------ the version table
+
+
+def _documented_versions() -> dict[int, tuple[set[str], set[str]]]:
+    """``version -> (checks, families)`` of the table in docs/checks.md."""
+    text = (Path(__file__).parents[1] / "docs" / "checks.md").read_text(encoding="utf-8")
+    table = text.split("| version | added on | checks added | families added |", 1)[1]
+    rows: dict[int, tuple[set[str], set[str]]] = {}
+    for line in table.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        version, _, checks, families = (cell.strip() for cell in line.strip("|").split("|"))
+        names = [set(re.findall(r"`(\w+)`", cell)) for cell in (checks, families)]
+        rows[int(version)] = (names[0], names[1])
+    return rows
+
+
+def test_every_built_in_check_and_family_carries_its_documented_version() -> None:
+    from exportlm.models import model_names, model_since
+    from pytest_exportcheck.checks.catalogue import BUILTIN_CHECKS
+    from pytest_exportcheck.checks.versions import CATALOGUE_HISTORY, CHECKS_SINCE
+
+    assert set(CATALOGUE_HISTORY) == set(range(1, CATALOGUE_VERSION + 1))
+    # a new built-in check is placed in a version on purpose, not by a default
+    assert {spec.id for spec in BUILTIN_CHECKS} == set(CHECKS_SINCE)
+    documented = _documented_versions()
+    assert set(documented) == set(CATALOGUE_HISTORY)
+    for spec in BUILTIN_CHECKS:
+        assert spec.since is not None, spec.id
+        assert spec.id in documented[spec.since][0], spec.id
+    builtin = [m for m in model_names() if model_since(m) is not None]
+    assert {"dbrx", "llama4", "decoder"} <= set(builtin)
+    for family in builtin:
+        assert family in documented[model_since(family) or 0][1], family
