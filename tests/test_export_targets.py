@@ -30,6 +30,7 @@ from exportlm.models import (
     build_model,
     ensure_models_registered,
     model_expected_failures,
+    model_failure_causes,
 )
 
 BUILTIN_MODELS = (
@@ -64,6 +65,10 @@ def declared_failure(target: str, name: str) -> str | None:
     wildcards, brackets are literal.
     """
     item = f"roundtrip_logits[{COLUMNS[target]}-{name}-cpu]"
+    capture = get_target_info(target).capture_of(COLUMNS[target].partition(":")[2] or None)
+    for cause in model_failure_causes(name):
+        if cause.fails_under(capture):
+            return cause.reason
     for pattern, reason in model_expected_failures(name).items():
         if _matches(pattern, item):
             return reason
@@ -319,16 +324,15 @@ def test_torchscript_script_fails_on_builtin_models_as_declared(tmp_path: Path, 
     with pytest.raises(exportlm.ExportFailedError, match="torchscript export"):
         exportlm.export_model("torchscript", build_model(name), tmp_path / "x.pt", method="script")
     assert not any(tmp_path.iterdir())
-    patterns = model_expected_failures(name)
-    assert f"roundtrip_logits[torchscript:script-{name}-*]" in patterns
+    assert any(c.fails_under("torchscript-script") for c in model_failure_causes(name))
 
 
 def test_script_failures_are_declared_by_each_family_not_by_the_target() -> None:
     """A target knows nothing of toy models: each family declares what it cannot do."""
     assert get_target_info("torchscript").expected_failures == {}
+    assert get_target_info("torchscript").capture_of("script") == "torchscript-script"
     for name in BUILTIN_MODELS:
-        declared = list(model_expected_failures(name))
-        for check in ("roundtrip_logits", "dynamic_shapes"):
-            item = f"{check}[torchscript:script-{name}-cpu]"
-            assert any(_matches(p, item) for p in declared), item
+        causes = [c for c in model_failure_causes(name) if c.fails_under("torchscript-script")]
+        assert causes, name
+        assert {"roundtrip_logits", "dynamic_shapes"} <= set(causes[0].checks)
     assert set(get_target_info("torchscript").variants) == {"trace", "script"}

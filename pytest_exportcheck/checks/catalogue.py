@@ -1,8 +1,9 @@
 """The check catalogue: every built-in check, in documentation order, as plain data.
 
 This module is the one place where a check's id, scope, ``per_model``, needed
-capabilities and pytest markers are declared. It imports neither torch nor
-Hypothesis (nor anything else of the package), so the planner can read it
+capabilities and pytest markers are declared, and (from :mod:`.versions`) the
+catalogue version that added it. It imports neither torch nor Hypothesis (nor
+anything else of the package but that data), so the planner can read it
 without loading an implementation: each entry names its implementation as a
 ``"module:function"`` reference, imported the first time :attr:`CheckSpec.fn` is
 read.
@@ -24,14 +25,17 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from pytest_exportcheck.checks.versions import CATALOGUE_VERSION, CHECKS_SINCE
 
 if TYPE_CHECKING:
     from pytest_exportcheck.checks._api import CheckResult
 
 __all__ = [
     "BUILTIN_CHECKS",
+    "CATALOGUE_VERSION",
     "SCOPES",
     "CatalogueError",
     "CheckFn",
@@ -72,6 +76,9 @@ class CheckSpec:
             run per device.
         summary: one line: what the check verifies (the first paragraph of the
             implementation's docstring, which holds the full description).
+        since: the catalogue version that added a built-in check; ``None`` for a
+            check outside the catalogue (registered by a test suite or a plugin),
+            planned under any pinned version.
     """
 
     id: str
@@ -82,6 +89,7 @@ class CheckSpec:
     markers: frozenset[str] = frozenset()
     summary: str = ""
     per_device: bool = False
+    since: int | None = None
 
     def __post_init__(self) -> None:
         # Accept any iterable of names (a tuple in a declaration), store a frozenset.
@@ -162,7 +170,7 @@ _G = "pytest_exportcheck.checks.generated"
 _HYPOTHESIS = frozenset({"hypothesis"})
 
 #: Every built-in check, in documentation order (``docs/checks.md``).
-BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
+_DECLARED: tuple[CheckSpec, ...] = (
     # ------------------------------------------------------------------ target checks
     CheckSpec(
         "plugin_loads",
@@ -374,4 +382,9 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
         "``|gemm - fake_quant| <= 1e-3 * (|x_q| @ |w_q|^T) + 1e-6``.",
         per_device=True,
     ),
+)
+
+#: The built-in checks, each with the catalogue version that added it (``since``).
+BUILTIN_CHECKS: tuple[CheckSpec, ...] = tuple(
+    replace(spec, since=CHECKS_SINCE.get(spec.id, CATALOGUE_VERSION)) for spec in _DECLARED
 )

@@ -65,7 +65,9 @@ class Discovery:
     """Everything registered, sorted by name.
 
     ``model_failures`` holds, per loaded model family, the expected failures it
-    declares (``{check id or item-id pattern: reason}``).
+    declares (``{check id or item-id pattern: reason}``); ``model_causes`` its
+    ``FailureCause`` records (crossed with each target's capture); ``model_since``
+    the catalogue version that added it (``None``: not part of the catalogue).
     """
 
     targets: dict[str, TargetInfo] = field(default_factory=dict)
@@ -74,6 +76,8 @@ class Discovery:
     plugins: tuple[InstalledPlugin, ...] = ()
     failures: tuple[PluginFailure, ...] = ()
     model_failures: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    model_causes: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    model_since: Mapping[str, int | None] = field(default_factory=dict)
 
     def rows(self, target: str) -> list[TargetRow]:
         """The matrix rows of ``target``: one per declared variant, else one."""
@@ -95,7 +99,12 @@ def discover() -> Discovery:
     """
     from exportlm.export import EXPORT_REGISTRY, get_target_info
     from exportlm.inventory import plugin_inventory
-    from exportlm.models import MODEL_REGISTRY, model_expected_failures
+    from exportlm.models import (
+        MODEL_REGISTRY,
+        model_expected_failures,
+        model_failure_causes,
+        model_since,
+    )
     from exportlm.module_exporters import EXPORT_MODULE_REGISTRY
 
     records = plugin_inventory()  # loads the registries; broken plugins are recorded
@@ -119,4 +128,6 @@ def discover() -> Discovery:
         plugins=plugins,
         failures=tuple(sorted(failures, key=lambda f: (f.kind, f.name, f.message))),
         model_failures={m: model_expected_failures(m) for m in models},
+        model_causes={m: model_failure_causes(m) for m in models},
+        model_since={m: model_since(m) for m in models},
     )

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import pytest
 
+from pytest_exportcheck.checks.versions import CATALOGUE_VERSION
 from pytest_exportcheck.plan._discovery import Discovery, PluginFailure
 from pytest_exportcheck.plan._items import (
     PLUGIN_LOADS,
@@ -48,6 +50,12 @@ class Planner:
         discovery: what is installed (:func:`~pytest_exportcheck.plan.discover`).
         checks: check id -> spec (the catalogue, ``pytest_exportcheck.checks.CHECKS``).
         unknown: builds the exception an unknown name raises.
+        catalogue: the pinned catalogue version (``exportcheck_catalogue``): only
+            checks and model families added in it or before (or outside the
+            catalogue: ``since=None``) are planned; ``None``: every one.
+
+    Raises:
+        pytest.UsageError: ``catalogue`` is not a version from 1 to the current one.
     """
 
     def __init__(
@@ -55,9 +63,19 @@ class Planner:
         discovery: Discovery,
         checks: Mapping[str, CheckSpec],
         unknown: UnknownNames = usage_error,
+        catalogue: int | None = None,
     ) -> None:
-        self.discovery = discovery
-        self.checks = checks
+        if catalogue is not None and not 1 <= catalogue <= CATALOGUE_VERSION:
+            raise pytest.UsageError(
+                f"exportcheck_catalogue / --export-catalogue: no catalogue version {catalogue}; "
+                f"the versions are 1 to {CATALOGUE_VERSION} (see docs/checks.md)"
+            )
+        self.catalogue = catalogue
+        self._unpinned = (discovery, checks)
+        self.discovery = _pinned_discovery(discovery, catalogue)
+        self.checks = {
+            c: s for c, s in checks.items() if _within(getattr(s, "since", None), catalogue)
+        }
         self.unknown = unknown
         self._failed: _Failed = {kind: self._failures(kind) for kind in _KINDS}
 
@@ -77,14 +95,16 @@ class Planner:
             option="--export-exporters",
             unknown=self.unknown,
         )
+        # Names of a newer catalogue resolve (a pinned run counts them, it does not refuse).
+        every_model, every_check = self._unpinned[0].models, self._unpinned[1]
         models = request.models.resolve(
-            [*d.models, *failed["model family"]],
+            [*every_model, *failed["model family"]],
             what="model family",
             option="--export-models",
             unknown=self.unknown,
         )
         check_ids = request.checks.resolve(
-            [*self.checks, PLUGIN_LOADS],
+            [*every_check, PLUGIN_LOADS],
             what="check",
             option="--export-checks",
             unknown=self.unknown,
@@ -135,6 +155,27 @@ class Planner:
         chosen |= args.item_ids
         return [s for s in universe if s.name in chosen]
 
+    def newer_items(self, request: PlanRequest) -> dict[int, int]:
+        """``{version: count}`` of the request's items a pinned catalogue leaves out.
+
+        An item belongs to the newest version of its check and its model family.
+        Empty when nothing is pinned.
+        """
+        if self.catalogue is None:
+            return {}
+        discovery, checks = self._unpinned
+        planned = {s.name for s in plan(self.plan(request))}
+        since = discovery.model_since
+        out: dict[int, int] = {}
+        for spec in plan(Planner(discovery, checks, self.unknown).plan(request)):
+            if spec.name in planned:
+                continue
+            check = checks.get(spec.check)
+            versions = [getattr(check, "since", None), since.get(spec.model or "")]
+            version = max((v for v in versions if v is not None), default=CATALOGUE_VERSION)
+            out[version] = out.get(version, 0) + 1
+        return dict(sorted(out.items()))
+
     # -- expected failures --------------------------------------------------
     def xfail_book(self, only: Plan | None = None) -> XfailBook:
         """Expected failures declared by targets, exporters and model families.
@@ -156,6 +197,8 @@ class Planner:
             {t: d.targets[t] for t in targets if t in d.targets},
             {e: d.exporters[e] for e in exporters if e in d.exporters},
             {m: d.model_failures.get(m, {}) for m in models},
+            {m: d.model_causes.get(m, ()) for m in models},
+            checks=set(self.checks),
         )
 
     def unmatched(self, book: XfailBook, within: Plan | None = None) -> list[XfailRule]:
@@ -202,6 +245,20 @@ class Planner:
     def _exporter_plan(self, name: str) -> ExporterPlan:
         failure = _failure_text(self._failed["module exporter"].get(name, []))
         return ExporterPlan(name, failure, loaded=name in self.discovery.exporters)
+
+
+def _within(since: int | None, catalogue: int | None) -> bool:
+    """Whether something added in catalogue version ``since`` is planned under ``catalogue``."""
+    return catalogue is None or since is None or since <= catalogue
+
+
+def _pinned_discovery(discovery: Discovery, catalogue: int | None) -> Discovery:
+    """``discovery`` without the model families added after ``catalogue``."""
+    if catalogue is None:
+        return discovery
+    since = discovery.model_since
+    models = tuple(m for m in discovery.models if _within(since.get(m), catalogue))
+    return replace(discovery, models=models)
 
 
 def _require_known(args: SuiteArgs, known: set[str]) -> None:

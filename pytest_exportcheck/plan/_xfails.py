@@ -1,4 +1,9 @@
-"""Expected failures: rules from target declarations, module exporters and an xfails file.
+"""Expected failures: rules from target declarations, module exporters, family causes and an xfails file.
+
+A model family's ``FailureCause`` records (what in its forward defeats which
+captures) are crossed with every target row's ``TargetInfo.capture``: a row that
+captures the model a way a cause names gets that family's items of the cause's
+checks as expected failures, with the family's reason (:func:`cause_rules`).
 
 A rule is ``pattern -> reason``. A pattern is either a bare check id
 (``"roundtrip_logits"``: every item of that check) or a pattern over the full item
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -38,7 +43,14 @@ import pytest
 
 from pytest_exportcheck.plan._nodeids import ROOT, item_id_of
 
-__all__ = ["MAX_XFAILS_BYTES", "XfailBook", "XfailRule", "declared_book", "load_xfails_file"]
+__all__ = [
+    "MAX_XFAILS_BYTES",
+    "XfailBook",
+    "XfailRule",
+    "cause_rules",
+    "declared_book",
+    "load_xfails_file",
+]
 
 #: The largest xfails file read (a list of every item of a large matrix is far smaller).
 MAX_XFAILS_BYTES = 16 * 1024 * 1024
@@ -103,6 +115,8 @@ def declared_book(
     targets: Mapping[str, Any],
     exporters: Mapping[str, Any],
     models: Mapping[str, Mapping[str, str]],
+    causes: Mapping[str, Iterable[Any]] | None = None,
+    checks: Collection[str] | None = None,
 ) -> XfailBook:
     """The expected failures the code under test declares about itself.
 
@@ -110,8 +124,11 @@ def declared_book(
     target's rows); ``exporters``: name -> module exporter (its optional
     ``expected_failures`` attribute applies to that exporter's rows); ``models``:
     family name -> the family's declared ``{pattern: reason}`` (the patterns name
-    the family, so they apply to every row). The suite's planner and
-    :func:`pytest_exportcheck.parametrize_with_checks` both build their book here.
+    the family, so they apply to every row); ``causes``: family name -> its
+    ``FailureCause`` records, crossed with each target row's capture
+    (:func:`cause_rules`, limited to the check ids ``checks`` when given). The
+    suite's planner and :func:`pytest_exportcheck.parametrize_with_checks` both
+    build their book here.
 
     Raises:
         TypeError: an exporter's ``expected_failures`` is not a mapping.
@@ -129,7 +146,50 @@ def declared_book(
         book.add(declared, source=f"module exporter {name!r}", scope=name)
     for name, declared in models.items():
         book.add(declared, source=f"model family {name!r}", scope=None)
+    book.extend(cause_rules(targets, causes or {}, checks))
     return book
+
+
+def cause_rules(
+    targets: Mapping[str, Any],
+    causes: Mapping[str, Iterable[Any]],
+    checks: Collection[str] | None = None,
+) -> list[XfailRule]:
+    """Expected failures of (family cause x target capture), one rule per row, check and family.
+
+    For each row (``target`` or ``target:variant``) whose ``TargetInfo.capture_of``
+    is one of a cause's ``captures``: ``check[<row>-<family>-*]`` for the cause's
+    per-model ``checks`` and ``check[<row>-*]`` for its ``shared_checks``. The
+    reason names the cause and the capture; a row with no declared capture
+    inherits nothing.
+    """
+    rules: list[XfailRule] = []
+    for name, info in sorted(targets.items()):
+        for variant in sorted(getattr(info, "variants", None) or {}) or [None]:
+            capture_of = getattr(info, "capture_of", None)
+            capture = capture_of(variant) if capture_of is not None else ""
+            if not capture:
+                continue
+            row = f"{name}:{variant}" if variant else name
+            for family, declared in sorted(causes.items()):
+                for cause in declared:
+                    if capture in cause.captures:
+                        rules += _rules_of(cause, family, row, capture, checks)
+    return rules
+
+
+def _rules_of(
+    cause: Any, family: str, row: str, capture: str, checks: Collection[str] | None
+) -> list[XfailRule]:
+    reason = f"{cause.cause} (fails under {capture} capture): {cause.reason}"
+    source = f"model family {family!r}, cause x capture of {row!r}"
+    patterns = [f"{c}[{row}-{family}-*]" for c in cause.checks]
+    patterns += [f"{c}[{row}-*]" for c in cause.shared_checks]
+    return [
+        XfailRule(p, reason, source, scope=row)
+        for p in patterns
+        if checks is None or p.partition("[")[0] in checks
+    ]
 
 
 def load_xfails_file(path: Path) -> list[XfailRule]:

@@ -41,10 +41,11 @@ class _Spec:
     kind: str
     metavar: str | None = None
     default: str = ""
+    ini_key: str = ""  # an ini key other than the flag's twin
 
     @property
     def ini(self) -> str:
-        return self.flag.removeprefix("--").replace("-", "_")
+        return self.ini_key or self.flag.removeprefix("--").replace("-", "_")
 
 
 _SPECS: tuple[_Spec, ...] = (
@@ -138,6 +139,15 @@ _SPECS: tuple[_Spec, ...] = (
         "--export-only",
         "run only the conformance suite; the repo's own tests are not collected",
         "bool",
+    ),
+    _Spec(
+        "--export-catalogue",
+        "the catalogue version the plugin conforms to (ini: exportcheck_catalogue): only "
+        "checks and model families of that version run, newer ones are counted "
+        "(default: the current version, every item)",
+        "str",
+        "N",
+        ini_key="exportcheck_catalogue",
     ),
 )
 
@@ -234,6 +244,7 @@ class Options:
     lock: str = "check"
     #: ``--export-shard=K/N``, or ``None`` for the whole suite.
     shard: Shard | None = None
+    catalogue: int | None = None
 
     @property
     def active(self) -> bool:
@@ -294,6 +305,7 @@ class Options:
             engines=_engines(_value(config, specs["export_engine"])),
             require_engines=bool(_value(config, specs["export_require_engines"])),
             **coverage_options(config),
+            catalogue=_catalogue(_value(config, specs["exportcheck_catalogue"])),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
@@ -331,6 +343,7 @@ class Options:
             "strict": self.strict,
             "lock": self.lock,
             "shard": None if self.shard is None else str(self.shard),
+            "catalogue": self.catalogue,
         }
 
 
@@ -374,6 +387,19 @@ def _count(value: Any, flag: str) -> int:
     if number < 0:
         raise pytest.UsageError(f"{flag}: expected a number of items >= 0, got {value!r}")
     return number
+
+
+def _catalogue(value: Any) -> int | None:
+    """The pinned catalogue version (a positive integer), or ``None`` when unpinned."""
+    if value is None or str(value).strip().lower() in ("", "current", "latest"):
+        return None
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < 1:
+        raise pytest.UsageError(
+            f"exportcheck_catalogue / --export-catalogue: expected a catalogue version "
+            f"(1, 2, ...) or 'current', got {value!r}"
+        )
+    return int(text)
 
 
 def _parse_devices(text: str) -> tuple[str, ...]:

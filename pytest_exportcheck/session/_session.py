@@ -29,6 +29,8 @@ from pytest_exportcheck.plan import Discovery, ItemSpec, Planner, XfailBook, dis
 from pytest_exportcheck.plan._nodeids import ROOT, SuiteArgs
 from pytest_exportcheck.plan._xfails import load_xfails_file
 from pytest_exportcheck.run._hypothesis import register_profiles
+from pytest_exportcheck.session._catalogue import catalogue_lines, catalogue_record
+from pytest_exportcheck.session._failure_files import keep_failure
 from pytest_exportcheck.session._float32 import Float32Precision
 from pytest_exportcheck.session._golden_setup import goldens_dir
 from pytest_exportcheck.session._header import environment, header_lines
@@ -61,9 +63,10 @@ class ExportCheckSession:
         self.options = options
         self.report = ReportBuilder()
         self.discovery: Discovery = discover()
-        planner = Planner(self.discovery, CHECKS)
+        planner = Planner(self.discovery, CHECKS, catalogue=options.catalogue)
         self.xfails: XfailBook = _xfail_book(planner, options)
         self.specs: list[ItemSpec] = planner.items(options.request(), args)
+        self.catalogue = catalogue_record(planner, options.request())
         self.runner = SuiteRunner(config, options, self.discovery)
         self.goldens_dir: Path = goldens_dir(config, options)
         #: TF32 off while a run that selects CUDA lasts (restored by :meth:`finish`).
@@ -87,12 +90,19 @@ class ExportCheckSession:
         """Options, versions, plugins and plugin failures (header, JSON and JUnit reports)."""
         env = environment(self.options, self.discovery, self.goldens_dir)
         env["environment"]["float32"] = self.precision.describe()
+        env["catalogue"] = self.catalogue
         return env
 
     def pytest_report_header(self) -> list[str]:
         """The lines of the report header (the last one: how float32 matmuls run)."""
         lines = header_lines(self.environment(), self.discovery)
-        return [*lines, f"exportcheck float32: {self.precision.describe()}"]
+        pinned = " (pinned)" if self.catalogue["pinned"] else ""
+        return [
+            *lines,
+            f"exportcheck catalogue: v{self.catalogue['version']}{pinned}, current "
+            f"v{self.catalogue['current']}",
+            f"exportcheck float32: {self.precision.describe()}",
+        ]
 
     # -- collection ---------------------------------------------------------
     def pytest_ignore_collect(self, collection_path: Path) -> bool | None:
@@ -171,6 +181,10 @@ class ExportCheckSession:
         setattr(
             report, REPORT_ATTRIBUTE, {"item": coordinates, "result": result, "profile": profile}
         )
+        if call and report.failed and result is not None:
+            kept = keep_failure(self.config.rootpath, item.spec.name, result)
+            if kept:
+                report.sections.append(("exportcheck: shrunk failure", "\n".join(kept)))
         if report.when == "teardown" and self._testcase_properties:
             record = {"item": coordinates, "result": item.result}
             report.user_properties = [*report.user_properties, *testcase_properties(record)]
@@ -194,6 +208,8 @@ class ExportCheckSession:
             terminal.write_sep("=", f"exportcheck: slowest {self.options.durations} items")
             for line in self.report.durations_lines(self.options.durations):
                 terminal.write_line(line)
+        for line in catalogue_lines(self.catalogue):
+            terminal.write_line(line, yellow=True)
         if self.options.report is not None:
             terminal.write_line(f"JSON report: {self.options.report}")
         self.coverage.summary(terminal)

@@ -112,6 +112,7 @@ GOLDEN_CASES: tuple[GoldenCase, ...] = (
     GoldenCase("fp8_fused_experts", "mixtral", "fp8"),
     GoldenCase("fp8_bmm_experts", "gpt_oss", "fp8"),
     GoldenCase("fp8_iterable_experts", "iterable_moe", "fp8"),
+    GoldenCase("fp8_dbrx_experts", "dbrx", "fp8"),
     GoldenCase("fp8_kv_cache", "llama", "fp8+fp8_kv"),
     GoldenCase("nvfp4", "llama", "nvfp4"),
     GoldenCase("int4_awq", "llama", "int4_awq"),

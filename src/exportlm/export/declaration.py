@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 __all__ = [
     "CAPABILITIES",
+    "CAPTURES",
     "ExportFactory",
     "RuntimeCallable",
     "RuntimeLoader",
@@ -26,6 +27,14 @@ __all__ = [
 
 #: Capability names a target may declare. The conformance suite reads them.
 CAPABILITIES = frozenset({"dynamic_shapes", "kv_cache", "quantized", "multi_file", "cuda"})
+
+#: How a target may capture the model (``TargetInfo.capture``); a toy family declares
+#: its known failures per capture (``exportlm.models.FailureCause``), so every target
+#: capturing the same way inherits them. ``"weights"``: no graph is captured, the
+#: state dict is written and the runtime rebuilds the model (``hf_checkpoint``).
+CAPTURES = frozenset(
+    {"torch.export", "torchscript-trace", "torchscript-script", "weights", "other"}
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -72,6 +81,10 @@ class TargetInfo:
         executes_code: loading the artifact can execute code (unpickling, TorchScript):
             ``load_exported`` then refuses an artifact whose manifest does not prove
             it was written on this machine unless ``trust=True`` (see ``docs/security.md``).
+        capture: how the export captures the model, one of :data:`CAPTURES`
+            (``"torch.export"`` for ``torch.export`` and exporters built on it), or
+            ``{variant: capture}`` when variants capture differently; ``""``:
+            undeclared (the target inherits no family's failure causes).
     """
 
     name: str
@@ -86,6 +99,7 @@ class TargetInfo:
     accepts: Callable[[Any], str | None] | None = field(default=None, compare=False)
     description: str = ""
     executes_code: bool = False
+    capture: str | Mapping[str, str] = ""
 
     def __post_init__(self) -> None:
         unknown = set(self.capabilities) - CAPABILITIES
@@ -94,6 +108,7 @@ class TargetInfo:
                 f"target {self.name!r} declares unknown capabilities {sorted(unknown)}; "
                 f"known: {sorted(CAPABILITIES)}"
             )
+        _check_capture(self.name, self.capture, self.variants)
         if self.artifact not in ("file", "directory"):
             raise ValueError(f"target {self.name!r}: artifact must be 'file' or 'directory'")
         object.__setattr__(self, "capabilities", frozenset(self.capabilities))
@@ -101,6 +116,29 @@ class TargetInfo:
     def has(self, capability: str) -> bool:
         """True when the target declares ``capability``."""
         return capability in self.capabilities
+
+    def capture_of(self, variant: str | None = None) -> str:
+        """How the row ``variant`` (``None``: the target itself) captures the model; ``""``: undeclared."""
+        if isinstance(self.capture, str):
+            return self.capture
+        return self.capture.get(variant or "", "")
+
+
+def _check_capture(
+    name: str, capture: str | Mapping[str, str], variants: Mapping[str, Any]
+) -> None:
+    values = [capture] if isinstance(capture, str) else list(capture.values())
+    unknown = sorted(v for v in values if v and v not in CAPTURES)
+    if unknown or not isinstance(capture, (str, Mapping)):
+        raise ValueError(
+            f"target {name!r}: unknown capture {unknown or capture!r}; known: {sorted(CAPTURES)}"
+            " (or {variant: capture})"
+        )
+    if isinstance(capture, Mapping) and set(capture) - set(variants):
+        raise ValueError(
+            f"target {name!r}: capture names variants it does not declare: "
+            f"{sorted(set(capture) - set(variants))}"
+        )
 
 
 _INFO_ATTR = "__exportlm_target__"
@@ -120,11 +158,13 @@ def export_target(
     accepts: Callable[[Any], str | None] | None = None,
     description: str = "",
     executes_code: bool = False,
+    capture: str | Mapping[str, str] = "",
 ) -> Callable[[F], F]:
     """Decorator declaring an export factory's :class:`TargetInfo`.
 
     ``runtime`` defaults to ``name``. ``executes_code=True`` declares that loading
-    the artifact can run code (a pickle, TorchScript): see :class:`TargetInfo`. The
+    the artifact can run code (a pickle, TorchScript); ``capture`` says how the model is
+    captured (``"torch.export"``, ``"torchscript-trace"``, ...): see :class:`TargetInfo`. The
     decorated function is unchanged apart from the attached declaration, so it can be
     registered in code or exposed through the ``exportlm.export_backends`` entry-point group.
     """
@@ -141,6 +181,7 @@ def export_target(
         accepts=accepts,
         description=description,
         executes_code=executes_code,
+        capture=capture if isinstance(capture, str) else dict(capture),
     )
 
     def decorate(fn: F) -> F:

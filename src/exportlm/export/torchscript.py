@@ -101,6 +101,7 @@ TORCHSCRIPT_TARGET = TargetInfo(
     artifact="file",
     suffix=".pt",
     variants={"trace": {"method": "trace"}, "script": {"method": "script"}},
+    capture={"trace": "torchscript-trace", "script": "torchscript-script"},
     executes_code=True,  # torch.jit.load unpickles and runs code
     description="TorchScript .pt (torch.jit.trace, or script) run with torch.jit.load",
 )

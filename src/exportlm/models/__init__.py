@@ -12,10 +12,13 @@
 - :data:`MODEL_REGISTRY`, :func:`build_model`, :func:`model_names`: families by
   name, extensible through the ``exportlm.models`` entry-point group; a
   :class:`ModelFamily` declares the conformance items its family is known to
-  fail (:func:`model_expected_failures`).
+  fail (:func:`model_expected_failures`), the :class:`FailureCause` records of why
+  its forward fails some ways of capturing a model (:func:`model_failure_causes`)
+  and the catalogue version that added it (:func:`model_since`).
 """
 
 from exportlm.models._init import seeded_init_
+from exportlm.models.causes import PER_MODEL_CHECKS, FailureCause
 from exportlm.models.decoder import (
     SCRIPT_FAILURE_REASON,
     DecoderConfig,
@@ -26,6 +29,7 @@ from exportlm.models.decoder import (
 from exportlm.models.hf import HF_FAMILIES, HF_SCRIPT_FAILURE_REASON, tiny_hf_model
 from exportlm.models.moe import IterableMoEConfig, IterableMoEModel
 from exportlm.models.registry import (
+    DECODER_SCRIPT_CAUSE,
     MODEL_REGISTRY,
     MODELS_GROUP,
     ModelFactory,
@@ -33,22 +37,27 @@ from exportlm.models.registry import (
     build_model,
     ensure_models_registered,
     model_expected_failures,
+    model_failure_causes,
     model_names,
+    model_since,
     model_traits,
     register_builtin_models,
 )
 from exportlm.models.spec import SPEC_FAMILIES, SPEC_FORMAT, ModelSpec, build_from_spec
 
 __all__ = [
+    "DECODER_SCRIPT_CAUSE",
     "HF_FAMILIES",
     "HF_SCRIPT_FAILURE_REASON",
     "MODELS_GROUP",
     "MODEL_REGISTRY",
+    "PER_MODEL_CHECKS",
     "SCRIPT_FAILURE_REASON",
     "SPEC_FAMILIES",
     "SPEC_FORMAT",
     "DecoderConfig",
     "DecoderModel",
+    "FailureCause",
     "IterableMoEConfig",
     "IterableMoEModel",
     "KVCache",
@@ -60,7 +69,9 @@ __all__ = [
     "build_model",
     "ensure_models_registered",
     "model_expected_failures",
+    "model_failure_causes",
     "model_names",
+    "model_since",
     "model_traits",
     "register_builtin_models",
     "seeded_init_",

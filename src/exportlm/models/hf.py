@@ -62,8 +62,16 @@ import transformers
 
 from exportlm.errors import TiedWeightsError, UnknownNameError, UnknownOptionError
 from exportlm.models._init import seeded_init_
+from exportlm.models.causes import FailureCause
 
-__all__ = ["HF_FAMILIES", "HF_SCRIPT_FAILURE_REASON", "hf_family_failures", "tiny_hf_model"]
+__all__ = [
+    "HF_FAMILIES",
+    "HF_SCRIPT_FAILURE_REASON",
+    "hf_family_causes",
+    "hf_family_failures",
+    "hf_family_since",
+    "tiny_hf_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,19 +105,25 @@ _DBRX_TRACE = (
     "for the tracing batch only, and a batch hitting another set of experts fails "
     "(RuntimeError: Expected 3 elements in a list but found 4)"
 )
+_DBRX_LOOP = "data-dependent control flow in the expert loop"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
     """How to build one family: its transformers config class and tiny config values.
 
-    ``failures`` maps an export target column (``"onnx"``, ``"torchscript:trace"``)
-    to why the family's forward cannot go through it (measured, not guessed).
+    ``causes`` say why the forward cannot be captured some ways (``TargetInfo.capture``:
+    every target capturing so inherits the failure); ``failures`` maps an export
+    target column (``"onnx"``) to a failure that is that target's own, not its
+    capture's (measured, not guessed). ``since``: the catalogue version that added
+    the family.
     """
 
     config_class: str
     config: Mapping[str, Any]
     failures: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    causes: tuple[FailureCause, ...] = ()
+    since: int = 1
 
 
 _FAMILIES: dict[str, _Family] = {
@@ -175,6 +189,7 @@ _FAMILIES: dict[str, _Family] = {
             "intermediate_size_mlp": _COMMON["intermediate_size"],
         },
         failures={"onnx": _LLAMA4_COMPLEX_ROPE},
+        since=3,
     ),
     "dbrx": _Family(
         "DbrxConfig",
@@ -197,11 +212,12 @@ _FAMILIES: dict[str, _Family] = {
                 "moe_top_k": _EXPERTS["num_experts_per_tok"],
             },
         },
-        failures={
-            "onnx": _DBRX_DATA_DEPENDENT,
-            "torch_export": _DBRX_DATA_DEPENDENT,
-            "torchscript:trace": _DBRX_TRACE,
-        },
+        # torch.export covers the ONNX (dynamo) exporter built on it.
+        causes=(
+            FailureCause(_DBRX_LOOP, frozenset({"torch.export"}), _DBRX_DATA_DEPENDENT),
+            FailureCause(_DBRX_LOOP, frozenset({"torchscript-trace"}), _DBRX_TRACE),
+        ),
+        since=3,
     ),
 }
 
@@ -217,12 +233,30 @@ HF_SCRIPT_FAILURE_REASON = (
 HF_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 
 
-def hf_family_failures(family: str) -> dict[str, str]:
-    """``{target column: reason}`` of the export targets ``family``'s forward cannot go through.
+#: Every family here fails TorchScript scripting, whatever target scripts it.
+_HF_SCRIPT_CAUSE = FailureCause(
+    "transformers source TorchScript cannot compile",
+    frozenset({"torchscript-script"}),
+    HF_SCRIPT_FAILURE_REASON,
+)
 
-    Every family fails ``torchscript:script`` (:data:`HF_SCRIPT_FAILURE_REASON`).
+
+def hf_family_failures(family: str) -> dict[str, str]:
+    """``{target column: reason}``: failures of ``family`` that are one target's own.
+
+    Failures of a way of capturing the model are :func:`hf_family_causes`.
     """
-    return {"torchscript:script": HF_SCRIPT_FAILURE_REASON, **_family(family).failures}
+    return dict(_family(family).failures)
+
+
+def hf_family_causes(family: str) -> tuple[FailureCause, ...]:
+    """Why ``family``'s forward fails some captures (every family: TorchScript scripting)."""
+    return (_HF_SCRIPT_CAUSE, *_family(family).causes)
+
+
+def hf_family_since(family: str) -> int:
+    """The catalogue version that added ``family``."""
+    return _family(family).since
 
 
 def _family(name: str) -> _Family:

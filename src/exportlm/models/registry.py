@@ -10,6 +10,7 @@ attribute) it also declares the conformance items it is known to fail, with why.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,17 +21,20 @@ import transformers
 from torch import nn
 
 from exportlm.models._init import seeded_init_
+from exportlm.models.causes import PER_MODEL_CHECKS, FailureCause, checked_causes
 from exportlm.models.decoder import SCRIPT_FAILURE_REASON, DecoderModel
 from exportlm.models.hf import (
     HF_FAMILIES,
-    HF_SCRIPT_FAILURE_REASON,
+    hf_family_causes,
     hf_family_failures,
+    hf_family_since,
     tiny_hf_model,
 )
 from exportlm.models.moe import IterableMoEModel
 from exportlm.registry import Registry, load_entry_point_registry, once
 
 __all__ = [
+    "DECODER_SCRIPT_CAUSE",
     "MODELS_GROUP",
     "MODEL_REGISTRY",
     "ModelFactory",
@@ -38,7 +42,9 @@ __all__ = [
     "build_model",
     "ensure_models_registered",
     "model_expected_failures",
+    "model_failure_causes",
     "model_names",
+    "model_since",
     "model_traits",
     "register_builtin_models",
 ]
@@ -115,25 +121,37 @@ class ModelFamily:
         expected_failures: ``{pattern: reason}`` over this family's conformance
             items only, in the syntax of ``TargetInfo.expected_failures``: a bare
             check id (every item of that check), or a pattern over the item id where
-            ``*`` and ``?`` are the wildcards (``"roundtrip_logits[torchscript:script-*]"``).
+            ``*`` and ``?`` are the wildcards (``"roundtrip_logits[onnx-*]"``). For
+            failures of one target's own; a failure of a way of capturing the
+            model belongs in ``causes``.
+        causes: :class:`~exportlm.models.causes.FailureCause` records: why the
+            forward fails some captures; every target whose ``TargetInfo.capture``
+            is one of them gets the family's items as expected failures.
+        since: the conformance catalogue version that added the family (built-ins);
+            ``None`` for a family outside the catalogue (a plugin's: always planned).
     """
 
     factory: ModelFactory
     expected_failures: Mapping[str, str] = field(default_factory=dict)
+    causes: tuple[FailureCause, ...] = ()
+    since: int | None = None
 
     def __post_init__(self) -> None:
-        checked = _checked_failures(f"model family {self.factory!r}", self.expected_failures)
+        owner = f"model family {self.factory!r}"
+        checked = _checked_failures(owner, self.expected_failures)
         object.__setattr__(self, "expected_failures", types.MappingProxyType(checked))
+        object.__setattr__(self, "causes", checked_causes(owner, self.causes))
 
     def __call__(self, seed: int = 0, **overrides: Any) -> nn.Module:
         return self.factory(seed, **overrides)
 
     def __hash__(self) -> int:
-        return hash((self.factory, tuple(sorted(self.expected_failures.items()))))
+        failures = tuple(sorted(self.expected_failures.items()))
+        return hash((self.factory, failures, self.causes, self.since))
 
 
 #: The per-model target checks (``check[target-model-device]``) a declaration covers.
-_PER_MODEL_CHECKS = ("roundtrip_logits", "dynamic_shapes", "generation_parity")
+_PER_MODEL_CHECKS = PER_MODEL_CHECKS
 
 
 def _declared(name: str, failures: Mapping[str, str | None]) -> dict[str, str]:
@@ -155,23 +173,35 @@ def _declared(name: str, failures: Mapping[str, str | None]) -> dict[str, str]:
 _MODEL_FREE_CHECKS = ("artifact_contract", "deterministic", "cache_wrapper", "trust")
 
 
+#: Why every family built on :class:`DecoderModel` fails scripting (``None``: it scripts).
+DECODER_SCRIPT_CAUSE: FailureCause | None = (
+    None
+    if SCRIPT_FAILURE_REASON is None
+    else FailureCause(
+        "a variable-length KV-cache tuple TorchScript cannot type",
+        frozenset({"torchscript-script"}),
+        SCRIPT_FAILURE_REASON,
+    )
+)
+
+
 def _plain(name: str, factory: ModelFactory) -> ModelFamily:
-    # SCRIPT_FAILURE_REASON is None on a torch that scripts DecoderModel: nothing declared then.
-    declared = _declared(name, {"torchscript:script": SCRIPT_FAILURE_REASON})
-    if name == "decoder" and SCRIPT_FAILURE_REASON is not None:
-        declared |= {
-            f"{c}[torchscript:script-*]": SCRIPT_FAILURE_REASON for c in _MODEL_FREE_CHECKS
-        }
-    return ModelFamily(factory, declared)
+    # DECODER_SCRIPT_CAUSE is None on a torch that scripts DecoderModel: nothing declared then.
+    cause = DECODER_SCRIPT_CAUSE
+    if cause is not None and name == "decoder":
+        cause = dataclasses.replace(cause, shared_checks=_MODEL_FREE_CHECKS)
+    return ModelFamily(factory, causes=() if cause is None else (cause,), since=1)
 
 
 def _hf(family: str) -> ModelFamily:
-    declared = _declared(family, hf_family_failures(family))
+    causes = hf_family_causes(family)
     if family == "llama":
         # The generated-structure checks build transformers models (Llama, Mixtral,
         # Qwen3-MoE), so transformers' TorchScript failure covers their items too.
-        declared["roundtrip_generated[torchscript:script-*]"] = HF_SCRIPT_FAILURE_REASON
-    return ModelFamily(_HFFactory(family), declared)
+        script = dataclasses.replace(causes[0], shared_checks=("roundtrip_generated",))
+        causes = (script, *causes[1:])
+    declared = _declared(family, hf_family_failures(family))
+    return ModelFamily(_HFFactory(family), declared, causes, hf_family_since(family))
 
 
 _BUILTINS: dict[str, ModelFamily] = {
@@ -211,6 +241,24 @@ def model_expected_failures(name: str) -> dict[str, str]:
     ensure_models_registered()
     declared = getattr(MODEL_REGISTRY.get(name), "expected_failures", None)
     return {} if declared is None else _checked_failures(f"model family {name!r}", declared)
+
+
+def model_failure_causes(name: str) -> tuple[FailureCause, ...]:
+    """The :class:`~exportlm.models.causes.FailureCause` records family ``name`` declares.
+
+    Empty for a family that declares none (a plain factory); ``TypeError`` for a
+    declaration that is not a collection of ``FailureCause``.
+    """
+    ensure_models_registered()
+    declared = getattr(MODEL_REGISTRY.get(name), "causes", None)
+    return () if declared is None else checked_causes(f"model family {name!r}", declared)
+
+
+def model_since(name: str) -> int | None:
+    """The catalogue version that added family ``name`` (``None``: not in the catalogue)."""
+    ensure_models_registered()
+    since = getattr(MODEL_REGISTRY.get(name), "since", None)
+    return since if isinstance(since, int) and not isinstance(since, bool) else None
 
 
 def model_names() -> list[str]:

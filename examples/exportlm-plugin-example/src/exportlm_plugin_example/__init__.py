@@ -5,8 +5,8 @@
 - :func:`~exportlm_plugin_example.target.load_traced`: its runtime;
 - :class:`~exportlm_plugin_example.exporter.MarkedLinearExporter`: module exporter
   ``example_marked_linear``;
-- :func:`~exportlm_plugin_example.models.build_example_tiny`: toy model family
-  ``example_tiny``.
+- :data:`~exportlm_plugin_example.models.example_tiny`: toy model family
+  ``example_tiny`` (its factory and the failure causes it declares).
 
 Everything is registered through entry points in ``pyproject.toml``; importing this
 package registers nothing.
