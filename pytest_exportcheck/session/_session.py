@@ -45,6 +45,7 @@ from pytest_exportcheck.session._nodes import ExportCheckItem, SuiteCollector
 from pytest_exportcheck.session._options import Options
 from pytest_exportcheck.session._report import REPORT_ATTRIBUTE, ReportBuilder, write_json_atomic
 from pytest_exportcheck.session._verdict import CoverageVerdict
+from pytest_exportcheck.session._xdist import artifact_scheduler, work_units
 
 __all__ = ["ExportCheckSession", "Float32Precision"]
 
@@ -144,6 +145,12 @@ class ExportCheckSession:
         if rules:
             reason = "; ".join(f"{r.reason} [{r.source}]" for r in rules)
             item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
+        """Under ``--dist load``: the items that share an artifact (or the survey) go to one
+        worker together (:mod:`._xdist`); ``None`` lets xdist choose."""
+        return artifact_scheduler(config, log, work_units(self.specs))
 
     @pytest.hookimpl(tryfirst=True)  # before -k / -m / --lf / --sw, so they apply to our items
     def pytest_collection_modifyitems(
