@@ -4,22 +4,16 @@
 unit of work of its own, so the tests of one module spread over every worker and each
 worker builds the module's fixtures again (for an export fixture: the same ONNX or
 ``torch.export`` exports, seconds each, once per worker). A module whose fixture costs
-more than the parallelism it loses marks itself ``pytestmark = one_worker(__name__)``;
-modules that share one per-process memo (the quantization survey of
-``tests._services.SERVICES``, ~4.5 s CPU per process) share one group name instead.
+more than the parallelism it loses marks itself ``pytestmark = one_worker(__name__)``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-__all__ = ["SURVEY", "one_worker"]
+__all__ = ["one_worker"]
 
 
-#: The group of the modules whose checks share the survey of ``tests._services.SERVICES``.
-SURVEY = "services-survey"
-
-
-def one_worker(group: str) -> pytest.MarkDecorator:
-    """The ``xdist_group`` mark that runs every test marked with ``group`` on one worker."""
-    return pytest.mark.xdist_group(f"one-worker:{group}")
+def one_worker(module: str) -> pytest.MarkDecorator:
+    """The ``xdist_group`` mark that runs every test of ``module`` on one worker."""
+    return pytest.mark.xdist_group(f"module:{module}")

@@ -25,10 +25,6 @@ from exportlm.module_exporters import (
 from exportlm.quant import QuantModule, TensorQuantizer
 from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
 from tests._services import SERVICES
-from tests._xdist import SURVEY, one_worker
-
-# the survey SERVICES computes is built once per process: these tests on one xdist worker
-pytestmark = one_worker(SURVEY)
 
 
 def run(
