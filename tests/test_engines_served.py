@@ -34,10 +34,6 @@ from exportlm.engines import (
 )
 from exportlm.models import tiny_hf_model
 from exportlm.quant import quantize
-from tests._xdist import one_worker
-
-# the module-scoped export fixture is built once: every test on one xdist worker
-pytestmark = one_worker(__name__)
 
 NEW_TOKENS = 8
 PROMPT_LENGTHS = (3, 7, 12)

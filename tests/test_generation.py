@@ -28,10 +28,6 @@ from exportlm.export import (
     make_input_ids,
 )
 from exportlm.models import ModelSpec, build_from_spec, build_model
-from tests._xdist import one_worker
-
-# the module-scoped export fixture is built once: every test on one xdist worker
-pytestmark = one_worker(__name__)
 
 TARGETS = ("torch_export", "onnx")
 SUFFIX = {"torch_export": ".pt2", "onnx": ".onnx"}

@@ -24,10 +24,6 @@ from exportlm.engines import EngineRequest, EngineResult, run_engine
 from exportlm.errors import EngineUnavailableError, InvalidInputError, InvalidModelError
 from exportlm.export import get_target_info, greedy_generate, make_input_ids
 from exportlm.models import build_model
-from tests._xdist import one_worker
-
-# the module-scoped export fixture is built once: every test on one xdist worker
-pytestmark = one_worker(__name__)
 
 NEW_TOKENS = 8
 LENGTHS = (3, 5, 7)  # three prompts of different lengths, left-padded to 7

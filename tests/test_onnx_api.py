@@ -29,13 +29,11 @@ from exportlm.export.onnx import (
     verify_onnx,
 )
 from exportlm.models import build_model
-from tests._xdist import one_worker
 
 # Legacy exports of transformers models emit our LegacyTraceWarning (transformers' masking
 # converts tensors to Python values); it is asserted where it is the subject.
 # torch's legacy exporter also warns about aten::index with negative indices (it has none here).
 pytestmark = [
-    one_worker(__name__),  # the module-scoped exports are built once
     pytest.mark.filterwarnings("ignore::exportlm.export.onnx.LegacyTraceWarning"),
     pytest.mark.filterwarnings("ignore:Exporting aten.{2}index operator:UserWarning"),
 ]

@@ -47,10 +47,6 @@ from exportlm.quant import QuantLinear, is_quantized_module, quantize
 from pytest_exportcheck.checks import CHECKS, TargetCase
 from pytest_exportcheck.checks.targets.quantized import FLIP_ATOL, FLIP_RTOL
 from tests._faulty_target import faulty_checkpoint_target
-from tests._xdist import one_worker
-
-# the module-scoped export fixture is built once: every test on one xdist worker
-pytestmark = one_worker(__name__)
 
 ONNX_DTYPES = {"fp8": "float8e4m3fn", "int8_wo": "int8"}
 #: ExportCacheWrapper holds the model as ``model``: graph names are ``model.<module path>``.
