@@ -19,7 +19,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_configure(config: object) -> None:
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the xdist controller runs no test: torch and the registries load in the workers
     try:
         import torch
     except ImportError:  # pragma: no cover
