@@ -16,7 +16,7 @@ from __future__ import annotations
 __all__ = ["CATALOGUE_HISTORY", "CATALOGUE_VERSION", "CHECKS_SINCE"]
 
 #: The current catalogue version: what an unpinned run plans.
-CATALOGUE_VERSION = 3
+CATALOGUE_VERSION = 4
 
 #: version -> (date, what it added), newest last (``docs/checks.md``, "Catalogue versions").
 CATALOGUE_HISTORY: dict[int, tuple[str, str]] = {
@@ -25,6 +25,7 @@ CATALOGUE_HISTORY: dict[int, tuple[str, str]] = {
         "llama_tied, mixtral, qwen2_moe, qwen3_moe, gpt_oss"),
     2: ("2026-11-30", "quantized checkpoints, Hypothesis-generated structures, goldens"),
     3: ("2026-11-30", "trust, generation and serving checks, FP8 GEMM; families llama4, dbrx"),
+    4: ("2026-12-01", "served: the artifact run in the real engines that load it"),
 }  # fmt: skip
 
 #: version -> the built-in check ids it added.
@@ -40,6 +41,7 @@ _ADDED: dict[int, tuple[str, ...]] = {
         "golden_checkpoint", "golden_calibration",
     ),
     3: ("trust", "generation_parity", "loadable", "roundtrip_quantized", "fp8_gemm"),
+    4: ("served",),
 }  # fmt: skip
 
 #: check id -> the catalogue version that added it (a built-in check missing here

@@ -6,7 +6,6 @@ Every ``--export-*`` option has an ini key of the same name with ``_`` for ``-``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,14 @@ from pytest_exportcheck.plan._selection import DEVICES, NameSelection, PlanReque
 from pytest_exportcheck.plan._shard import Shard
 from pytest_exportcheck.session._coverage_options import add_coverage_options, coverage_options
 from pytest_exportcheck.session._option_paths import check_kind, check_report_path
+from pytest_exportcheck.session._option_values import (
+    UPDATE_SCOPES,
+    parse_catalogue,
+    parse_count,
+    parse_devices,
+    parse_engines,
+    parse_update_scope,
+)
 
 __all__ = [
     "DEVICES",
@@ -26,8 +33,6 @@ __all__ = [
     "check_report_path",
 ]
 
-#: Values of ``--export-update-goldens``; the bare flag means the first.
-UPDATE_SCOPES = ("own", "all")
 
 GROUP = "exportcheck"
 
@@ -287,7 +292,7 @@ class Options:
             raw = _value(config, specs[name])
             return None if raw is None else NameSelection.parse(str(raw), specs[name].flag)
 
-        devices = _parse_devices(str(_value(config, specs["export_device"]) or "cpu"))
+        devices = parse_devices(str(_value(config, specs["export_device"]) or "cpu"))
         options = cls(
             targets=selection("export_targets"),
             exporters=selection("export_exporters"),
@@ -296,16 +301,16 @@ class Options:
             devices=devices,
             require_device=bool(_value(config, specs["export_require_device"])),
             xfails_file=_path(config, specs["export_xfails_file"]),
-            update_goldens=_update_scope(_value(config, specs["export_update_goldens"])),
+            update_goldens=parse_update_scope(_value(config, specs["export_update_goldens"])),
             goldens_dir=_path(config, specs["export_goldens_dir"]),
             report=_path(config, specs["export_report"]),
             no_cache=bool(_value(config, specs["export_no_cache"])),
             only=bool(_value(config, specs["export_only"])),
-            durations=_count(_value(config, specs["export_durations"]), "--export-durations"),
-            engines=_engines(_value(config, specs["export_engine"])),
+            durations=parse_count(_value(config, specs["export_durations"]), "--export-durations"),
+            engines=parse_engines(_value(config, specs["export_engine"])),
             require_engines=bool(_value(config, specs["export_require_engines"])),
             **coverage_options(config),
-            catalogue=_catalogue(_value(config, specs["exportcheck_catalogue"])),
+            catalogue=parse_catalogue(_value(config, specs["exportcheck_catalogue"])),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
@@ -345,69 +350,3 @@ class Options:
             "shard": None if self.shard is None else str(self.shard),
             "catalogue": self.catalogue,
         }
-
-
-def _update_scope(value: Any) -> str | None:
-    """``--export-update-goldens`` as ``None`` (compare), ``"own"`` or ``"all"``."""
-    text = str(value).strip().lower() if value is not None else ""
-    if text in ("", "false", "0", "no"):
-        return None
-    if text in ("true", "1", "yes"):
-        return UPDATE_SCOPES[0]
-    if text not in UPDATE_SCOPES:
-        raise pytest.UsageError(
-            f"--export-update-goldens: unknown value {value!r}; expected 'own' (goldens of "
-            "exporters your project provides; the default of the bare flag) or 'all'. A bare "
-            "flag takes the next argument as its value: write `--export-update-goldens=own "
-            f"{value}` if {value!r} is a path or another argument"
-        )
-    return text
-
-
-def _engines(value: Any) -> tuple[str, ...]:
-    """``--export-engine`` values (command line or ini lines) as ``NAME=PATH`` strings."""
-    items = [str(v).strip() for v in (value or ()) if str(v).strip()]
-    names: list[str] = []
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise pytest.UsageError(f"--export-engine takes NAME=PATH, got {item!r}")
-        if name.strip() in names:
-            raise pytest.UsageError(f"--export-engine names engine {name.strip()!r} twice")
-        names.append(name.strip())
-    return tuple(items)
-
-
-def _count(value: Any, flag: str) -> int:
-    """A non-negative integer option."""
-    try:
-        number = int(str(value if value is not None else 0).strip())
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise pytest.UsageError(f"{flag}: expected a number of items >= 0, got {value!r}")
-    return number
-
-
-def _catalogue(value: Any) -> int | None:
-    """The pinned catalogue version (a positive integer), or ``None`` when unpinned."""
-    if value is None or str(value).strip().lower() in ("", "current", "latest"):
-        return None
-    text = str(value).strip()
-    if not text.isdigit() or int(text) < 1:
-        raise pytest.UsageError(
-            f"exportcheck_catalogue / --export-catalogue: expected a catalogue version "
-            f"(1, 2, ...) or 'current', got {value!r}"
-        )
-    return int(text)
-
-
-def _parse_devices(text: str) -> tuple[str, ...]:
-    parts: Sequence[str] = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in parts if p not in DEVICES]
-    if unknown or not parts:
-        raise pytest.UsageError(
-            f"--export-device: unknown device {', '.join(map(repr, unknown)) or repr(text)}; "
-            f"expected one or more of {', '.join(DEVICES)} (comma-separated)"
-        )
-    return tuple(d for d in DEVICES if d in parts)

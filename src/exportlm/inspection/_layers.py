@@ -68,10 +68,15 @@ def _weight_scale_names() -> set[str]:
     return {leaf.name for spec in formats() for leaf in spec.weight_leaves if leaf.source != "data"}
 
 
-def _codec_codes() -> set[str]:
-    """The codes leaves layouts store under their own names (``weight_packed``)."""
+def _codec_codes() -> set[tuple[str, str]]:
+    """The codes leaves layouts store under their own names, with their dtypes.
+
+    ``("weight_packed", "I32")``. A name of its own marks a quantized layer whatever
+    its dtype (a wrong dtype is then reported); a layout that keeps the codes under
+    ``weight`` (compressed-tensors W8A8), which every float layer has too, needs the dtype.
+    """
     return {
-        codec.codes.name
+        (codec.codes.name, safetensors_dtype(codec.codes.dtype))
         for spec in formats()
         for layout in CHECKPOINT_LAYOUTS.values()
         if (codec := layout.codec(spec)) is not None
@@ -86,12 +91,17 @@ def _codec(spec: FormatSpec, declared: Declared) -> LeafCodec | None:
 def quantized_layers(checkpoint: Checkpoint, declared: Declared) -> list[QuantizedLayer]:
     """Every quantized module of ``checkpoint`` with its format (see the module docstring)."""
     codes, scales, packed = _code_dtypes(), _weight_scale_names(), _codec_codes()
+    packed_names = {name for name, _ in packed}
     found: list[QuantizedLayer] = []
     for module, leaves in sorted(modules_of(checkpoint).items()):
         weight = leaves.get("weight")
         # a layout's own codes leaf (compressed-tensors' weight_packed) marks a quantized layer
         native = weight is not None and (weight.dtype in codes or bool(scales & set(leaves)))
-        if not (native or packed & set(leaves)):
+        layout_codes = any(
+            (name, info.dtype) in packed or (name != "weight" and name in packed_names)
+            for name, info in leaves.items()
+        )
+        if not (native or layout_codes):
             continue
         scheme = declared.scheme(module)
         spec = scheme.spec if scheme is not None else _fitting_spec(leaves)
