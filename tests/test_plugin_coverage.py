@@ -148,6 +148,20 @@ def test_strict_fails_on_an_exporter_whose_value_checks_all_skip(
         ["exportcheck --export-strict: FAILED, 1 unchecked row(s) * exporter lonely"]
     )
 
+    # an accepted row is still reported unchecked, with its reason, and no longer fails
+    allowed = pytester.runpytest_subprocess(
+        *suite, "-o", "export_strict_allow=lonely its module is never built (issue 99)"
+    )
+    assert allowed.ret == 0
+    allowed.stdout.fnmatch_lines(
+        [
+            "UNCHECKED exporter(s), no value check ran (all skipped or xfailed): lonely",
+            "exportcheck --export-strict: lonely is unchecked, allowed: its module is never "
+            "built (issue 99)",
+        ]
+    )
+    assert "FAILED" not in allowed.stdout.str()
+
 
 def test_a_bad_shard_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("--export-targets=torchscript", "--export-shard=3/2")

@@ -30,6 +30,7 @@ VALUE_CHECKS: Mapping[str, frozenset[str]] = {
             "checkpoint_names",
             "loadable",
             "roundtrip_quantized",
+            "served",
         }
     ),
     "exporter": frozenset(
@@ -71,5 +72,6 @@ def strict_lines(rows: Mapping[str, list[str]]) -> list[str]:
     return [
         f"exportcheck --export-strict: FAILED, {len(named)} unchecked row(s) (no value "
         f"check passed or failed): {', '.join(named)}",
-        "  give them a conformance model / the capability, or run with --export-strict=off",
+        "  give them a conformance model / the capability, accept a row with "
+        "export_strict_allow (ROW reason), or run with --export-strict=off",
     ]

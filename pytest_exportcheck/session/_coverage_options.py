@@ -58,7 +58,22 @@ def add_coverage_options(parser: pytest.Parser, group: Any) -> None:
         metavar="K/N",
         help="run only shard K of N of the suite, split by (target, model family) groups",
     )
+    group.addoption(
+        "--export-strict-allow",
+        action="append",
+        default=None,
+        dest="export_strict_allow",
+        metavar="ROW",
+        help="a target or exporter row --export-strict accepts unchecked (repeatable; ini "
+        "export_strict_allow: one 'ROW reason' per line); it is still reported as unchecked",
+    )
     parser.addini("export_strict", "default of --export-strict (on|off)", default="")
+    parser.addini(
+        "export_strict_allow",
+        "rows --export-strict accepts unchecked, one 'ROW reason' per line",
+        type="linelist",
+        default=[],
+    )
     parser.addini("export_lock", "default of --export-lock", default="")
     parser.addini("export_shard", "default of --export-shard", default="")
 
@@ -84,6 +99,19 @@ def _strict(text: str, env: Mapping[str, str]) -> bool:
     )
 
 
+def _strict_allow(config: pytest.Config) -> tuple[tuple[str, str], ...]:
+    """``(row, reason)`` pairs of ``--export-strict-allow`` and the ini lines (``ROW reason``)."""
+    given = config.getoption("export_strict_allow")
+    lines = list(given) if given else list(config.getini("export_strict_allow"))
+    allowed: dict[str, str] = {}
+    for line in (str(line).strip() for line in lines):
+        row, _, reason = line.partition(" ")
+        if not row:
+            continue
+        allowed[row] = reason.strip() or "no reason given"
+    return tuple(allowed.items())
+
+
 def coverage_options(config: pytest.Config) -> dict[str, Any]:
     """``strict``, ``lock`` and ``shard`` of :class:`~._options.Options` (bad values: usage errors)."""
     lock = _raw(config, "export_lock") or LOCK_MODES[0]
@@ -98,6 +126,7 @@ def coverage_options(config: pytest.Config) -> dict[str, Any]:
         raise pytest.UsageError(str(err)) from None
     return {
         "strict": _strict(_raw(config, "export_strict"), os.environ),
+        "strict_allow": _strict_allow(config),
         "lock": lock,
         "shard": shard,
     }

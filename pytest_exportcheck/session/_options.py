@@ -245,6 +245,8 @@ class Options:
     require_engines: bool = False
     #: ``--export-strict``: an unchecked row fails the run.
     strict: bool = False
+    #: ``--export-strict-allow`` / ini ``export_strict_allow``: ``(row, reason)`` accepted unchecked.
+    strict_allow: tuple[tuple[str, str], ...] = ()
     #: ``--export-lock``: ``check``, ``update`` or ``off``.
     lock: str = "check"
     #: ``--export-shard=K/N``, or ``None`` for the whole suite.
@@ -346,6 +348,7 @@ class Options:
             "engines": list(self.engines),
             "require_engines": self.require_engines,
             "strict": self.strict,
+            "strict_allow": [list(pair) for pair in self.strict_allow],
             "lock": self.lock,
             "shard": None if self.shard is None else str(self.shard),
             "catalogue": self.catalogue,

@@ -110,6 +110,19 @@ class CoverageVerdict:
         items: list[dict[str, Any]] = [asdict(r) for r in records]
         failed = False
         rows = unchecked_rows(items, self._judged_rows())
+        allowed = dict(self.options.strict_allow)
+        accepted = {s: [c for c in cols if c in allowed] for s, cols in rows.items()}
+        rows = {s: [c for c in cols if c not in allowed] for s, cols in rows.items()}
+        rows = {s: cols for s, cols in rows.items() if cols}
+        if self.options.strict:
+            self.lines += [
+                (
+                    f"exportcheck --export-strict: {column} is unchecked, allowed: {allowed[column]}",
+                    False,
+                )
+                for columns in accepted.values()
+                for column in columns
+            ]
         if rows and self.options.strict:
             self.lines += [(line, True) for line in strict_lines(rows)]
             failed = True

@@ -48,7 +48,10 @@ PER_JOB_OPTIONS = frozenset(
         "xfails_file",
         "no_cache",
         "strict",
+        "strict_allow",
         "lock",
+        "engines",
+        "require_engines",
     }
 )
 #: Environment keys that must agree: the versions of the code that judged the items.
