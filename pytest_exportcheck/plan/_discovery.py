@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -78,6 +79,16 @@ class Discovery:
     model_failures: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     model_causes: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     model_since: Mapping[str, int | None] = field(default_factory=dict)
+
+    @property
+    def golden_dirs(self) -> tuple[Path, ...]:
+        """The ``goldens`` directories the registered exporters ship, by exporter name, deduplicated."""
+        dirs: list[Path] = []
+        for name in sorted(self.exporters):
+            shipped = getattr(self.exporters[name], "goldens", None)
+            if shipped is not None and Path(shipped) not in dirs:
+                dirs.append(Path(shipped))
+        return tuple(dirs)
 
     def rows(self, target: str) -> list[TargetRow]:
         """The matrix rows of ``target``: one per declared variant, else one."""

@@ -2,7 +2,7 @@
 
 ``--export-goldens-dir`` (default ``goldens/`` under rootdir) holds the run's
 goldens; goldens missing there are read from the package's own (built-in
-exporters). ``--export-update-goldens`` writes only goldens of exporters that the
+exporters), then from those installed exporters ship (``ModuleExporter.goldens``). ``--export-update-goldens`` writes only goldens of exporters that the
 project under test (``[project].name`` of its ``pyproject.toml``) provides, unless
 ``=all``: a local copy of another distribution's golden would shadow the one it
 ships and hide its regressions.
@@ -11,6 +11,7 @@ ships and hide its regressions.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,12 @@ def goldens_dir(config: pytest.Config, options: Options) -> Path:
     return config.rootpath / "goldens"
 
 
-def golden_store(config: pytest.Config, options: Options) -> Any:
-    """The :class:`~pytest_exportcheck.goldens.GoldenStore` handed to every case."""
+def golden_store(config: pytest.Config, options: Options, shipped: Sequence[Path] = ()) -> Any:
+    """The :class:`~pytest_exportcheck.goldens.GoldenStore` handed to every case.
+
+    ``shipped``: the goldens directories installed exporters ship
+    (``ModuleExporter.goldens``), read after the package's own.
+    """
     from pytest_exportcheck.goldens import BUILTIN_GOLDENS, GoldenStore
 
     own = read_project_name(config.rootpath)
@@ -51,7 +56,7 @@ def golden_store(config: pytest.Config, options: Options) -> Any:
     return GoldenStore(
         goldens_dir(config, options),
         update=scope is not None,
-        fallbacks=(BUILTIN_GOLDENS,),
+        fallbacks=(BUILTIN_GOLDENS, *shipped),
         may_update=may_update,
     )
 

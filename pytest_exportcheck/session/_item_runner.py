@@ -61,7 +61,7 @@ class SuiteRunner:
     @cached_property
     def goldens(self) -> Any:
         """The golden store handed to every case."""
-        return golden_store(self.config, self.options)
+        return golden_store(self.config, self.options, self.discovery.golden_dirs)
 
     def _cache_root(self) -> Path | None:
         """``<pytest cache>/exportcheck``; ``None`` under --export-no-cache or no cacheprovider."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -37,6 +38,11 @@ class ModuleExporter(abc.ABC):
         exports_unquantized: the driver also calls :meth:`export` on matching modules
             that are not quantized themselves (containers such as expert lists);
             otherwise those are written as plain tensors by the driver.
+        goldens: a directory of golden files the exporter's distribution ships
+            (``Path(__file__).parent / "goldens"``, listed as package data), laid out
+            like a ``goldens/`` directory. The conformance suite reads a golden from
+            there when the project under test has none of that name, so the
+            exporter's value goldens are checked wherever it is installed.
     """
 
     name: ClassVar[str] = ""
@@ -46,6 +52,7 @@ class ModuleExporter(abc.ABC):
     predicate: ClassVar[Any] = None
     prepend: ClassVar[bool] = False
     exports_unquantized: ClassVar[bool] = False
+    goldens: ClassVar[str | os.PathLike[str] | None] = None
 
     @property
     def display_name(self) -> str:
