@@ -158,7 +158,9 @@ def test_loadable_passes_on_hf_checkpoint(family: str, tmp_path: Path) -> None:
         assert "PreTrainedModel" in result.message
         return
     assert result.status == "pass", result.message
-    expected = ["fp8"] if family == "dbrx" else ["fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo"]
+    expected = (
+        ["fp8"] if family == "dbrx" else ["fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo", "int8_sq"]
+    )
     assert list(result.details["checked"]) == expected
     assert all(c["error"] == 0 for c in result.details["checked"].values())
 
@@ -180,4 +182,4 @@ def test_a_target_writing_a_stray_lm_head_scale_fails_loadable(tmp_path: Path) -
         )
     assert result.status == "fail"
     assert f"[excluded-stray-scale] {LM_HEAD_SCALE}" in result.message
-    assert len(result.details["problems"]) == 4  # one per recipe
+    assert len(result.details["problems"]) == 5  # one per recipe (LOADABLE_RECIPES)

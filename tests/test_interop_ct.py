@@ -195,7 +195,8 @@ def _served_reference(recipe: str, dtype: str, out: Path) -> tuple[Any, Any, lis
     The reference for a float16 checkpoint is the checkpoint itself read by our loader in
     float32 (its float16-rounded norms), and the fake-quant model beside it.
     """
-    from tests.test_engines_served import MIN_MARGIN, _eager, _model, _prompts
+    from exportlm.engines.reference import choose_prompts, eager_reference
+    from tests.test_engines_served import _model
 
     model = _model()
     quantize(model, recipe, exclude=RECIPES[recipe][1])
@@ -208,8 +209,8 @@ def _served_reference(recipe: str, dtype: str, out: Path) -> tuple[Any, Any, lis
         def forward(self, ids: torch.Tensor) -> Any:
             return type("Out", (), {"logits": loaded(ids)})()
 
-    prompts = _prompts(_Logits(), MIN_MARGIN)
-    return _eager(_Logits(), prompts), _eager(model, prompts), prompts
+    prompts = choose_prompts(_Logits())
+    return eager_reference(_Logits(), prompts), eager_reference(model, prompts), prompts
 
 
 #: vLLM CPU float16 against the float32 reference: 0.062 measured (0.045 against the
@@ -219,7 +220,7 @@ VLLM_FP16_LOGPROB_ATOL = 0.15
 
 def test_vllm_cpu_serves_our_int4_awq_compressed_tensors_checkpoint(tmp_path: Path) -> None:
     from exportlm.engines import EngineRequest, get_engine, run_engine
-    from tests.test_engines_served import NEW_TOKENS
+    from exportlm.engines.reference import NEW_TOKENS
 
     _engine_python("vllm")
     match = get_engine("vllm").support(
@@ -243,7 +244,7 @@ def test_vllm_cpu_serves_our_int4_awq_compressed_tensors_checkpoint(tmp_path: Pa
 def test_engines_transformers_serves_each_integer_layout(recipe: str, tmp_path: Path) -> None:
     """transformers 5.19 + compressed-tensors 0.17 (vLLM's pins), float32, left-padded batch."""
     from exportlm.engines import EngineRequest, run_engine
-    from tests.test_engines_served import NEW_TOKENS
+    from exportlm.engines.reference import NEW_TOKENS
 
     _engine_python("transformers")
     eager, _, prompts = _served_reference(recipe, "float32", tmp_path / "ct")

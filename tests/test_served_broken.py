@@ -1,4 +1,4 @@
-"""``served`` fails for broken targets, through the plugin (pytester, in process).
+"""``served`` fails for broken targets, through the plugin (pytester, each run in a subprocess).
 
 * ``nomask_onnx``: the built-in ONNX export whose ``kv_cache=True`` graph takes no
   ``attention_mask`` (so a left-padded batch attends to its padding): Optimum drops the
@@ -79,9 +79,9 @@ def _run(pytester: pytest.Pytester, target: str, workers: list[str]) -> pytest.R
         "no:cacheprovider",
         *workers,
     ]
-    if workers[:2] == ["-n", "0"]:
-        return pytester.runpytest(*args)
-    return pytester.runpytest_subprocess(*args)  # xdist workers are processes of their own
+    # in a process of its own also with -n 0: an in-process ONNX export after the host
+    # session's imports aborts the interpreter (torch re-registers its operator libraries)
+    return pytester.runpytest_subprocess(*args)
 
 
 @pytest.mark.parametrize("workers", XDIST, ids=["n0", "xdist"])
