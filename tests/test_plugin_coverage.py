@@ -169,7 +169,12 @@ def test_a_bad_shard_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result.stderr.fnmatch_lines(["*--export-shard: expected K/N with 1 <= K <= N*3/2*"])
 
 
-def test_two_shards_and_report_merge_give_the_matrix_of_one_run(pytester: pytest.Pytester) -> None:
+def test_two_shards_and_report_merge_give_the_matrix_of_one_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torchscript:script is unchecked here (it scripts no family): under CI strict would
+    # fail each run; the merge is the point, the strict verdict is tested above
+    monkeypatch.delenv("CI", raising=False)
     suite = [
         "--export-targets=torchscript",
         "--export-models=llama,mixtral",
