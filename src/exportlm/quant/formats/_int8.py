@@ -22,7 +22,20 @@ from exportlm.quant.formats._parts import (
 )
 from exportlm.quant.formats._spec import FormatSpec
 
-__all__ = ["INT8"]
+__all__ = ["CT_INT8_CHANNEL_ARGS", "INT8", "MODELOPT_INT8_ARGS"]
+
+#: ModelOpt's fields of an int8 quantizer (weights, and W8A8's inputs).
+MODELOPT_INT8_ARGS = {"dynamic": False, "num_bits": 8, "type": "int"}
+#: compressed-tensors' per-channel symmetric int8 weights (its ``W8A16`` and ``W8A8``
+#: presets' weights with ``strategy: channel``).
+CT_INT8_CHANNEL_ARGS = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "group_size": None,
+    "strategy": "channel",
+    "dynamic": False,
+}
 
 
 def quantize_int8(
@@ -57,19 +70,10 @@ INT8 = FormatSpec(
     ),
     recipe=WeightRecipe("int8_wo", axis=0),
     # ModelOpt 0.47 writes no config_groups for W8A16 (only quant_algo, ignore, producer)
-    modelopt=ModelOptScheme(
-        "W8A16", weights={"dynamic": False, "num_bits": 8, "type": "int"}, config_groups=False
-    ),
+    modelopt=ModelOptScheme("W8A16", weights=MODELOPT_INT8_ARGS, config_groups=False),
     compressed_tensors=CompressedTensorsScheme(
         "pack-quantized",
-        weights={
-            "num_bits": 8,
-            "type": "int",
-            "symmetric": True,
-            "group_size": None,
-            "strategy": "channel",
-            "dynamic": False,
-        },
+        weights=CT_INT8_CHANNEL_ARGS,
         codec=pack_quantized_codec(8, _same, _same),
     ),
 )

@@ -31,7 +31,12 @@ from typing import Any
 import torch
 
 from exportlm.quant._tensor import INT8_MAX, QuantizedTensor
-from exportlm.quant.formats._int8 import dequantize_int8, quantize_int8
+from exportlm.quant.formats._int8 import (
+    CT_INT8_CHANNEL_ARGS,
+    MODELOPT_INT8_ARGS,
+    dequantize_int8,
+    quantize_int8,
+)
 from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
     Leaf,
@@ -52,17 +57,9 @@ SMOOTHQUANT_ALPHA = 1.0
 #: llm-compressor's ``SmoothQuantModifier.smoothing_strength`` default.
 LLMC_SMOOTHING_STRENGTH = 0.5
 
-_INT8_ARGS = {"dynamic": False, "num_bits": 8, "type": "int"}
-#: compressed-tensors' ``W8A8`` preset (``quantization/quant_scheme.py`` ``INT8_W8A8``).
-_CT_WEIGHTS = {
-    "num_bits": 8,
-    "type": "int",
-    "symmetric": True,
-    "group_size": None,
-    "strategy": "channel",
-    "dynamic": False,
-}
-_CT_TOKENS = {**_CT_WEIGHTS, "strategy": "token", "dynamic": True}
+#: compressed-tensors' ``W8A8`` preset (``quantization/quant_scheme.py`` ``INT8_W8A8``):
+#: the per-channel int8 weights, inputs per token at run time.
+_CT_TOKENS = {**CT_INT8_CHANNEL_ARGS, "strategy": "token", "dynamic": True}
 
 
 def _rows_kernel(name: str) -> QuantizeFn:
@@ -159,8 +156,8 @@ INT8_SQ = _rows_spec(
     # producer only), as for W8A16.
     modelopt=ModelOptScheme(
         "W8A8_SQ_PER_CHANNEL",
-        weights=_INT8_ARGS,
-        input_activations=_INT8_ARGS,
+        weights=MODELOPT_INT8_ARGS,
+        input_activations=MODELOPT_INT8_ARGS,
         config_groups=False,
     ),
 )
@@ -192,6 +189,9 @@ W8A8 = _rows_spec(
         smoothquant_fold=True,
     ),
     compressed_tensors=CompressedTensorsScheme(
-        "int-quantized", weights=_CT_WEIGHTS, input_activations=_CT_TOKENS, codec=_INT_QUANTIZED
+        "int-quantized",
+        weights=CT_INT8_CHANNEL_ARGS,
+        input_activations=_CT_TOKENS,
+        codec=_INT_QUANTIZED,
     ),
 )
