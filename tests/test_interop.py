@@ -40,6 +40,25 @@ def _calibration_batch(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
+def _assert_same_tensor(
+    name: str, got: torch.Tensor, want: torch.Tensor, close: tuple[str, ...] = ("input_scale",)
+) -> None:
+    """Same dtype and shape; bytes equal, or within 1e-6 (relative) for names ending in ``close``.
+
+    Weights and weight scales are pure functions of the same weights: bytes. Activation
+    scales come from two calibration forwards through different wrappers (ModelOpt's and
+    ours): their last bit is not a pure function of the inputs (Qwen3-MoE expert inputs
+    differ by one float32 ulp), so they are compared within 1e-6.
+    """
+    assert (got.dtype, got.shape) == (want.dtype, want.shape), name
+    if name.endswith(close):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0, msg=name)
+    else:
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (
+            name
+        )
+
+
 def _modelopt_config(mtq: Any, recipe: str) -> dict[str, Any]:
     if recipe == "fp8+fp8_kv":  # ModelOpt's FP8 config merged with its FP8 KV-cache config
         fp8 = mtq.FP8_DEFAULT_CFG
@@ -107,18 +126,7 @@ def test_checkpoint_equals_modelopt(family: str, recipe: str, tmp_path: Path) ->
     ours, ref = _tensors(ours_dir), _tensors(ref_dir)
     assert sorted(ours) == sorted(ref)
     for name, tensor in ref.items():
-        assert (ours[name].dtype, ours[name].shape) == (tensor.dtype, tensor.shape), name
-        if name.endswith(("input_scale", "k_scale", "v_scale")):
-            # Activation scales come from two calibration forwards through different
-            # wrappers (ModelOpt's and ours): their last bit is not a pure function of
-            # the inputs (Qwen3-MoE expert inputs differ by one float32 ulp), so they
-            # are compared within 1e-6 (relative).
-            torch.testing.assert_close(ours[name], tensor, rtol=1e-6, atol=0.0, msg=name)
-            continue
-        # Weights and weight scales are pure functions of the same weights: bytes.
-        assert torch.equal(
-            ours[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)
-        ), name
+        _assert_same_tensor(name, ours[name], tensor, close=("input_scale", "k_scale", "v_scale"))
     _assert_configs_equal(ours_dir, ref_dir, family)
 
 
@@ -364,15 +372,11 @@ def test_mixed_precision_checkpoint_equals_modelopt(family: str, mlp: str, tmp_p
     awq_smoothed = ("mlp.", "post_attention_layernorm", "self_attn.")
     for name in sorted(ours):
         tensor = ref[name]
-        assert (ours[name].dtype, ours[name].shape) == (tensor.dtype, tensor.shape), name
         if mlp == "int4_awq" and any(part in name for part in awq_smoothed):
-            continue  # values differ: the AWQ searches, and ModelOpt's smoothed FP8 layers
-        if name.endswith("input_scale"):
-            torch.testing.assert_close(ours[name], tensor, rtol=1e-6, atol=0.0, msg=name)
-        else:
-            assert torch.equal(
-                ours[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)
-            ), name
+            # values differ: the AWQ searches, and ModelOpt's smoothed FP8 layers
+            assert (ours[name].dtype, ours[name].shape) == (tensor.dtype, tensor.shape), name
+            continue
+        _assert_same_tensor(name, ours[name], tensor)
     config = json.loads((ours_dir / "hf_quant_config.json").read_text())["quantization"]
     assert config["quant_algo"] == "MIXED_PRECISION"
     assert {v["quant_algo"] for v in config["quantized_layers"].values()} == {

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 import exportlm
 from exportlm.models import tiny_hf_model
+from tests.test_interop import _assert_same_tensor
 
 pytestmark = pytest.mark.interop
 
@@ -80,12 +81,6 @@ def test_int8_sq_checkpoint_equals_modelopt(family: str, tmp_path: Path) -> None
     assert sorted(ours) == sorted(ref)
     assert any(name.endswith("pre_quant_scale") for name in ref)  # smoothing happened
     for name, tensor in ref.items():
-        assert (ours[name].dtype, ours[name].shape) == (tensor.dtype, tensor.shape), name
-        if name.endswith("input_scale"):
-            torch.testing.assert_close(ours[name], tensor, rtol=1e-6, atol=0.0, msg=name)
-        else:
-            assert torch.equal(
-                ours[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)
-            ), name
+        _assert_same_tensor(name, ours[name], tensor)
     assert _configs(ours_dir) == _configs(ref_dir)
     assert _configs(ours_dir)[0]["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
