@@ -143,6 +143,7 @@ def parametrize_with_checks(
     seed: int = 0,
     expected_failed_checks: ExpectedFailures | None = None,
     goldens_dir: str | Path | None = None,
+    catalogue: int | None = None,
 ) -> pytest.MarkDecorator:
     """A ``pytest.mark.parametrize`` over the argument ``check``: one :class:`ExportCheck` per item.
 
@@ -170,6 +171,9 @@ def parametrize_with_checks(
             ``Path(__file__).parent / "goldens"``); goldens missing there are read
             from those shipped for the built-in exporters. This API compares only:
             create or update goldens with ``pytest --export-update-goldens``.
+        catalogue: the catalogue version the plugin conforms to (as the ini key
+            ``exportcheck_catalogue``): only the checks and toy families of that
+            version or older are parametrized; ``None``: the current version.
 
     Each call of a check exports afresh into its own empty directory: unlike the
     ``pytest --export-*`` suite, no artifact is shared between checks or cached
@@ -181,7 +185,7 @@ def parametrize_with_checks(
     from pytest_exportcheck.plan import discover, plan
     from pytest_exportcheck.plan._api_request import ApiSelection, api_planner, expected_failures
 
-    planner = api_planner(discover(), CHECKS)
+    planner = api_planner(discover(), CHECKS, catalogue)
     selection = ApiSelection.resolve(planner, targets, exporters, models, checks, device)
     book = expected_failures(planner, selection, expected_failed_checks)
     params = []
@@ -211,6 +215,7 @@ def run_check(
     seed: int = 0,
     workdir: str | Path | None = None,
     goldens_dir: str | Path | None = None,
+    catalogue: int | None = None,
 ) -> CheckResult:
     """Run one check by id against one target or module exporter; return its result.
 
@@ -219,13 +224,15 @@ def run_check(
     of a per-model check (required for those); for an exporter check it limits
     the families it surveys. A capability gap is a ``skip`` result, as in the
     suite; expected failures are not applied. ``workdir`` and ``goldens_dir`` as
-    in :meth:`ExportCheck.result` and :func:`parametrize_with_checks`.
+    in :meth:`ExportCheck.result` and :func:`parametrize_with_checks`; under a pinned
+    ``catalogue``, a check or family added after it raises
+    :class:`~exportlm.errors.UnknownNameError` naming the version that added it.
     """
     from pytest_exportcheck.checks import CHECKS
     from pytest_exportcheck.plan import discover
     from pytest_exportcheck.plan._api_request import api_planner, single_item
 
-    planner = api_planner(discover(), CHECKS)
+    planner = api_planner(discover(), CHECKS, catalogue)
     item = single_item(
         planner, check_id, target=target, exporter=exporter, model=model, device=device
     )

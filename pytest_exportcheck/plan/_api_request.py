@@ -36,9 +36,26 @@ def _unknown_name(
     return UnknownNameError(what, missing[0], list(known))
 
 
-def api_planner(discovery: Discovery, checks: Mapping[str, CheckSpec]) -> Planner:
-    """The planner as the API uses it: unknown names raise ``UnknownNameError``."""
-    return Planner(discovery, checks, unknown=_unknown_name)
+def api_planner(
+    discovery: Discovery, checks: Mapping[str, CheckSpec], catalogue: int | None = None
+) -> Planner:
+    """The planner as the API uses it: unknown names raise ``UnknownNameError``.
+
+    ``catalogue`` pins a catalogue version as ``exportcheck_catalogue`` does; a
+    ``catalogue`` that is no version raises ``ValueError``.
+    """
+    from pytest_exportcheck.checks.versions import CATALOGUE_VERSION
+
+    if catalogue is not None and (
+        isinstance(catalogue, bool)
+        or not isinstance(catalogue, int)
+        or not 1 <= catalogue <= CATALOGUE_VERSION
+    ):
+        raise ValueError(
+            f"catalogue={catalogue!r}: expected None or a catalogue version from 1 to "
+            f"{CATALOGUE_VERSION} (docs/checks.md, 'Catalogue versions')"
+        )
+    return Planner(discovery, checks, unknown=_unknown_name, catalogue=catalogue)
 
 
 @dataclass(frozen=True)
@@ -94,6 +111,10 @@ def single_item(
 
     check_device(device)
     checks = planner.checks
+    newer = planner.pinned_out(check=check_id)
+    if newer is not None:
+        message = planner.pin_message(f"check {check_id!r}", newer)
+        raise UnknownNameError("check", check_id, list(checks), detail=message)
     if check_id not in checks:
         raise UnknownNameError("check", check_id, list(checks))
     spec = checks[check_id]
@@ -103,7 +124,7 @@ def single_item(
         raise ValueError(
             f"check {check_id!r} is a {spec.scope} check: pass {spec.scope}=<name>, not {other}="
         )
-    models = _model_argument(planner.discovery, spec, model, spec.scope == "target")
+    models = _model_argument(planner, spec, model, spec.scope == "target")
     request = PlanRequest(checks=NameSelection.of([check_id]), models=NameSelection.of(models))
     if target is not None:
         p = replace(planner.plan(request), targets=(_target_row(planner, target),))
@@ -156,12 +177,16 @@ def _target_row(planner: Planner, target_id: str) -> TargetPlan:
 
 
 def _model_argument(
-    discovery: Discovery, spec: CheckSpec, model: str | None, target: bool
+    planner: Planner, spec: CheckSpec, model: str | None, target: bool
 ) -> tuple[str, ...]:
     """The plan's models for ``run_check``: the one family of a per-model check."""
     from exportlm.errors import UnknownNameError
 
-    loaded = list(discovery.models)
+    loaded = list(planner.discovery.models)
+    newer = None if model is None else planner.pinned_out(model=model)
+    if newer is not None:
+        message = planner.pin_message(f"model family {model!r}", newer)
+        raise UnknownNameError("model family", str(model), loaded, detail=message)
     if model is not None and model not in loaded:
         raise UnknownNameError("model family", model, loaded)
     if spec.per_model and model is None:

@@ -13,7 +13,7 @@ the error an unknown name raises (a usage error naming the option, or
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -141,19 +141,55 @@ class Planner:
         if args.checks:
             unknown = sorted(args.checks - set(self.checks) - {PLUGIN_LOADS})
             if unknown:
-                raise pytest.UsageError(
-                    f"{', '.join(f'{ROOT}::{c}' for c in unknown)}: no such check; "
-                    f"available: {', '.join(self.checks)}"
-                )
+                raise pytest.UsageError(self._unknown_check(unknown[0]))
             every_check = PlanRequest(
                 request.targets, request.exporters, request.models, EVERYTHING, request.devices
             )
             chosen |= {s.name for s in plan(self.plan(every_check)) if s.check in args.checks}
         universe = plan(self.everything())
         if not args.lenient:
-            _require_known(args, {s.name for s in universe})
+            _require_known(args, {s.name for s in universe}, self._pinned_item)
         chosen |= args.item_ids
         return [s for s in universe if s.name in chosen]
+
+    def pinned_out(self, check: str | None = None, model: str | None = None) -> int | None:
+        """The catalogue version that added ``check`` or ``model`` when the pin leaves it out.
+
+        ``None`` when nothing is pinned, the name is planned, or no catalogue has it.
+        """
+        if self.catalogue is None:
+            return None
+        discovery, checks = self._unpinned
+        if check is not None and check in checks and check not in self.checks:
+            return getattr(checks[check], "since", None) or CATALOGUE_VERSION
+        if model is not None and model in discovery.models and model not in self.discovery.models:
+            return discovery.model_since.get(model) or CATALOGUE_VERSION
+        return None
+
+    def pin_message(self, what: str, version: int) -> str:
+        """Why a pinned run does not have ``what``, and how to get it."""
+        return (
+            f"{what} is new in catalogue v{version}, and this run pins v{self.catalogue} "
+            f"(exportcheck_catalogue / --export-catalogue / catalogue=): pin {version} or "
+            "later to run it"
+        )
+
+    def _unknown_check(self, check: str) -> str:
+        version = self.pinned_out(check=check)
+        if version is not None:
+            return self.pin_message(f"{ROOT}::{check}", version)
+        return f"{ROOT}::{check}: no such check; available: {', '.join(self.checks)}"
+
+    def _pinned_item(self, name: str) -> str | None:
+        """The pin message for an item id that only a newer catalogue plans."""
+        if self.catalogue is None:
+            return None
+        discovery, checks = self._unpinned
+        for spec in plan(Planner(discovery, checks, self.unknown).everything()):
+            if spec.name == name:
+                versions = (self.pinned_out(check=spec.check), self.pinned_out(model=spec.model))
+                return self.pin_message(name, max(v for v in versions if v is not None))
+        return None
 
     def newer_items(self, request: PlanRequest) -> dict[int, int]:
         """``{version: count}`` of the request's items a pinned catalogue leaves out.
@@ -261,10 +297,13 @@ def _pinned_discovery(discovery: Discovery, catalogue: int | None) -> Discovery:
     return replace(discovery, models=models)
 
 
-def _require_known(args: SuiteArgs, known: set[str]) -> None:
+def _require_known(args: SuiteArgs, known: set[str], pinned: Callable[[str], str | None]) -> None:
     for item, arg in args.items:
         if item in known:
             continue
+        newer = pinned(item)
+        if newer is not None:
+            raise pytest.UsageError(f"{arg}: {newer}")
         close = difflib.get_close_matches(item, sorted(known), n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise pytest.UsageError(

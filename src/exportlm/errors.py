@@ -71,11 +71,16 @@ class RegistryConflictError(RegistryError):
 class UnknownNameError(RegistryError, ValueError):
     """A name was looked up that no registry entry has."""
 
-    def __init__(self, kind: str, name: str, available: list[str]) -> None:
+    def __init__(
+        self, kind: str, name: str, available: list[str], *, detail: str | None = None
+    ) -> None:
         self.kind = kind
         self.name = name
         self.available = sorted(available)
         names = ", ".join(self.available) or "(none)"
+        if detail is not None:  # the name exists, but not here (e.g. a pinned catalogue)
+            super().__init__(f"{detail}; available: {names}")
+            return
         super().__init__(
             f"unknown {kind} {name!r}; available: {names}. "
             f"Run `exportlm list` to see every registered name and its provider."
