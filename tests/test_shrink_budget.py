@@ -53,6 +53,22 @@ def test_an_item_shrinks_within_the_budget_and_the_bound_is_restored(
 
 
 @pytest.mark.usefixtures("default_profile")
+def test_a_stopped_shrink_reports_the_budget_not_five_minutes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("EXPORTCHECK_SHRINK_SECONDS", "0.5")
+    seen: list[str] = []
+    monkeypatch.setattr(engine, "report", seen.append)
+    with hypothesis_profile():
+        engine.report("WARNING: Hypothesis has spent more than five minutes working to shrink x")
+        engine.report("another line")
+    assert engine.report == seen.append  # restored
+    assert seen[1] == "another line"
+    assert "five minutes" not in seen[0]
+    assert "budget of 0.5 s (EXPORTCHECK_SHRINK_SECONDS)" in seen[0]
+
+
+@pytest.mark.usefixtures("default_profile")
 def test_a_profile_the_user_chose_keeps_hypothesis_own_bound() -> None:
     hypothesis.settings.register_profile("user-shrinks", max_examples=3)
     hypothesis.settings.load_profile("user-shrinks")

@@ -94,10 +94,36 @@ def _bounded_shrinking(seconds: float) -> Iterator[None]:
         yield
         return
     engine_module.MAX_SHRINKING_SECONDS = min(before, seconds)
+    report = getattr(engine_module, "report", None)
+    if callable(report):
+        engine_module.report = _budget_report(report, seconds)
     try:
         yield
     finally:
         engine_module.MAX_SHRINKING_SECONDS = before
+        if callable(report):
+            engine_module.report = report
+
+
+def _budget_report(report: Any, seconds: float) -> Any:
+    """``report`` with Hypothesis' "five minutes" warning replaced by the budget that stopped it.
+
+    Hypothesis says it spent "more than five minutes" and that a rerun resumes
+    shrinking; under the budget neither is true (exportcheck profiles keep no
+    database), so the message says what happened and how to shrink longer.
+    """
+
+    def budget_report(text: str) -> None:
+        if "five minutes working to shrink" not in str(text):
+            report(text)
+            return
+        report(
+            f"exportcheck: shrinking stopped after its budget of {seconds:g} s "
+            f"({_SHRINK_ENV}); the failure below is the smallest structure found by then. "
+            f"Set {_SHRINK_ENV}=<seconds> to shrink longer."
+        )
+
+    return budget_report
 
 
 @contextlib.contextmanager
