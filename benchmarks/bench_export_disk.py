@@ -38,7 +38,7 @@ from bench_hf_export import _build_and_calibrate, _PeakSampler, _rss_mb
 
 def _modelopt_or_reason() -> str | None:
     try:
-        import modelopt.torch.export  # noqa: F401
+        import modelopt.torch.export
         import modelopt.torch.quantization  # noqa: F401
     except Exception as err:  # any import failure: report it, measure the rest
         return f"{type(err).__name__}: {err}"
@@ -55,22 +55,31 @@ def _final_tensors(directory: Path) -> dict[str, Any]:
     return tensors
 
 
-def _timed(step: Callable[[Path], None], out: Path) -> dict[str, float]:
+#: One step: ``prepare()`` (untimed) returns what ``run(prepared, out)`` (timed) takes.
+Step = tuple[Callable[[], Any], Callable[[Any, Path], None]]
+
+
+def _timed(step: Step, out: Path) -> dict[str, float]:
+    prepare, run = step
+    prepared = prepare()
     gc.collect()
     before = _rss_mb()
     with _PeakSampler() as sampler:
         start, cpu = time.perf_counter(), time.process_time()
-        step(out)
+        run(prepared, out)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     shutil.rmtree(out, ignore_errors=True)
+    del prepared
     return {"seconds": seconds, "cpu_seconds": cpu, "added_rss_mb": sampler.peak - before}
 
 
-def _steps(skip_modelopt: str | None, tmp: Path) -> dict[str, Callable[[Path], None]]:
-    import exportlm
+def _steps(skip_modelopt: str | None, tmp: Path) -> dict[str, Step]:
+    import copy
+
     from safetensors.torch import save_file
 
-    # ModelOpt's model first: its calibration fails once exportlm has quantized (observed)
+    import exportlm
+
     theirs = None if skip_modelopt else _build_and_calibrate("modelopt")
     ours = _build_and_calibrate("exportlm")
     probe = tmp / "probe"
@@ -78,18 +87,22 @@ def _steps(skip_modelopt: str | None, tmp: Path) -> dict[str, Callable[[Path], N
     tensors = _final_tensors(probe)
     shutil.rmtree(probe)
 
-    def raw(out: Path) -> None:
+    def raw(_: None, out: Path) -> None:
         out.mkdir()
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
-    steps: dict[str, Callable[[Path], None]] = {
-        "raw": raw,
-        "exportlm": lambda out: exportlm.export_model("hf_checkpoint", ours, out),
+    steps: dict[str, Step] = {
+        "raw": (lambda: None, raw),
+        "exportlm": (lambda: ours, lambda m, out: exportlm.export_model("hf_checkpoint", m, out)),
     }
     if theirs is not None:
         from modelopt.torch.export import export_hf_checkpoint
 
-        steps["modelopt"] = lambda out: export_hf_checkpoint(theirs, export_dir=out)
+        # it converts the model's weights in place: each run gets a fresh copy (untimed)
+        steps["modelopt"] = (
+            lambda: copy.deepcopy(theirs),
+            lambda m, out: export_hf_checkpoint(m, export_dir=out),
+        )
     return steps
 
 
@@ -124,7 +137,9 @@ def main() -> int:
         ratios["modelopt_over_ours"] = results["modelopt"]["seconds"] / ours
         print(f"modelopt / exportlm: {ratios['modelopt_over_ours']:.2f}x (goal >= 2x)")
     if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "median": results, "ratios": ratios}, indent=2))
+        args.json.write_text(
+            json.dumps({"runs": runs, "median": results, "ratios": ratios}, indent=2)
+        )
     return 0
 
 
