@@ -234,7 +234,9 @@ class PendingManifest:
     def _hash_of_model(self) -> str | None:
         if self._model_hash is not None:
             return self._model_hash()
-        return model_hash(self.model) if hasattr(self.model, "state_dict") else None
+        if not hasattr(self.model, "state_dict"):
+            return None
+        return model_hash(self.model, threads=HASH_THREADS)
 
     def _directory_files(self, staged: Path) -> dict[str, Mapping[str, Any]]:
         """Every file of ``staged``: as recorded when its size still agrees, else hashed now."""
