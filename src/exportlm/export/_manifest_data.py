@@ -11,32 +11,95 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
 from typing import Any
 
-__all__ = ["json_safe", "model_hash", "versions"]
+__all__ = [
+    "HASH_THREADS",
+    "ModelHashFuture",
+    "json_safe",
+    "model_hash",
+    "model_hash_future",
+    "versions",
+]
 
 
-def model_hash(model: Any) -> str:
+#: Threads that hash a model's tensors (``hashlib`` releases the GIL on large buffers).
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def model_hash(model: Any, *, threads: int = 1) -> str:
     """sha256 of ``model``'s structure and weights: class, then every state-dict entry in name order.
 
-    Each entry contributes its name, dtype, shape and raw bytes (exact: no float is
-    compared, the bytes are hashed), so the same weights give the same hash on any
-    machine. Tensors are read on the CPU; a model on the ``meta`` device has no
-    bytes and must be refused before this is called.
+    Each entry contributes a line ``name|dtype|shape|sha256 of its raw bytes`` (exact: no
+    float is compared, the bytes are hashed), so the same weights give the same hash on
+    any machine. Hashing each tensor on its own lets ``threads`` workers hash them in
+    parallel; the value does not depend on ``threads``. Tensors are read on the CPU; a
+    model on the ``meta`` device has no bytes and must be refused before this is called.
+
+    Changed in issue 21: a line held the tensor's bytes themselves, one sha256
+    stream over the whole state dict; now it holds their own sha256, so the tensors can
+    be hashed concurrently (and while the export writes). Same inputs, same purity;
+    hashes written before differ from those written now.
+
+    Why it is not derived from what the exporter reads: the state dict holds tensors the
+    export never reads as they are (quantizer state, LoRA adapters, tied copies), and the
+    module exporters read weights in their own ways (transposed, folded, per expert), so
+    the hash of the model would depend on the target and its options. It is one read of
+    each weight, which :meth:`~exportlm.export.guard.PendingManifest.hash_model_in_background`
+    runs on worker threads while the export converts and writes.
     """
-    digest = hashlib.sha256(f"{type(model).__module__}.{type(model).__qualname__}\n".encode())
-    state = model.state_dict()
-    for name in sorted(state):
-        if not hasattr(state[name], "detach"):  # an extra state that is not a tensor
-            digest.update(f"{name}|{state[name]!r}\n".encode())
-            continue
-        tensor = state[name].detach()
-        header = f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}\n"
-        digest.update(header.encode())
-        if tensor.numel():
-            flat = tensor.cpu().contiguous().reshape(-1)
-            digest.update(flat.view(_uint8()).numpy().tobytes())
+    return model_hash_future(model, threads=threads)()
+
+
+class ModelHashFuture:
+    """:func:`model_hash` being computed on worker threads; call it for the value."""
+
+    def __init__(self, model: Any, threads: int) -> None:
+        self._head = f"{type(model).__module__}.{type(model).__qualname__}\n"
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="exportlm-model-hash")
+        self._lines: list[str | Future[str]] = []
+        state = model.state_dict()
+        for name in sorted(state):
+            if not hasattr(state[name], "detach"):  # an extra state that is not a tensor
+                self._lines.append(f"{name}|{state[name]!r}\n")
+                continue
+            tensor = state[name].detach()
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            self._lines.append(f"{name}|{dtype}|{list(tensor.shape)}|")
+            self._lines.append(self._pool.submit(_tensor_sha256, tensor))
+            self._lines.append("\n")
+
+    def __call__(self) -> str:
+        """The hash (waits for the workers, which then stop)."""
+        try:
+            digest = hashlib.sha256(self._head.encode())
+            for line in self._lines:
+                digest.update((line if isinstance(line, str) else line.result()).encode())
+            return digest.hexdigest()
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Stop: tensors not hashed yet are not read (an export that failed needs no hash)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def model_hash_future(model: Any, *, threads: int = 1) -> ModelHashFuture:
+    """Start hashing ``model`` on ``threads`` workers now; calling the result returns :func:`model_hash`.
+
+    The state dict is taken (references only) before this returns; the weights are read
+    by the workers.
+    """
+    return ModelHashFuture(model, threads)
+
+
+def _tensor_sha256(tensor: Any) -> str:
+    digest = hashlib.sha256()
+    if tensor.numel():
+        flat = tensor.cpu().contiguous().reshape(-1)
+        digest.update(flat.view(_uint8()).numpy().data)
     return digest.hexdigest()
 
 

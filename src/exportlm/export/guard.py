@@ -4,6 +4,10 @@
   made once by the export job. The job hands :meth:`PendingManifest.hook` to
   :func:`~exportlm.atomic.atomic_output`, which writes it into the staging area just before
   publishing, so it is published last and a complete manifest means a complete artifact.
+  A target that hashed its files as it wrote them records those digests
+  (:meth:`PendingManifest.record_files`) and may start the model's hash on worker threads
+  while it exports (:meth:`PendingManifest.hash_model_in_background`): then nothing is
+  read again to write the manifest.
   Around a factory that exportlm does not run, :meth:`PendingManifest.finish` writes it
   after the factory returns.
 * :func:`verified_load`: around a runtime loader, opens the artifact file once, verifies
@@ -26,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from exportlm.errors import InvalidModelError, ManifestSchemaError, UntrustedArtifactError
-from exportlm.export._verified import VerifiedFile, hold, open_artifact, serving
+from exportlm.export._manifest_data import HASH_THREADS, ModelHashFuture, model_hash_future
+from exportlm.export._verified import VerifiedFile, file_sha256, hold, open_artifact, serving
 from exportlm.export.declaration import TargetInfo
 from exportlm.export.manifest import (
     DIRECTORY_MANIFEST_NAME,
@@ -163,9 +168,34 @@ class PendingManifest:
     destination: Path
     written: bool = False
     _before: dict[Path, _Stamp | None] = field(default_factory=dict, repr=False)
+    _recorded: dict[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
+    _model_hash: ModelHashFuture | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._before = {p: _stamp(p) for p in _manifest_locations(self.destination)}
+
+    def hash_model_in_background(self, threads: int = HASH_THREADS) -> None:
+        """Start :func:`model_hash` of the model on ``threads`` workers; the manifest waits for it.
+
+        For a target whose export reads every weight anyway: the hash then runs while it
+        converts and writes, instead of after. Call it once the export's checks passed.
+        """
+        if self._model_hash is None and hasattr(self.model, "state_dict"):
+            self._model_hash = model_hash_future(self.model, threads=threads)
+
+    def cancel_model_hash(self) -> None:
+        """The export failed: stop hashing the model (see :meth:`hash_model_in_background`)."""
+        if self._model_hash is not None:
+            self._model_hash.cancel()
+
+    def record_files(self, digests: Mapping[str, Mapping[str, Any]]) -> None:
+        """The ``{"sha256", "size"}`` of files of a staged directory, hashed as they were written.
+
+        Names are relative to the directory. The manifest lists them without reading them
+        again (a recorded file whose size differs by then is hashed anew); any file of the
+        directory that nobody recorded is hashed when the manifest is written.
+        """
+        self._recorded.update({name: dict(entry) for name, entry in digests.items()})
 
     def write(
         self,
@@ -181,7 +211,7 @@ class PendingManifest:
             variant=_variant(self.info, self.options),
             options=self.options,
             tolerance={"atol": self.info.atol, "rtol": self.info.rtol},
-            model_hash=model_hash(self.model) if hasattr(self.model, "state_dict") else None,
+            model_hash=self._hash_of_model(),
             inputs=_inputs(self.info, self.options, artifact),
             runtime=self.info.runtime,
             vocab_size=self.vocab_size,
@@ -196,10 +226,31 @@ class PendingManifest:
         if self.written:
             return []
         if staged.is_dir():
-            self.write(staged)
+            self.write(staged, files=self._directory_files(staged))
             return []
         companions = [p for p in staged.parent.iterdir() if p != staged and p.is_file()]
         return [self.write(staged, companions)]
+
+    def _hash_of_model(self) -> str | None:
+        if self._model_hash is not None:
+            return self._model_hash()
+        if not hasattr(self.model, "state_dict"):
+            return None
+        return model_hash(self.model, threads=HASH_THREADS)
+
+    def _directory_files(self, staged: Path) -> dict[str, Mapping[str, Any]]:
+        """Every file of ``staged``: as recorded when its size still agrees, else hashed now."""
+        entries: dict[str, Mapping[str, Any]] = {}
+        for path in sorted(p for p in staged.rglob("*") if p.is_file()):
+            name = path.relative_to(staged).as_posix()
+            if name == DIRECTORY_MANIFEST_NAME:
+                continue
+            size = path.stat().st_size
+            entry = self._recorded.get(name)
+            if entry is None or entry.get("size") != size:
+                entry = {"sha256": file_sha256(path), "size": size}
+            entries[name] = entry
+        return entries
 
     def finish(self, artifact: Path) -> None:
         """After a factory exportlm did not run: write the manifest of what it left at ``artifact``.

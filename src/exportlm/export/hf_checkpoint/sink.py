@@ -9,24 +9,29 @@ shard writer, so no full state dict is ever built.
 
 ``safetensors.torch.save_file`` needs the whole shard as a dict and copies every
 tensor into a ``bytes`` object before writing (two copies of a shard in memory).
-This writer keeps references to at most one shard's tensors, writes each tensor's
-storage straight to the file through a ``memoryview`` (no copy) and produces files
-that ``safetensors.safe_open`` reads: an 8-byte little-endian header length, a JSON
-header (``__metadata__`` + ``{name: {dtype, shape, data_offsets}}``) padded with
-spaces to a multiple of 8 bytes, then the tensor bytes.
+This writer keeps references to the shard filling (plus those being written) and
+writes each with :func:`~exportlm.export.hf_checkpoint.safetensors_file.write_safetensors`
+(tensor storage straight to the file, no copy).
 
 Shard names follow the Hugging Face convention ``model-00001-of-00003.safetensors``;
 since the number of shards is unknown while streaming, shards are written under
 temporary names and renamed by :meth:`ShardedSafetensorsWriter.finish`.
+
+Every file is hashed (sha256) from the bytes as they are written, never read back:
+:attr:`WriteSummary.digests` is what the manifest lists. A full shard is written by a
+writer thread while the exporter converts the next tensors (``write_threads`` shards
+at a time; ``file.write`` and ``hashlib`` release the GIL), and within one file a
+second thread hashes each piece while the next is written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
-import struct
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +39,11 @@ import torch
 
 from exportlm.errors import DuplicateTensorError, ExportFailedError, InvalidInputError
 from exportlm.export.hf_checkpoint.naming import CheckpointNamer
+from exportlm.export.hf_checkpoint.safetensors_file import (
+    SAFETENSORS_DTYPES,
+    FileDigest,
+    write_safetensors,
+)
 from exportlm.quant.formats import CheckpointLayout, checkpoint_layout, scale_leaf_names
 
 __all__ = [
@@ -41,6 +51,7 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "SINGLE_FILE_NAME",
     "CheckpointSink",
+    "FileDigest",
     "ShardedSafetensorsWriter",
     "WriteSummary",
     "parse_size",
@@ -51,22 +62,6 @@ logger = logging.getLogger(__name__)
 
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-
-#: torch dtype -> safetensors dtype tag.
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 _UNITS = {
     "": 1,
@@ -111,12 +106,17 @@ def parse_size(size: int | str) -> int:
 
 @dataclass
 class WriteSummary:
-    """What :meth:`ShardedSafetensorsWriter.finish` wrote."""
+    """What :meth:`ShardedSafetensorsWriter.finish` wrote.
+
+    ``digests``: every file written into the directory (shards, index and those given
+    to :meth:`ShardedSafetensorsWriter.write_file`), by name relative to it.
+    """
 
     files: list[str]
     weight_map: dict[str, str]
     total_size: int
     index_file: str | None = None
+    digests: dict[str, FileDigest] = field(default_factory=dict)
 
 
 @dataclass
@@ -133,6 +133,11 @@ class ShardedSafetensorsWriter:
     than the cap gets a shard of its own (as in ``save_pretrained``). ``finish``
     writes the last shard, renames the shards to their final names and writes
     ``model.safetensors.index.json`` when there is more than one.
+
+    A full shard is written by a background thread; ``write_threads`` bounds how many
+    are written at once, and so how many shards' tensors are held beyond the one
+    filling (``add`` waits for the oldest). After a failure elsewhere, call
+    :meth:`abort` before the directory is removed: it waits for those writes.
     """
 
     def __init__(
@@ -141,15 +146,21 @@ class ShardedSafetensorsWriter:
         *,
         max_shard_size: int | str = "5GB",
         metadata: dict[str, str] | None = None,
+        write_threads: int = 1,
     ) -> None:
+        if write_threads < 1:
+            raise InvalidInputError(f"write_threads must be at least 1, got {write_threads}")
         self.directory = Path(directory)
         self.max_shard_size = parse_size(max_shard_size)
         self.metadata = {"format": "pt", **(metadata or {})}
         self._current = _Shard()
-        self._written: list[tuple[Path, list[str]]] = []
+        self._written: list[tuple[Path, list[str], Future[FileDigest]]] = []
+        self._extra: dict[str, FileDigest] = {}
         self._names: set[str] = set()
         self._total_size = 0
         self._finished = False
+        self._threads = write_threads
+        self._pool: ThreadPoolExecutor | None = None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue ``tensor`` under ``name``; writes the current shard when it is full."""
@@ -178,6 +189,21 @@ class ShardedSafetensorsWriter:
         self._current.nbytes += nbytes
         self._total_size += nbytes
 
+    def write_file(self, name: str, data: bytes) -> FileDigest:
+        """Write a further file of the checkpoint (a config) from ``data``; its digest is kept.
+
+        It is listed in :attr:`WriteSummary.digests` (call before :meth:`finish`).
+        """
+        if self._finished:
+            raise ExportFailedError(f"cannot write {name!r}: the checkpoint writer is finished")
+        path = self.directory / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+        digest = FileDigest(hashlib.sha256(data).hexdigest(), len(data))
+        self._extra[name] = digest
+        return digest
+
     def finish(self) -> WriteSummary:
         """Write the last shard, give every shard its final name, write the index."""
         if self._finished:
@@ -185,66 +211,60 @@ class ShardedSafetensorsWriter:
         if self._current.tensors or not self._written:
             self._flush()
         self._finished = True
+        digests = self._wait_all()
         count = len(self._written)
         weight_map: dict[str, str] = {}
         files: list[str] = []
-        for i, (tmp_path, names) in enumerate(self._written, start=1):
+        for i, (tmp_path, names, _) in enumerate(self._written, start=1):
             final = SINGLE_FILE_NAME if count == 1 else f"model-{i:05d}-of-{count:05d}.safetensors"
             os.replace(tmp_path, self.directory / final)
             files.append(final)
             weight_map.update(dict.fromkeys(names, final))
+        found = dict(zip(files, digests, strict=True)) | self._extra
         index_file = None
         if count > 1:
             index = {
                 "metadata": {"total_size": self._total_size},
                 "weight_map": dict(sorted(weight_map.items())),
             }
-            (self.directory / INDEX_NAME).write_text(
-                json.dumps(index, indent=2, sort_keys=True) + "\n"
-            )
+            raw = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+            (self.directory / INDEX_NAME).write_bytes(raw)
+            found[INDEX_NAME] = FileDigest(hashlib.sha256(raw).hexdigest(), len(raw))
             index_file = INDEX_NAME
         return WriteSummary(
-            files=files, weight_map=weight_map, total_size=self._total_size, index_file=index_file
+            files=files,
+            weight_map=weight_map,
+            total_size=self._total_size,
+            index_file=index_file,
+            digests=found,
         )
+
+    def abort(self) -> None:
+        """After a failure: wait for the shards being written (their errors are dropped)."""
+        self._finished = True
+        if self._pool is not None:
+            wait([future for _, _, future in self._written])
+            self._pool.shutdown()
+            self._pool = None
+
+    def _wait_all(self) -> list[FileDigest]:
+        try:
+            return [future.result() for _, _, future in self._written]
+        finally:
+            self.abort()
 
     def _flush(self) -> None:
         shard = self._current
         self._current = _Shard()
         path = self.directory / f".shard-{len(self._written) + 1:05d}.safetensors.partial"
-        write_safetensors(path, shard.tensors, self.metadata)
-        logger.debug("wrote %s (%d tensors, %d bytes)", path.name, len(shard.tensors), shard.nbytes)
-        self._written.append((path, list(shard.tensors)))
-
-
-def write_safetensors(
-    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
-) -> None:
-    """Write ``tensors`` to ``path`` in the safetensors format without copying their data.
-
-    Tensors are laid out by element size (largest first), then by name, so every
-    tensor starts at an offset aligned to its element size.
-    """
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        size = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name in order:
-            t = tensors[name].contiguous()
-            if t.numel():
-                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="exportlm-shard")
+        running = [future for _, _, future in self._written if not future.done()]
+        if len(running) >= self._threads:  # backpressure: hold at most that many shards
+            running[0].result()
+        future = self._pool.submit(write_safetensors, path, shard.tensors, self.metadata)
+        future.add_done_callback(lambda _: logger.debug("wrote %s", path.name))
+        self._written.append((path, list(shard.tensors), future))
 
 
 class CheckpointSink:

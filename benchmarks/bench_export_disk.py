@@ -1,0 +1,147 @@
+"""Benchmark: FP8 export of the 170M-parameter Llama on tmpfs against a raw write of the same bytes.
+
+Issue 21 point 3 ("export at the speed of the disk"). In one process, on one seeded
+model (``bench_hf_export.CONFIG``: hidden 1024, 8 layers, vocab 32000, float32), each
+repeat runs, in turn:
+
+* ``raw``: ``safetensors.torch.save_file`` of the final tensors (what our export
+  writes, read back once before timing), the obvious way to write those bytes;
+* ``exportlm``: ``exportlm.export_model("hf_checkpoint", ...)``, manifest included
+  (every file's sha256, the model's hash, the signature);
+* ``modelopt``: ModelOpt's ``export_hf_checkpoint`` on the same weights quantized with
+  ``mtq.FP8_DEFAULT_CFG`` (skipped, with the reason, when ModelOpt does not import).
+
+Prints the median seconds (wall and CPU of the process, all threads), the peak RSS
+each step adds (sampled every 2 ms), and the ratios against ``raw`` and ModelOpt.
+Goals: exportlm within 1.25x of ``raw``, at least 2x faster than ModelOpt.
+
+Usage: ``python benchmarks/bench_export_disk.py [--repeat 5] [--dir /dev/shm] [--json out.json]``.
+Timings on a machine shared with other work are noisy: compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench_hf_export import _build_and_calibrate, _PeakSampler, _rss_mb
+
+
+def _modelopt_or_reason() -> str | None:
+    try:
+        import modelopt.torch.export
+        import modelopt.torch.quantization  # noqa: F401
+    except Exception as err:  # any import failure: report it, measure the rest
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _final_tensors(directory: Path) -> dict[str, Any]:
+    """What our export wrote, as tensors in memory (the bytes a raw write writes)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        tensors.update({k: v.clone() for k, v in load_file(shard).items()})
+    return tensors
+
+
+#: One step: ``prepare()`` (untimed) returns what ``run(prepared, out)`` (timed) takes.
+Step = tuple[Callable[[], Any], Callable[[Any, Path], None]]
+
+
+def _timed(step: Step, out: Path) -> dict[str, float]:
+    prepare, run = step
+    prepared = prepare()
+    gc.collect()
+    before = _rss_mb()
+    with _PeakSampler() as sampler:
+        start, cpu = time.perf_counter(), time.process_time()
+        run(prepared, out)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    shutil.rmtree(out, ignore_errors=True)
+    del prepared
+    return {"seconds": seconds, "cpu_seconds": cpu, "added_rss_mb": sampler.peak - before}
+
+
+def _steps(skip_modelopt: str | None, tmp: Path) -> dict[str, Step]:
+    import copy
+
+    from safetensors.torch import save_file
+
+    import exportlm
+
+    theirs = None if skip_modelopt else _build_and_calibrate("modelopt")
+    ours = _build_and_calibrate("exportlm")
+    probe = tmp / "probe"
+    exportlm.export_model("hf_checkpoint", ours, probe)
+    tensors = _final_tensors(probe)
+    shutil.rmtree(probe)
+
+    def raw(_: None, out: Path) -> None:
+        out.mkdir()
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+
+    steps: dict[str, Step] = {
+        "raw": (lambda: None, raw),
+        "exportlm": (lambda: ours, lambda m, out: exportlm.export_model("hf_checkpoint", m, out)),
+    }
+    if theirs is not None:
+        from modelopt.torch.export import export_hf_checkpoint
+
+        # it converts the model's weights in place: each run gets a fresh copy (untimed)
+        steps["modelopt"] = (
+            lambda: copy.deepcopy(theirs),
+            lambda m, out: export_hf_checkpoint(m, export_dir=out),
+        )
+    return steps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where to write")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    skip = _modelopt_or_reason()
+    if skip:
+        print(f"modelopt: skipped ({skip})")
+    runs: dict[str, list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-export-disk-") as tmp:
+        steps = _steps(skip, Path(tmp))
+        for i in range(args.repeat):
+            for name, step in steps.items():  # interleaved: load drifts hit every step alike
+                runs.setdefault(name, []).append(_timed(step, Path(tmp) / f"{name}-{i}"))
+    results = {
+        name: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+        for name, rs in runs.items()
+    }
+    for name, r in results.items():
+        print(
+            f"{name:9s} {r['seconds']:7.3f} s  (cpu {r['cpu_seconds']:6.3f} s)  "
+            f"+{r['added_rss_mb']:7.1f} MB RSS   median of {args.repeat}"
+        )
+    ours = results["exportlm"]["seconds"]
+    ratios = {"vs_raw": ours / results["raw"]["seconds"]}
+    print(f"exportlm / raw write: {ratios['vs_raw']:.2f}x (goal <= 1.25x)")
+    if "modelopt" in results:
+        ratios["modelopt_over_ours"] = results["modelopt"]["seconds"] / ours
+        print(f"modelopt / exportlm: {ratios['modelopt_over_ours']:.2f}x (goal >= 2x)")
+    if args.json:
+        args.json.write_text(
+            json.dumps({"runs": runs, "median": results, "ratios": ratios}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

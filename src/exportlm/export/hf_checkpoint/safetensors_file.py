@@ -1,0 +1,104 @@
+"""One safetensors file written from tensors in memory, hashed as it is written.
+
+:func:`write_safetensors` writes each tensor's storage straight to the file through a
+``memoryview`` (no copy) and hands the same pieces, in order, to a second thread that
+hashes them while the next piece is written (``file.write`` and ``hashlib`` release the
+GIL), so the file's sha256 (:class:`FileDigest`) costs no read of the file. The layout is
+what ``safetensors.safe_open`` reads: an 8-byte little-endian header length, a JSON
+header (``__metadata__`` + ``{name: {dtype, shape, data_offsets}}``) padded with spaces
+to a multiple of 8 bytes, then the tensor bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["SAFETENSORS_DTYPES", "FileDigest", "write_safetensors"]
+
+#: torch dtype -> safetensors dtype tag.
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """sha256 (hex) and size of the bytes written to one file, as the manifest lists them."""
+
+    sha256: str
+    size: int
+
+    def entry(self) -> dict[str, str | int]:
+        """``{"sha256", "size"}``: the manifest's entry for the file."""
+        return {"sha256": self.sha256, "size": self.size}
+
+
+#: Bytes per piece handed to the hashing thread while the next piece is written.
+_PIECE = 8 << 20
+
+
+def write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> FileDigest:
+    """Write ``tensors`` to ``path`` in the safetensors format without copying their data.
+
+    Tensors are laid out by element size (largest first), then by name, so every
+    tensor starts at an offset aligned to its element size. Returns the sha256 and
+    size of the bytes written, hashed from memory while they are written (a second
+    thread hashes each piece as the next one is written), never read back.
+    """
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    prefix = struct.pack("<Q", len(raw)) + raw
+    digest = hashlib.sha256()
+    with open(path, "wb") as f, ThreadPoolExecutor(1) as hasher:
+        hashed: list[Future[None]] = []
+        for piece in _pieces(prefix, (tensors[name] for name in order)):
+            hashed.append(hasher.submit(digest.update, piece))  # in order: one worker
+            f.write(piece)
+        for done in hashed:
+            done.result()
+    return FileDigest(digest.hexdigest(), len(prefix) + offset)
+
+
+def _pieces(prefix: bytes, tensors: Iterable[torch.Tensor]) -> Iterable[memoryview]:
+    """The file's bytes as memoryviews of at most :data:`_PIECE` bytes (no copy of tensor data)."""
+    yield memoryview(prefix)
+    for tensor in tensors:
+        t = tensor.contiguous()
+        if not t.numel():
+            continue
+        view = t.reshape(-1).view(torch.uint8).numpy().data
+        for start in range(0, len(view), _PIECE):
+            yield view[start : start + _PIECE]

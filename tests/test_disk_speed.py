@@ -1,0 +1,135 @@
+"""Export at the speed of the disk (issue 21, point 3): every file hashed as it is written.
+
+The hf_checkpoint target computes each file's sha256 from the bytes it writes (shards,
+index, configs) and the model's hash on worker threads; the manifest reads nothing
+back. These tests pin that (a spy on the re-reading hash), that the digests are the
+files' real sha256, and the writer's threads (order, failure, the digest of one file).
+No timing here: ``benchmarks/bench_export_disk.py`` measures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import exportlm
+import exportlm.export.guard
+import exportlm.export.manifest
+from exportlm.export.hf_checkpoint.sink import ShardedSafetensorsWriter, write_safetensors
+from exportlm.export.manifest import model_hash, read_manifest
+from exportlm.models import tiny_hf_model
+from exportlm.quant import quantize
+
+
+def _fp8_model() -> Any:
+    model = tiny_hf_model("llama", num_hidden_layers=2)
+    batch = torch.randint(
+        0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0)
+    )
+    quantize(model, "fp8", calibrate=lambda m: m(batch))
+    return model
+
+
+def _no_reread(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Record every call of the hash that re-reads a file, wherever it is imported."""
+    calls: list[Path] = []
+
+    def spy(path: Any) -> str:
+        calls.append(Path(path))
+        raise AssertionError(f"{path} was read back to hash it")
+
+    monkeypatch.setattr(exportlm.export.guard, "file_sha256", spy)
+    monkeypatch.setattr(exportlm.export.manifest, "file_sha256", spy)
+    return calls
+
+
+def test_an_export_hashes_every_file_as_it_writes_it_and_reads_none_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _fp8_model()
+    calls = _no_reread(monkeypatch)
+    out = exportlm.export_model("hf_checkpoint", model, tmp_path / "ckpt", max_shard_size="64KB")
+    assert calls == []
+    manifest = read_manifest(out)
+    assert manifest is not None
+    files = {p.name for p in out.iterdir()} - {"exportlm-manifest.json"}
+    assert "model.safetensors.index.json" in files
+    assert "config.json" in files
+    assert set(manifest.files) == files  # shards, index and configs, nothing else
+
+
+def test_the_recorded_digests_are_the_sha256_of_the_published_files(tmp_path: Path) -> None:
+    model = _fp8_model()
+    out = exportlm.export_model("hf_checkpoint", model, tmp_path / "ckpt", max_shard_size="64KB")
+    manifest = read_manifest(out)
+    assert manifest is not None
+    assert len([n for n in manifest.files if n.endswith(".safetensors")]) > 2
+    for name, entry in manifest.files.items():
+        data = (out / name).read_bytes()
+        assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}, name
+    assert manifest.model_hash == model_hash(model)
+    reloaded = exportlm.load_exported("hf_checkpoint", out)  # verified on load, as always
+    assert reloaded is not None
+
+
+def test_write_safetensors_returns_the_digest_of_what_it_wrote_across_pieces(
+    tmp_path: Path,
+) -> None:
+    tensors = {  # 12 MB: more than one piece handed to the hashing thread
+        "big": torch.arange(3 << 20, dtype=torch.float32),
+        "small": torch.tensor([1, 2, 3], dtype=torch.int8),
+        "empty": torch.zeros(0, 4),
+    }
+    path = tmp_path / "t.safetensors"
+    digest = write_safetensors(path, tensors, {"format": "pt"})
+    data = path.read_bytes()
+    assert (digest.sha256, digest.size) == (hashlib.sha256(data).hexdigest(), len(data))
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+def test_shards_written_by_threads_keep_their_order_names_and_bytes(tmp_path: Path) -> None:
+    tensors = {f"t{i:02d}": torch.full((1000,), float(i)) for i in range(12)}  # 4 KB each
+    summaries = []
+    for threads in (1, 3):
+        directory = tmp_path / f"threads-{threads}"
+        directory.mkdir()
+        writer = ShardedSafetensorsWriter(directory, max_shard_size=9000, write_threads=threads)
+        for name, tensor in tensors.items():
+            writer.add(name, tensor)
+        summaries.append((directory, writer.finish()))
+    (one, first), (three, second) = summaries
+    assert first.files == second.files
+    assert len(first.files) == 6
+    assert first.weight_map == second.weight_map
+    for name in [*first.files, "model.safetensors.index.json"]:
+        assert (one / name).read_bytes() == (three / name).read_bytes()
+        assert first.digests[name] == second.digests[name]
+    index = json.loads((three / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["t00"] == "model-00001-of-00006.safetensors"
+
+
+def test_a_failed_background_write_surfaces_at_finish(tmp_path: Path) -> None:
+    writer = ShardedSafetensorsWriter(tmp_path / "gone", max_shard_size=10)
+    writer.add("a", torch.ones(4))
+    writer.add("b", torch.ones(4))  # the first shard goes to the writer thread: no directory
+    with pytest.raises(FileNotFoundError):
+        writer.finish()
+
+
+def test_model_hash_is_the_same_on_any_number_of_threads() -> None:
+    model = tiny_hf_model("llama", num_hidden_layers=1)
+    assert model_hash(model, threads=1) == model_hash(model, threads=4)
+    expected = hashlib.sha256(b"transformers.models.llama.modeling_llama.LlamaForCausalLM\n")
+    for name, tensor in sorted(model.state_dict().items()):
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        line = f"{name}|{dtype}|{list(tensor.shape)}|{hashlib.sha256(raw).hexdigest()}\n"
+        expected.update(line.encode())
+    assert model_hash(model) == expected.hexdigest()  # the documented definition
