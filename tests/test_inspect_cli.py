@@ -159,7 +159,9 @@ def test_loadable_passes_on_hf_checkpoint(family: str, tmp_path: Path) -> None:
         return
     assert result.status == "pass", result.message
     expected = (
-        ["fp8"] if family == "dbrx" else ["fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo", "int8_sq"]
+        ["fp8"]
+        if family == "dbrx"
+        else ["fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo", "int8_sq", "w8a8"]
     )
     assert list(result.details["checked"]) == expected
     assert all(c["error"] == 0 for c in result.details["checked"].values())

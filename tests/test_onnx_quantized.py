@@ -294,8 +294,9 @@ def test_roundtrip_quantized_check_passes_for_the_quantized_targets(
 ) -> None:
     result = CHECKS["roundtrip_quantized"].fn(TargetCase(target, None, {}, None, "cpu", tmp_path))
     assert result.status == "pass", result.message
-    # int8_sq (static int8 inputs behind SmoothQuant) has no ONNX QDQ form: onnx skips it
-    expected = {"fp8", "int8_wo"} | ({"int8_sq"} if target == "hf_checkpoint" else set())
+    # int8_sq (static int8 inputs behind SmoothQuant) and w8a8 (int8 per token) have no ONNX
+    # QDQ form: onnx skips them
+    expected = {"fp8", "int8_wo"} | ({"int8_sq", "w8a8"} if target == "hf_checkpoint" else set())
     assert set(result.details["recipes"]) == expected
 
 

@@ -10,12 +10,18 @@ rule id and the tensor. A recipe that does not fit the toy model (DBRX's fused
 experts take FP8 only, and its fused ``Wqkv`` no KV-cache scales) is skipped and
 counted in the details; when FP8 with the KV cache does not fit, plain FP8
 (:data:`FALLBACK_RECIPE`) is tried in its place. The check skips when none fits. Every recipe on every toy family costs about 0.05 s per export.
+
+A recipe whose format has no ModelOpt scheme is exported in the layout that holds it
+(:data:`RECIPE_LAYOUTS`: ``w8a8`` is compressed-tensors' ``int-quantized`` W8A8, the
+scheme vLLM serves), passed to the target as its ``format=`` option.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
+from exportlm.export import EXPORT_REGISTRY, accepted_kwargs
 from exportlm.inspection import InspectionReport, inspect_checkpoint
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result
@@ -23,13 +29,17 @@ from pytest_exportcheck.checks._support import (
     build_case_model,
     default_model_name,
     export_instance,
+    target_info,
 )
 from pytest_exportcheck.checks.targets.checkpoint import quantized_toy, require_checkpoint_target
 
-__all__ = ["FALLBACK_RECIPE", "LOADABLE_RECIPES", "loadable"]
+__all__ = ["FALLBACK_RECIPE", "LOADABLE_RECIPES", "RECIPE_LAYOUTS", "layout_options", "loadable"]
 
 #: The recipes each toy model is exported with: one per built-in format (+ the FP8 KV cache).
-LOADABLE_RECIPES = ("fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo", "int8_sq")
+LOADABLE_RECIPES = ("fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo", "int8_sq", "w8a8")
+#: The checkpoint layout (``format=``) of the recipes the default layout (ModelOpt) has
+#: no scheme for: W8A8 with dynamic per-token inputs is compressed-tensors' only.
+RECIPE_LAYOUTS: Mapping[str, str] = {"w8a8": "compressed-tensors"}
 #: Tried when ``fp8+fp8_kv`` does not fit the model (a fused QKV projection).
 FALLBACK_RECIPE = "fp8"
 _SHOWN = 5
@@ -37,6 +47,24 @@ _SHOWN = 5
 
 def _errors_text(report: InspectionReport) -> list[str]:
     return [f"[{f.rule}] {f.subject}: {f.message}" for f in report.errors]
+
+
+def layout_options(case: TargetCase, recipe: str) -> dict[str, Any] | str:
+    """The export options that put ``recipe`` in its checkpoint layout (:data:`RECIPE_LAYOUTS`),
+    or why the case's target cannot write it (a checkpoint target without ``format=``).
+
+    A layout is a checkpoint directory's: a file target (ONNX) gets no option.
+    """
+    layout = RECIPE_LAYOUTS.get(recipe)
+    if layout is None or target_info(case).artifact != "directory":
+        return {}
+    names, var_kw = accepted_kwargs(EXPORT_REGISTRY.get(case.target), skip=2)
+    if "format" in names or var_kw:
+        return {"format": layout}
+    return (
+        f"{recipe} is written in the {layout} layout (format={layout!r}), and target "
+        f"{case.target_id!r} takes no format= option"
+    )
 
 
 def _recipes(skipped: dict[str, str]) -> Iterator[str]:
@@ -49,7 +77,7 @@ def _recipes(skipped: dict[str, str]) -> Iterator[str]:
 @check("loadable")
 @aborts_to_result
 def loadable(case: TargetCase) -> CheckResult:
-    """Quantized checkpoints (FP8 + FP8 KV, NVFP4, INT4 AWQ, INT8) pass every error-level rule
+    """Quantized checkpoints (FP8 + FP8 KV, NVFP4, INT4 AWQ, INT8, W8A8) pass every error-level rule
     of ``exportlm inspect``.
 
     See the module docstring for the recipes; a file-artifact target is a counted skip.
@@ -68,7 +96,11 @@ def loadable(case: TargetCase) -> CheckResult:
                 raise
             skipped[recipe] = abort.result.message
             continue
-        path = export_instance(case, model, case.workdir / f"loadable-{recipe}")
+        options = layout_options(case, recipe)
+        if isinstance(options, str):
+            skipped[recipe] = options
+            continue
+        path = export_instance(case, model, case.workdir / f"loadable-{recipe}", **options)
         report = inspect_checkpoint(path)
         checked[recipe] = report.to_json()["counts"]
         problems += [f"{recipe}: {text}" for text in _errors_text(report)]

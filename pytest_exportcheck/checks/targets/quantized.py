@@ -1,8 +1,10 @@
 """``roundtrip_quantized``: a fake-quantized model's artifact computes what the fake-quant model does.
 
 For targets declaring ``quantized``. The toy model is quantized with each recipe of
-:data:`QUANTIZED_RECIPES` (FP8 weights and static FP8 activations; INT8 weight-only),
-exported, run in the target's runtime and compared with the fake-quantized eager
+:data:`QUANTIZED_RECIPES` (FP8 weights and static FP8 activations; INT8 weight-only;
+INT8 SmoothQuant with static inputs; W8A8 with per-token int8 inputs quantized at run
+time, exported in compressed-tensors' layout: :data:`~pytest_exportcheck.checks.targets.
+loadable.RECIPE_LAYOUTS`), exported, run in the target's runtime and compared with the fake-quantized eager
 model on :data:`INPUT_SETS` deterministic input sets.
 
 Tolerance. Weight-only quantization is deterministic bytes times a scale, so every
@@ -49,11 +51,13 @@ from pytest_exportcheck.checks._support import (
     run_runtime,
     target_info,
 )
+from pytest_exportcheck.checks.targets.loadable import layout_options
 
 __all__ = ["FLIP_ATOL", "FLIP_RTOL", "INPUT_SETS", "QUANTIZED_RECIPES", "roundtrip_quantized"]
 
-#: The recipes the toy model is quantized with: static FP8 (W8A8) and INT8 weight-only.
-QUANTIZED_RECIPES = ("fp8", "int8_wo", "int8_sq")
+#: The recipes the toy model is quantized with: static FP8 (W8A8), INT8 weight-only,
+#: INT8 SmoothQuant (static inputs) and W8A8 (dynamic per-token int8 inputs).
+QUANTIZED_RECIPES = ("fp8", "int8_wo", "int8_sq", "w8a8")
 #: Deterministic input sets each artifact is compared on.
 INPUT_SETS = 5
 #: Per-input-set bound when activations are quantized (one FP8 rounding flip; see above).
@@ -118,7 +122,8 @@ def roundtrip_quantized(case: TargetCase) -> CheckResult:
     """A quantized model's artifact, in the target's runtime, gives the fake-quant model's logits.
 
     For targets declaring ``quantized``: the default toy model, quantized with ``fp8``
-    (weights and static activations) and ``int8_wo``, is exported and compared with
+    (weights and static activations), ``int8_wo``, ``int8_sq`` and ``w8a8`` (in its
+    compressed-tensors layout), is exported and compared with
     the fake-quantized eager model on 5 deterministic input sets ``[2, 8]``.
     Weight-only: every set within the target's ``atol`` / ``rtol``. FP8 activations:
     every set within ``atol = rtol = 2e-2`` (one activation rounding the other way at
@@ -142,7 +147,11 @@ def roundtrip_quantized(case: TargetCase) -> CheckResult:
             continue
         # Cached by the quantized model's class, config, weights, scales and source, like
         # the quantized exports of checkpoint_names and loadable: a rerun loads it.
-        artifact = export_instance(case, model, case.workdir / recipe)
+        options = layout_options(case, recipe)
+        if isinstance(options, str):
+            skipped[recipe] = options
+            continue
+        artifact = export_instance(case, model, case.workdir / recipe, **options)
         runtime = load_runtime(case, artifact)
         with torch.no_grad():
             failure, details = _compare(case, info, model, runtime)

@@ -94,7 +94,8 @@ _VLLM_MODELOPT = (
 _CT_INSTEAD = (
     "vLLM runs integer weights in the compressed-tensors layout: export with "
     "format='compressed-tensors' (INT4 AWQ as W4A16 pack-quantized, served by its CPU build; "
-    "INT8 weight-only as W8A16 pack-quantized, GPU only: the CPU WNA16 kernel takes 4-bit)"
+    "INT8 weight-only as W8A16 pack-quantized, GPU only: the CPU WNA16 kernel takes 4-bit; "
+    "INT8 SmoothQuant as W8A8 int-quantized with recipe 'w8a8', served by its CPU build)"
 )
 
 #: Engine support by (producer, quant_method, algorithm / scheme), read from each engine's

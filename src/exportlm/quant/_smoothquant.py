@@ -15,13 +15,18 @@ For every quantized linear whose recipe sets ``smoothquant_alpha`` (``int8_sq``)
    exports, ``preprocess_linear_fusion``; here it happens before the weights are
    quantized, so the fake-quantized model is what is exported).
 
-A recipe with ``smoothquant_fold`` (``w8a8``) smooths as llm-compressor's
-``SmoothQuantModifier`` does instead: one scale per group of linears that read one
-input, ``s = act ^ alpha / max(max|W|_col over the group, 1e-5) ^ (1 - alpha)``
-(floored at 1e-5), the weights multiplied by ``s`` and the scale folded into the
-norm that feeds the group (:mod:`exportlm.quant._fold`); a group no norm can absorb
-the scale of (``o_proj``, ``down_proj``, a norm that also feeds a router) is left
-unsmoothed, as llm-compressor's default mappings leave it.
+A recipe with ``smoothquant_fold`` (``w8a8``) smooths as llm-compressor 0.14's
+``SmoothQuantModifier`` does instead (``modifiers/transform/smoothquant/base.py``,
+``_apply_smoothing`` / ``_calculate_smoothing_scales``): one scale per group of linears
+that read one input, from the input's per-channel *dynamic range* ``r = max(x) - min(x)``
+over the calibration tokens (signed: not ``max|x|``) and ``w = 2 * max|W|_col`` over the
+group, ``s = r ^ alpha / w ^ (1 - alpha)`` (``s = r`` where ``w == 0``), floored at
+1e-5; the weights are multiplied by ``s`` and the scale is folded into the norm that
+feeds the group (:mod:`exportlm.quant._fold`); a group no norm can absorb the scale
+of (``o_proj``, ``down_proj``, a norm that also feeds a router) is left unsmoothed, as
+llm-compressor's mappings leave it (its default mappings smooth ``q/k/v`` <-
+``input_layernorm`` and ``gate/up`` <- ``post_attention_layernorm``; its Mixtral and
+Qwen-MoE mappings the attention only).
 
 The ModelOpt layout keeps each linear's ``pre_quant_scale``, as ModelOpt writes it
 for ``W8A8_SQ_PER_CHANNEL`` (TensorRT-LLM applies it; ModelOpt folds scales into
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from exportlm.quant._fold import NormTrace, fold_into_norms
 from exportlm.quant._modules import QuantLinear
@@ -49,6 +55,8 @@ _SCALE_MIN, _SCALE_MAX = 1e-4, 1e4
 _EPSILON = 1.0 / (1 << 31)
 #: llm-compressor's ``MINIMUM_SMOOTHING_SCALE``.
 _LLMC_MIN_SCALE = 1e-5
+#: llm-compressor doubles the weights' column amax (``weight_scales = 2.0 * ...``).
+_LLMC_WEIGHT_FACTOR = 2.0
 
 
 @dataclass
@@ -59,6 +67,9 @@ class SmoothQuantPlan:
     folding: set[int] = field(default_factory=set)
     #: The weights a folding recipe replaced (by linear id), restored if the fold fails.
     originals: dict[int, nn.Parameter] = field(default_factory=dict)
+    #: Folding recipes: ``[min, max]`` per input channel seen in calibration (by linear id).
+    ranges: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    hooks: list[RemovableHandle] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.linears)
@@ -69,7 +80,7 @@ def plan_smoothquant(model: nn.Module) -> SmoothQuantPlan:
 
     Call before calibration: the smoothing reads the per-channel input amax.
     """
-    linears, folding = [], set()
+    plan = SmoothQuantPlan([])
     for module in model.modules():
         if not isinstance(module, QuantLinear) or not module.input_quantizer.enabled:
             continue
@@ -77,10 +88,31 @@ def plan_smoothquant(model: nn.Module) -> SmoothQuantPlan:
         alpha = None if recipe is None else recipe.smoothquant_alpha
         if alpha is not None and module.weight_quantizer.enabled:
             module.input_quantizer.track_channels = True
-            linears.append((module, alpha))
+            plan.linears.append((module, alpha))
             if recipe is not None and recipe.smoothquant_fold:
-                folding.add(id(module))
-    return SmoothQuantPlan(linears, folding)
+                plan.folding.add(id(module))
+                plan.hooks.append(_track_range(module, plan.ranges))
+    return plan
+
+
+def _track_range(module: QuantLinear, ranges: dict[int, list[torch.Tensor]]) -> RemovableHandle:
+    """Record the per-channel min and max of ``module``'s input while it calibrates
+    (llm-compressor's hook on the norm's output, which is this input)."""
+    key = id(module)
+
+    def hook(quantizer: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if not getattr(quantizer, "calibrating", False):
+            return
+        x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+        low, high = x.amin(dim=0), x.amax(dim=0)
+        seen = ranges.get(key)
+        ranges[key] = (
+            [low, high]
+            if seen is None
+            else [torch.minimum(seen[0], low), torch.maximum(seen[1], high)]
+        )
+
+    return module.input_quantizer.register_forward_pre_hook(hook)
 
 
 def apply_smoothquant(
@@ -95,6 +127,8 @@ def apply_smoothquant(
     """
     smoothed: set[int] = set()
     grouped = {id(m): g for g in groups for m in g}
+    for handle in plan.hooks:
+        handle.remove()
     with torch.no_grad():
         for module, alpha in plan.linears:
             quantizer = module.input_quantizer
@@ -104,7 +138,8 @@ def apply_smoothquant(
             if id(module) in plan.folding:
                 members = grouped.get(id(module), [module])
                 plan.originals.update({id(m): m.get_parameter("weight") for m in members})
-                _smooth_jointly(members, act.float(), alpha)
+                low, high = plan.ranges.get(id(module), [-act, act])
+                _smooth_jointly(members, (high - low).float(), alpha)
                 smoothed.update(map(id, members))
             else:
                 _smooth(module, act.float(), alpha)
@@ -125,10 +160,14 @@ def apply_smoothquant(
 
 
 def _smooth_jointly(members: list[QuantLinear], act: torch.Tensor, alpha: float) -> None:
-    """llm-compressor's ``_apply_smoothing`` of one mapping: one scale for the group."""
-    weight_amax = torch.stack([m.weight.abs().amax(dim=0).float() for m in members]).amax(0)
-    weight_amax = weight_amax.clamp(min=_LLMC_MIN_SCALE)
-    scale = (act.pow(alpha) / weight_amax.pow(1 - alpha)).clamp(min=_LLMC_MIN_SCALE)
+    """llm-compressor's ``_apply_smoothing`` of one mapping: one scale for the group.
+
+    ``act`` is the input's per-channel dynamic range (``max - min``).
+    """
+    columns = torch.stack([m.weight.abs().amax(dim=0).float() for m in members]).amax(0)
+    weight_amax = _LLMC_WEIGHT_FACTOR * columns
+    scale = act.pow(alpha) / weight_amax.pow(1 - alpha)
+    scale = torch.where(weight_amax > 0, scale, act).clamp(min=_LLMC_MIN_SCALE)
     pqs = (1.0 / scale).to(members[0].weight.dtype)  # one object: the group shares it
     for module in members:
         weight = module.weight

@@ -4,9 +4,13 @@
 with its format's :meth:`~exportlm.quant.formats.FormatSpec.from_leaves` and
 dequantizes it with :func:`exportlm.quant.dequantize` (the function the fake
 quantizer computes with, so the float weight equals the fake-quantized one),
-folds AWQ's ``pre_quant_scale`` in, and sets the static activation and KV-cache
+folds AWQ's ``pre_quant_scale`` in, sets the static activation and KV-cache
 scales aside as :class:`ActivationScale` for
-:class:`~exportlm.export.hf_checkpoint.static.StaticQuantization`.
+:class:`~exportlm.export.hf_checkpoint.static.StaticQuantization`, and names the
+layers whose inputs are quantized at run time (:attr:`DequantizedState.dynamic`:
+a format whose recipe quantizes inputs in a format with no calibrated scale, as the
+compressed-tensors config's ``input_activations`` with ``dynamic: true`` declares
+for W8A8's per-token int8 inputs).
 
 A quantized weight is stored under its format's leaf names or under the names
 the checkpoint layout gives them (compressed-tensors' ``weight_packed``,
@@ -45,10 +49,11 @@ from exportlm.quant.formats import (
     CheckpointLayout,
     FormatSpec,
     formats,
+    get_format,
     scale_leaf_names,
 )
 
-__all__ = ["ActivationScale", "check_scale", "dequantize_state"]
+__all__ = ["ActivationScale", "DequantizedState", "check_scale", "dequantize_state"]
 
 #: The activation leaves whose meaning the format spec contract fixes.
 _INPUT_SCALE = "input_scale"  # a recipe that quantizes inputs writes it
@@ -98,6 +103,19 @@ class ActivationScale(NamedTuple):
     #: SmoothQuant: the scale the input is multiplied by before it is quantized (the
     #: dequantized weight is the stored, smoothed one).
     pre_quant_scale: torch.Tensor | None = None
+
+
+class DequantizedState(NamedTuple):
+    """What :func:`dequantize_state` reads out of a checkpoint's tensors."""
+
+    #: The float weights (and every other tensor), by checkpoint name.
+    weights: dict[str, torch.Tensor]
+    #: The static activation / KV-cache scales, by checkpoint name of the scale.
+    scales: dict[str, ActivationScale]
+    #: ``{layer path: input format}`` of the layers whose inputs are quantized at run
+    #: time, with no stored scale (W8A8's per-token int8: a format whose spec is not
+    #: ``calibrated``); the layer path is the one the quantization config lists.
+    dynamic: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -177,8 +195,8 @@ def _slots(tensors: Mapping[str, torch.Tensor], leaves: _Leaves) -> Iterator[_Sl
 
 def dequantize_state(
     tensors: Mapping[str, torch.Tensor], declared: StoredFormats
-) -> tuple[dict[str, torch.Tensor], dict[str, ActivationScale]]:
-    """``(float weights, static scales)`` of a checkpoint's tensors, both by checkpoint name.
+) -> DequantizedState:
+    """The float weights, static scales and run-time-quantized inputs of a checkpoint's tensors.
 
     ``declared`` names each layer's format (:meth:`StoredFormats.read`). Tensors
     that are no quantized weight and no scale pass through unchanged.
@@ -190,6 +208,7 @@ def dequantize_state(
     leaves = _Leaves.registered()
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, ActivationScale] = {}
+    dynamic: dict[str, Any] = {}
     used: set[str] = set()
     for slot in list(_slots(tensors, leaves)):
         spec = declared.weight_format(slot.layer, _stored_leaves(slot, tensors, leaves))
@@ -198,7 +217,10 @@ def dequantize_state(
         used.update(names)
         stored_input = declared.layout.activation_leaf(spec, _INPUT_SCALE, slot.data)
         input_scale = slot.name(stored_input.name, leaves.data)
-        if input_scale in tensors:
+        runtime_input = _runtime_input_format(spec)
+        if runtime_input is not None and input_scale not in tensors:
+            dynamic[slot.layer] = runtime_input
+        elif input_scale in tensors:
             if spec.recipe is None or not spec.recipe.quantize_inputs:
                 raise UnsupportedFormatError(
                     f"{input_scale}: the checkpoint stores a static input scale, but "
@@ -229,7 +251,21 @@ def dequantize_state(
             )
         elif name not in weights:
             weights[name] = tensor
-    return weights, scales
+    return DequantizedState(weights, scales, dynamic)
+
+
+def _runtime_input_format(spec: FormatSpec) -> Any | None:
+    """The format ``spec``'s inputs are quantized in at run time (no stored scale), or ``None``.
+
+    A recipe that quantizes inputs in a format that is not ``calibrated`` derives each
+    scale from the activation itself (W8A8's ``int8``: one scale per token), as the
+    config declares (compressed-tensors ``input_activations``: ``dynamic: true``).
+    """
+    recipe = spec.recipe
+    if recipe is None or not recipe.quantize_inputs:
+        return None
+    inputs = get_format(recipe.input_format or spec.format)
+    return None if inputs.calibrated else inputs.format
 
 
 def _is_scale(leaf: str, leaves: _Leaves) -> bool:

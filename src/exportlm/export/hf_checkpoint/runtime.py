@@ -7,7 +7,9 @@ fake quantizer uses, in the format the checkpoint declares
 :mod:`~exportlm.export.hf_checkpoint.dequantize`), stacks split experts back
 into the model's own layout (:mod:`~exportlm.export.hf_checkpoint.experts`),
 re-applies static input / KV-cache quantization with the stored scales
-(:mod:`~exportlm.export.hf_checkpoint.static`), and returns ``input_ids -> logits``.
+(:mod:`~exportlm.export.hf_checkpoint.static`) and the run-time (dynamic) input
+quantization the checkpoint's formats declare (W8A8: int8 per token), and returns
+``input_ids -> logits``.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import torch
 
 from exportlm.errors import ExportLMError, InvalidInputError, MalformedCheckpointError
 from exportlm.export._wrapper import extract_logits
-from exportlm.export.hf_checkpoint.dequantize import ActivationScale, dequantize_state
-from exportlm.export.hf_checkpoint.experts import SPLIT_EXPERT, fuse_split_experts
+from exportlm.export.hf_checkpoint.dequantize import DequantizedState, dequantize_state
+from exportlm.export.hf_checkpoint.experts import _SPLIT_LINEARS, SPLIT_EXPERT, fuse_split_experts
 from exportlm.export.hf_checkpoint.formats import StoredFormats
+from exportlm.export.hf_checkpoint.naming import CheckpointNamer
 from exportlm.export.hf_checkpoint.static import StaticQuantization
 from exportlm.export.hf_checkpoint.untrusted import (
     StoredTensors,
@@ -138,7 +141,7 @@ def _rebuild_model(directory: Path, device: torch.device) -> Any:
         )
     stored = read_stored_tensors(directory)
     check_layer_count(config, stored)  # before any model is built: a huge count would hang
-    weights, activation_scales = _dequantized(directory, stored)
+    weights, activation_scales, dynamic = _dequantized(directory, stored)
     with torch.device("meta"):  # an empty model: the parameters' paths and shapes only
         skeleton = model_cls(config)
     if not _has_conversion_table(config) and any(SPLIT_EXPERT.match(n) for n in weights):
@@ -149,6 +152,7 @@ def _rebuild_model(directory: Path, device: torch.device) -> Any:
     model = _from_state_dict(model_cls, config, weights, directory)
     model.eval()
     StaticQuantization(model, activation_scales, set(stored.tensors)).apply(model)
+    _quantize_inputs_at_run_time(model, dynamic)
     # Moved after the static scales are loaded: they are buffers of the quantizers, so
     # they land on ``device`` with the weights. A scale left on the CPU would still
     # work on CUDA, but as a CPU scalar, which CUDA divides by through its reciprocal:
@@ -171,10 +175,53 @@ def _auto_config(transformers: Any, directory: Path) -> Any:
         ) from err
 
 
-def _dequantized(
-    directory: Path, stored: StoredTensors
-) -> tuple[dict[str, torch.Tensor], dict[str, ActivationScale]]:
-    """The float weights and static scales, every defect an exportlm error naming the file."""
+def _quantize_inputs_at_run_time(model: Any, dynamic: dict[str, Any]) -> None:
+    """Quantize the inputs of the layers in ``dynamic`` (``{layer path: format}``) at run time.
+
+    The layer's input quantizer is enabled in the declared format with no stored
+    scale, so each scale comes from the activation itself, as the fake quantizer
+    computes it (W8A8's ``int8``: one scale per token, the last dimension) and as vLLM's
+    ``compressed_tensors_w8a8_int8`` does. Split experts (``experts.{e}.gate_proj``)
+    set the input quantizer their projection shares.
+    """
+    if not dynamic:
+        return
+    from exportlm.quant import QuantExperts, QuantLinear, wrap_module
+
+    namer = CheckpointNamer(model)
+    found: list[tuple[Any, Any]] = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantExperts):
+            found += _expert_inputs(name, module, namer, dynamic)
+        elif isinstance(module, torch.nn.Linear):
+            fmt = dynamic.get(namer.module_name(name))
+            if fmt is not None:
+                wrapper = module if isinstance(module, QuantLinear) else wrap_module(module, name)
+                found.append((wrapper.input_quantizer, fmt))
+    for quantizer, fmt in found:
+        quantizer.format, quantizer.axis, quantizer.enabled = fmt, None, True
+
+
+def _expert_inputs(
+    name: str, experts: Any, namer: CheckpointNamer, dynamic: dict[str, Any]
+) -> list[tuple[Any, Any]]:
+    """``(input quantizer, format)`` of each projection of ``experts`` whose split linears
+    (``{name}.{e}.gate_proj``...) ``dynamic`` names."""
+    found = []
+    for projection in experts.PROJECTIONS:
+        count = experts.canonical_weight(projection).shape[0]
+        paths = [
+            f"{name}.{e}.{linear}" for e in range(count) for linear in _SPLIT_LINEARS[projection]
+        ]
+        formats = [dynamic[p] for p in map(namer.module_name, paths) if p in dynamic]
+        if formats:
+            found.append((experts.input_quantizer_of(projection), formats[0]))
+    return found
+
+
+def _dequantized(directory: Path, stored: StoredTensors) -> DequantizedState:
+    """The float weights, static scales and dynamic inputs, every defect an exportlm error
+    naming the file."""
     try:
         declared = StoredFormats.read(directory)
     except (ValueError, TypeError, AttributeError, KeyError) as err:
@@ -185,7 +232,7 @@ def _dequantized(
             path=directory,
         ) from err
     try:
-        weights, scales = dequantize_state(stored.tensors, declared)
+        state = dequantize_state(stored.tensors, declared)
     except MalformedCheckpointError as err:
         file = err.path or stored.file_of(err.field)
         raise MalformedCheckpointError(f"{file}: {err}", path=file, field=err.field) from err
@@ -197,8 +244,8 @@ def _dequantized(
             f"({type(err).__name__}: {err}); the checkpoint is corrupted",
             path=directory,
         ) from err
-    for name, tensor in weights.items():
-        if not (tensor.is_floating_point() or name in scales):
+    for name, tensor in state.weights.items():
+        if not (tensor.is_floating_point() or name in state.scales):
             file = stored.file_of(name)
             raise MalformedCheckpointError(
                 f"{file}: tensor {name} is stored as {str(tensor.dtype).removeprefix('torch.')}, "
@@ -207,7 +254,7 @@ def _dequantized(
                 path=file,
                 field=name,
             )
-    return weights, scales
+    return state
 
 
 def _from_state_dict(

@@ -13,7 +13,8 @@ INT8 weight-only) and the activation format ``int8_tensor`` (one calibrated
 per-tensor scale), which the recipe names as its ``input_format``.
 
 ``w8a8`` is llm-compressor's ``W8A8`` scheme behind its ``SmoothQuantModifier``
-(``smoothing_strength = 0.5``, its default): the same per-row int8 weights, inputs
+(``smoothing_strength = 0.5``, its default): per-row int8 weights with
+compressed-tensors' scale ``row_amax / 127.5`` (:data:`CT_INT8_DIVISOR`), inputs
 quantized per token at run time (the ``int8`` format's per-row kernel on each
 token: no input scale is stored), and only the linears fed by a norm smoothed, the
 scale folded into that norm (``q/k/v`` <- ``input_layernorm``, ``gate/up`` <-
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from exportlm.quant._tensor import INT8_MAX, QuantizedTensor
+from exportlm.quant._tensor import INT8_MAX, QuantizedTensor, safe_scale
 from exportlm.quant.formats._int8 import (
     CT_INT8_CHANNEL_ARGS,
     MODELOPT_INT8_ARGS,
@@ -48,7 +49,14 @@ from exportlm.quant.formats._parts import (
 )
 from exportlm.quant.formats._spec import FormatSpec, QuantizeFn
 
-__all__ = ["INT8_SQ", "INT8_TENSOR", "LLMC_SMOOTHING_STRENGTH", "SMOOTHQUANT_ALPHA", "W8A8"]
+__all__ = [
+    "CT_INT8_DIVISOR",
+    "INT8_SQ",
+    "INT8_TENSOR",
+    "LLMC_SMOOTHING_STRENGTH",
+    "SMOOTHQUANT_ALPHA",
+    "W8A8",
+]
 
 #: SmoothQuant's migration strength: ModelOpt 0.47's default
 #: (``modelopt.torch.quantization.config.SmoothQuantCalibConfig.alpha = 1.0``).
@@ -62,28 +70,44 @@ LLMC_SMOOTHING_STRENGTH = 0.5
 _CT_TOKENS = {**CT_INT8_CHANNEL_ARGS, "strategy": "token", "dynamic": True}
 
 
-def _rows_kernel(name: str) -> QuantizeFn:
-    """INT8 weight-only's per-row kernel, its tensors labelled with format ``name``."""
+#: compressed-tensors' symmetric integer scale, ``amax / ((q_max - q_min) / 2)``: for
+#: int8 ``amax / 127.5`` (``quantization/utils/helpers.py`` ``calculate_qparams``:
+#: ``max_val_pos / (float(bit_range) / 2)``), where ModelOpt divides by 127. Measured:
+#: llm-compressor 0.14's unsmoothed ``o_proj`` scales are ours * 127 / 127.5.
+CT_INT8_DIVISOR = 127.5
+
+
+def _rows_kernel(name: str, divisor: float) -> QuantizeFn:
+    """A per-row int8 kernel (``row_amax / divisor``), its tensors labelled ``name``."""
 
     def quantize(
         x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
     ) -> QuantizedTensor:
-        q = quantize_int8(x, scale=None, block_size=None, where=where)
-        return dataclasses.replace(q, format=name)
+        if divisor == INT8_MAX:
+            q = quantize_int8(x, scale=None, block_size=None, where=where)
+            return dataclasses.replace(q, format=name)
+        x32 = x.detach().to(torch.float32)
+        rows = safe_scale(x32.abs().amax(dim=-1), divisor, where=where)
+        codes = (x32 / rows.unsqueeze(-1)).round().clamp(-128, 127).to(torch.int8)
+        return QuantizedTensor(name, codes, rows, shape=tuple(x.shape), dtype=x.dtype)
 
     return quantize
 
 
 def _rows_spec(
-    name: str, leaves: tuple[Leaf, ...], recipe: WeightRecipe, **schemes: Any
+    name: str,
+    leaves: tuple[Leaf, ...],
+    recipe: WeightRecipe,
+    divisor: float = INT8_MAX,
+    **schemes: Any,
 ) -> FormatSpec:
     """A per-row int8 weight format (``weight`` int8 ``[out, in]``, ``weight_scale [out]``)."""
     return FormatSpec(
         format=name,
-        quantize=_rows_kernel(name),
+        quantize=_rows_kernel(name, divisor),
         dequantize=dequantize_int8,
         maxbound=INT8_MAX,
-        amax_divisor=INT8_MAX,
+        amax_divisor=divisor,
         granularity="row",
         leaves=(
             Leaf("weight", torch.int8, source="data"),
@@ -188,6 +212,7 @@ W8A8 = _rows_spec(
         smoothquant_alpha=LLMC_SMOOTHING_STRENGTH,
         smoothquant_fold=True,
     ),
+    divisor=CT_INT8_DIVISOR,
     compressed_tensors=CompressedTensorsScheme(
         "int-quantized",
         weights=CT_INT8_CHANNEL_ARGS,
