@@ -61,6 +61,9 @@ def pytest_unconfigure(config):
 
 XDIST = [["-n", "0"], ["-n", "2", "--dist", "loadgroup"]]
 
+#: Runs a real engine: selected by `make test-engines` (`-m engines`).
+pytestmark = pytest.mark.engines
+
 
 def _need(engine: str) -> None:
     found = find_interpreter(engine)
