@@ -52,7 +52,9 @@ def test_an_item_without_its_engine_skips_before_exporting(
     if find_interpreter("vllm").path is not None:
         pytest.skip("vllm imports in this interpreter")
     args = [*BASE, "--export-targets=hf_checkpoint", "--export-models=llama", "-rs"]
-    result = pytester.runpytest_subprocess(*args, "exportcheck::served[hf_checkpoint-vllm-llama-cpu]")
+    result = pytester.runpytest_subprocess(
+        *args, "exportcheck::served[hf_checkpoint-vllm-llama-cpu]"
+    )
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(
         ["*hf_checkpoint: [[]vllm / unavailable[]] vllm does not import in*", NO_EXPORT]
@@ -91,6 +93,8 @@ def test_another_engine_version_than_the_tables_is_unverified_and_exports_nothin
 def test_a_family_served_does_not_run_is_a_skip_that_exports_nothing(
     pytester: pytest.Pytester, no_engines: None
 ) -> None:
-    result = pytester.runpytest_subprocess(*BASE, "--export-targets=onnx", "--export-models=mixtral", "-rs")
+    result = pytester.runpytest_subprocess(
+        *BASE, "--export-targets=onnx", "--export-models=mixtral", "-rs"
+    )
     result.assert_outcomes(passed=1, skipped=len(engines_taking("onnx")))
     result.stdout.fnmatch_lines(["*'mixtral' is not one of them*", NO_EXPORT])
