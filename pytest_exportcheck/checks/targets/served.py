@@ -157,18 +157,27 @@ def _overrides(case: TargetCase) -> dict[str, str]:
         raise CheckAbort(CheckResult.failed(f"--export-engine: {error_text(err)}")) from err
 
 
-def _resolve(case: TargetCase, engine: str, overrides: dict[str, str]) -> Resolved:
-    """The engine's interpreter and version; a skip (a failure when required) without one."""
-    try:
-        found = resolve_engine(engine, overrides)
-    except ExportLMError as err:  # a given path that is no interpreter
-        raise CheckAbort(CheckResult.failed(f"{case.target_id}: {error_text(err)}")) from err
-    if found.status == "ready":
-        return found
-    text = f"{case.target_id}: [{engine} / {found.status}] {found.reason}"
-    if case.options.get("require_engines"):
-        raise CheckAbort(CheckResult.failed(f"{text} (--export-require-engines)"))
-    raise CheckAbort(CheckResult.skipped(text))
+def _resolve(case: TargetCase, overrides: dict[str, str]) -> list[Resolved]:
+    """The item's engines that are ready; a skip (a failure when required) for any other.
+
+    The item's one engine (a case built without one: every engine that takes the
+    target's output, and only when none is ready is it a skip).
+    """
+    found: list[Resolved] = []
+    for engine in _engines(case):
+        try:
+            found.append(resolve_engine(engine, overrides))
+        except ExportLMError as err:  # a given path that is no interpreter
+            raise CheckAbort(CheckResult.failed(f"{case.target_id}: {error_text(err)}")) from err
+    ready = [f for f in found if f.status == "ready"]
+    others = [f"[{f.engine} / {f.status}] {f.reason}" for f in found if f.status != "ready"]
+    if others and case.options.get("require_engines"):
+        text = "; ".join(others)
+        raise CheckAbort(CheckResult.failed(f"{case.target_id}: {text} (--export-require-engines)"))
+    if not ready:
+        text = "; ".join(others) or "no engine takes what it writes"
+        raise CheckAbort(CheckResult.skipped(f"{case.target_id}: {text}"))
+    return ready
 
 
 def _engines(case: TargetCase) -> list[str]:
@@ -209,9 +218,8 @@ def served(case: TargetCase) -> CheckResult:
     info = target_info(case)
     target = table_target(info.artifact, info.suffix) or ""
     results: list[tuple[str, Served]] = []
-    for engine_name in _engines(case):
-        found = _resolve(case, engine_name, overrides)
-        engine = get_engine(engine_name)
+    for found in _resolve(case, overrides):
+        engine = get_engine(found.engine)
         for artifact in _artifacts(case, name):
             if not _takes(engine, target, artifact):
                 continue
