@@ -98,3 +98,28 @@ def test_a_family_served_does_not_run_is_a_skip_that_exports_nothing(
     )
     result.assert_outcomes(passed=1, skipped=len(engines_taking("onnx")))
     result.stdout.fnmatch_lines(["*'mixtral' is not one of them*", NO_EXPORT])
+
+
+def _never(case: object) -> object:  # pragma: no cover - planning only
+    raise AssertionError("planning must not run a check")
+
+
+def test_the_planner_puts_the_engine_between_row_and_family_and_skips_targets_without_one() -> None:
+    from pytest_exportcheck.checks import CheckSpec
+    from pytest_exportcheck.checks.catalogue import CatalogueError
+    from pytest_exportcheck.plan import Plan, plan
+    from pytest_exportcheck.plan._items import TargetPlan
+
+    spec = CheckSpec("served_like", "target", _never, per_model=True, per_engine=True)
+    targets = (
+        TargetPlan("ckpt", ((None, {}),), engines=("transformers", "vllm")),
+        TargetPlan("prog", ((None, {}),)),  # no engine takes what it writes
+    )
+    items = plan(Plan(checks=(spec,), targets=targets, models=("llama",)))
+    served = [(i.name, i.engine) for i in items if i.check == "served_like"]
+    assert served == [
+        ("served_like[ckpt-transformers-llama-cpu]", "transformers"),
+        ("served_like[ckpt-vllm-llama-cpu]", "vllm"),
+    ]
+    with pytest.raises(CatalogueError, match="per_engine=True needs per_model=True"):
+        CheckSpec("bad", "target", _never, per_engine=True)
