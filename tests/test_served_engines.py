@@ -25,79 +25,67 @@ NO_EXPORT = "*artifact cache: 0 items served from the cache, 0 exported (0 expor
 def no_engines(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ENGINE_VARS:
         monkeypatch.delenv(f"EXPORTLM_ENGINE_{name}", raising=False)
+    for engine in ("vllm", "openvino", "optimum-onnxruntime", "onnxruntime-genai"):
+        if find_interpreter(engine).path is not None:
+            pytest.skip(f"{engine} imports in this interpreter")
 
 
-def test_each_engine_that_takes_the_targets_output_is_an_item_coordinate(
-    pytester: pytest.Pytester,
-) -> None:
-    result = pytester.runpytest_subprocess(
-        *BASE,
-        "--export-targets=hf_checkpoint,onnx,torch_export",
-        "--export-models=llama",
-        "--co",
-        "-q",
-    )
-    served = sorted(line.split("::")[-1] for line in result.outlines if "::served[" in line)
-    assert served == sorted(
-        [f"served[hf_checkpoint-{e}-llama-cpu]" for e in engines_taking("hf_checkpoint")]
-        + [f"served[onnx-{e}-llama-cpu]" for e in engines_taking("onnx")]
-    )  # torch_export: no engine takes a .pt2 program, so no item
-    assert engines_taking("hf_checkpoint") == ["transformers", "vllm"]
-    assert set(engines_taking("onnx")) == {"openvino", "optimum-onnxruntime", "onnxruntime-genai"}
+#: This interpreter's transformers (exportlm's pin), given as the transformers engine: not
+#: the 5.19.0 its table was read from.
+HERE = installed_version("transformers", sys.executable)
+GIVEN = f"--export-engine=transformers={sys.executable}"
 
 
-def test_an_item_without_its_engine_skips_before_exporting(
+def test_one_item_per_engine_each_skipping_before_any_export(
     pytester: pytest.Pytester, no_engines: None
 ) -> None:
-    if find_interpreter("vllm").path is not None:
-        pytest.skip("vllm imports in this interpreter")
-    args = [*BASE, "--export-targets=hf_checkpoint", "--export-models=llama", "-rs"]
-    result = pytester.runpytest_subprocess(
-        *args, "exportcheck::served[hf_checkpoint-vllm-llama-cpu]"
-    )
-    result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(
-        ["*hf_checkpoint: [[]vllm / unavailable[]] vllm does not import in*", NO_EXPORT]
-    )
-    required = pytester.runpytest_subprocess(
-        *args, "--export-require-engines", "exportcheck::served[hf_checkpoint-vllm-llama-cpu]"
-    )
-    required.assert_outcomes(failed=1)
-    required.stdout.fnmatch_lines(["*[[]vllm / unavailable[]]*(--export-require-engines)*"])
-
-
-def test_another_engine_version_than_the_tables_is_unverified_and_exports_nothing(
-    pytester: pytest.Pytester, no_engines: None
-) -> None:
-    """This interpreter's transformers (exportlm's pin) is not the 5.19.0 the table was read from."""
-    here = installed_version("transformers", sys.executable)
-    if here == "5.19.0":
+    """Missing engines, an off-version engine, a family served does not run: no export."""
+    if HERE == "5.19.0":
         pytest.skip("this interpreter has the table's transformers")
-    item = "exportcheck::served[hf_checkpoint-transformers-llama-cpu]"
-    args = [*BASE, "--export-targets=hf_checkpoint", "--export-models=llama", "-rs", item]
-    given = f"--export-engine=transformers={sys.executable}"
-    result = pytester.runpytest_subprocess(*args, given)
-    result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(
-        [
-            f"*[[]transformers / unverified[]] unverified: transformers {here} in *"
-            "table was read from 5.19.0*",
-            NO_EXPORT,
-        ]
+    targets = "--export-targets=hf_checkpoint,onnx,torch_export"
+    result = pytester.runpytest_subprocess(
+        *BASE, targets, "--export-models=llama,mixtral", GIVEN, "-rs", "-v"
     )
-    required = pytester.runpytest_subprocess(*args, given, "--export-require-engines")
-    required.assert_outcomes(failed=1)
-    required.stdout.fnmatch_lines(["*unverified: transformers*(--export-require-engines)*"])
+    ids = sorted(
+        line.split("::")[-1].split(" ")[0] for line in result.outlines if "::served[" in line
+    )
+    engines = {"hf_checkpoint": engines_taking("hf_checkpoint"), "onnx": engines_taking("onnx")}
+    assert engines["hf_checkpoint"] == ["transformers", "vllm"]
+    assert set(engines["onnx"]) == {"openvino", "optimum-onnxruntime", "onnxruntime-genai"}
+    assert ids == sorted(
+        f"served[{t}-{e}-{m}-cpu]"
+        for t, es in engines.items()
+        for e in es
+        for m in ("llama", "mixtral")
+    )  # torch_export: no engine takes a .pt2 program, so no item
+    result.assert_outcomes(passed=3, skipped=len(ids))  # passed: the plugin_loads items
+    for line in (
+        f"*[[]transformers / unverified[]] unverified: transformers {HERE} in *"
+        "table was read from 5.19.0*",
+        "*hf_checkpoint: [[]vllm / unavailable[]] vllm does not import in*",
+        "*onnx: [[]openvino / unavailable[]] openvino does not import in*",
+        "*'mixtral' is not one of them*",
+        NO_EXPORT,
+    ):
+        result.stdout.fnmatch_lines([line])
 
 
-def test_a_family_served_does_not_run_is_a_skip_that_exports_nothing(
+def test_a_missing_or_off_version_engine_fails_under_require_engines(
     pytester: pytest.Pytester, no_engines: None
 ) -> None:
+    if HERE == "5.19.0":
+        pytest.skip("this interpreter has the table's transformers")
+    items = [f"exportcheck::served[hf_checkpoint-{e}-llama-cpu]" for e in ("transformers", "vllm")]
     result = pytester.runpytest_subprocess(
-        *BASE, "--export-targets=onnx", "--export-models=mixtral", "-rs"
+        *BASE, "--export-targets=hf_checkpoint", GIVEN, "--export-require-engines", *items
     )
-    result.assert_outcomes(passed=1, skipped=len(engines_taking("onnx")))
-    result.stdout.fnmatch_lines(["*'mixtral' is not one of them*", NO_EXPORT])
+    result.assert_outcomes(failed=2)
+    for line in (
+        "*[[]transformers / unverified[]] unverified: *(--export-require-engines)",
+        "*[[]vllm / unavailable[]] vllm does not import *(--export-require-engines)",
+        NO_EXPORT,
+    ):
+        result.stdout.fnmatch_lines([line])
 
 
 def _never(case: object) -> object:  # pragma: no cover - planning only
