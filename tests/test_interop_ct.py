@@ -218,6 +218,7 @@ def _served_reference(recipe: str, dtype: str, out: Path) -> tuple[Any, Any, lis
 VLLM_FP16_LOGPROB_ATOL = 0.15
 
 
+@pytest.mark.engines
 def test_vllm_cpu_serves_our_int4_awq_compressed_tensors_checkpoint(tmp_path: Path) -> None:
     from exportlm.engines import EngineRequest, get_engine, run_engine
     from exportlm.engines.reference import NEW_TOKENS
@@ -240,6 +241,7 @@ def test_vllm_cpu_serves_our_int4_awq_compressed_tensors_checkpoint(tmp_path: Pa
     assert worst <= VLLM_FP16_LOGPROB_ATOL
 
 
+@pytest.mark.engines
 @pytest.mark.parametrize("recipe", ["int4_awq", "int8_wo"])
 def test_engines_transformers_serves_each_integer_layout(recipe: str, tmp_path: Path) -> None:
     """transformers 5.19 + compressed-tensors 0.17 (vLLM's pins), float32, left-padded batch."""

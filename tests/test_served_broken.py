@@ -61,6 +61,9 @@ def pytest_unconfigure(config):
 
 XDIST = [["-n", "0"], ["-n", "2", "--dist", "loadgroup"]]
 
+#: Runs a real engine: selected by `make test-engines` (`-m engines`).
+pytestmark = pytest.mark.engines
+
 
 def _need(engine: str) -> None:
     found = find_interpreter(engine)
@@ -68,9 +71,14 @@ def _need(engine: str) -> None:
         pytest.skip(f"{found.reason}. Run `make engines` (or `make test-engines`)")
 
 
-def _run(pytester: pytest.Pytester, target: str, workers: list[str]) -> pytest.RunResult:
+def _run(
+    pytester: pytest.Pytester, target: str, workers: list[str], engine: str | None = None
+) -> pytest.RunResult:
+    """The target's served items (only ``engine``'s, by its node id, when given)."""
     pytester.makeconftest(CONFTEST)
+    item = [f"exportcheck::served[{target}-{engine}-llama-cpu]"] if engine else []
     args = [
+        *item,
         f"--export-targets={target}",
         "--export-checks=served",
         "--export-models=llama",
@@ -89,11 +97,11 @@ def test_a_kv_graph_that_ignores_the_mask_fails_served_in_optimum(
     pytester: pytest.Pytester, workers: list[str]
 ) -> None:
     _need("optimum-onnxruntime")
-    result = _run(pytester, "nomask_onnx", workers)
-    result.assert_outcomes(passed=1, failed=1)  # plugin_loads passes; served fails
+    result = _run(pytester, "nomask_onnx", workers, "optimum-onnxruntime")
+    result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*served[[]nomask_onnx-llama-cpu[]]*",
+            "*served[[]nomask_onnx-optimum-onnxruntime-llama-cpu[]]*",
             "*[[]optimum-onnxruntime / kv_cache / failed[]] optimum-onnxruntime 0.1.0: row * "
             "diverges at new token *",
         ]
@@ -105,11 +113,11 @@ def test_a_checkpoint_layout_vllm_refuses_fails_served_with_vllms_message(
     pytester: pytest.Pytester, workers: list[str]
 ) -> None:
     _need("vllm")
-    result = _run(pytester, "vllm_refused_ckpt", workers)
-    result.assert_outcomes(passed=1, failed=1)
+    result = _run(pytester, "vllm_refused_ckpt", workers, "vllm")
+    result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*served[[]vllm_refused_ckpt-llama-cpu[]]*",
+            "*served[[]vllm_refused_ckpt-vllm-llama-cpu[]]*",
             "*[[]vllm / plain / failed[]] vllm 0.32.0 EngineRefusedError serving *",
             "*LlamaForCausalLMWithAHat*",
         ]
@@ -126,8 +134,8 @@ def test_a_missing_engine_skips_and_fails_under_require_engines(
         if find_interpreter(engine).path is not None:
             pytest.skip(f"{engine} imports in this interpreter")
     result = _run(pytester, "nomask_onnx", ["-n", "0", "-rs"])
-    result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*no engine served a match here*openvino*unavailable*"])
+    result.assert_outcomes(passed=1, skipped=3)  # one served item per ONNX engine
+    result.stdout.fnmatch_lines(["*[[]openvino / unavailable[]] openvino does not import*"])
     required = _run(pytester, "nomask_onnx", ["-n", "0", "--export-require-engines"])
-    required.assert_outcomes(passed=1, failed=1)
+    required.assert_outcomes(passed=1, failed=3)
     required.stdout.fnmatch_lines(["*(--export-require-engines)*"])

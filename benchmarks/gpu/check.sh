@@ -98,7 +98,10 @@ if [ -z "$VLLM_PYTHON" ]; then
     say "step 3/4: served on ${DEVICE}: skipped (set VLLM_PYTHON to a GPU build of vLLM's python)"
 else
     say "step 3/4: served on ${DEVICE} with vLLM ${VLLM_PYTHON} (budget ${SERVED_BUDGET_S}s)"
+    # vLLM's item only (one served item per engine): the transformers item would be
+    # 'unverified' here (this venv's transformers is not its table's 5.19.0).
     timeout --signal=INT --kill-after=20 "$SERVED_BUDGET_S" "$PYTHON" -m pytest \
+        "exportcheck::served[hf_checkpoint-vllm-llama-${DEVICE}]" \
         -p no:cacheprovider -n 0 -q -rfEs "${GATE[@]}" --export-only \
         --export-targets=hf_checkpoint --export-checks=served --export-models=llama \
         --export-engine "vllm=$VLLM_PYTHON" --export-require-engines \

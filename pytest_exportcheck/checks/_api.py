@@ -114,6 +114,7 @@ class TargetCase:
         services: what the checks of one process share (toy models, runtimes, the
             item's time profile; :class:`~pytest_exportcheck.checks._services.CheckServices`);
             by default a fresh one, so nothing is shared.
+        engine: the serving engine of a ``per_engine`` check's item (``served``), else ``None``.
     """
 
     target: str
@@ -128,6 +129,7 @@ class TargetCase:
     options: Mapping[str, Any] = field(default_factory=dict)
     export_instance: Callable[..., Path] | None = None
     services: CheckServices = field(default_factory=CheckServices, repr=False, compare=False)
+    engine: str | None = None
 
     @property
     def target_id(self) -> str:

@@ -74,6 +74,9 @@ class CheckSpec:
             ``--export-device`` (the ``cuda`` item's id ends in ``-cuda``; the
             ``cpu`` item keeps the id ``check[exporter]``). Target checks always
             run per device.
+        per_engine: per-model target checks only: one item per serving engine that
+            takes what the target writes (``served[hf_checkpoint-vllm-llama-cpu]``);
+            a target no engine takes gets no item of the check.
         summary: one line: what the check verifies (the first paragraph of the
             implementation's docstring, which holds the full description).
         since: the catalogue version that added a built-in check; ``None`` for a
@@ -90,6 +93,7 @@ class CheckSpec:
     summary: str = ""
     per_device: bool = False
     since: int | None = None
+    per_engine: bool = False
 
     def __post_init__(self) -> None:
         # Accept any iterable of names (a tuple in a declaration), store a frozenset.
@@ -106,6 +110,8 @@ class CheckSpec:
             )
         if self.per_model and self.scope != "target":
             raise CatalogueError(f"check {self.id!r}: per_model=True needs scope='target'")
+        if self.per_engine and not self.per_model:
+            raise CatalogueError(f"check {self.id!r}: per_engine=True needs per_model=True")
         if self.per_device and self.scope != "exporter":
             raise CatalogueError(
                 f"check {self.id!r}: per_device=True is for scope='exporter' "
@@ -286,6 +292,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         "target",
         f"{_T}.served:served",
         per_model=True,
+        per_engine=True,
         summary="The artifact, loaded by the real serving engines that take it, gives the eager "
         "tokens.",
     ),

@@ -130,7 +130,9 @@ def single_item(
         p = replace(planner.plan(request), targets=(_target_row(planner, target),))
     else:
         p = planner.plan(replace(request, exporters=NameSelection.of([str(exporter)])))
-    p = replace(p, devices=(device,), extra_failures={})
+    # One result: a per-engine check (served) runs every engine that takes the target's output.
+    one = tuple(replace(s, per_engine=False) for s in p.checks)
+    p = replace(p, checks=one, devices=(device,), extra_failures={})
     (item,) = [i for i in plan(p) if i.check == check_id]
     return item
 

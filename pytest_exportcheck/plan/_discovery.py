@@ -79,6 +79,9 @@ class Discovery:
     model_failures: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     model_causes: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     model_since: Mapping[str, int | None] = field(default_factory=dict)
+    #: target -> the serving engines whose support table takes what it writes
+    #: (``exportlm.engines.engines_taking``): the engine coordinate of ``served`` items.
+    target_engines: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def golden_dirs(self) -> tuple[Path, ...]:
@@ -108,6 +111,7 @@ def discover() -> Discovery:
     Reads :func:`exportlm.inventory.plugin_inventory`, the one inventory that
     ``exportlm list`` and the ``plugin_loads`` check read too.
     """
+    from exportlm.engines import engines_taking, table_target
     from exportlm.export import EXPORT_REGISTRY, get_target_info
     from exportlm.inventory import plugin_inventory
     from exportlm.models import (
@@ -132,8 +136,11 @@ def discover() -> Discovery:
         if r.status != "loaded"
     )
     models = tuple(MODEL_REGISTRY.names())
+    targets = {name: get_target_info(name) for name in EXPORT_REGISTRY.names()}
+    kinds = {n: table_target(i.artifact, i.suffix) for n, i in targets.items()}
     return Discovery(
-        targets={name: get_target_info(name) for name in EXPORT_REGISTRY.names()},
+        targets=targets,
+        target_engines={n: tuple(engines_taking(k)) if k else () for n, k in kinds.items()},
         models=models,
         exporters={e.name: e.obj for e in EXPORT_MODULE_REGISTRY.entries()},
         plugins=plugins,

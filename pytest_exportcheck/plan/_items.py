@@ -42,6 +42,7 @@ class ItemSpec:
         target, variant, export_kwargs: the target row (target scope).
         exporter: the module exporter name (exporter scope).
         model, device: toy model family and device, where the item has them.
+        engine: the serving engine of a ``per_engine`` check's item (``served``).
         skip: a collection-time skip reason (capability gap), or ``None``.
         failure: for ``plugin_loads``: the load error text, or ``None`` when it loaded.
         check_index: position of the check in the catalogue (matrix row order).
@@ -58,6 +59,7 @@ class ItemSpec:
     exporter: str | None = None
     model: str | None = None
     device: str | None = None
+    engine: str | None = None
     skip: str | None = None
     failure: str | None = None
     check_index: int = 0
@@ -77,6 +79,7 @@ class ItemSpec:
             "column": self.column,
             "model": self.model,
             "device": self.device,
+            "engine": self.engine,
             "check_index": self.check_index,
         }
 
@@ -87,7 +90,8 @@ class TargetPlan:
 
     ``rows`` are its ``(variant, export_kwargs)`` pairs; ``failure`` the text its
     ``plugin_loads`` item fails with (``None``: passes); ``loaded`` false when the
-    target itself is missing, so it gets no other item.
+    target itself is missing, so it gets no other item; ``engines`` the serving
+    engines that take what it writes (one item each of a ``per_engine`` check).
     """
 
     name: str
@@ -95,6 +99,7 @@ class TargetPlan:
     capabilities: frozenset[str] = frozenset()
     failure: str | None = None
     loaded: bool = True
+    engines: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -183,33 +188,48 @@ def _row_items(
     """
     column = f"{target.name}:{variant}" if variant else target.name
     checks = list(checks)
-    combos: list[tuple[int, CheckSpec, str | None, str]] = [
-        (i, spec, None, device) for i, spec in checks if not spec.per_model for device in p.devices
+    combos: list[tuple[int, CheckSpec, str | None, str, str | None]] = [
+        (i, spec, None, device, None)
+        for i, spec in checks
+        if not spec.per_model
+        for device in p.devices
     ]
     combos += [
-        (i, spec, model, device)
+        (i, spec, model, device, engine)
         for model in p.models
         for device in p.devices
         for i, spec in checks
         if spec.per_model
+        for engine in _engines_of(target, spec)
     ]
     return [
         ItemSpec(
             spec.id,
             "target",
             column,
-            (column, device) if model is None else (column, model, device),
+            _params(column, engine, model, device),
             target=target.name,
             variant=variant,
             export_kwargs=kwargs,
             model=model,
             device=device,
+            engine=engine,
             skip=_capability_gap(target, spec, device),
             check_index=index,
             markers=_markers(spec),
         )
-        for index, spec, model, device in combos
+        for index, spec, model, device, engine in combos
     ]
+
+
+def _engines_of(target: TargetPlan, spec: CheckSpec) -> tuple[str | None, ...]:
+    """A ``per_engine`` check's engines for the target (none: no item), else ``(None,)``."""
+    return target.engines if getattr(spec, "per_engine", False) else (None,)
+
+
+def _params(column: str, engine: str | None, model: str | None, device: str) -> tuple[str, ...]:
+    """``column[-engine][-model]-device``: ``served[hf_checkpoint-vllm-llama-cpu]``."""
+    return (*(p for p in (column, engine, model) if p is not None), device)
 
 
 def _exporter_items(exporter: ExporterPlan, p: Plan) -> list[ItemSpec]:

@@ -276,7 +276,10 @@ class Planner:
         info = self.discovery.targets[name]
         problems = [*failed["target"].get(name, []), *failed["runtime"].get(info.runtime, [])]
         rows = tuple((row.variant, row.export_kwargs) for row in self.discovery.rows(name))
-        return TargetPlan(name, rows, info.capabilities, failure=_failure_text(problems))
+        engines = tuple(self.discovery.target_engines.get(name, ()))
+        return TargetPlan(
+            name, rows, info.capabilities, failure=_failure_text(problems), engines=engines
+        )
 
     def _exporter_plan(self, name: str) -> ExporterPlan:
         failure = _failure_text(self._failed["module exporter"].get(name, []))

@@ -150,5 +150,6 @@ def build_case(
         device=device,
         export=export,
         export_instance=export,
+        engine=spec.engine,
         **common,
     )

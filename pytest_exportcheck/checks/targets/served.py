@@ -1,28 +1,35 @@
-"""``served``: the artifact, loaded by the real serving engines that take it, gives the eager tokens.
+"""``served``: the artifact, loaded by one real serving engine that takes it, gives the eager tokens.
 
-Per target x model family (:data:`SERVED_FAMILIES`: a dense and an MoE family; each
-engine run starts a fresh engine process, 10-60 s). What the target writes decides
-the engines (every registered engine whose support table has a row for that kind of
-artifact, :func:`exportlm.engines.artifact_kind`):
+One item per target x engine x model family (``served[hf_checkpoint-vllm-llama-cpu]``;
+the planner's engines are those whose support table has a row for what the target
+writes, :func:`exportlm.engines.engines_taking`), for :data:`SERVED_FAMILIES` (a dense
+and an MoE family; each engine run starts a fresh engine process, 10-60 s).
+
+Before anything is exported the item resolves its engine
+(:func:`exportlm.engines.resolve_engine`: interpreter and installed version, ~50 ms):
+no interpreter is a skip, another version than the support table's is an
+``unverified`` skip, both failures under ``--export-require-engines``. Then only the
+artifacts the engine's table has a row for are exported (from the plugin's artifact
+cache):
 
 * a checkpoint directory: the plain export, and for a target declaring ``quantized``
-  each of :data:`QUANTIZED` (format, recipe), exported from the fake-quantized model
-  (transformers, vLLM); on ``--export-device=cuda`` :data:`QUANTIZED_CUDA` instead,
-  vLLM's GPU-only FP8 / NVFP4 paths, in bfloat16 (``benchmarks/gpu/check.sh``);
+  each of :data:`QUANTIZED` (format, recipe, scheme), exported from the fake-quantized
+  model; on ``--export-device=cuda`` :data:`QUANTIZED_CUDA` instead, vLLM's GPU-only
+  FP8 / NVFP4 paths, in bfloat16 (``benchmarks/gpu/check.sh``);
 * an ``.onnx`` file: the plain graph (OpenVINO), and for a target declaring
   ``kv_cache`` the ``kv_cache=True`` graph in Optimum's folder with
   ``genai_config.json`` (``layout="optimum", genai_config=True``: Optimum ONNX Runtime,
   onnxruntime-genai).
 
-Artifacts come from the plugin's artifact cache. Each (artifact, engine) pair is
-compared by :func:`exportlm.engines.serve_and_compare`: three left-padded prompts of
-3, 7 and 12 tokens without near-ties, 8 greedy tokens equal to the eager (or
-fake-quant) model's, teacher-forced logprobs within the engine's stated tolerance.
+Each (artifact, engine) pair is compared by :func:`exportlm.engines.serve_and_compare`:
+three left-padded prompts of 3, 7 and 12 tokens without near-ties, 8 greedy tokens
+equal to the eager (or fake-quant) model's, teacher-forced logprobs within the
+engine's stated tolerance.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,12 +39,14 @@ from torch import nn
 from exportlm.engines import (
     Engine,
     Outcome,
+    Resolved,
     Served,
-    artifact_kind,
-    engine_names,
+    engines_taking,
     get_engine,
     parse_engine_options,
+    resolve_engine,
     serve_and_compare,
+    table_target,
 )
 from exportlm.errors import ExportLMError
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
@@ -56,15 +65,19 @@ __all__ = ["CUDA_DTYPE", "KV_SERVING", "QUANTIZED", "QUANTIZED_CUDA", "SERVED_FA
 
 #: The families served: a dense one and an MoE one (both in every engine's measured rows).
 SERVED_FAMILIES = ("llama", "qwen3_moe")
-#: (checkpoint format, recipe) of the quantized checkpoints served besides the plain one.
-QUANTIZED: tuple[tuple[str, str], ...] = (("compressed-tensors", "fp8"), ("modelopt", "int8_wo"))
+#: (checkpoint format, recipe, the scheme the tables name it by) of the quantized
+#: checkpoints served besides the plain one.
+QUANTIZED: tuple[tuple[str, str, str], ...] = (
+    ("compressed-tensors", "fp8", "FP8"),
+    ("modelopt", "int8_wo", "W8A16"),
+)
 #: On a CUDA device, instead: vLLM's GPU-only FP8 / NVFP4 paths, computed in bfloat16
 #: (vLLM 0.32's ModelOpt configs take bfloat16 / float16 activations only:
 #: vllm/model_executor/layers/quantization/modelopt.py, get_supported_act_dtypes).
-QUANTIZED_CUDA: tuple[tuple[str, str], ...] = (
-    ("modelopt", "fp8"),
-    ("compressed-tensors", "fp8"),
-    ("modelopt", "nvfp4"),
+QUANTIZED_CUDA: tuple[tuple[str, str, str], ...] = (
+    ("modelopt", "fp8", "FP8"),
+    ("compressed-tensors", "fp8", "FP8"),
+    ("modelopt", "nvfp4", "NVFP4"),
 )
 #: The compute dtype the quantized checkpoints are served in on a CUDA device.
 CUDA_DTYPE = "bfloat16"
@@ -77,23 +90,21 @@ KV_SERVING = {"kv_cache": True, "layout": "optimum", "genai_config": True}
 
 @dataclass(frozen=True)
 class _Artifact:
+    """One artifact to serve, exported only when its engine's table has a row for it."""
+
     label: str
-    path: Path
-    model: nn.Module
+    layout: str | None
+    scheme: str | None
+    make: Callable[[], tuple[Path, nn.Module]]
     dtype: str | None = None  # None: the artifact's own
 
 
-def _engines_for(path: Path) -> list[Engine]:
-    """Every registered engine whose support table has a row for this kind of artifact."""
-    kind = artifact_kind(path)
-    return [
-        engine
-        for engine in map(get_engine, engine_names())
-        if any(
-            (row.target, row.layout, row.scheme) == (kind.target, kind.layout, kind.scheme)
-            for row in engine.table
-        )
-    ]
+def _takes(engine: Engine, target: str, artifact: _Artifact) -> bool:
+    """Whether the engine's table has a row for that artifact (any dtype, any device)."""
+    return any(
+        (row.target, row.layout, row.scheme) == (target, artifact.layout, artifact.scheme)
+        for row in engine.table
+    )
 
 
 def _sharp(case: TargetCase, name: str, recipe: str) -> nn.Module:
@@ -113,29 +124,30 @@ def _sharp(case: TargetCase, name: str, recipe: str) -> nn.Module:
 
 def _quantized(case: TargetCase, name: str) -> Iterator[_Artifact]:
     cuda = case.device.startswith("cuda")
-    for layout, recipe in QUANTIZED_CUDA if cuda else QUANTIZED:
-        try:
+    for layout, recipe, scheme in QUANTIZED_CUDA if cuda else QUANTIZED:
+
+        def make(layout: str = layout, recipe: str = recipe) -> tuple[Path, nn.Module]:
             model = _sharp(case, name, recipe) if cuda else quantized_toy(case, name, recipe)
-        except CheckAbort as abort:
-            if abort.result.status == "skip":
-                continue  # the recipe does not fit this family
-            raise
-        where = case.workdir / "served" / f"{layout}-{recipe}"
-        path = export_instance(case, model, where, format=layout)
-        yield _Artifact(f"{layout} {recipe}", path, model, CUDA_DTYPE if cuda else None)
+            where = case.workdir / "served" / f"{layout}-{recipe}"
+            return export_instance(case, model, where, format=layout), model
+
+        yield _Artifact(f"{layout} {recipe}", layout, scheme, make, CUDA_DTYPE if cuda else None)
 
 
 def _artifacts(case: TargetCase, name: str) -> Iterator[_Artifact]:
     info = target_info(case)
-    model = build_case_model(case, name)
+
+    def plain(**options: Any) -> Callable[[], tuple[Path, nn.Module]]:
+        return lambda: (shared_artifact(case, name, **options), build_case_model(case, name))
+
     if info.artifact == "directory":
-        yield _Artifact("plain", shared_artifact(case, name), model)
+        yield _Artifact("plain", None, None, plain())
         if info.has("quantized"):
             yield from _quantized(case, name)
     elif info.suffix == ".onnx":
-        yield _Artifact("plain", shared_artifact(case, name), model)
+        yield _Artifact("plain", "plain", None, plain())
         if info.has("kv_cache"):
-            yield _Artifact("kv_cache", shared_artifact(case, name, **KV_SERVING), model)
+            yield _Artifact("kv_cache", "kv_cache", None, plain(**KV_SERVING))
 
 
 def _overrides(case: TargetCase) -> dict[str, str]:
@@ -145,21 +157,55 @@ def _overrides(case: TargetCase) -> dict[str, str]:
         raise CheckAbort(CheckResult.failed(f"--export-engine: {error_text(err)}")) from err
 
 
+def _resolve(case: TargetCase, overrides: dict[str, str]) -> list[Resolved]:
+    """The item's engines that are ready; a skip (a failure when required) for any other.
+
+    The item's one engine (a case built without one: every engine that takes the
+    target's output, and only when none is ready is it a skip).
+    """
+    found: list[Resolved] = []
+    for engine in _engines(case):
+        try:
+            found.append(resolve_engine(engine, overrides))
+        except ExportLMError as err:  # a given path that is no interpreter
+            raise CheckAbort(CheckResult.failed(f"{case.target_id}: {error_text(err)}")) from err
+    ready = [f for f in found if f.status == "ready"]
+    others = [f"[{f.engine} / {f.status}] {f.reason}" for f in found if f.status != "ready"]
+    if others and case.options.get("require_engines"):
+        text = "; ".join(others)
+        raise CheckAbort(CheckResult.failed(f"{case.target_id}: {text} (--export-require-engines)"))
+    if not ready:
+        text = "; ".join(others) or "no engine takes what it writes"
+        raise CheckAbort(CheckResult.skipped(f"{case.target_id}: {text}"))
+    return ready
+
+
+def _engines(case: TargetCase) -> list[str]:
+    """The item's engine, or (a case built without one) every engine taking the target's output."""
+    if case.engine is not None:
+        return [case.engine]
+    info = target_info(case)
+    kind = table_target(info.artifact, info.suffix)
+    return engines_taking(kind) if kind else []
+
+
 @check("served")
 @aborts_to_result
 def served(case: TargetCase) -> CheckResult:
     """The artifact, loaded by the real serving engines that take it, gives the eager tokens.
 
-    For :data:`SERVED_FAMILIES` (other families: a counted skip). Every engine whose
-    support table takes what the target writes runs it out of process (its interpreter:
-    ``--export-engine NAME=PATH``, ``EXPORTLM_ENGINE_<NAME>``, or this one where it
-    imports). Fails when an engine refuses, crashes on, or diverges from an artifact its
-    table says it runs (the engine's own message, the first diverging row and position,
-    the largest logprob gap against the tolerance), or when the engine contradicts its
-    table. Declared limits (``refused``, ``misreads``, ``engine_limit``) confirmed by the
+    For :data:`SERVED_FAMILIES` (other families: a counted skip), one item per engine
+    whose support table takes what the target writes. The engine is resolved first
+    (``--export-engine NAME=PATH``, ``EXPORTLM_ENGINE_<NAME>``, or this interpreter where
+    it imports): none is a skip, another version than its table's an ``unverified``
+    skip, both failures under ``--export-require-engines``, and nothing is exported.
+    Then every artifact the engine's table has a row for runs out of process. Fails when
+    the engine refuses, crashes on, or diverges from an artifact its table says it runs
+    (the engine's own message, the first diverging row and position, the largest
+    logprob gap against the tolerance), or when the engine contradicts its table.
+    Declared limits (``refused``, ``misreads``, ``engine_limit``) confirmed by the
     engine are named in the message and in ``details["served"]``, never counted as a
-    match. An engine without an interpreter is a skip, a failure under
-    ``--export-require-engines``.
+    match.
     """
     require_device(case, target_info(case))
     name = default_model_name(case)
@@ -169,22 +215,33 @@ def served(case: TargetCase) -> CheckResult:
             f"an engine process); {name!r} is not one of them"
         )
     overrides = _overrides(case)
+    info = target_info(case)
+    target = table_target(info.artifact, info.suffix) or ""
     results: list[tuple[str, Served]] = []
-    for artifact in _artifacts(case, name):
-        for engine in _engines_for(artifact.path):
+    for found in _resolve(case, overrides):
+        engine = get_engine(found.engine)
+        for artifact in _artifacts(case, name):
+            if not _takes(engine, target, artifact):
+                continue
+            try:
+                path, model = artifact.make()
+            except CheckAbort as abort:
+                if abort.result.status == "skip":
+                    continue  # the recipe does not fit this family
+                raise
             got = serve_and_compare(
                 engine,
-                artifact.path,
-                artifact.model,
+                path,
+                model,
                 dtype=artifact.dtype,
-                overrides=overrides,
+                python=found.python,
                 device="cuda" if case.device.startswith("cuda") else "cpu",
             )
             results.append((artifact.label, got))
     if not results:
         return CheckResult.skipped(
-            f"no registered engine serves what target {case.target_id!r} writes "
-            f"(engines: {', '.join(engine_names())})"
+            f"{case.target_id}: no artifact of this family that "
+            f"{' / '.join(_engines(case)) or 'any engine'} takes"
         )
     return _verdict(case, results)
 
@@ -205,8 +262,8 @@ def _verdict(case: TargetCase, results: list[tuple[str, Served]]) -> CheckResult
     failed = [(lbl, g) for lbl, g in results if g.outcome is Outcome.FAILED and not g.off_table]
     missing = [(lbl, g) for lbl, g in results if g.outcome is Outcome.UNAVAILABLE]
     matched = [(lbl, g) for lbl, g in results if g.outcome is Outcome.PASSED]
-    # Another engine version than the table's (a failure there is named, not held
-    # against the artifact), declared limits, near-ties.
+    # A version another than the table's (seen only when it changed under us), declared
+    # limits, near-ties: named, never held against the artifact, never a match.
     others = [(lbl, g) for lbl, g in results if (lbl, g) not in failed + missing + matched]
     details: dict[str, Any] = {"served": rows}
     if failed or (require and missing):

@@ -8,6 +8,8 @@
 - :func:`find_interpreter`, :func:`parse_engine_options`: which Python runs an engine
   (``--export-engine NAME=PATH``, ``EXPORTLM_ENGINE_<NAME>``, or this one).
 - :func:`artifact_kind`: a checkpoint directory or ONNX file in the tables' terms.
+- :func:`engines_taking`, :func:`resolve_engine`: which engines take what a target
+  writes, and an engine's interpreter and installed version, found before any export.
 - :func:`run_engine`: an :class:`EngineRequest` served from an artifact by the
   engine's worker in a subprocess; an :class:`EngineResult`, or a specific
   :class:`~exportlm.errors.EngineError`.
@@ -47,6 +49,13 @@ from exportlm.engines.registry import (
     get_engine,
     validate_engine,
 )
+from exportlm.engines.resolve import (
+    Resolved,
+    engines_taking,
+    installed_version,
+    resolve_engine,
+    table_target,
+)
 from exportlm.engines.run import probe_engine, run_engine
 from exportlm.engines.spec import WORKERS_DIR, Engine, Match, Support, Verdict
 from exportlm.engines.tolerances import MIN_MARGIN, TOLERANCES, Tolerance, tolerance_for
@@ -85,6 +94,7 @@ __all__ = [
     "Match",
     "Outcome",
     "Reference",
+    "Resolved",
     "Served",
     "Support",
     "Tolerance",
@@ -96,13 +106,17 @@ __all__ = [
     "eager_reference",
     "engine_env_var",
     "engine_names",
+    "engines_taking",
     "ensure_engines_registered",
     "find_interpreter",
     "get_engine",
+    "installed_version",
     "parse_engine_options",
     "probe_engine",
+    "resolve_engine",
     "run_engine",
     "serve_and_compare",
+    "table_target",
     "tolerance_for",
     "validate_engine",
 ]
