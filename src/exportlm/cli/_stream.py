@@ -39,12 +39,13 @@ def wants_streaming(
                 "streams layer by layer"
             )
         return False
+    from exportlm.errors import InvalidInputError
     from exportlm.stream import model_bytes, parse_memory, should_stream
 
     if budget is not None:
         try:
             parse_memory(budget)
-        except ValueError as err:
+        except InvalidInputError as err:
             raise UsageError(f"--max-memory {budget}: {err}") from None
     stream = forced or should_stream(source.path, budget)
     if stream and not forced:
