@@ -57,7 +57,8 @@ def test_a_killed_run_resumes_after_its_last_layer_and_writes_the_same_bytes(
     with caplog.at_level("INFO", logger="exportlm.stream"):
         export_streaming(src, out, recipe=recipe, max_shard_size="100KB")
     assert "resuming after layer 2 of 4" in caplog.text
-    assert "layer 0 done" not in caplog.text and "layer 1 done" not in caplog.text
+    assert "layer 0 done" not in caplog.text
+    assert "layer 1 done" not in caplog.text
     assert different_files(whole, out, skip=(MANIFEST,)) == []
     assert not (tmp_path / ".resumed.stream").exists()
 
