@@ -74,9 +74,13 @@ def check_fits(
     if need > budget:
         index = list(layer_bytes).index(largest)
         raise LayerTooLargeError(
-            f"decoder layer {index} needs about {need / 1e9:.2f} GB to stream (2 x {largest / 1e9:.2f} "
-            f"GB of weights and quantized copy, a {shard_bytes / 1e9:.2f} GB input shard, "
-            f"2 x {activation_bytes / 1e9:.2f} GB of calibration activations), more than the "
-            f"{budget / 1e9:.2f} GB budget; expected at least that much. Raise --max-memory, "
+            f"decoder layer {index} needs about {_size(need)} to stream (2 x {_size(largest)} "
+            f"of weights and their quantized copy, a {_size(shard_bytes)} input shard, "
+            f"2 x {_size(activation_bytes)} of calibration activations), more than the "
+            f"{_size(budget)} budget; expected at least that much. Raise --max-memory, "
             "use fewer or shorter calibration rows, or re-shard the input with smaller shards"
         )
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 10**9 else f"{n / 1e6:.2f} MB"
