@@ -127,3 +127,23 @@ def test_the_budget_decides_whether_to_stream(tmp_path: Path) -> None:
     assert parse_memory("1GiB") == 2**30
     with pytest.raises(InvalidInputError, match="expected a number and a unit"):
         parse_memory("lots")
+
+
+def test_activations_past_the_budget_are_read_back_from_disk_with_the_same_result(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from exportlm.inputs import make_input_ids
+
+    src = llama_directory(tmp_path, tied=False, layers=2)
+    # 4 batches of 4 x 128 tokens: 0.52 MB of bf16 activations per layer boundary, more
+    # than a quarter of the 2 MB budget (what stays in memory), so they live on disk.
+    batches = [make_input_ids(256, batch=4, seq=128, seed=s) for s in range(4)]
+    with caplog.at_level("DEBUG", logger="exportlm.stream"):
+        on_disk = export_streaming(
+            src, tmp_path / "disk", recipe="fp8", calibration=batches, max_memory="2MB"
+        )
+    assert "entering layer 1 are read from disk" in caplog.text
+    in_memory = export_streaming(
+        src, tmp_path / "held", recipe="fp8", calibration=batches, max_memory="1GB"
+    )
+    assert different_files(on_disk, in_memory, skip=(MANIFEST,)) == []

@@ -12,10 +12,12 @@ there; any other run starts afresh. The area is removed once the checkpoint is p
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -25,6 +27,7 @@ from exportlm.export.hf_checkpoint.sink import write_safetensors
 __all__ = ["ActivationStore", "Progress", "WorkArea", "work_directory"]
 
 _PROGRESS = "progress.json"
+logger = logging.getLogger("exportlm.stream")
 
 
 def work_directory(output_path: Path) -> Path:
@@ -100,6 +103,10 @@ class ActivationStore:
         previous, self._file, self._count = self._file, file, len(batches)
         size = sum(t.numel() * t.element_size() for t in batches)
         self._held = batches if size <= self.budget else None
+        if self._held is None:
+            logger.debug(
+                "the %d bytes of activations entering layer %d are read from disk", size, index
+            )
         if previous is not None and previous != file:
             previous.unlink(missing_ok=True)
 
@@ -112,13 +119,35 @@ class ActivationStore:
             self._count = len(list(handle.keys()))
         self._held = None
 
-    def batches(self) -> list[torch.Tensor]:
-        """The inputs, in memory or read from the file."""
+    def batches(self) -> Sequence[torch.Tensor]:
+        """The inputs: in memory, or read from the file one batch at a time as they are used."""
         if self._held is not None:
             return self._held
         if self._file is None:
             raise RuntimeError("no activations stored yet")
+        return _FileBatches(self._file, self._count)
+
+
+class _FileBatches(Sequence[torch.Tensor]):
+    """Batch ``i`` read from an activations file when it is indexed (memory-mapped)."""
+
+    def __init__(self, file: Path, count: int) -> None:
         from safetensors import safe_open
 
-        with safe_open(str(self._file), framework="pt", device="cpu") as handle:
-            return [handle.get_tensor(f"b{i}") for i in range(self._count)]
+        self._handle = safe_open(str(file), framework="pt", device="cpu")
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[torch.Tensor]: ...
+    def __getitem__(self, index: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        tensor: torch.Tensor = self._handle.get_tensor(f"b{index}")
+        return tensor
