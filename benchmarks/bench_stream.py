@@ -156,6 +156,9 @@ def run(directory: Path, budget: str, in_memory: bool) -> None:
         modes.append(("in-memory", ["-o", "max_shard_size=1GB"]))
     for recipe in ("fp8", "int4_awq"):
         for mode, extra in modes:
+            if mode == "in-memory" and _available() < 2.3 * model:
+                print(f"{mode:<10} {recipe:<9} skipped: {_available() / 1e9:.1f} GB available")
+                continue
             out = ROOT / f"out-{mode}-{recipe}"
             argv = [
                 "export",
@@ -173,6 +176,13 @@ def run(directory: Path, budget: str, in_memory: bool) -> None:
                 f"{mode:<10} {recipe:<9} {seconds:8.1f} {peak / 1e9:12.2f} {peak / model:11.2f}  {code}",
                 flush=True,
             )
+
+
+def _available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def compare() -> None:

@@ -151,7 +151,7 @@ def export_streaming(
         out, directory=True, overwrite=overwrite, before_publish=manifest.hook
     ) as staged:
         for name in [*written.files, *([written.index_file] if written.index_file else [])]:
-            (work.directory / name).replace(staged / name)
+            _link_or_copy(work.directory / name, staged / name)  # the work area keeps its own
         write_configs(source.model, staged, dtype, quant, format)
     work.remove()
     source.close()
@@ -258,6 +258,16 @@ def _without_layers(source: CheckpointSource) -> Iterator[nn.Module]:
         yield source.model
     finally:
         setattr(parent, attr, layers)
+
+
+def _link_or_copy(source: Path, destination: Path) -> None:
+    """A hard link (same filesystem: free), else a copy; a kill before publishing loses nothing."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(source, destination)
 
 
 _DEFAULTS = {"format": "modelopt", "max_shard_size": "5GB", "dtype": None, "overwrite": False}

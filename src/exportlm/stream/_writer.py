@@ -132,7 +132,10 @@ class ResumableShardWriter:
         files: list[str] = []
         for i, (tmp, names) in enumerate(shards, start=1):
             final = SINGLE_FILE_NAME if count == 1 else f"model-{i:05d}-of-{count:05d}.safetensors"
-            (self.directory / tmp).replace(self.directory / final)
+            if (self.directory / tmp).exists() or not (self.directory / final).exists():
+                (self.directory / tmp).replace(
+                    self.directory / final
+                )  # else: renamed before a kill
             files.append(final)
             weight_map.update(dict.fromkeys(names, final))
         index_file = None
