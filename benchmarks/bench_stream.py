@@ -110,13 +110,30 @@ def _flush(
     return name, list(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _child(argv: list[str]) -> tuple[float, int, int]:
-    """(seconds, peak RSS bytes, exit code) of ``python -m exportlm ARGV`` alone."""
+def _child(argv: list[str], timeout: float | None) -> tuple[float, int, int]:
+    """(seconds, peak RSS bytes, exit code) of ``python -m exportlm ARGV`` alone; killed
+    (SIGKILL, exit -9) after ``timeout`` seconds, when given: its work area stays, resumable."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "exportlm", *argv], stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if timeout is not None and time.perf_counter() - start > timeout:
+            proc.kill()
+            _, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(1)
     seconds = time.perf_counter() - start
     return seconds, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status)
+
+
+def _layers_done(out: Path) -> str:
+    progress = out.parent / f".{out.name}.stream" / "progress.json"
+    if not progress.is_file():
+        return ""
+    done = json.loads(progress.read_text())["layers_done"]
+    return f"  (killed after {done} layers, resumable)"
 
 
 def _baseline_rss() -> int:
@@ -138,7 +155,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def run(directory: Path, budget: str, in_memory: bool) -> None:
+def run(
+    directory: Path, budget: str, in_memory: bool, recipes: list[str], timeout: float | None
+) -> None:
     model = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     bound, base = (
         _bound(directory, json.loads((directory / "config.json").read_text())),
@@ -154,7 +173,7 @@ def run(directory: Path, budget: str, in_memory: bool) -> None:
     modes = [("stream", ["--max-memory", budget, "-o", "max_shard_size=1GB"])]
     if in_memory:
         modes.append(("in-memory", ["-o", "max_shard_size=1GB"]))
-    for recipe in ("fp8", "int4_awq"):
+    for recipe in recipes:
         for mode, extra in modes:
             if mode == "in-memory" and _available() < 2.3 * model:
                 print(f"{mode:<10} {recipe:<9} skipped: {_available() / 1e9:.1f} GB available")
@@ -169,13 +188,10 @@ def run(directory: Path, budget: str, in_memory: bool) -> None:
                 "--out",
                 str(out),
             ]
-            seconds, peak, code = _child(
-                [*argv, "--quantize", recipe, "-o", "overwrite=true", *extra, "-q"]
-            )
-            print(
-                f"{mode:<10} {recipe:<9} {seconds:8.1f} {peak / 1e9:12.2f} {peak / model:11.2f}  {code}",
-                flush=True,
-            )
+            argv += ["--quantize", recipe, "-o", "overwrite=true", *extra, "-q"]
+            seconds, peak, code = _child(argv, timeout)
+            row = f"{mode:<10} {recipe:<9} {seconds:8.1f} {peak / 1e9:12.2f} {peak / model:11.2f}"
+            print(f"{row}  {code}{_layers_done(out) if code else ''}", flush=True)
 
 
 def _available() -> int:
@@ -232,11 +248,13 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=ROOT / "llama-3b")
     parser.add_argument("--max-memory", default="3GB")
     parser.add_argument("--in-memory", action="store_true")
+    parser.add_argument("--recipes", default="fp8,int4_awq")
+    parser.add_argument("--timeout", type=float, help="kill each export after this many seconds")
     args = parser.parse_args()
     if args.command == "build":
         build(args.model, CONFIG)
     elif args.command == "run":
-        run(args.model, args.max_memory, args.in_memory)
+        run(args.model, args.max_memory, args.in_memory, args.recipes.split(","), args.timeout)
     else:
         compare()
 
