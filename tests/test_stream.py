@@ -38,8 +38,14 @@ def _assert_same_checkpoint(a: Path, b: Path) -> None:
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize(
     ("recipe", "inputs"),
-    [("fp8", "float"), ("int8_wo", "quantized"), ("int4_awq", "float"), (None, "quantized")],
-    ids=["fp8", "int8_wo", "int4_awq", "unquantized"],
+    [
+        ("fp8", "float"),
+        ("int8_wo", "quantized"),
+        ("int4_awq", "float"),
+        ("nvfp4", "float"),
+        (None, "quantized"),
+    ],
+    ids=["fp8", "int8_wo", "int4_awq", "nvfp4", "unquantized"],
 )
 def test_streamed_checkpoint_is_the_in_memory_one_byte_for_byte(
     tmp_path: Path, recipe: str | None, inputs: str, tied: bool
@@ -86,6 +92,8 @@ def test_unsupported_families_and_recipes_are_refused_by_name(tmp_path: Path) ->
     src = llama_directory(tmp_path, tied=False)
     with pytest.raises(StreamingUnsupportedError, match="fp8_kv"):
         export_streaming(src, tmp_path / "kv", recipe="fp8+fp8_kv")
+    with pytest.raises(StreamingUnsupportedError, match=r"recipe 'int8_sq' does not stream yet"):
+        export_streaming(src, tmp_path / "sq", recipe="int8_sq")
     with pytest.raises(StreamingUnsupportedError, match="mixed-precision"):
         export_streaming(src, tmp_path / "mixed", recipe={"*": "fp8", "*.mlp.*": "int8_wo"})
     assert not (tmp_path / "kv").exists()
