@@ -9,6 +9,7 @@ dtype, and :meth:`CheckpointSource.free` puts it back on ``meta``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ class CheckpointSource:
         own = [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]
         state = {k: v for k, v in module.state_dict(keep_vars=True).items() if k in dict(own)}
         base = f"{prefix}." if prefix else ""
-        with torch.no_grad():
+        with torch.no_grad(), self._mapped():
             for name, tensor in state.items():
                 stored = self._read(base + name)
                 if stored.shape != tensor.shape:
@@ -125,6 +126,15 @@ class CheckpointSource:
         """Close the memory-mapped shards."""
         self._handles.clear()
 
+    @contextlib.contextmanager
+    def _mapped(self) -> Iterator[None]:
+        """Shards stay mapped for one :meth:`load` only: the pages read from them count in the
+        process's RSS until they are unmapped, so a long-lived mapping would grow to a shard."""
+        try:
+            yield
+        finally:
+            self._handles.clear()
+
     def _read(self, name: str) -> torch.Tensor:
         shard = self.shard_of.get(name)
         if shard is None and name in self._ties:  # a tied lm_head: saved as its source
@@ -140,7 +150,7 @@ class CheckpointSource:
             from safetensors import safe_open
 
             handle = safe_open(str(self.directory / shard), framework="pt", device="cpu")
-            self._handles = {shard: handle}  # one shard mapped at a time
+            self._handles[shard] = handle
         tensor: torch.Tensor = handle.get_tensor(name)
         return tensor
 
