@@ -227,7 +227,7 @@ def _loaded(source: CheckpointSource, names: set[str]) -> Iterator[None]:
     """The modules outside the layers that own ``names``, and every module with computed
     buffers (the rotary table), loaded for the duration (their own tensors only)."""
     model, layers = source.model, source.layout.layers + "."
-    owners = {n.rsplit(".", 1)[0] if "." in n else "" for n in source.tie_sources(names)}
+    owners = {n.rsplit(".", 1)[0] if "." in n else "" for n in source.saved(names)}
     computed = {
         m
         for m, module in model.named_modules()

@@ -113,9 +113,9 @@ class CheckpointSource:
         module.to_empty(device="meta", recurse=recurse)
         self._retie()
 
-    def tie_sources(self, names: Iterable[str]) -> set[str]:
-        """``names`` and the names their tied tensors are saved under (load those together)."""
-        return {*names, *(self._ties[n] for n in names if n in self._ties)}
+    def saved(self, names: Iterable[str]) -> set[str]:
+        """``names`` without the tied copies (a tied ``lm_head.weight``), which no export reads."""
+        return {n for n in names if n not in self._ties}
 
     def _retie(self) -> None:
         """``to_empty`` gives each module new tensors: share a tied pair's one again."""
