@@ -57,6 +57,17 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.hfdir",
     },
     "exportlm.engines": {"exportlm.errors", "exportlm.registry", "exportlm.hfdir"},
+    "exportlm.stream": {  # layer-by-layer export: the export core's public pieces, driven per layer
+        "exportlm._progress",
+        "exportlm._version",
+        "exportlm.atomic",
+        "exportlm.errors",
+        "exportlm.export",
+        "exportlm.hfdir",
+        "exportlm.inputs",
+        "exportlm.module_exporters",
+        "exportlm.quant",
+    },
     "exportlm.inventory": {
         "exportlm.registry",
         "exportlm.export",

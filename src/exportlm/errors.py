@@ -42,6 +42,9 @@ __all__ = [
     "EngineRefusedError",
     "EngineTimeoutError",
     "EngineUnavailableError",
+    "LayerTooLargeError",
+    "StreamingError",
+    "StreamingUnsupportedError",
 ]
 
 
@@ -136,6 +139,19 @@ class ExportError(ExportLMError):
 
 class ExportFailedError(ExportError):
     """The underlying exporter (torch.onnx, torch.jit, torch.export, ...) failed."""
+
+
+class StreamingError(ExportError):
+    """A layer-by-layer (streaming) export cannot proceed (:mod:`exportlm.stream`)."""
+
+
+class StreamingUnsupportedError(StreamingError, ValueError):
+    """The model family or recipe does not stream yet; the message names what, and the
+    in-memory export to use instead."""
+
+
+class LayerTooLargeError(StreamingError, MemoryError):
+    """One decoder layer (with its shard and activations) does not fit the memory budget."""
 
 
 class RuntimeUnavailableError(ExportLMError, RuntimeError):

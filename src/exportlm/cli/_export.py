@@ -43,6 +43,9 @@ class ExportPlan:
     verify: bool
     as_json: bool
     trust: bool = False
+    stream: bool = False  # layer by layer (exportlm.stream), see cli/_stream.py
+    max_memory: str | None = None
+    stream_inputs: str = "quantized"
 
 
 @dataclass
@@ -87,7 +90,12 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
         trust=getattr(args, "trust", False),
     )
     _check_output(plan, factory)
-    if plan.verify:
+    from exportlm.cli._stream import wants_streaming
+
+    plan.stream = wants_streaming(args, plan.target, plan.source, plan.options)
+    plan.max_memory = getattr(args, "max_memory", None)
+    plan.stream_inputs = getattr(args, "stream_inputs", None) or "quantized"
+    if plan.verify and not plan.stream:
         _check_runtime(plan.target)
     return plan
 
@@ -135,6 +143,9 @@ def _check_runtime(target: str) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     """Run ``exportlm export``; the exit code is 1 when verification fails."""
     plan = plan_export(args)
+    if plan.stream:
+        _print_result(plan, _export_streamed(plan))
+        return EXIT_OK
     timings: dict[str, float] = {}
     start = time.perf_counter()
     with phase(f"loading model {plan.model_argument}"):
@@ -171,6 +182,33 @@ def _export(plan: ExportPlan, model: Any) -> _Result:
         path = export_model(plan.target, model, plan.out, **plan.options)
     seconds = time.perf_counter() - start
     return _Result(path=path, files=_artifact_files(path, before), seconds=seconds)
+
+
+def _export_streamed(plan: ExportPlan) -> _Result:
+    from exportlm.cli._stream import stream_batches
+    from exportlm.stream import export_streaming
+
+    before = _snapshot(plan.out.parent)
+    start = time.perf_counter()
+    with phase(f"exporting {plan.model_argument} layer by layer to {plan.target}"):
+        path = export_streaming(
+            plan.model_argument,
+            plan.out,
+            recipe=plan.recipe,
+            calibration=stream_batches(plan.calibration, plan.source),
+            max_memory=plan.max_memory,
+            calibration_inputs="float" if plan.stream_inputs == "float" else "quantized",
+            **plan.options,
+        )
+    seconds = time.perf_counter() - start
+    result = _Result(path=path, files=_artifact_files(path, before), seconds=seconds)
+    result.calibration = {
+        "source": "synthetic"
+        if plan.calibration is None or plan.calibration.texts is None
+        else str(plan.calibration.data),
+        "streamed": True,
+    }
+    return result
 
 
 def _snapshot(directory: Path) -> dict[str, tuple[int, int]]:

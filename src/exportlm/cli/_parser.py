@@ -178,7 +178,31 @@ def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust", action="store_true", help=_TRUST_HELP)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     _add_quantization(p)
+    _add_streaming(p)
     _add_verbosity(p, "sub")
+
+
+def _add_streaming(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("streaming (hf_checkpoint from a model directory; docs/streaming.md)")
+    s.add_argument(
+        "--stream",
+        action="store_true",
+        help="export layer by layer even when the model fits (it does by itself when it does not)",
+    )
+    s.add_argument(
+        "--max-memory",
+        metavar="SIZE",
+        help="memory budget such as 8GB (default: the cgroup limit, else the available memory); "
+        "a model whose in-memory export would exceed it is exported layer by layer",
+    )
+    s.add_argument(
+        "--stream-inputs",
+        choices=("quantized", "float"),
+        default=None,
+        help="what each streamed layer is calibrated on: the outputs of the already quantized "
+        "layers (quantized, default, as llm-compressor) or of the float ones (float: the "
+        "in-memory export's scales, byte for byte)",
+    )
 
 
 def _add_quantization(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,263 @@
+"""Streaming export of a model larger than its memory budget: peak RSS, seconds, the bound.
+
+    python benchmarks/bench_stream.py build            # a 3.2B Llama, bf16, 1 GB shards (~6.4 GB)
+    python benchmarks/bench_stream.py run --max-memory 3GB [--in-memory]
+    python benchmarks/bench_stream.py compare          # sequential vs whole-model calibration
+
+``build`` writes random bf16 weights (seeded) layer by layer straight into safetensors shards
+under ``/work/bench-models/llama-3b`` (never the whole model in memory). ``run`` exports FP8
+and INT4 AWQ with ``exportlm export --max-memory`` in a child process each and reads the
+child's peak RSS from ``os.wait4`` (``ru_maxrss``); ``--in-memory`` adds the in-memory path
+(no budget; it needs about twice the model in RAM). Next to each streamed peak it prints the
+done-means bound: one decoder layer + one shard + the calibration activations (and that
+bound plus the interpreter's own RSS after importing torch and transformers, measured).
+``compare`` measures, on a model that fits, how far sequential calibration (each layer on
+the outputs of the already quantized layers) moves the FP8 activation scales and the logits
+from whole-model calibration (docs/streaming.md quotes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path("/work/bench-models")
+CONFIG: dict[str, Any] = {  # Llama 3.2 3B's shape
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "dtype": "bfloat16",
+    "hidden_act": "silu",
+}
+SHARD = 10**9
+
+
+def _layer_shapes(c: dict[str, Any], i: int) -> dict[str, tuple[int, ...]]:
+    h, m, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["head_dim"]
+    p = f"model.layers.{i}."
+    return {
+        p + "input_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (h, h),
+        p + "self_attn.k_proj.weight": (kv, h),
+        p + "self_attn.v_proj.weight": (kv, h),
+        p + "self_attn.o_proj.weight": (h, h),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "mlp.gate_proj.weight": (m, h),
+        p + "mlp.up_proj.weight": (m, h),
+        p + "mlp.down_proj.weight": (h, m),
+    }
+
+
+def build(directory: Path, config: dict[str, Any]) -> None:
+    """Write the model shard by shard (random bf16, seeded), then the index and config."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], config["hidden_size"])}
+    for i in range(config["num_hidden_layers"]):
+        shapes |= _layer_shapes(config, i)
+    shapes["model.norm.weight"] = (config["hidden_size"],)
+    gen = torch.Generator().manual_seed(0)
+    shards: list[dict[str, Any]] = [{}]
+    size, files, weight_map = 0, [], {}
+    for name, shape in shapes.items():
+        tensor = (torch.randn(shape, generator=gen) * (0.02 if len(shape) > 1 else 1.0)).to(
+            torch.bfloat16
+        )
+        if len(shape) == 1:
+            tensor = torch.ones(shape, dtype=torch.bfloat16)
+        nbytes = tensor.numel() * 2
+        if shards[-1] and size + nbytes > SHARD:
+            files.append(_flush(directory, shards[-1], len(files), save_file))
+            shards, size = [{}], 0
+        shards[-1][name] = tensor
+        size += nbytes
+    files.append(_flush(directory, shards[-1], len(files), save_file))
+    total = 0
+    for i, (tmp, names, nbytes) in enumerate(files, 1):
+        final = f"model-{i:05d}-of-{len(files):05d}.safetensors"
+        (directory / tmp).rename(directory / final)
+        weight_map |= dict.fromkeys(names, final)
+        total += nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    print(f"built {directory}: {total / 1e9:.2f} GB in {len(files)} shards")
+
+
+def _flush(
+    directory: Path, tensors: dict[str, Any], index: int, save_file: Any
+) -> tuple[str, list[str], int]:
+    name = f"part-{index}.safetensors"
+    save_file(tensors, str(directory / name), metadata={"format": "pt"})
+    return name, list(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _child(argv: list[str], timeout: float | None) -> tuple[float, int, int]:
+    """(seconds, peak RSS bytes, exit code) of ``python -m exportlm ARGV`` alone; killed
+    (SIGKILL, exit -9) after ``timeout`` seconds, when given: its work area stays, resumable."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "exportlm", *argv], stdout=subprocess.DEVNULL)
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if timeout is not None and time.perf_counter() - start > timeout:
+            proc.kill()
+            _, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(1)
+    seconds = time.perf_counter() - start
+    return seconds, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status)
+
+
+def _layers_done(out: Path) -> str:
+    progress = out.parent / f".{out.name}.stream" / "progress.json"
+    if not progress.is_file():
+        return ""
+    done = json.loads(progress.read_text())["layers_done"]
+    return f"  (killed after {done} layers, resumable)"
+
+
+def _baseline_rss() -> int:
+    code = "import torch, transformers, exportlm.stream, resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    return int(subprocess.check_output([sys.executable, "-c", code], text=True)) * 1024
+
+
+def _bound(directory: Path, config: dict[str, Any]) -> int:
+    layer = sum(2 * _numel(s) for s in _layer_shapes(config, 0).values())
+    shard = max(p.stat().st_size for p in directory.glob("*.safetensors"))
+    acts = 2 * 8 * config["hidden_size"] * 2  # the default batch: 2 x 8 tokens, bf16
+    return layer + shard + acts
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def run(
+    directory: Path, budget: str, in_memory: bool, recipes: list[str], timeout: float | None
+) -> None:
+    model = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    bound, base = (
+        _bound(directory, json.loads((directory / "config.json").read_text())),
+        _baseline_rss(),
+    )
+    print(
+        f"model {model / 1e9:.2f} GB on disk; budget {budget}; interpreter baseline {base / 1e9:.2f} GB"
+    )
+    print(
+        f"bound (one layer + one shard + activations): {bound / 1e9:.2f} GB; + baseline {(bound + base) / 1e9:.2f} GB"
+    )
+    print(f"{'path':<10} {'recipe':<9} {'seconds':>8} {'peak RSS GB':>12} {'peak/model':>11}  exit")
+    modes = [("stream", ["--max-memory", budget, "-o", "max_shard_size=1GB"])]
+    if in_memory:
+        modes.append(("in-memory", ["-o", "max_shard_size=1GB"]))
+    for recipe in recipes:
+        for mode, extra in modes:
+            if mode == "in-memory" and _available() < 2.3 * model:
+                print(f"{mode:<10} {recipe:<9} skipped: {_available() / 1e9:.1f} GB available")
+                continue
+            out = ROOT / f"out-{mode}-{recipe}"
+            argv = [
+                "export",
+                "--target",
+                "hf_checkpoint",
+                "--model",
+                str(directory),
+                "--out",
+                str(out),
+            ]
+            argv += ["--quantize", recipe, "-o", "overwrite=true", *extra, "-q"]
+            seconds, peak, code = _child(argv, timeout)
+            row = f"{mode:<10} {recipe:<9} {seconds:8.1f} {peak / 1e9:12.2f} {peak / model:11.2f}"
+            print(f"{row}  {code}{_layers_done(out) if code else ''}", flush=True)
+
+
+def _available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def compare() -> None:
+    """Sequential vs whole-model ("float") calibration inputs on an 8-layer model that fits."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file
+
+    from exportlm.export import load_exported, make_input_ids
+    from exportlm.stream import export_streaming
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests._stream_models import llama_directory
+
+    with tempfile.TemporaryDirectory(dir="/work/bench-models" if ROOT.is_dir() else None) as tmp:
+        root = Path(tmp)
+        src = llama_directory(
+            root, tied=False, layers=8, hidden_size=256, intermediate_size=512, vocab_size=512
+        )
+        ids = make_input_ids(512, batch=4, seq=32, seed=3)
+        batches = [make_input_ids(512, batch=4, seq=32, seed=s) for s in range(4)]
+        outs = {
+            m: export_streaming(
+                src, root / m, recipe="fp8", calibration=batches, calibration_inputs=m
+            )
+            for m in ("float", "quantized")
+        }  # type: ignore[arg-type]
+        a, b = (load_file(outs[m] / "model.safetensors") for m in ("float", "quantized"))
+        scales = [k for k in a if k.endswith("input_scale")]
+        rel = torch.stack([((b[k] - a[k]).abs() / a[k]).float() for k in scales])
+        logits = {m: load_exported("hf_checkpoint", outs[m])(ids).float() for m in outs}
+        diff = (logits["quantized"] - logits["float"]).abs()
+        print(
+            f"input_scale: {len(scales)} scales, relative change max {rel.max():.4f}, mean {rel.mean():.4f}"
+        )
+        print(
+            f"logits: max |seq - whole| {diff.max():.4e}, mean {diff.mean():.4e}, max |whole| {logits['float'].abs().max():.3f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("command", choices=("build", "run", "compare"))
+    parser.add_argument("--model", type=Path, default=ROOT / "llama-3b")
+    parser.add_argument("--max-memory", default="3GB")
+    parser.add_argument("--in-memory", action="store_true")
+    parser.add_argument("--recipes", default="fp8,int4_awq")
+    parser.add_argument("--timeout", type=float, help="kill each export after this many seconds")
+    args = parser.parse_args()
+    if args.command == "build":
+        build(args.model, CONFIG)
+    elif args.command == "run":
+        run(args.model, args.max_memory, args.in_memory, args.recipes.split(","), args.timeout)
+    else:
+        compare()
+
+
+if __name__ == "__main__":
+    main()

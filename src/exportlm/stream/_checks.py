@@ -1,0 +1,86 @@
+"""What streams and what does not yet, and whether one layer fits the budget.
+
+Both are checked before anything is read or written, so a refusal costs a second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from exportlm.errors import LayerTooLargeError, StreamingUnsupportedError
+from exportlm.quant import QuantRecipe
+
+__all__ = ["STREAMED_ALGORITHMS", "check_fits", "check_streamable"]
+
+#: Weight algorithms whose calibration, search and folding stay inside one decoder layer.
+STREAMED_ALGORITHMS = ("fp8", "int8_wo", "int4_awq", "nvfp4")
+_MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_IN_MEMORY = "export it in memory instead (drop --stream / --max-memory, or export_model)"
+
+
+def check_streamable(model: nn.Module, recipe: QuantRecipe | None, identity_names: bool) -> None:
+    """Refuse what does not stream yet, naming it.
+
+    Raises:
+        StreamingUnsupportedError: MoE experts, a checkpoint whose names transformers
+            converts on load, a KV-cache recipe, a mixed-precision recipe, or a weight
+            algorithm outside :data:`STREAMED_ALGORITHMS`.
+    """
+    config = getattr(model, "config", None)
+    moe = [k for k in _MOE_CONFIG_KEYS if getattr(config, k, None)]
+    if moe:
+        raise StreamingUnsupportedError(
+            f"{type(model).__name__} has MoE experts (config {moe[0]}={getattr(config, moe[0])}): "
+            f"MoE families (mixtral, qwen3_moe, gpt_oss, llama4, dbrx) do not stream yet; {_IN_MEMORY}"
+        )
+    if not identity_names:
+        raise StreamingUnsupportedError(
+            f"{type(model).__name__} converts its checkpoint's tensor names on load; only "
+            f"models saved under their module names stream yet; {_IN_MEMORY}"
+        )
+    if recipe is None:
+        return
+    if recipe.kv_cache is not None:
+        raise StreamingUnsupportedError(
+            f"KV-cache quantization ({recipe.kv_cache}) does not stream yet; {_IN_MEMORY}"
+        )
+    if recipe.overrides or recipe.exclude:
+        raise StreamingUnsupportedError(
+            "mixed-precision recipes (per-module patterns) do not stream yet; "
+            f"use one of {', '.join(STREAMED_ALGORITHMS)}, or {_IN_MEMORY}"
+        )
+    if recipe.algo not in STREAMED_ALGORITHMS:
+        raise StreamingUnsupportedError(
+            f"recipe {recipe.algo!r} does not stream yet (streamed: "
+            f"{', '.join(STREAMED_ALGORITHMS)}); {_IN_MEMORY}"
+        )
+
+
+def check_fits(
+    budget: int | None, layer_bytes: Sequence[int], shard_bytes: int, activation_bytes: int
+) -> None:
+    """Refuse a budget below the largest layer (twice: weights and their quantized copy)
+    plus one input shard plus the calibration activations (in and out of a layer).
+
+    Raises:
+        LayerTooLargeError: with the figures and what to do.
+    """
+    if budget is None or not layer_bytes:
+        return
+    largest = max(layer_bytes)
+    need = 2 * largest + shard_bytes + 2 * activation_bytes
+    if need > budget:
+        index = list(layer_bytes).index(largest)
+        raise LayerTooLargeError(
+            f"decoder layer {index} needs about {_size(need)} to stream (2 x {_size(largest)} "
+            f"of weights and their quantized copy, a {_size(shard_bytes)} input shard, "
+            f"2 x {_size(activation_bytes)} of calibration activations), more than the "
+            f"{_size(budget)} budget; expected at least that much. Raise --max-memory, "
+            "use fewer or shorter calibration rows, or re-shard the input with smaller shards"
+        )
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 10**9 else f"{n / 1e6:.2f} MB"

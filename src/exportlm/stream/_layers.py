@@ -1,0 +1,123 @@
+"""One decoder layer at a time: the inputs of the first layer, and calibrating a layer on its inputs.
+
+The calibration batch runs through the modules before the layers (the embedding and the
+rotary table) once: a hook on layer 0 records what the model hands it (the hidden states
+and the keyword arguments: position embeddings, mask, positions) and stops the forward.
+Each layer is then quantized with :func:`exportlm.quant.quantize` on a calibrate function
+that runs that layer alone on those inputs, and its outputs become the next layer's inputs:
+
+* ``"quantized"`` (default, llm-compressor's sequential pipeline): the outputs of the
+  layer *after* it was fake-quantized, so each layer is calibrated on what the quantized
+  model feeds it;
+* ``"float"``: the outputs of the unquantized layer, which is what whole-model
+  calibration sees (every quantizer is transparent while the model calibrates), so the
+  checkpoint is the in-memory export's, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CalibrationInputs",
+    "LayerInputs",
+    "capture_layer_inputs",
+    "quantize_layer",
+    "run_layer",
+]
+
+CalibrationInputs = Literal["quantized", "float"]
+
+
+@dataclass
+class LayerInputs:
+    """What layer 0 receives, per calibration batch: hidden states and keyword arguments."""
+
+    hidden: list[torch.Tensor]
+    kwargs: list[dict[str, Any]]
+
+
+class _Reached(Exception):
+    """Raised by the hook on layer 0 once its inputs are recorded."""
+
+
+def capture_layer_inputs(
+    model: nn.Module, layer: nn.Module, batches: Sequence[torch.Tensor]
+) -> LayerInputs:
+    """Run ``batches`` through ``model`` until ``layer`` (layer 0), recording its inputs.
+
+    Only the modules before the layer need real weights.
+    """
+    found = LayerInputs([], [])
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        found.hidden.append(hidden.detach())
+        found.kwargs.append({k: _without_cache(v) for k, v in kwargs.items()})
+        raise _Reached
+
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                try:
+                    model(batch)
+                except _Reached:
+                    continue
+    finally:
+        handle.remove()
+    return found
+
+
+def _without_cache(value: Any) -> Any:
+    """``None`` for a KV cache object: layers run alone, with nothing cached."""
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return value
+    return None if isinstance(value, Cache) else value
+
+
+def run_layer(
+    layer: nn.Module, hidden: Sequence[torch.Tensor], kwargs: Sequence[dict[str, Any]]
+) -> list[torch.Tensor]:
+    """``layer``'s output hidden states for every batch (no gradients)."""
+    outputs = []
+    with torch.no_grad():
+        for h, kw in zip(hidden, kwargs, strict=True):
+            out = layer(h, **kw)
+            outputs.append((out[0] if isinstance(out, tuple) else out).detach())
+    return outputs
+
+
+def _calibrate_on(
+    hidden: Sequence[torch.Tensor], kwargs: Sequence[dict[str, Any]]
+) -> Callable[[nn.Module], None]:
+    def calibrate(layer: nn.Module) -> None:
+        run_layer(layer, hidden, kwargs)
+
+    return calibrate
+
+
+def quantize_layer(
+    layer: nn.Module,
+    recipe: Any,
+    hidden: Sequence[torch.Tensor],
+    kwargs: Sequence[dict[str, Any]],
+    mode: CalibrationInputs,
+) -> tuple[nn.Module, list[torch.Tensor]]:
+    """Quantize ``layer`` in place calibrated on ``hidden``; returns it and the next inputs."""
+    from exportlm.quant import quantize
+
+    if recipe is None:
+        return layer, run_layer(layer, hidden, kwargs)
+    float_outputs = run_layer(layer, hidden, kwargs) if mode == "float" else None
+    layer = quantize(layer, recipe, calibrate=_calibrate_on(hidden, kwargs))
+    if float_outputs is not None:
+        return layer, float_outputs
+    return layer, run_layer(layer, hidden, kwargs)

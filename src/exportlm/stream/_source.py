@@ -1,0 +1,225 @@
+"""The on-disk checkpoint a streaming export reads: a meta-device skeleton and lazy shards.
+
+:class:`CheckpointSource` builds the model on the ``meta`` device from ``config.json``
+(no weight is allocated) and fills one module at a time from the safetensors shards
+with ``safe_open`` (memory-mapped; never ``torch.load``): :meth:`CheckpointSource.load`
+gives a module real CPU storage, copies its tensors out of the shards in the model's
+dtype, and :meth:`CheckpointSource.free` puts it back on ``meta``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from exportlm.errors import InvalidConfigError, MalformedCheckpointError
+from exportlm.hfdir import CONFIG_NAME, vet_model_directory
+
+__all__ = ["CheckpointSource", "DecoderLayout"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    """Where a decoder's layers are: ``layers`` is the ``nn.ModuleList`` path (``model.layers``)."""
+
+    layers: str
+    count: int
+
+    def prefix(self, index: int) -> str:
+        """The module path of layer ``index`` (``model.layers.3``)."""
+        return f"{self.layers}.{index}"
+
+
+class CheckpointSource:
+    """A local Hugging Face model directory, read lazily.
+
+    Attributes:
+        directory: the model directory.
+        model: the causal LM on the ``meta`` device (loaded modules hold CPU tensors).
+        layout: where its decoder layers are.
+        shard_of: ``{tensor name: shard file}`` from the index (or the single file).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        vet_model_directory(self.directory)
+        self.model: Any = _meta_model(self.directory)
+        self.layout = _decoder_layout(self.model)
+        self.shard_of = _shard_map(self.directory)
+        self._handles: dict[str, Any] = {}
+        from exportlm.module_exporters import resolve_tied_weights
+
+        self._ties = resolve_tied_weights(self.model)  # {dropped name: saved name}
+
+    @property
+    def shard_bytes(self) -> int:
+        """The size of the largest shard file."""
+        return max((self.directory / f).stat().st_size for f in set(self.shard_of.values()))
+
+    @property
+    def total_bytes(self) -> int:
+        """The size of all shard files together (the model on disk)."""
+        return sum((self.directory / f).stat().st_size for f in set(self.shard_of.values()))
+
+    def layer(self, index: int) -> nn.Module:
+        """Decoder layer ``index`` (on ``meta`` until :meth:`load`)."""
+        layer: nn.Module = self.model.get_submodule(self.layout.prefix(index))
+        return layer
+
+    def tensor_bytes(self, module: nn.Module) -> int:
+        """Bytes of ``module``'s parameters and buffers in the model's dtype."""
+        tensors = [*module.parameters(), *module.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def load(self, prefix: str, *, recurse: bool = True) -> nn.Module:
+        """Give module ``prefix`` CPU storage and its checkpoint tensors; returns it.
+
+        ``recurse=False``: only the module's own tensors (not its children's).
+
+        Raises:
+            MalformedCheckpointError: a tensor the module needs is in no shard, or
+                has another shape there.
+        """
+        module: nn.Module = self.model.get_submodule(prefix)
+        module.to_empty(device="cpu", recurse=recurse)
+        own = [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]
+        state = {k: v for k, v in module.state_dict(keep_vars=True).items() if k in dict(own)}
+        base = f"{prefix}." if prefix else ""
+        with torch.no_grad(), self._mapped():
+            for name, tensor in state.items():
+                stored = self._read(base + name)
+                if stored.shape != tensor.shape:
+                    raise MalformedCheckpointError(
+                        f"{self.directory}: tensor {base + name!r} has shape {list(stored.shape)} "
+                        f"in {self.shard_of[base + name]}, the config expects {list(tensor.shape)}"
+                    )
+                tensor.copy_(stored)
+        _rebuild_unsaved_buffers(module, self.model.config, recurse)
+        self._retie()
+        return module
+
+    def free(self, module: nn.Module, *, recurse: bool = True) -> None:
+        """Release ``module``'s storage (back to ``meta``); ``recurse=False``: its own only."""
+        module.to_empty(device="meta", recurse=recurse)
+        self._retie()
+
+    def saved(self, names: Iterable[str]) -> set[str]:
+        """``names`` without the tied copies (a tied ``lm_head.weight``), which no export reads."""
+        return {n for n in names if n not in self._ties}
+
+    def _retie(self) -> None:
+        """``to_empty`` gives each module new tensors: share a tied pair's one again."""
+        if self._ties:
+            self.model.tie_weights()
+
+    def close(self) -> None:
+        """Close the memory-mapped shards."""
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def _mapped(self) -> Iterator[None]:
+        """Shards stay mapped for one :meth:`load` only: the pages read from them count in the
+        process's RSS until they are unmapped, so a long-lived mapping would grow to a shard."""
+        try:
+            yield
+        finally:
+            self._handles.clear()
+
+    def _read(self, name: str) -> torch.Tensor:
+        shard = self.shard_of.get(name)
+        if shard is None and name in self._ties:  # a tied lm_head: saved as its source
+            name = self._ties[name]
+            shard = self.shard_of.get(name)
+        if shard is None:
+            raise MalformedCheckpointError(
+                f"{self.directory}: no shard holds tensor {name!r}, which the model's config "
+                "needs; expected a complete checkpoint as save_pretrained writes it"
+            )
+        handle = self._handles.get(shard)
+        if handle is None:
+            from safetensors import safe_open
+
+            handle = safe_open(str(self.directory / shard), framework="pt", device="cpu")
+            self._handles[shard] = handle
+        tensor: torch.Tensor = handle.get_tensor(name)
+        return tensor
+
+    def names(self) -> Iterator[str]:
+        """Every tensor name of the checkpoint."""
+        return iter(self.shard_of)
+
+
+def _meta_model(directory: Path) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(
+            directory, local_files_only=True, trust_remote_code=False
+        )
+    except (OSError, ValueError, KeyError) as err:
+        raise InvalidConfigError(f"{directory / CONFIG_NAME}: {err}") from err
+    dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    model.tie_weights()  # one parameter for a tied pair, as from_pretrained leaves it
+    return model.eval()
+
+
+def _decoder_layout(model: nn.Module) -> DecoderLayout:
+    """The one ``nn.ModuleList`` of decoder layers (the longest list of the model)."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise InvalidConfigError(
+            f"{type(model).__name__} has no list of decoder layers to stream layer by layer"
+        )
+    name, layers = max(lists, key=lambda item: (len(item[1]), -item[0].count(".")))
+    return DecoderLayout(name, len(layers))
+
+
+def _shard_map(directory: Path) -> dict[str, str]:
+    index = directory / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise MalformedCheckpointError(f"{index}: no readable weight_map ({err})") from err
+        return {str(k): str(v) for k, v in weight_map.items()}
+    single = directory / _SINGLE
+    if not single.is_file():
+        raise MalformedCheckpointError(
+            f"{directory}: neither {_INDEX} nor {_SINGLE}; streaming reads safetensors only"
+        )
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt", device="cpu") as handle:
+        return dict.fromkeys(handle.keys(), _SINGLE)
+
+
+def _rebuild_unsaved_buffers(module: nn.Module, config: Any, recurse: bool) -> None:
+    """Recompute buffers a checkpoint does not hold (rotary ``inv_freq``) as ``__init__`` does."""
+    for name, child in module.named_modules() if recurse else [("", module)]:
+        saved = set(child.state_dict(keep_vars=True))
+        unsaved = [b for b, _ in child.named_buffers(recurse=False) if b not in saved]
+        if not unsaved:
+            continue
+        try:
+            fresh = type(child)(config=config)
+        except TypeError as err:
+            raise InvalidConfigError(
+                f"module {name or type(module).__name__} ({type(child).__name__}) has computed "
+                "buffers that streaming cannot rebuild from the config"
+            ) from err
+        for buffer in unsaved:
+            setattr(child, buffer, getattr(fresh, buffer))

@@ -1,0 +1,159 @@
+"""A shard writer whose progress survives the process: the streaming export's resumable writer.
+
+It fills shards by the rule of :class:`~exportlm.export.hf_checkpoint.sink.ShardedSafetensorsWriter`
+(a shard is written when the next tensor would push it over ``max_shard_size``; a larger
+tensor gets a shard of its own) and writes them with the sink module's public
+:func:`~exportlm.export.hf_checkpoint.sink.write_safetensors`, so a streamed checkpoint is
+the same bytes as an in-memory one. What it adds is a :meth:`ResumableShardWriter.state`:
+the shards already written (complete files in the work directory) and the tensors of the
+shard being filled, which :meth:`ResumableShardWriter.spill` writes to a side file so that
+a restarted run rebuilds the writer exactly (:meth:`ResumableShardWriter.resume`).
+
+The sink's own writer keeps this state private; a public ``state()`` / ``resume()`` hook
+there would make this class unnecessary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exportlm.atomic import write_text_atomic
+from exportlm.errors import DuplicateTensorError, ExportFailedError
+from exportlm.export.hf_checkpoint.sink import (
+    INDEX_NAME,
+    SAFETENSORS_DTYPES,
+    SINGLE_FILE_NAME,
+    WriteSummary,
+    parse_size,
+    write_safetensors,
+)
+
+__all__ = ["ResumableShardWriter", "WriterState"]
+
+
+@dataclass
+class WriterState:
+    """What a restarted run needs: written shards ``[(file, names)]``, the pending spill files
+    ``[(file, names)]`` holding the open shard's tensors, and the bytes written in all."""
+
+    shards: list[tuple[str, list[str]]] = field(default_factory=list)
+    pending: list[tuple[str, list[str]]] = field(default_factory=list)
+    total_size: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON data."""
+        return {"shards": self.shards, "pending": self.pending, "total_size": self.total_size}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WriterState:
+        """The state :meth:`to_json` wrote."""
+        return cls(
+            shards=[(str(f), list(n)) for f, n in data["shards"]],
+            pending=[(str(f), list(n)) for f, n in data["pending"]],
+            total_size=int(data["total_size"]),
+        )
+
+
+class ResumableShardWriter:
+    """``add(name, tensor)`` into size-capped shards in ``directory``; see the module docstring."""
+
+    def __init__(self, directory: Path, *, max_shard_size: int | str = "5GB") -> None:
+        self.directory = Path(directory)
+        self.max_shard_size = parse_size(max_shard_size)
+        self.metadata = {"format": "pt"}
+        self._current: dict[str, torch.Tensor] = {}
+        self._current_bytes = 0
+        self._unspilled: list[str] = []
+        self._state = WriterState()
+        self._names: set[str] = set()
+        self._obsolete: list[str] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue ``tensor``; writes the open shard first when ``tensor`` would overfill it."""
+        if name in self._names:
+            raise DuplicateTensorError(
+                f"tensor name {name!r} was written twice; every checkpoint tensor needs a unique "
+                "name (this is a bug in a module exporter or in the name mapping)"
+            )
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise ExportFailedError(f"tensor {name!r} has dtype {tensor.dtype}, not storable")
+        tensor = tensor.detach().cpu()
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._current and self._current_bytes + nbytes > self.max_shard_size:
+            self._flush()
+        self._names.add(name)
+        self._current[name] = tensor
+        self._current_bytes += nbytes
+        self._unspilled.append(name)
+        self._state.total_size += nbytes
+
+    def spill(self, tag: str) -> WriterState:
+        """Write the open shard's tensors added since the last spill to ``pending-TAG``; the state."""
+        if self._unspilled:
+            file = f"pending-{tag}.safetensors"
+            tensors = {n: self._current[n] for n in self._unspilled}
+            write_safetensors(self.directory / file, tensors, self.metadata)
+            self._state.pending.append((file, list(self._unspilled)))
+            self._unspilled = []
+        return self._state
+
+    def collect(self) -> None:
+        """Delete the spill files of shards written since (call after saving the state)."""
+        for file in self._obsolete:
+            (self.directory / file).unlink(missing_ok=True)
+        self._obsolete = []
+
+    def resume(self, state: WriterState) -> None:
+        """Continue where a spilled ``state`` left off (the open shard read back from its spills)."""
+        from safetensors import safe_open
+
+        self._state = state
+        self._names = {n for _, names in state.shards for n in names}
+        for file, names in state.pending:
+            with safe_open(str(self.directory / file), framework="pt", device="cpu") as handle:
+                for name in names:
+                    tensor = handle.get_tensor(name)
+                    self._current[name] = tensor
+                    self._current_bytes += tensor.numel() * tensor.element_size()
+                    self._names.add(name)
+
+    def finish(self) -> WriteSummary:
+        """Write the last shard, give every shard its final name, write the index."""
+        if self._current or not self._state.shards:
+            self._flush()
+        shards = self._state.shards
+        count = len(shards)
+        weight_map: dict[str, str] = {}
+        files: list[str] = []
+        for i, (tmp, names) in enumerate(shards, start=1):
+            final = SINGLE_FILE_NAME if count == 1 else f"model-{i:05d}-of-{count:05d}.safetensors"
+            if (self.directory / tmp).exists() or not (self.directory / final).exists():
+                (self.directory / tmp).replace(
+                    self.directory / final
+                )  # else: renamed before a kill
+            files.append(final)
+            weight_map.update(dict.fromkeys(names, final))
+        index_file = None
+        if count > 1:
+            index = {
+                "metadata": {"total_size": self._state.total_size},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+            write_text_atomic(self.directory / INDEX_NAME, text)
+            index_file = INDEX_NAME
+        return WriteSummary(files, weight_map, self._state.total_size, index_file)
+
+    def _flush(self) -> None:
+        tmp = f".shard-{len(self._state.shards) + 1:05d}.safetensors.partial"
+        write_safetensors(self.directory / tmp, self._current, self.metadata)
+        self._state.shards.append((tmp, list(self._current)))
+        # deleted only once the progress that no longer names them is saved (collect)
+        self._obsolete.extend(file for file, _ in self._state.pending)
+        self._state.pending = []
+        self._current, self._current_bytes, self._unspilled = {}, 0, []

@@ -1,0 +1,50 @@
+"""Small Llama checkpoints on disk for the streaming tests (seeded, sharded, bf16)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def llama_directory(
+    root: Path, *, tied: bool, layers: int = 3, seed: int = 0, **config: Any
+) -> Path:
+    """A sharded bf16 Llama saved with ``save_pretrained`` under ``root / "src"``.
+
+    Hidden 128 / intermediate 256, so INT4 AWQ (groups of 128) applies to every linear.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    values: dict[str, Any] = {
+        "vocab_size": 256,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": tied,
+        "dtype": "bfloat16",
+    }
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**(values | config))).to(torch.bfloat16)
+    directory = root / "src"
+    model.save_pretrained(directory, max_shard_size="100KB")
+    return directory
+
+
+def different_files(a: Path, b: Path, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Names of the files whose bytes differ between directories ``a`` and ``b`` (or exist in one)."""
+    names = {p.name for p in a.iterdir()} | {p.name for p in b.iterdir()}
+    return sorted(
+        n
+        for n in names
+        if n not in skip
+        and (
+            not (a / n).is_file()
+            or not (b / n).is_file()
+            or (a / n).read_bytes() != (b / n).read_bytes()
+        )
+    )

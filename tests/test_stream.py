@@ -1,0 +1,157 @@
+"""Streaming export (exportlm.stream): the same checkpoint as the in-memory export, layer by layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from exportlm import export_model
+from exportlm.cli._model import resolve_model
+from exportlm.errors import InvalidInputError, LayerTooLargeError, StreamingUnsupportedError
+from exportlm.quant import quantize
+from exportlm.stream import export_streaming, parse_memory, should_stream
+from tests._stream_models import different_files, llama_directory
+
+MANIFEST = "exportlm-manifest.json"
+SHARD = "100KB"  # several shards per model: the shard boundaries are compared too
+
+
+def _in_memory(src: Path, out: Path, recipe: str | None) -> Path:
+    model = resolve_model(str(src)).build()
+    if recipe is not None:
+        model = quantize(model, recipe)
+    return export_model("hf_checkpoint", model, out, max_shard_size=SHARD)
+
+
+def _assert_same_checkpoint(a: Path, b: Path) -> None:
+    assert different_files(a, b, skip=(MANIFEST,)) == []
+    ours, theirs = (json.loads((d / MANIFEST).read_text()) for d in (a, b))
+    # every file's digest is the same; the streamed manifest has no model hash (never whole)
+    assert ours["files"] == theirs["files"]
+    assert ours["options"] == theirs["options"]
+    assert theirs["model_sha256"] is None
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize(
+    ("recipe", "inputs"),
+    [
+        ("fp8", "float"),
+        ("int8_wo", "quantized"),
+        ("int4_awq", "float"),
+        ("nvfp4", "float"),
+        (None, "quantized"),
+    ],
+    ids=["fp8", "int8_wo", "int4_awq", "nvfp4", "unquantized"],
+)
+def test_streamed_checkpoint_is_the_in_memory_one_byte_for_byte(
+    tmp_path: Path, recipe: str | None, inputs: str, tied: bool
+) -> None:
+    # int8_wo is weight-only: its bytes do not depend on the calibration inputs at all;
+    # fp8 / int4_awq calibrate activations: "float" inputs are what whole-model calibration sees.
+    src = llama_directory(tmp_path, tied=tied)
+    expected = _in_memory(src, tmp_path / "memory", recipe)
+    streamed = export_streaming(
+        src,
+        tmp_path / "streamed",
+        recipe=recipe,
+        max_shard_size=SHARD,
+        calibration_inputs=inputs,  # type: ignore[arg-type]
+    )
+    assert len(list(streamed.glob("*.safetensors"))) > 2
+    _assert_same_checkpoint(expected, streamed)
+    assert not (tmp_path / ".streamed.stream").exists()  # the work area is gone once published
+
+
+def test_sequential_calibration_changes_activation_scales_within_a_bound(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    src = llama_directory(tmp_path, tied=False)
+    whole = export_streaming(src, tmp_path / "float", recipe="fp8", calibration_inputs="float")
+    sequential = export_streaming(src, tmp_path / "seq", recipe="fp8")
+    a, b = load_file(whole / "model.safetensors"), load_file(sequential / "model.safetensors")
+    assert a.keys() == b.keys()
+    weights = [k for k in a if not k.endswith("input_scale")]
+    assert all(
+        torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
+        for k in weights
+        if a[k].dtype == torch.float8_e4m3fn
+    )
+    scales = [k for k in a if k.endswith("input_scale")]
+    # layer 0 sees the same (unquantized) embedding output either way
+    first = [k for k in scales if ".layers.0." in k]
+    assert all(torch.equal(a[k], b[k]) for k in first)
+    ratios = torch.stack([(b[k] / a[k]).float() for k in scales])
+    assert float((ratios - 1).abs().max()) < 0.5  # a quantized input moves an amax, not its scale
+
+
+def test_unsupported_families_and_recipes_are_refused_by_name(tmp_path: Path) -> None:
+    src = llama_directory(tmp_path, tied=False)
+    with pytest.raises(StreamingUnsupportedError, match="fp8_kv"):
+        export_streaming(src, tmp_path / "kv", recipe="fp8+fp8_kv")
+    with pytest.raises(StreamingUnsupportedError, match=r"recipe 'int8_sq' does not stream yet"):
+        export_streaming(src, tmp_path / "sq", recipe="int8_sq")
+    with pytest.raises(StreamingUnsupportedError, match="mixed-precision"):
+        export_streaming(src, tmp_path / "mixed", recipe={"*": "fp8", "*.mlp.*": "int8_wo"})
+    assert not (tmp_path / "kv").exists()
+    assert not (tmp_path / ".kv.stream").exists()
+
+
+def test_a_moe_family_is_refused_naming_it(tmp_path: Path) -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=2,
+    )
+    MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
+    with pytest.raises(StreamingUnsupportedError, match="MoE families"):
+        export_streaming(tmp_path / "moe", tmp_path / "out", recipe="fp8")
+
+
+def test_a_layer_larger_than_the_budget_is_a_clear_error(tmp_path: Path) -> None:
+    src = llama_directory(tmp_path, tied=False)
+    with pytest.raises(
+        LayerTooLargeError, match=r"decoder layer 0 needs about .* Raise --max-memory"
+    ):
+        export_streaming(src, tmp_path / "out", recipe="fp8", max_memory="100KB")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_budget_decides_whether_to_stream(tmp_path: Path) -> None:
+    src = llama_directory(tmp_path, tied=False)
+    size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    assert should_stream(src, max_memory=size)  # the in-memory export needs about twice
+    assert not should_stream(src, max_memory=10 * size)
+    assert parse_memory("8GB") == 8 * 10**9
+    assert parse_memory("1GiB") == 2**30
+    with pytest.raises(InvalidInputError, match="expected a number and a unit"):
+        parse_memory("lots")
+
+
+def test_activations_past_the_budget_are_read_back_from_disk_with_the_same_result(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from exportlm.inputs import make_input_ids
+
+    src = llama_directory(tmp_path, tied=False, layers=2)
+    # 4 batches of 4 x 128 tokens: 0.52 MB of bf16 activations per layer boundary, more
+    # than a quarter of the 2 MB budget (what stays in memory), so they live on disk.
+    batches = [make_input_ids(256, batch=4, seq=128, seed=s) for s in range(4)]
+    with caplog.at_level("DEBUG", logger="exportlm.stream"):
+        on_disk = export_streaming(
+            src, tmp_path / "disk", recipe="fp8", calibration=batches, max_memory="2MB"
+        )
+    assert "entering layer 1 are read from disk" in caplog.text
+    in_memory = export_streaming(
+        src, tmp_path / "held", recipe="fp8", calibration=batches, max_memory="1GB"
+    )
+    assert different_files(on_disk, in_memory, skip=(MANIFEST,)) == []

@@ -1,0 +1,40 @@
+"""``exportlm export --stream`` / ``--max-memory``: the CLI streams a model directory layer by layer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from exportlm.cli import main
+from tests._stream_models import different_files, llama_directory
+
+
+def _export(src: Path, out: Path, *extra: str) -> int:
+    args = ["export", "--target", "hf_checkpoint", "--model", str(src), "--out", str(out)]
+    return main([*args, "--quantize", "int8_wo", "-o", "max_shard_size=100KB", *extra])
+
+
+def test_a_budget_below_the_model_streams_and_writes_the_in_memory_bytes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src = llama_directory(tmp_path, tied=True, layers=2)
+    assert _export(src, tmp_path / "memory") == 0
+    with caplog.at_level("INFO"):
+        assert _export(src, tmp_path / "streamed", "--max-memory", "1MB") == 0
+    assert "layer by layer" in caplog.text
+    skip = ("exportlm-manifest.json",)
+    assert different_files(tmp_path / "memory", tmp_path / "streamed", skip=skip) == []
+
+
+def test_stream_refuses_what_it_cannot_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = llama_directory(tmp_path, tied=False, layers=1)
+    assert _export(src, tmp_path / "a", "--stream", "--verify") == 2
+    assert "--verify compares with the model in memory" in capsys.readouterr().err
+    args = ["export", "--target", "onnx", "--model", "hf:llama", "--out", str(tmp_path / "m.onnx")]
+    assert main([*args, "--stream"]) == 2
+    assert "only --target hf_checkpoint" in capsys.readouterr().err
+    assert _export(src, tmp_path / "b", "--max-memory", "lots") == 2
+    assert "--max-memory lots" in capsys.readouterr().err
