@@ -10,6 +10,7 @@ runtime loader, the runtime) stop the check through
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ __all__ = [
     "require_cuda_capability",
     "require_device",
     "roundtrip",
+    "smallest_case_model",
     "run_runtime",
     "shared_artifact",
     "target_info",
@@ -140,6 +142,43 @@ def build_case_model(case: TargetCase, name: str) -> nn.Module:
             CheckResult.skipped(f"target {case.target_id!r} does not take {name!r}: {reason}")
         )
     return model
+
+
+#: Config overrides that give a family one decoder layer (ours, then transformers' name).
+_ONE_LAYER = ({"num_layers": 1}, {"num_hidden_layers": 1})
+
+
+def smallest_case_model(case: TargetCase, name: str) -> nn.Module:
+    """Family ``name`` with one decoder layer, for checks whose point does not depend on depth.
+
+    The failure-injection checks (``atomic_failure``) export afresh on every run by
+    design; one layer keeps every module kind of the family and costs about a
+    quarter less per export. Built directly with the layer override (not through
+    ``case.services``, whose models are the families as registered), once per
+    process, then copied. A family without such an override, one the process builds
+    as another class (a test's own builder) or a one-layer model the target refuses
+    falls back to :func:`build_case_model`, the family itself.
+    """
+    built = case.services.memo(("one_layer", name, case.seed), lambda: _one_layer(name, case.seed))
+    family = attempt(f"building toy model {name!r}", case.services.pristine_model, name, case.seed)
+    if built is None or type(built) is not type(family):
+        return build_case_model(case, name)
+    model: nn.Module = copy.deepcopy(built).to(case.device)
+    if accepts_reason(case.target, model):
+        return build_case_model(case, name)
+    return model
+
+
+def _one_layer(name: str, seed: int) -> nn.Module | None:
+    from exportlm.models import build_model
+
+    for override in _ONE_LAYER:
+        try:
+            model: nn.Module = build_model(name, seed=seed, **override)
+        except Exception:  # not this family's option name, or not a registered family
+            continue
+        return model.eval()
+    return None
 
 
 def accepts_reason(target: str, model: nn.Module) -> str | None:

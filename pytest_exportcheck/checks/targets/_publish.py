@@ -42,7 +42,11 @@ from exportlm.export import (
 )
 from exportlm.export.manifest import DIRECTORY_MANIFEST_NAME, MANIFEST_SUFFIX
 from pytest_exportcheck.checks._api import TargetCase
-from pytest_exportcheck.checks._support import artifact_name, build_case_model, runtime_kwargs
+from pytest_exportcheck.checks._support import (
+    artifact_name,
+    runtime_kwargs,
+    smallest_case_model,
+)
 
 __all__ = ["InjectedPublishFailure", "fail_nth_publish", "multi_file_problems"]
 
@@ -119,12 +123,14 @@ def multi_file_problems(
     ``("", what passed)``.
 
     A factory that takes ``external_data`` gets ``external_data=True``, so even the
-    small toy model is written as several files. The artifact the second phase
-    fails over is the shared (cached) export of ``name`` with these options, copied.
+    small toy model is written as several files. The model is family ``name`` with
+    one decoder layer where it takes that override (``smallest_case_model``). The
+    artifact the second phase fails over is the cached export of that model with
+    these options, copied.
     """
 
     def build() -> nn.Module:
-        return build_case_model(case, name)
+        return smallest_case_model(case, name)
 
     names, _ = accepted_kwargs(EXPORT_REGISTRY.get(case.target), skip=2)
     external = {"external_data": True} if "external_data" in names else {}
@@ -136,7 +142,7 @@ def multi_file_problems(
         output = directory / artifact_name(info)
         before: dict[str, str] = {}
         if phase == "existing":
-            _existing_artifact(case, output, name, kwargs, external)
+            _existing_artifact(case, output, build(), kwargs, external)
             before = _tree(directory)
         err: BaseException | None = None
         with fail_nth_publish(output, FAILING_STEP) as seen, case.services.phase("export"):
@@ -160,18 +166,19 @@ def multi_file_problems(
 def _existing_artifact(
     case: TargetCase,
     output: Path,
-    name: str,
+    model: nn.Module,
     kwargs: dict[str, Any],
     external: dict[str, Any],
 ) -> None:
-    """Put an artifact of family ``name`` at ``output``: a writable copy of the shared
-    (cached) export when the case has one, else a fresh export."""
-    if case.export is None:
+    """Put an artifact of ``model`` at ``output``: a writable copy of its cached export
+    when the case has an artifact cache (then a rerun exports it no more), else a
+    fresh export."""
+    if case.export_instance is None:
         with case.services.phase("export"):
             case.services.profile.count("exports")
-            export_model(case.target, build_case_model(case, name), output, **kwargs)
+            export_model(case.target, model, output, **kwargs)
         return
-    artifact = Path(case.export(name, **external))
+    artifact = Path(case.export_instance(model, **external))
     for source in sorted(artifact.parent.iterdir()):
         name = output.name if source.name == artifact.name else source.name
         target = output.parent / name

@@ -27,6 +27,7 @@ from pytest_exportcheck.checks._support import (
     default_model_name,
     listing,
     shared_artifact,
+    smallest_case_model,
     target_info,
 )
 from pytest_exportcheck.checks.targets._publish import multi_file_problems
@@ -135,7 +136,10 @@ def atomic_failure(case: TargetCase) -> CheckResult:
 
     The last weight of a toy model is replaced by a :class:`PoisonedParameter`
     (metadata reads fine, any use of its values raises), so the export fails part
-    way through, whether the target traces the model or copies its weights.
+    way through, whether the target traces the model or copies its weights. The
+    model is the default family with one decoder layer where the family takes that
+    override (:func:`~._support.smallest_case_model`): these exports run afresh on
+    every run, and depth changes nothing about how a target writes or fails.
     Twice: into an empty directory, which must stay empty (no partial file, no
     temporary); and over a pre-created artifact (sentinel bytes at the output
     path; ``overwrite=True`` is passed to factories that accept it), which must be
@@ -153,7 +157,7 @@ def atomic_failure(case: TargetCase) -> CheckResult:
     name = default_model_name(case)
     outcomes: list[str] = []
     for phase in ("fresh", "existing"):
-        model = build_case_model(case, name)
+        model = smallest_case_model(case, name)
         poisoned = poison_last_parameter(model)
         directory = case.workdir / f"atomic_{phase}"
         directory.mkdir(parents=True, exist_ok=True)
