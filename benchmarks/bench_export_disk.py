@@ -15,7 +15,8 @@ Prints the median seconds (wall and CPU of the process, all threads), the peak R
 each step adds (sampled every 2 ms), and the ratios against ``raw`` and ModelOpt.
 Goals: exportlm within 1.25x of ``raw``, at least 2x faster than ModelOpt.
 
-Usage: ``python benchmarks/bench_export_disk.py [--repeat 5] [--dir /dev/shm] [--json out.json]``.
+Usage: ``python benchmarks/bench_export_disk.py [--repeat 5] [--dir /dev/shm] [--json out.json]``;
+``--parts`` prints instead the CPU seconds of the export's parts, each on its own.
 Timings on a machine shared with other work are noisy: compare the ratios of one run.
 """
 
@@ -106,12 +107,48 @@ def _steps(skip_modelopt: str | None, tmp: Path) -> dict[str, Step]:
     return steps
 
 
+def _parts(tmp: Path) -> None:
+    """CPU seconds of the export's parts, one at a time, on one torch thread (``--parts``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    import exportlm
+    from exportlm.export.hf_checkpoint.sink import write_safetensors
+    from exportlm.export.manifest import model_hash
+    from exportlm.module_exporters import export_quantized_state
+
+    model = _build_and_calibrate("exportlm")
+    exportlm.export_model("hf_checkpoint", model, tmp / "probe")
+    tensors = _final_tensors(tmp / "probe")
+    torch.set_num_threads(1)
+
+    class _Null:
+        def add(self, name: str, tensor: Any) -> None:
+            del name, tensor
+
+    parts: dict[str, Callable[[], object]] = {
+        "model hash (1 thread)": lambda: model_hash(model),
+        "conversion (to a sink that drops)": lambda: export_quantized_state(model, _Null()),
+        "write + sha256 of the shard": lambda: write_safetensors(tmp / "s", tensors, {}),
+        "raw save_file": lambda: save_file(tensors, tmp / "r"),
+    }
+    for name, part in parts.items():
+        cpu = time.process_time()
+        part()
+        print(f"{name:36s} {time.process_time() - cpu:6.3f} CPU s")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where to write")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--parts", action="store_true", help="CPU seconds of each part instead")
     args = parser.parse_args()
+    if args.parts:
+        with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-export-disk-") as tmp:
+            _parts(Path(tmp))
+        return 0
     skip = _modelopt_or_reason()
     if skip:
         print(f"modelopt: skipped ({skip})")
