@@ -77,7 +77,7 @@ def _recipes(skipped: dict[str, str]) -> Iterator[str]:
 @check("loadable")
 @aborts_to_result
 def loadable(case: TargetCase) -> CheckResult:
-    """Quantized checkpoints (FP8 + FP8 KV, NVFP4, INT4 AWQ, INT8, W8A8) pass every error-level rule
+    """Quantized checkpoints (FP8 + FP8 KV, NVFP4, INT4 AWQ, INT8) pass every error-level rule
     of ``exportlm inspect``.
 
     See the module docstring for the recipes; a file-artifact target is a counted skip.
