@@ -63,7 +63,8 @@ def test_transformers_misreads_ct_fp8_of_qwen3_moe_only(checkpoints: dict[str, P
         match = transformers.support(*_CT_FP8, dtype="float32", model_type=kind.model_type)
         verdicts[family] = match.verdict
         if match.verdict is Verdict.MISREADS:
-            assert "input_scale" in match.reason and "model_type=qwen3_moe" in match.reason
+            assert "input_scale" in match.reason
+            assert "model_type=qwen3_moe" in match.reason
     assert verdicts == {"llama": Verdict.RUNS, "qwen3_moe": Verdict.MISREADS}
     # no model type given (a caller that does not read config.json): the general row
     assert transformers.support(*_CT_FP8).verdict is Verdict.RUNS
@@ -89,7 +90,9 @@ def test_transformers_misreads_our_qwen3_moe_ct_fp8_as_its_table_says(
         pytest.skip(f"compressed_tensors does not import in {found.path}: run `make engines`")
     got = serve_and_compare("transformers", checkpoints["qwen3_moe"], _fp8("qwen3_moe"))
     if got.off_table:
-        pytest.skip(f"transformers {got.engine_version}: its table was read from {got.table_version}")
+        pytest.skip(
+            f"transformers {got.engine_version}: its table was read from {got.table_version}"
+        )
     assert got.outcome is Outcome.MISREADS, got.message
     assert got.max_gap is not None
     # measured 0.0095 (served check prompts); far above float32 rounding (1e-4)
