@@ -39,6 +39,8 @@ class ArtifactKind:
     layout: str | None
     scheme: str | None
     dtype: str
+    #: a checkpoint's ``config.json`` ``model_type`` (``None`` for an ONNX graph)
+    model_type: str | None = None
 
 
 def _ct_scheme(quant: Mapping[str, Any]) -> str | None:
@@ -55,14 +57,16 @@ def _ct_scheme(quant: Mapping[str, Any]) -> str | None:
 
 def _checkpoint_kind(config: Mapping[str, Any]) -> ArtifactKind:
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    model_type = config.get("model_type")
+    arch = str(model_type) if model_type is not None else None
     quant = config.get("quantization_config")
     if not quant:
-        return ArtifactKind("hf_checkpoint", None, None, dtype)
+        return ArtifactKind("hf_checkpoint", None, None, dtype, arch)
     method = str(quant.get("quant_method"))
     if method == "compressed-tensors":
-        return ArtifactKind("hf_checkpoint", method, _ct_scheme(quant), dtype)
+        return ArtifactKind("hf_checkpoint", method, _ct_scheme(quant), dtype, arch)
     algo = quant.get("quant_algo")
-    return ArtifactKind("hf_checkpoint", method, None if algo is None else str(algo), dtype)
+    return ArtifactKind("hf_checkpoint", method, None if algo is None else str(algo), dtype, arch)
 
 
 #: What the ONNX target writes beside a graph ``model.onnx``: ``model.onnx.manifest.json``.

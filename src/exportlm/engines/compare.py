@@ -281,7 +281,14 @@ def _job(
     if kind is None:
         kind = artifact_kind(artifact)
     compute = dtype or kind.dtype
-    match = eng.support(kind.target, kind.layout, kind.scheme, dtype=compute, device=device)
+    match = eng.support(
+        kind.target,
+        kind.layout,
+        kind.scheme,
+        dtype=compute,
+        device=device,
+        model_type=kind.model_type,
+    )
     return _Job(eng, artifact, kind, compute, match, tolerance_for(eng.name, compute))
 
 

@@ -60,6 +60,9 @@ class Support:
             here (measured; the engine tests check the engine still says it).
         instead: for a refused row, the layout / scheme the engine takes for the same recipe.
         hints: settings the engine needs for this row to hold (sent as request options).
+        model_types: the checkpoint ``model_type`` values the row is limited to (an engine
+            that reads one architecture's layout differently); empty: every model type.
+            A limited row goes before the general row of the same artifact.
     """
 
     target: str
@@ -73,11 +76,21 @@ class Support:
     message: str = ""
     instead: str = ""
     hints: Mapping[str, str] = field(default_factory=dict)
+    model_types: tuple[str, ...] = ()
 
-    def matches(self, target: str, layout: str | None, scheme: str | None, dtype: str) -> bool:
-        """Whether this row is about that artifact and dtype."""
-        return (self.target, self.layout, self.scheme) == (target, layout, scheme) and (
-            dtype in self.dtypes
+    def matches(
+        self,
+        target: str,
+        layout: str | None,
+        scheme: str | None,
+        dtype: str,
+        model_type: str | None = None,
+    ) -> bool:
+        """Whether this row is about that artifact, dtype and (when limited) model type."""
+        return (
+            (self.target, self.layout, self.scheme) == (target, layout, scheme)
+            and dtype in self.dtypes
+            and (not self.model_types or model_type in self.model_types)
         )
 
 
@@ -133,10 +146,16 @@ class Engine:
         *,
         dtype: str = "float32",
         device: str = "cpu",
+        model_type: str | None = None,
     ) -> Match:
-        """What this engine does with that artifact, dtype and device, and why."""
+        """What this engine does with that artifact, dtype and device (and the checkpoint's
+        ``model_type``, for rows limited to some), and why."""
         what = f"{target} layout={layout} scheme={scheme} dtype={dtype}"
-        row = next((r for r in self.table if r.matches(target, layout, scheme, dtype)), None)
+        row = next(
+            (r for r in self.table if r.matches(target, layout, scheme, dtype, model_type)), None
+        )
+        if row is not None and row.model_types:
+            what += f" model_type={model_type}"
         if row is None:
             return Match(
                 Verdict.UNKNOWN,
