@@ -138,7 +138,7 @@ def apply_smoothquant(
             if id(module) in plan.folding:
                 members = grouped.get(id(module), [module])
                 plan.originals.update({id(m): m.get_parameter("weight") for m in members})
-                low, high = plan.ranges.get(id(module), [-act, act])
+                low, high = _tracked_range(plan.ranges.get(id(module)), act)
                 _smooth_jointly(members, (high - low).float(), alpha)
                 smoothed.update(map(id, members))
             else:
@@ -159,6 +159,26 @@ def apply_smoothquant(
     return len(smoothed)
 
 
+def _tracked_range(
+    tracked: list[torch.Tensor] | None, act: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input's per-channel ``(min, max)`` if it is the range of the statistic ``act`` holds.
+
+    The range hook sees every calibration forward, including the one synthetic
+    calibration runs only to trace the model; that calibration then replaces the
+    channel amax with drawn values (machine-independent, unlike a forward pass's).
+    The tracked range belongs to the same data exactly when its larger magnitude
+    per channel is the amax (both are exact maxima of the same inputs); otherwise
+    the range is the symmetric ``[-amax, amax]`` of the statistic in use.
+    """
+    if tracked is not None:
+        low, high = tracked
+        extent = torch.maximum(low.abs(), high.abs())
+        if extent.shape == act.shape and torch.equal(extent, act.to(extent.dtype)):
+            return low, high
+    return -act, act
+
+
 def _smooth_jointly(members: list[QuantLinear], act: torch.Tensor, alpha: float) -> None:
     """llm-compressor's ``_apply_smoothing`` of one mapping: one scale for the group.
 
@@ -166,6 +186,8 @@ def _smooth_jointly(members: list[QuantLinear], act: torch.Tensor, alpha: float)
     """
     columns = torch.stack([m.weight.abs().amax(dim=0).float() for m in members]).amax(0)
     weight_amax = _LLMC_WEIGHT_FACTOR * columns
+    # alpha 0.5 (the default) is a sqrt in torch's pow, and alpha 1.0 is exact: both the
+    # same bits on every kernel set; another alpha's pow may differ in its last bit.
     scale = act.pow(alpha) / weight_amax.pow(1 - alpha)
     scale = torch.where(weight_amax > 0, scale, act).clamp(min=_LLMC_MIN_SCALE)
     pqs = (1.0 / scale).to(members[0].weight.dtype)  # one object: the group shares it
