@@ -48,24 +48,29 @@ def _rows() -> list[Any]:
     params = []
     for engine in ("vllm", "transformers"):
         for row in get_engine(engine).table:
-            # inspect's loader list is per quant_method, not per architecture: a row
-            # limited to some model types is held against the engine in test_engines_model_type
-            if row.target != "hf_checkpoint" or row.model_types:
+            if row.target != "hf_checkpoint":
                 continue
             gpu = row.verdict is Verdict.RUNS and "cpu" not in row.devices
-            ident = f"{engine}-{row.layout}-{row.scheme}-{row.verdict.value}"
-            params.append(pytest.param(engine, row, id=ident + ("-gpu-source" if gpu else "")))
+            # a row limited to some model types: a checkpoint of the first (inspect reads
+            # config.json's model_type)
+            family = row.model_types[0] if row.model_types else "llama"
+            ident = f"{engine}-{family}-{row.layout}-{row.scheme}-{row.verdict.value}"
+            params.append(
+                pytest.param(engine, row, family, id=ident + ("-gpu-source" if gpu else ""))
+            )
     return params
 
 
 @functools.cache
-def _checkpoint(root: Path, layout: str | None, scheme: str | None) -> Path:
+def _checkpoint(root: Path, layout: str | None, scheme: str | None, family: str) -> Path:
     fmt, recipe, exclude = WRITERS[(layout, scheme)]
-    model = build_model("llama", seed=0)
+    model = build_model(family, seed=0)
     if recipe is not None:
         model = quantize(model, recipe, exclude=list(exclude) or None)
     options = {"format": fmt} if fmt else {}
-    out: Path = exportlm.export_model("hf_checkpoint", model, root / f"{fmt}-{recipe}", **options)
+    out: Path = exportlm.export_model(
+        "hf_checkpoint", model, root / f"{family}-{fmt}-{recipe}", **options
+    )
     return out
 
 
@@ -73,15 +78,18 @@ def _named(names: list[str], engine: str) -> bool:
     return any(n.split(" ")[0] == INSPECT_NAMES[engine] for n in names)
 
 
-@pytest.mark.parametrize(("engine", "row"), _rows())
+@pytest.mark.parametrize(("engine", "row", "family"), _rows())
 def test_inspect_agrees_with_each_engine_table_row(
-    engine: str, row: Support, tmp_path_factory: pytest.TempPathFactory
+    engine: str, row: Support, family: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     root = tmp_path_factory.getbasetemp() / "engine-rows"
     root.mkdir(exist_ok=True)
-    path = _checkpoint(root, row.layout, row.scheme)
+    path = _checkpoint(root, row.layout, row.scheme, family)
     kind = artifact_kind(path)
     assert (kind.layout, kind.scheme) == (row.layout, row.scheme)  # the writer's layout
+    assert kind.model_type == family
+    if row.verdict is Verdict.MISREADS:
+        assert kind.dtype in row.dtypes  # the row holds for this checkpoint's dtype
     report = inspect_checkpoint(path)
     loaders = [dict(f.details) for f in report.findings if f.rule == "quant-method-loaders"]
     known = loaders[0]["known"] if loaders else []

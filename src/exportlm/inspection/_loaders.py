@@ -17,9 +17,12 @@ __all__ = [
     "LOADER_TABLE",
     "MODELOPT_QUANT_ALGOS",
     "SERVING_QUANT_METHODS",
+    "MISREAD_TABLE",
     "LoaderRow",
+    "Misread",
     "Refusal",
     "compressed_tensors_formats",
+    "engine_misreads",
     "engine_refusals",
     "loaders_knowing",
     "modelopt_quant_algos",
@@ -154,6 +157,69 @@ def engine_refusals(
         if row.refuses(producer, method, label)
     ]
     return sorted(found, key=lambda r: (r.row.engine, r.label))
+
+
+@dataclass(frozen=True)
+class Misread:
+    """A loader that loads a checkpoint without an error and computes something else.
+
+    Held for one ``quant_method``, the registered formats it declares, the checkpoint's
+    ``config.json`` ``model_type`` and its stored dtype, as the engine's support-table row
+    (``exportlm.engines``) is; ``tests/test_engines_inspect.py`` holds the two together.
+
+    Attributes:
+        engine: the loader as :func:`loaders_knowing` names it (``"transformers"``).
+        version: the engine version it was measured with.
+        quant_method: the ``quant_method`` it is about.
+        formats: the registered format names (``"fp8"``) of the declared schemes.
+        model_types: the ``model_type`` values it holds for.
+        dtypes: the checkpoint dtypes it holds for (``config.json`` ``dtype``).
+        evidence: what was measured.
+    """
+
+    engine: str
+    version: str
+    quant_method: str
+    formats: frozenset[str]
+    model_types: frozenset[str]
+    dtypes: frozenset[str]
+    evidence: str
+
+    def applies(
+        self, method: str | None, formats: Sequence[str], model_type: str | None, dtype: str
+    ) -> bool:
+        """Whether it holds for a checkpoint of ``method`` / ``formats`` / ``model_type`` / ``dtype``."""
+        return (
+            method == self.quant_method
+            and bool(self.formats & set(formats))
+            and model_type in self.model_types
+            and dtype in self.dtypes
+        )
+
+
+#: Loaders that misread a checkpoint they load: never listed among its loaders.
+MISREAD_TABLE: tuple[Misread, ...] = (
+    # the engines' transformers table: the compressed-tensors FP8 row limited to qwen3_moe
+    Misread(
+        "transformers",
+        "5.19.0",
+        "compressed-tensors",
+        frozenset({"fp8"}),
+        frozenset({"qwen3_moe"}),
+        frozenset({"float32"}),  # bfloat16: the same misread, within that dtype's tolerance
+        "measured with compressed-tensors 0.17.0: the experts' FP8 input_scale are dropped "
+        "(UNEXPECTED in the load report) and their weights merged into 3-D bfloat16 "
+        "parameters, so the experts run without their input quantization (0.0178 off the "
+        "fake-quant model)",
+    ),
+)
+
+
+def engine_misreads(
+    method: str | None, formats: Sequence[str], model_type: str | None, dtype: str
+) -> list[Misread]:
+    """Every :data:`MISREAD_TABLE` row that holds for such a checkpoint."""
+    return [row for row in MISREAD_TABLE if row.applies(method, formats, model_type, dtype)]
 
 
 def transformers_quant_methods() -> frozenset[str] | None:

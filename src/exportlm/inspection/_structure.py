@@ -10,7 +10,7 @@ from exportlm.hfdir import custom_code_reasons
 from exportlm.inspection._config import config_field_problems, quant_config_problems
 from exportlm.inspection._declared import MIXED_PRECISION, Declared
 from exportlm.inspection._files import CONFIG, INDEX, Checkpoint
-from exportlm.inspection._loaders import engine_refusals, loaders_knowing
+from exportlm.inspection._loaders import Misread, engine_misreads, engine_refusals, loaders_knowing
 from exportlm.inspection._names import listed_in, name_problems
 from exportlm.inspection._rules import RULES, Finding
 
@@ -151,6 +151,17 @@ def _refusals(checkpoint: Checkpoint, declared: Declared) -> list[Finding]:
     return found
 
 
+def _misreads(checkpoint: Checkpoint, declared: Declared) -> list[Misread]:
+    """The loaders that misread this checkpoint: by its formats, ``model_type`` and dtype."""
+    schemes = [declared.default] if declared.default else list(declared.layers.values())
+    formats = [s.spec.name for s in schemes if s is not None and s.spec is not None]
+    config = checkpoint.config
+    model_type = config.get("model_type")
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    kind = str(model_type) if model_type is not None else None
+    return engine_misreads(declared.quant_method, formats, kind, dtype)
+
+
 def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) -> Iterator[Finding]:
     """``quant-method-unknown``, ``engine-refuses-scheme`` and ``quant-method-loaders``."""
     known, unknown = loaders_knowing(method)
@@ -165,17 +176,20 @@ def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) ->
     refused = _refusals(checkpoint, declared)
     yield from refused
     refusing = sorted({str(f.details["engine"]) for f in refused})
-    names = {f.details["engine_name"] for f in refused}
-    loads = [loader for loader in known if loader not in names]
-    if unknown or refusing:
+    misread = _misreads(checkpoint, declared)
+    names = {f.details["engine_name"] for f in refused} | {m.engine for m in misread}
+    loads = [loader for loader in known if loader.split(" ")[0] not in names]
+    if unknown or refusing or misread:
         said = [f"loads in {', '.join(loads)}" if loads else "loads in no engine checked here"]
         said += [f"refused by {', '.join(refusing)} (its algorithm)"] if refusing else []
+        said += [f"misread by {m.engine} {m.version} ({m.evidence})" for m in misread]
         said += [f"not in {', '.join(unknown)}"] if unknown else []
         yield RULES["quant-method-loaders"].finding(
             "config.json",
             f"quant_method {method!r} {'; '.join(said)}",
             known=loads,
             refused=refusing,
+            misread=[f"{m.engine} {m.version}" for m in misread],
             unknown=unknown,
         )
 
