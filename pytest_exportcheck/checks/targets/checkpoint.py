@@ -17,7 +17,7 @@ here), with the other rules of ``exportlm inspect``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
@@ -59,14 +59,17 @@ _HF_QUANT_CONFIG = "hf_quant_config.json"
 # ----------------------------------------------------------------------------- the check
 
 
-def quantized_toy(case: TargetCase, name: str, recipe: str = CHECKPOINT_RECIPE) -> nn.Module:
-    """Toy model ``name`` quantized with ``recipe``: a counted skip when the recipe does not
-    fit the model, a failure when quantizing raises anything else."""
+def quantized_toy(
+    case: TargetCase, name: str, recipe: str = CHECKPOINT_RECIPE, exclude: Sequence[str] = ()
+) -> nn.Module:
+    """Toy model ``name`` quantized with ``recipe`` (``exclude``: modules left unquantized):
+    a counted skip when the recipe does not fit the model, a failure when quantizing raises
+    anything else."""
     from exportlm.quant import quantize
 
     model = build_case_model(case, name)
     try:
-        quantized: nn.Module = quantize(model, recipe)
+        quantized: nn.Module = quantize(model, recipe, exclude=list(exclude) or None)
     except UnsupportedFormatError as err:
         raise CheckAbort(
             CheckResult.skipped(f"{recipe} does not fit toy model {name!r}: {err}")

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -41,6 +41,7 @@ from exportlm.engines import (
     Outcome,
     Resolved,
     Served,
+    Support,
     engines_taking,
     get_engine,
     parse_engine_options,
@@ -48,7 +49,7 @@ from exportlm.engines import (
     serve_and_compare,
     table_target,
 )
-from exportlm.errors import ExportLMError
+from exportlm.errors import ExportLMError, UnsupportedFormatError
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, error_text
 from pytest_exportcheck.checks._support import (
@@ -61,24 +62,53 @@ from pytest_exportcheck.checks._support import (
 )
 from pytest_exportcheck.checks.targets.checkpoint import quantized_toy
 
-__all__ = ["CUDA_DTYPE", "KV_SERVING", "QUANTIZED", "QUANTIZED_CUDA", "SERVED_FAMILIES", "served"]
+__all__ = [
+    "CUDA_DTYPE",
+    "KV_SERVING",
+    "QUANTIZED",
+    "QUANTIZED_CUDA",
+    "SERVED_FAMILIES",
+    "Quantized",
+    "served",
+    "served_dtype",
+]
 
 #: The families served: a dense one and an MoE one (both in every engine's measured rows).
 SERVED_FAMILIES = ("llama", "qwen3_moe")
-#: (checkpoint format, recipe, the scheme the tables name it by) of the quantized
-#: checkpoints served besides the plain one.
-QUANTIZED: tuple[tuple[str, str, str], ...] = (
-    ("compressed-tensors", "fp8", "FP8"),
-    ("modelopt", "int8_wo", "W8A16"),
+
+
+class Quantized(NamedTuple):
+    """One quantized checkpoint served besides the plain one."""
+
+    layout: str  # the checkpoint format (the tables' layout)
+    recipe: str
+    scheme: str  # the scheme the tables name it by
+    #: modules left unquantized: compressed-tensors has no ``pre_quant_scale`` tensor, so
+    #: AWQ's scales must fold into the norm feeding the layer (o_proj / down_proj have none)
+    exclude: tuple[str, ...] = ()
+
+
+#: The quantized checkpoints served on the CPU: CT FP8 (transformers; vLLM's CPU build
+#: confirms its engine limit), ModelOpt W8A16 (vLLM confirms its refusal), and the
+#: compressed-tensors integer layouts vLLM's CPU build runs: W8A8 (int8 weights, dynamic
+#: per-token int8 inputs) and W4A16 (AWQ, pack-quantized uint4b8, group 128: the toy
+#: families' Linear in-features, 128 and 256, are multiples of the group).
+QUANTIZED: tuple[Quantized, ...] = (
+    Quantized("compressed-tensors", "fp8", "FP8"),
+    Quantized("modelopt", "int8_wo", "W8A16"),
+    Quantized("compressed-tensors", "w8a8", "W8A8"),
+    Quantized("compressed-tensors", "int4_awq", "W4A16", ("*o_proj", "*down_proj")),
 )
 #: On a CUDA device, instead: vLLM's GPU-only FP8 / NVFP4 paths, computed in bfloat16
 #: (vLLM 0.32's ModelOpt configs take bfloat16 / float16 activations only:
 #: vllm/model_executor/layers/quantization/modelopt.py, get_supported_act_dtypes).
-QUANTIZED_CUDA: tuple[tuple[str, str, str], ...] = (
-    ("modelopt", "fp8", "FP8"),
-    ("compressed-tensors", "fp8", "FP8"),
-    ("modelopt", "nvfp4", "NVFP4"),
+QUANTIZED_CUDA: tuple[Quantized, ...] = (
+    Quantized("modelopt", "fp8", "FP8"),
+    Quantized("compressed-tensors", "fp8", "FP8"),
+    Quantized("modelopt", "nvfp4", "NVFP4"),
 )
+#: The dtype every artifact is exported in (served so where the engine's row takes it).
+OWN_DTYPE = "float32"
 #: The compute dtype the quantized checkpoints are served in on a CUDA device.
 CUDA_DTYPE = "bfloat16"
 #: ``initializer_range`` of the models served in bfloat16: the default init gives top-2
@@ -90,55 +120,89 @@ KV_SERVING = {"kv_cache": True, "layout": "optimum", "genai_config": True}
 
 @dataclass(frozen=True)
 class _Artifact:
-    """One artifact to serve, exported only when its engine's table has a row for it."""
+    """One artifact to serve, exported only when its engine's table has a row for it.
+
+    ``make(dtype)`` exports it for serving in ``dtype`` (``None``: the artifact's own)
+    and returns it with its eager reference model.
+    """
 
     label: str
     layout: str | None
     scheme: str | None
-    make: Callable[[], tuple[Path, nn.Module]]
-    dtype: str | None = None  # None: the artifact's own
+    make: Callable[[str | None], tuple[Path, nn.Module]]
+    dtype: str | None = None  # None: the engine's table row decides (served_dtype)
 
 
-def _takes(engine: Engine, target: str, artifact: _Artifact) -> bool:
-    """Whether the engine's table has a row for that artifact (any dtype, any device)."""
-    return any(
-        (row.target, row.layout, row.scheme) == (target, artifact.layout, artifact.scheme)
-        for row in engine.table
-    )
+def _rows(engine: Engine, target: str, layout: str | None, scheme: str | None) -> list[Support]:
+    """The engine's table rows about that artifact (any dtype, any device, any model type)."""
+    return [r for r in engine.table if (r.target, r.layout, r.scheme) == (target, layout, scheme)]
 
 
-def _sharp(case: TargetCase, name: str, recipe: str) -> nn.Module:
+def served_dtype(
+    engine: Engine, target: str, layout: str | None, scheme: str | None, model_type: str
+) -> str | None:
+    """The dtype an artifact is served in: ``None`` (its own, :data:`OWN_DTYPE`) where the
+    engine's first row for it and that model type takes it, else that row's first dtype
+    (vLLM computes integer weights in bfloat16 / float16 only)."""
+    rows = [
+        r
+        for r in _rows(engine, target, layout, scheme)
+        if not r.model_types or model_type in r.model_types
+    ]
+    if not rows or OWN_DTYPE in rows[0].dtypes:
+        return None
+    return rows[0].dtypes[0]
+
+
+def _sharp(case: TargetCase, name: str, recipe: str, exclude: tuple[str, ...] = ()) -> nn.Module:
     """The family with :data:`SHARP_INIT` weights, fake-quantized with ``recipe``."""
-    from exportlm.errors import UnsupportedFormatError
     from exportlm.models import tiny_hf_model
     from exportlm.quant import quantize
 
     model: nn.Module = tiny_hf_model(name, seed=case.seed, initializer_range=SHARP_INIT)
     model = model.to(case.device)
     try:
-        quantized: nn.Module = quantize(model, recipe)
+        quantized: nn.Module = quantize(model, recipe, exclude=list(exclude) or None)
     except UnsupportedFormatError as err:
         raise CheckAbort(CheckResult.skipped(f"{recipe} does not fit {name!r}: {err}")) from err
     return quantized
 
 
+def _export_quantized(case: TargetCase, model: nn.Module, where: Path, layout: str) -> Path:
+    """The checkpoint in ``layout``; a skip naming the exporter's reason where the layout
+    cannot store that recipe for this family (an AWQ scale no norm takes)."""
+    try:
+        return export_instance(case, model, where, format=layout)
+    except CheckAbort as abort:
+        if isinstance(abort.result.exception, UnsupportedFormatError):
+            err = abort.result.exception
+            raise CheckAbort(CheckResult.skipped(f"{layout}: {error_text(err)}")) from err
+        raise
+
+
 def _quantized(case: TargetCase, name: str) -> Iterator[_Artifact]:
     cuda = case.device.startswith("cuda")
-    for layout, recipe, scheme in QUANTIZED_CUDA if cuda else QUANTIZED:
+    for q in QUANTIZED_CUDA if cuda else QUANTIZED:
 
-        def make(layout: str = layout, recipe: str = recipe) -> tuple[Path, nn.Module]:
-            model = _sharp(case, name, recipe) if cuda else quantized_toy(case, name, recipe)
-            where = case.workdir / "served" / f"{layout}-{recipe}"
-            return export_instance(case, model, where, format=layout), model
+        def make(dtype: str | None, q: Quantized = q) -> tuple[Path, nn.Module]:
+            # a reduced-precision engine needs clear top-2 winners (SHARP_INIT)
+            sharp = cuda or dtype not in (None, OWN_DTYPE)
+            if sharp:
+                model = _sharp(case, name, q.recipe, q.exclude)
+            else:
+                model = quantized_toy(case, name, q.recipe, exclude=q.exclude)
+            where = case.workdir / "served" / f"{q.layout}-{q.recipe}{'-sharp' if sharp else ''}"
+            return _export_quantized(case, model, where, q.layout), model
 
-        yield _Artifact(f"{layout} {recipe}", layout, scheme, make, CUDA_DTYPE if cuda else None)
+        label = f"{q.layout} {q.recipe}"
+        yield _Artifact(label, q.layout, q.scheme, make, CUDA_DTYPE if cuda else None)
 
 
 def _artifacts(case: TargetCase, name: str) -> Iterator[_Artifact]:
     info = target_info(case)
 
-    def plain(**options: Any) -> Callable[[], tuple[Path, nn.Module]]:
-        return lambda: (shared_artifact(case, name, **options), build_case_model(case, name))
+    def plain(**options: Any) -> Callable[[str | None], tuple[Path, nn.Module]]:
+        return lambda _: (shared_artifact(case, name, **options), build_case_model(case, name))
 
     if info.artifact == "directory":
         yield _Artifact("plain", None, None, plain())
@@ -218,22 +282,30 @@ def served(case: TargetCase) -> CheckResult:
     info = target_info(case)
     target = table_target(info.artifact, info.suffix) or ""
     results: list[tuple[str, Served]] = []
+    unfit: list[str] = []
     for found in _resolve(case, overrides):
         engine = get_engine(found.engine)
         for artifact in _artifacts(case, name):
-            if not _takes(engine, target, artifact):
+            if not _rows(engine, target, artifact.layout, artifact.scheme):
                 continue
+            # the served families' names are their model types
+            dtype = artifact.dtype or served_dtype(
+                engine, target, artifact.layout, artifact.scheme, name
+            )
             try:
-                path, model = artifact.make()
+                path, model = artifact.make(dtype)
             except CheckAbort as abort:
-                if abort.result.status == "skip":
-                    continue  # the recipe does not fit this family
+                if abort.result.status == "skip":  # the recipe does not fit this family
+                    unfit.append(
+                        f"[{found.engine} / {artifact.label} / not served] {abort.result.message}"
+                    )
+                    continue
                 raise
             got = serve_and_compare(
                 engine,
                 path,
                 model,
-                dtype=artifact.dtype,
+                dtype=dtype,
                 python=found.python,
                 device="cuda" if case.device.startswith("cuda") else "cpu",
             )
@@ -242,8 +314,9 @@ def served(case: TargetCase) -> CheckResult:
         return CheckResult.skipped(
             f"{case.target_id}: no artifact of this family that "
             f"{' / '.join(_engines(case)) or 'any engine'} takes"
+            + "".join(f"; {line}" for line in unfit)
         )
-    return _verdict(case, results)
+    return _verdict(case, results, unfit)
 
 
 def _line(label: str, got: Served) -> str:
@@ -255,7 +328,7 @@ def _line(label: str, got: Served) -> str:
     return f"[{got.engine} / {label} / {outcome}] {got.message}"
 
 
-def _verdict(case: TargetCase, results: list[tuple[str, Served]]) -> CheckResult:
+def _verdict(case: TargetCase, results: list[tuple[str, Served]], unfit: list[str]) -> CheckResult:
     """Fail on any failure (or a missing engine under --export-require-engines), else say all."""
     require = bool(case.options.get("require_engines"))
     rows = [{"artifact_label": label, **got.row()} for label, got in results]
@@ -265,17 +338,17 @@ def _verdict(case: TargetCase, results: list[tuple[str, Served]]) -> CheckResult
     # A version another than the table's (seen only when it changed under us), declared
     # limits, near-ties: named, never held against the artifact, never a match.
     others = [(lbl, g) for lbl, g in results if (lbl, g) not in failed + missing + matched]
-    details: dict[str, Any] = {"served": rows}
+    details: dict[str, Any] = {"served": rows, "not_served": unfit}
     if failed or (require and missing):
         lines = [_line(*r) for r in failed]
         lines += [f"{_line(*r)} (--export-require-engines)" for r in missing if require]
-        lines += [_line(*r) for r in matched + others]
+        lines += [_line(*r) for r in matched + others] + unfit
         return CheckResult.failed(f"{case.target_id}: " + "\n".join(lines), **details)
     if not matched:
         return CheckResult.skipped(
             f"{case.target_id}: no engine served a match here: "
-            + "; ".join(_line(*r) for r in missing + others),
+            + "; ".join([_line(*r) for r in missing + others] + unfit),
             **details,
         )
-    text = "; ".join(_line(*r) for r in matched + others + missing)
+    text = "; ".join([_line(*r) for r in matched + others + missing] + unfit)
     return CheckResult.passed(f"{case.target_id}: {text}", **details)

@@ -6,7 +6,8 @@ without near-ties (:func:`choose_prompts`), computes the eager reference
 (:func:`eager_reference`: each prompt alone, unpadded, full recompute), sends the
 prompts to the engine as one left-padded batch (:func:`~exportlm.engines.run_engine`)
 and compares: greedy tokens equal row by row, teacher-forced log-probabilities within
-the engine's stated tolerance for the dtype (:data:`~exportlm.engines.tolerances.TOLERANCES`).
+the engine's stated tolerance for the dtype (:data:`~exportlm.engines.tolerances.TOLERANCES`;
+for some quantized schemes :data:`~exportlm.engines.tolerances.SCHEME_TOLERANCES`).
 
 What the support table declares decides what an outcome means
 (:class:`Outcome`): a row that ``runs`` must match; a ``refused`` / ``engine_limit``
@@ -289,7 +290,8 @@ def _job(
         device=device,
         model_type=kind.model_type,
     )
-    return _Job(eng, artifact, kind, compute, match, tolerance_for(eng.name, compute))
+    tolerance = tolerance_for(eng.name, compute, kind.scheme)
+    return _Job(eng, artifact, kind, compute, match, tolerance)
 
 
 def serve_and_compare(

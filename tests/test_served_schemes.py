@@ -1,0 +1,62 @@
+"""``served`` covers the compressed-tensors integer recipes vLLM's CPU build runs.
+
+Nothing here starts an engine (the items themselves run in ``make test-engines``): the
+served artifacts, the dtype each engine is asked for (its support-table row's), and a
+stated tolerance for every (engine, scheme, dtype) the check can serve on a CPU.
+"""
+
+from __future__ import annotations
+
+from exportlm.engines import TOLERANCES, Verdict, get_engine, tolerance_for
+from exportlm.engines.tolerances import SCHEME_TOLERANCES
+from pytest_exportcheck.checks.targets.served import (
+    QUANTIZED,
+    SERVED_FAMILIES,
+    served_dtype,
+)
+
+_HF = "hf_checkpoint"
+
+
+def test_served_checkpoints_include_the_ct_integer_layouts() -> None:
+    served = {(q.layout, q.recipe, q.scheme) for q in QUANTIZED}
+    assert ("compressed-tensors", "w8a8", "W8A8") in served
+    assert ("compressed-tensors", "int4_awq", "W4A16") in served
+    awq = next(q for q in QUANTIZED if q.recipe == "int4_awq")
+    assert set(awq.exclude) == {"*o_proj", "*down_proj"}  # no norm takes their AWQ scale
+
+
+def test_each_engine_is_asked_for_its_rows_dtype() -> None:
+    vllm, transformers = get_engine("vllm"), get_engine("transformers")
+    ct = "compressed-tensors"
+    assert served_dtype(vllm, _HF, ct, "W8A8", "llama") == "bfloat16"
+    assert served_dtype(vllm, _HF, ct, "W4A16", "llama") == "float16"  # bf16 swapped tokens
+    assert served_dtype(vllm, _HF, None, None, "llama") is None  # the checkpoint's own
+    # a row limited to a model type decides for that model type (float32 misread row)
+    assert served_dtype(transformers, _HF, ct, "FP8", "qwen3_moe") is None
+    assert served_dtype(transformers, _HF, ct, "FP8", "llama") is None
+
+
+def test_a_scheme_tolerance_takes_precedence_over_the_dtype_one() -> None:
+    w8a8 = tolerance_for("vllm", "bfloat16", "W8A8")
+    assert w8a8 is SCHEME_TOLERANCES["vllm", "W8A8", "bfloat16"]
+    assert w8a8 is not None
+    assert w8a8.atol > TOLERANCES["vllm", "bfloat16"].atol
+    assert "0.305" in w8a8.evidence
+    # a scheme without a row of its own: the engine's dtype tolerance
+    assert tolerance_for("vllm", "bfloat16", "FP8") is TOLERANCES["vllm", "bfloat16"]
+    assert tolerance_for("vllm", "float16") is None  # plain float16: nothing stated
+
+
+def test_every_quantized_item_vllm_or_transformers_runs_on_cpu_has_a_tolerance() -> None:
+    """Else the served item fails with 'no tolerance stated' instead of comparing."""
+    missing = []
+    for name in ("vllm", "transformers"):
+        engine = get_engine(name)
+        for q in QUANTIZED:
+            for family in SERVED_FAMILIES:
+                dtype = served_dtype(engine, _HF, q.layout, q.scheme, family) or "float32"
+                match = engine.support(_HF, q.layout, q.scheme, dtype=dtype, model_type=family)
+                if match.verdict is Verdict.RUNS and tolerance_for(name, dtype, q.scheme) is None:
+                    missing.append((name, q.scheme, dtype, family))
+    assert not missing
