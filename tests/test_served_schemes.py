@@ -2,13 +2,24 @@
 
 Nothing here starts an engine (the items themselves run in ``make test-engines``): the
 served artifacts, the dtype each engine is asked for (its support-table row's), and a
-stated tolerance for every (engine, scheme, dtype) the check can serve on a CPU.
+stated tolerance for every (engine, scheme, dtype) the check can serve on a CPU, and
+prompts chosen as cheaply as the wide W8A8 margin allows.
 """
 
 from __future__ import annotations
 
-from exportlm.engines import TOLERANCES, Verdict, get_engine, tolerance_for
+import pytest
+
+from exportlm.engines import (
+    TOLERANCES,
+    Verdict,
+    choose_prompts,
+    eager_reference,
+    get_engine,
+    tolerance_for,
+)
 from exportlm.engines.tolerances import SCHEME_TOLERANCES
+from exportlm.models import tiny_hf_model
 from pytest_exportcheck.checks.targets.served import (
     QUANTIZED,
     SERVED_FAMILIES,
@@ -60,3 +71,33 @@ def test_every_quantized_item_vllm_or_transformers_runs_on_cpu_has_a_tolerance()
                 if match.verdict is Verdict.RUNS and tolerance_for(name, dtype, q.scheme) is None:
                     missing.append((name, q.scheme, dtype, family))
     assert not missing
+
+
+def _chosen_from_full_references(model: object, min_margin: float, tries: int) -> list[list[int]]:
+    """choose_prompts' rule, spelled out with whole eager references for every draw."""
+    import numpy as np
+
+    from exportlm.engines.reference import FIRST_ID, PROMPT_LENGTHS, PROMPT_SEED
+
+    rng = np.random.default_rng(PROMPT_SEED)
+    chosen = []
+    for length in PROMPT_LENGTHS:
+        best: tuple[float, list[int]] | None = None
+        for _ in range(tries):
+            prompt = [int(t) for t in rng.integers(FIRST_ID, 256, size=length)]
+            margin = eager_reference(model, [prompt]).min_margin
+            if best is None or margin > best[0]:
+                best = (margin, prompt)
+            if margin > min_margin:
+                break
+        assert best is not None
+        chosen.append(best[1])
+    return chosen
+
+
+@pytest.mark.parametrize("min_margin", [2.0, 50.0])  # 50: no draw clears it, the best is taken
+def test_prompts_stopped_early_are_the_prompts_full_references_choose(min_margin: float) -> None:
+    model = tiny_hf_model("llama", seed=0, initializer_range=0.3, num_hidden_layers=1)
+    assert model.config.vocab_size == 256
+    got = choose_prompts(model, min_margin=min_margin, tries=3)
+    assert got == _chosen_from_full_references(model, min_margin, tries=3)
