@@ -108,3 +108,13 @@ def test_a_one_shot_worker_still_answers_each_run(tmp_path: Path, artifact: Path
     request = EngineRequest.left_padded([[1, 2, 3], [4]], max_new_tokens=1)
     for _ in range(2):
         assert run_engine(engine, artifact, request, timeout=60).tokens == [[9], [9]]
+
+
+def test_the_running_tests_name_is_not_part_of_the_key(
+    tmp_path: Path, artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(tmp_path)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/a.py::one (call)")
+    first = _pid(engine, artifact)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/a.py::two (call)")
+    assert _pid(engine, artifact) == first

@@ -34,6 +34,9 @@ MORE = "--more"
 MAX_SESSIONS = 6
 _POLL = 0.05
 _REUSE_ENV = "EXPORTLM_ENGINE_REUSE"
+#: Environment variables that change between two runs without changing the engine's
+#: (pytest names the running test in one): not part of a kept worker's key.
+_VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 @dataclass
@@ -180,7 +183,7 @@ def exchange(
     what it returns is handed back with how the request ended. A worker answering
     ``"reusable": true`` is kept for the next request with the same key.
     """
-    key = (name, *worker, json.dumps(sorted(env.items())))
+    key = (name, *worker, json.dumps(sorted(i for i in env.items() if i[0] not in _VOLATILE)))
     session, resp, start = _SESSIONS.pop(key, None), None, 0
     if session is not None and not session.alive():
         session.close()
