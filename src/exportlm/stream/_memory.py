@@ -16,8 +16,11 @@ shards: peak 1.73 GB without, 0.95 GB with a trim after every layer).
 :func:`map_large_allocations` goes further: every allocation from 1 MiB up is its own
 mapping, returned to the system the moment torch frees it, so the transients of one
 linear (its float32 copy while it is quantized) do not pile up in the heap between
-trims (0.95 GB -> 0.79 GB on the same run, at about 8 % more CPU time). Elsewhere than
-glibc both do nothing.
+trims (0.95 GB -> 0.79 GB on the same FP8 run, at about the same CPU time). Every such
+allocation then costs fresh pages, though: the AWQ search allocates a weight-sized
+temporary per candidate, and one 0.98 GB-model layer took 24.5 CPU-s instead of 15.8
+(half of it in the kernel's page faults), so the stream leaves the threshold alone
+for AWQ recipes. Elsewhere than glibc both do nothing.
 """
 
 from __future__ import annotations

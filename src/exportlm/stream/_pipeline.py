@@ -27,7 +27,7 @@ from exportlm.export.hf_checkpoint.target import HF_CHECKPOINT_TARGET
 from exportlm.export.hf_checkpoint.target import _one_torch_thread as one_torch_thread
 from exportlm.inputs import make_input_ids
 from exportlm.module_exporters import ExportFormat, export_quantized_state
-from exportlm.quant import QuantRecipe
+from exportlm.quant import ALGORITHMS, QuantRecipe
 from exportlm.stream._budget import memory_limit, parse_memory
 from exportlm.stream._checks import check_fits, check_streamable
 from exportlm.stream._layers import CalibrationInputs, capture_layer_inputs, quantize_layer
@@ -124,7 +124,8 @@ def export_streaming(
     if not overwrite and out.is_dir() and any(out.iterdir()):
         raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     plan = QuantRecipe.parse(recipe) if recipe is not None else None
-    map_large_allocations()  # freed tensors go back to the system (stream/_memory.py)
+    if plan is None or plan.algo is None or not ALGORITHMS[plan.algo].awq:  # see _memory.py
+        map_large_allocations()  # freed tensors go straight back to the system
     source = CheckpointSource(Path(model_dir))
     baseline = resident_bytes()  # before any weight: interpreter, torch, the meta model
     namer = CheckpointNamer(source.model)
