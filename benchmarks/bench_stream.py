@@ -173,7 +173,7 @@ def run(
                 "--out",
                 str(out),
             ]
-            argv += ["--quantize", recipe, "-o", "overwrite=true", *extra]
+            argv += ["--quantize", recipe, "-o", "overwrite=true", *extra, "-v"]  # the bound line
             seconds, peak, code, bound = _child(argv, timeout)
             row = f"{mode:<10} {recipe:<9} {seconds:8.1f} {peak / 1e9:12.2f} {peak / model:11.2f}"
             print(f"{row}  {code}{_layers_done(out) if code else ''}", flush=True)
