@@ -8,9 +8,10 @@
 under ``/work/bench-models/llama-3b`` (never the whole model in memory). ``run`` exports FP8
 and INT4 AWQ with ``exportlm export --max-memory`` in a child process each and reads the
 child's peak RSS from ``os.wait4`` (``ru_maxrss``); ``--in-memory`` adds the in-memory path
-(no budget; it needs about twice the model in RAM). Next to each streamed peak it prints the
-done-means bound: one decoder layer + one shard + the calibration activations (and that
-bound plus the interpreter's own RSS after importing torch and transformers, measured).
+(no budget; it needs about twice the model in RAM). Under each streamed peak it prints the
+bound the stream computed and logged: its own RSS before the first weight (interpreter,
+torch, the meta model; measured) + the largest modules loaded at once + one output shard
+(``--shard-size``) + the calibration activations.
 ``compare`` measures, on a model that fits, how far sequential calibration (each layer on
 the outputs of the already quantized layers) moves the FP8 activation scales and the logits
 from whole-model calibration (docs/streaming.md quotes it).
@@ -23,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,6 @@ CONFIG: dict[str, Any] = {  # Llama 3.2 3B's shape
     "hidden_act": "silu",
 }
 SHARD = 10**9
-OUT_SHARD = 10**9  # -o max_shard_size of the exports below
 
 
 def _layer_shapes(c: dict[str, Any], i: int) -> dict[str, tuple[int, ...]]:
@@ -111,22 +112,28 @@ def _flush(
     return name, list(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _child(argv: list[str], timeout: float | None) -> tuple[float, int, int]:
-    """(seconds, peak RSS bytes, exit code) of ``python -m exportlm ARGV`` alone; killed
-    (SIGKILL, exit -9) after ``timeout`` seconds, when given: its work area stays, resumable."""
+def _child(argv: list[str], timeout: float | None) -> tuple[float, int, int, str]:
+    """(seconds, peak RSS bytes, exit code, the stream's bound line) of ``python -m exportlm
+    ARGV`` alone; killed (SIGKILL, exit -9) after ``timeout`` seconds, when given: its work
+    area stays, resumable. The bound is the one the stream computes and logs."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "exportlm", *argv], stdout=subprocess.DEVNULL)
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if timeout is not None and time.perf_counter() - start > timeout:
-            proc.kill()
-            _, status, usage = os.wait4(proc.pid, 0)
-            break
-        time.sleep(1)
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "exportlm", *argv], stdout=subprocess.DEVNULL, stderr=log
+        )
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if timeout is not None and time.perf_counter() - start > timeout:
+                proc.kill()
+                _, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(1)
+        log.seek(0)
+        bound = next((line.strip() for line in log if "memory bound of" in line), "")
     seconds = time.perf_counter() - start
-    return seconds, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status)
+    return seconds, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status), bound
 
 
 def _layers_done(out: Path) -> str:
@@ -137,44 +144,20 @@ def _layers_done(out: Path) -> str:
     return f"  (killed after {done} layers, resumable)"
 
 
-def _baseline_rss() -> int:
-    code = "import torch, transformers, exportlm.stream, resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
-    return int(subprocess.check_output([sys.executable, "-c", code], text=True)) * 1024
-
-
-def _bound(directory: Path, config: dict[str, Any]) -> int:
-    layer = sum(2 * _numel(s) for s in _layer_shapes(config, 0).values())
-    # the largest input shard, or the output shard the writer fills in memory (OUT_SHARD)
-    shard = max(OUT_SHARD, *(p.stat().st_size for p in directory.glob("*.safetensors")))
-    acts = 2 * 8 * config["hidden_size"] * 2  # the default batch: 2 x 8 tokens, bf16
-    return layer + shard + acts
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def run(
-    directory: Path, budget: str, in_memory: bool, recipes: list[str], timeout: float | None
+    directory: Path,
+    budget: str,
+    shard: str,
+    in_memory: bool,
+    recipes: list[str],
+    timeout: float | None,
 ) -> None:
     model = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-    bound, base = (
-        _bound(directory, json.loads((directory / "config.json").read_text())),
-        _baseline_rss(),
-    )
-    print(
-        f"model {model / 1e9:.2f} GB on disk; budget {budget}; interpreter baseline {base / 1e9:.2f} GB"
-    )
-    print(
-        f"bound (one layer + one shard + activations): {bound / 1e9:.2f} GB; + baseline {(bound + base) / 1e9:.2f} GB"
-    )
+    print(f"model {model / 1e9:.2f} GB on disk; budget {budget}; output shards {shard}")
     print(f"{'path':<10} {'recipe':<9} {'seconds':>8} {'peak RSS GB':>12} {'peak/model':>11}  exit")
-    modes = [("stream", ["--max-memory", budget, "-o", f"max_shard_size={OUT_SHARD}"])]
+    modes = [("stream", ["--max-memory", budget, "-o", f"max_shard_size={shard}"])]
     if in_memory:
-        modes.append(("in-memory", ["-o", f"max_shard_size={OUT_SHARD}"]))
+        modes.append(("in-memory", ["-o", f"max_shard_size={shard}"]))
     for recipe in recipes:
         for mode, extra in modes:
             if mode == "in-memory" and _available() < 2.3 * model:
@@ -190,10 +173,12 @@ def run(
                 "--out",
                 str(out),
             ]
-            argv += ["--quantize", recipe, "-o", "overwrite=true", *extra, "-q"]
-            seconds, peak, code = _child(argv, timeout)
+            argv += ["--quantize", recipe, "-o", "overwrite=true", *extra, "-v"]  # the bound line
+            seconds, peak, code, bound = _child(argv, timeout)
             row = f"{mode:<10} {recipe:<9} {seconds:8.1f} {peak / 1e9:12.2f} {peak / model:11.2f}"
             print(f"{row}  {code}{_layers_done(out) if code else ''}", flush=True)
+            if bound:
+                print(f"    {bound[bound.index('memory bound of') :]}", flush=True)
 
 
 def _available() -> int:
@@ -249,6 +234,7 @@ def main() -> None:
     parser.add_argument("command", choices=("build", "run", "compare"))
     parser.add_argument("--model", type=Path, default=ROOT / "llama-3b")
     parser.add_argument("--max-memory", default="3GB")
+    parser.add_argument("--shard-size", default="200MB", help="the exports' max_shard_size")
     parser.add_argument("--in-memory", action="store_true")
     parser.add_argument("--recipes", default="fp8,int4_awq")
     parser.add_argument("--timeout", type=float, help="kill each export after this many seconds")
@@ -256,7 +242,14 @@ def main() -> None:
     if args.command == "build":
         build(args.model, CONFIG)
     elif args.command == "run":
-        run(args.model, args.max_memory, args.in_memory, args.recipes.split(","), args.timeout)
+        run(
+            args.model,
+            args.max_memory,
+            args.shard_size,
+            args.in_memory,
+            args.recipes.split(","),
+            args.timeout,
+        )
     else:
         compare()
 

@@ -65,6 +65,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.export",
         "exportlm.hfdir",
         "exportlm.inputs",
+        "exportlm.inspection",  # the shards' headers, validated as the loader does
         "exportlm.module_exporters",
         "exportlm.quant",
     },

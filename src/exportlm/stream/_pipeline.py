@@ -24,12 +24,19 @@ from exportlm.export.hf_checkpoint.configs import quantization_section, write_co
 from exportlm.export.hf_checkpoint.naming import CheckpointNamer, module_namer
 from exportlm.export.hf_checkpoint.sink import CheckpointSink
 from exportlm.export.hf_checkpoint.target import HF_CHECKPOINT_TARGET
+from exportlm.export.hf_checkpoint.target import _one_torch_thread as one_torch_thread
 from exportlm.inputs import make_input_ids
 from exportlm.module_exporters import ExportFormat, export_quantized_state
-from exportlm.quant import QuantRecipe
+from exportlm.quant import ALGORITHMS, QuantRecipe
 from exportlm.stream._budget import memory_limit, parse_memory
 from exportlm.stream._checks import check_fits, check_streamable
 from exportlm.stream._layers import CalibrationInputs, capture_layer_inputs, quantize_layer
+from exportlm.stream._memory import (
+    MemoryBound,
+    map_large_allocations,
+    release_freed,
+    resident_bytes,
+)
 from exportlm.stream._source import CheckpointSource
 from exportlm.stream._summary import PhaseSink, PrefixSink, SummaryPart, merge_summaries
 from exportlm.stream._work import ActivationStore, WorkArea
@@ -63,6 +70,7 @@ class _Run:
         self.work.progress.writer = self.writer.spill(tag).to_json()
         self.work.save()
         self.writer.collect()
+        release_freed()
 
 
 def export_streaming(
@@ -116,7 +124,10 @@ def export_streaming(
     if not overwrite and out.is_dir() and any(out.iterdir()):
         raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     plan = QuantRecipe.parse(recipe) if recipe is not None else None
+    if plan is None or plan.algo is None or not ALGORITHMS[plan.algo].awq:  # see _memory.py
+        map_large_allocations()  # freed tensors go straight back to the system
     source = CheckpointSource(Path(model_dir))
+    baseline = resident_bytes()  # before any weight: interpreter, torch, the meta model
     namer = CheckpointNamer(source.model)
     check_streamable(source.model, plan, namer.identity)
     batches = list(calibration) if calibration is not None else [_default_ids(source.model)]
@@ -130,8 +141,11 @@ def export_streaming(
     fingerprint = _fingerprint(source, recipe, batches, calibration_inputs, options)
     work = WorkArea(out, fingerprint)
     run = _Run(source, work, format, max_shard_size)
+    bound = _bound(run, baseline, layers, acts)
+    logger.info("streaming within a memory bound of %s", bound.describe())
     store = ActivationStore(work.directory, budget // 4 if budget else 1 << 30)
-    summary = _export_parts(run, store, plan, batches, calibration_inputs, dtype)
+    with one_torch_thread():  # as the hf_checkpoint target converts (see its docstring)
+        summary = _export_parts(run, store, plan, batches, calibration_inputs, dtype)
     written = run.writer.finish()
     logger.info(
         "streamed %d tensors (%d bytes) in %d file(s)",
@@ -155,6 +169,7 @@ def export_streaming(
         write_configs(source.model, staged, dtype, quant, format)
     work.remove()
     source.close()
+    bound.report()
     return out
 
 
@@ -171,6 +186,7 @@ def _export_parts(
     if progress_state.writer is not None:
         run.writer.resume(WriterState.from_json(progress_state.writer))
     inputs = _first_inputs(run, batches)
+    release_freed()
     if progress_state.head is None:
         head = _export_shell(run, run.head_names, dtype)
         progress_state.head, progress_state.layers_done = head.to_json(), 0
@@ -189,10 +205,13 @@ def _export_parts(
         prefix = source.layout.prefix(index)
         layer = source.load(prefix)
         layer, outputs = quantize_layer(layer, plan, store.batches(), inputs.kwargs, mode)
+        release_freed()  # the calibration's temporaries, before the export's
         part = export_quantized_state(
             layer, PrefixSink(run.sink, prefix + "."), format=run.format, dtype=dtype
         )  # type: ignore[arg-type]
         source.free(layer)
+        del layer
+        release_freed()  # the layer's pages back to the system before the next is read
         progress_state.layers.append(SummaryPart(part, prefix + ".").to_json())
         progress_state.layers_done = index + 1
         store.put(index + 1, outputs)
@@ -280,6 +299,27 @@ def _given(options: dict[str, Any]) -> dict[str, Any]:
 
 def _default_ids(model: Any) -> torch.Tensor:
     return make_input_ids(int(model.config.vocab_size))
+
+
+def _bound(run: _Run, baseline: int, layers: list[int], activations: int) -> MemoryBound:
+    """What this export should peak at: the baseline, the largest modules loaded at once
+    (a layer, or the head / tail modules: the embedding, ``lm_head``), one output shard
+    (``max_shard_size``, capped at the model's size, or a single larger tensor) and the
+    calibration activations entering and leaving a layer."""
+    source = run.source
+    sizes = {
+        n: t.numel() * t.element_size() for n, t in source.model.state_dict(keep_vars=True).items()
+    }
+    shells = [
+        sum(sizes[n] for n in source.saved(names)) for names in (run.head_names, run.tail_names)
+    ]
+    shard = min(run.writer.max_shard_size, source.total_bytes)
+    return MemoryBound(
+        baseline=baseline,
+        modules=max([*layers, *shells]),
+        shard=max(shard, *sizes.values()),
+        activations=2 * activations,
+    )
 
 
 def _activation_bytes(model: nn.Module, batches: Sequence[torch.Tensor]) -> int:

@@ -2,15 +2,17 @@
 
 :class:`CheckpointSource` builds the model on the ``meta`` device from ``config.json``
 (no weight is allocated) and fills one module at a time from the safetensors shards
-with ``safe_open`` (memory-mapped; never ``torch.load``): :meth:`CheckpointSource.load`
-gives a module real CPU storage, copies its tensors out of the shards in the model's
-dtype, and :meth:`CheckpointSource.free` puts it back on ``meta``.
+(never ``torch.load``): :meth:`CheckpointSource.load` gives a module real CPU storage
+and reads its tensors into it from the shards (each header validated as the
+``hf_checkpoint`` loader validates it; bytes read straight into the module's storage,
+converted to the model's dtype where the shard holds another), and
+:meth:`CheckpointSource.free` puts it back on ``meta``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +22,14 @@ import torch
 from torch import nn
 
 from exportlm.errors import InvalidConfigError, MalformedCheckpointError
+from exportlm.export.hf_checkpoint.sink import SAFETENSORS_DTYPES
 from exportlm.hfdir import CONFIG_NAME, vet_model_directory
 
 __all__ = ["CheckpointSource", "DecoderLayout"]
 
 _INDEX = "model.safetensors.index.json"
+#: safetensors dtype tag -> torch dtype (the writer's table, inverted).
+_TORCH_DTYPES = {tag: dtype for dtype, tag in SAFETENSORS_DTYPES.items()}
 _SINGLE = "model.safetensors"
 
 
@@ -56,7 +61,7 @@ class CheckpointSource:
         self.model: Any = _meta_model(self.directory)
         self.layout = _decoder_layout(self.model)
         self.shard_of = _shard_map(self.directory)
-        self._handles: dict[str, Any] = {}
+        self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
         from exportlm.module_exporters import resolve_tied_weights
 
         self._ties = resolve_tied_weights(self.model)  # {dropped name: saved name}
@@ -84,26 +89,22 @@ class CheckpointSource:
     def load(self, prefix: str, *, recurse: bool = True) -> nn.Module:
         """Give module ``prefix`` CPU storage and its checkpoint tensors; returns it.
 
-        ``recurse=False``: only the module's own tensors (not its children's).
+        ``recurse=False``: only the module's own tensors (not its children's). Each
+        tensor is read from its shard straight into the module's storage (no mapping,
+        no intermediate copy, see :meth:`_read_into`).
 
         Raises:
             MalformedCheckpointError: a tensor the module needs is in no shard, or
-                has another shape there.
+                has another shape there, or the shard's header is malformed.
         """
         module: nn.Module = self.model.get_submodule(prefix)
         module.to_empty(device="cpu", recurse=recurse)
         own = [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]
         state = {k: v for k, v in module.state_dict(keep_vars=True).items() if k in dict(own)}
         base = f"{prefix}." if prefix else ""
-        with torch.no_grad(), self._mapped():
+        with torch.no_grad():
             for name, tensor in state.items():
-                stored = self._read(base + name)
-                if stored.shape != tensor.shape:
-                    raise MalformedCheckpointError(
-                        f"{self.directory}: tensor {base + name!r} has shape {list(stored.shape)} "
-                        f"in {self.shard_of[base + name]}, the config expects {list(tensor.shape)}"
-                    )
-                tensor.copy_(stored)
+                self._read_into(base + name, tensor)
         _rebuild_unsaved_buffers(module, self.model.config, recurse)
         self._retie()
         return module
@@ -123,19 +124,18 @@ class CheckpointSource:
             self.model.tie_weights()
 
     def close(self) -> None:
-        """Close the memory-mapped shards."""
-        self._handles.clear()
+        """Forget the shards' headers (no file stays open between reads)."""
+        self._headers.clear()
 
-    @contextlib.contextmanager
-    def _mapped(self) -> Iterator[None]:
-        """Shards stay mapped for one :meth:`load` only: the pages read from them count in the
-        process's RSS until they are unmapped, so a long-lived mapping would grow to a shard."""
-        try:
-            yield
-        finally:
-            self._handles.clear()
+    def _read_into(self, name: str, tensor: torch.Tensor) -> None:
+        """Read checkpoint tensor ``name`` into ``tensor`` with ``readinto``.
 
-    def _read(self, name: str) -> torch.Tensor:
+        A memory-mapped read would count every page it touches in the process's RSS
+        until the shard is unmapped, and ``safe_open`` copies the tensor out before it
+        reaches the module: twice a layer resident while it loads. Read this way, only
+        the module's own storage is (a tensor stored in another dtype goes through one
+        temporary of its size).
+        """
         shard = self.shard_of.get(name)
         if shard is None and name in self._ties:  # a tied lm_head: saved as its source
             name = self._ties[name]
@@ -145,14 +145,46 @@ class CheckpointSource:
                 f"{self.directory}: no shard holds tensor {name!r}, which the model's config "
                 "needs; expected a complete checkpoint as save_pretrained writes it"
             )
-        handle = self._handles.get(shard)
-        if handle is None:
-            from safetensors import safe_open
+        start, infos = self._header(shard)
+        info = infos.get(name)
+        if info is None or tuple(info.shape) != tuple(tensor.shape):
+            found = "no such tensor" if info is None else f"shape {list(info.shape)}"
+            raise MalformedCheckpointError(
+                f"{self.directory}: tensor {name!r} has {found} in {shard}, the config "
+                f"expects {list(tensor.shape)}"
+            )
+        stored = _TORCH_DTYPES.get(info.dtype)
+        if stored is None:
+            raise MalformedCheckpointError(
+                f"{self.directory / shard}: tensor {name!r} has dtype {info.dtype}, "
+                "which a model's weights cannot be read from"
+            )
+        direct = stored == tensor.dtype and tensor.is_contiguous()
+        target = tensor if direct else torch.empty(tensor.shape, dtype=stored)
+        begin, end = info.offsets
+        view = target.reshape(-1).view(torch.uint8).numpy().data
+        with open(self.directory / shard, "rb") as f:
+            f.seek(start + begin)
+            got = f.readinto(view) if len(view) else 0
+        if got != end - begin:
+            raise MalformedCheckpointError(
+                f"{self.directory / shard}: tensor {name!r} is truncated ({got} of "
+                f"{end - begin} bytes)"
+            )
+        if not direct:
+            tensor.copy_(target)
 
-            handle = safe_open(str(self.directory / shard), framework="pt", device="cpu")
-            self._handles[shard] = handle
-        tensor: torch.Tensor = handle.get_tensor(name)
-        return tensor
+    def _header(self, shard: str) -> tuple[int, dict[str, Any]]:
+        """Where ``shard``'s data starts and its tensors (validated header, read once)."""
+        if shard not in self._headers:
+            from exportlm.inspection import read_safetensors_header
+
+            path = self.directory / shard
+            infos = read_safetensors_header(path)
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+            self._headers[shard] = (8 + length, infos)
+        return self._headers[shard]
 
     def names(self) -> Iterator[str]:
         """Every tensor name of the checkpoint."""

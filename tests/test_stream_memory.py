@@ -1,0 +1,77 @@
+"""Streaming export's memory: the bound it states, and the shards read straight into the modules."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from exportlm.errors import MalformedCheckpointError
+from exportlm.quant.formats._int4 import pack_int4_rows, unpack_int4_rows
+from exportlm.stream import export_streaming
+from tests._stream_models import different_files, llama_directory
+
+_BOUND = re.compile(
+    r"memory bound of (\d+) MB = baseline (\d+) MB .* \+ largest module set (\d+) MB "
+    r"\+ one output shard (\d+) MB \+ activations (\d+) MB"
+)
+
+
+def test_the_stream_logs_its_bound_term_by_term_and_the_peak_against_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src = llama_directory(tmp_path, tied=False)
+    with caplog.at_level(logging.INFO, logger="exportlm"):
+        export_streaming(src, tmp_path / "out", recipe="fp8", max_shard_size="100KB")
+    found = [m for r in caplog.records if (m := _BOUND.search(r.getMessage()))]
+    assert len(found) == 1
+    total, baseline, modules, shard, acts = (int(g) for g in found[0].groups())
+    assert baseline > 50  # the interpreter and torch are counted, not assumed away
+    assert abs(total - (baseline + modules + shard + acts)) <= 2  # each term rounded to MB
+    # the largest module set is the embedding (256 x 128 bf16, 0.07 MB) and the output
+    # shard is max_shard_size: both far below 1 MB here
+    assert modules == 0
+    assert shard == 0
+    assert any(
+        "peak RSS" in r.getMessage() and "against the bound" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def test_a_checkpoint_stored_in_another_dtype_is_converted_as_it_is_read(tmp_path: Path) -> None:
+    src = llama_directory(tmp_path, tied=False)
+    widened = tmp_path / "f32"
+    widened.mkdir()
+    for file in src.iterdir():
+        if file.suffix == ".safetensors":  # the same values in float32; config.json stays bf16
+            save_file({k: v.float() for k, v in load_file(file).items()}, widened / file.name)
+        else:
+            (widened / file.name).write_bytes(file.read_bytes())
+    a = export_streaming(src, tmp_path / "a", recipe="fp8")
+    b = export_streaming(widened, tmp_path / "b", recipe="fp8")
+    assert different_files(a, b, skip=("exportlm-manifest.json",)) == []
+
+
+def test_a_truncated_shard_is_refused_naming_it(tmp_path: Path) -> None:
+    src = llama_directory(tmp_path, tied=False)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = src / index["weight_map"]["model.layers.1.mlp.down_proj.weight"]
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    with pytest.raises(MalformedCheckpointError, match=shard.name):
+        export_streaming(src, tmp_path / "out", recipe="fp8")
+
+
+@pytest.mark.parametrize("shape", [(2, 16), (4, 6, 16), (16, 256)])
+def test_int4_rows_unpack_to_the_codes_packed(shape: tuple[int, ...]) -> None:
+    codes = torch.randint(
+        -8, 8, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(1)
+    )
+    codes.view(-1)[:16] = torch.arange(-8, 8, dtype=torch.int8)  # every code, in both nibbles
+    packed = pack_int4_rows(codes)
+    assert packed.shape == (*shape[:-2], shape[-2] // 2, shape[-1])
+    assert torch.equal(unpack_int4_rows(packed), codes)
