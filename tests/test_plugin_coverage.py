@@ -1,6 +1,6 @@
 """Coverage in the verdict, end to end: the lockfile, --export-strict, shards + report merge.
 
-Each run is a ``runpytest_subprocess`` with a small distribution on ``PYTHONPATH``
+Each run of the fake distribution is a ``runpytest_subprocess`` with it on ``PYTHONPATH``
 (so the registries stay isolated): a target ``saver`` (torch.save of the model, a
 runtime that loads it) whose ``dynamic_shapes`` capability an environment variable
 switches, and a module exporter ``lonely`` that claims a module no toy model
@@ -11,14 +11,13 @@ contains, so every one of its value checks skips. Runs with xdist use
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from exportlm._matrix import matrix_of
+from exportlm.cli import main
 from tests._distinfo import make_distribution
 
 PLUGIN = '''
@@ -170,7 +169,7 @@ def test_a_bad_shard_is_a_usage_error(pytester: pytest.Pytester) -> None:
 
 
 def test_two_shards_and_report_merge_give_the_matrix_of_one_run(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # torchscript:script is unchecked here (it scripts no family): under CI strict would
     # fail each run; the merge is the point, the strict verdict is tested above
@@ -182,41 +181,31 @@ def test_two_shards_and_report_merge_give_the_matrix_of_one_run(
         "-p",
         "no:randomly",
     ]
-    whole = pytester.runpytest_subprocess(*suite, "--export-report=whole.json")
+    # Built-in targets only: the whole run and the serial shard run in this process; the
+    # xdist shard runs in a subprocess, as the workers of a real CI shard would.
+    whole = pytester.runpytest(*suite, "--export-report=whole.json")
     assert whole.ret == 0
-    for k, extra in ((1, ()), (2, XDIST)):
-        shard = pytester.runpytest_subprocess(
-            *suite, f"--export-shard={k}/2", f"--export-report=s{k}.json", *extra
-        )
-        assert shard.ret == 0
+    first = pytester.runpytest(*suite, "--export-shard=1/2", "--export-report=s1.json")
+    assert first.ret == 0
+    second = pytester.runpytest_subprocess(
+        *suite, "--export-shard=2/2", "--export-report=s2.json", *XDIST
+    )
+    assert second.ret == 0
     one, two = _report(pytester, "s1.json"), _report(pytester, "s2.json")
     assert one["items"]
     assert two["items"]
     assert not {i["nodeid"] for i in one["items"]} & {i["nodeid"] for i in two["items"]}
-    merged = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "exportlm",
-            "report",
-            "merge",
-            "s1.json",
-            "s2.json",
-            "-o",
-            "all.json",
-        ],
-        cwd=pytester.path,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    capsys.readouterr()
+    reports = [str(pytester.path / name) for name in ("s1.json", "s2.json")]
+    assert main(["report", "merge", *reports, "-o", str(pytester.path / "all.json")]) == 0
+    merged = capsys.readouterr().out
     reference = _report(pytester, "whole.json")
     combined = _report(pytester, "all.json")
     assert combined["matrix"] == reference["matrix"] == matrix_of(reference["items"])
     assert combined["totals"] == reference["totals"]
     assert combined["unchecked"] == reference["unchecked"]
-    assert "check \\ target" in merged.stdout
-    assert f"{sum(reference['totals'].values())} items from 2 report(s)" in merged.stdout
+    assert "check \\ target" in merged
+    assert f"{sum(reference['totals'].values())} items from 2 report(s)" in merged
 
 
 @pytest.mark.parametrize(
