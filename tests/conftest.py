@@ -9,9 +9,6 @@ from typing import Any
 
 import pytest
 
-# ``suite_cache``: one artifact cache for the session's pytester projects.
-from tests._suite_cache import shared_artifacts, suite_cache  # noqa: F401
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The signing key that proves an artifact is this machine's own: one per test run
 # tree, outside the user's home (every xdist worker shares it, as a CI machine would).

@@ -1,6 +1,6 @@
 """Coverage in the verdict, end to end: the lockfile, --export-strict, shards + report merge.
 
-Each run of the fake distribution is a ``runpytest_subprocess`` with it on ``PYTHONPATH``
+Each run is a ``runpytest_subprocess`` with a small distribution on ``PYTHONPATH``
 (so the registries stay isolated): a target ``saver`` (torch.save of the model, a
 runtime that loads it) whose ``dynamic_shapes`` capability an environment variable
 switches, and a module exporter ``lonely`` that claims a module no toy model
@@ -181,21 +181,22 @@ def test_two_shards_and_report_merge_give_the_matrix_of_one_run(
         "-p",
         "no:randomly",
     ]
-    # Built-in targets only: the whole run and the serial shard run in this process; the
-    # xdist shard runs in a subprocess, as the workers of a real CI shard would.
-    whole = pytester.runpytest(*suite, "--export-report=whole.json")
+    # Subprocesses: an in-process run of these checks imports torch modules that register
+    # operator libraries, and pytester drops them afterwards; importing them again later
+    # in this process fails ("Only a single TORCH_LIBRARY").
+    whole = pytester.runpytest_subprocess(*suite, "--export-report=whole.json")
     assert whole.ret == 0
-    first = pytester.runpytest(*suite, "--export-shard=1/2", "--export-report=s1.json")
-    assert first.ret == 0
-    second = pytester.runpytest_subprocess(
-        *suite, "--export-shard=2/2", "--export-report=s2.json", *XDIST
-    )
-    assert second.ret == 0
+    for k, extra in ((1, ()), (2, XDIST)):
+        shard = pytester.runpytest_subprocess(
+            *suite, f"--export-shard={k}/2", f"--export-report=s{k}.json", *extra
+        )
+        assert shard.ret == 0
     one, two = _report(pytester, "s1.json"), _report(pytester, "s2.json")
     assert one["items"]
     assert two["items"]
     assert not {i["nodeid"] for i in one["items"]} & {i["nodeid"] for i in two["items"]}
     capsys.readouterr()
+    # the merge reads and writes JSON only: the console script's entry point, in process
     reports = [str(pytester.path / name) for name in ("s1.json", "s2.json")]
     assert main(["report", "merge", *reports, "-o", str(pytester.path / "all.json")]) == 0
     merged = capsys.readouterr().out

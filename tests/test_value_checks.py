@@ -19,13 +19,11 @@ from torch import nn
 from exportlm.errors import DuplicateTensorError
 from exportlm.export.hf_checkpoint.sink import ShardedSafetensorsWriter
 from exportlm.module_exporters import (
-    EXPORT_MODULE_REGISTRY,
     DictSink,
     ExportContext,
     ExportModuleRegistry,
     ModuleExporter,
     QuantLinearExporter,
-    ensure_module_exporters_registered,
     export_quantized_state,
 )
 from exportlm.quant import quantize, synthetic_calibration
@@ -117,37 +115,28 @@ def _project(
     pytester.makefile(".toml", pyproject='[project]\nname = "acme-scaled"\nversion = "1"\n')
 
 
-def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    """Run the project's suite in this process (no torch import of a new one).
-
-    The project's conftest registers ``scaled_linear`` into the module exporter
-    registry when the inner run imports it; the registry is put back afterwards, so
-    the next project registers its own variant and no other test sees it.
-    """
-    ensure_module_exporters_registered()
-    saved = EXPORT_MODULE_REGISTRY.entries()
-    try:
-        return pytester.runpytest(*args)
-    finally:
-        EXPORT_MODULE_REGISTRY.restore(saved)
-
-
 def _items(pytester: pytest.Pytester) -> dict[str, dict[str, str]]:
     report = json.loads((pytester.path / "report.json").read_text())
     return {item["check"]: item for item in report["items"]}
 
 
-def test_a_correct_exporter_with_its_golden_passes_its_value_checks(
+def test_a_missing_golden_fails_and_with_its_golden_a_correct_exporter_passes_its_value_checks(
     pytester: pytest.Pytester,
 ) -> None:
+    """One project, three runs (each a subprocess: the conftest's exporter must not join
+    this process's registry): without a golden, golden_checkpoint fails saying it is
+    missing; --export-update-goldens writes it; against it every value check passes."""
     _project(pytester)
-    _run(pytester, *ARGS, "--export-update-goldens").assert_outcomes(passed=4)
+    missing = pytester.runpytest_subprocess(*ARGS)
+    missing.assert_outcomes(passed=3, failed=1)
+    missing.stdout.fnmatch_lines(["*golden_checkpoint*scaled_linear*", "*is missing*"])
+    pytester.runpytest_subprocess(*ARGS, "--export-update-goldens").assert_outcomes(passed=4)
     golden = pytester.path / "goldens" / "checkpoint" / "conformance" / "scaled_linear.json"
     written = json.loads(golden.read_text())
     assert sorted(written["tensors"]) == ["0.channel_scale", "0.weight", "0.weight_scale"]
     assert written["quantization"]["quant_algo"] == "FP8"
     assert written["ties"] == {"0.weight=1.weight": ["0.weight"]}
-    _run(pytester, *ARGS).assert_outcomes(passed=4)  # against the golden: no skip
+    pytester.runpytest_subprocess(*ARGS).assert_outcomes(passed=4)  # against the golden: no skip
     items = _items(pytester)
     assert items["quantized_generated"]["outcome"] == "pass"
     assert items["golden_checkpoint"]["outcome"] == "pass"
@@ -155,18 +144,11 @@ def test_a_correct_exporter_with_its_golden_passes_its_value_checks(
     assert "conformance" in items["golden_checkpoint"]["message"]
 
 
-def test_a_golden_that_is_missing_fails(pytester: pytest.Pytester) -> None:
-    _project(pytester)
-    result = _run(pytester, *ARGS)
-    result.assert_outcomes(passed=3, failed=1)
-    result.stdout.fnmatch_lines(["*golden_checkpoint*scaled_linear*", "*is missing*"])
-
-
 def test_writing_weight_scale_twice_fails_naming_the_check_and_the_tensor(
     pytester: pytest.Pytester,
 ) -> None:
     _project(pytester, doubled=True)
-    result = _run(pytester, *ARGS, "--export-update-goldens")
+    result = pytester.runpytest_subprocess(*ARGS, "--export-update-goldens")
     result.assert_outcomes(failed=4)
     items = _items(pytester)
     for check_id in ("quantized_generated", "golden_checkpoint", "export_contract", "tied_weights"):
@@ -182,7 +164,9 @@ def test_writing_weight_scale_twice_fails_naming_the_check_and_the_tensor(
 
 def test_a_scale_two_percent_off_fails_the_dequantized_forward(pytester: pytest.Pytester) -> None:
     _project(pytester, scale_factor=1.02)
-    result = _run(pytester, *ARGS[:2], "--export-checks=quantized_generated", *ARGS[3:])
+    result = pytester.runpytest_subprocess(
+        *ARGS[:2], "--export-checks=quantized_generated", *ARGS[3:]
+    )
     result.assert_outcomes(failed=1)
     message = _items(pytester)["quantized_generated"]["message"]
     assert "0 (QuantScaledLinear): the written tensors ['channel_scale', 'weight', " in message
@@ -193,7 +177,7 @@ def test_an_exporter_without_a_conformance_model_fails_value_coverage(
     pytester: pytest.Pytester,
 ) -> None:
     _project(pytester, with_model=False)
-    result = _run(pytester, *ARGS)
+    result = pytester.runpytest_subprocess(*ARGS)
     items = _items(pytester)
     for check_id in ("quantized_generated", "golden_checkpoint"):
         assert items[check_id]["outcome"] == "fail", items[check_id]
