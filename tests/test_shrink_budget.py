@@ -24,7 +24,7 @@ from pytest_exportcheck.run._hypothesis import (
     register_profiles,
 )
 from tests._distinfo import make_distribution
-from tests.test_generated import ENTRY_POINTS, GEN_PLUGIN
+from tests.test_generated import CONFTEST, ENTRY_POINTS, GEN_PLUGIN
 
 
 @pytest.fixture
@@ -77,18 +77,38 @@ def test_a_profile_the_user_chose_keeps_hypothesis_own_bound() -> None:
         assert before == engine.MAX_SHRINKING_SECONDS
 
 
-def test_a_failed_generated_item_keeps_its_shrunk_structure_and_a_working_repro(
+def test_a_ci_run_is_derandomized_and_a_failed_item_keeps_its_shrunk_structure_and_a_repro(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """One CI run (a subprocess: the fake targets must not join this process's registries)
+    shows both facets: items run derandomized under exportcheck-ci with no database and
+    the default budget catches vocabpad; its shrunk structure is kept with a repro that
+    works. No .hypothesis directory appears."""
     site = pytester.path / "site"
     make_distribution(site, "genplugin", ENTRY_POINTS, {"genplugin.py": GEN_PLUGIN})
     monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.setenv("CI", "true")  # derandomized: the default budget catches vocabpad
     pytester.makeini("[pytest]\n")  # the rootdir is the test's directory
+    pytester.makeconftest(CONFTEST)  # the profile_probe check
     result = pytester.runpytest_subprocess(
-        "--export-targets=vocabpad", "--export-checks=roundtrip_generated", "-p", "no:cacheprovider"
+        "--export-targets=plain,vocabpad",
+        "--export-checks=profile_probe,roundtrip_generated",
+        "--export-report=report.json",
+        "-p",
+        "no:cacheprovider",
     )
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    report = json.loads((pytester.path / "report.json").read_text())
+    items = {item["id"]: item for item in report["items"]}
+    assert items["profile_probe[plain-cpu]"]["details"] == {
+        "profile": "exportcheck-ci",
+        "derandomize": True,
+        "database": "None",
+    }
+    assert items["roundtrip_generated[plain-cpu]"]["outcome"] == "pass"
+    assert items["roundtrip_generated[vocabpad-cpu]"]["outcome"] == "fail"
+    assert not (pytester.path / ".hypothesis").exists()
+
     kept = pytester.path / ".exportcheck" / "failures" / "roundtrip_generated.vocabpad-cpu.json"
     assert ModelSpec.from_dict(json.loads(kept.read_text())).vocab_size % 64 != 0
     result.stdout.fnmatch_lines(
@@ -105,6 +125,7 @@ def test_a_failed_generated_item_keeps_its_shrunk_structure_and_a_working_repro(
         + 1
     ]
     argv = shlex.split(command)
+    assert argv[0] == "exportlm"
     assert (
         str(pytester.path / ".exportcheck" / "failures" / "repro") in argv[argv.index("--out") + 1]
     )

@@ -120,10 +120,16 @@ def _items(pytester: pytest.Pytester) -> dict[str, dict[str, str]]:
     return {item["check"]: item for item in report["items"]}
 
 
-def test_a_correct_exporter_with_its_golden_passes_its_value_checks(
+def test_a_missing_golden_fails_and_with_its_golden_a_correct_exporter_passes_its_value_checks(
     pytester: pytest.Pytester,
 ) -> None:
+    """One project, three runs (each a subprocess: the conftest's exporter must not join
+    this process's registry): without a golden, golden_checkpoint fails saying it is
+    missing; --export-update-goldens writes it; against it every value check passes."""
     _project(pytester)
+    missing = pytester.runpytest_subprocess(*ARGS)
+    missing.assert_outcomes(passed=3, failed=1)
+    missing.stdout.fnmatch_lines(["*golden_checkpoint*scaled_linear*", "*is missing*"])
     pytester.runpytest_subprocess(*ARGS, "--export-update-goldens").assert_outcomes(passed=4)
     golden = pytester.path / "goldens" / "checkpoint" / "conformance" / "scaled_linear.json"
     written = json.loads(golden.read_text())
@@ -136,13 +142,6 @@ def test_a_correct_exporter_with_its_golden_passes_its_value_checks(
     assert items["golden_checkpoint"]["outcome"] == "pass"
     assert items["tied_weights"]["outcome"] == "pass"
     assert "conformance" in items["golden_checkpoint"]["message"]
-
-
-def test_a_golden_that_is_missing_fails(pytester: pytest.Pytester) -> None:
-    _project(pytester)
-    result = pytester.runpytest_subprocess(*ARGS)
-    result.assert_outcomes(passed=3, failed=1)
-    result.stdout.fnmatch_lines(["*golden_checkpoint*scaled_linear*", "*is missing*"])
 
 
 def test_writing_weight_scale_twice_fails_naming_the_check_and_the_tensor(
