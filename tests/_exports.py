@@ -37,8 +37,13 @@ _DONE = "done.json"
 class SharedExport:
     """A freshly built model of the family and the read-only artifact exported from its twin."""
 
+    target: str
     model: Any  # an nn.Module; Any as build_model's families carry a ``config``
     path: Path
+
+    def load(self) -> Any:
+        """The artifact's runtime (``exportlm.load_exported``)."""
+        return exportlm.load_exported(self.target, self.path)
 
 
 def session_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -82,4 +87,4 @@ def shared_export(
                 if file.is_file():
                     file.chmod(0o444)  # read-only: a test that writes to it fails loudly
             (folder / _DONE).write_text(spec, encoding="utf-8")
-    return SharedExport(build_model(family, seed=seed), path)
+    return SharedExport(target, build_model(family, seed=seed), path)

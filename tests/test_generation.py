@@ -44,7 +44,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], A
     def get(target: str, family: str) -> Any:
         if (target, family) not in cache:
             shared = shared_export(tmp_path_factory, target, family, kv_cache=True)
-            cache[(target, family)] = (shared.model, exportlm.load_exported(target, shared.path))
+            cache[(target, family)] = (shared.model, shared.load())
         return cache[(target, family)]
 
     return get

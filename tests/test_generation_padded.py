@@ -114,8 +114,7 @@ def test_a_torch_export_program_refuses_a_padded_mask(
 ) -> None:
     """The .pt2 program has no mask input: a padded batch is refused, never misread."""
     shared = shared_export(tmp_path_factory, "torch_export", "llama", kv_cache=True)
-    model = shared.model
-    runtime = exportlm.load_exported("torch_export", shared.path)
+    model, runtime = shared.model, shared.load()
     ids, mask = _left_padded(_prompts(model.config.vocab_size))
     with pytest.raises(InvalidInputError, match="no attention_mask input"):
         greedy_generate(runtime, ids, 2, attention_mask=mask)
@@ -126,8 +125,7 @@ def test_a_model_without_position_ids_gets_a_mask_input_and_its_own_positions(
 ) -> None:
     """DecoderModel places tokens itself (padding included): the graph equals it padded."""
     shared = shared_export(tmp_path_factory, "onnx", "decoder", kv_cache=True)
-    model = shared.model
-    runtime = exportlm.load_exported("onnx", shared.path)
+    model, runtime = shared.model, shared.load()
     ids, mask = _left_padded(_prompts(model.config.vocab_size))
     got = greedy_generate(runtime, ids, NEW_TOKENS, attention_mask=mask)
     eager = greedy_generate(model, ids, NEW_TOKENS, attention_mask=mask)
