@@ -28,6 +28,7 @@ from exportlm.export import (
     make_input_ids,
 )
 from exportlm.models import ModelSpec, build_from_spec, build_model
+from tests._exports import shared_export
 
 TARGETS = ("torch_export", "onnx")
 SUFFIX = {"torch_export": ".pt2", "onnx": ".onnx"}
@@ -36,16 +37,14 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Any]:
-    """``(target, family) -> (model, runtime)``: one ``kv_cache=True`` export per pair."""
+    """``(target, family) -> (model, runtime)``: one ``kv_cache=True`` export per pair,
+    shared with the session's other readers of it (tests/_exports.py)."""
     cache: dict[tuple[str, str], Any] = {}
-    root = tmp_path_factory.mktemp("generation")
 
     def get(target: str, family: str) -> Any:
         if (target, family) not in cache:
-            model = build_model(family)
-            out = root / f"{target}-{family}{SUFFIX[target]}"
-            exportlm.export_model(target, model, out, kv_cache=True)
-            cache[(target, family)] = (model, exportlm.load_exported(target, out))
+            shared = shared_export(tmp_path_factory, target, family, kv_cache=True)
+            cache[(target, family)] = (shared.model, shared.load())
         return cache[(target, family)]
 
     return get

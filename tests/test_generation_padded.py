@@ -24,6 +24,7 @@ from exportlm.engines import EngineRequest, EngineResult, run_engine
 from exportlm.errors import EngineUnavailableError, InvalidInputError, InvalidModelError
 from exportlm.export import get_target_info, greedy_generate, make_input_ids
 from exportlm.models import build_model
+from tests._exports import shared_export
 
 NEW_TOKENS = 8
 LENGTHS = (3, 5, 7)  # three prompts of different lengths, left-padded to 7
@@ -108,23 +109,23 @@ def test_without_the_mask_input_a_padded_batch_is_refused_not_misread(
     assert greedy_generate(runtime, ids, 2, attention_mask=ones).tokens.shape == (3, 2)
 
 
-def test_a_torch_export_program_refuses_a_padded_mask(tmp_path: Path) -> None:
+def test_a_torch_export_program_refuses_a_padded_mask(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     """The .pt2 program has no mask input: a padded batch is refused, never misread."""
-    model = build_model("llama")
-    out = exportlm.export_model("torch_export", model, tmp_path / "m.pt2", kv_cache=True)
-    runtime = exportlm.load_exported("torch_export", out)
+    shared = shared_export(tmp_path_factory, "torch_export", "llama", kv_cache=True)
+    model, runtime = shared.model, shared.load()
     ids, mask = _left_padded(_prompts(model.config.vocab_size))
     with pytest.raises(InvalidInputError, match="no attention_mask input"):
         greedy_generate(runtime, ids, 2, attention_mask=mask)
 
 
 def test_a_model_without_position_ids_gets_a_mask_input_and_its_own_positions(
-    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """DecoderModel places tokens itself (padding included): the graph equals it padded."""
-    model = build_model("decoder")
-    out = exportlm.export_model("onnx", model, tmp_path / "d.onnx", kv_cache=True)
-    runtime = exportlm.load_exported("onnx", out)
+    shared = shared_export(tmp_path_factory, "onnx", "decoder", kv_cache=True)
+    model, runtime = shared.model, shared.load()
     ids, mask = _left_padded(_prompts(model.config.vocab_size))
     got = greedy_generate(runtime, ids, NEW_TOKENS, attention_mask=mask)
     eager = greedy_generate(model, ids, NEW_TOKENS, attention_mask=mask)

@@ -29,6 +29,7 @@ from exportlm.export.onnx import (
     verify_onnx,
 )
 from exportlm.models import build_model
+from tests._exports import shared_export
 
 # Legacy exports of transformers models emit our LegacyTraceWarning (transformers' masking
 # converts tensors to Python values); it is asserted where it is the subject.
@@ -50,11 +51,11 @@ class Artifacts:
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Artifacts:
     root = tmp_path_factory.mktemp("onnx_api")
-    decoder = build_model("decoder")
+    decoder = shared_export(tmp_path_factory, "onnx", "decoder")  # read only here
     llama = build_model("llama")
     return Artifacts(
-        decoder=decoder,
-        decoder_onnx=export_to_onnx(decoder, root / "decoder.onnx"),
+        decoder=decoder.model,
+        decoder_onnx=decoder.path,
         llama=llama,
         llama_legacy=export_to_onnx(llama, root / "llama_legacy.onnx", dynamo=False),
     )
