@@ -13,7 +13,7 @@ from typing import Literal
 from torch import nn
 
 from exportlm.errors import UnsupportedFormatError
-from exportlm.models import MODEL_REGISTRY, build_model, ensure_models_registered
+from exportlm.models import MODEL_REGISTRY, ensure_models_registered
 from exportlm.quant import quantize, synthetic_calibration
 from pytest_exportcheck.checks._services import CheckServices
 
@@ -54,26 +54,25 @@ def _quantize(
     ensure_models_registered()
     factory = MODEL_REGISTRY.get(model_name)
     key = ("quantized", model_name, factory, recipe, seed, calibration, device)
-    return services.memo(
-        key, lambda: _quantize_afresh(model_name, recipe, seed, calibration, device)
-    )
-
-
-def _quantize_afresh(
-    model_name: str, recipe: RecipeKey, seed: int, calibration: Calibration, device: str
-) -> nn.Module | str:
     plan = recipe if isinstance(recipe, str) else dict(recipe)
-    try:
-        model = build_model(model_name, seed=seed).to(device)  # seeded on the CPU, then moved
-        if calibration == "synthetic":
-            return quantize(model, plan, synthetic_calibration(seed))
-        return quantize(model, plan)
-    except UnsupportedFormatError as err:
-        return f"{recipe_label(recipe)} does not fit {model_name}: {err}"
-    except Exception as err:
-        label = recipe_label(recipe)
-        logger.warning("quantizing %s with %s failed: %s", model_name, label, err)
-        return f"quantizing {model_name} with {label} raised {type(err).__name__}: {err}"
+
+    def build() -> nn.Module | str:
+        try:
+            # A copy of the process's one build of the family (seeded on the CPU, then
+            # moved): building a toy from its config costs ~0.3 s, copying it a few ms,
+            # and the survey quantizes each family with every recipe.
+            model = services.model(model_name, seed).to(device)
+            if calibration == "synthetic":
+                return quantize(model, plan, synthetic_calibration(seed))
+            return quantize(model, plan)
+        except UnsupportedFormatError as err:
+            return f"{recipe_label(recipe)} does not fit {model_name}: {err}"
+        except Exception as err:
+            label = recipe_label(recipe)
+            logger.warning("quantizing %s with %s failed: %s", model_name, label, err)
+            return f"quantizing {model_name} with {label} raised {type(err).__name__}: {err}"
+
+    return services.memo(key, build)
 
 
 def quantized_models(

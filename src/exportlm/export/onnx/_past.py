@@ -21,6 +21,7 @@ batch through such a graph is wrong: keep the default for serving.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import replace
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from exportlm.errors import InvalidInputError, InvalidModelError
+from exportlm.export._fake_cache import fake_tensor_cache_off
 from exportlm.export._past import (
     MaskedPastKVWrapper,
     MaskOnlyPastKVWrapper,
@@ -86,17 +88,19 @@ def torch_onnx_export(
     ``recorded`` options say ``kv_cache``, of the past-key-values graph
     (:func:`export_past_graph`, honouring ``attention_mask``) and the serving files that
     ``layout`` / ``genai_config`` ask for (:mod:`._serving`), to ``job.staged``."""
-    if recorded.get("kv_cache"):
-        graph = export_past_graph(job, options, attention_mask=recorded.get("attention_mask"))
-        write_serving_files(
-            job.model,
-            job.staged,
-            graph,
-            optimum=recorded.get("layout") == "optimum",
-            genai=bool(recorded.get("genai_config")),
-        )
-    else:
-        torch.onnx.export(wrapper, args, str(job.staged), **options)
+    # The dynamo exporter traces faster without torch's FakeTensor cache: see _fake_cache.py.
+    with fake_tensor_cache_off() if options.get("dynamo") else contextlib.nullcontext():
+        if recorded.get("kv_cache"):
+            graph = export_past_graph(job, options, attention_mask=recorded.get("attention_mask"))
+            write_serving_files(
+                job.model,
+                job.staged,
+                graph,
+                optimum=recorded.get("layout") == "optimum",
+                genai=bool(recorded.get("genai_config")),
+            )
+        else:
+            torch.onnx.export(wrapper, args, str(job.staged), **options)
 
 
 def _wants_mask(layout: PastLayout, attention_mask: bool | None, where: str) -> bool:
