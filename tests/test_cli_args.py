@@ -273,3 +273,13 @@ def test_third_party_debug_lines_need_vv(
         assert "somelib.internals: debug: graph dump line" in capsys.readouterr().err
     finally:
         EXPORT_REGISTRY.unregister("cli_chatty")
+
+
+def test_the_quantize_help_names_every_weight_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    """``exportlm export --help`` lists each recipe ``quantize`` takes (fp8_kv as ``+fp8_kv``)."""
+    from exportlm.quant._recipe import recipe_names
+
+    assert main(["export", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for name in recipe_names():
+        assert (f"+{name}" if name == "fp8_kv" else f" {name},") in text, name

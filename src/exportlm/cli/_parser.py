@@ -210,7 +210,7 @@ def _add_quantization(p: argparse.ArgumentParser) -> None:
     q.add_argument(
         "--quantize",
         metavar="RECIPE",
-        help="fake-quantize first: fp8, nvfp4, int4_awq, int8_wo, optionally +fp8_kv",
+        help="fake-quantize first: fp8, nvfp4, int4_awq, int8_wo, int8_sq, w8a8, optionally +fp8_kv",
     )
     q.add_argument(
         "--calib-data",
