@@ -133,9 +133,16 @@ class _Artifact:
     dtype: str | None = None  # None: the engine's table row decides (served_dtype)
 
 
-def _rows(engine: Engine, target: str, layout: str | None, scheme: str | None) -> list[Support]:
-    """The engine's table rows about that artifact (any dtype, any device, any model type)."""
-    return [r for r in engine.table if (r.target, r.layout, r.scheme) == (target, layout, scheme)]
+def _rows(
+    engine: Engine,
+    target: str,
+    layout: str | None,
+    scheme: str | None,
+    model_type: str | None = None,
+) -> list[Support]:
+    """The engine's table rows about that artifact (any dtype, any device; any model type
+    unless ``model_type`` is given, :meth:`Support.about`)."""
+    return [r for r in engine.table if r.about(target, layout, scheme, model_type)]
 
 
 def served_dtype(
@@ -144,11 +151,7 @@ def served_dtype(
     """The dtype an artifact is served in: ``None`` (its own, :data:`OWN_DTYPE`) where the
     engine's first row for it and that model type takes it, else that row's first dtype
     (vLLM computes integer weights in bfloat16 / float16 only)."""
-    rows = [
-        r
-        for r in _rows(engine, target, layout, scheme)
-        if not r.model_types or model_type in r.model_types
-    ]
+    rows = _rows(engine, target, layout, scheme, model_type)
     if not rows or OWN_DTYPE in rows[0].dtypes:
         return None
     return rows[0].dtypes[0]

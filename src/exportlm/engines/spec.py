@@ -78,6 +78,15 @@ class Support:
     hints: Mapping[str, str] = field(default_factory=dict)
     model_types: tuple[str, ...] = ()
 
+    def about(
+        self, target: str, layout: str | None, scheme: str | None, model_type: str | None = None
+    ) -> bool:
+        """Whether this row is about that artifact (any dtype; with ``model_type``, only a
+        row for every model type or one limited to it; without, any row)."""
+        return (self.target, self.layout, self.scheme) == (target, layout, scheme) and (
+            model_type is None or not self.model_types or model_type in self.model_types
+        )
+
     def matches(
         self,
         target: str,
@@ -88,7 +97,7 @@ class Support:
     ) -> bool:
         """Whether this row is about that artifact, dtype and (when limited) model type."""
         return (
-            (self.target, self.layout, self.scheme) == (target, layout, scheme)
+            self.about(target, layout, scheme)
             and dtype in self.dtypes
             and (not self.model_types or model_type in self.model_types)
         )
