@@ -51,7 +51,7 @@ WHEEL_DIR   ?= build/wheel
 WHEEL_TOOLS := $(WHEEL_VENV)/.exportlm-build-tools
 WHEEL_STAMP := $(WHEEL_VENV)/.exportlm-deps-installed
 
-.PHONY: install test test-lowest lint conformance wheel test-wheel bench clean engines test-engines
+.PHONY: install test test-lowest lint conformance wheel test-wheel bench clean engines test-engines venvs
 
 # Let the venv keep compiled bytecode even where the environment disables it:
 # every pytest process (one per xdist worker) would otherwise recompile torch's,
@@ -211,6 +211,11 @@ test-engines: $(STAMP) engines
 	env $(ENGINE_ENV) $(BIN)/python -m pytest -n 0 -m engines $(ENGINE_TESTS) -rs --durations=10
 	env $(ENGINE_ENV) $(BIN)/python -m pytest -n 0 --export-targets=all --export-only \
 		--export-checks=served --export-require-engines -rs --durations=10
+
+# Every venv the later CI stages use (the wheel's, the lower bounds', the engines'),
+# built without running anything: .ci/run builds them in the background while
+# `make test` runs, as installs wait on the disk and the network as much as on a core.
+venvs: $(LOWEST_STAMP) $(WHEEL_STAMP) engines
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_export_overhead.py
