@@ -75,3 +75,54 @@ def test_int4_rows_unpack_to_the_codes_packed(shape: tuple[int, ...]) -> None:
     packed = pack_int4_rows(codes)
     assert packed.shape == (*shape[:-2], shape[-2] // 2, shape[-1])
     assert torch.equal(unpack_int4_rows(packed), codes)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "block", "calibrated"),
+    [("fp8", None, True), ("int4", 128, False), ("nvfp4", 16, True), ("int8", None, False)],
+)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_a_weight_fake_quantized_in_slices_of_rows_is_the_whole_tensors_fake_quantization(
+    fmt: str, block: int | None, calibrated: bool, layout: str
+) -> None:
+    from exportlm.quant import TensorQuantizer, dequantize, quantize_tensor
+
+    # 1002 x 512: more than one slice of rows (2**17 elements each), the last one shorter
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(1002, 512, generator=gen) * 0.02).to(torch.bfloat16)
+    if layout == "transposed":  # a [1002, 512] view of a [512, 1002] tensor
+        weight = (torch.randn(512, 1002, generator=gen) * 0.02).to(torch.bfloat16).t()
+    quantizer = TensorQuantizer(fmt, block_size=block)
+    amax = weight.abs().amax().float()
+    if calibrated:
+        quantizer.amax = amax
+    whole = dequantize(quantize_tensor(weight, fmt, amax=amax, block_size=block), weight.dtype)
+    sliced = quantizer(weight)
+    assert sliced.dtype == weight.dtype
+    assert sliced.stride() == weight.stride()  # laid out like the weight, as a loader's copy
+    # bit for bit (a value comparison would take -0.0 for 0.0)
+    assert torch.equal(_bits(sliced), _bits(whole))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def test_the_awq_search_in_slices_of_rows_writes_the_bytes_of_the_whole_tensors_search(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from exportlm import export_model
+    from exportlm.cli._model import resolve_model
+    from exportlm.quant import quantize
+
+    # gate / up / down are 1024 x 256: two slices of rows each at the default slice size
+    src = llama_directory(tmp_path, tied=False, layers=1, hidden_size=256, intermediate_size=1024)
+
+    def export(out: str) -> Path:
+        model = quantize(resolve_model(str(src)).build(), "int4_awq")
+        return export_model("hf_checkpoint", model, tmp_path / out)
+
+    sliced = export("sliced")
+    monkeypatch.setattr("exportlm.quant._quantizer.CHUNK_ELEMENTS", 1 << 40)  # one slice: whole
+    whole = export("whole")
+    assert different_files(sliced, whole, skip=("exportlm-manifest.json",)) == []

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from exportlm.quant._formats import dequantize
-from exportlm.quant._quantizer import TensorQuantizer
+from exportlm.quant._quantizer import CHUNK_ELEMENTS, TensorQuantizer, row_chunks
 
 __all__ = [
     "AWQ_ALPHA",
@@ -92,15 +92,36 @@ def awq_weight_scale(weights: list[torch.Tensor], block_size: int | None) -> tor
     ``weights`` are the ``[out, in]`` weights of one group, scored as one fused weight.
     Computed in float64 (see :func:`awq_scale`): a float32 mean's last bit depends on
     the CPU's reduction kernel, and these values reach the checkpoint's bytes.
+
+    Each row's values depend on that row alone, so a group larger than one slice of
+    :data:`~exportlm.quant._quantizer.CHUNK_ELEMENTS` is summed a slice of rows at a
+    time: no float64 copy of the whole group (for ``gate/up`` eight times one weight's
+    bf16 size). The float64 sums differ from one whole reduction by rounding (about
+    1e-16 relative), far below the float32 step the statistic is finally rounded to.
     """
-    weight = torch.cat([w.detach().double() for w in weights])
+    cols = int(weights[0].shape[-1])
+    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
+    if sum(int(w.shape[0]) for w in weights) <= step:
+        return _scaled_rows(torch.cat([w.detach().double() for w in weights]), block_size).mean(
+            dim=0
+        )
+    total = torch.zeros(cols, dtype=torch.float64, device=weights[0].device)
+    for weight in weights:
+        for start in range(0, int(weight.shape[0]), step):
+            rows = weight[start : start + step].detach().double()
+            total += _scaled_rows(rows, block_size).sum(dim=0)
+    return total / sum(int(w.shape[0]) for w in weights)
+
+
+def _scaled_rows(weight: torch.Tensor, block_size: int | None) -> torch.Tensor:
+    """``|W|`` over its block's amax (over its row's amax without whole blocks), float64."""
     rows, cols = weight.shape
     if block_size and cols % block_size == 0:
         blocks = weight.abs().reshape(-1, block_size)
         scaled = blocks / (blocks.amax(dim=1, keepdim=True) + _TINY)
     else:
         scaled = weight.abs() / (weight.abs().amax(dim=1, keepdim=True) + _TINY)
-    return scaled.reshape(rows, cols).mean(dim=0)
+    return scaled.reshape(rows, cols)
 
 
 def awq_scale(act: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -131,6 +152,30 @@ def fake_quant_fresh(
     return dequantize(quantizer.quantize(weight, amax=amax), weight.dtype)
 
 
+def _chunks(weight: torch.Tensor, quantizer: TensorQuantizer) -> list[slice]:
+    """The slices of rows to fake-quantize ``weight`` in: one (the whole) unless it is
+    contiguous, so every result has the layout the whole tensor's computation gives."""
+    return row_chunks(weight.shape, quantizer.spec) if weight.is_contiguous() else [slice(None)]
+
+
+def _fake_quant_scaled(
+    quantizer: TensorQuantizer, weight: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
+    """``fake_quant_fresh(quantizer, weight * s)``, written into ``out`` a slice of rows at
+    a time where :func:`_chunks` allows it (``out``: a contiguous tensor like ``weight``,
+    reused across candidates): the same values, but neither the scaled weight nor its
+    float32 codes and dequantized values exist whole at once."""
+    chunks = _chunks(weight, quantizer)
+    if len(chunks) == 1 or out is None:
+        return fake_quant_fresh(quantizer, weight * s)
+    amax = None
+    if quantizer.spec.calibrated:  # the max is exact, so the slices' max is the whole's
+        amax = torch.stack([(weight[r] * s).abs().float().amax() for r in chunks]).amax()
+    for rows in chunks:
+        out[rows] = fake_quant_fresh(quantizer, weight[rows] * s, amax)
+    return out
+
+
 @dataclass
 class ScaleSearch:
     """One scale being searched: the weights that share it and the running losses.
@@ -155,6 +200,7 @@ class ScaleSearch:
     count: int = 0
     name: str = ""
     margins: list[tuple[str, float]] = field(default_factory=list)
+    norms: list[torch.Tensor] | None = None  # ||W|| per member, once :meth:`weight_errors` ran
 
     @property
     def margin(self) -> float:
@@ -171,10 +217,13 @@ class ScaleSearch:
         """Squared output error summed, per alpha, and the number of output elements."""
         reference = F.linear(x, weight).float()
         sse = torch.zeros(len(AWQ_ALPHAS))
+        quantized = None  # the candidates' fake-quantized weight, when made in slices
+        if len(_chunks(weight, self.quantizers[member])) > 1:
+            quantized = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
         for i, alpha in enumerate(AWQ_ALPHAS):
             s = awq_scale(self.act, wscale, alpha).to(torch.float32)
-            quantized = fake_quant_fresh(self.quantizers[member], weight * s.to(weight.dtype))
-            out = F.linear(x / s.to(x.dtype), quantized).float()
+            q = _fake_quant_scaled(self.quantizers[member], weight, s.to(weight.dtype), quantized)
+            out = F.linear(x / s.to(x.dtype), q).float()
             sse[i] = (out - reference).pow(2).sum().cpu()
         return sse, reference.numel()
 
@@ -210,16 +259,40 @@ class ScaleSearch:
         return torch.stack(rows).mean(dim=0).to(torch.float32)
 
     def weight_errors(self, pqs: torch.Tensor) -> list[float]:
-        """Per member, ``||Q(W / pqs) * pqs - W|| / ||W||`` (the group shares one amax)."""
-        weights = [w().detach().float() for w in self.weights]
+        """Per member, ``||Q(W / pqs) * pqs - W|| / ||W||`` (the group shares one amax).
+
+        One member at a time, and its error ``Q(W / pqs) * pqs - W`` filled a slice of
+        rows at a time: the float32 working memory is one weight's error, not the
+        group's weights, their smoothed copies and their dequantized values together.
+        The values and the norms are those of the whole float32 tensors.
+        """
+        weights = [w().detach() for w in self.weights]
         p = pqs.to(weights[0].device, torch.float32)
-        smoothed = [w / p for w in weights]
-        amax = torch.stack([w.abs().amax() for w in smoothed]).amax()
+        pieces = [(w, _chunks(w, q)) for w, q in zip(weights, self.quantizers, strict=True)]
+        amax = torch.stack(
+            [(w[r].float() / p).abs().amax() for w, chunks in pieces for r in chunks]
+        ).amax()
         errors = []
-        for weight, scaled, quantizer in zip(weights, smoothed, self.quantizers, strict=True):
-            effective = fake_quant_fresh(quantizer, scaled, amax).float() * p
-            errors.append(float((effective - weight).norm() / (weight.norm() + _TINY)))
+        for (weight, chunks), quantizer, norm in zip(
+            pieces, self.quantizers, self._weight_norms(), strict=True
+        ):
+            if len(chunks) == 1:  # the whole tensor, in its own layout
+                w = weight.float()
+                error = fake_quant_fresh(quantizer, w / p, amax).float() * p - w
+            else:
+                error = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+                for rows in chunks:
+                    w = weight[rows].float()
+                    effective = fake_quant_fresh(quantizer, w / p, amax).float() * p
+                    torch.sub(effective, w, out=error[rows])
+            errors.append(float(error.norm() / (norm + _TINY)))
         return errors
+
+    def _weight_norms(self) -> list[torch.Tensor]:
+        """``||W||`` of every member, in float32 (computed once per search)."""
+        if self.norms is None:
+            self.norms = [w().detach().float().norm() for w in self.weights]
+        return self.norms
 
     def choose(self) -> tuple[torch.Tensor, Choice]:
         """The ``pre_quant_scale`` to use and which candidate it is (the module's rule).

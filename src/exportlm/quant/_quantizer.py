@@ -10,7 +10,34 @@ from exportlm.quant._formats import dequantize, quantize_tensor
 from exportlm.quant._tensor import FormatId, QuantizedTensor, safe_scale
 from exportlm.quant.formats import FormatSpec, formats, get_format
 
-__all__ = ["TensorQuantizer"]
+__all__ = ["TensorQuantizer", "row_chunks"]
+
+#: Elements of one step of a chunked fake quantization (:func:`row_chunks`): 512 KiB of
+#: float32 per temporary, below the 1 MiB from which the streaming export maps each
+#: allocation on its own, so the steps' temporaries reuse the same heap memory.
+CHUNK_ELEMENTS = 1 << 17
+
+
+def row_chunks(shape: tuple[int, ...] | torch.Size, spec: FormatSpec) -> list[slice]:
+    """Slices of the rows of a 2-D ``shape`` that ``spec`` quantizes independently.
+
+    Quantizing (and dequantizing) each slice alone gives the same values as the whole
+    tensor when every scale is the per-tensor one given from a calibrated amax, or one
+    per row / per block of the last dimension (:attr:`FormatSpec.granularity
+    <exportlm.quant.formats.FormatSpec.granularity>`); slices of a format packed along
+    the rows keep whole pairs. A per-tensor scale derived from the tensor itself (an
+    uncalibrated ``"tensor"`` format) needs the whole tensor: one slice then. The
+    slices are about :data:`CHUNK_ELEMENTS` each, so the float32 temporaries of a
+    fake quantization are those of one slice, not of a weight-sized copy.
+    """
+    if len(shape) != 2 or not (spec.calibrated or spec.granularity in ("row", "block")):
+        return [slice(None)]
+    rows, cols = int(shape[0]), max(int(shape[1]), 1)
+    pair = spec.packing if spec.packed_dim == -2 else 1
+    step = max(pair, CHUNK_ELEMENTS // cols // pair * pair)
+    if step >= rows:
+        return [slice(None)]
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 class TensorQuantizer(nn.Module):
@@ -106,15 +133,19 @@ class TensorQuantizer(nn.Module):
     # -- calibration -------------------------------------------------------
     def collect(self, x: torch.Tensor) -> None:
         """Update ``amax`` with the max of ``|x|`` (max calibration)."""
-        x = x.detach().abs().to(torch.float32)
+        # The max in x's own dtype, then float32: the same value as the max of the float32
+        # copy (widening is exact and keeps the order; narrowing a float64 is monotonic),
+        # without that copy, which for a weight is twice its size in bf16.
+        x = x.detach().abs()
         if self.axis is None:
-            new = x.amax()
+            new = x.amax().to(torch.float32)
         else:
             axis = self.axis % x.dim()
             dims = [d for d in range(x.dim()) if d != axis]
-            new = x.amax(dim=dims) if dims else x
+            new = (x.amax(dim=dims) if dims else x).to(torch.float32)
         self.amax = new if self.amax is None else torch.maximum(self.amax, new)
         if self.track_channels:
+            x = x.to(torch.float32)
             channels = x.reshape(-1, x.shape[-1]).amax(dim=0)
             self.channel_amax = (
                 channels
@@ -213,11 +244,29 @@ class TensorQuantizer(nn.Module):
         gradient flows: this is post-training quantization, not QAT). Laid out like
         ``x`` (a transposed view stays transposed), so a matmul with it runs the
         same kernel as with a loader's dequantized weight stored in ``x``'s layout.
+
+        A weight is fake-quantized a slice of rows at a time (:func:`row_chunks`) when
+        its scale allows it, straight into the result: the same values, without the
+        weight-sized float32 copies (codes, dequantized values) of the whole at once.
         """
+        chunks = self._row_chunks(x)
+        if len(chunks) > 1:
+            out = torch.empty_like(x)
+            for rows in chunks:
+                out[rows] = dequantize(self.quantize(x[rows]), x.dtype)
+            return out
         out = dequantize(self.quantize(x), x.dtype)
         if out.stride() != x.stride():  # packed formats unpack into a contiguous tensor
             out = torch.empty_like(x).copy_(out)
         return out
+
+    def _row_chunks(self, x: torch.Tensor) -> list[slice]:
+        """:func:`row_chunks` of ``x`` when its amax is one value for the whole tensor."""
+        dense = x.dim() == 2 and (x.is_contiguous() or x.t().is_contiguous())
+        whole = self.static_scale is not None or self.amax is None or self.amax.dim() == 0
+        if not (dense and whole):
+            return [slice(None)]
+        return row_chunks(x.shape, self.spec)
 
     @property
     def scale(self) -> torch.Tensor:
