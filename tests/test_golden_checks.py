@@ -207,12 +207,14 @@ def test_golden_verdicts_are_the_same_on_generic_and_best_kernels_serial_and_xdi
     assert again == shipped
     for relative in shipped:
         assert (rewritten / relative).read_bytes() == (REPO_GOLDENS / relative).read_bytes()
-    # The machine's best kernels, every thread, two xdist workers: the shipped goldens pass.
+    # The machine's best kernels, every thread, under xdist: the shipped goldens pass. One
+    # worker: the plugin hands every exporter item to one worker, so a second one only
+    # imported torch and collected the suite.
     summary = _run_golden_items(
         tmp_path / "best",
         {"ATEN_CPU_CAPABILITY": None, "OMP_NUM_THREADS": None},
         "-n",
-        "2",
+        "1",
     )
     assert " passed" in summary.splitlines()[-1]
     assert "failed" not in summary.splitlines()[-1]

@@ -2,7 +2,9 @@
 
 Every run plans cheap items (``registered``: no export; ``fp8_gemm``, which stops
 before any work without CUDA), so the in-process runs take well under a second;
-only the xdist runs start subprocesses. What needs a GPU (the items passing on
+only the xdist runs start subprocesses. They use one worker: the gating is decided in
+the worker and reported through the controller, which ``-n 1`` proves as ``-n 2`` did,
+without a second worker that imports torch and collects the suite for nothing. What needs a GPU (the items passing on
 CUDA) is what ``benchmarks/gpu/check.sh`` runs; see docs/gpu.md.
 """
 
@@ -30,14 +32,17 @@ pytestmark = pytest.mark.skipif(
 
 NO_CUDA = "CUDA is not available on this machine (torch.cuda.is_available() is False)"
 REQUIRED = "and --export-require-device is set"
-XDIST = [(), ("-n", "2")]
+XDIST = [(), ("-n", "1")]
 
 
 def _outcomes(result: pytest.RunResult) -> dict[str, int]:
-    return result.parseoutcomes()
+    """The run's outcome counts; its warnings are not what these tests check (an in-process
+    run warns that the plugin was imported before it could be rewritten)."""
+    counts = result.parseoutcomes()
+    return {key: n for key, n in counts.items() if key not in ("warning", "warnings")}
 
 
-@pytest.mark.parametrize("workers", XDIST, ids=["n0", "n2"])
+@pytest.mark.parametrize("workers", XDIST, ids=["n0", "n1"])
 def test_cuda_items_skip_with_a_reason_naming_cuda(
     pytester: pytest.Pytester, workers: tuple[str, ...]
 ) -> None:
@@ -53,7 +58,7 @@ def test_cuda_items_skip_with_a_reason_naming_cuda(
     result.stdout.fnmatch_lines([f"SKIPPED*{NO_CUDA}*"])
 
 
-@pytest.mark.parametrize("workers", XDIST, ids=["n0", "n2"])
+@pytest.mark.parametrize("workers", XDIST, ids=["n0", "n1"])
 def test_require_device_turns_the_cuda_items_into_failures(
     pytester: pytest.Pytester, workers: tuple[str, ...]
 ) -> None:
@@ -99,7 +104,7 @@ def test_exporter_checks_declared_per_device_get_a_cuda_item(pytester: pytest.Py
     }
 
 
-@pytest.mark.parametrize("workers", XDIST, ids=["n0", "n2"])
+@pytest.mark.parametrize("workers", XDIST, ids=["n0", "n1"])
 def test_fp8_gemm_skips_without_cuda_and_fails_when_a_device_is_required(
     pytester: pytest.Pytester, workers: tuple[str, ...]
 ) -> None:
