@@ -7,9 +7,13 @@ seconds (``time.process_time``, so other load on the machine matters less):
 * ``load``: ``torch.export.load(file).module()`` against the ``torch_export`` runtime's
   load (:mod:`exportlm.export._pt2_load`), for the plain and the ``kv_cache=True`` program;
 * ``export``: the ``onnx`` and ``torch_export`` exports with torch's FakeTensor cache on
-  (torch's default) against off (:mod:`exportlm.export._fake_cache`, what the targets use).
+  (torch's default) against off (:mod:`exportlm.export._fake_cache`, what the targets use);
+* ``registry``: the ``onnx`` export building torchlib's function table afresh (torch's
+  default) against reusing the process's first build (:mod:`exportlm.export.onnx._registry`,
+  what the target uses).
 
-Usage: ``python benchmarks/bench_trace_cost.py [--family llama] [--repeats 4]``
+Usage: ``python benchmarks/bench_trace_cost.py [--family llama] [--repeats 4]
+[--only load,export,registry]``
 """
 
 from __future__ import annotations
@@ -39,13 +43,13 @@ def _median_cpu(variants: Mapping[str, Callable[[], object]], repeats: int) -> d
 
 
 @contextlib.contextmanager
-def _replaced(module: object, value: object) -> Iterator[None]:
-    original = module.fake_tensor_cache_off  # type: ignore[attr-defined]
-    module.fake_tensor_cache_off = value  # type: ignore[attr-defined]
+def _replaced(module: object, value: object, name: str = "fake_tensor_cache_off") -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        module.fake_tensor_cache_off = original  # type: ignore[attr-defined]
+        setattr(module, name, original)
 
 
 def _export(export: Callable[..., object], model: object, out: Path, kv: bool, on: bool) -> object:
@@ -58,6 +62,19 @@ def _export(export: Callable[..., object], model: object, out: Path, kv: bool, o
             for module in (torch_export, onnx_past):
                 stack.enter_context(_replaced(module, contextlib.nullcontext))
         return export(model, out, kv_cache=kv)
+
+
+def _export_registry(model: object, out: Path, kv: bool, reused: bool) -> object:
+    """One ``onnx`` export; ``reused=False``: torchlib's table built afresh (the memo a no-op)."""
+    import exportlm.export.onnx._past as onnx_past
+    from exportlm.export.onnx.export import export_onnx_target
+
+    with contextlib.ExitStack() as stack:
+        if not reused:
+            stack.enter_context(
+                _replaced(onnx_past, contextlib.nullcontext, "torchlib_registry_reused")
+            )
+        return export_onnx_target(model, out, kv_cache=kv)
 
 
 def _load(path: Path, fast: bool) -> object:
@@ -75,7 +92,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="llama")
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--only", default="load,export,registry", help="comma-separated parts")
     args = parser.parse_args()
+    parts = set(args.only.split(","))
     torch.set_num_threads(1)
     from exportlm.export.onnx.export import export_onnx_target
     from exportlm.export.torch_export import export_torch_export
@@ -85,17 +104,25 @@ def main() -> None:
     targets = {"onnx": export_onnx_target, "torch_export": export_torch_export}
     with tempfile.TemporaryDirectory() as tmp:
         for kv in (False, True):
-            pt2 = Path(tmp) / f"model{kv}.pt2"
-            export_torch_export(model, pt2, kv_cache=kv)
-            loads = {"torch": partial(_load, pt2, False), "runtime": partial(_load, pt2, True)}
-            print(_line(f"load kv_cache={kv}", _median_cpu(loads, args.repeats)))
-            for name, export in targets.items():
+            if "load" in parts:
+                pt2 = Path(tmp) / f"model{kv}.pt2"
+                export_torch_export(model, pt2, kv_cache=kv)
+                loads = {"torch": partial(_load, pt2, False), "runtime": partial(_load, pt2, True)}
+                print(_line(f"load kv_cache={kv}", _median_cpu(loads, args.repeats)))
+            for name, export in targets.items() if "export" in parts else ():
                 out = Path(tmp) / f"out{kv}.{name}"
                 variants = {
                     f"cache {state}": partial(_export, export, model, out, kv, state == "on")
                     for state in ("on", "off")
                 }
                 print(_line(f"export {name} kv_cache={kv}", _median_cpu(variants, args.repeats)))
+            if "registry" in parts:
+                out = Path(tmp) / f"registry{kv}.onnx"
+                variants = {
+                    f"table {state}": partial(_export_registry, model, out, kv, state == "reused")
+                    for state in ("afresh", "reused")
+                }
+                print(_line(f"export onnx kv_cache={kv}", _median_cpu(variants, args.repeats)))
 
 
 if __name__ == "__main__":

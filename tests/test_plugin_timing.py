@@ -249,3 +249,50 @@ def test_only_failures_of_the_export_itself_are_remembered(tmp_path: Path) -> No
     record.write_text(record.read_text().replace("gave up", "succeeded"))  # unsigned change
     assert memo.recall("source") is None
     assert ExportFailureMemo(None).recall("source") is None
+
+
+def test_onnx_exports_reuse_torchlib_table_and_write_the_same_graph(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second ``onnx`` export of a process reuses the first one's torchlib table
+    (``exportlm.export.onnx._registry``): the graph written is the one a fresh table gives."""
+    pytest.importorskip("onnxscript")
+    import onnx
+    from torch.onnx._internal.exporter import _registration
+
+    import exportlm.export.onnx._registry as memo
+    from exportlm import export_model
+    from exportlm.models import build_model
+
+    monkeypatch.setattr(memo, "_BUILT", {})  # the first export below builds the table
+    original = _registration.ONNXRegistry.__dict__["from_torchlib"]
+    model = build_model("decoder", seed=0, num_layers=1)
+    fresh = export_model("onnx", model, tmp_path / "fresh.onnx")
+    assert len(memo._BUILT) == 1, "the first export did not keep its table"
+    reused = export_model("onnx", model, tmp_path / "reused.onnx")
+    assert _registration.ONNXRegistry.__dict__["from_torchlib"] is original
+    a, b = onnx.load(str(fresh)), onnx.load(str(reused))
+    assert [(n.op_type, n.domain, list(n.input), list(n.output)) for n in a.graph.node] == [
+        (n.op_type, n.domain, list(n.input), list(n.output)) for n in b.graph.node
+    ]
+    assert a.SerializeToString() == b.SerializeToString()
+
+
+def test_a_reused_torchlib_table_keeps_each_exports_own_registrations() -> None:
+    """What one export registers on its table (a custom translation) is not in the next one's."""
+    pytest.importorskip("onnxscript")
+    import torch
+    from torch.onnx._internal.exporter import _registration
+
+    from exportlm.export.onnx._registry import torchlib_registry_reused
+
+    with torchlib_registry_reused():
+        first = _registration.ONNXRegistry().from_torchlib(opset_version=20)
+        first.register_op(torch.ops.aten.add.Tensor, lambda a, b: a, is_complex=False)
+        second = _registration.ONNXRegistry().from_torchlib(opset_version=20)
+    assert first.functions is not second.functions
+    assert first.opset_version == second.opset_version == 20
+    custom = [d.is_custom for d in first.get_decomps(torch.ops.aten.add.Tensor)]
+    assert custom.count(True) == 1
+    assert not any(d.is_custom for d in second.get_decomps(torch.ops.aten.add.Tensor))
+    assert set(first.functions) == set(second.functions)

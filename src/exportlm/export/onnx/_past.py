@@ -43,6 +43,7 @@ from exportlm.export._past import (
     probe_past_layout,
 )
 from exportlm.export.job import ExportJob
+from exportlm.export.onnx._registry import torchlib_registry_reused
 from exportlm.export.onnx._serving import write_serving_files
 
 __all__ = [
@@ -88,8 +89,12 @@ def torch_onnx_export(
     ``recorded`` options say ``kv_cache``, of the past-key-values graph
     (:func:`export_past_graph`, honouring ``attention_mask``) and the serving files that
     ``layout`` / ``genai_config`` ask for (:mod:`._serving`), to ``job.staged``."""
-    # The dynamo exporter traces faster without torch's FakeTensor cache: see _fake_cache.py.
-    with fake_tensor_cache_off() if options.get("dynamo") else contextlib.nullcontext():
+    # The dynamo exporter traces faster without torch's FakeTensor cache (_fake_cache.py) and
+    # with torchlib's function table built once per process (_registry.py).
+    with contextlib.ExitStack() as stack:
+        if options.get("dynamo"):
+            stack.enter_context(fake_tensor_cache_off())
+            stack.enter_context(torchlib_registry_reused())
         if recorded.get("kv_cache"):
             graph = export_past_graph(job, options, attention_mask=recorded.get("attention_mask"))
             write_serving_files(
