@@ -186,9 +186,7 @@ def _smooth_jointly(members: list[QuantLinear], act: torch.Tensor, alpha: float)
     """
     columns = torch.stack([m.weight.abs().amax(dim=0).float() for m in members]).amax(0)
     weight_amax = _LLMC_WEIGHT_FACTOR * columns
-    # alpha 0.5 (the default) is a sqrt in torch's pow, and alpha 1.0 is exact: both the
-    # same bits on every kernel set; another alpha's pow may differ in its last bit.
-    scale = act.pow(alpha) / weight_amax.pow(1 - alpha)
+    scale = _power(act, alpha) / _power(weight_amax, 1 - alpha)
     scale = torch.where(weight_amax > 0, scale, act).clamp(min=_LLMC_MIN_SCALE)
     pqs = (1.0 / scale).to(members[0].weight.dtype)  # one object: the group shares it
     for module in members:
@@ -197,6 +195,28 @@ def _smooth_jointly(members: list[QuantLinear], act: torch.Tensor, alpha: float)
         module.weight = nn.Parameter(smoothed, requires_grad=weight.requires_grad)
         module.input_quantizer.pre_quant_scale = pqs
         module.input_quantizer.weight_smoothed = True
+
+
+def _power(x: torch.Tensor, exponent: float) -> torch.Tensor:
+    """``x ** exponent`` in float32, the same bits on every CPU and kernel set where it can be.
+
+    ``torch.pow`` with a scalar exponent is a vendor or SIMD-library ``pow`` on some
+    builds and kernel sets, and the last bit of its result is not specified (the
+    w8a8 golden's ``weight_scale`` bytes once differed between an Intel and an AMD
+    machine). The exponents of the recipes are exact here: 0.5 (llm-compressor's
+    default strength) is ``sqrt``, which IEEE 754 rounds correctly on every machine,
+    1 and 0 need no arithmetic. Another exponent is computed in float64 and rounded
+    once to float32: its last float32 bit can then differ only where the float64
+    value lies within float64's error of a float32 rounding boundary.
+    """
+    x = x.float()
+    if exponent == 0.5:
+        return torch.sqrt(x)
+    if exponent == 1:
+        return x.clone()
+    if exponent == 0:
+        return torch.ones_like(x)
+    return x.double().pow(exponent).float()
 
 
 def _unsmooth_unfolded(model: nn.Module, plan: SmoothQuantPlan) -> set[int]:
