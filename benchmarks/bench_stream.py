@@ -291,7 +291,8 @@ def logits(directory: Path, budget: str, shard: str, recipes: list[str]) -> None
             )
             bound_mb = bound.split("memory bound of ")[-1].split(" MB")[0] if bound else "-"
             rows.append((recipe, mode, limit, out, seconds, peak, code, bound_mb, cpu))
-            print(f"exported {recipe} {mode}: exit {code}", file=sys.stderr, flush=True)
+            print(f"exported {recipe} {mode}: exit {code}, {seconds:.1f} s, {cpu:.1f} CPU s, "
+                  f"peak {peak / 1e6:.0f} MB, bound {bound_mb} MB", file=sys.stderr, flush=True)  # fmt: skip
     _compare_logits(directory, model_bytes, config, budget, shard, rows)
 
 
@@ -326,6 +327,9 @@ def _compare_logits(
         if mode == "in memory":
             memory[recipe] = (out, got)
             expected, same = reference, "-"
+        elif recipe not in memory:
+            print(f"{recipe:<9} {mode:<18} no in-memory export to compare with")
+            continue
         else:
             expected = memory[recipe][1]
             same = "identical" if _same_shards(memory[recipe][0], out) else "differ"
