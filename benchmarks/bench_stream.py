@@ -1,8 +1,14 @@
 """Streaming export of a model larger than its memory budget: peak RSS, seconds, the bound.
 
     python benchmarks/bench_stream.py build            # a 3.2B Llama, bf16, 1 GB shards (~6.4 GB)
+    python benchmarks/bench_stream.py build --small --model /work/bench-models/llama-0.5b
+                                                       # 0.49B, 8 layers, 250 MB shards (0.98 GB)
     python benchmarks/bench_stream.py run --max-memory 3GB [--in-memory]
     python benchmarks/bench_stream.py compare          # sequential vs whole-model calibration
+    python benchmarks/bench_stream.py logits --model /work/bench-models/llama-0.5b \
+        --max-memory 450MB --shard-size 150MB          # streamed vs in-memory logits, peaks
+    python benchmarks/bench_stream.py peak --model /work/bench-models/llama-0.5b \
+        --max-memory 450MB --shard-size 150MB --recipes fp8   # where one stream peaks
 
 ``build`` writes random bf16 weights (seeded) layer by layer straight into safetensors shards
 under ``/work/bench-models/llama-3b`` (never the whole model in memory). ``run`` exports FP8
@@ -15,6 +21,13 @@ torch, the meta model; measured) + the largest modules loaded at once + one outp
 ``compare`` measures, on a model that fits, how far sequential calibration (each layer on
 the outputs of the already quantized layers) moves the FP8 activation scales and the logits
 from whole-model calibration (docs/streaming.md quotes it).
+``logits`` exports each recipe in memory (no budget) and streamed under ``--max-memory``
+(with ``--stream-inputs float`` and with the default sequential calibration), loads every
+checkpoint in the hf_checkpoint runtime and prints, per export, the peak RSS, the stream's
+bound, the seconds and CPU seconds, whether the shards are the in-memory ones byte for
+byte, and the max / mean absolute difference of the logits from the in-memory export's.
+``peak`` streams one recipe in the benchmark's own process under a 10 ms RSS sampler and
+prints the peak and the frames it was reached in.
 """
 
 from __future__ import annotations
@@ -47,7 +60,19 @@ CONFIG: dict[str, Any] = {  # Llama 3.2 3B's shape
     "dtype": "bfloat16",
     "hidden_act": "silu",
 }
+#: The 0.98 GB model of docs/streaming.md (``build --small``): 0.49B parameters, 8 layers of
+#: hidden 2048 (intermediate 5632, 16 heads of 128, 4 KV heads), untied, 250 MB shards.
+SMALL: dict[str, Any] = CONFIG | {
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+}
 SHARD = 10**9
+SMALL_SHARD = 250 * 10**6
 
 
 def _layer_shapes(c: dict[str, Any], i: int) -> dict[str, tuple[int, ...]]:
@@ -66,7 +91,7 @@ def _layer_shapes(c: dict[str, Any], i: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def build(directory: Path, config: dict[str, Any]) -> None:
+def build(directory: Path, config: dict[str, Any], shard_bytes: int = SHARD) -> None:
     """Write the model shard by shard (random bf16, seeded), then the index and config."""
     import torch
     from safetensors.torch import save_file
@@ -76,6 +101,8 @@ def build(directory: Path, config: dict[str, Any]) -> None:
     for i in range(config["num_hidden_layers"]):
         shapes |= _layer_shapes(config, i)
     shapes["model.norm.weight"] = (config["hidden_size"],)
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], config["hidden_size"])
     gen = torch.Generator().manual_seed(0)
     shards: list[dict[str, Any]] = [{}]
     size, files, weight_map = 0, [], {}
@@ -86,7 +113,7 @@ def build(directory: Path, config: dict[str, Any]) -> None:
         if len(shape) == 1:
             tensor = torch.ones(shape, dtype=torch.bfloat16)
         nbytes = tensor.numel() * 2
-        if shards[-1] and size + nbytes > SHARD:
+        if shards[-1] and size + nbytes > shard_bytes:
             files.append(_flush(directory, shards[-1], len(files), save_file))
             shards, size = [{}], 0
         shards[-1][name] = tensor
@@ -112,10 +139,11 @@ def _flush(
     return name, list(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _child(argv: list[str], timeout: float | None) -> tuple[float, int, int, str]:
-    """(seconds, peak RSS bytes, exit code, the stream's bound line) of ``python -m exportlm
-    ARGV`` alone; killed (SIGKILL, exit -9) after ``timeout`` seconds, when given: its work
-    area stays, resumable. The bound is the one the stream computes and logs."""
+def _child(argv: list[str], timeout: float | None) -> tuple[float, int, int, str, float]:
+    """(seconds, peak RSS bytes, exit code, the stream's bound line, CPU seconds) of
+    ``python -m exportlm ARGV`` alone; killed (SIGKILL, exit -9) after ``timeout`` seconds,
+    when given: its work area stays, resumable. The bound is the one the stream computes
+    and logs."""
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(
@@ -133,7 +161,8 @@ def _child(argv: list[str], timeout: float | None) -> tuple[float, int, int, str
         log.seek(0)
         bound = next((line.strip() for line in log if "memory bound of" in line), "")
     seconds = time.perf_counter() - start
-    return seconds, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status), bound
+    cpu = usage.ru_utime + usage.ru_stime
+    return seconds, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status), bound, cpu
 
 
 def _layers_done(out: Path) -> str:
@@ -174,7 +203,7 @@ def run(
                 str(out),
             ]
             argv += ["--quantize", recipe, "-o", "overwrite=true", *extra, "-v"]  # the bound line
-            seconds, peak, code, bound = _child(argv, timeout)
+            seconds, peak, code, bound, _ = _child(argv, timeout)
             row = f"{mode:<10} {recipe:<9} {seconds:8.1f} {peak / 1e9:12.2f} {peak / model:11.2f}"
             print(f"{row}  {code}{_layers_done(out) if code else ''}", flush=True)
             if bound:
@@ -227,20 +256,160 @@ def compare() -> None:
         )
 
 
+def _export_argv(model: Path, out: Path, recipe: str, shard: str, extra: list[str]) -> list[str]:
+    argv = ["export", "--target", "hf_checkpoint", "--model", str(model), "--out", str(out)]
+    return [*argv, "--quantize", recipe, "-o", f"max_shard_size={shard}", "-o", "overwrite=true",
+            *extra, "-v"]  # fmt: skip
+
+
+def logits(directory: Path, budget: str, shard: str, recipes: list[str]) -> None:
+    """Stream each recipe under ``budget`` (whole-model and sequential calibration inputs)
+    and export it in memory without a budget; load every checkpoint in the hf_checkpoint
+    runtime and compare its logits with the in-memory export's.
+
+    The quantization error of the in-memory export (its logits against the unquantized
+    model's) is the tolerance for the sequential calibration: streaming may move the
+    logits, but by less than quantizing does. With ``--stream-inputs float`` the shards
+    must be the in-memory ones byte for byte, so the logits must not differ at all.
+
+    Every export runs before this process imports torch: a child's ``ru_maxrss`` starts
+    at its parent's RSS when it is spawned (Linux keeps the high-water mark across exec).
+    """
+    model_bytes = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    modes = [
+        ("in memory", "none", []),
+        ("stream, float", budget, ["--max-memory", budget, "--stream-inputs", "float"]),
+        ("stream, sequential", budget, ["--max-memory", budget]),
+    ]
+    rows = []
+    for recipe in recipes:
+        for mode, limit, extra in modes:
+            out = ROOT / f"logits-{recipe}-{mode.replace(', ', '-').replace(' ', '-')}"
+            seconds, peak, code, bound, cpu = _child(
+                _export_argv(directory, out, recipe, shard, extra), None
+            )
+            bound_mb = bound.split("memory bound of ")[-1].split(" MB")[0] if bound else "-"
+            rows.append((recipe, mode, limit, out, seconds, peak, code, bound_mb, cpu))
+            print(f"exported {recipe} {mode}: exit {code}, {seconds:.1f} s, {cpu:.1f} CPU s, "
+                  f"peak {peak / 1e6:.0f} MB, bound {bound_mb} MB", file=sys.stderr, flush=True)  # fmt: skip
+    _compare_logits(directory, model_bytes, config, budget, shard, rows)
+
+
+def _compare_logits(
+    directory: Path,
+    model_bytes: int,
+    config: dict[str, Any],
+    budget: str,
+    shard: str,
+    rows: list[tuple[Any, ...]],
+) -> None:
+    import torch
+
+    from exportlm.cli._model import resolve_model
+    from exportlm.export import load_exported, make_input_ids
+
+    ids = make_input_ids(int(config["vocab_size"]), batch=2, seq=32, seed=5)
+    with torch.no_grad():
+        reference = resolve_model(str(directory)).build()(ids).logits.float()
+    print(f"model {model_bytes / 1e9:.2f} GB on disk, {config['num_hidden_layers']} layers; "
+          f"stream budget {budget}; output shards {shard}; logits of {tuple(ids.shape)} ids; "
+          f"max |logit| of the unquantized model {reference.abs().max():.3f}")  # fmt: skip
+    print(f"{'recipe':<9} {'path':<18} {'limit':>6} {'peak MB':>8} {'bound MB':>9} "
+          f"{'s':>7} {'CPU s':>7}  {'shards':<9} {'max|d|':>9} {'mean|d|':>9}")  # fmt: skip
+    memory: dict[str, Any] = {}
+    for recipe, mode, limit, out, seconds, peak, code, bound_mb, cpu in rows:
+        if code:
+            print(f"{recipe:<9} {mode:<18} failed with exit code {code}")
+            continue
+        with torch.no_grad():
+            got = load_exported("hf_checkpoint", out)(ids).float()
+        if mode == "in memory":
+            memory[recipe] = (out, got)
+            expected, same = reference, "-"
+        elif recipe not in memory:
+            print(f"{recipe:<9} {mode:<18} no in-memory export to compare with")
+            continue
+        else:
+            expected = memory[recipe][1]
+            same = "identical" if _same_shards(memory[recipe][0], out) else "differ"
+        diff = (got - expected).abs()
+        print(f"{recipe:<9} {mode:<18} {limit:>6} {peak / 1e6:8.0f} {bound_mb:>9} "
+              f"{seconds:7.1f} {cpu:7.1f}  {same:<9} {diff.max():9.4f} {diff.mean():9.4f}",
+              flush=True)  # fmt: skip
+    print("max|d| / mean|d|: logits against the in-memory export's (for the in-memory row: "
+          "against the unquantized model's, the quantization error)")  # fmt: skip
+
+
+def peak(directory: Path, budget: str, shard: str, recipe: str, inputs: str) -> None:
+    """One streamed export in this process, with a 10 ms RSS sampler that keeps the peak and
+    the main thread's innermost frames at it (where the peak is), and the highest RSS seen
+    per innermost frame (the sampler's own cost is in the CPU seconds)."""
+    import logging
+    import resource
+    import threading
+    import traceback
+
+    from exportlm.stream import export_streaming
+    from exportlm.stream._memory import resident_bytes
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("exportlm.quant").setLevel(logging.ERROR)  # AWQ's per-group lines
+    main, best, per_frame, done = threading.main_thread().ident, [0, ""], {}, threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.01):
+            rss, frame = resident_bytes(), sys._current_frames().get(main or 0)
+            stack = traceback.extract_stack(frame)[-6:] if frame else []
+            where = [
+                f"{f.filename.split('/site-packages/')[-1]}:{f.lineno} {f.name}" for f in stack
+            ]
+            key = where[-1] if where else ""
+            per_frame[key] = max(per_frame.get(key, 0), rss)
+            if rss > best[0]:
+                best[:] = [rss, "\n    ".join(where)]
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    cpu, wall = time.process_time(), time.perf_counter()
+    out = ROOT / f"peak-{recipe}-{inputs}"
+    export_streaming(directory, out, recipe=recipe, max_memory=budget, max_shard_size=shard,
+                     calibration_inputs=inputs, overwrite=True)  # type: ignore[arg-type]  # fmt: skip
+    done.set()
+    thread.join()
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"{time.perf_counter() - wall:.1f} s, {time.process_time() - cpu:.1f} CPU s; sampled "
+          f"peak {best[0] / 1e6:.0f} MB (ru_maxrss {maxrss / 1e6:.0f} MB), at\n    {best[1]}")  # fmt: skip
+    for key, rss in sorted(per_frame.items(), key=lambda kv: -kv[1])[:6]:
+        print(f"{rss / 1e6:6.0f} MB  {key}")
+
+
+def _same_shards(a: Path, b: Path) -> bool:
+    """The same ``.safetensors`` files and index, byte for byte (the manifests differ:
+    a streamed one has no model hash)."""
+    names = sorted(p.name for p in a.iterdir() if p.name != "exportlm-manifest.json")
+    other = sorted(p.name for p in b.iterdir() if p.name != "exportlm-manifest.json")
+    return names == other and all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("command", choices=("build", "run", "compare"))
+    parser.add_argument("command", choices=("build", "run", "compare", "logits", "peak"))
     parser.add_argument("--model", type=Path, default=ROOT / "llama-3b")
+    parser.add_argument(
+        "--small", action="store_true", help="build: the 0.98 GB 8-layer model (give --model)"
+    )
     parser.add_argument("--max-memory", default="3GB")
     parser.add_argument("--shard-size", default="200MB", help="the exports' max_shard_size")
     parser.add_argument("--in-memory", action="store_true")
-    parser.add_argument("--recipes", default="fp8,int4_awq")
+    parser.add_argument("--recipes", default="fp8,int4_awq", help="peak: one recipe")
+    parser.add_argument("--stream-inputs", default="quantized", choices=("quantized", "float"))
     parser.add_argument("--timeout", type=float, help="kill each export after this many seconds")
     args = parser.parse_args()
     if args.command == "build":
-        build(args.model, CONFIG)
+        build(args.model, SMALL if args.small else CONFIG, SMALL_SHARD if args.small else SHARD)
     elif args.command == "run":
         run(
             args.model,
@@ -250,6 +419,10 @@ def main() -> None:
             args.recipes.split(","),
             args.timeout,
         )
+    elif args.command == "peak":
+        peak(args.model, args.max_memory, args.shard_size, args.recipes, args.stream_inputs)
+    elif args.command == "logits":
+        logits(args.model, args.max_memory, args.shard_size, args.recipes.split(","))
     else:
         compare()
 

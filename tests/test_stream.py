@@ -66,6 +66,19 @@ def test_streamed_checkpoint_is_the_in_memory_one_byte_for_byte(
     assert not (tmp_path / ".streamed.stream").exists()  # the work area is gone once published
 
 
+def test_a_directory_without_a_generation_config_streams_the_in_memory_configs(
+    tmp_path: Path,
+) -> None:
+    # from_pretrained makes the generation config from config.json then; from_config keeps
+    # defaults (bos / eos ids, use_cache) that it does not write
+    src = llama_directory(tmp_path, tied=False, layers=1)
+    (src / "generation_config.json").unlink()
+    expected = _in_memory(src, tmp_path / "memory", "int8_wo")
+    streamed = export_streaming(src, tmp_path / "streamed", recipe="int8_wo", max_shard_size=SHARD)
+    assert (streamed / "generation_config.json").is_file()
+    _assert_same_checkpoint(expected, streamed)
+
+
 def test_sequential_calibration_changes_activation_scales_within_a_bound(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

@@ -18,7 +18,7 @@ from tests._stream_models import different_files, llama_directory
 
 _BOUND = re.compile(
     r"memory bound of (\d+) MB = baseline (\d+) MB .* \+ largest module set (\d+) MB "
-    r"\+ one output shard (\d+) MB \+ activations (\d+) MB"
+    r"\+ one output shard (\d+) MB \+ activations (\d+) MB \+ quantizing one linear (\d+) MB"
 )
 
 
@@ -30,9 +30,9 @@ def test_the_stream_logs_its_bound_term_by_term_and_the_peak_against_it(
         export_streaming(src, tmp_path / "out", recipe="fp8", max_shard_size="100KB")
     found = [m for r in caplog.records if (m := _BOUND.search(r.getMessage()))]
     assert len(found) == 1
-    total, baseline, modules, shard, acts = (int(g) for g in found[0].groups())
+    total, baseline, modules, shard, acts, working = (int(g) for g in found[0].groups())
     assert baseline > 50  # the interpreter and torch are counted, not assumed away
-    assert abs(total - (baseline + modules + shard + acts)) <= 2  # each term rounded to MB
+    assert abs(total - (baseline + modules + shard + acts + working)) <= 3  # terms rounded to MB
     # the largest module set is the embedding (256 x 128 bf16, 0.07 MB) and the output
     # shard is max_shard_size: both far below 1 MB here
     assert modules == 0
@@ -41,6 +41,19 @@ def test_the_stream_logs_its_bound_term_by_term_and_the_peak_against_it(
         "peak RSS" in r.getMessage() and "against the bound" in r.getMessage()
         for r in caplog.records
     )
+
+
+@pytest.mark.parametrize(("recipe", "working"), [("fp8", 4), (None, 0)])
+def test_the_bound_counts_quantizing_one_linear_as_its_largest_weight_in_float32(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, recipe: str | None, working: int
+) -> None:
+    # gate / up / down are 2048 x 512: 1M elements, 4.2 MB in float32; nothing to
+    # quantize without a recipe
+    src = llama_directory(tmp_path, tied=False, layers=1, hidden_size=512, intermediate_size=2048)
+    with caplog.at_level(logging.INFO, logger="exportlm"):
+        export_streaming(src, tmp_path / "out", recipe=recipe)
+    found = [m for r in caplog.records if (m := _BOUND.search(r.getMessage()))]
+    assert [int(m.group(6)) for m in found] == [working]
 
 
 def test_a_checkpoint_stored_in_another_dtype_is_converted_as_it_is_read(tmp_path: Path) -> None:
@@ -77,15 +90,24 @@ def test_int4_rows_unpack_to_the_codes_packed(shape: tuple[int, ...]) -> None:
     assert torch.equal(unpack_int4_rows(packed), codes)
 
 
+#: The slice sizes of fake quantization and of INT4 quantization; 2**40 makes one slice.
+_SLICES = ("exportlm.quant._quantizer.CHUNK_ELEMENTS", "exportlm.quant.formats._int4._INT4_CHUNK")
+
+
+def _whole_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in _SLICES:
+        monkeypatch.setattr(name, 1 << 40)
+
+
 @pytest.mark.parametrize(
     ("fmt", "block", "calibrated"),
     [("fp8", None, True), ("int4", 128, False), ("nvfp4", 16, True), ("int8", None, False)],
 )
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-def test_a_weight_fake_quantized_in_slices_of_rows_is_the_whole_tensors_fake_quantization(
-    fmt: str, block: int | None, calibrated: bool, layout: str
+def test_a_weight_quantized_in_slices_of_rows_is_the_whole_tensors_quantization(
+    monkeypatch: pytest.MonkeyPatch, fmt: str, block: int | None, calibrated: bool, layout: str
 ) -> None:
-    from exportlm.quant import TensorQuantizer, dequantize, quantize_tensor
+    from exportlm.quant import TensorQuantizer
 
     # 1002 x 512: more than one slice of rows (2**17 elements each), the last one shorter
     gen = torch.Generator().manual_seed(3)
@@ -93,19 +115,21 @@ def test_a_weight_fake_quantized_in_slices_of_rows_is_the_whole_tensors_fake_qua
     if layout == "transposed":  # a [1002, 512] view of a [512, 1002] tensor
         weight = (torch.randn(512, 1002, generator=gen) * 0.02).to(torch.bfloat16).t()
     quantizer = TensorQuantizer(fmt, block_size=block)
-    amax = weight.abs().amax().float()
     if calibrated:
-        quantizer.amax = amax
-    whole = dequantize(quantize_tensor(weight, fmt, amax=amax, block_size=block), weight.dtype)
-    sliced = quantizer(weight)
+        quantizer.amax = weight.abs().amax().float()
+    sliced, codes = quantizer(weight), quantizer.quantize(weight)
+    _whole_tensors(monkeypatch)
+    whole, whole_codes = quantizer(weight), quantizer.quantize(weight)
     assert sliced.dtype == weight.dtype
     assert sliced.stride() == weight.stride()  # laid out like the weight, as a loader's copy
     # bit for bit (a value comparison would take -0.0 for 0.0)
     assert torch.equal(_bits(sliced), _bits(whole))
+    assert torch.equal(_bits(codes.data), _bits(whole_codes.data))
+    assert torch.equal(codes.scale.float(), whole_codes.scale.float())
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16)
+    return t.contiguous().view(torch.uint8)
 
 
 def test_the_awq_search_in_slices_of_rows_writes_the_bytes_of_the_whole_tensors_search(
@@ -123,6 +147,6 @@ def test_the_awq_search_in_slices_of_rows_writes_the_bytes_of_the_whole_tensors_
         return export_model("hf_checkpoint", model, tmp_path / out)
 
     sliced = export("sliced")
-    monkeypatch.setattr("exportlm.quant._quantizer.CHUNK_ELEMENTS", 1 << 40)  # one slice: whole
+    _whole_tensors(monkeypatch)
     whole = export("whole")
     assert different_files(sliced, whole, skip=("exportlm-manifest.json",)) == []

@@ -5,8 +5,11 @@
 is the figure a streamed export promises to stay within, stated term by term: the
 process as it stands before the first weight is read (interpreter, torch,
 transformers, the meta model: measured, not assumed), the largest set of modules
-loaded at once (a decoder layer, or the embedding / ``lm_head``), one output shard
-and the calibration activations.
+loaded at once (a decoder layer, or the embedding / ``lm_head``), one output shard,
+the calibration activations, and the working memory of quantizing one linear (its
+largest weight in float32: what the AWQ search's weight error holds whole, and more
+than a fake-quantized copy in the model's dtype plus the float32 temporaries of one
+slice of rows).
 
 :func:`release_freed` asks glibc to return freed heap pages to the system
 (``malloc_trim``): torch frees a layer's tensors into malloc's arenas, and pieces
@@ -17,10 +20,11 @@ shards: peak 1.73 GB without, 0.95 GB with a trim after every layer).
 mapping, returned to the system the moment torch frees it, so the transients of one
 linear (its float32 copy while it is quantized) do not pile up in the heap between
 trims (0.95 GB -> 0.79 GB on the same FP8 run, at about the same CPU time). Every such
-allocation then costs fresh pages, though: the AWQ search allocates a weight-sized
-temporary per candidate, and one 0.98 GB-model layer took 24.5 CPU-s instead of 15.8
-(half of it in the kernel's page faults), so the stream leaves the threshold alone
-for AWQ recipes. Elsewhere than glibc both do nothing.
+allocation costs fresh pages, though. The AWQ search used to allocate a weight-sized
+temporary per candidate (one 0.98 GB-model layer took 24.5 CPU-s instead of 15.8, half
+of it in page faults); it now fake-quantizes a slice of rows at a time
+(:func:`~exportlm.quant._quantizer.row_chunks`), whose temporaries stay below the
+threshold, so every recipe runs with it. Elsewhere than glibc both do nothing.
 """
 
 from __future__ import annotations
@@ -102,18 +106,22 @@ class MemoryBound:
     modules: int  # the largest set of modules loaded at once (a layer, the embedding)
     shard: int  # one output shard being filled (max_shard_size, or a larger tensor)
     activations: int  # the calibration activations entering and leaving a layer
+    #: quantizing one linear: its largest weight in float32 (the AWQ search's weight error,
+    #: a fake-quantized copy and its slices' temporaries); 0 without a recipe
+    working: int = 0
 
     @property
     def total(self) -> int:
         """The bound: the sum of the terms."""
-        return self.baseline + self.modules + self.shard + self.activations
+        return self.baseline + self.modules + self.shard + self.activations + self.working
 
     def describe(self) -> str:
         """The terms and their sum, in MB."""
         return (
             f"{_mb(self.total)} = baseline {_mb(self.baseline)} (interpreter, torch, meta model) "
             f"+ largest module set {_mb(self.modules)} + one output shard {_mb(self.shard)} "
-            f"+ activations {_mb(self.activations)}"
+            f"+ activations {_mb(self.activations)} "
+            f"+ quantizing one linear {_mb(self.working)} (its weight in float32)"
         )
 
     def report(self) -> int:

@@ -27,7 +27,7 @@ from exportlm.export.hf_checkpoint.target import HF_CHECKPOINT_TARGET
 from exportlm.export.hf_checkpoint.target import _one_torch_thread as one_torch_thread
 from exportlm.inputs import make_input_ids
 from exportlm.module_exporters import ExportFormat, export_quantized_state
-from exportlm.quant import ALGORITHMS, QuantRecipe
+from exportlm.quant import QuantRecipe
 from exportlm.stream._budget import memory_limit, parse_memory
 from exportlm.stream._checks import check_fits, check_streamable
 from exportlm.stream._layers import CalibrationInputs, capture_layer_inputs, quantize_layer
@@ -124,8 +124,7 @@ def export_streaming(
     if not overwrite and out.is_dir() and any(out.iterdir()):
         raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     plan = QuantRecipe.parse(recipe) if recipe is not None else None
-    if plan is None or plan.algo is None or not ALGORITHMS[plan.algo].awq:  # see _memory.py
-        map_large_allocations()  # freed tensors go straight back to the system
+    map_large_allocations()  # freed tensors go straight back to the system (see _memory.py)
     source = CheckpointSource(Path(model_dir))
     baseline = resident_bytes()  # before any weight: interpreter, torch, the meta model
     namer = CheckpointNamer(source.model)
@@ -141,7 +140,7 @@ def export_streaming(
     fingerprint = _fingerprint(source, recipe, batches, calibration_inputs, options)
     work = WorkArea(out, fingerprint)
     run = _Run(source, work, format, max_shard_size)
-    bound = _bound(run, baseline, layers, acts)
+    bound = _bound(run, baseline, layers, acts, quantized=plan is not None)
     logger.info("streaming within a memory bound of %s", bound.describe())
     store = ActivationStore(work.directory, budget // 4 if budget else 1 << 30)
     with one_torch_thread():  # as the hf_checkpoint target converts (see its docstring)
@@ -301,24 +300,29 @@ def _default_ids(model: Any) -> torch.Tensor:
     return make_input_ids(int(model.config.vocab_size))
 
 
-def _bound(run: _Run, baseline: int, layers: list[int], activations: int) -> MemoryBound:
+def _bound(
+    run: _Run, baseline: int, layers: list[int], activations: int, *, quantized: bool
+) -> MemoryBound:
     """What this export should peak at: the baseline, the largest modules loaded at once
     (a layer, or the head / tail modules: the embedding, ``lm_head``), one output shard
-    (``max_shard_size``, capped at the model's size, or a single larger tensor) and the
-    calibration activations entering and leaving a layer."""
+    (``max_shard_size``, capped at the model's size, or a single larger tensor), the
+    calibration activations entering and leaving a layer, and, when a recipe quantizes,
+    the largest weight of a layer in float32 (quantizing one linear)."""
     source = run.source
-    sizes = {
-        n: t.numel() * t.element_size() for n, t in source.model.state_dict(keep_vars=True).items()
-    }
+    state = source.model.state_dict(keep_vars=True)
+    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
     shells = [
         sum(sizes[n] for n in source.saved(names)) for names in (run.head_names, run.tail_names)
     ]
     shard = min(run.writer.max_shard_size, source.total_bytes)
+    inside = source.layout.layers + "."
+    linear = max((t.numel() for n, t in state.items() if n.startswith(inside)), default=0)
     return MemoryBound(
         baseline=baseline,
         modules=max([*layers, *shells]),
         shard=max(shard, *sizes.values()),
         activations=2 * activations,
+        working=4 * linear if quantized else 0,
     )
 
 

@@ -206,7 +206,26 @@ def _meta_model(directory: Path) -> Any:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     model.tie_weights()  # one parameter for a tied pair, as from_pretrained leaves it
+    _load_generation_config(model, directory)
     return model.eval()
+
+
+def _load_generation_config(model: Any, directory: Path) -> None:
+    """The generation config ``from_pretrained`` gives the model (so the exported
+    ``generation_config.json`` is the in-memory export's): the directory's
+    ``generation_config.json``, else one made from ``config.json``. ``from_config``
+    alone derives it from the config object, which keeps defaults (``bos_token_id``,
+    ``use_cache``) that ``from_pretrained`` does not write."""
+    from transformers import GenerationConfig
+
+    if not model.can_generate():
+        return
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
+    except OSError:  # no generation_config.json: what from_pretrained falls back to
+        model.generation_config = GenerationConfig.from_pretrained(
+            directory, config_file_name=CONFIG_NAME, _from_model_config=True, local_files_only=True
+        )
 
 
 def _decoder_layout(model: nn.Module) -> DecoderLayout:

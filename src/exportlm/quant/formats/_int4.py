@@ -37,13 +37,33 @@ def quantize_int4(
         raise UnsupportedFormatError(
             f"{where}: int4 packs pairs of rows (dim -2), got shape {tuple(x.shape)}"
         )
-    groups = split_blocks(x, block_size, "int4", where)
-    group_scale = safe_scale(groups.abs().amax(dim=-1), INT4_MAX, where=where)
-    codes = (groups / group_scale.unsqueeze(-1)).round_().clamp_(-8, 7).to(torch.int8)
-    packed = pack_int4_rows(codes.reshape(x.shape))
+    step = max(2, _INT4_CHUNK // max(x.shape[-1], 1) // 2 * 2)
+    if x.dim() == 2 and x.shape[0] > step and x.shape[1] % block_size == 0:
+        rows, cols = x.shape  # slices of rows: the same codes, small temporaries
+        packed = torch.empty((rows // 2, cols), dtype=torch.uint8, device=x.device)
+        group_scale = torch.empty((rows, cols // block_size), dtype=torch.float32, device=x.device)
+        for start in range(0, rows, step):
+            end = min(start + step, rows)
+            packed[start // 2 : end // 2], group_scale[start:end] = _int4_codes(
+                x[start:end], block_size, where
+            )
+    else:
+        packed, group_scale = _int4_codes(x, block_size, where)
     return QuantizedTensor(
         QuantFormat.INT4, packed, group_scale, None, block_size, tuple(x.shape), x.dtype
     )
+
+
+#: Elements of one slice of rows quantized at a time (512 KiB of float32 per temporary).
+_INT4_CHUNK = 1 << 17
+
+
+def _int4_codes(x: torch.Tensor, block_size: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed codes and the group scales of ``x`` (an even number of rows)."""
+    groups = split_blocks(x, block_size, "int4", where)
+    group_scale = safe_scale(groups.abs().amax(dim=-1), INT4_MAX, where=where)
+    codes = (groups / group_scale.unsqueeze(-1)).round_().clamp_(-8, 7).to(torch.int8)
+    return pack_int4_rows(codes.reshape(x.shape)), group_scale
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
