@@ -90,13 +90,10 @@ def test_int4_rows_unpack_to_the_codes_packed(shape: tuple[int, ...]) -> None:
     assert torch.equal(unpack_int4_rows(packed), codes)
 
 
-#: The slice sizes of fake quantization and of INT4 quantization; 2**40 makes one slice.
-_SLICES = ("exportlm.quant._quantizer.CHUNK_ELEMENTS", "exportlm.quant.formats._int4._INT4_CHUNK")
-
-
 def _whole_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in _SLICES:
-        monkeypatch.setattr(name, 1 << 40)
+    """One slice of rows for every tensor: the slice size of fake quantization, INT4
+    quantization and the AWQ weight statistic set to 2**40 elements."""
+    monkeypatch.setattr("exportlm.quant._tensor.CHUNK_ELEMENTS", 1 << 40)
 
 
 @pytest.mark.parametrize(

@@ -38,8 +38,9 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
+from exportlm.quant import _tensor
 from exportlm.quant._formats import dequantize
-from exportlm.quant._quantizer import CHUNK_ELEMENTS, TensorQuantizer, row_chunks
+from exportlm.quant._quantizer import TensorQuantizer, row_chunks
 
 __all__ = [
     "AWQ_ALPHA",
@@ -94,13 +95,13 @@ def awq_weight_scale(weights: list[torch.Tensor], block_size: int | None) -> tor
     the CPU's reduction kernel, and these values reach the checkpoint's bytes.
 
     Each row's values depend on that row alone, so a group larger than one slice of
-    :data:`~exportlm.quant._quantizer.CHUNK_ELEMENTS` is summed a slice of rows at a
+    :data:`~exportlm.quant._tensor.CHUNK_ELEMENTS` is summed a slice of rows at a
     time: no float64 copy of the whole group (for ``gate/up`` eight times one weight's
     bf16 size). The float64 sums differ from one whole reduction by rounding (about
     1e-16 relative), far below the float32 step the statistic is finally rounded to.
     """
     cols = int(weights[0].shape[-1])
-    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
+    step = max(1, _tensor.CHUNK_ELEMENTS // max(cols, 1))
     if sum(int(w.shape[0]) for w in weights) <= step:
         return _scaled_rows(torch.cat([w.detach().double() for w in weights]), block_size).mean(
             dim=0

@@ -6,16 +6,12 @@ import torch
 from torch import nn
 
 from exportlm.errors import QuantizationError
+from exportlm.quant import _tensor
 from exportlm.quant._formats import dequantize, quantize_tensor
 from exportlm.quant._tensor import FormatId, QuantizedTensor, safe_scale
 from exportlm.quant.formats import FormatSpec, formats, get_format
 
 __all__ = ["TensorQuantizer", "row_chunks"]
-
-#: Elements of one step of a chunked fake quantization (:func:`row_chunks`): 512 KiB of
-#: float32 per temporary, below the 1 MiB from which the streaming export maps each
-#: allocation on its own, so the steps' temporaries reuse the same heap memory.
-CHUNK_ELEMENTS = 1 << 17
 
 
 def row_chunks(shape: tuple[int, ...] | torch.Size, spec: FormatSpec) -> list[slice]:
@@ -27,14 +23,14 @@ def row_chunks(shape: tuple[int, ...] | torch.Size, spec: FormatSpec) -> list[sl
     <exportlm.quant.formats.FormatSpec.granularity>`); slices of a format packed along
     the rows keep whole pairs. A per-tensor scale derived from the tensor itself (an
     uncalibrated ``"tensor"`` format) needs the whole tensor: one slice then. The
-    slices are about :data:`CHUNK_ELEMENTS` each, so the float32 temporaries of a
+    slices are about :data:`~exportlm.quant._tensor.CHUNK_ELEMENTS` each, so the float32 temporaries of a
     fake quantization are those of one slice, not of a weight-sized copy.
     """
     if len(shape) != 2 or not (spec.calibrated or spec.granularity in ("row", "block")):
         return [slice(None)]
     rows, cols = int(shape[0]), max(int(shape[1]), 1)
     pair = spec.packing if spec.packed_dim == -2 else 1
-    step = max(pair, CHUNK_ELEMENTS // cols // pair * pair)
+    step = max(pair, _tensor.CHUNK_ELEMENTS // cols // pair * pair)
     if step >= rows:
         return [slice(None)]
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]

@@ -29,6 +29,7 @@ import torch
 from exportlm.errors import QuantizationError, UnsupportedFormatError
 
 __all__ = [
+    "CHUNK_ELEMENTS",
     "FP4_MAX",
     "FP8_MAX",
     "INT4_MAX",
@@ -44,6 +45,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Elements of one slice of rows that fake quantization, INT4 quantization and the AWQ
+#: weight statistic work on at a time: 512 KiB of float32 per temporary, below the 1 MiB
+#: from which the streaming export maps each allocation on its own, so the slices'
+#: temporaries reuse the same heap memory. Read at call time (``_tensor.CHUNK_ELEMENTS``).
+CHUNK_ELEMENTS = 1 << 17
 
 #: Largest finite float8_e4m3fn value.
 FP8_MAX = 448.0

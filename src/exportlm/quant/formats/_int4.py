@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from exportlm.errors import UnsupportedFormatError
+from exportlm.quant import _tensor
 from exportlm.quant._tensor import INT4_MAX, QuantFormat, QuantizedTensor, safe_scale, split_blocks
 from exportlm.quant.formats._ct_codecs import pack_quantized_codec
 from exportlm.quant.formats._parts import (
@@ -37,7 +38,7 @@ def quantize_int4(
         raise UnsupportedFormatError(
             f"{where}: int4 packs pairs of rows (dim -2), got shape {tuple(x.shape)}"
         )
-    step = max(2, _INT4_CHUNK // max(x.shape[-1], 1) // 2 * 2)
+    step = max(2, _tensor.CHUNK_ELEMENTS // max(x.shape[-1], 1) // 2 * 2)
     if x.dim() == 2 and x.shape[0] > step and x.shape[1] % block_size == 0:
         rows, cols = x.shape  # slices of rows: the same codes, small temporaries
         packed = torch.empty((rows // 2, cols), dtype=torch.uint8, device=x.device)
@@ -52,10 +53,6 @@ def quantize_int4(
     return QuantizedTensor(
         QuantFormat.INT4, packed, group_scale, None, block_size, tuple(x.shape), x.dtype
     )
-
-
-#: Elements of one slice of rows quantized at a time (512 KiB of float32 per temporary).
-_INT4_CHUNK = 1 << 17
 
 
 def _int4_codes(x: torch.Tensor, block_size: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
