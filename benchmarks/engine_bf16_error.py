@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 import exportlm
-from exportlm.engines import find_interpreter
+from exportlm.engines import find_interpreter, get_engine
 from exportlm.engines.reference import FIRST_ID, NEW_TOKENS, PROMPT_LENGTHS, eager_reference
 from exportlm.models import tiny_hf_model
 
@@ -110,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=30)
     parser.add_argument("--seed", type=int, default=23)
+    parser.add_argument(
+        "--recipe",
+        help="quantize first (e.g. w8a8) and export compressed-tensors; the reference is the "
+        "fake-quantized model in float32 (no torch bf16 comparison then)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -119,11 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     model = _model()
-    eager_model = _model()
-    with torch.no_grad():
-        for p in eager_model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    bf16_model = _model().to(torch.bfloat16)
+    if args.recipe:
+        from exportlm.quant import quantize
+
+        model = quantize(model, args.recipe)
+        eager_model, bf16_model = model, None
+    else:
+        eager_model = _model()
+        with torch.no_grad():
+            for p in eager_model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        bf16_model = _model().to(torch.bfloat16)
     vocab = int(model.config.vocab_size)
 
     rng = np.random.default_rng(args.seed)
@@ -134,12 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     ref = eager_reference(eager_model, prompts)
     seqs = [p + t for p, t in zip(prompts, ref.tokens)]
     eager = [_log_softmax(eager_model, s) for s in seqs]
-    torch_bf16 = [_log_softmax(bf16_model, s) for s in seqs]
+    torch_bf16 = None if bf16_model is None else [_log_softmax(bf16_model, s) for s in seqs]
 
     with tempfile.TemporaryDirectory() as tmp:
-        artifact = exportlm.export_model(
-            "hf_checkpoint", model, Path(tmp) / "bf16", dtype="bfloat16"
+        options: dict[str, Any] = (
+            {"format": "compressed-tensors"} if args.recipe else {"dtype": "bfloat16"}
         )
+        artifact = exportlm.export_model("hf_checkpoint", model, Path(tmp) / "ckpt", **options)
         request = {
             "artifact": str(artifact),
             "seqs": seqs,
@@ -148,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "new_tokens": NEW_TOKENS,
         }
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env.update(get_engine("vllm").env)  # as the served comparison runs it
         proc = subprocess.run(
             [str(found.path), "-E", "-s", "-c", _VLLM],
             input=json.dumps(request),
@@ -180,14 +193,18 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": args.prompts,
         "eager_min_margin": ref.min_margin,
         "vllm_bf16": _stats(eager, vllm, seqs, prompts),
-        "torch_bf16": _stats(eager, torch_bf16, seqs, prompts),
+        "recipe": args.recipe,
+        "torch_bf16": None if torch_bf16 is None else _stats(eager, torch_bf16, seqs, prompts),
         "vllm_rows_diverged": len(swaps),
         "vllm_largest_swapped_margin": max((s[0] for s in swaps), default=0.0),
     }
-    print(f"{args.prompts} prompts x {NEW_TOKENS} greedy tokens; vLLM {got['version']}")
+    what = f"{args.recipe} compressed-tensors" if args.recipe else "plain bfloat16 checkpoint"
+    print(f"{what}: {args.prompts} prompts x {NEW_TOKENS} greedy tokens; vLLM {got['version']}")
     print(f"{'':12} {'given max':>10} {'given p99':>10} {'shift max':>10} {'shift p99':>10}")
     for name in ("vllm_bf16", "torch_bf16"):
         s = result[name]
+        if s is None:
+            continue
         print(
             f"{name:12} {s['given_max']:10.3f} {s['given_p99']:10.3f} "
             f"{s['margin_shift_max']:10.3f} {s['margin_shift_p99']:10.3f}"
