@@ -202,7 +202,7 @@ def run(
             if mode == "in-memory" and _available() < 2.3 * model:
                 print(f"{mode:<10} {recipe:<9} skipped: {_available() / 1e9:.1f} GB available")
                 continue
-            out = ROOT / f"out-{mode}-{recipe}"
+            out = ROOT / f"out-{directory.name}-{mode}-{recipe}"  # one per model: see outputs
             argv = [
                 "export",
                 "--target",
@@ -459,7 +459,8 @@ def outputs(directory: Path, recipes: list[str]) -> None:
         reference = resolve_model(str(directory)).build()(ids).logits.float()
     print(f"logits of {tuple(ids.shape)} ids; max |logit| unquantized {reference.abs().max():.3f}")
     for recipe in recipes:
-        memory, stream = ROOT / f"out-in-memory-{recipe}", ROOT / f"out-stream-{recipe}"
+        memory = ROOT / f"out-{directory.name}-in-memory-{recipe}"
+        stream = ROOT / f"out-{directory.name}-stream-{recipe}"
         with torch.no_grad():
             ours = load_exported("hf_checkpoint", memory)(ids).float()
             quant = (ours - reference).abs()
