@@ -9,6 +9,9 @@
         --max-memory 450MB --shard-size 150MB          # streamed vs in-memory logits, peaks
     python benchmarks/bench_stream.py peak --model /work/bench-models/llama-0.5b \
         --max-memory 450MB --shard-size 150MB --recipes fp8   # where one stream peaks
+    python benchmarks/bench_stream.py modelopt --model /work/bench-models/llama-0.5b \
+        --max-memory 450MB --shard-size 150MB  # FP8: our stream, in memory, ModelOpt
+    python benchmarks/bench_stream.py outputs --recipes fp8   # logits of run --in-memory's outputs
 
 ``build`` writes random bf16 weights (seeded) layer by layer straight into safetensors shards
 under ``/work/bench-models/llama-3b`` (never the whole model in memory). ``run`` exports FP8
@@ -26,6 +29,9 @@ from whole-model calibration (docs/streaming.md quotes it).
 checkpoint in the hf_checkpoint runtime and prints, per export, the peak RSS, the stream's
 bound, the seconds and CPU seconds, whether the shards are the in-memory ones byte for
 byte, and the max / mean absolute difference of the logits from the in-memory export's.
+``modelopt`` exports FP8 with our stream, our in-memory path and ModelOpt in one run, each in
+a child process (peak RSS from ``wait4``, seconds with imports). ``outputs`` compares the logits
+of ``run --in-memory``'s two exports in the hf_checkpoint runtime.
 ``peak`` streams one recipe in the benchmark's own process under a 10 ms RSS sampler and
 prints the peak and the frames it was reached in.
 """
@@ -139,15 +145,19 @@ def _flush(
     return name, list(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _child(argv: list[str], timeout: float | None) -> tuple[float, int, int, str, float]:
+def _child(
+    argv: list[str], timeout: float | None, command: list[str] | None = None
+) -> tuple[float, int, int, str, float]:
     """(seconds, peak RSS bytes, exit code, the stream's bound line, CPU seconds) of
-    ``python -m exportlm ARGV`` alone; killed (SIGKILL, exit -9) after ``timeout`` seconds,
-    when given: its work area stays, resumable. The bound is the one the stream computes
-    and logs."""
+    ``python -m exportlm ARGV`` (or of ``command``) alone; killed (SIGKILL, exit -9) after
+    ``timeout`` seconds, when given: its work area stays, resumable. The bound is the one
+    the stream computes and logs."""
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "exportlm", *argv], stdout=subprocess.DEVNULL, stderr=log
+            command or [sys.executable, "-m", "exportlm", *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
         )
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -192,7 +202,7 @@ def run(
             if mode == "in-memory" and _available() < 2.3 * model:
                 print(f"{mode:<10} {recipe:<9} skipped: {_available() / 1e9:.1f} GB available")
                 continue
-            out = ROOT / f"out-{mode}-{recipe}"
+            out = ROOT / f"out-{directory.name}-{mode}-{recipe}"  # one per model: see outputs
             argv = [
                 "export",
                 "--target",
@@ -384,6 +394,83 @@ def peak(directory: Path, budget: str, shard: str, recipe: str, inputs: str) -> 
         print(f"{rss / 1e6:6.0f} MB  {key}")
 
 
+def modelopt(directory: Path, budget: str, shard: str) -> None:
+    """FP8 of ``directory`` three ways in one run, each in a child process (peak RSS from
+    ``wait4``, seconds and CPU seconds with imports included): our stream under ``budget``,
+    our in-memory export, and ModelOpt (``from_pretrained`` in bf16, ``mtq.quantize`` with
+    ``FP8_DEFAULT_CFG`` on the same calibration ids as ours, ``export_hf_checkpoint`` with
+    the same ``max_shard_size``).
+    Like ``logits``, nothing here imports torch before the children run."""
+    model_bytes = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    print(f"model {model_bytes / 1e9:.2f} GB on disk; stream budget {budget}; shards {shard}")
+    print(
+        f"{'exporter':<22} {'limit':>6} {'peak MB':>8} {'bound MB':>9} {'s':>7} {'CPU s':>7}  exit"
+    )
+    runs = [
+        ("exportlm stream", budget, ["--max-memory", budget], None),
+        ("exportlm in memory", "none", [], None),
+        ("modelopt 0.47", "none", [], [sys.executable, __file__, "modelopt-child",
+                                       "--model", str(directory)]),
+    ]  # fmt: skip
+    for name, limit, extra, command in runs:
+        out = ROOT / f"modelopt-row-{name.replace(' ', '-').replace('.', '')}"
+        argv = _export_argv(directory, out, "fp8", shard, extra)
+        if command is not None:
+            command = [*command, "--out", str(out), "--shard-size", shard]
+        seconds, peak, code, bound, cpu = _child(argv, None, command)
+        bound_mb = bound.split("memory bound of ")[-1].split(" MB")[0] if bound else "-"
+        print(f"{name:<22} {limit:>6} {peak / 1e6:8.0f} {bound_mb:>9} {seconds:7.1f} "
+              f"{cpu:7.1f}  {code}", flush=True)  # fmt: skip
+
+
+def modelopt_child(directory: Path, out: Path, shard: str) -> None:
+    """ModelOpt's FP8 export of ``directory`` (run by :func:`modelopt` in a child process)."""
+    import modelopt.torch.quantization as mtq
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from exportlm.inputs import make_input_ids
+
+    torch.set_num_threads(1)  # as our exports run here (OMP_NUM_THREADS=1)
+    model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.bfloat16).eval()
+    ids = make_input_ids(int(model.config.vocab_size))  # our default calibration batch
+
+    def forward_loop(m: Any) -> None:
+        with torch.no_grad():
+            m(ids)
+
+    mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop=forward_loop)
+    export_hf_checkpoint(model, export_dir=out, max_shard_size=shard)
+
+
+def outputs(directory: Path, recipes: list[str]) -> None:
+    """Logits of ``run --in-memory``'s outputs: the stream's against the in-memory export's,
+    and the in-memory export's against the unquantized model (the quantization error, the
+    tolerance of the sequential calibration, as in ``logits``)."""
+    import torch
+
+    from exportlm.cli._model import resolve_model
+    from exportlm.export import load_exported, make_input_ids
+
+    config = json.loads((directory / "config.json").read_text())
+    ids = make_input_ids(int(config["vocab_size"]), batch=2, seq=32, seed=5)
+    with torch.no_grad():
+        reference = resolve_model(str(directory)).build()(ids).logits.float()
+    print(f"logits of {tuple(ids.shape)} ids; max |logit| unquantized {reference.abs().max():.3f}")
+    for recipe in recipes:
+        memory = ROOT / f"out-{directory.name}-in-memory-{recipe}"
+        stream = ROOT / f"out-{directory.name}-stream-{recipe}"
+        with torch.no_grad():
+            ours = load_exported("hf_checkpoint", memory)(ids).float()
+            quant = (ours - reference).abs()
+            streamed = load_exported("hf_checkpoint", stream)(ids).float()
+        diff = (streamed - ours).abs()
+        same = "identical" if _same_shards(memory, stream) else "differ"
+        print(f"{recipe}: in memory vs unquantized max {quant.max():.4f} mean {quant.mean():.4f}; "
+              f"stream vs in memory max {diff.max():.4f} mean {diff.mean():.4f}; shards {same}")  # fmt: skip
+
+
 def _same_shards(a: Path, b: Path) -> bool:
     """The same ``.safetensors`` files and index, byte for byte (the manifests differ:
     a streamed one has no model hash)."""
@@ -396,7 +483,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("command", choices=("build", "run", "compare", "logits", "peak"))
+    parser.add_argument(
+        "command",
+        choices=(
+            "build",
+            "run",
+            "compare",
+            "logits",
+            "peak",
+            "modelopt",
+            "modelopt-child",
+            "outputs",
+        ),
+    )
+    parser.add_argument("--out", type=Path, help="modelopt-child: the output directory")
     parser.add_argument("--model", type=Path, default=ROOT / "llama-3b")
     parser.add_argument(
         "--small", action="store_true", help="build: the 0.98 GB 8-layer model (give --model)"
@@ -421,6 +521,12 @@ def main() -> None:
         )
     elif args.command == "peak":
         peak(args.model, args.max_memory, args.shard_size, args.recipes, args.stream_inputs)
+    elif args.command == "modelopt":
+        modelopt(args.model, args.max_memory, args.shard_size)
+    elif args.command == "modelopt-child":
+        modelopt_child(args.model, args.out, args.shard_size)
+    elif args.command == "outputs":
+        outputs(args.model, args.recipes.split(","))
     elif args.command == "logits":
         logits(args.model, args.max_memory, args.shard_size, args.recipes.split(","))
     else:

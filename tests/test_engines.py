@@ -186,9 +186,11 @@ def test_an_fp8_checkpoint_is_an_engine_limit_on_cpu_and_runs_on_cuda() -> None:
 
 def test_a_dtype_or_artifact_outside_the_table_is_unknown_never_runs() -> None:
     vllm = get_engine("vllm")
-    assert vllm.support("hf_checkpoint", "compressed-tensors", "W8A8", dtype="float16").verdict is (
-        Verdict.RUNS
+    amx = frozenset({"amx_tile"})  # the row needs it (test_engines_cpu_features.py)
+    w8a8 = vllm.support(
+        "hf_checkpoint", "compressed-tensors", "W8A8", dtype="float16", cpu_features=amx
     )
+    assert w8a8.verdict is Verdict.RUNS
     assert vllm.support("hf_checkpoint", "compressed-tensors", "W8A8").verdict is Verdict.UNKNOWN
     assert vllm.support("onnx", "plain").verdict is Verdict.UNKNOWN
 

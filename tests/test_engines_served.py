@@ -78,7 +78,10 @@ def _fake_quant(recipe: str) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    """Prompts whose eager greedy steps all have a top-2 margin above MIN_MARGIN (bf16-safe)."""
+    """Prompts whose eager greedy steps all have a top-2 margin above MIN_MARGIN.
+
+    Safe for float32 and the quantized rows' tolerances; a bfloat16 comparison chooses
+    its own (above twice its tolerance, see the bfloat16 test)."""
     return choose_prompts(_model(), min_margin=MIN_MARGIN)
 
 
@@ -131,14 +134,20 @@ def _same_version_as_the_table(got: Served) -> None:
 # The float32 plain checkpoint in vLLM and transformers, transformers on CT FP8 and
 # OpenVINO on the plain ONNX are the plugin's `served` items (stage 2 of `make
 # test-engines`: served[hf_checkpoint-vllm-llama-cpu], ...); here only what they do not run.
-def test_vllm_serves_our_bfloat16_checkpoint(
-    prompts: list[list[int]], artifacts: Callable[..., Path]
-) -> None:
+def test_vllm_serves_our_bfloat16_checkpoint(artifacts: Callable[..., Path]) -> None:
+    """bf16 moves a logprob up to ~0.6 on some CPUs (benchmarks/engine_bf16_error.py), so
+    the prompts are chosen by serve_and_compare above twice that tolerance; where no draw
+    clears it, a greedy swap at a smaller eager margin is a near-tie, never a pass."""
     _python("vllm")
-    got = serve_and_compare(
-        "vllm", artifacts("bf16"), _bf16_model(), prompts=prompts, dtype="bfloat16"
-    )
+    got = serve_and_compare("vllm", artifacts("bf16"), _bf16_model(), dtype="bfloat16")
     assert got.engine_version == get_engine("vllm").table_version
+    assert got.atol is not None
+    assert got.max_gap is not None
+    assert got.max_gap <= got.atol, got.message
+    if got.outcome is Outcome.NEAR_TIE:
+        assert got.diverges is not None
+        print(f"vllm bf16: {got.message}")
+        return
     _passed(got)
 
 

