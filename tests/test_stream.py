@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ MANIFEST = "exportlm-manifest.json"
 SHARD = "100KB"  # several shards per model: the shard boundaries are compared too
 
 
-def _in_memory(src: Path, out: Path, recipe: str | None) -> Path:
+def _in_memory(src: Path, out: Path, recipe: Any) -> Path:
     model = resolve_model(str(src)).build()
     if recipe is not None:
         model = quantize(model, recipe)
@@ -43,12 +44,15 @@ def _assert_same_checkpoint(a: Path, b: Path) -> None:
         ("int8_wo", "quantized"),
         ("int4_awq", "float"),
         ("nvfp4", "float"),
+        ("fp8+fp8_kv", "float"),
+        ({"*": "fp8", "*.mlp.*": "int8_wo", "*.layers.1.self_attn.o_proj": None}, "float"),
+        ({"*": "int4_awq+fp8_kv", "*.self_attn.*": "nvfp4"}, "float"),
         (None, "quantized"),
     ],
-    ids=["fp8", "int8_wo", "int4_awq", "nvfp4", "unquantized"],
+    ids=["fp8", "int8_wo", "int4_awq", "nvfp4", "fp8_kv", "mixed", "mixed_awq_kv", "unquantized"],
 )
 def test_streamed_checkpoint_is_the_in_memory_one_byte_for_byte(
-    tmp_path: Path, recipe: str | None, inputs: str, tied: bool
+    tmp_path: Path, recipe: Any, inputs: str, tied: bool
 ) -> None:
     # int8_wo is weight-only: its bytes do not depend on the calibration inputs at all;
     # fp8 / int4_awq calibrate activations: "float" inputs are what whole-model calibration sees.
@@ -63,6 +67,12 @@ def test_streamed_checkpoint_is_the_in_memory_one_byte_for_byte(
     )
     assert len(list(streamed.glob("*.safetensors"))) > 2
     _assert_same_checkpoint(expected, streamed)
+    names = set(json.loads((streamed / "model.safetensors.index.json").read_text())["weight_map"])
+    assert any(n.endswith("weight_scale") for n in names) == (recipe is not None)
+    assert any(n.endswith("k_scale") for n in names) == ("fp8_kv" in str(recipe))
+    if isinstance(recipe, dict) and "*.layers.1.self_attn.o_proj" in recipe:  # left unquantized
+        assert "model.layers.0.self_attn.o_proj.weight_scale" in names
+        assert "model.layers.1.self_attn.o_proj.weight_scale" not in names
     assert not (tmp_path / ".streamed.stream").exists()  # the work area is gone once published
 
 
@@ -103,14 +113,17 @@ def test_sequential_calibration_changes_activation_scales_within_a_bound(tmp_pat
 
 def test_unsupported_families_and_recipes_are_refused_by_name(tmp_path: Path) -> None:
     src = llama_directory(tmp_path, tied=False)
-    with pytest.raises(StreamingUnsupportedError, match="fp8_kv"):
-        export_streaming(src, tmp_path / "kv", recipe="fp8+fp8_kv")
     with pytest.raises(StreamingUnsupportedError, match=r"recipe 'int8_sq' does not stream yet"):
         export_streaming(src, tmp_path / "sq", recipe="int8_sq")
-    with pytest.raises(StreamingUnsupportedError, match="mixed-precision"):
-        export_streaming(src, tmp_path / "mixed", recipe={"*": "fp8", "*.mlp.*": "int8_wo"})
-    assert not (tmp_path / "kv").exists()
-    assert not (tmp_path / ".kv.stream").exists()
+    with pytest.raises(StreamingUnsupportedError, match=r"recipe 'int8_sq' does not stream yet"):
+        export_streaming(src, tmp_path / "sq", recipe={"*": "fp8", "*.mlp.*": "int8_sq"})
+    # the stream writes the modules around the layers as they are: a recipe naming one is refused
+    with pytest.raises(StreamingUnsupportedError, match=r"quantizes lm_head, outside"):
+        export_streaming(src, tmp_path / "head", recipe={"*": "fp8", "lm_head": "fp8"})
+    with pytest.raises(StreamingUnsupportedError, match=r"quantizes model.embed_tokens, outside"):
+        export_streaming(src, tmp_path / "head", recipe={"*": "fp8", "*embed_tokens": "int8_wo"})
+    assert not (tmp_path / "head").exists()
+    assert not (tmp_path / ".head.stream").exists()
 
 
 def test_a_moe_family_is_refused_naming_it(tmp_path: Path) -> None:

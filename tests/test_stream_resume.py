@@ -37,7 +37,7 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "int4_awq"])
+@pytest.mark.parametrize("recipe", ["fp8", "int4_awq", "fp8+fp8_kv"])
 def test_a_killed_run_resumes_after_its_last_layer_and_writes_the_same_bytes(
     tmp_path: Path, recipe: str, caplog: pytest.LogCaptureFixture
 ) -> None:

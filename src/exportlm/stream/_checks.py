@@ -20,13 +20,20 @@ _MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe
 _IN_MEMORY = "export it in memory instead (drop --stream / --max-memory, or export_model)"
 
 
-def check_streamable(model: nn.Module, recipe: QuantRecipe | None, identity_names: bool) -> None:
+def check_streamable(
+    model: nn.Module, recipe: QuantRecipe | None, identity_names: bool, layers: str
+) -> None:
     """Refuse what does not stream yet, naming it.
+
+    ``layers`` is the name of the decoder layers' list (``model.layers``): the stream
+    quantizes the modules inside it, one layer at a time, and writes the modules around
+    it (embedding, final norm, ``lm_head``) as they are.
 
     Raises:
         StreamingUnsupportedError: MoE experts, a checkpoint whose names transformers
-            converts on load, a KV-cache recipe, a mixed-precision recipe, or a weight
-            algorithm outside :data:`STREAMED_ALGORITHMS`.
+            converts on load, a weight algorithm (of the recipe or of one of its
+            per-module patterns) outside :data:`STREAMED_ALGORITHMS`, or a recipe that
+            would quantize a module outside the decoder layers.
     """
     config = getattr(model, "config", None)
     moe = [k for k in _MOE_CONFIG_KEYS if getattr(config, k, None)]
@@ -42,20 +49,31 @@ def check_streamable(model: nn.Module, recipe: QuantRecipe | None, identity_name
         )
     if recipe is None:
         return
-    if recipe.kv_cache is not None:
+    for algo in (recipe.algo, *(a for _, a in recipe.overrides)):
+        if algo is not None and algo not in STREAMED_ALGORITHMS:
+            raise StreamingUnsupportedError(
+                f"recipe {algo!r} does not stream yet (streamed: "
+                f"{', '.join(STREAMED_ALGORITHMS)}); {_IN_MEMORY}"
+            )
+    outside = _quantized_outside(model, recipe, layers + ".")
+    if outside:
         raise StreamingUnsupportedError(
-            f"KV-cache quantization ({recipe.kv_cache}) does not stream yet; {_IN_MEMORY}"
+            f"the recipe quantizes {', '.join(outside)}, outside the decoder layers "
+            f"({layers}.*); the stream quantizes only inside them and writes the modules "
+            f"around them unquantized; leave those modules out of the recipe, or {_IN_MEMORY}"
         )
-    if recipe.overrides or recipe.exclude:
-        raise StreamingUnsupportedError(
-            "mixed-precision recipes (per-module patterns) do not stream yet; "
-            f"use one of {', '.join(STREAMED_ALGORITHMS)}, or {_IN_MEMORY}"
-        )
-    if recipe.algo not in STREAMED_ALGORITHMS:
-        raise StreamingUnsupportedError(
-            f"recipe {recipe.algo!r} does not stream yet (streamed: "
-            f"{', '.join(STREAMED_ALGORITHMS)}); {_IN_MEMORY}"
-        )
+
+
+def _quantized_outside(model: nn.Module, recipe: QuantRecipe, inside: str) -> list[str]:
+    """The linears and embeddings outside ``inside`` that ``recipe`` would quantize in memory."""
+    found = []
+    for name, module in model.named_modules():
+        if name.startswith(inside) or not isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        embedding = isinstance(module, nn.Embedding)
+        if recipe.algo_for(name, default_applies=not embedding) is not None:
+            found.append(name)
+    return found
 
 
 def check_fits(

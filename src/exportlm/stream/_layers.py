@@ -96,12 +96,29 @@ def run_layer(
 
 
 def _calibrate_on(
-    hidden: Sequence[torch.Tensor], kwargs: Sequence[dict[str, Any]]
+    layer: nn.Module, hidden: Sequence[torch.Tensor], kwargs: Sequence[dict[str, Any]]
 ) -> Callable[[nn.Module], None]:
-    def calibrate(layer: nn.Module) -> None:
+    def calibrate(_root: nn.Module) -> None:
         run_layer(layer, hidden, kwargs)
 
     return calibrate
+
+
+def _nested(layer: nn.Module, prefix: str) -> nn.Module:
+    """An empty root module holding ``layer`` at ``prefix`` (``model.layers.3``).
+
+    ``quantize`` then sees the module names the whole model has
+    (``model.layers.3.mlp.gate_proj``), so a recipe's patterns (mixed precision,
+    exclusions, the default exclusions) pick the modules they pick in memory.
+    """
+    root = parent = nn.Module()
+    *path, last = prefix.split(".")
+    for part in path:
+        child = nn.Module()
+        parent.add_module(part, child)
+        parent = child
+    parent.add_module(last, layer)
+    return root
 
 
 def quantize_layer(
@@ -110,14 +127,19 @@ def quantize_layer(
     hidden: Sequence[torch.Tensor],
     kwargs: Sequence[dict[str, Any]],
     mode: CalibrationInputs,
+    prefix: str,
 ) -> tuple[nn.Module, list[torch.Tensor]]:
-    """Quantize ``layer`` in place calibrated on ``hidden``; returns it and the next inputs."""
+    """Quantize ``layer`` (the model's module ``prefix``) in place, calibrated on ``hidden``.
+
+    Returns the quantized layer and the next layer's inputs.
+    """
     from exportlm.quant import quantize
 
     if recipe is None:
         return layer, run_layer(layer, hidden, kwargs)
     float_outputs = run_layer(layer, hidden, kwargs) if mode == "float" else None
-    layer = quantize(layer, recipe, calibrate=_calibrate_on(hidden, kwargs))
+    root = quantize(_nested(layer, prefix), recipe, calibrate=_calibrate_on(layer, hidden, kwargs))
+    layer = root.get_submodule(prefix)
     if float_outputs is not None:
         return layer, float_outputs
     return layer, run_layer(layer, hidden, kwargs)

@@ -101,8 +101,11 @@ def export_streaming(
     Args:
         model_dir: a local Hugging Face model directory (safetensors shards).
         output_path: the checkpoint directory to publish.
-        recipe: a quantization recipe (``"fp8"``, ``"int8_wo"``, ``"int4_awq"``,
-            ``"nvfp4"``) or ``None`` for an unquantized re-export.
+        recipe: a quantization recipe as :func:`~exportlm.quant.quantize` takes it, of
+            the weight algorithms ``"fp8"``, ``"int8_wo"``, ``"int4_awq"`` and
+            ``"nvfp4"``, with or without ``"+fp8_kv"``, or a mapping of module-name
+            patterns to them (mixed precision) that leaves the modules outside the
+            decoder layers unquantized; ``None`` for an unquantized re-export.
         calibration: ``input_ids`` batches; default: one batch of
             :func:`~exportlm.inputs.make_input_ids`, what ``quantize`` uses by default.
         max_memory: the budget (bytes or ``"8GB"``); default: the cgroup limit, else the
@@ -128,7 +131,7 @@ def export_streaming(
     source = CheckpointSource(Path(model_dir))
     baseline = resident_bytes()  # before any weight: interpreter, torch, the meta model
     namer = CheckpointNamer(source.model)
-    check_streamable(source.model, plan, namer.identity)
+    check_streamable(source.model, plan, namer.identity, source.layout.layers)
     batches = list(calibration) if calibration is not None else [_default_ids(source.model)]
     budget = parse_memory(max_memory) if max_memory is not None else memory_limit()
     layers = [source.tensor_bytes(source.layer(i)) for i in range(source.layout.count)]
@@ -203,7 +206,7 @@ def _export_parts(
     ):
         prefix = source.layout.prefix(index)
         layer = source.load(prefix)
-        layer, outputs = quantize_layer(layer, plan, store.batches(), inputs.kwargs, mode)
+        layer, outputs = quantize_layer(layer, plan, store.batches(), inputs.kwargs, mode, prefix)
         release_freed()  # the calibration's temporaries, before the export's
         part = export_quantized_state(
             layer, PrefixSink(run.sink, prefix + "."), format=run.format, dtype=dtype
