@@ -111,6 +111,20 @@ def test_llama4_quantizes_and_exports_with_every_recipe(recipe: str) -> None:
         assert torch.isfinite(model(_ids()).logits).all()
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss", "llama4"])
+def test_int4_awq_calibrates_bfloat16_fused_experts(family: str) -> None:
+    # The expert statistics are kept in float32 while the experts compute in their own
+    # dtype: a bf16 model (as checkpoints are stored) once failed with a dtype mismatch.
+    model = tiny_hf_model(family, num_hidden_layers=1).to(torch.bfloat16)
+    quantize(model, "int4_awq")
+    name, experts = _experts(model)
+    scales = [b for n, b in experts.named_buffers() if n.endswith("pre_quant_scale") and b.numel()]
+    assert scales, f"{name}: no AWQ pre_quant_scale on the experts"
+    assert all(torch.isfinite(s).all() and (s > 0).all() for s in scales)
+    with torch.no_grad():
+        assert torch.isfinite(model(_ids()).logits.float()).all()
+
+
 # -- DBRX ------------------------------------------------------------------------------
 
 

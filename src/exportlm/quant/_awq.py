@@ -183,8 +183,8 @@ def _expert_stats_hook(
         return
     with torch.no_grad():
         for expert, tokens in module.routed_tokens(*args, **kwargs):
-            tokens = tokens.float()
-            gate_up.add_channel_mean(tokens.abs().mean(dim=0), expert)
+            # the statistics in float32, the expert's own computation in its dtype (bf16)
+            gate_up.add_channel_mean(tokens.float().abs().mean(dim=0), expert)
             hidden = module.expert_hidden(expert, tokens)
             down.add_channel_mean(hidden.abs().float().mean(dim=0), expert)
 
