@@ -35,6 +35,16 @@ def llama_directory(
     return directory
 
 
+def family_directory(root: Path, family: str, *, seed: int = 0) -> Path:
+    """Toy family ``family`` (``exportlm.models.tiny_hf_model``) saved in bf16 under ``root / "src"``."""
+    from exportlm.models import tiny_hf_model
+
+    model = tiny_hf_model(family, seed=seed).to(torch.bfloat16)
+    directory = root / "src"
+    model.save_pretrained(directory, max_shard_size="100KB")
+    return directory
+
+
 def different_files(a: Path, b: Path, *, skip: tuple[str, ...] = ()) -> list[str]:
     """Names of the files whose bytes differ between directories ``a`` and ``b`` (or exist in one)."""
     names = {p.name for p in a.iterdir()} | {p.name for p in b.iterdir()}

@@ -30,22 +30,24 @@ def check_streamable(
     it (embedding, final norm, ``lm_head``) as they are.
 
     Raises:
-        StreamingUnsupportedError: MoE experts, a checkpoint whose names transformers
-            converts on load, a weight algorithm (of the recipe or of one of its
+        StreamingUnsupportedError: a checkpoint whose names transformers converts on
+            load (Mixtral's and Qwen-MoE's per-expert tensors), a weight algorithm (of the recipe or of one of its
             per-module patterns) outside :data:`STREAMED_ALGORITHMS`, or a recipe that
             would quantize a module outside the decoder layers.
     """
-    config = getattr(model, "config", None)
-    moe = [k for k in _MOE_CONFIG_KEYS if getattr(config, k, None)]
-    if moe:
-        raise StreamingUnsupportedError(
-            f"{type(model).__name__} has MoE experts (config {moe[0]}={getattr(config, moe[0])}): "
-            f"MoE families (mixtral, qwen3_moe, gpt_oss, llama4, dbrx) do not stream yet; {_IN_MEMORY}"
-        )
     if not identity_names:
+        config = getattr(model, "config", None)
+        moe = [k for k in _MOE_CONFIG_KEYS if getattr(config, k, None)]
+        why = (
+            f" (its MoE experts, config {moe[0]}={getattr(config, moe[0])}, are stored one "
+            "tensor per expert and fused into 3-D parameters on load, as for Mixtral and "
+            "Qwen-MoE)"
+            if moe
+            else ""
+        )
         raise StreamingUnsupportedError(
-            f"{type(model).__name__} converts its checkpoint's tensor names on load; only "
-            f"models saved under their module names stream yet; {_IN_MEMORY}"
+            f"{type(model).__name__} converts its checkpoint's tensor names on load{why}; "
+            f"only models saved under their module names stream yet; {_IN_MEMORY}"
         )
     if recipe is None:
         return

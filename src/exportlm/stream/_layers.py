@@ -36,32 +36,55 @@ CalibrationInputs = Literal["quantized", "float"]
 
 @dataclass
 class LayerInputs:
-    """What layer 0 receives, per calibration batch: hidden states and keyword arguments."""
+    """What the model hands its decoder layers, per calibration batch.
+
+    ``hidden``: layer 0's hidden states. ``kwargs[i]``: the keyword arguments of layer
+    ``i`` (position embeddings, mask, positions). They are computed before the layers
+    run and do not depend on the hidden states, but they differ between layers where
+    the attention does (GPT-OSS alternates sliding-window and full attention, and the
+    model passes each layer the mask of its own kind).
+    """
 
     hidden: list[torch.Tensor]
-    kwargs: list[dict[str, Any]]
+    kwargs: list[list[dict[str, Any]]]
 
 
 class _Reached(Exception):
-    """Raised by the hook on layer 0 once its inputs are recorded."""
+    """Raised by the hook on the last layer once every layer's inputs are recorded."""
 
 
 def capture_layer_inputs(
-    model: nn.Module, layer: nn.Module, batches: Sequence[torch.Tensor]
+    model: nn.Module, layers: Sequence[nn.Module], batches: Sequence[torch.Tensor]
 ) -> LayerInputs:
-    """Run ``batches`` through ``model`` until ``layer`` (layer 0), recording its inputs.
+    """Run ``batches`` through ``model`` to its last layer, recording what each layer is given.
 
-    Only the modules before the layer need real weights.
+    The layers do not run (their weights are not loaded): each one hands its input
+    hidden states on unchanged, so only the modules before the layers need real weights.
     """
-    found = LayerInputs([], [])
+    found = LayerInputs([], [[] for _ in layers])
+    last = len(layers) - 1
 
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        found.hidden.append(hidden.detach())
-        found.kwargs.append({k: _without_cache(v) for k, v in kwargs.items()})
-        raise _Reached
+    def recorder(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            rest = {k: _without_cache(v) for k, v in kwargs.items() if k != "hidden_states"}
+            if index == 0:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                found.hidden.append(hidden.detach())
+            found.kwargs[index].append(rest)
+            if index == last:
+                raise _Reached
 
-    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+        return hook
+
+    def pass_through(*args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else kwargs["hidden_states"]
+
+    handles = [
+        layer.register_forward_pre_hook(recorder(i), with_kwargs=True)
+        for i, layer in enumerate(layers)
+    ]
+    for layer in layers[:-1]:
+        layer.forward = pass_through  # type: ignore[method-assign]
     try:
         with torch.no_grad():
             for batch in batches:
@@ -70,7 +93,10 @@ def capture_layer_inputs(
                 except _Reached:
                     continue
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+        for layer in layers[:-1]:
+            del layer.forward
     return found
 
 

@@ -206,7 +206,9 @@ def _export_parts(
     ):
         prefix = source.layout.prefix(index)
         layer = source.load(prefix)
-        layer, outputs = quantize_layer(layer, plan, store.batches(), inputs.kwargs, mode, prefix)
+        layer, outputs = quantize_layer(
+            layer, plan, store.batches(), inputs.kwargs[index], mode, prefix
+        )
         release_freed()  # the calibration's temporaries, before the export's
         part = export_quantized_state(
             layer, PrefixSink(run.sink, prefix + "."), format=run.format, dtype=dtype
@@ -230,7 +232,8 @@ def _first_inputs(run: _Run, batches: list[torch.Tensor]) -> Any:
     """Layer 0's inputs per batch (the hidden states are re-read from disk when resuming)."""
     source = run.source
     with _loaded(source, run.head_names):
-        return capture_layer_inputs(source.model, source.layer(0), batches)
+        layers = [source.layer(i) for i in range(source.layout.count)]
+        return capture_layer_inputs(source.model, layers, batches)
 
 
 def _export_shell(run: _Run, names: set[str], dtype: torch.dtype | None) -> SummaryPart:
