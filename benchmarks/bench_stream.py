@@ -3,6 +3,8 @@
     python benchmarks/bench_stream.py build            # a 3.2B Llama, bf16, 1 GB shards (~6.4 GB)
     python benchmarks/bench_stream.py build --small --model /work/bench-models/llama-0.5b
                                                        # 0.49B, 8 layers, 250 MB shards (0.98 GB)
+    python benchmarks/bench_stream.py build --small --layers 22 \
+        --model /work/bench-models/llama-1.1b          # TinyLlama-1.1B's shape (2.2 GB)
     python benchmarks/bench_stream.py run --max-memory 3GB [--in-memory]
     python benchmarks/bench_stream.py compare          # sequential vs whole-model calibration
     python benchmarks/bench_stream.py logits --model /work/bench-models/llama-0.5b \
@@ -14,13 +16,15 @@
     python benchmarks/bench_stream.py outputs --recipes fp8   # logits of run --in-memory's outputs
 
 ``build`` writes random bf16 weights (seeded) layer by layer straight into safetensors shards
-under ``/work/bench-models/llama-3b`` (never the whole model in memory). ``run`` exports FP8
+under ``--model`` (default ``/work/bench-models/llama-3b``; never the whole model in memory);
+``--layers N`` overrides the number of decoder layers of either config. ``run`` exports FP8
 and INT4 AWQ with ``exportlm export --max-memory`` in a child process each and reads the
-child's peak RSS from ``os.wait4`` (``ru_maxrss``); ``--in-memory`` adds the in-memory path
-(no budget; it needs about twice the model in RAM). Under each streamed peak it prints the
-bound the stream computed and logged: its own RSS before the first weight (interpreter,
-torch, the meta model; measured) + the largest modules loaded at once + one output shard
-(``--shard-size``) + the calibration activations.
+child's peak RSS (``ru_maxrss``) and CPU seconds (user + system) from ``os.wait4``;
+``--in-memory`` adds the in-memory path (no budget; it needs about twice the model in RAM).
+Under each streamed peak it prints the bound the stream computed and logged: its own RSS
+before the first weight (interpreter, torch, the meta model; measured) + the largest modules
+loaded at once + one output shard (``--shard-size``) + the calibration activations + one
+linear's weight in float32 (quantizing it).
 ``compare`` measures, on a model that fits, how far sequential calibration (each layer on
 the outputs of the already quantized layers) moves the FP8 activation scales and the logits
 from whole-model calibration (docs/streaming.md quotes it).
@@ -193,7 +197,8 @@ def run(
 ) -> None:
     model = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     print(f"model {model / 1e9:.2f} GB on disk; budget {budget}; output shards {shard}")
-    print(f"{'path':<10} {'recipe':<9} {'seconds':>8} {'peak RSS GB':>12} {'peak/model':>11}  exit")
+    print(f"{'path':<10} {'recipe':<9} {'seconds':>8} {'CPU s':>8} {'peak RSS GB':>12} "
+          f"{'peak/model':>11}  exit")  # fmt: skip
     modes = [("stream", ["--max-memory", budget, "-o", f"max_shard_size={shard}"])]
     if in_memory:
         modes.append(("in-memory", ["-o", f"max_shard_size={shard}"]))
@@ -213,8 +218,9 @@ def run(
                 str(out),
             ]
             argv += ["--quantize", recipe, "-o", "overwrite=true", *extra, "-v"]  # the bound line
-            seconds, peak, code, bound, _ = _child(argv, timeout)
-            row = f"{mode:<10} {recipe:<9} {seconds:8.1f} {peak / 1e9:12.2f} {peak / model:11.2f}"
+            seconds, peak, code, bound, cpu = _child(argv, timeout)
+            row = (f"{mode:<10} {recipe:<9} {seconds:8.1f} {cpu:8.1f} {peak / 1e9:12.2f} "
+                   f"{peak / model:11.2f}")  # fmt: skip
             print(f"{row}  {code}{_layers_done(out) if code else ''}", flush=True)
             if bound:
                 print(f"    {bound[bound.index('memory bound of') :]}", flush=True)
@@ -501,6 +507,9 @@ def main() -> None:
     parser.add_argument(
         "--small", action="store_true", help="build: the 0.98 GB 8-layer model (give --model)"
     )
+    parser.add_argument(
+        "--layers", type=int, help="build: num_hidden_layers instead of the config's (28 or 8)"
+    )
     parser.add_argument("--max-memory", default="3GB")
     parser.add_argument("--shard-size", default="200MB", help="the exports' max_shard_size")
     parser.add_argument("--in-memory", action="store_true")
@@ -509,7 +518,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, help="kill each export after this many seconds")
     args = parser.parse_args()
     if args.command == "build":
-        build(args.model, SMALL if args.small else CONFIG, SMALL_SHARD if args.small else SHARD)
+        config = SMALL if args.small else CONFIG
+        if args.layers is not None:
+            if args.layers < 1:
+                parser.error(f"--layers must be at least 1, got {args.layers}")
+            config = config | {"num_hidden_layers": args.layers}
+        build(args.model, config, SMALL_SHARD if args.small else SHARD)
     elif args.command == "run":
         run(
             args.model,
