@@ -186,6 +186,21 @@ def test_a_layer_larger_than_the_budget_is_a_clear_error(tmp_path: Path) -> None
     assert not (tmp_path / "out").exists()
 
 
+def test_a_budget_below_the_process_bound_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 2 MB covers the toy's layer (check_fits) but not the interpreter and torch
+    src = llama_directory(tmp_path, tied=False, layers=1)
+    with caplog.at_level("WARNING", logger="exportlm.stream"):
+        export_streaming(src, tmp_path / "small", recipe="fp8", max_memory="2MB")
+    assert "above the 2 MB budget" in caplog.text
+    assert "baseline" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="exportlm.stream"):
+        export_streaming(src, tmp_path / "large", recipe="fp8", max_memory="64GB")
+    assert "budget" not in caplog.text
+
+
 def test_the_budget_decides_whether_to_stream(tmp_path: Path) -> None:
     src = llama_directory(tmp_path, tied=False)
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))

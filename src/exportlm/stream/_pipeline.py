@@ -145,6 +145,20 @@ def export_streaming(
     run = _Run(source, work, format, max_shard_size)
     bound = _bound(run, baseline, layers, acts, quantized=plan is not None)
     logger.info("streaming within a memory bound of %s", bound.describe())
+    if budget and bound.total > budget:
+        # The budget is checked against the layers (check_fits); the process as a whole
+        # also holds its baseline and the output shard being filled.
+        logger.warning(
+            "this export is expected to peak near %.0f MB, above the %.0f MB budget: the "
+            "budget covers the layer being quantized, not the process's baseline (%.0f MB) "
+            "or the output shard being filled (%.0f MB). Under a hard memory limit of %.0f MB "
+            "it may be killed; lower max_shard_size or raise the limit",
+            bound.total / 1e6,
+            budget / 1e6,
+            bound.baseline / 1e6,
+            bound.shard / 1e6,
+            budget / 1e6,
+        )
     store = ActivationStore(work.directory, budget // 4 if budget else 1 << 30)
     with one_torch_thread():  # as the hf_checkpoint target converts (see its docstring)
         summary = _export_parts(run, store, plan, batches, calibration_inputs, dtype)
