@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -180,25 +181,44 @@ def test_moe_families_saved_under_their_module_names_stream_byte_for_byte(
 def test_a_layer_larger_than_the_budget_is_a_clear_error(tmp_path: Path) -> None:
     src = llama_directory(tmp_path, tied=False)
     with pytest.raises(
-        LayerTooLargeError, match=r"decoder layer 0 needs about .* Raise --max-memory"
+        LayerTooLargeError,
+        match=r"streaming needs about .* beyond the process itself \(decoder layer 0 .* "
+        r"Raise --max-memory",
     ):
         export_streaming(src, tmp_path / "out", recipe="fp8", max_memory="100KB")
     assert not (tmp_path / "out").exists()
 
 
-def test_a_budget_below_the_process_bound_is_warned_about(
+def test_the_budget_bounds_what_the_stream_holds_beyond_the_process(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # 2 MB covers the toy's layer (check_fits) but not the interpreter and torch
+    # the toy's layer (0.29 MB), one output shard (100 KB) and one linear in float32
+    # (0.13 MB) fit 1 MB; the interpreter and torch are not counted (the logged bound is)
     src = llama_directory(tmp_path, tied=False, layers=1)
-    with caplog.at_level("WARNING", logger="exportlm.stream"):
-        export_streaming(src, tmp_path / "small", recipe="fp8", max_memory="2MB")
-    assert "above the 2 MB budget" in caplog.text
-    assert "baseline" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="exportlm.stream"):
-        export_streaming(src, tmp_path / "large", recipe="fp8", max_memory="64GB")
-    assert "budget" not in caplog.text
+    with caplog.at_level("INFO", logger="exportlm.stream"):
+        export_streaming(src, tmp_path / "ok", recipe="fp8", max_memory="1MB", max_shard_size=SHARD)
+    assert re.search(r"memory bound of \d+ MB = baseline \d+ MB", caplog.text)
+    # the default shard (the whole 0.46 MB model in one file) does not fit 0.8 MB with the rest
+    with pytest.raises(LayerTooLargeError, match=r"one output shard 0\.4\d MB.*max_shard_size"):
+        export_streaming(src, tmp_path / "big", recipe="fp8", max_memory="0.8MB")
+    assert not (tmp_path / "big").exists()
+    assert not (tmp_path / ".big.stream").exists()
+
+
+def test_a_cgroup_limit_is_a_budget_less_what_the_process_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import exportlm.stream._budget as budget_module
+    from exportlm.stream import memory_limit
+
+    limit = tmp_path / "memory.max"
+    limit.write_text("8000000000\n")
+    monkeypatch.setattr(budget_module, "_CGROUP_FILES", (limit,))
+    budget = memory_limit()
+    assert budget is not None
+    assert 8_000_000_000 - 4 * 10**9 < budget < 8_000_000_000  # the interpreter and torch held
+    limit.write_text("max\n")  # no limit: what is available now
+    assert memory_limit() != budget
 
 
 def test_the_budget_decides_whether_to_stream(tmp_path: Path) -> None:
@@ -218,12 +238,13 @@ def test_activations_past_the_budget_are_read_back_from_disk_with_the_same_resul
     from exportlm.inputs import make_input_ids
 
     src = llama_directory(tmp_path, tied=False, layers=2)
-    # 4 batches of 4 x 128 tokens: 0.52 MB of bf16 activations per layer boundary, more
-    # than a quarter of the 2 MB budget (what stays in memory), so they live on disk.
+    # 4 batches of 4 x 128 tokens: 0.52 MB of bf16 activations per layer boundary. The
+    # budget's 1.5 MB less what the stream holds otherwise (a layer 0.29 MB, the one output
+    # shard 0.72 MB, quantizing one linear 0.13 MB) leaves 0.35 MB: they live on disk.
     batches = [make_input_ids(256, batch=4, seq=128, seed=s) for s in range(4)]
     with caplog.at_level("DEBUG", logger="exportlm.stream"):
         on_disk = export_streaming(
-            src, tmp_path / "disk", recipe="fp8", calibration=batches, max_memory="2MB"
+            src, tmp_path / "disk", recipe="fp8", calibration=batches, max_memory="1.5MB"
         )
     assert "entering layer 1 are read from disk" in caplog.text
     in_memory = export_streaming(

@@ -151,7 +151,9 @@ class StreamingUnsupportedError(StreamingError, ValueError):
 
 
 class LayerTooLargeError(StreamingError, MemoryError):
-    """One decoder layer (with its shard and activations) does not fit the memory budget."""
+    """A streaming export does not fit its memory budget: the largest set of modules
+    loaded at once (a decoder layer, the embedding), the output shard being filled and
+    one linear in float32 need more than ``--max-memory`` / ``max_memory``."""
 
 
 class RuntimeUnavailableError(ExportLMError, RuntimeError):

@@ -48,14 +48,21 @@ def parse_memory(text: str | int) -> int:
 
 
 def memory_limit() -> int | None:
-    """The memory this process may use: its cgroup's limit, else what is available now."""
+    """The memory this export may still use: its cgroup's limit less what the process
+    already holds (interpreter, torch), else what is available now.
+
+    The same quantity ``--max-memory`` gives: the budget beyond the process itself, as
+    accelerate's ``max_memory`` budgets the weights.
+    """
     for path in _CGROUP_FILES:
         try:
             raw = path.read_text().strip()
         except OSError:
             continue
         if raw.isdigit() and int(raw) < _NO_LIMIT:
-            return int(raw)
+            from exportlm.stream._memory import resident_bytes
+
+            return max(int(raw) - resident_bytes(), 1)
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):

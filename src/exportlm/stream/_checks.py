@@ -5,12 +5,11 @@ Both are checked before anything is read or written, so a refusal costs a second
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from torch import nn
 
 from exportlm.errors import LayerTooLargeError, StreamingUnsupportedError
 from exportlm.quant import QuantRecipe
+from exportlm.stream._memory import MemoryBound
 
 __all__ = ["STREAMED_ALGORITHMS", "check_fits", "check_streamable"]
 
@@ -78,27 +77,27 @@ def _quantized_outside(model: nn.Module, recipe: QuantRecipe, inside: str) -> li
     return found
 
 
-def check_fits(
-    budget: int | None, layer_bytes: Sequence[int], shard_bytes: int, activation_bytes: int
-) -> None:
-    """Refuse a budget below the largest layer (twice: weights and their quantized copy)
-    plus one input shard plus the calibration activations (in and out of a layer).
+def check_fits(budget: int | None, bound: MemoryBound, what: str) -> None:
+    """Refuse a budget below what the stream holds beyond the process itself.
+
+    That is the bound's terms but the baseline: the largest set of modules loaded at
+    once (``what`` names it), one output shard and, with a recipe, quantizing one
+    linear. The calibration activations are not counted: what does not fit the rest
+    of the budget is kept on disk.
 
     Raises:
         LayerTooLargeError: with the figures and what to do.
     """
-    if budget is None or not layer_bytes:
+    if budget is None:
         return
-    largest = max(layer_bytes)
-    need = 2 * largest + shard_bytes + 2 * activation_bytes
+    need = bound.modules + bound.shard + bound.working
     if need > budget:
-        index = list(layer_bytes).index(largest)
         raise LayerTooLargeError(
-            f"decoder layer {index} needs about {_size(need)} to stream (2 x {_size(largest)} "
-            f"of weights and their quantized copy, a {_size(shard_bytes)} input shard, "
-            f"2 x {_size(activation_bytes)} of calibration activations), more than the "
-            f"{_size(budget)} budget; expected at least that much. Raise --max-memory, "
-            "use fewer or shorter calibration rows, or re-shard the input with smaller shards"
+            f"streaming needs about {_size(need)} beyond the process itself ({what} "
+            f"{_size(bound.modules)}, one output shard {_size(bound.shard)}, quantizing one "
+            f"linear {_size(bound.working)}), more than the {_size(budget)} budget; expected "
+            f"at least {_size(need)}. Raise --max-memory, or lower max_shard_size "
+            "(-o max_shard_size=...) if the output shard is what does not fit"
         )
 
 

@@ -22,7 +22,7 @@ from exportlm.errors import OutputExistsError
 from exportlm.export.guard import PendingManifest
 from exportlm.export.hf_checkpoint.configs import quantization_section, write_configs
 from exportlm.export.hf_checkpoint.naming import CheckpointNamer, module_namer
-from exportlm.export.hf_checkpoint.sink import CheckpointSink
+from exportlm.export.hf_checkpoint.sink import CheckpointSink, parse_size
 from exportlm.export.hf_checkpoint.target import HF_CHECKPOINT_TARGET
 from exportlm.export.hf_checkpoint.target import _one_torch_thread as one_torch_thread
 from exportlm.inputs import make_input_ids
@@ -60,10 +60,7 @@ class _Run:
         self.source, self.work, self.format = source, work, format
         self.writer = ResumableShardWriter(work.directory, max_shard_size=max_shard_size)
         self.sink = CheckpointSink(CheckpointNamer(source.model), self.writer, format)  # type: ignore[arg-type]
-        names = list(source.model.state_dict(keep_vars=True))
-        first = next(i for i, n in enumerate(names) if n.startswith(source.layout.layers + "."))
-        self.head_names = set(names[:first])
-        self.tail_names = {n for n in names[first:] if not n.startswith(source.layout.layers + ".")}
+        self.head_names, self.tail_names = _shell_names(source)
 
     def checkpoint(self, tag: str) -> None:
         """Record progress after a part: spill the open shard, save, drop what it supersedes."""
@@ -71,6 +68,14 @@ class _Run:
         self.work.save()
         self.writer.collect()
         release_freed()
+
+
+def _shell_names(source: CheckpointSource) -> tuple[set[str], set[str]]:
+    """The state-dict names before the decoder layers (head) and after them (tail)."""
+    names = list(source.model.state_dict(keep_vars=True))
+    inside = source.layout.layers + "."
+    first = next(i for i, n in enumerate(names) if n.startswith(inside))
+    return set(names[:first]), {n for n in names[first:] if not n.startswith(inside)}
 
 
 def export_streaming(
@@ -108,10 +113,11 @@ def export_streaming(
             decoder layers unquantized; ``None`` for an unquantized re-export.
         calibration: ``input_ids`` batches; default: one batch of
             :func:`~exportlm.inputs.make_input_ids`, what ``quantize`` uses by default.
-        max_memory: the budget (bytes or ``"8GB"``); default: the cgroup limit, else the
-            available memory. Only checked against the largest layer
-            (:class:`~exportlm.errors.LayerTooLargeError`) and used to keep activations
-            in memory (up to a quarter of it) or on disk.
+        max_memory: the memory the export may use beyond the process itself (bytes or
+            ``"8GB"``); default: the cgroup limit less what the process holds, else the
+            available memory. It must hold the largest module set, one output shard and
+            one linear in float32 (else :class:`~exportlm.errors.LayerTooLargeError`);
+            the calibration activations are kept in what it leaves, else on disk.
         calibration_inputs: ``"quantized"`` (each layer calibrated on the outputs of the
             already fake-quantized previous layers, as llm-compressor does) or ``"float"``
             (on the unquantized outputs, as whole-model calibration: the in-memory bytes).
@@ -136,30 +142,20 @@ def export_streaming(
     budget = parse_memory(max_memory) if max_memory is not None else memory_limit()
     layers = [source.tensor_bytes(source.layer(i)) for i in range(source.layout.count)]
     acts = _activation_bytes(source.model, batches)
-    check_fits(budget, layers, source.shard_bytes, acts)
+    bound, largest = _bound(
+        source, parse_size(max_shard_size), baseline, layers, acts, quantized=plan is not None
+    )
+    check_fits(budget, bound, largest)  # before anything is written
     options = _given(
         {"format": format, "max_shard_size": max_shard_size, "dtype": dtype, "overwrite": overwrite}
     )
     fingerprint = _fingerprint(source, recipe, batches, calibration_inputs, options)
     work = WorkArea(out, fingerprint)
     run = _Run(source, work, format, max_shard_size)
-    bound = _bound(run, baseline, layers, acts, quantized=plan is not None)
     logger.info("streaming within a memory bound of %s", bound.describe())
-    if budget and bound.total > budget:
-        # The budget is checked against the layers (check_fits); the process as a whole
-        # also holds its baseline and the output shard being filled.
-        logger.warning(
-            "this export is expected to peak near %.0f MB, above the %.0f MB budget: the "
-            "budget covers the layer being quantized, not the process's baseline (%.0f MB) "
-            "or the output shard being filled (%.0f MB). Under a hard memory limit of %.0f MB "
-            "it may be killed; lower max_shard_size or raise the limit",
-            bound.total / 1e6,
-            budget / 1e6,
-            bound.baseline / 1e6,
-            bound.shard / 1e6,
-            budget / 1e6,
-        )
-    store = ActivationStore(work.directory, budget // 4 if budget else 1 << 30)
+    # the activations are held in what the budget leaves, else read back from the work area
+    held = budget - (bound.modules + bound.shard + bound.working) if budget else 1 << 30
+    store = ActivationStore(work.directory, held)
     with one_torch_thread():  # as the hf_checkpoint target converts (see its docstring)
         summary = _export_parts(run, store, plan, batches, calibration_inputs, dtype)
     written = run.writer.finish()
@@ -321,29 +317,39 @@ def _default_ids(model: Any) -> torch.Tensor:
 
 
 def _bound(
-    run: _Run, baseline: int, layers: list[int], activations: int, *, quantized: bool
-) -> MemoryBound:
-    """What this export should peak at: the baseline, the largest modules loaded at once
-    (a layer, or the head / tail modules: the embedding, ``lm_head``), one output shard
-    (``max_shard_size``, capped at the model's size, or a single larger tensor), the
-    calibration activations entering and leaving a layer, and, when a recipe quantizes,
-    the largest weight of a layer in float32 (quantizing one linear)."""
-    source = run.source
+    source: CheckpointSource,
+    max_shard_size: int,
+    baseline: int,
+    layers: list[int],
+    activations: int,
+    *,
+    quantized: bool,
+) -> tuple[MemoryBound, str]:
+    """What this export should peak at, and what its largest module set is.
+
+    The terms: the baseline, the largest modules loaded at once (a layer, or the head /
+    tail modules: the embedding, ``lm_head``), one output shard (``max_shard_size``,
+    capped at the model's size, or a single larger tensor), the calibration activations
+    entering and leaving a layer, and, when a recipe quantizes, the largest weight of a
+    layer in float32 (quantizing one linear)."""
     state = source.model.state_dict(keep_vars=True)
     sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
-    shells = [
-        sum(sizes[n] for n in source.saved(names)) for names in (run.head_names, run.tail_names)
-    ]
-    shard = min(run.writer.max_shard_size, source.total_bytes)
+    head, tail = _shell_names(source)
+    shells = [sum(sizes[n] for n in source.saved(names)) for names in (head, tail)]
+    shard = min(max_shard_size, source.total_bytes)
     inside = source.layout.layers + "."
     linear = max((t.numel() for n, t in state.items() if n.startswith(inside)), default=0)
-    return MemoryBound(
+    sets = [(size, f"decoder layer {i}") for i, size in enumerate(layers)]
+    sets += [(shells[0], "the modules before the layers"), (shells[1], "the modules after them")]
+    modules, what = max(sets, key=lambda pair: pair[0])
+    bound = MemoryBound(
         baseline=baseline,
-        modules=max([*layers, *shells]),
+        modules=modules,
         shard=max(shard, *sizes.values()),
         activations=2 * activations,
         working=4 * linear if quantized else 0,
     )
+    return bound, what
 
 
 def _activation_bytes(model: nn.Module, batches: Sequence[torch.Tensor]) -> int:
