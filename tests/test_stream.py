@@ -21,11 +21,12 @@ MANIFEST = "exportlm-manifest.json"
 SHARD = "100KB"  # several shards per model: the shard boundaries are compared too
 
 
-def _in_memory(src: Path, out: Path, recipe: Any) -> Path:
+def _in_memory(src: Path, out: Path, recipe: Any, format: str = "modelopt") -> Path:
     model = resolve_model(str(src)).build()
     if recipe is not None:
         model = quantize(model, recipe)
-    return export_model("hf_checkpoint", model, out, max_shard_size=SHARD)
+    options = {} if format == "modelopt" else {"format": format}  # as the stream records them
+    return export_model("hf_checkpoint", model, out, max_shard_size=SHARD, **options)
 
 
 def _assert_same_checkpoint(a: Path, b: Path) -> None:
@@ -77,6 +78,26 @@ def test_streamed_checkpoint_is_the_in_memory_one_byte_for_byte(
     assert not (tmp_path / ".streamed.stream").exists()  # the work area is gone once published
 
 
+@pytest.mark.parametrize(
+    ("recipe", "format"), [("int8_sq", "modelopt"), ("w8a8", "compressed-tensors")]
+)
+def test_smoothquant_streams_byte_for_byte(tmp_path: Path, recipe: str, format: str) -> None:
+    # SmoothQuant's smoothing folds into the norms of the layer it smooths: it stays inside
+    src = llama_directory(tmp_path, tied=False)
+    expected = _in_memory(src, tmp_path / "memory", recipe, format)
+    streamed = export_streaming(
+        src,
+        tmp_path / "streamed",
+        recipe=recipe,
+        max_shard_size=SHARD,
+        calibration_inputs="float",
+        format=format,  # type: ignore[arg-type]
+    )
+    _assert_same_checkpoint(expected, streamed)
+    names = set(json.loads((streamed / "model.safetensors.index.json").read_text())["weight_map"])
+    assert any(n.endswith("weight_scale") for n in names)
+
+
 def test_a_directory_without_a_generation_config_streams_the_in_memory_configs(
     tmp_path: Path,
 ) -> None:
@@ -114,10 +135,22 @@ def test_sequential_calibration_changes_activation_scales_within_a_bound(tmp_pat
 
 def test_unsupported_families_and_recipes_are_refused_by_name(tmp_path: Path) -> None:
     src = llama_directory(tmp_path, tied=False)
-    with pytest.raises(StreamingUnsupportedError, match=r"recipe 'int8_sq' does not stream yet"):
-        export_streaming(src, tmp_path / "sq", recipe="int8_sq")
-    with pytest.raises(StreamingUnsupportedError, match=r"recipe 'int8_sq' does not stream yet"):
-        export_streaming(src, tmp_path / "sq", recipe={"*": "fp8", "*.mlp.*": "int8_sq"})
+    from exportlm.quant import QUANT_FORMATS, register_format
+    from tests.test_export_toy_format import INT6G
+
+    # a third-party format (a plugin's FormatSpec) is not known to stay inside a layer
+    register_format(INT6G)
+    try:
+        with pytest.raises(
+            StreamingUnsupportedError, match=r"recipe 'int6g_wo' does not stream yet"
+        ):
+            export_streaming(src, tmp_path / "x", recipe="int6g_wo")
+        with pytest.raises(
+            StreamingUnsupportedError, match=r"recipe 'int6g_wo' does not stream yet"
+        ):
+            export_streaming(src, tmp_path / "x", recipe={"*": "fp8", "*.mlp.*": "int6g_wo"})
+    finally:
+        QUANT_FORMATS.unregister("int6g")
     # the stream writes the modules around the layers as they are: a recipe naming one is refused
     with pytest.raises(StreamingUnsupportedError, match=r"quantizes lm_head, outside"):
         export_streaming(src, tmp_path / "head", recipe={"*": "fp8", "lm_head": "fp8"})
@@ -157,6 +190,7 @@ def test_a_moe_family_is_refused_naming_it(tmp_path: Path) -> None:
         ("gpt_oss", "fp8+fp8_kv"),
         ("llama4", "int4_awq"),
         ("llama4", "int8_wo"),
+        ("llama4", "int8_sq"),
         ("dbrx", "fp8"),
     ],
 )

@@ -13,8 +13,10 @@ from exportlm.stream._memory import MemoryBound
 
 __all__ = ["STREAMED_ALGORITHMS", "check_fits", "check_streamable"]
 
-#: Weight algorithms whose calibration, search and folding stay inside one decoder layer.
-STREAMED_ALGORITHMS = ("fp8", "int8_wo", "int4_awq", "nvfp4")
+#: The built-in weight algorithms, whose calibration, AWQ search, SmoothQuant smoothing and
+#: folding stay inside one decoder layer (tested byte for byte against the in-memory path).
+#: A third-party format is refused until it is known to do the same.
+STREAMED_ALGORITHMS = ("fp8", "int8_wo", "int4_awq", "nvfp4", "int8_sq", "w8a8")
 _MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _IN_MEMORY = "export it in memory instead (drop --stream / --max-memory, or export_model)"
 
