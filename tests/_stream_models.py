@@ -58,3 +58,18 @@ def different_files(a: Path, b: Path, *, skip: tuple[str, ...] = ()) -> list[str
             or (a / n).read_bytes() != (b / n).read_bytes()
         )
     )
+
+
+def without_tensor(directory: Path, name: str) -> None:
+    """Rewrite ``directory``'s sharded checkpoint without tensor ``name`` (shard and index)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    index = directory / "model.safetensors.index.json"
+    meta = json.loads(index.read_text())
+    shard = directory / meta["weight_map"].pop(name)
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index.write_text(json.dumps(meta, indent=2))

@@ -137,8 +137,7 @@ def export_streaming(
     map_large_allocations()  # freed tensors go straight back to the system (see _memory.py)
     source = CheckpointSource(Path(model_dir))
     baseline = resident_bytes()  # before any weight: interpreter, torch, the meta model
-    namer = CheckpointNamer(source.model)
-    check_streamable(source.model, plan, namer.identity, source.layout.layers)
+    check_streamable(source.model, plan, source.reads_names, source.layout.layers)
     batches = list(calibration) if calibration is not None else [_default_ids(source.model)]
     budget = parse_memory(max_memory) if max_memory is not None else memory_limit()
     layers = [source.tensor_bytes(source.layer(i)) for i in range(source.layout.count)]

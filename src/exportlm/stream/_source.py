@@ -7,6 +7,13 @@ and reads its tensors into it from the shards (each header validated as the
 ``hf_checkpoint`` loader validates it; bytes read straight into the module's storage,
 converted to the model's dtype where the shard holds another), and
 :meth:`CheckpointSource.free` puts it back on ``meta``.
+
+Tensors are read under the names transformers loads them from. Mixtral and Qwen2-MoE /
+Qwen3-MoE checkpoints hold their experts one tensor per expert
+(``block_sparse_moe.experts.3.w1.weight``, ``mlp.experts.3.gate_proj.weight``) that
+transformers fuses on load into ``experts.gate_up_proj [E, 2I, H]`` and
+``experts.down_proj [E, H, I]``: :class:`_CheckpointNames` reads each expert's tensor into
+its region of the fused parameter (see there).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 from torch import nn
 
 from exportlm.errors import InvalidConfigError, MalformedCheckpointError
+from exportlm.export.hf_checkpoint.naming import CheckpointNamer
 from exportlm.export.hf_checkpoint.sink import SAFETENSORS_DTYPES
 from exportlm.hfdir import CONFIG_NAME, vet_model_directory
 
@@ -61,10 +69,21 @@ class CheckpointSource:
         self.model: Any = _meta_model(self.directory)
         self.layout = _decoder_layout(self.model)
         self.shard_of = _shard_map(self.directory)
+        self._names = _CheckpointNames(self.model)
         self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
         from exportlm.module_exporters import resolve_tied_weights
 
         self._ties = resolve_tied_weights(self.model)  # {dropped name: saved name}
+
+    @property
+    def reads_names(self) -> bool:
+        """True when :meth:`load` reads every tensor under the checkpoint's own names.
+
+        The model's tensor names are the checkpoint's, or the only conversions
+        transformers applies on load are per-expert tensors fused into 3-D experts
+        (Mixtral, Qwen2-MoE, Qwen3-MoE), with renamings. Any other conversion is False.
+        """
+        return self._names.readable
 
     @property
     def shard_bytes(self) -> int:
@@ -93,9 +112,15 @@ class CheckpointSource:
         tensor is read from its shard straight into the module's storage (no mapping,
         no intermediate copy, see :meth:`_read_into`).
 
+        A fused experts parameter (Mixtral's ``experts.gate_up_proj``) is read from its
+        per-expert tensors, each into its region of the parameter.
+
         Raises:
-            MalformedCheckpointError: a tensor the module needs is in no shard, or
-                has another shape there, or the shard's header is malformed.
+            MalformedCheckpointError: a tensor the module needs (one expert's included)
+                is in no shard, or has another shape there, or the shard's header is
+                malformed.
+            InvalidConfigError: the model converts a tensor's name on load in a way this
+                reader does not (see :attr:`reads_names`).
         """
         module: nn.Module = self.model.get_submodule(prefix)
         module.to_empty(device="cpu", recurse=recurse)
@@ -104,7 +129,8 @@ class CheckpointSource:
         base = f"{prefix}." if prefix else ""
         with torch.no_grad():
             for name, tensor in state.items():
-                self._read_into(base + name, tensor)
+                for stored, region, what in self._names.pieces(base + name, tensor):
+                    self._read_into(self._saved_name(stored), region, what)
         _rebuild_unsaved_buffers(module, self.model.config, recurse)
         self._retie()
         return module
@@ -127,8 +153,17 @@ class CheckpointSource:
         """Forget the shards' headers (no file stays open between reads)."""
         self._headers.clear()
 
-    def _read_into(self, name: str, tensor: torch.Tensor) -> None:
+    def _saved_name(self, name: str) -> str:
+        """``name``, or the tensor a tied copy is saved as (a tied ``lm_head``)."""
+        if name not in self.shard_of and name in self._ties:
+            return self._ties[name]
+        return name
+
+    def _read_into(self, name: str, tensor: torch.Tensor, what: str = "") -> None:
         """Read checkpoint tensor ``name`` into ``tensor`` with ``readinto``.
+
+        ``what`` says, for messages, what the tensor is part of (one expert of a fused
+        parameter); ``tensor`` may be a contiguous region of the module's storage.
 
         A memory-mapped read would count every page it touches in the process's RSS
         until the shard is unmapped, and ``safe_open`` copies the tensor out before it
@@ -137,20 +172,18 @@ class CheckpointSource:
         temporary of its size).
         """
         shard = self.shard_of.get(name)
-        if shard is None and name in self._ties:  # a tied lm_head: saved as its source
-            name = self._ties[name]
-            shard = self.shard_of.get(name)
+        part = f" ({what})" if what else ""
         if shard is None:
             raise MalformedCheckpointError(
-                f"{self.directory}: no shard holds tensor {name!r}, which the model's config "
-                "needs; expected a complete checkpoint as save_pretrained writes it"
+                f"{self.directory}: no shard holds tensor {name!r}{part}, which the model's "
+                "config needs; expected a complete checkpoint as save_pretrained writes it"
             )
         start, infos = self._header(shard)
         info = infos.get(name)
         if info is None or tuple(info.shape) != tuple(tensor.shape):
             found = "no such tensor" if info is None else f"shape {list(info.shape)}"
             raise MalformedCheckpointError(
-                f"{self.directory}: tensor {name!r} has {found} in {shard}, the config "
+                f"{self.directory}: tensor {name!r}{part} has {found} in {shard}, the config "
                 f"expects {list(tensor.shape)}"
             )
         stored = _TORCH_DTYPES.get(info.dtype)
@@ -189,6 +222,119 @@ class CheckpointSource:
     def names(self) -> Iterator[str]:
         """Every tensor name of the checkpoint."""
         return iter(self.shard_of)
+
+
+class _CheckpointNames:
+    """Model tensor name -> the checkpoint tensor(s) transformers loads it from.
+
+    The checkpoint names are the exporter's own :class:`CheckpointNamer`'s
+    (transformers' conversion table reversed: what ``save_pretrained`` and our writer
+    write), and each is checked against transformers' forward conversion (its
+    renamings, then at most one converter), so a tensor is read only from the name
+    transformers would load it from. The one converter read is the fusion of
+    per-expert tensors, as ``transformers.conversion_mapping`` declares it for Mixtral
+    and Qwen2-MoE (Qwen3-MoE uses Qwen2-MoE's): ``MergeModulelist(dim=0)`` stacks the
+    experts in index order, then ``Concatenate(dim=1)`` joins the two sources in their
+    order, so ``gate_up_proj[e] = cat([gate_e, up_e])`` ``[2I, H]`` and
+    ``down_proj[e] = down_e`` ``[H, I]``. Each expert's tensor is read into its region
+    of the fused parameter (``gate_up_proj[e, :I]`` is contiguous, so no copy).
+    """
+
+    def __init__(self, model: Any) -> None:
+        self._namer = CheckpointNamer(model)
+        self._renamings: list[Any] = []
+        self._converters: list[Any] = []
+        if not self._namer.identity:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import (
+                PrefixChange,
+                WeightConverter,
+                WeightRenaming,
+            )
+
+            # the namer's rule for a model not loaded by from_pretrained
+            forward = get_model_conversion_mapping(model, add_legacy=False)
+            forward = [c for c in forward if not isinstance(c, PrefixChange)]
+            self._renamings = [c for c in forward if isinstance(c, WeightRenaming)]
+            self._converters = [c for c in forward if isinstance(c, WeightConverter)]
+        self._unread = [c for c in self._converters if _fused_parts(c) is None]
+
+    @property
+    def readable(self) -> bool:
+        """Names unchanged, or only expert fusions (at least one) and renamings."""
+        return self._namer.identity or (bool(self._converters) and not self._unread)
+
+    def pieces(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor, str]]:
+        """``(checkpoint name, region of tensor, what it is)`` for model tensor ``name``.
+
+        Raises:
+            InvalidConfigError: transformers converts ``name`` in a way not read here.
+        """
+        if self._namer.identity:
+            return [(name, tensor, "")]
+        for converter in self._converters:
+            target = str(converter.target_patterns[0])
+            if name == target.lstrip(".") or name.endswith("." + target.lstrip(".")):
+                return self._fused(name, tensor, converter)
+        (stored,) = (n for n, _ in self._namer.rename(name, tensor))
+        self._check_loads_as(stored, name, None)
+        return [(stored, tensor, "")]
+
+    def _fused(
+        self, name: str, tensor: torch.Tensor, converter: Any
+    ) -> list[tuple[str, torch.Tensor, str]]:
+        parts = _fused_parts(converter)
+        if parts is None or tensor.dim() != 3 or tensor.shape[1] % len(parts):
+            raise InvalidConfigError(
+                f"{name} {list(tensor.shape)} is built on load by {converter!r}, which "
+                "streaming does not read (it reads per-expert tensors stacked over experts "
+                "and concatenated along dim 1); export the model in memory instead"
+            )
+        experts = name.rsplit(".", 1)[0]
+        blocks = tensor.chunk(len(parts), dim=1)  # Concatenate(dim=1), undone
+        found = []
+        for e in range(tensor.shape[0]):  # MergeModulelist(dim=0), undone
+            for source, part, block in zip(converter.source_patterns, parts, blocks, strict=True):
+                stored = self._namer.module_name(f"{experts}.{e}.{part}_proj") + ".weight"
+                self._check_loads_as(stored, name, source)
+                found.append((stored, block[e], f"expert {e}'s {part}_proj of {name}"))
+        return found
+
+    def _check_loads_as(self, stored: str, name: str, source: str | None) -> None:
+        """Refuse a checkpoint name transformers would not load as ``name`` (via ``source``)."""
+        from transformers.core_model_loading import apply_converters, apply_renamings
+
+        loaded, matched = apply_converters(
+            apply_renamings(stored, self._renamings), self._converters
+        )
+        if loaded != name or matched != source:
+            raise InvalidConfigError(
+                f"the checkpoint tensor for {name} would be {stored!r}, which transformers "
+                f"loads as {loaded!r} (through {matched!r}, expected {source!r}); this "
+                "model's name conversion does not stream; export it in memory instead"
+            )
+
+
+def _fused_parts(converter: Any) -> tuple[str, ...] | None:
+    """The namer's per-expert projections a converter fuses, in source order, or ``None``.
+
+    ``("gate", "up")`` for ``experts.gate_up_proj`` from two per-expert sources through
+    ``MergeModulelist(dim=0)``, ``Concatenate(dim=1)``; ``("down",)`` for
+    ``experts.down_proj`` from one through ``MergeModulelist(dim=0)``; ``None`` for
+    anything else.
+    """
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
+    targets, sources = converter.target_patterns, converter.source_patterns
+    if len(targets) != 1 or not all(".*." in f".{s}" for s in sources):
+        return None
+    if targets[0].endswith("experts.gate_up_proj") and len(sources) == 2:
+        fused = ops == [(MergeModulelist, 0), (Concatenate, 1)]
+        return ("gate", "up") if fused else None
+    if targets[0].endswith("experts.down_proj") and len(sources) == 1:
+        return ("down",) if ops == [(MergeModulelist, 0)] else None
+    return None
 
 
 def _meta_model(directory: Path) -> Any:
