@@ -73,3 +73,33 @@ def without_tensor(directory: Path, name: str) -> None:
     del tensors[name]
     save_file(tensors, shard, metadata={"format": "pt"})
     index.write_text(json.dumps(meta, indent=2))
+
+
+MANIFEST = "exportlm-manifest.json"
+
+
+def in_memory_export(
+    src: Path, out: Path, recipe: Any, *, shard: str, format: str = "modelopt"
+) -> Path:
+    """The in-memory export of ``src`` (quantized with ``recipe``) the stream must equal."""
+    from exportlm import export_model
+    from exportlm.cli._model import resolve_model
+    from exportlm.quant import quantize
+
+    model = resolve_model(str(src)).build()
+    if recipe is not None:
+        model = quantize(model, recipe)
+    options = {} if format == "modelopt" else {"format": format}  # as the stream records them
+    return export_model("hf_checkpoint", model, out, max_shard_size=shard, **options)
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    """Every file but the manifest byte for byte; the manifests list the same digests."""
+    import json
+
+    assert different_files(a, b, skip=(MANIFEST,)) == []
+    ours, theirs = (json.loads((d / MANIFEST).read_text()) for d in (a, b))
+    # every file's digest is the same; the streamed manifest has no model hash (never whole)
+    assert ours["files"] == theirs["files"]
+    assert ours["options"] == theirs["options"]
+    assert theirs["model_sha256"] is None

@@ -10,32 +10,18 @@ from typing import Any
 import pytest
 import torch
 
-from exportlm import export_model
-from exportlm.cli._model import resolve_model
 from exportlm.errors import InvalidInputError, LayerTooLargeError, StreamingUnsupportedError
-from exportlm.quant import quantize
 from exportlm.stream import export_streaming, parse_memory, should_stream
-from tests._stream_models import different_files, family_directory, llama_directory
+from tests._stream_models import (
+    MANIFEST,
+    assert_same_checkpoint,
+    different_files,
+    family_directory,
+    in_memory_export,
+    llama_directory,
+)
 
-MANIFEST = "exportlm-manifest.json"
 SHARD = "100KB"  # several shards per model: the shard boundaries are compared too
-
-
-def _in_memory(src: Path, out: Path, recipe: Any, format: str = "modelopt") -> Path:
-    model = resolve_model(str(src)).build()
-    if recipe is not None:
-        model = quantize(model, recipe)
-    options = {} if format == "modelopt" else {"format": format}  # as the stream records them
-    return export_model("hf_checkpoint", model, out, max_shard_size=SHARD, **options)
-
-
-def _assert_same_checkpoint(a: Path, b: Path) -> None:
-    assert different_files(a, b, skip=(MANIFEST,)) == []
-    ours, theirs = (json.loads((d / MANIFEST).read_text()) for d in (a, b))
-    # every file's digest is the same; the streamed manifest has no model hash (never whole)
-    assert ours["files"] == theirs["files"]
-    assert ours["options"] == theirs["options"]
-    assert theirs["model_sha256"] is None
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -59,7 +45,7 @@ def test_streamed_checkpoint_is_the_in_memory_one_byte_for_byte(
     # int8_wo is weight-only: its bytes do not depend on the calibration inputs at all;
     # fp8 / int4_awq calibrate activations: "float" inputs are what whole-model calibration sees.
     src = llama_directory(tmp_path, tied=tied)
-    expected = _in_memory(src, tmp_path / "memory", recipe)
+    expected = in_memory_export(src, tmp_path / "memory", recipe, shard=SHARD)
     streamed = export_streaming(
         src,
         tmp_path / "streamed",
@@ -68,7 +54,7 @@ def test_streamed_checkpoint_is_the_in_memory_one_byte_for_byte(
         calibration_inputs=inputs,  # type: ignore[arg-type]
     )
     assert len(list(streamed.glob("*.safetensors"))) > 2
-    _assert_same_checkpoint(expected, streamed)
+    assert_same_checkpoint(expected, streamed)
     names = set(json.loads((streamed / "model.safetensors.index.json").read_text())["weight_map"])
     assert any(n.endswith("weight_scale") for n in names) == (recipe is not None)
     assert any(n.endswith("k_scale") for n in names) == ("fp8_kv" in str(recipe))
@@ -84,7 +70,7 @@ def test_streamed_checkpoint_is_the_in_memory_one_byte_for_byte(
 def test_smoothquant_streams_byte_for_byte(tmp_path: Path, recipe: str, format: str) -> None:
     # SmoothQuant's smoothing folds into the norms of the layer it smooths: it stays inside
     src = llama_directory(tmp_path, tied=False)
-    expected = _in_memory(src, tmp_path / "memory", recipe, format)
+    expected = in_memory_export(src, tmp_path / "memory", recipe, shard=SHARD, format=format)
     streamed = export_streaming(
         src,
         tmp_path / "streamed",
@@ -93,7 +79,7 @@ def test_smoothquant_streams_byte_for_byte(tmp_path: Path, recipe: str, format: 
         calibration_inputs="float",
         format=format,  # type: ignore[arg-type]
     )
-    _assert_same_checkpoint(expected, streamed)
+    assert_same_checkpoint(expected, streamed)
     names = set(json.loads((streamed / "model.safetensors.index.json").read_text())["weight_map"])
     assert any(n.endswith("weight_scale") for n in names)
 
@@ -105,10 +91,10 @@ def test_a_directory_without_a_generation_config_streams_the_in_memory_configs(
     # defaults (bos / eos ids, use_cache) that it does not write
     src = llama_directory(tmp_path, tied=False, layers=1)
     (src / "generation_config.json").unlink()
-    expected = _in_memory(src, tmp_path / "memory", "int8_wo")
+    expected = in_memory_export(src, tmp_path / "memory", "int8_wo", shard=SHARD)
     streamed = export_streaming(src, tmp_path / "streamed", recipe="int8_wo", max_shard_size=SHARD)
     assert (streamed / "generation_config.json").is_file()
-    _assert_same_checkpoint(expected, streamed)
+    assert_same_checkpoint(expected, streamed)
 
 
 def test_sequential_calibration_changes_activation_scales_within_a_bound(tmp_path: Path) -> None:
@@ -160,29 +146,6 @@ def test_unsupported_families_and_recipes_are_refused_by_name(tmp_path: Path) ->
     assert not (tmp_path / ".head.stream").exists()
 
 
-def test_a_moe_family_is_refused_naming_it(tmp_path: Path) -> None:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=2,
-    )
-    MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
-    # saved one tensor per expert (block_sparse_moe.experts.0.w1), fused on load
-    with pytest.raises(
-        StreamingUnsupportedError,
-        match=r"converts its checkpoint's tensor names on load \(its MoE experts, "
-        r"config num_local_experts=2",
-    ):
-        export_streaming(tmp_path / "moe", tmp_path / "out", recipe="fp8")
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.parametrize(
     ("family", "recipe"),
     [
@@ -202,11 +165,11 @@ def test_moe_families_saved_under_their_module_names_stream_byte_for_byte(
     # later layers calibrate on the outputs of the (transparent) quantized experts, whose
     # bf16 forward is not bit-identical to transformers' (see docs/streaming.md)
     src = family_directory(tmp_path, family)
-    expected = _in_memory(src, tmp_path / "memory", recipe)
+    expected = in_memory_export(src, tmp_path / "memory", recipe, shard=SHARD)
     streamed = export_streaming(
         src, tmp_path / "streamed", recipe=recipe, max_shard_size=SHARD, calibration_inputs="float"
     )
-    _assert_same_checkpoint(expected, streamed)
+    assert_same_checkpoint(expected, streamed)
     index = streamed / "model.safetensors.index.json"
     names = set(json.loads(index.read_text())["weight_map"]) if index.exists() else set()
     assert any("experts" in n and "scale" in n for n in names), sorted(names)[:20]

@@ -9,14 +9,16 @@ from typing import Any
 import pytest
 import torch
 
-from exportlm import export_model, load_exported
-from exportlm.cli._model import resolve_model
+from exportlm import load_exported
 from exportlm.errors import MalformedCheckpointError, StreamingUnsupportedError
-from exportlm.quant import quantize
 from exportlm.stream import export_streaming
-from tests._stream_models import different_files, family_directory, without_tensor
+from tests._stream_models import (
+    assert_same_checkpoint,
+    family_directory,
+    in_memory_export,
+    without_tensor,
+)
 
-MANIFEST = "exportlm-manifest.json"
 SHARD = "100KB"  # several shards per model: the shard boundaries are compared too
 #: one expert's tensor as transformers 5 saves it, per family
 EXPERT_TENSOR = {
@@ -24,21 +26,6 @@ EXPERT_TENSOR = {
     "qwen2_moe": "model.layers.1.mlp.experts.2.up_proj.weight",
     "qwen3_moe": "model.layers.1.mlp.experts.2.down_proj.weight",
 }
-
-
-def _in_memory(src: Path, out: Path, recipe: Any) -> Path:
-    model = resolve_model(str(src)).build()
-    if recipe is not None:
-        model = quantize(model, recipe)
-    return export_model("hf_checkpoint", model, out, max_shard_size=SHARD)
-
-
-def _assert_same_checkpoint(a: Path, b: Path) -> None:
-    assert different_files(a, b, skip=(MANIFEST,)) == []
-    ours, theirs = (json.loads((d / MANIFEST).read_text()) for d in (a, b))
-    assert ours["files"] == theirs["files"]
-    assert ours["options"] == theirs["options"]
-    assert theirs["model_sha256"] is None
 
 
 def _weight_map(directory: Path) -> dict[str, str]:
@@ -79,11 +66,11 @@ def test_per_expert_checkpoints_stream_byte_for_byte(
 ) -> None:
     src = family_directory(tmp_path, family)
     assert EXPERT_TENSOR[family] in _weight_map(src)  # saved one tensor per expert
-    expected = _in_memory(src, tmp_path / "memory", recipe)
+    expected = in_memory_export(src, tmp_path / "memory", recipe, shard=SHARD)
     streamed = export_streaming(
         src, tmp_path / "streamed", recipe=recipe, max_shard_size=SHARD, calibration_inputs="float"
     )
-    _assert_same_checkpoint(expected, streamed)
+    assert_same_checkpoint(expected, streamed)
     names = set(_weight_map(streamed))
     # written back per expert, under the checkpoint's own names, quantized
     stem = EXPERT_TENSOR[family].removesuffix(".weight")
@@ -96,7 +83,7 @@ def test_mixtral_fp8_on_every_layer_differs_only_in_later_input_scales(tmp_path:
     # the gap _MIXTRAL_FP8 steps around: every weight and scale is the in-memory one, but
     # for the activation scales of layer 1 on, within one bf16 step (2**-8) of the amax
     src = family_directory(tmp_path, "mixtral")
-    expected = _in_memory(src, tmp_path / "memory", "fp8")
+    expected = in_memory_export(src, tmp_path / "memory", "fp8", shard=SHARD)
     streamed = export_streaming(
         src, tmp_path / "streamed", recipe="fp8", max_shard_size=SHARD, calibration_inputs="float"
     )

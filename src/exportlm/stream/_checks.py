@@ -17,12 +17,11 @@ __all__ = ["STREAMED_ALGORITHMS", "check_fits", "check_streamable"]
 #: folding stay inside one decoder layer (tested byte for byte against the in-memory path).
 #: A third-party format is refused until it is known to do the same.
 STREAMED_ALGORITHMS = ("fp8", "int8_wo", "int4_awq", "nvfp4", "int8_sq", "w8a8")
-_MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _IN_MEMORY = "export it in memory instead (drop --stream / --max-memory, or export_model)"
 
 
 def check_streamable(
-    model: nn.Module, recipe: QuantRecipe | None, identity_names: bool, layers: str
+    model: nn.Module, recipe: QuantRecipe | None, reads_names: bool, layers: str
 ) -> None:
     """Refuse what does not stream yet, naming it.
 
@@ -32,23 +31,16 @@ def check_streamable(
 
     Raises:
         StreamingUnsupportedError: a checkpoint whose names transformers converts on
-            load (Mixtral's and Qwen-MoE's per-expert tensors), a weight algorithm (of the recipe or of one of its
+            load other than by fusing per-expert tensors, a weight algorithm (of the recipe or of one of its
             per-module patterns) outside :data:`STREAMED_ALGORITHMS`, or a recipe that
             would quantize a module outside the decoder layers.
     """
-    if not identity_names:
-        config = getattr(model, "config", None)
-        moe = [k for k in _MOE_CONFIG_KEYS if getattr(config, k, None)]
-        why = (
-            f" (its MoE experts, config {moe[0]}={getattr(config, moe[0])}, are stored one "
-            "tensor per expert and fused into 3-D parameters on load, as for Mixtral and "
-            "Qwen-MoE)"
-            if moe
-            else ""
-        )
+    if not reads_names:
         raise StreamingUnsupportedError(
-            f"{type(model).__name__} converts its checkpoint's tensor names on load{why}; "
-            f"only models saved under their module names stream yet; {_IN_MEMORY}"
+            f"{type(model).__name__} converts its checkpoint's tensor names on load in a way "
+            "the stream does not read; only models saved under their module names, or whose "
+            "only conversion fuses per-expert tensors into 3-D experts (Mixtral, Qwen2-MoE, "
+            f"Qwen3-MoE), stream yet; {_IN_MEMORY}"
         )
     if recipe is None:
         return

@@ -244,25 +244,35 @@ class _CheckpointNames:
         self._namer = CheckpointNamer(model)
         self._renamings: list[Any] = []
         self._converters: list[Any] = []
+        self._unknown = False
         if not self._namer.identity:
-            from transformers.conversion_mapping import get_model_conversion_mapping
-            from transformers.core_model_loading import (
-                PrefixChange,
-                WeightConverter,
-                WeightRenaming,
-            )
+            try:
+                from transformers.conversion_mapping import get_model_conversion_mapping
+                from transformers.core_model_loading import (
+                    PrefixChange,
+                    WeightConverter,
+                    WeightRenaming,
+                )
 
-            # the namer's rule for a model not loaded by from_pretrained
-            forward = get_model_conversion_mapping(model, add_legacy=False)
-            forward = [c for c in forward if not isinstance(c, PrefixChange)]
-            self._renamings = [c for c in forward if isinstance(c, WeightRenaming)]
-            self._converters = [c for c in forward if isinstance(c, WeightConverter)]
+                # the namer's rule for a model not loaded by from_pretrained
+                forward = get_model_conversion_mapping(model, add_legacy=False)
+            except (ImportError, AttributeError, TypeError):
+                # a transformers whose conversion API is not the one read here: the
+                # names are not readable, so the stream refuses (check_streamable)
+                self._unknown = True
+                forward = []
+            else:
+                forward = [c for c in forward if not isinstance(c, PrefixChange)]
+                self._renamings = [c for c in forward if isinstance(c, WeightRenaming)]
+                self._converters = [c for c in forward if isinstance(c, WeightConverter)]
         self._unread = [c for c in self._converters if _fused_parts(c) is None]
 
     @property
     def readable(self) -> bool:
         """Names unchanged, or only expert fusions (at least one) and renamings."""
-        return self._namer.identity or (bool(self._converters) and not self._unread)
+        if self._namer.identity:
+            return True
+        return not self._unknown and bool(self._converters) and not self._unread
 
     def pieces(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor, str]]:
         """``(checkpoint name, region of tensor, what it is)`` for model tensor ``name``.
