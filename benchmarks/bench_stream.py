@@ -13,6 +13,10 @@
         --max-memory 450MB --shard-size 150MB --recipes fp8   # where one stream peaks
     python benchmarks/bench_stream.py modelopt --model /work/bench-models/llama-0.5b \
         --max-memory 450MB --shard-size 150MB  # FP8: our stream, in memory, ModelOpt
+    python benchmarks/bench_stream.py modelopt --model /work/bench-models/llama-0.5b \
+        --max-memory 450MB --shard-size 150MB --llmcompressor   # and llm-compressor's FP8
+    python benchmarks/bench_stream.py llmcompressor --model /work/bench-models/llama-0.5b \
+        --shard-size 150MB                     # llm-compressor's row alone
     python benchmarks/bench_stream.py outputs --recipes fp8   # logits of run --in-memory's outputs
 
 ``build`` writes random bf16 weights (seeded) layer by layer straight into safetensors shards
@@ -34,10 +38,14 @@ checkpoint in the hf_checkpoint runtime and prints, per export, the peak RSS, th
 bound, the seconds and CPU seconds, whether the shards are the in-memory ones byte for
 byte, and the max / mean absolute difference of the logits from the in-memory export's.
 ``modelopt`` exports FP8 with our stream, our in-memory path and ModelOpt in one run, each in
-a child process (peak RSS from ``wait4``, seconds with imports). ``outputs`` compares the logits
+a child process (peak RSS from ``wait4``, seconds with imports); ``--llmcompressor`` adds
+llm-compressor's ``oneshot`` FP8 (``llmcompressor``: that row alone), in a child of the
+python ``--llmc-python`` names (llm-compressor is not in our venv;
+benchmarks/llmcompressor_env.md). ``outputs`` compares the logits
 of ``run --in-memory``'s two exports in the hf_checkpoint runtime.
 ``peak`` streams one recipe in the benchmark's own process under a 10 ms RSS sampler and
-prints the peak and the frames it was reached in.
+prints the peak and the frames it was reached in; ``llmcompressor-child --sample``, run by
+llm-compressor's python, does the same for its export (docs/streaming.md gives the command).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -150,12 +159,15 @@ def _flush(
 
 
 def _child(
-    argv: list[str], timeout: float | None, command: list[str] | None = None
+    argv: list[str],
+    timeout: float | None,
+    command: list[str] | None = None,
+    marker: re.Pattern[str] = re.compile("memory bound of"),
 ) -> tuple[float, int, int, str, float]:
     """(seconds, peak RSS bytes, exit code, the stream's bound line, CPU seconds) of
     ``python -m exportlm ARGV`` (or of ``command``) alone; killed (SIGKILL, exit -9) after
     ``timeout`` seconds, when given: its work area stays, resumable. The bound is the one
-    the stream computes and logs."""
+    the stream computes and logs: the first stderr line that ``marker`` matches."""
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(
@@ -173,7 +185,7 @@ def _child(
                 break
             time.sleep(1)
         log.seek(0)
-        bound = next((line.strip() for line in log if "memory bound of" in line), "")
+        bound = next((line.strip() for line in log if marker.search(line)), "")
     seconds = time.perf_counter() - start
     cpu = usage.ru_utime + usage.ru_stime
     return seconds, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status), bound, cpu
@@ -400,33 +412,68 @@ def peak(directory: Path, budget: str, shard: str, recipe: str, inputs: str) -> 
         print(f"{rss / 1e6:6.0f} MB  {key}")
 
 
-def modelopt(directory: Path, budget: str, shard: str) -> None:
+def modelopt(directory: Path, budget: str, shard: str, llmc: Path | None = None) -> None:
     """FP8 of ``directory`` three ways in one run, each in a child process (peak RSS from
     ``wait4``, seconds and CPU seconds with imports included): our stream under ``budget``,
     our in-memory export, and ModelOpt (``from_pretrained`` in bf16, ``mtq.quantize`` with
     ``FP8_DEFAULT_CFG`` on the same calibration ids as ours, ``export_hf_checkpoint`` with
-    the same ``max_shard_size``).
+    the same ``max_shard_size``); with ``llmc`` (the python of llm-compressor's venv) a
+    fourth: :func:`llmcompressor_child`.
     Like ``logits``, nothing here imports torch before the children run."""
-    model_bytes = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-    print(f"model {model_bytes / 1e9:.2f} GB on disk; stream budget {budget}; shards {shard}")
-    print(
-        f"{'exporter':<22} {'limit':>6} {'peak MB':>8} {'bound MB':>9} {'s':>7} {'CPU s':>7}  exit"
-    )
     runs = [
         ("exportlm stream", budget, ["--max-memory", budget], None),
         ("exportlm in memory", "none", [], None),
         ("modelopt 0.47", "none", [], [sys.executable, __file__, "modelopt-child",
                                        "--model", str(directory)]),
     ]  # fmt: skip
+    if llmc is not None:
+        runs.append(("llm-compressor", "none", [], _llmc_command(llmc, directory)))
+    _exporter_rows(directory, budget, shard, runs)
+
+
+def llmcompressor(directory: Path, shard: str, llmc: Path) -> None:
+    """llm-compressor's row of :func:`modelopt` alone: its FP8 export of ``directory`` in a
+    child process of ``llmc`` (its venv's python; it is not in ours)."""
+    runs = [("llm-compressor", "none", [], _llmc_command(llmc, directory))]
+    _exporter_rows(directory, "-", shard, runs)
+
+
+def _exporter_rows(
+    directory: Path, budget: str, shard: str, runs: list[tuple[str, str, list[str], Any]]
+) -> None:
+    """Run each ``(name, limit, extra exportlm args, command or None)`` in a child and print
+    its row; under it, for llm-compressor, the calibration pipeline it logged."""
+    model_bytes = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    print(f"model {model_bytes / 1e9:.2f} GB on disk; stream budget {budget}; shards {shard}")
+    print(
+        f"{'exporter':<22} {'limit':>6} {'peak MB':>8} {'bound MB':>9} {'s':>7} {'CPU s':>7}  exit"
+    )
     for name, limit, extra, command in runs:
         out = ROOT / f"modelopt-row-{name.replace(' ', '-').replace('.', '')}"
         argv = _export_argv(directory, out, "fp8", shard, extra)
         if command is not None:
             command = [*command, "--out", str(out), "--shard-size", shard]
-        seconds, peak, code, bound, cpu = _child(argv, None, command)
-        bound_mb = bound.split("memory bound of ")[-1].split(" MB")[0] if bound else "-"
+        seconds, peak, code, line, cpu = _child(argv, None, command, marker=_MARKER)
+        bound_mb = line.split("memory bound of ")[-1].split(" MB")[0] if _BOUND in line else "-"
         print(f"{name:<22} {limit:>6} {peak / 1e6:8.0f} {bound_mb:>9} {seconds:7.1f} "
               f"{cpu:7.1f}  {code}", flush=True)  # fmt: skip
+        if _PIPELINE in line:
+            print(f"    {line[line.index(_PIPELINE) :]}", flush=True)
+
+
+_BOUND = "memory bound of"  # the line our stream logs with its bound
+_PIPELINE = "Inferred `"  # the line llm-compressor logs with the pipeline it chose
+_MARKER = re.compile(f"{_BOUND}|{_PIPELINE}")
+LLMC_PYTHON = Path("/work/main/.venv-engines/llmc/bin/python")
+
+
+def _llmc_command(python: Path, directory: Path) -> list[str]:
+    if not python.is_file():
+        raise SystemExit(
+            f"no python at {python}: install llm-compressor in a venv of its own "
+            "(benchmarks/llmcompressor_env.md) and pass its python with --llmc-python"
+        )
+    return [str(python), __file__, "llmcompressor-child", "--model", str(directory)]
 
 
 def modelopt_child(directory: Path, out: Path, shard: str) -> None:
@@ -448,6 +495,86 @@ def modelopt_child(directory: Path, out: Path, shard: str) -> None:
 
     mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop=forward_loop)
     export_hf_checkpoint(model, export_dir=out, max_shard_size=shard)
+
+
+def llmcompressor_child(directory: Path, out: Path, shard: str) -> None:
+    """llm-compressor's FP8 export of ``directory`` (run by :func:`modelopt` in a
+    child process of llm-compressor's venv): ``from_pretrained`` in bf16, ``oneshot`` with
+    ``QuantizationModifier(scheme="FP8")`` (static per-tensor activation scales) calibrated
+    on our default calibration ids, ``save_pretrained(save_compressed=True)``."""
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from loguru import logger
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    try:
+        from exportlm.inputs import make_input_ids
+    except ImportError:  # llm-compressor's venv has no exportlm: use this checkout's
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+        from exportlm.inputs import make_input_ids
+
+    logger.add(sys.stderr, level="INFO")  # its log goes to stdout, which _child drops
+    torch.set_num_threads(1)  # as our exports run here (OMP_NUM_THREADS=1)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
+    ids = make_input_ids(int(model.config.vocab_size))  # our default calibration batch
+    # oneshot refuses a dataset without a processor, and the model directory has no
+    # tokenizer; the ids are tokenized already, so this one is never called.
+    unused = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    )
+    oneshot(
+        model=model,
+        processor=unused,
+        dataset=Dataset.from_dict({"input_ids": ids.tolist()}),
+        recipe=QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"]),
+        batch_size=ids.shape[0],  # the batch in one forward, as ModelOpt's and ours
+        num_calibration_samples=ids.shape[0],
+        shuffle_calibration_samples=False,
+    )
+    model.save_pretrained(out, save_compressed=True, max_shard_size=shard)
+
+
+def _sampled(call: Any) -> None:
+    """``call()`` under a 20 ms RSS sampler (standard library only, so that it runs in any
+    venv): prints the sampled peak, the main thread's innermost frames at it, and the
+    highest RSS per line of this file that was running (which step of a child peaks)."""
+    import resource
+    import threading
+    import traceback
+
+    page, main, done = os.sysconf("SC_PAGE_SIZE"), threading.main_thread().ident, threading.Event()
+    best, per_line = [0, ""], {}
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            with open("/proc/self/statm") as statm:
+                rss = int(statm.read().split()[1]) * page
+            frame = sys._current_frames().get(main or 0)
+            stack = traceback.extract_stack(frame) if frame else []
+            line = next(
+                (f"line {f.lineno}" for f in reversed(stack) if f.filename == __file__), "?"
+            )
+            per_line[line] = max(per_line.get(line, 0), rss)
+            if rss > best[0]:
+                where = [f"{f.filename.split('/site-packages/')[-1]}:{f.lineno} {f.name}"
+                         for f in stack[-8:]]  # fmt: skip
+                best[:] = [rss, "\n    ".join(where)]
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    call()
+    done.set()
+    thread.join()
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(
+        f"sampled peak {best[0] / 1e6:.0f} MB (ru_maxrss {maxrss / 1e6:.0f} MB), at\n    {best[1]}"
+    )
+    for line, rss in sorted(per_line.items(), key=lambda kv: -kv[1]):
+        print(f"{rss / 1e6:6.0f} MB  bench_stream.py {line}")
 
 
 def outputs(directory: Path, recipes: list[str]) -> None:
@@ -499,10 +626,18 @@ def main() -> None:
             "peak",
             "modelopt",
             "modelopt-child",
+            "llmcompressor",
+            "llmcompressor-child",
             "outputs",
         ),
     )
-    parser.add_argument("--out", type=Path, help="modelopt-child: the output directory")
+    parser.add_argument("--out", type=Path, help="*-child: the output directory")
+    parser.add_argument(
+        "--llmcompressor", action="store_true", help="modelopt: add llm-compressor's row"
+    )
+    parser.add_argument(
+        "--llmc-python", type=Path, default=LLMC_PYTHON, help="the python of llm-compressor's venv"
+    )
     parser.add_argument("--model", type=Path, default=ROOT / "llama-3b")
     parser.add_argument(
         "--small", action="store_true", help="build: the 0.98 GB 8-layer model (give --model)"
@@ -515,6 +650,9 @@ def main() -> None:
     parser.add_argument("--in-memory", action="store_true")
     parser.add_argument("--recipes", default="fp8,int4_awq", help="peak: one recipe")
     parser.add_argument("--stream-inputs", default="quantized", choices=("quantized", "float"))
+    parser.add_argument(
+        "--sample", action="store_true", help="llmcompressor-child: where its RSS peaks"
+    )
     parser.add_argument("--timeout", type=float, help="kill each export after this many seconds")
     args = parser.parse_args()
     if args.command == "build":
@@ -536,9 +674,16 @@ def main() -> None:
     elif args.command == "peak":
         peak(args.model, args.max_memory, args.shard_size, args.recipes, args.stream_inputs)
     elif args.command == "modelopt":
-        modelopt(args.model, args.max_memory, args.shard_size)
+        llmc = args.llmc_python if args.llmcompressor else None
+        modelopt(args.model, args.max_memory, args.shard_size, llmc)
+    elif args.command == "llmcompressor":
+        llmcompressor(args.model, args.shard_size, args.llmc_python)
     elif args.command == "modelopt-child":
         modelopt_child(args.model, args.out, args.shard_size)
+    elif args.command == "llmcompressor-child" and args.sample:
+        _sampled(lambda: llmcompressor_child(args.model, args.out, args.shard_size))
+    elif args.command == "llmcompressor-child":
+        llmcompressor_child(args.model, args.out, args.shard_size)
     elif args.command == "outputs":
         outputs(args.model, args.recipes.split(","))
     elif args.command == "logits":
