@@ -31,9 +31,10 @@ def check_streamable(
 
     Raises:
         StreamingUnsupportedError: a checkpoint whose names transformers converts on
-            load other than by fusing per-expert tensors, a weight algorithm (of the recipe or of one of its
-            per-module patterns) outside :data:`STREAMED_ALGORITHMS`, or a recipe that
-            would quantize a module outside the decoder layers.
+            load other than by fusing per-expert tensors, a weight algorithm (of the
+            recipe or of one of its per-module patterns) outside
+            :data:`STREAMED_ALGORITHMS`, or a recipe that would quantize a module outside
+            the decoder layers.
     """
     if not reads_names:
         raise StreamingUnsupportedError(
@@ -84,7 +85,7 @@ def check_fits(budget: int | None, bound: MemoryBound, what: str) -> None:
     """
     if budget is None:
         return
-    need = bound.modules + bound.shard + bound.working
+    need = bound.held
     if need > budget:
         raise LayerTooLargeError(
             f"streaming needs about {_size(need)} beyond the process itself ({what} "

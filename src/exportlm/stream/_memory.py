@@ -111,6 +111,12 @@ class MemoryBound:
     working: int = 0
 
     @property
+    def held(self) -> int:
+        """What the stream holds beyond the baseline, the activations aside: what a budget
+        must cover (the activations take what it leaves, else go to disk)."""
+        return self.modules + self.shard + self.working
+
+    @property
     def total(self) -> int:
         """The bound: the sum of the terms."""
         return self.baseline + self.modules + self.shard + self.activations + self.working

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from exportlm.errors import InvalidConfigError
-from exportlm.export.hf_checkpoint.naming import CheckpointNamer
+from exportlm.export.hf_checkpoint.naming import CheckpointNamer, forward_conversions
 
 __all__ = ["CheckpointNames"]
 
@@ -38,35 +38,24 @@ class CheckpointNames:
         self._namer = CheckpointNamer(model)
         self._renamings: list[Any] = []
         self._converters: list[Any] = []
-        self._unknown = False
         if not self._namer.identity:
-            try:
-                from transformers.conversion_mapping import get_model_conversion_mapping
-                from transformers.core_model_loading import (
-                    PrefixChange,
-                    WeightConverter,
-                    WeightRenaming,
-                )
+            from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-                # the namer's rule for a model not loaded by from_pretrained
-                forward = get_model_conversion_mapping(model, add_legacy=False)
-            except (ImportError, AttributeError, TypeError):
-                # a transformers whose conversion API is not the one read here: the
-                # names are not readable, so the stream refuses (check_streamable)
-                self._unknown = True
-                forward = []
-            else:
-                forward = [c for c in forward if not isinstance(c, PrefixChange)]
-                self._renamings = [c for c in forward if isinstance(c, WeightRenaming)]
-                self._converters = [c for c in forward if isinstance(c, WeightConverter)]
+            # the conversions the namer reverses (identity when there are none)
+            forward = forward_conversions(model)
+            self._renamings = [c for c in forward if isinstance(c, WeightRenaming)]
+            self._converters = [c for c in forward if isinstance(c, WeightConverter)]
         self._unread = [c for c in self._converters if _fused_parts(c) is None]
+
+    @property
+    def namer(self) -> CheckpointNamer:
+        """The exporter's namer for this model (the names the stream's writer uses too)."""
+        return self._namer
 
     @property
     def readable(self) -> bool:
         """Names unchanged, or only expert fusions (at least one) and renamings."""
-        if self._namer.identity:
-            return True
-        return not self._unknown and bool(self._converters) and not self._unread
+        return self._namer.identity or (bool(self._converters) and not self._unread)
 
     def pieces(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor, str]]:
         """``(checkpoint name, region of tensor, what it is)`` for model tensor ``name``.

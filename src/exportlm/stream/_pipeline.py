@@ -21,7 +21,7 @@ from exportlm.atomic import atomic_output, check_output_path
 from exportlm.errors import OutputExistsError
 from exportlm.export.guard import PendingManifest
 from exportlm.export.hf_checkpoint.configs import quantization_section, write_configs
-from exportlm.export.hf_checkpoint.naming import CheckpointNamer, module_namer
+from exportlm.export.hf_checkpoint.naming import module_namer
 from exportlm.export.hf_checkpoint.sink import CheckpointSink, parse_size
 from exportlm.export.hf_checkpoint.target import HF_CHECKPOINT_TARGET
 from exportlm.export.hf_checkpoint.target import _one_torch_thread as one_torch_thread
@@ -56,11 +56,12 @@ class _Run:
         work: WorkArea,
         format: ExportFormat,
         max_shard_size: int | str,
+        shells: tuple[set[str], set[str]],
     ) -> None:
         self.source, self.work, self.format = source, work, format
         self.writer = ResumableShardWriter(work.directory, max_shard_size=max_shard_size)
-        self.sink = CheckpointSink(CheckpointNamer(source.model), self.writer, format)  # type: ignore[arg-type]
-        self.head_names, self.tail_names = _shell_names(source)
+        self.sink = CheckpointSink(source.namer, self.writer, format)  # type: ignore[arg-type]
+        self.head_names, self.tail_names = shells
 
     def checkpoint(self, tag: str) -> None:
         """Record progress after a part: spill the open shard, save, drop what it supersedes."""
@@ -142,8 +143,15 @@ def export_streaming(
     budget = parse_memory(max_memory) if max_memory is not None else memory_limit()
     layers = [source.tensor_bytes(source.layer(i)) for i in range(source.layout.count)]
     acts = _activation_bytes(source.model, batches)
+    shells = _shell_names(source)
     bound, largest = _bound(
-        source, parse_size(max_shard_size), baseline, layers, acts, quantized=plan is not None
+        source,
+        shells,
+        parse_size(max_shard_size),
+        baseline,
+        layers,
+        acts,
+        quantized=plan is not None,
     )
     check_fits(budget, bound, largest)  # before anything is written
     options = _given(
@@ -151,11 +159,10 @@ def export_streaming(
     )
     fingerprint = _fingerprint(source, recipe, batches, calibration_inputs, options)
     work = WorkArea(out, fingerprint)
-    run = _Run(source, work, format, max_shard_size)
+    run = _Run(source, work, format, max_shard_size, shells)
     logger.info("streaming within a memory bound of %s", bound.describe())
     # the activations are held in what the budget leaves, else read back from the work area
-    held = budget - (bound.modules + bound.shard + bound.working) if budget else 1 << 30
-    store = ActivationStore(work.directory, held)
+    store = ActivationStore(work.directory, budget - bound.held if budget else 1 << 30)
     with one_torch_thread():  # as the hf_checkpoint target converts (see its docstring)
         summary = _export_parts(run, store, plan, batches, calibration_inputs, dtype)
     written = run.writer.finish()
@@ -318,6 +325,7 @@ def _default_ids(model: Any) -> torch.Tensor:
 
 def _bound(
     source: CheckpointSource,
+    shells: tuple[set[str], set[str]],
     max_shard_size: int,
     baseline: int,
     layers: list[int],
@@ -334,13 +342,13 @@ def _bound(
     layer in float32 (quantizing one linear)."""
     state = source.model.state_dict(keep_vars=True)
     sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
-    head, tail = _shell_names(source)
-    shells = [sum(sizes[n] for n in source.saved(names)) for names in (head, tail)]
+    shell_bytes = [sum(sizes[n] for n in source.saved(names)) for names in shells]
     shard = min(max_shard_size, source.total_bytes)
     inside = source.layout.layers + "."
     linear = max((t.numel() for n, t in state.items() if n.startswith(inside)), default=0)
     sets = [(size, f"decoder layer {i}") for i, size in enumerate(layers)]
-    sets += [(shells[0], "the modules before the layers"), (shells[1], "the modules after them")]
+    sets += [(shell_bytes[0], "the modules before the layers")]
+    sets += [(shell_bytes[1], "the modules after them")]
     modules, what = max(sets, key=lambda pair: pair[0])
     bound = MemoryBound(
         baseline=baseline,

@@ -76,6 +76,11 @@ class CheckpointSource:
         self._ties = resolve_tied_weights(self.model)  # {dropped name: saved name}
 
     @property
+    def namer(self) -> Any:
+        """The exporter's :class:`~exportlm.export.hf_checkpoint.naming.CheckpointNamer` of the model."""
+        return self._names.namer
+
+    @property
     def reads_names(self) -> bool:
         """True when :meth:`load` reads every tensor under the checkpoint's own names.
 

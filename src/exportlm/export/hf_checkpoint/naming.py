@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CheckpointNamer", "module_namer"]
+__all__ = ["CheckpointNamer", "forward_conversions", "module_namer"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class CheckpointNamer:
         self._renamings: list[Any] = []
         self._converters: list[Any] = []
         self._expert_patterns: dict[str, str] = {}
-        forward = _conversions(model)
+        forward = forward_conversions(model)
         if forward:
             reverse = [c.reverse_transform() for c in forward[::-1]]
             from transformers.core_model_loading import WeightConverter, WeightRenaming
@@ -109,7 +109,7 @@ class CheckpointNamer:
             yield new_name, value.contiguous()
 
 
-def _conversions(model: Any) -> list[Any]:
+def forward_conversions(model: Any) -> list[Any]:
     """transformers' forward weight conversions for ``model`` (empty if none or not HF)."""
     if not hasattr(model, "config") or not hasattr(model, "base_model_prefix"):
         return []
