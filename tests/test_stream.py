@@ -119,24 +119,39 @@ def test_sequential_calibration_changes_activation_scales_within_a_bound(tmp_pat
     assert float((ratios - 1).abs().max()) < 0.5  # a quantized input moves an amax, not its scale
 
 
-def test_unsupported_families_and_recipes_are_refused_by_name(tmp_path: Path) -> None:
-    src = llama_directory(tmp_path, tied=False)
+@pytest.mark.parametrize(
+    ("recipe", "inputs"),
+    [("int6g_wo", "quantized"), ({"*": "fp8", "*.mlp.*": "int6g_wo"}, "float")],
+    ids=["int6g_wo", "fp8_with_int6g_mlp"],
+)
+def test_a_plugins_format_streams_byte_for_byte(tmp_path: Path, recipe: Any, inputs: str) -> None:
+    # a third-party FormatSpec supplies per-tensor functions; the calibration is exportlm's
+    # own, inside one layer, so the plugin's checkpoint streams like a built-in one
     from exportlm.quant import QUANT_FORMATS, register_format
-    from tests.test_export_toy_format import INT6G
+    from tests.test_export_toy_format import INT6G, QUANT_ALGO
 
-    # a third-party format (a plugin's FormatSpec) is not known to stay inside a layer
+    src = llama_directory(tmp_path, tied=True)
     register_format(INT6G)
     try:
-        with pytest.raises(
-            StreamingUnsupportedError, match=r"recipe 'int6g_wo' does not stream yet"
-        ):
-            export_streaming(src, tmp_path / "x", recipe="int6g_wo")
-        with pytest.raises(
-            StreamingUnsupportedError, match=r"recipe 'int6g_wo' does not stream yet"
-        ):
-            export_streaming(src, tmp_path / "x", recipe={"*": "fp8", "*.mlp.*": "int6g_wo"})
+        expected = in_memory_export(src, tmp_path / "memory", recipe, shard=SHARD)
+        streamed = export_streaming(
+            src,
+            tmp_path / "streamed",
+            recipe=recipe,
+            max_shard_size=SHARD,
+            calibration_inputs=inputs,  # type: ignore[arg-type]
+        )
     finally:
         QUANT_FORMATS.unregister("int6g")
+    assert_same_checkpoint(expected, streamed)
+    quantization = json.loads((streamed / "hf_quant_config.json").read_text())["quantization"]
+    algos = {quantization["quant_algo"]}
+    algos |= {layer["quant_algo"] for layer in quantization.get("quantized_layers", {}).values()}
+    assert QUANT_ALGO in algos  # the plugin's own layout, not a built-in fallback
+
+
+def test_unsupported_families_and_recipes_are_refused_by_name(tmp_path: Path) -> None:
+    src = llama_directory(tmp_path, tied=False)
     # the stream writes the modules around the layers as they are: a recipe naming one is refused
     with pytest.raises(StreamingUnsupportedError, match=r"quantizes lm_head, outside"):
         export_streaming(src, tmp_path / "head", recipe={"*": "fp8", "lm_head": "fp8"})

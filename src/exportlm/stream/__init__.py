@@ -14,14 +14,12 @@ import os
 from pathlib import Path
 
 from exportlm.stream._budget import IN_MEMORY_FACTOR, memory_limit, needs_streaming, parse_memory
-from exportlm.stream._checks import STREAMED_ALGORITHMS
 from exportlm.stream._layers import CalibrationInputs
 from exportlm.stream._pipeline import export_streaming
 from exportlm.stream._placement import Placement, place_layers
 
 __all__ = [
     "IN_MEMORY_FACTOR",
-    "STREAMED_ALGORITHMS",
     "CalibrationInputs",
     "Placement",
     "export_streaming",

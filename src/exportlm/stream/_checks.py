@@ -11,12 +11,8 @@ from exportlm.errors import LayerTooLargeError, StreamingUnsupportedError
 from exportlm.quant import QuantRecipe
 from exportlm.stream._memory import MemoryBound
 
-__all__ = ["STREAMED_ALGORITHMS", "check_fits", "check_streamable"]
+__all__ = ["check_fits", "check_streamable"]
 
-#: The built-in weight algorithms, whose calibration, AWQ search, SmoothQuant smoothing and
-#: folding stay inside one decoder layer (tested byte for byte against the in-memory path).
-#: A third-party format is refused until it is known to do the same.
-STREAMED_ALGORITHMS = ("fp8", "int8_wo", "int4_awq", "nvfp4", "int8_sq", "w8a8")
 _IN_MEMORY = "export it in memory instead (drop --stream / --max-memory, or export_model)"
 
 
@@ -31,10 +27,13 @@ def check_streamable(
 
     Raises:
         StreamingUnsupportedError: a checkpoint whose names transformers converts on
-            load other than by fusing per-expert tensors, a weight algorithm (of the
-            recipe or of one of its per-module patterns) outside
-            :data:`STREAMED_ALGORITHMS`, or a recipe that would quantize a module outside
-            the decoder layers.
+            load other than by fusing per-expert tensors, or a recipe that would quantize
+            a module outside the decoder layers.
+
+    Every registered format streams, a plugin's too: a ``FormatSpec`` supplies
+    per-tensor ``quantize`` / ``dequantize`` functions and declares which of exportlm's
+    own calibrations its recipe uses (amax, AWQ search, SmoothQuant, KV-cache scales),
+    and each of those reads and folds only the modules of one decoder layer.
     """
     if not reads_names:
         raise StreamingUnsupportedError(
@@ -45,12 +44,6 @@ def check_streamable(
         )
     if recipe is None:
         return
-    for algo in (recipe.algo, *(a for _, a in recipe.overrides)):
-        if algo is not None and algo not in STREAMED_ALGORITHMS:
-            raise StreamingUnsupportedError(
-                f"recipe {algo!r} does not stream yet (streamed: "
-                f"{', '.join(STREAMED_ALGORITHMS)}); {_IN_MEMORY}"
-            )
     outside = _quantized_outside(model, recipe, layers + ".")
     if outside:
         raise StreamingUnsupportedError(

@@ -108,8 +108,8 @@ def export_streaming(
         model_dir: a local Hugging Face model directory (safetensors shards).
         output_path: the checkpoint directory to publish.
         recipe: a quantization recipe as :func:`~exportlm.quant.quantize` takes it, of
-            the built-in weight algorithms (``"fp8"``, ``"int8_wo"``, ``"int4_awq"``,
-            ``"nvfp4"``, ``"int8_sq"``, ``"w8a8"``: ``STREAMED_ALGORITHMS``), with or
+            any registered weight format (``"fp8"``, ``"int8_wo"``, ``"int4_awq"``,
+            ``"nvfp4"``, ``"int8_sq"``, ``"w8a8"``, or a plugin's), with or
             without ``"+fp8_kv"``, or a mapping of module-name
             patterns to them (mixed precision) that leaves the modules outside the
             decoder layers unquantized; ``None`` for an unquantized re-export.
