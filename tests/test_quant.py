@@ -125,6 +125,8 @@ def _assert_rel_error_as_measured(name: str, recipe: str, rel: float) -> None:
         (QuantFormat.INT8, None, (8, 32)),
         (QuantFormat.NVFP4, 16, (3, 8, 32)),
         (QuantFormat.INT4, 16, (3, 8, 32)),
+        (QuantFormat.FP8, None, (3, 8, 32)),
+        (QuantFormat.INT8, None, (3, 8, 32)),
     ],
 )
 def test_fake_quant_equals_dequantized_real_quant(
@@ -251,7 +253,9 @@ def test_uncalibrated_activation_quantizer_raises() -> None:
         quantizer(torch.ones(2))
 
 
-@pytest.mark.parametrize(("fmt", "block"), [(QuantFormat.NVFP4, 16), (QuantFormat.INT4, 16)])
+@pytest.mark.parametrize(
+    ("fmt", "block"), [(QuantFormat.NVFP4, 16), (QuantFormat.INT4, 16), (QuantFormat.FP8, None)]
+)
 def test_fake_quant_keeps_the_layout_of_a_transposed_weight(fmt: QuantFormat, block: int) -> None:
     stored = torch.randn(3, 32, 16, generator=torch.Generator().manual_seed(0))  # [E, in, out]
     canonical = stored.transpose(-1, -2)  # the [E, out, in] view BMM experts quantize
@@ -259,6 +263,8 @@ def test_fake_quant_keeps_the_layout_of_a_transposed_weight(fmt: QuantFormat, bl
     quantizer.collect(canonical)
     fake = quantizer(canonical)
     assert fake.stride() == canonical.stride()
+    # stacked experts are fake-quantized one expert at a time (one expert's temporaries,
+    # not the whole tensor's in float32): the same values as the whole at once.
     # Exact on purpose: elementwise fake-quant vs dequantized codes of the same tensor.
     assert torch.equal(fake, dequantize(quantizer.quantize(canonical)))
 

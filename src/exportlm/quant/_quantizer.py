@@ -245,6 +245,11 @@ class TensorQuantizer(nn.Module):
         its scale allows it, straight into the result: the same values, without the
         weight-sized float32 copies (codes, dequantized values) of the whole at once.
         """
+        if self._per_expert(x):  # stacked experts [E, out, in]: one expert's temporaries
+            out = torch.empty_like(x)
+            for expert in range(x.shape[0]):
+                out[expert] = dequantize(self.quantize(x[expert], index=expert), x.dtype)
+            return out
         chunks = self._row_chunks(x)
         if len(chunks) > 1:
             out = torch.empty_like(x)
@@ -255,6 +260,19 @@ class TensorQuantizer(nn.Module):
         if out.stride() != x.stride():  # packed formats unpack into a contiguous tensor
             out = torch.empty_like(x).copy_(out)
         return out
+
+    def _per_expert(self, x: torch.Tensor) -> bool:
+        """Whether each expert of a stacked ``[E, out, in]`` weight quantizes alone to the
+        values of the whole: scales per row / block from the data, or a calibrated amax
+        that is one value or one per expert (``axis=0``). A loaded static scale, or a
+        per-tensor scale taken from the data, needs the whole tensor."""
+        if x.dim() != 3 or x.shape[0] < 2 or self.static_scale is not None:
+            return False
+        if not self.spec.calibrated:
+            return self.spec.granularity in ("row", "block")
+        if self.amax is None or self.amax.dim() == 0:
+            return self.amax is not None
+        return self.axis is not None and self.axis % 3 == 0 and self.amax.numel() == x.shape[0]
 
     def _row_chunks(self, x: torch.Tensor) -> list[slice]:
         """:func:`row_chunks` of ``x`` when its amax is one value for the whole tensor."""
