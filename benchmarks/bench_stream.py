@@ -5,6 +5,8 @@
                                                        # 0.49B, 8 layers, 250 MB shards (0.98 GB)
     python benchmarks/bench_stream.py build --small --layers 22 \
         --model /work/bench-models/llama-1.1b          # TinyLlama-1.1B's shape (2.2 GB)
+    python benchmarks/bench_stream.py build --moe --model /work/bench-models/mixtral-0.5b
+                                                       # Mixtral's layout, 0.49B, 8 experts (0.98 GB)
     python benchmarks/bench_stream.py run --max-memory 3GB [--in-memory]
     python benchmarks/bench_stream.py compare          # sequential vs whole-model calibration
     python benchmarks/bench_stream.py logits --model /work/bench-models/llama-0.5b \
@@ -90,6 +92,29 @@ SMALL: dict[str, Any] = CONFIG | {
     "num_key_value_heads": 4,
     "tie_word_embeddings": False,
 }
+#: The MoE model (``build --moe``): Mixtral's layout (8 experts, 2 per token), 0.49B
+#: parameters (0.98 GB, the size of ``SMALL``): 8 layers of hidden 1024, experts of
+#: intermediate 2048 (100 MB of experts a layer), untied, 250 MB shards, saved as
+#: Mixtral checkpoints are (one tensor per expert, which transformers 5 fuses on load).
+MOE: dict[str, Any] = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "vocab_size": 32000,
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+    "hidden_act": "silu",
+}
 SHARD = 10**9
 SMALL_SHARD = 250 * 10**6
 
@@ -110,6 +135,31 @@ def _layer_shapes(c: dict[str, Any], i: int) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _saved_layer_shapes(config: dict[str, Any]) -> Any:
+    """Layer ``i``'s tensor names and shapes as transformers saves this architecture.
+
+    Taken from a one-layer model (vocabulary 256) saved with ``save_pretrained``, so the
+    names are the checkpoint's (Mixtral: ``block_sparse_moe.experts.3.w1.weight``), not
+    the fused parameters transformers 5 holds in memory."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = AutoConfig.for_model(**(config | {"num_hidden_layers": 1, "vocab_size": 256}))
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoModelForCausalLM.from_config(small).save_pretrained(tmp)
+        names: dict[str, tuple[int, ...]] = {}
+        for shard in Path(tmp).glob("*.safetensors"):
+            with safe_open(str(shard), "pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    names[name] = tuple(f.get_slice(name).get_shape())
+    layer = {n.removeprefix("model.layers.0."): v for n, v in names.items() if ".layers.0." in n}
+
+    def shapes(i: int) -> dict[str, tuple[int, ...]]:
+        return {f"model.layers.{i}.{n}": shape for n, shape in sorted(layer.items())}
+
+    return shapes
+
+
 def build(directory: Path, config: dict[str, Any], shard_bytes: int = SHARD) -> None:
     """Write the model shard by shard (random bf16, seeded), then the index and config."""
     import torch
@@ -117,8 +167,13 @@ def build(directory: Path, config: dict[str, Any], shard_bytes: int = SHARD) -> 
 
     directory.mkdir(parents=True, exist_ok=True)
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], config["hidden_size"])}
+    layer_shapes = (
+        _saved_layer_shapes(config)
+        if config["model_type"] != "llama"
+        else lambda i: _layer_shapes(config, i)
+    )
     for i in range(config["num_hidden_layers"]):
-        shapes |= _layer_shapes(config, i)
+        shapes |= layer_shapes(i)
     shapes["model.norm.weight"] = (config["hidden_size"],)
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], config["hidden_size"])
@@ -643,6 +698,9 @@ def main() -> None:
         "--small", action="store_true", help="build: the 0.98 GB 8-layer model (give --model)"
     )
     parser.add_argument(
+        "--moe", action="store_true", help="build: the 0.98 GB Mixtral-layout MoE (give --model)"
+    )
+    parser.add_argument(
         "--layers", type=int, help="build: num_hidden_layers instead of the config's (28 or 8)"
     )
     parser.add_argument("--max-memory", default="3GB")
@@ -656,12 +714,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, help="kill each export after this many seconds")
     args = parser.parse_args()
     if args.command == "build":
-        config = SMALL if args.small else CONFIG
+        config = MOE if args.moe else SMALL if args.small else CONFIG
         if args.layers is not None:
             if args.layers < 1:
                 parser.error(f"--layers must be at least 1, got {args.layers}")
             config = config | {"num_hidden_layers": args.layers}
-        build(args.model, config, SMALL_SHARD if args.small else SHARD)
+        build(args.model, config, SMALL_SHARD if args.small or args.moe else SHARD)
     elif args.command == "run":
         run(
             args.model,
