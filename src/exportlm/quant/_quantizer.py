@@ -245,16 +245,16 @@ class TensorQuantizer(nn.Module):
         its scale allows it, straight into the result: the same values, without the
         weight-sized float32 copies (codes, dequantized values) of the whole at once.
         """
-        if self._per_expert(x):  # stacked experts [E, out, in]: one expert's temporaries
+        # stacked experts [E, out, in]: one expert at a time (its amax picked by index)
+        parts: list[tuple[int | slice, int | None]] = (
+            [(e, e) for e in range(x.shape[0])]
+            if self._per_expert(x)
+            else [(rows, None) for rows in self._row_chunks(x)]
+        )
+        if len(parts) > 1:
             out = torch.empty_like(x)
-            for expert in range(x.shape[0]):
-                out[expert] = dequantize(self.quantize(x[expert], index=expert), x.dtype)
-            return out
-        chunks = self._row_chunks(x)
-        if len(chunks) > 1:
-            out = torch.empty_like(x)
-            for rows in chunks:
-                out[rows] = dequantize(self.quantize(x[rows]), x.dtype)
+            for part, index in parts:
+                out[part] = dequantize(self.quantize(x[part], index=index), x.dtype)
             return out
         out = dequantize(self.quantize(x), x.dtype)
         if out.stride() != x.stride():  # packed formats unpack into a contiguous tensor
@@ -270,8 +270,10 @@ class TensorQuantizer(nn.Module):
             return False
         if not self.spec.calibrated:
             return self.spec.granularity in ("row", "block")
-        if self.amax is None or self.amax.dim() == 0:
-            return self.amax is not None
+        if self.amax is None:
+            return False
+        if self.amax.dim() == 0:
+            return True
         return self.axis is not None and self.axis % 3 == 0 and self.amax.numel() == x.shape[0]
 
     def _row_chunks(self, x: torch.Tensor) -> list[slice]:
