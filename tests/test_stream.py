@@ -24,6 +24,23 @@ from tests._stream_models import (
 SHARD = "100KB"  # several shards per model: the shard boundaries are compared too
 
 
+def streams_as_in_memory(
+    src: Path, tmp_path: Path, recipe: Any, inputs: str, *, format: str = "modelopt"
+) -> Path:
+    """Stream ``src`` with ``recipe``; assert it is the in-memory export byte for byte."""
+    expected = in_memory_export(src, tmp_path / "memory", recipe, shard=SHARD, format=format)
+    streamed = export_streaming(
+        src,
+        tmp_path / "streamed",
+        recipe=recipe,
+        max_shard_size=SHARD,
+        calibration_inputs=inputs,  # type: ignore[arg-type]
+        format=format,  # type: ignore[arg-type]
+    )
+    assert_same_checkpoint(expected, streamed)
+    return streamed
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize(
     ("recipe", "inputs"),
@@ -44,17 +61,8 @@ def test_streamed_checkpoint_is_the_in_memory_one_byte_for_byte(
 ) -> None:
     # int8_wo is weight-only: its bytes do not depend on the calibration inputs at all;
     # fp8 / int4_awq calibrate activations: "float" inputs are what whole-model calibration sees.
-    src = llama_directory(tmp_path, tied=tied)
-    expected = in_memory_export(src, tmp_path / "memory", recipe, shard=SHARD)
-    streamed = export_streaming(
-        src,
-        tmp_path / "streamed",
-        recipe=recipe,
-        max_shard_size=SHARD,
-        calibration_inputs=inputs,  # type: ignore[arg-type]
-    )
+    streamed = streams_as_in_memory(llama_directory(tmp_path, tied=tied), tmp_path, recipe, inputs)
     assert len(list(streamed.glob("*.safetensors"))) > 2
-    assert_same_checkpoint(expected, streamed)
     names = set(json.loads((streamed / "model.safetensors.index.json").read_text())["weight_map"])
     assert any(n.endswith("weight_scale") for n in names) == (recipe is not None)
     assert any(n.endswith("k_scale") for n in names) == ("fp8_kv" in str(recipe))
@@ -70,16 +78,7 @@ def test_streamed_checkpoint_is_the_in_memory_one_byte_for_byte(
 def test_smoothquant_streams_byte_for_byte(tmp_path: Path, recipe: str, format: str) -> None:
     # SmoothQuant's smoothing folds into the norms of the layer it smooths: it stays inside
     src = llama_directory(tmp_path, tied=False)
-    expected = in_memory_export(src, tmp_path / "memory", recipe, shard=SHARD, format=format)
-    streamed = export_streaming(
-        src,
-        tmp_path / "streamed",
-        recipe=recipe,
-        max_shard_size=SHARD,
-        calibration_inputs="float",
-        format=format,  # type: ignore[arg-type]
-    )
-    assert_same_checkpoint(expected, streamed)
+    streamed = streams_as_in_memory(src, tmp_path, recipe, "float", format=format)
     names = set(json.loads((streamed / "model.safetensors.index.json").read_text())["weight_map"])
     assert any(n.endswith("weight_scale") for n in names)
 
@@ -91,10 +90,8 @@ def test_a_directory_without_a_generation_config_streams_the_in_memory_configs(
     # defaults (bos / eos ids, use_cache) that it does not write
     src = llama_directory(tmp_path, tied=False, layers=1)
     (src / "generation_config.json").unlink()
-    expected = in_memory_export(src, tmp_path / "memory", "int8_wo", shard=SHARD)
-    streamed = export_streaming(src, tmp_path / "streamed", recipe="int8_wo", max_shard_size=SHARD)
+    streamed = streams_as_in_memory(src, tmp_path, "int8_wo", "quantized")
     assert (streamed / "generation_config.json").is_file()
-    assert_same_checkpoint(expected, streamed)
 
 
 def test_sequential_calibration_changes_activation_scales_within_a_bound(tmp_path: Path) -> None:
@@ -133,17 +130,9 @@ def test_a_plugins_format_streams_byte_for_byte(tmp_path: Path, recipe: Any, inp
     src = llama_directory(tmp_path, tied=True)
     register_format(INT6G)
     try:
-        expected = in_memory_export(src, tmp_path / "memory", recipe, shard=SHARD)
-        streamed = export_streaming(
-            src,
-            tmp_path / "streamed",
-            recipe=recipe,
-            max_shard_size=SHARD,
-            calibration_inputs=inputs,  # type: ignore[arg-type]
-        )
+        streamed = streams_as_in_memory(src, tmp_path, recipe, inputs)
     finally:
         QUANT_FORMATS.unregister("int6g")
-    assert_same_checkpoint(expected, streamed)
     quantization = json.loads((streamed / "hf_quant_config.json").read_text())["quantization"]
     algos = {quantization["quant_algo"]}
     algos |= {layer["quant_algo"] for layer in quantization.get("quantized_layers", {}).values()}
@@ -179,12 +168,7 @@ def test_moe_families_saved_under_their_module_names_stream_byte_for_byte(
     # GPT-OSS with int4_awq streams but is not byte-identical from layer 1 on: in memory,
     # later layers calibrate on the outputs of the (transparent) quantized experts, whose
     # bf16 forward is not bit-identical to transformers' (see docs/streaming.md)
-    src = family_directory(tmp_path, family)
-    expected = in_memory_export(src, tmp_path / "memory", recipe, shard=SHARD)
-    streamed = export_streaming(
-        src, tmp_path / "streamed", recipe=recipe, max_shard_size=SHARD, calibration_inputs="float"
-    )
-    assert_same_checkpoint(expected, streamed)
+    streamed = streams_as_in_memory(family_directory(tmp_path, family), tmp_path, recipe, "float")
     index = streamed / "model.safetensors.index.json"
     names = set(json.loads(index.read_text())["weight_map"]) if index.exists() else set()
     assert any("experts" in n and "scale" in n for n in names), sorted(names)[:20]
