@@ -7,6 +7,7 @@ misreads: every outcome is named, and a declared limit is never a pass.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,47 @@ def test_a_declared_misread_that_computes_something_else_is_reported_as_misreads
     assert got.outcome is Outcome.MISREADS
     assert got.declared
     assert "reads codes as weights" in got.message
+
+
+def test_a_declared_misread_served_within_tolerance_but_for_a_near_tie_stays_a_near_tie(
+    tmp_path: Path, graph: Path, model: torch.nn.Module
+) -> None:
+    # a misread that shows on some prompts may not on these: tokens that part only where
+    # the tolerance could swap them neither confirm the row nor prove the engine right
+    row = Support("onnx", "plain", verdict=Verdict.MISREADS, evidence="off by up to 1.4")
+    wide = Tolerance(100.0, "wide enough that every divergence is a near-tie")
+    got = serve_and_compare(
+        _engine(tmp_path, row),
+        graph,
+        model,
+        prompts=PROMPTS,
+        tolerance=wide,
+        options={"mode": "ok"},
+    )
+    assert got.outcome is Outcome.NEAR_TIE
+    assert not got.declared
+    assert "neither confirm nor refute" in got.message
+    assert "misreads" in got.message
+    assert "near-tie" in got.message
+
+
+def test_a_declared_misread_the_engine_computes_right_fails_the_table(
+    tmp_path: Path, graph: Path, model: torch.nn.Module
+) -> None:
+    row = Support("onnx", "plain", verdict=Verdict.MISREADS, evidence="off by up to 1.4")
+    ref = eager_reference(model, PROMPTS, 4)
+    got = serve_and_compare(
+        _engine(tmp_path, row),
+        graph,
+        model,
+        prompts=PROMPTS,
+        tolerance=TOL,
+        new_tokens=4,
+        options={"mode": "answer", "answer": json.dumps([ref.tokens, ref.logprobs])},
+    )
+    assert got.outcome is Outcome.FAILED
+    assert "the table says" in got.message
+    assert "update the table" in got.message
 
 
 def test_an_engine_nobody_can_run_is_unavailable(graph: Path, model: torch.nn.Module) -> None:

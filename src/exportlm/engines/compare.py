@@ -12,7 +12,7 @@ for some quantized schemes :data:`~exportlm.engines.tolerances.SCHEME_TOLERANCES
 What the support table declares decides what an outcome means
 (:class:`Outcome`): a row that ``runs`` must match; a ``refused`` / ``engine_limit``
 row must fail with the table's message (else the table is out of date: a failure);
-a ``misreads`` row must differ. A declared limit is reported as such
+a ``misreads`` row must differ (a near-tie confirms nothing: it stays a near-tie). A declared limit is reported as such
 (:attr:`Served.declared` is true), never as a pass.
 
 Torch is imported by the functions that need it, so importing this module imports
@@ -226,6 +226,14 @@ def _declared(served: Served, match: Match, err: EngineError | None, got: Served
         assert got is not None or err is not None
         if got is not None and got.outcome is Outcome.FAILED:
             return replace(got, outcome=Outcome.MISREADS, message=f"{match.reason}; {got.message}")
+        if got is not None and got.outcome is Outcome.NEAR_TIE:
+            # within tolerance but for a near-tie: it neither confirms the misread (these
+            # prompts may miss it) nor shows the engine right; named, never a match
+            return replace(
+                got,
+                message=f"the table says {match.reason}; these prompts neither confirm nor "
+                f"refute it: {got.message}",
+            )
         said = got.message if got is not None else str(err)
         return replace(
             got or served,
