@@ -280,9 +280,8 @@ class QuantExperts(QuantModule):
     def expert_hidden(self, expert: int, tokens: torch.Tensor) -> torch.Tensor:
         """The float input of ``down_proj`` of ``expert`` for ``tokens`` (gate, up, activation)."""
         gate_up = self.canonical_weight("gate_up_proj")[expert]
-        return self._apply_gate(
-            F.linear(tokens, gate_up, _row(self.bias_of("gate_up_proj"), expert))
-        )
+        product = F.linear(tokens, gate_up)
+        return self._apply_gate(_add_bias(product, self.bias_of("gate_up_proj"), expert))
 
     def bias_of(self, projection: str) -> torch.Tensor | None:
         """The ``[E, out]`` bias of a projection, or ``None``."""
@@ -310,21 +309,24 @@ class QuantExperts(QuantModule):
         x = self.gate_up_proj_input_quantizer(hidden_states)
         out = torch.zeros_like(hidden_states)
         for expert in range(self.num_experts):
-            token_idx, slot = torch.where(top_k_index == expert)
+            # transformers' own order and ops, so that with every quantizer transparent this
+            # is its forward bit for bit: tokens by (top-k slot, token), the bias added
+            # after the product (``x @ W + b``: two roundings in bf16, not addmm's one)
+            slot, token_idx = torch.where(top_k_index.transpose(0, 1) == expert)
             if token_idx.numel() == 0:
                 continue
             tokens = self.expert_input("gate_up_proj", x[token_idx], expert)
-            h = F.linear(tokens, gate_up[expert], _row(gate_up_bias, expert))
+            h = _add_bias(F.linear(tokens, gate_up[expert]), gate_up_bias, expert)
             h = self.expert_input("down_proj", self._apply_gate(h), expert)
             h = self.down_proj_input_quantizer(h)
-            y = F.linear(h, down[expert], _row(down_bias, expert))
+            y = _add_bias(F.linear(h, down[expert]), down_bias, expert)
             y = y * top_k_weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
 
 
-def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
-    return None if bias is None else bias[expert]
+def _add_bias(product: torch.Tensor, bias: torch.Tensor | None, expert: int) -> torch.Tensor:
+    return product if bias is None else product + bias[expert]
 
 
 class QuantFusedExperts(QuantExperts):
