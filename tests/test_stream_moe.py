@@ -35,8 +35,8 @@ def _weight_map(directory: Path) -> dict[str, str]:
 
 
 #: Mixtral with layer 0 left unquantized: in memory, layer 1 calibrates on the outputs of
-#: layer 0's quantized experts wrapper, the stream on transformers' own, and for Mixtral the
-#: two are not bit for bit the same (INT4 AWQ on AVX-512, FP8 on AVX2: docs/streaming.md);
+#: layer 0's quantized model, the stream on transformers' own, and for Mixtral the two
+#: part (INT4 AWQ on AVX-512, FP8 on AVX2; where is not established: docs/streaming.md);
 #: with layer 0 float both see the same inputs on every CPU.
 _MIXTRAL_FP8 = {"*": "fp8", "model.layers.0.*": None}
 _MIXTRAL_AWQ = {"*": "int4_awq", "model.layers.0.*": None}
@@ -82,7 +82,7 @@ def test_per_expert_checkpoints_stream_byte_for_byte(
 def test_mixtral_fp8_on_every_layer_differs_only_in_later_input_scales(tmp_path: Path) -> None:
     # the gap _MIXTRAL_FP8 steps around: every weight and scale is the in-memory one; the
     # activation scales of layer 1 on are equal on AVX-512, within one bf16 step (2**-8) of
-    # the amax on AVX2, where the wrapper's forward parts from transformers'
+    # the amax on AVX2, where the two paths part
     src = family_directory(tmp_path, "mixtral")
     expected = in_memory_export(src, tmp_path / "memory", "fp8", shard=SHARD)
     streamed = export_streaming(
