@@ -51,6 +51,32 @@ def _ids(seq: int = 8) -> torch.Tensor:
     return torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(3))
 
 
+# -- stacked experts (Mixtral, Qwen-MoE, GPT-OSS) ---------------------------------------
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
+def test_experts_wrapped_with_quantizers_off_are_transformers_experts_bit_for_bit(
+    family: str, implementation: str
+) -> None:
+    # bfloat16, where every rounding shows. Both sides run in this process on the same
+    # kernels, so equal operations give equal bits: whole-model calibration (the wrapper,
+    # quantizers transparent) then sees the float model's activations exactly, which the
+    # streamed checkpoints' byte identity rests on (tests/test_stream*.py). Mixtral's router
+    # returns float32 weights: its grouped kernel sums each token's shares in float32 and
+    # rounds once, its eager loop adds each share into bfloat16.
+    model = tiny_hf_model(family, seed=0).to(torch.bfloat16)
+    assert model.config._experts_implementation == "grouped_mm"  # transformers' default here
+    model.config._experts_implementation = implementation
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+        for name, experts in [(n, m) for n, m in model.named_modules() if n.endswith(".experts")]:
+            wrap_module(experts, name)
+        assert any(isinstance(m, QuantExperts) for m in model.modules())
+        assert torch.equal(model(ids).logits, expected)
+
+
 # -- Llama4 ----------------------------------------------------------------------------
 
 

@@ -34,36 +34,26 @@ def _weight_map(directory: Path) -> dict[str, str]:
     return weight_map
 
 
-#: Mixtral with layer 0 left unquantized: in memory, layer 1 calibrates on the outputs of
-#: layer 0's quantized model, the stream on transformers' own, and for Mixtral the two
-#: part (INT4 AWQ on AVX-512, FP8 on AVX2; where is not established: docs/streaming.md);
-#: with layer 0 float both see the same inputs on every CPU.
-_MIXTRAL_FP8 = {"*": "fp8", "model.layers.0.*": None}
-_MIXTRAL_AWQ = {"*": "int4_awq", "model.layers.0.*": None}
-
-
 @pytest.mark.parametrize(
     ("family", "recipe"),
     [
-        ("mixtral", _MIXTRAL_FP8),
+        ("mixtral", "fp8"),
         ("qwen2_moe", "fp8"),
         ("qwen3_moe", "fp8"),
-        ("mixtral", _MIXTRAL_AWQ),
+        ("mixtral", "int4_awq"),
+        ("mixtral", "int8_sq"),
         ("qwen2_moe", "nvfp4"),
+        ("qwen2_moe", "int4_awq"),
         ("qwen3_moe", "fp8+fp8_kv"),
-    ],
-    ids=[
-        "mixtral-fp8",
-        "qwen2_moe-fp8",
-        "qwen3_moe-fp8",
-        "mixtral-int4_awq",
-        "qwen2_moe-nvfp4",
-        "qwen3_moe-fp8_kv",
     ],
 )
 def test_per_expert_checkpoints_stream_byte_for_byte(
     tmp_path: Path, family: str, recipe: Any
 ) -> None:
+    # in memory, layer 1 calibrates on the outputs of layer 0's quantized experts wrapper,
+    # the stream on transformers' own: equal only because the wrapper, its quantizers
+    # transparent, computes what transformers' experts do (for Mixtral: float32 routing
+    # weights, each token's shares summed in float32 and rounded once, docs/streaming.md)
     src = family_directory(tmp_path, family)
     assert EXPERT_TENSOR[family] in _weight_map(src)  # saved one tensor per expert
     expected = in_memory_export(src, tmp_path / "memory", recipe, shard=SHARD)
@@ -77,33 +67,6 @@ def test_per_expert_checkpoints_stream_byte_for_byte(
     assert f"{stem}.weight_scale" in names
     assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in names)
     assert any(n.endswith("k_scale") for n in names) == ("fp8_kv" in str(recipe))
-
-
-def test_mixtral_fp8_on_every_layer_differs_only_in_later_input_scales(tmp_path: Path) -> None:
-    # the gap _MIXTRAL_FP8 steps around: every weight and scale is the in-memory one; the
-    # activation scales of layer 1 on are equal on AVX-512, within one bf16 step (2**-8) of
-    # the amax on AVX2, where the two paths part
-    src = family_directory(tmp_path, "mixtral")
-    expected = in_memory_export(src, tmp_path / "memory", "fp8", shard=SHARD)
-    streamed = export_streaming(
-        src, tmp_path / "streamed", recipe="fp8", max_shard_size=SHARD, calibration_inputs="float"
-    )
-    ours, theirs = _tensors(expected), _tensors(streamed)
-    assert ours.keys() == theirs.keys()
-    exact = {k for k in ours if ".layers.0." in k or not k.endswith("input_scale")}
-    assert [k for k in sorted(exact) if not torch.equal(ours[k], theirs[k])] == []
-    for k in ours.keys() - exact:
-        torch.testing.assert_close(theirs[k], ours[k], rtol=2**-7, atol=0)
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    found: dict[str, torch.Tensor] = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        for name, tensor in load_file(shard).items():
-            found[name] = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
-    return found
 
 
 def test_a_streamed_mixtral_loads_and_gives_finite_logits(tmp_path: Path) -> None:

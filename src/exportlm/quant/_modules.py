@@ -302,12 +302,28 @@ class QuantExperts(QuantModule):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """Route tokens through fake-quantized experts (eager loop over experts hit)."""
+        """Route tokens through fake-quantized experts (an eager loop over the experts hit).
+
+        With every quantizer transparent this is transformers' experts forward bit for bit,
+        for the implementation the model's config selects (``_experts_implementation``):
+        ``eager`` adds each expert's share into the hidden dtype, as its loop does; its
+        grouped / batched kernels keep every (token, slot) share in the dtype of the routing
+        weights times the hidden states (float32 for Mixtral's router), sum them over the
+        slots and cast once.
+        """
         gate_up = self.gate_up_proj_weight_quantizer(self.effective_weight("gate_up_proj"))
         down = self.down_proj_weight_quantizer(self.effective_weight("down_proj"))
         gate_up_bias, down_bias = self.bias_of("gate_up_proj"), self.bias_of("down_proj")
         x = self.gate_up_proj_input_quantizer(hidden_states)
+        config = getattr(self, "config", None)
+        eager = getattr(config, "_experts_implementation", None) in (None, "eager")
         out = torch.zeros_like(hidden_states)
+        shares = None
+        if not eager:
+            dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
+            shares = hidden_states.new_zeros(
+                (*top_k_index.shape, hidden_states.shape[-1]), dtype=dtype
+            )
         for expert in range(self.num_experts):
             # transformers' own order and ops, so that with every quantizer transparent this
             # is its forward bit for bit: tokens by (top-k slot, token), the bias added
@@ -321,8 +337,11 @@ class QuantExperts(QuantModule):
             h = self.down_proj_input_quantizer(h)
             y = _add_bias(F.linear(h, down[expert]), down_bias, expert)
             y = y * top_k_weights[token_idx, slot, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
-        return out
+            if shares is None:
+                out.index_add_(0, token_idx, y.to(out.dtype))
+            else:
+                shares[token_idx, slot] = y.to(shares.dtype)
+        return out if shares is None else shares.sum(dim=1).to(hidden_states.dtype)
 
 
 def _add_bias(product: torch.Tensor, bias: torch.Tensor | None, expert: int) -> torch.Tensor:
