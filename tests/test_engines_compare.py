@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from exportlm.engines import (
+    NEW_TOKENS,
     TOLERANCES,
     Engine,
     EngineResult,
@@ -150,9 +151,21 @@ def graph(tmp_path: Path) -> Path:
     return path
 
 
-def _serve(engine: Engine, graph: Path, model: torch.nn.Module, mode: str) -> Served:
+def _serve(
+    engine: Engine,
+    graph: Path,
+    model: torch.nn.Module,
+    mode: str,
+    tolerance: Tolerance = TOL,
+    **options: str,
+) -> Served:
     return serve_and_compare(
-        engine, graph, model, prompts=PROMPTS, tolerance=TOL, options={"mode": mode}
+        engine,
+        graph,
+        model,
+        prompts=PROMPTS,
+        tolerance=tolerance,
+        options={"mode": mode, **options},
     )
 
 
@@ -234,14 +247,7 @@ def test_a_declared_misread_served_within_tolerance_but_for_a_near_tie_stays_a_n
     # the tolerance could swap them neither confirm the row nor prove the engine right
     row = Support("onnx", "plain", verdict=Verdict.MISREADS, evidence="off by up to 1.4")
     wide = Tolerance(100.0, "wide enough that every divergence is a near-tie")
-    got = serve_and_compare(
-        _engine(tmp_path, row),
-        graph,
-        model,
-        prompts=PROMPTS,
-        tolerance=wide,
-        options={"mode": "ok"},
-    )
+    got = _serve(_engine(tmp_path, row), graph, model, "ok", tolerance=wide)
     assert got.outcome is Outcome.NEAR_TIE
     assert not got.declared
     assert "neither confirm nor refute" in got.message
@@ -253,16 +259,9 @@ def test_a_declared_misread_the_engine_computes_right_fails_the_table(
     tmp_path: Path, graph: Path, model: torch.nn.Module
 ) -> None:
     row = Support("onnx", "plain", verdict=Verdict.MISREADS, evidence="off by up to 1.4")
-    ref = eager_reference(model, PROMPTS, 4)
-    got = serve_and_compare(
-        _engine(tmp_path, row),
-        graph,
-        model,
-        prompts=PROMPTS,
-        tolerance=TOL,
-        new_tokens=4,
-        options={"mode": "answer", "answer": json.dumps([ref.tokens, ref.logprobs])},
-    )
+    ref = eager_reference(model, PROMPTS, NEW_TOKENS)
+    answer = json.dumps([ref.tokens, ref.logprobs])  # the eager model's own, exactly
+    got = _serve(_engine(tmp_path, row), graph, model, "answer", answer=answer)
     assert got.outcome is Outcome.FAILED
     assert "the table says" in got.message
     assert "update the table" in got.message
