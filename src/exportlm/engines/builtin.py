@@ -140,9 +140,9 @@ VLLM = Engine(
                 "are up to 3.77 off in logprob and 28 of 30 greedy rows part from the fake-quant "
                 "model (benchmarks/engine_bf16_error.py --recipe w8a8); on an AMD EPYC with "
                 "AVX-512 and VNNI (no AMX) 1.38 off, 15 of 30 rows parting (at eager margins up "
-                "to 1.55); the same checkpoint is 0.695 off on the Intel Xeon. Without AMX tiles vLLM computes the int8 GEMM with "
-                "oneDNN, with them with its own SGL kernel (vllm/model_executor/layers/utils.py "
-                "check_cpu_sgl_kernel); which of the two is wrong where is not established, so "
+                "to 1.55); the same checkpoint is 0.695 off on the Intel Xeon. Without AMX "
+                "tiles vLLM computes the int8 GEMM with oneDNN, with them with its own SGL "
+                "kernel (vllm/model_executor/layers/utils.py check_cpu_sgl_kernel); which of the two is wrong where is not established, so "
                 "the row needs AMX"
             ),
             evidence=(

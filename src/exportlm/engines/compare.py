@@ -12,8 +12,8 @@ for some quantized schemes :data:`~exportlm.engines.tolerances.SCHEME_TOLERANCES
 What the support table declares decides what an outcome means
 (:class:`Outcome`): a row that ``runs`` must match; a ``refused`` / ``engine_limit``
 row must fail with the table's message (else the table is out of date: a failure);
-a ``misreads`` row must differ (a near-tie confirms nothing: it stays a near-tie). A declared limit is reported as such
-(:attr:`Served.declared` is true), never as a pass.
+a ``misreads`` row must differ (a near-tie confirms nothing: it stays a near-tie). A
+declared limit is reported as such (:attr:`Served.declared` is true), never as a pass.
 
 Torch is imported by the functions that need it, so importing this module imports
 no torch and no engine.

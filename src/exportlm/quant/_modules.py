@@ -317,11 +317,11 @@ class QuantExperts(QuantModule):
         x = self.gate_up_proj_input_quantizer(hidden_states)
         config = getattr(self, "config", None)
         eager = getattr(config, "_experts_implementation", None) in (None, "eager")
-        out = torch.zeros_like(hidden_states)
-        shares = None
-        if not eager:
+        if eager:  # [T, H]: each expert's share added in
+            out = torch.zeros_like(hidden_states)
+        else:  # [T, k, H]: each (token, slot) share, summed over the slots at the end
             dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
-            shares = hidden_states.new_zeros(
+            out = hidden_states.new_zeros(
                 (*top_k_index.shape, hidden_states.shape[-1]), dtype=dtype
             )
         for expert in range(self.num_experts):
@@ -337,11 +337,11 @@ class QuantExperts(QuantModule):
             h = self.down_proj_input_quantizer(h)
             y = _add_bias(F.linear(h, down[expert]), down_bias, expert)
             y = y * top_k_weights[token_idx, slot, None]
-            if shares is None:
+            if eager:
                 out.index_add_(0, token_idx, y.to(out.dtype))
             else:
-                shares[token_idx, slot] = y.to(shares.dtype)
-        return out if shares is None else shares.sum(dim=1).to(hidden_states.dtype)
+                out[token_idx, slot] = y.to(out.dtype)
+        return out if eager else out.sum(dim=1).to(hidden_states.dtype)
 
 
 def _add_bias(product: torch.Tensor, bias: torch.Tensor | None, expert: int) -> torch.Tensor:
