@@ -319,6 +319,33 @@ def test_torch_export_artifact_loads_without_transformers(
     assert done.stdout.split()[-1] == "False"
 
 
+def test_onnx_export_of_a_model_of_ones_own_leaves_transformers_modeling_unimported(
+    tmp_path: Path,
+) -> None:
+    """Deciding whether the model takes an attention mask asks transformers only when a
+    transformers model can exist: importing its modeling code costs a fresh process 1.4 s.
+    The top-level package is imported first, as ``exportlm.models`` imports it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, transformers\n"
+        "import exportlm\n"
+        "class LM(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed, self.head = torch.nn.Embedding(40, 8), torch.nn.Linear(8, 40)\n"
+        "    def forward(self, input_ids):\n"
+        "        return self.head(self.embed(input_ids))\n"
+        f"exportlm.export_model('onnx', LM().eval(), {str(tmp_path / 'lm.onnx')!r}, dynamo=False)\n"
+        "print('transformers.modeling_utils' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False"
+    assert (tmp_path / "lm.onnx").stat().st_size > 0
+
+
 class _Scriptable(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -35,7 +35,6 @@ Two cache interfaces are recognised (:func:`probe_past_layout`):
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,6 +43,7 @@ import torch
 from torch import nn
 
 from exportlm.errors import InvalidModelError
+from exportlm.export._optional import is_transformers_model
 from exportlm.export._wrapper import extract_logits
 
 __all__ = [
@@ -153,12 +153,6 @@ def example_past(
     )
 
 
-def _is_transformers_model(model: nn.Module) -> bool:
-    transformers = sys.modules.get("transformers")
-    base = getattr(transformers, "PreTrainedModel", None)
-    return isinstance(base, type) and isinstance(model, base)
-
-
 def _forward_params(model: nn.Module) -> set[str]:
     try:
         return set(inspect.signature(model.forward).parameters)
@@ -234,7 +228,7 @@ def probe_past_layout(model: nn.Module) -> PastLayout:
             f"it has no KV cache to export. {_HOW_TO}"
         )
     style: Literal["transformers", "tuple"] = (
-        "transformers" if _is_transformers_model(model) else "tuple"
+        "transformers" if is_transformers_model(model) else "tuple"
     )
     ids = torch.zeros((1, 2), dtype=torch.long, device=_device(model))
     try:

@@ -17,13 +17,13 @@ anything is written.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from exportlm.errors import InvalidInputError, InvalidModelError
+from exportlm.export._optional import is_transformers_model
 from exportlm.export._past import PastLayout, flat_past_names
 
 __all__ = [
@@ -47,9 +47,7 @@ _GENAI_TYPE = "decoder"
 
 
 def _config(model: nn.Module) -> Any | None:
-    transformers = sys.modules.get("transformers")
-    base = getattr(transformers, "PreTrainedModel", None)
-    if isinstance(base, type) and isinstance(model, base):
+    if is_transformers_model(model):
         return model.config
     return None
 

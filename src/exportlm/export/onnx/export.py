@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch
 from torch import nn
 
 from exportlm.errors import InvalidInputError, InvalidModelError, UnsupportedDtypeError
-from exportlm.export._optional import require_modules
+from exportlm.export._optional import is_transformers_model, require_modules
 from exportlm.export._wrapper import ExportCacheWrapper, accepts_attention_mask
 from exportlm.export.declaration import TargetInfo
 from exportlm.export.job import ExportJob, ExportRequest, export_job, job_target
@@ -99,12 +98,6 @@ def _onnx_cuda_available() -> bool:
 _CAPABILITIES = {"dynamic_shapes", "multi_file", "quantized", "kv_cache"} | (
     {"cuda"} if _onnx_cuda_available() else set()
 )
-
-
-def _is_transformers_model(model: nn.Module) -> bool:
-    transformers = sys.modules.get("transformers")
-    base = getattr(transformers, "PreTrainedModel", None)
-    return isinstance(base, type) and isinstance(model, base)
 
 
 def _weight_bytes(model: nn.Module) -> int:
@@ -179,7 +172,7 @@ def _export_args(
     wants_mask = (
         attention_mask
         if attention_mask is not None
-        else _is_transformers_model(job.model) and accepts_attention_mask(job.model)
+        else is_transformers_model(job.model) and accepts_attention_mask(job.model)
     )
     if wants_mask and not accepts_attention_mask(job.model):
         raise InvalidModelError(
