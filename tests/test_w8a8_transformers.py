@@ -9,7 +9,13 @@ quantizer and vLLM's ``compressed_tensors_w8a8_int8`` kernel divide by 127, so:
 
 * against the fake-quant model with compressed-tensors' activation rounding (the
   reference below, :func:`_ct_token_quant`), logits within :data:`CT_ATOL`
-  (measured 2.4e-4 at logits of magnitude ~0.95);
+  (measured 2.4e-4 at logits of magnitude ~0.95), except where the two sides round
+  an activation to neighbouring int8 steps: matmul kernels that differ in the last bits
+  move a value sitting on a rounding boundary, and that token's logits then differ by
+  up to 2.1e-3 (measured with ``ATEN_CPU_CAPABILITY=default``: 1 token of 36, on an
+  Intel Xeon with AVX-512 and AMX; none on its best kernels). So at most
+  :data:`CT_FLIPPED_TOKENS` tokens may be beyond :data:`CT_ATOL`, and every token is
+  within :data:`CT_FLIP_ATOL`;
 * against our fake-quant model as it is, within :data:`ROUNDING_ATOL` (measured
   1.3e-2: the two roundings of the activations, which is also how far transformers
   and vLLM are apart on this model: as far as skipping the input quantization);
@@ -35,6 +41,10 @@ pytestmark = pytest.mark.interop
 
 #: transformers vs the fake-quant model with compressed-tensors' activation rounding.
 CT_ATOL = 1e-3
+#: ... for a token where one activation rounded to the neighbouring int8 step (2.5x 2.1e-3).
+CT_FLIP_ATOL = 5e-3
+#: Tokens (of the 36 compared) allowed beyond CT_ATOL but within CT_FLIP_ATOL.
+CT_FLIPPED_TOKENS = 3
 #: transformers vs the fake-quant model itself (amax / 127 per token): the rounding gap.
 ROUNDING_ATOL = 3e-2
 #: compressed-tensors' symmetric int8 divisor, ``(q_max - q_min) / 2``.
@@ -86,7 +96,10 @@ def test_transformers_loads_our_w8a8_checkpoint_with_the_fake_quant_logits(
     got = _logits(loaded, ids)
     with _ct_token_quant(model):
         ct_rounding = _logits(model, ids)
-    torch.testing.assert_close(got, ct_rounding, atol=CT_ATOL, rtol=0)
+    torch.testing.assert_close(got, ct_rounding, atol=CT_FLIP_ATOL, rtol=0)
+    per_token = (got - ct_rounding).abs().amax(dim=-1)
+    flipped = int((per_token > CT_ATOL).sum())
+    assert flipped <= CT_FLIPPED_TOKENS, (flipped, per_token.max().item())
     ours = _logits(model, ids)
     torch.testing.assert_close(got, ours, atol=ROUNDING_ATOL, rtol=0)
     float_inputs = _logits(_without_input_quantization(model), ids)
