@@ -305,18 +305,23 @@ def test_torch_export_artifact_loads_without_transformers(
     exported: Callable[[str, str], Exported], tmp_path: Path
 ) -> None:
     """A .pt2 of a transformers MoE model runs in a process that never imports transformers."""
-    import subprocess
-    import sys
-
     path = exported("torch_export", "qwen3_moe").path
     code = (
         "import sys, torch\n"
         f"m = torch.export.load(open({str(path)!r}, 'rb')).module()\n"
         "print(tuple(m(torch.zeros(2, 8, dtype=torch.long)).shape), 'transformers' in sys.modules)\n"
     )
+    assert _last_word_printed(code) == "False"
+
+
+def _last_word_printed(code: str) -> str:
+    """The last word ``code`` prints, run in a fresh interpreter (which must exit 0)."""
+    import subprocess
+    import sys
+
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-1] == "False"
+    return done.stdout.split()[-1]
 
 
 def test_onnx_export_of_a_model_of_ones_own_leaves_transformers_modeling_unimported(
@@ -325,9 +330,6 @@ def test_onnx_export_of_a_model_of_ones_own_leaves_transformers_modeling_unimpor
     """Deciding whether the model takes an attention mask asks transformers only when a
     transformers model can exist: importing its modeling code costs a fresh process 1.4 s.
     The top-level package is imported first, as ``exportlm.models`` imports it."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, torch, transformers\n"
         "import exportlm\n"
@@ -340,9 +342,7 @@ def test_onnx_export_of_a_model_of_ones_own_leaves_transformers_modeling_unimpor
         f"exportlm.export_model('onnx', LM().eval(), {str(tmp_path / 'lm.onnx')!r}, dynamo=False)\n"
         "print('transformers.modeling_utils' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-1] == "False"
+    assert _last_word_printed(code) == "False"
     assert (tmp_path / "lm.onnx").stat().st_size > 0
 
 
