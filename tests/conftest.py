@@ -39,6 +39,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # first imported inside one would be imported again later with new class objects
     # (a warning class that no longer matches pytest.warns, a registry holding the old
     # module's factory). Load every registry, and so every built-in module, up front.
+    # transformers too: exportlm imports it only when a transformers family is built, and
+    # an in-process run that builds the first one would otherwise leave it half-dropped.
+    import transformers  # noqa: F401
+
     from exportlm.inventory import registries
 
     registries()

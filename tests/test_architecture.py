@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "exportlm.inputs": {"exportlm.errors"},
     "exportlm._progress": set(),
     "exportlm._matrix": set(),  # the report matrix and merge: stdlib only
+    "exportlm._transformers_model": set(),  # is this a transformers model? stdlib only
     "exportlm.safeio": {"exportlm.errors"},
     "exportlm.hfdir": {"exportlm.errors", "exportlm.safeio"},
     "exportlm.calibration": {
@@ -34,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.hfdir",
     },
     "exportlm.quant": {"exportlm.errors", "exportlm.registry", "exportlm.inputs"},
-    "exportlm.models": {"exportlm.errors", "exportlm.registry"},
+    "exportlm.models": {"exportlm.errors", "exportlm.registry", "exportlm._transformers_model"},
     "exportlm.module_exporters": {"exportlm.errors", "exportlm.registry", "exportlm.quant"},
     "exportlm.modules": {"exportlm.module_exporters"},  # deprecated alias, removed in 0.3
     "exportlm.export": {
@@ -49,6 +50,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm._progress",
         "exportlm.hfdir",  # the hf_checkpoint loader reads untrusted configs through it
         "exportlm.inspection",  # ... and validates headers with the inspector's own rules
+        "exportlm._transformers_model",
     },
     "exportlm.inspection": {
         "exportlm.errors",

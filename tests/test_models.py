@@ -413,3 +413,24 @@ def test_model_family_declarations_are_validated_and_read_by_name() -> None:
     finally:
         MODEL_REGISTRY.unregister("exportlm_test_family")
         MODEL_REGISTRY.unregister("exportlm_test_plain")
+
+
+def test_transformers_loads_when_a_transformers_family_is_built_not_before() -> None:
+    """Listing the families, building one of one's own and asking its traits leave
+    transformers unimported (0.5 s in every process that never needs it: the plugin's,
+    ``exportlm list``); building a transformers family loads it, and its traits say so."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from exportlm.models import MODEL_REGISTRY, build_model, ensure_models_registered, model_traits\n"
+        "ensure_models_registered()\n"
+        "assert {'decoder', 'llama', 'mixtral'} <= set(MODEL_REGISTRY.names())\n"
+        "before = sorted(model_traits(build_model('decoder_tied')))\n"
+        "print(before, 'transformers' in sys.modules)\n"
+        "print(sorted(model_traits(build_model('llama_tied'))), 'transformers' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["['tied'] False", "['hf', 'tied'] True"]

@@ -42,8 +42,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from exportlm._transformers_model import is_transformers_model
 from exportlm.errors import InvalidModelError
-from exportlm.export._optional import is_transformers_model
 from exportlm.export._wrapper import extract_logits
 
 __all__ = [

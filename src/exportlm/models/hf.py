@@ -55,14 +55,16 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import transformers
 
 from exportlm.errors import TiedWeightsError, UnknownNameError, UnknownOptionError
 from exportlm.models._init import seeded_init_
 from exportlm.models.causes import FailureCause
+
+if TYPE_CHECKING:  # transformers loads when a family is built, not when one is listed
+    import transformers
 
 __all__ = [
     "HF_FAMILIES",
@@ -272,6 +274,8 @@ def _make_config(spec: _Family, overrides: Mapping[str, Any]) -> Any:
     Transformers configs accept (and keep) any keyword, so a misspelled override
     would be silently ignored; it is checked against the family's default config.
     """
+    import transformers
+
     config_cls = getattr(transformers, spec.config_class)
     reference = config_cls()
     unknown = [key for key in overrides if not hasattr(reference, key)]
@@ -305,6 +309,8 @@ def build_from_config(config: Any, seed: int, label: str) -> transformers.PreTra
     Shared by :func:`tiny_hf_model` and ``build_from_spec``; ``label`` names the
     model in errors and logs.
     """
+    import transformers
+
     start = time.perf_counter()
     # transformers' own init draws from torch's global RNG; keep the caller's stream intact.
     with torch.random.fork_rng(devices=[]):
@@ -328,5 +334,11 @@ def _check_tied(model: transformers.PreTrainedModel, family: str) -> None:
             f"tiny {family!r} model: config.tie_word_embeddings=True but lm_head.weight and "
             "embed_tokens.weight are two tensors after building; transformers did not tie "
             "them, so an exporter would see two diverging copies. Report this with the "
-            f"transformers version ({transformers.__version__})."
+            f"transformers version ({_transformers_version()})."
         )
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)

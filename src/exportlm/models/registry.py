@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import transformers
 from torch import nn
 
+from exportlm._transformers_model import is_transformers_model
 from exportlm.models._init import seeded_init_
 from exportlm.models.causes import PER_MODEL_CHECKS, FailureCause, checked_causes
 from exportlm.models.decoder import SCRIPT_FAILURE_REASON, DecoderModel
@@ -287,7 +287,7 @@ def model_traits(model: nn.Module) -> frozenset[str]:
     - ``"tied"``: some parameter is reachable under two names.
     """
     traits: set[str] = set()
-    if isinstance(model, transformers.PreTrainedModel):
+    if is_transformers_model(model):
         traits.add("hf")
     if any(name.rsplit(".", 1)[-1] == "experts" for name, _ in model.named_modules()):
         traits.add("moe")

@@ -21,12 +21,13 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from typing import Any, ClassVar
-
-import transformers
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from exportlm.errors import InvalidConfigError
 from exportlm.models.hf import _Family, _family, _make_config, build_from_config
+
+if TYPE_CHECKING:
+    import transformers
 
 __all__ = ["SPEC_FAMILIES", "SPEC_FORMAT", "ModelSpec", "build_from_spec"]
 

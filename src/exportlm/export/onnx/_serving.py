@@ -22,8 +22,8 @@ from typing import Any
 
 from torch import nn
 
+from exportlm._transformers_model import is_transformers_model
 from exportlm.errors import InvalidInputError, InvalidModelError
-from exportlm.export._optional import is_transformers_model
 from exportlm.export._past import PastLayout, flat_past_names
 
 __all__ = [

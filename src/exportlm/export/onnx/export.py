@@ -36,8 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from exportlm._transformers_model import is_transformers_model
 from exportlm.errors import InvalidInputError, InvalidModelError, UnsupportedDtypeError
-from exportlm.export._optional import is_transformers_model, require_modules
+from exportlm.export._optional import require_modules
 from exportlm.export._wrapper import ExportCacheWrapper, accepts_attention_mask
 from exportlm.export.declaration import TargetInfo
 from exportlm.export.job import ExportJob, ExportRequest, export_job, job_target
