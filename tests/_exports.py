@@ -71,14 +71,21 @@ def shared_export(
     target: str,
     family: str,
     seed: int = 0,
+    *,
+    filename: str | None = None,
     **options: Any,
 ) -> SharedExport:
-    """``build_model(family, seed)`` exported to ``target`` with ``options``, once a session."""
-    spec = json.dumps([target, family, seed, sorted(options.items())], default=repr)
+    """``build_model(family, seed)`` exported to ``target`` with ``options``, once a session.
+
+    ``filename`` names the artifact in its own folder (``model.onnx`` for the Optimum and
+    genai folders, whose readers look for that name); default ``<family><suffix>``.
+    """
+    filename = filename or f"{family}{SUFFIX[target]}"
+    spec = json.dumps([target, family, seed, filename, sorted(options.items())], default=repr)
     key = f"{target}-{family}-{seed}-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
     root = session_root(tmp_path_factory)
     folder = root / key
-    path = folder / f"{family}{SUFFIX[target]}"
+    path = folder / filename
     with _locked(root / f"{key}.lock"):
         if not (folder / _DONE).is_file():
             shutil.rmtree(folder, ignore_errors=True)  # what an interrupted export left

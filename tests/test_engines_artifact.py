@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 
 import onnx
+import pytest
 
 import exportlm
 from exportlm.engines import artifact_kind, get_engine
 from exportlm.engines.spec import Verdict
 from exportlm.models import build_model
+from tests._exports import SharedExport, shared_export
 
 
 def _manifest_inputs(graph: Path) -> list[dict[str, object]]:
@@ -19,11 +21,24 @@ def _manifest_inputs(graph: Path) -> list[dict[str, object]]:
     return list(json.loads(manifest.read_text(encoding="utf-8"))["inputs"])
 
 
-def test_a_kv_cache_manifest_lists_every_graph_input_with_its_dims(tmp_path: Path) -> None:
-    model = build_model("llama")
-    graph = exportlm.export_model(
-        "onnx", model, tmp_path / "model.onnx", kv_cache=True, layout="optimum", genai_config=True
+def _served_llama(tmp_path_factory: pytest.TempPathFactory) -> SharedExport:
+    """The llama Optimum + genai folder, read-only, as tests/test_generation_padded.py has it."""
+    return shared_export(
+        tmp_path_factory,
+        "onnx",
+        "llama",
+        filename="model.onnx",
+        kv_cache=True,
+        layout="optimum",
+        genai_config=True,
     )
+
+
+def test_a_kv_cache_manifest_lists_every_graph_input_with_its_dims(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    shared = _served_llama(tmp_path_factory)
+    model, graph = shared.model, shared.path
     listed = _manifest_inputs(graph)
     real = [i.name for i in onnx.load(str(graph), load_external_data=False).graph.input]
     assert [i["name"] for i in listed] == real
@@ -47,11 +62,9 @@ def test_a_plain_graph_lists_its_inputs_too(tmp_path: Path) -> None:
 
 
 def test_a_kv_cache_graph_and_its_optimum_folder_are_the_tables_kv_cache_rows(
-    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    graph = exportlm.export_model(
-        "onnx", build_model("llama"), tmp_path / "o" / "model.onnx", kv_cache=True, layout="optimum"
-    )
+    graph = _served_llama(tmp_path_factory).path
     for path in (graph, graph.parent):
         kind = artifact_kind(path)
         assert (kind.target, kind.layout, kind.scheme) == ("onnx", "kv_cache", None)

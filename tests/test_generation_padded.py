@@ -47,26 +47,21 @@ def _left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
-    """``(family, **options) -> (model, folder)``: one Optimum + genai export per case."""
-    cache: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
-    root = tmp_path_factory.mktemp("served")
+    """``(family, **options) -> (model, folder)``: one Optimum + genai export per case and
+    session (``tests/test_engines_artifact.py`` reads the llama one too), read-only."""
 
     def get(family: str, **options: Any) -> Any:
-        key = (family, tuple(sorted(options.items())))
-        if key not in cache:
-            model = build_model(family)
-            folder = root / f"{family}-{len(cache)}"
-            exportlm.export_model(
-                "onnx",
-                model,
-                folder / "model.onnx",
-                kv_cache=True,
-                layout="optimum",
-                genai_config=True,
-                **options,
-            )
-            cache[key] = (model, folder)
-        return cache[key]
+        shared = shared_export(
+            tmp_path_factory,
+            "onnx",
+            family,
+            filename="model.onnx",
+            kv_cache=True,
+            layout="optimum",
+            genai_config=True,
+            **options,
+        )
+        return shared.model, shared.path.parent
 
     return get
 

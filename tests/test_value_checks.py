@@ -125,12 +125,15 @@ def test_a_missing_golden_fails_and_with_its_golden_a_correct_exporter_passes_it
 ) -> None:
     """One project, three runs (each a subprocess: the conftest's exporter must not join
     this process's registry): without a golden, golden_checkpoint fails saying it is
-    missing; --export-update-goldens writes it; against it every value check passes."""
+    missing; --export-update-goldens writes it; against it every value check passes.
+    The first two runs select golden_checkpoint alone: the other checks do not read the
+    golden (the generated structures of quantized_generated cost each run ~1.3 s more)."""
     _project(pytester)
-    missing = pytester.runpytest_subprocess(*ARGS)
-    missing.assert_outcomes(passed=3, failed=1)
+    golden_only = (*ARGS[:2], "--export-checks=golden_checkpoint", *ARGS[3:])
+    missing = pytester.runpytest_subprocess(*golden_only)
+    missing.assert_outcomes(failed=1)
     missing.stdout.fnmatch_lines(["*golden_checkpoint*scaled_linear*", "*is missing*"])
-    pytester.runpytest_subprocess(*ARGS, "--export-update-goldens").assert_outcomes(passed=4)
+    pytester.runpytest_subprocess(*golden_only, "--export-update-goldens").assert_outcomes(passed=1)
     golden = pytester.path / "goldens" / "checkpoint" / "conformance" / "scaled_linear.json"
     written = json.loads(golden.read_text())
     assert sorted(written["tensors"]) == ["0.channel_scale", "0.weight", "0.weight_scale"]
