@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import _pytest.pytester
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -46,6 +49,45 @@ def pytest_configure(config: pytest.Config) -> None:
     from exportlm.inventory import registries
 
     registries()
+
+
+class _KeepLibraryModules(_pytest.pytester.SysModulesSnapshot):
+    """pytester's snapshot of ``sys.modules``, keeping what a run imported from outside
+    the test directories.
+
+    An in-process run drops, when it ends, every module it imported. That is right for
+    the project's own conftest and test files (the next run writes new ones), and wrong
+    for a library: a transformers model class or an exportlm module imported again
+    with new class objects no longer matches the instances and ``isinstance`` checks of
+    the modules that kept the old ones, and torch refuses to register an operator
+    library twice. Modules whose file lies under this session's base temporary
+    directory (the pytester projects, their fake distributions) are dropped as before.
+    """
+
+    def __init__(self, preserve: Callable[[str], bool] | None = None) -> None:
+        def keep(name: str) -> bool:
+            if preserve is not None and preserve(name):
+                return True
+            file = getattr(sys.modules.get(name), "__file__", None)
+            return file is not None and not Path(file).resolve().is_relative_to(_BASETEMP[0])
+
+        super().__init__(keep)
+
+
+_BASETEMP: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _pytester_keeps_library_modules(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """In-process pytester runs keep the libraries they import (see :class:`_KeepLibraryModules`)."""
+    if "pytester" not in request.fixturenames:
+        return
+    _BASETEMP[:] = [tmp_path_factory.getbasetemp().resolve()]
+    monkeypatch.setattr(_pytest.pytester, "SysModulesSnapshot", _KeepLibraryModules)
 
 
 FAKE_EXPORTER = "exportcheck_fake_exporter"

@@ -187,7 +187,7 @@ def test_the_same_items_under_xdist(pytester: pytest.Pytester) -> None:
     """Each worker parametrizes identically: outcomes equal the serial run's."""
     pytester.makeconftest(OFFSET_TARGET)
     pytester.makepyfile(test_known=EXPECTED_FAILURES)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-n", "2")
     result.assert_outcomes(passed=1, failed=1, xfailed=1)
 
 

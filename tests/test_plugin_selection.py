@@ -3,7 +3,7 @@
 Failures come from an xfails file that declares passing items as expected failures
 (strict: an unexpected pass fails), so every run only plans cheap checks
 (``plugin_loads``, ``registered``: no export) and runs in-process in well under a
-second. Only the xdist runs start subprocesses.
+second. Only the xdist runs start processes (their workers).
 """
 
 from __future__ import annotations
@@ -184,11 +184,11 @@ def test_rerun_by_id_and_last_failed_under_xdist(project: pytest.Pytester) -> No
     """Workers parse the command line themselves: they must collect the same items."""
     project.runpytest(*SUITE).assert_outcomes(passed=6, failed=1)
 
-    last_failed = project.runpytest_subprocess(*SUITE, "--lf", "-n", "2")
+    last_failed = project.runpytest(*SUITE, "--lf", "-n", "2")
     last_failed.assert_outcomes(failed=1)
     assert _failed(last_failed) == [FAILING]
 
-    by_id = project.runpytest_subprocess(
+    by_id = project.runpytest(
         FAILING, "exportcheck::registered[torch_export-cpu]", SUITE[-1], "-n", "2"
     )
     by_id.assert_outcomes(passed=1, failed=1)

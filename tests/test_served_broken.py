@@ -1,4 +1,4 @@
-"""``served`` fails for broken targets, through the plugin (pytester, each run in a subprocess).
+"""``served`` fails for broken targets, through the plugin (pytester, in-process runs).
 
 * ``nomask_onnx``: the built-in ONNX export whose ``kv_cache=True`` graph takes no
   ``attention_mask`` (so a left-padded batch attends to its padding): Optimum drops the
@@ -88,9 +88,9 @@ def _run(
         "no:cacheprovider",
         *workers,
     ]
-    # in a process of its own also with -n 0: an in-process ONNX export after the host
-    # session's imports aborts the interpreter (torch re-registers its operator libraries)
-    return pytester.runpytest_subprocess(*args)
+    # in-process: tests/conftest.py keeps the modules a run imports (torch's operator
+    # libraries among them), so a later ONNX export does not register them again
+    return pytester.runpytest(*args)
 
 
 def test_a_kv_graph_that_ignores_the_mask_fails_served_in_optimum(

@@ -1,7 +1,7 @@
 """``served`` has one item per target x engine x family, and resolves its engine before exporting.
 
-Through the plugin (pytester, each run in a subprocess: in process, a run after one
-that imported transformers' model classes finds them broken). Nothing here starts an
+Through the plugin (pytester, in-process runs; tests/conftest.py keeps the transformers
+model classes a run imports, so a later run finds them whole). Nothing here starts an
 engine. Without an
 engine's interpreter, or with another version of it than its support table's, an item
 is a skip (``unavailable`` / ``unverified``) that costs no export; under
@@ -43,9 +43,7 @@ def test_one_item_per_engine_each_skipping_before_any_export(
     if HERE == "5.19.0":
         pytest.skip("this interpreter has the table's transformers")
     targets = "--export-targets=hf_checkpoint,onnx,torch_export"
-    result = pytester.runpytest_subprocess(
-        *BASE, targets, "--export-models=llama,mixtral", GIVEN, "-rs", "-v"
-    )
+    result = pytester.runpytest(*BASE, targets, "--export-models=llama,mixtral", GIVEN, "-rs", "-v")
     ids = sorted(
         line.split("::")[-1].split(" ")[0] for line in result.outlines if "::served[" in line
     )
@@ -76,7 +74,7 @@ def test_a_missing_or_off_version_engine_fails_under_require_engines(
     if HERE == "5.19.0":
         pytest.skip("this interpreter has the table's transformers")
     items = [f"exportcheck::served[hf_checkpoint-{e}-llama-cpu]" for e in ("transformers", "vllm")]
-    result = pytester.runpytest_subprocess(
+    result = pytester.runpytest(
         *BASE, "--export-targets=hf_checkpoint", GIVEN, "--export-require-engines", *items
     )
     result.assert_outcomes(failed=2)

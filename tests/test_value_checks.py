@@ -88,7 +88,12 @@ class ScaledLinearExporter(ModuleExporter):
             return nn.Sequential(layer, layer)  # one layer under two names: a tie
 
 
-EXPORT_MODULE_REGISTRY.register(ScaledLinearExporter(), name="scaled_linear")
+EXPORTER = ScaledLinearExporter()
+EXPORT_MODULE_REGISTRY.register(EXPORTER, name="scaled_linear")
+
+
+def pytest_unconfigure(config):  # the run may be in-process: leave the registry as it was
+    EXPORT_MODULE_REGISTRY.unregister(EXPORTER)
 """
 
 ARGS = (
@@ -123,23 +128,23 @@ def _items(pytester: pytest.Pytester) -> dict[str, dict[str, str]]:
 def test_a_missing_golden_fails_and_with_its_golden_a_correct_exporter_passes_its_value_checks(
     pytester: pytest.Pytester,
 ) -> None:
-    """One project, three runs (each a subprocess: the conftest's exporter must not join
-    this process's registry): without a golden, golden_checkpoint fails saying it is
+    """One project, three in-process runs (the conftest takes its exporter out of the
+    registry when each run ends): without a golden, golden_checkpoint fails saying it is
     missing; --export-update-goldens writes it; against it every value check passes.
     The first two runs select golden_checkpoint alone: the other checks do not read the
     golden (the generated structures of quantized_generated cost each run ~1.3 s more)."""
     _project(pytester)
     golden_only = (*ARGS[:2], "--export-checks=golden_checkpoint", *ARGS[3:])
-    missing = pytester.runpytest_subprocess(*golden_only)
+    missing = pytester.runpytest(*golden_only)
     missing.assert_outcomes(failed=1)
     missing.stdout.fnmatch_lines(["*golden_checkpoint*scaled_linear*", "*is missing*"])
-    pytester.runpytest_subprocess(*golden_only, "--export-update-goldens").assert_outcomes(passed=1)
+    pytester.runpytest(*golden_only, "--export-update-goldens").assert_outcomes(passed=1)
     golden = pytester.path / "goldens" / "checkpoint" / "conformance" / "scaled_linear.json"
     written = json.loads(golden.read_text())
     assert sorted(written["tensors"]) == ["0.channel_scale", "0.weight", "0.weight_scale"]
     assert written["quantization"]["quant_algo"] == "FP8"
     assert written["ties"] == {"0.weight=1.weight": ["0.weight"]}
-    pytester.runpytest_subprocess(*ARGS).assert_outcomes(passed=4)  # against the golden: no skip
+    pytester.runpytest(*ARGS).assert_outcomes(passed=4)  # against the golden: no skip
     items = _items(pytester)
     assert items["quantized_generated"]["outcome"] == "pass"
     assert items["golden_checkpoint"]["outcome"] == "pass"
@@ -151,7 +156,7 @@ def test_writing_weight_scale_twice_fails_naming_the_check_and_the_tensor(
     pytester: pytest.Pytester,
 ) -> None:
     _project(pytester, doubled=True)
-    result = pytester.runpytest_subprocess(*ARGS, "--export-update-goldens")
+    result = pytester.runpytest(*ARGS, "--export-update-goldens")
     result.assert_outcomes(failed=4)
     items = _items(pytester)
     for check_id in ("quantized_generated", "golden_checkpoint", "export_contract", "tied_weights"):
@@ -167,9 +172,7 @@ def test_writing_weight_scale_twice_fails_naming_the_check_and_the_tensor(
 
 def test_a_scale_two_percent_off_fails_the_dequantized_forward(pytester: pytest.Pytester) -> None:
     _project(pytester, scale_factor=1.02)
-    result = pytester.runpytest_subprocess(
-        *ARGS[:2], "--export-checks=quantized_generated", *ARGS[3:]
-    )
+    result = pytester.runpytest(*ARGS[:2], "--export-checks=quantized_generated", *ARGS[3:])
     result.assert_outcomes(failed=1)
     message = _items(pytester)["quantized_generated"]["message"]
     assert "0 (QuantScaledLinear): the written tensors ['channel_scale', 'weight', " in message
@@ -180,7 +183,7 @@ def test_an_exporter_without_a_conformance_model_fails_value_coverage(
     pytester: pytest.Pytester,
 ) -> None:
     _project(pytester, with_model=False)
-    result = pytester.runpytest_subprocess(*ARGS)
+    result = pytester.runpytest(*ARGS)
     items = _items(pytester)
     for check_id in ("quantized_generated", "golden_checkpoint"):
         assert items[check_id]["outcome"] == "fail", items[check_id]
