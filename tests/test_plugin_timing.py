@@ -1,7 +1,7 @@
 """Where a conformance run spends its time, and what a rerun takes from the cache.
 
-The runs register a counting model family from a ``conftest.py`` and run in a
-subprocess (the family never joins this process's registry), with and without
+The runs register a counting model family from a ``conftest.py`` (which takes it
+out of the registry again when the run ends) and run in-process, with and without
 xdist: every process builds each toy model once, the JSON report carries each
 item's time profile, ``--export-durations`` prints the slowest items, and a
 rerun says how many items the artifact cache served. A failed export is
@@ -42,6 +42,10 @@ def counted(seed=0, **overrides):
 
 
 MODEL_REGISTRY.register("counted", counted)
+
+
+def pytest_unconfigure(config):  # an in-process run leaves the registry as it was
+    MODEL_REGISTRY.unregister("counted")
 '''
 
 ARGS = [
@@ -81,7 +85,7 @@ def test_each_process_builds_a_toy_model_once_and_reports_profiles(
     pytester: pytest.Pytester, workers: str
 ) -> None:
     pytester.makeconftest(COUNTING_FAMILY)
-    result = pytester.runpytest_subprocess(*ARGS, "-n", workers, "--export-durations=3")
+    result = pytester.runpytest(*ARGS, "-n", workers, "--export-durations=3")
     _ran_clean(result)
     builds = _builds(pytester)
     assert all(count == 1 for count in builds.values()), builds
@@ -108,11 +112,11 @@ def test_each_process_builds_a_toy_model_once_and_reports_profiles(
 
 def test_a_rerun_takes_every_artifact_from_the_cache(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(COUNTING_FAMILY)
-    first = pytester.runpytest_subprocess(*ARGS)
+    first = pytester.runpytest(*ARGS)
     _ran_clean(first)
     exported = json.loads((pytester.path / "report.json").read_text())["cache"]
     assert exported["exports"] >= 1
-    second = pytester.runpytest_subprocess(*ARGS)
+    second = pytester.runpytest(*ARGS)
     _ran_clean(second)
     cache = json.loads((pytester.path / "report.json").read_text())["cache"]
     assert cache["exported"] == 0
@@ -147,6 +151,10 @@ def untraceable(seed=0, **overrides):
 
 
 MODEL_REGISTRY.register("untraceable", untraceable)
+
+
+def pytest_unconfigure(config):  # an in-process run leaves the registry as it was
+    MODEL_REGISTRY.unregister("untraceable")
 '''
 
 
@@ -160,17 +168,17 @@ def test_a_failed_export_is_remembered_for_the_next_run(pytester: pytest.Pyteste
         "--export-only",
         "--export-report=report.json",
     ]
-    first = pytester.runpytest_subprocess(*args)
+    first = pytester.runpytest(*args)
     first.assert_outcomes(passed=1, failed=1)
     failures = pytester.path / ".pytest_cache" / "d" / "exportcheck" / "failures"
     if not list(failures.glob("*.json")):
         pytest.skip("the exporter's failure was not an ExportFailedError on this torch version")
-    second = pytester.runpytest_subprocess(*args)
+    second = pytester.runpytest(*args)
     second.assert_outcomes(passed=1, failed=1)
     item = _report(pytester)["roundtrip_logits[torch_export-untraceable-cpu]"]
     assert "RememberedExportFailure" in str(item["message"])
     assert item["profile"]["artifact"] == "cached"  # type: ignore[index]
-    again = pytester.runpytest_subprocess(*args, "--export-no-cache")
+    again = pytester.runpytest(*args, "--export-no-cache")
     again.assert_outcomes(passed=1, failed=1)
     assert "RememberedExportFailure" not in str(_report(pytester)[item["id"]]["message"])
 
@@ -296,3 +304,117 @@ def test_a_reused_torchlib_table_keeps_each_exports_own_registrations() -> None:
     assert custom.count(True) == 1
     assert not any(d.is_custom for d in second.get_decomps(torch.ops.aten.add.Tensor))
     assert set(first.functions) == set(second.functions)
+
+
+GC_PROBE = """
+import gc
+from pathlib import Path
+
+import torch
+
+from exportlm.export import (
+    EXPORT_REGISTRY, RUNTIME_REGISTRY, ExportCacheWrapper, atomic_output, export_target,
+)
+
+SEEN = Path(__file__).parent / "thresholds"
+
+
+@export_target("gcprobe", atol=1e-5, rtol=1e-5, suffix=".pt")
+def export_gcprobe(model, output_path, *, example_inputs=None):
+    with SEEN.open("a") as log:
+        log.write(f"export {gc.get_threshold()}\\n")
+    with atomic_output(output_path) as tmp:
+        torch.save(ExportCacheWrapper(model).eval(), tmp)
+    return Path(output_path)
+
+
+def load_gcprobe(artifact, *, device="cpu"):
+    module = torch.load(artifact, weights_only=False, map_location=device)
+
+    def run(input_ids):
+        with torch.no_grad():
+            return module(input_ids)
+
+    return run
+
+
+EXPORT_REGISTRY.register("gcprobe", export_gcprobe)
+RUNTIME_REGISTRY.register("gcprobe", load_gcprobe)
+BEFORE = gc.get_threshold()
+
+
+def pytest_configure(config):
+    gc.set_threshold(800, 11, 12)  # the user's own
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    with SEEN.open("a") as log:
+        log.write(f"after {nodeid.split('::')[-1]} {gc.get_threshold()}\\n")
+
+
+def pytest_unconfigure(config):
+    gc.set_threshold(*BEFORE)
+    EXPORT_REGISTRY.unregister("gcprobe")
+    RUNTIME_REGISTRY.unregister("gcprobe")
+"""
+
+USER_TEST = """
+import gc
+from pathlib import Path
+
+
+def test_own():
+    with (Path(__file__).parent / "thresholds").open("a") as log:
+        log.write(f"own {gc.get_threshold()}\\n")
+"""
+
+
+def test_items_run_with_fewer_collections_and_the_users_tests_keep_their_thresholds(
+    pytester: pytest.Pytester,
+) -> None:
+    """An item's export runs under the plugin's thresholds; the user's test, and what
+    follows an item, under the user's own (restored when the item ends)."""
+    from pytest_exportcheck.run._gc import ITEM_GC_THRESHOLDS
+
+    pytester.makeconftest(GC_PROBE)
+    pytester.makepyfile(test_z_own=USER_TEST)
+    result = pytester.runpytest(
+        "--export-targets=gcprobe",
+        "--export-models=decoder",
+        "--export-checks=roundtrip_logits",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:randomly",
+    )
+    result.assert_outcomes(passed=3)  # the user's test, plugin_loads, roundtrip_logits
+    seen = (pytester.path / "thresholds").read_text().splitlines()
+    assert seen == [
+        "own (800, 11, 12)",
+        "after test_own (800, 11, 12)",
+        "after plugin_loads[gcprobe] (800, 11, 12)",
+        f"export {ITEM_GC_THRESHOLDS}",
+        "after roundtrip_logits[gcprobe-decoder-cpu] (800, 11, 12)",
+    ], seen
+
+
+def test_fewer_collections_keeps_higher_thresholds_and_a_disabled_collector() -> None:
+    import gc
+
+    from pytest_exportcheck.run._gc import ITEM_GC_THRESHOLDS, fewer_collections
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(50_000, 5, 500)
+        with fewer_collections():
+            assert gc.get_threshold() == (50_000, ITEM_GC_THRESHOLDS[1], 500)
+        assert gc.get_threshold() == (50_000, 5, 500)
+        gc.set_threshold(0)
+        with fewer_collections():
+            assert gc.get_threshold()[0] == 0
+        gc.set_threshold(700, 10, 10)
+        with pytest.raises(RuntimeError), fewer_collections():
+            raise RuntimeError("an item that raises still restores the thresholds")
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)

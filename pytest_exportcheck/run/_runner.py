@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_exportcheck.checks import CHECKS, CheckResult, CheckSpec, ExporterCase, TargetCase
 from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.plan import CaseOptions, Discovery, ItemSpec
+from pytest_exportcheck.run._gc import fewer_collections
 from pytest_exportcheck.run._hypothesis import hypothesis_profile
 
 if TYPE_CHECKING:
@@ -89,11 +90,12 @@ def run_item(spec: ItemSpec, services: RunServices, options: CaseOptions) -> Che
     gated = _device_gate(spec.device, options.require_device)
     if gated is not None:
         return gated
-    case = build_case(spec, check, services, options)
-    if isinstance(case, CheckResult):
-        return case
-    with hypothesis_profile():
-        result = check.fn(case)
+    with fewer_collections():  # see _gc.py: exports allocate in bursts
+        case = build_case(spec, check, services, options)
+        if isinstance(case, CheckResult):
+            return case
+        with hypothesis_profile():
+            result = check.fn(case)
     if not isinstance(result, CheckResult):
         raise TypeError(
             f"check {spec.check!r} returned {type(result).__name__}; "
