@@ -430,8 +430,9 @@ def test_cached_exports_serve_the_next_run_except_the_fresh_one_deterministic_ne
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """artifact_contract and cache_wrapper use cached artifacts (the toy model's, and the
-    check's own ``(logits, cache)`` model's), so a second run exports only the one fresh
-    copy ``deterministic`` compares the cached artifact with."""
+    check's own ``(logits, cache)`` model's), and so does ``deterministic`` for its first
+    export (the family with one layer), so a second run exports only the one fresh copy
+    ``deterministic`` compares that cached artifact with."""
     counter = _env(pytester, monkeypatch, install(pytester.path / "site"))
     args = [
         "--export-targets=good",
@@ -441,11 +442,11 @@ def test_cached_exports_serve_the_next_run_except_the_fresh_one_deterministic_ne
     ]
     first = pytester.runpytest_subprocess(*args)
     assert first.ret == pytest.ExitCode.OK, first.stdout.str()
-    # decoder (artifact_contract and deterministic share it), cache_wrapper's model, the fresh one
-    assert _exports(counter) == ["good"] * 3
+    # tiny, cache_wrapper's model, deterministic's one-layer tiny and its fresh copy
+    assert _exports(counter) == ["good"] * 4
     second = pytester.runpytest_subprocess(*args)
     assert second.ret == pytest.ExitCode.OK, second.stdout.str()
-    assert _exports(counter) == ["good"] * 4
+    assert _exports(counter) == ["good"] * 5
     items = _items(pytester.path / "report.json")
     assert items["artifact_contract[good-cpu]"]["details"] == {"companions": []}
     assert "identical outputs" in items["deterministic[good-cpu]"]["message"]

@@ -55,6 +55,7 @@ __all__ = [
     "require_cuda_capability",
     "require_device",
     "roundtrip",
+    "one_layer_model",
     "smallest_case_model",
     "run_runtime",
     "shared_artifact",
@@ -159,14 +160,19 @@ def smallest_case_model(case: TargetCase, name: str) -> nn.Module:
     as another class (a test's own builder) or a one-layer model the target refuses
     falls back to :func:`build_case_model`, the family itself.
     """
+    smaller = one_layer_model(case, name)
+    return build_case_model(case, name) if smaller is None else smaller
+
+
+def one_layer_model(case: TargetCase, name: str) -> nn.Module | None:
+    """A copy of family ``name`` with one decoder layer, on ``case.device``; ``None`` when
+    :func:`smallest_case_model` falls back to the family itself (see there why)."""
     built = case.services.memo(("one_layer", name, case.seed), lambda: _one_layer(name, case.seed))
     family = attempt(f"building toy model {name!r}", case.services.pristine_model, name, case.seed)
     if built is None or type(built) is not type(family):
-        return build_case_model(case, name)
+        return None
     model: nn.Module = copy.deepcopy(built).to(case.device)
-    if accepts_reason(case.target, model):
-        return build_case_model(case, name)
-    return model
+    return None if accepts_reason(case.target, model) else model
 
 
 def _one_layer(name: str, seed: int) -> nn.Module | None:
