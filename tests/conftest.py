@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -69,21 +70,23 @@ class _KeepLibraryModules(_pytest.pytester.SysModulesSnapshot):
     for a library: a transformers model class or an exportlm module imported again
     with new class objects no longer matches the instances and ``isinstance`` checks of
     the modules that kept the old ones, and torch refuses to register an operator
-    library twice. Modules whose file lies under this session's base temporary
-    directory (the pytester projects, their fake distributions) are dropped as before.
+    library twice. Modules whose file lies under ``dropped_under`` (the session's base
+    temporary directory: the pytester projects, their fake distributions) are dropped
+    as before.
     """
 
-    def __init__(self, preserve: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self, preserve: Callable[[str], bool] | None = None, *, dropped_under: Path
+    ) -> None:
+        prefixes = tuple({f"{dropped_under}{os.sep}", f"{dropped_under.resolve()}{os.sep}"})
+
         def keep(name: str) -> bool:
             if preserve is not None and preserve(name):
                 return True
             file = getattr(sys.modules.get(name), "__file__", None)
-            return file is not None and not Path(file).resolve().is_relative_to(_BASETEMP[0])
+            return file is not None and not str(file).startswith(prefixes)
 
         super().__init__(keep)
-
-
-_BASETEMP: list[Path] = []
 
 
 @pytest.fixture(autouse=True)
@@ -95,8 +98,8 @@ def _pytester_keeps_library_modules(
     """In-process pytester runs keep the libraries they import (see :class:`_KeepLibraryModules`)."""
     if "pytester" not in request.fixturenames:
         return
-    _BASETEMP[:] = [tmp_path_factory.getbasetemp().resolve()]
-    monkeypatch.setattr(_pytest.pytester, "SysModulesSnapshot", _KeepLibraryModules)
+    snapshot = functools.partial(_KeepLibraryModules, dropped_under=tmp_path_factory.getbasetemp())
+    monkeypatch.setattr(_pytest.pytester, "SysModulesSnapshot", snapshot)
 
 
 FAKE_EXPORTER = "exportcheck_fake_exporter"

@@ -13,9 +13,7 @@ full collections. With the thresholds below, about 5 s (measured with a
 The thresholds are raised only while an item runs and restored after it, so the
 user's own tests in the same session keep theirs; a threshold the user set higher is
 kept, and a collector the user turned off (``gc.disable()`` or a zero threshold)
-stays off. Nothing is collected later than it would be at the end of the item's
-allocation burst by more than those counts: garbage cycles still go, only in fewer,
-larger passes.
+stays off. Garbage cycles are still collected, in fewer and larger passes.
 """
 
 from __future__ import annotations
