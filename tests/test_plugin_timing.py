@@ -22,6 +22,7 @@ from pytest_exportcheck.run._failure_memo import ExportFailureMemo, RememberedEx
 from pytest_exportcheck.session._report import ItemRecord, ReportBuilder
 
 COUNTING_FAMILY = '''
+import gc
 import os
 from pathlib import Path
 
@@ -33,9 +34,12 @@ BUILDS = Path(__file__).parent / "builds"
 
 
 def counted(seed=0, **overrides):
-    """The plain decoder, counting each construction in ./builds (one line per build)."""
+    """The plain decoder, counting each construction in ./builds (one line per build);
+    ./thresholds gets the garbage collector's thresholds at each build."""
     with BUILDS.open("a") as log:
         log.write(f"{os.getpid()}\\n")
+    with (BUILDS.parent / "thresholds").open("a") as log:
+        log.write(f"build {gc.get_threshold()}\\n")
     model = DecoderModel()
     seeded_init_(model, seed)
     return model.eval()
@@ -306,41 +310,13 @@ def test_a_reused_torchlib_table_keeps_each_exports_own_registrations() -> None:
     assert set(first.functions) == set(second.functions)
 
 
-GC_PROBE = """
-import gc
-from pathlib import Path
-
-import torch
-
-from exportlm.export import (
-    EXPORT_REGISTRY, RUNTIME_REGISTRY, ExportCacheWrapper, atomic_output, export_target,
-)
-
-SEEN = Path(__file__).parent / "thresholds"
-
-
-@export_target("gcprobe", atol=1e-5, rtol=1e-5, suffix=".pt")
-def export_gcprobe(model, output_path, *, example_inputs=None):
-    with SEEN.open("a") as log:
-        log.write(f"export {gc.get_threshold()}\\n")
-    with atomic_output(output_path) as tmp:
-        torch.save(ExportCacheWrapper(model).eval(), tmp)
-    return Path(output_path)
-
-
-def load_gcprobe(artifact, *, device="cpu"):
-    module = torch.load(artifact, weights_only=False, map_location=device)
-
-    def run(input_ids):
-        with torch.no_grad():
-            return module(input_ids)
-
-    return run
-
-
-EXPORT_REGISTRY.register("gcprobe", export_gcprobe)
-RUNTIME_REGISTRY.register("gcprobe", load_gcprobe)
+#: The counting family, with the user's own thresholds and a line after each test.
+GC_PROBE = (
+    COUNTING_FAMILY
+    + """
+SEEN = BUILDS.parent / "thresholds"
 BEFORE = gc.get_threshold()
+unregister_counted = pytest_unconfigure
 
 
 def pytest_configure(config):
@@ -354,9 +330,9 @@ def pytest_runtest_logfinish(nodeid, location):
 
 def pytest_unconfigure(config):
     gc.set_threshold(*BEFORE)
-    EXPORT_REGISTRY.unregister("gcprobe")
-    RUNTIME_REGISTRY.unregister("gcprobe")
+    unregister_counted(config)
 """
+)
 
 USER_TEST = """
 import gc
@@ -372,29 +348,32 @@ def test_own():
 def test_items_run_with_fewer_collections_and_the_users_tests_keep_their_thresholds(
     pytester: pytest.Pytester,
 ) -> None:
-    """An item's export runs under the plugin's thresholds; the user's test, and what
-    follows an item, under the user's own (restored when the item ends)."""
+    """An item builds (and exports) under the plugin's thresholds; the user's test, and
+    what follows an item, under the user's own (restored when the item ends)."""
     from pytest_exportcheck.run._gc import ITEM_GC_THRESHOLDS
 
     pytester.makeconftest(GC_PROBE)
     pytester.makepyfile(test_z_own=USER_TEST)
     result = pytester.runpytest(
-        "--export-targets=gcprobe",
-        "--export-models=decoder",
+        "--export-targets=torchscript",
+        "--export-exporters=none",
+        "--export-models=counted",
         "--export-checks=roundtrip_logits",
+        "-k",
+        "own or trace",
         "-p",
         "no:cacheprovider",
         "-p",
         "no:randomly",
     )
-    result.assert_outcomes(passed=3)  # the user's test, plugin_loads, roundtrip_logits
+    result.assert_outcomes(passed=3, deselected=2)  # own, plugin_loads, roundtrip_logits
     seen = (pytester.path / "thresholds").read_text().splitlines()
     assert seen == [
         "own (800, 11, 12)",
         "after test_own (800, 11, 12)",
-        "after plugin_loads[gcprobe] (800, 11, 12)",
-        f"export {ITEM_GC_THRESHOLDS}",
-        "after roundtrip_logits[gcprobe-decoder-cpu] (800, 11, 12)",
+        "after plugin_loads[torchscript:trace] (800, 11, 12)",
+        f"build {ITEM_GC_THRESHOLDS}",
+        "after roundtrip_logits[torchscript:trace-counted-cpu] (800, 11, 12)",
     ], seen
 
 
