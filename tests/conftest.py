@@ -94,12 +94,27 @@ def _pytester_keeps_library_modules(
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    """In-process pytester runs keep the libraries they import (see :class:`_KeepLibraryModules`)."""
+) -> Iterator[None]:
+    """In-process pytester runs keep the libraries they import (see :class:`_KeepLibraryModules`),
+    and leave this session's Hypothesis settings as they found them.
+
+    Hypothesis' pytest plugin loads the profile a run names (``--hypothesis-profile``)
+    and sets the seed it gives (``--hypothesis-seed``) for the whole process; a run in
+    this process would hand both to the tests after it.
+    """
     if "pytester" not in request.fixturenames:
+        yield
         return
+    import hypothesis.core
+    from hypothesis import settings
+
     snapshot = functools.partial(_KeepLibraryModules, dropped_under=tmp_path_factory.getbasetemp())
     monkeypatch.setattr(_pytest.pytester, "SysModulesSnapshot", snapshot)
+    profile = settings.get_current_profile_name()
+    seed = getattr(hypothesis.core, "global_force_seed", None)
+    yield
+    settings.load_profile(profile)
+    hypothesis.core.global_force_seed = seed  # type: ignore[attr-defined]
 
 
 FAKE_EXPORTER = "exportcheck_fake_exporter"

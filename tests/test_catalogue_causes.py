@@ -23,6 +23,7 @@ import exportlm.module_exporters  # noqa: F401
 import pytest_exportcheck.checks  # noqa: F401
 from pytest_exportcheck.checks.versions import CATALOGUE_VERSION
 from tests._distinfo import make_distribution
+from tests._installed import runpytest_installed
 
 PT2_PLUGIN = '''
 """A third-party target written against the documented contract, on torch.export."""
@@ -69,12 +70,12 @@ ENTRY_POINTS = {
 }
 
 
-def _install(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capture: str) -> None:
+def _install(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capture: str) -> Path:
     site = pytester.path / "site"
     modules = {"pt2plugin.py": PT2_PLUGIN.format(capture=capture)}
     make_distribution(site, "pt2plugin", ENTRY_POINTS, modules)
-    monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.delenv("CI", raising=False)
+    return site
 
 
 def _items(report: Path) -> dict[str, dict[str, Any]]:
@@ -87,9 +88,11 @@ def test_a_torch_export_target_inherits_dbrx_declared_failure_from_its_cause(
 ) -> None:
     """Declared ``capture="torch.export"``: dbrx is an expected failure naming the cause and the
     family, decoder passes, the run is green. Undeclared: the same dbrx item is red."""
-    _install(pytester, monkeypatch, capture)
+    site = _install(pytester, monkeypatch, capture)
     monkeypatch.setenv("COLUMNS", "1000")  # the -rx line whole: reason, then its source
-    result = pytester.runpytest_subprocess(
+    result = runpytest_installed(
+        pytester,
+        site,
         "--export-targets=pt2like",
         "--export-models=decoder,dbrx",
         "--export-checks=roundtrip_logits",

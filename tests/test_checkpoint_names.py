@@ -26,6 +26,7 @@ from exportlm.quant import quantize
 from pytest_exportcheck.checks import CHECKS, TargetCase
 from pytest_exportcheck.checks.targets.checkpoint import checkpoint_name_problems
 from tests._distinfo import make_distribution
+from tests._installed import runpytest_installed
 
 TARGET = "hf_checkpoint"
 FORMATS = ("modelopt", "compressed-tensors")
@@ -288,8 +289,9 @@ def test_stale_exclude_name_fails_checkpoint_names(
         {"exportlm.export_backends": {"stale_names": "stalenames:export_stale"}},
         {"stalenames.py": STALE_PLUGIN},
     )
-    monkeypatch.setenv("PYTHONPATH", str(site))
-    result = pytester.runpytest_subprocess(
+    result = runpytest_installed(
+        pytester,
+        site,
         "--export-targets=stale_names,hf_checkpoint,onnx",
         "--export-models=mixtral",
         "--export-checks=checkpoint_names",

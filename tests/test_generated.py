@@ -27,6 +27,7 @@ from pytest_exportcheck.checks import CHECKS, ExporterCase
 from pytest_exportcheck.checks.generated import GENERATED_EXAMPLES, generated_budget
 from pytest_exportcheck.run._hypothesis import hypothesis_profile, register_profiles
 from tests._distinfo import make_distribution
+from tests._installed import runpytest_installed
 from tests._services import SERVICES
 
 GEN_PLUGIN = '''
@@ -364,7 +365,9 @@ def test_generated_checks_catch_what_the_toy_models_miss(
     """vocabpad and twolayers pass every toy model but fail roundtrip_generated with the
     smallest structure as JSON; dropweight fails quantized_generated; the JSON rebuilds
     the model through the CLI. No .hypothesis directory appears."""
-    result = pytester.runpytest_subprocess(
+    result = runpytest_installed(
+        pytester,
+        fake_site,
         "--export-targets=plain,vocabpad,twolayers",
         "--export-exporters=dropweight",
         "--export-checks=roundtrip_generated,quantized_generated",

@@ -2,9 +2,11 @@
 
 Every run plans cheap items (``registered``: no export; ``fp8_gemm``, which stops
 before any work without CUDA), so the in-process runs take well under a second;
-only the xdist runs start subprocesses. They use one worker: the gating is decided in
-the worker and reported through the controller, which ``-n 1`` proves as ``-n 2`` did,
-without a second worker that imports torch and collects the suite for nothing. What needs a GPU (the items passing on
+only the xdist runs start subprocesses: two runs, one without and one with
+``--export-require-device``, each holding both kinds of item. They use one worker:
+the gating is decided in the worker and reported through the controller, which
+``-n 1`` proves as ``-n 2`` did, without a second worker that imports torch and
+collects the suite for nothing. What needs a GPU (the items passing on
 CUDA) is what ``benchmarks/gpu/check.sh`` runs; see docs/gpu.md.
 """
 
@@ -32,7 +34,6 @@ pytestmark = pytest.mark.skipif(
 
 NO_CUDA = "CUDA is not available on this machine (torch.cuda.is_available() is False)"
 REQUIRED = "and --export-require-device is set"
-XDIST = [(), ("-n", "1")]
 
 
 def _outcomes(result: pytest.RunResult) -> dict[str, int]:
@@ -42,26 +43,19 @@ def _outcomes(result: pytest.RunResult) -> dict[str, int]:
     return {key: n for key, n in counts.items() if key not in ("warning", "warnings")}
 
 
-@pytest.mark.parametrize("workers", XDIST, ids=["n0", "n1"])
-def test_cuda_items_skip_with_a_reason_naming_cuda(
-    pytester: pytest.Pytester, workers: tuple[str, ...]
-) -> None:
+def test_cuda_items_skip_with_a_reason_naming_cuda(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest(
         "--export-targets=torch_export",
         "--export-checks=registered",
         "--export-device=cpu,cuda",
         "--export-only",
         "-rs",
-        *workers,
     )
     assert _outcomes(result) == {"passed": 2, "skipped": 1}, result.stdout.str()
     result.stdout.fnmatch_lines([f"SKIPPED*{NO_CUDA}*"])
 
 
-@pytest.mark.parametrize("workers", XDIST, ids=["n0", "n1"])
-def test_require_device_turns_the_cuda_items_into_failures(
-    pytester: pytest.Pytester, workers: tuple[str, ...]
-) -> None:
+def test_require_device_turns_the_cuda_items_into_failures(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest(
         "--export-targets=torch_export",
         "--export-checks=registered",
@@ -69,7 +63,6 @@ def test_require_device_turns_the_cuda_items_into_failures(
         "--export-require-device",
         "--export-only",
         "-rf",
-        *workers,
     )
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     assert _outcomes(result) == {"passed": 2, "failed": 1}, result.stdout.str()
@@ -104,21 +97,54 @@ def test_exporter_checks_declared_per_device_get_a_cuda_item(pytester: pytest.Py
     }
 
 
-@pytest.mark.parametrize("workers", XDIST, ids=["n0", "n1"])
 def test_fp8_gemm_skips_without_cuda_and_fails_when_a_device_is_required(
-    pytester: pytest.Pytester, workers: tuple[str, ...]
+    pytester: pytest.Pytester,
 ) -> None:
     args = ("--export-exporters=quant_linear", "--export-checks=fp8_gemm", "-m", "cuda")
-    skipped = pytester.runpytest(*args, "--export-device=cpu,cuda", "-rs", *workers)
+    skipped = pytester.runpytest(*args, "--export-device=cpu,cuda", "-rs")
     assert _outcomes(skipped) == {"skipped": 2}, skipped.stdout.str()
     skipped.stdout.fnmatch_lines(
         ["SKIPPED*fp8_gemm (torch._scaled_mm): needs a CUDA device*this item runs on cpu*"]
     )
     required = pytester.runpytest(
-        *args, "--export-device=cpu,cuda", "--export-require-device", "-rfs", *workers
+        *args, "--export-device=cpu,cuda", "--export-require-device", "-rfs"
     )
     assert _outcomes(required) == {"failed": 1, "skipped": 1}, required.stdout.str()
     required.stdout.fnmatch_lines(["*_ fp8_gemm?quant_linear-cuda? _*", f"{NO_CUDA}, {REQUIRED}"])
+
+
+def test_under_xdist_the_cuda_items_skip_or_fail_as_in_one_process(
+    pytester: pytest.Pytester,
+) -> None:
+    """The runs above, under xdist: the target item and the exporter item each skip with
+    their reason, and each fails under --export-require-device."""
+    args = (
+        "--export-targets=torch_export",
+        "--export-exporters=quant_linear",
+        "--export-checks=registered,fp8_gemm",
+        "--export-device=cpu,cuda",
+        "--export-only",
+        "-n",
+        "1",
+    )
+    skipped = pytester.runpytest(*args, "-rs")
+    assert _outcomes(skipped) == {"passed": 2, "skipped": 3}, skipped.stdout.str()
+    skipped.stdout.fnmatch_lines_random(
+        [
+            f"SKIPPED*{NO_CUDA}*",
+            "SKIPPED*fp8_gemm (torch._scaled_mm): needs a CUDA device*this item runs on cpu*",
+        ]
+    )
+    required = pytester.runpytest(*args, "--export-require-device", "-rfs")
+    assert required.ret == pytest.ExitCode.TESTS_FAILED
+    assert _outcomes(required) == {"passed": 2, "failed": 2, "skipped": 1}, required.stdout.str()
+    required.stdout.fnmatch_lines_random(
+        [
+            "*_ registered?torch_export-cuda? _*",
+            "*_ fp8_gemm?quant_linear-cuda? _*",
+            f"{NO_CUDA}, {REQUIRED}",
+        ]
+    )
 
 
 def test_only_exporter_checks_declare_per_device() -> None:

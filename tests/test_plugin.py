@@ -1,8 +1,9 @@
 """The exportcheck pytest plugin, driven end to end through ``pytester``.
 
-Runs that need an isolated registry (a fake third-party plugin discovered through a
-real ``*.dist-info``) use ``runpytest_subprocess``; each of those imports torch, so
-they are few and each checks many things at once. Demo checks registered by the
+Runs with a fake third-party plugin discovered through a real ``*.dist-info`` run in
+this process with the registries as a fresh process would load them
+(:func:`tests._installed.runpytest_installed`); the ones that check what a fresh
+process imports start one. Each run checks many things at once. Demo checks registered by the
 generated ``conftest.py`` exercise the plugin machinery independently of the real
 check catalogue.
 """
@@ -24,6 +25,7 @@ import exportlm.module_exporters  # noqa: F401
 import pytest_exportcheck.checks  # noqa: F401
 from tests._distinfo import make_distribution
 from tests._fakeplugin import DIST, install
+from tests._installed import runpytest_installed
 
 DEMO_CHECKS = '''
 import hypothesis
@@ -73,7 +75,11 @@ CONFTEST = (
 
 
 def _env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, site: Path) -> Path:
-    """Put the fake distribution on the subprocesses' path; returns the export log."""
+    """Point the fake plugin's export log into the run's directory; returns the log.
+
+    ``site`` (the installed distribution) is on ``PYTHONPATH`` too, for a run that
+    starts a process of its own.
+    """
     counter = pytester.path / "exports.log"
     monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.setenv("FAKEPLUGIN_COUNTER", str(counter))
@@ -81,13 +87,17 @@ def _env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, site: Path)
 
 
 def _hide_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make ``torch.cuda.is_available()`` False in the pytest subprocesses, GPU or not.
+    """Make ``torch.cuda.is_available()`` False in the runs, GPU or not.
 
     The runs below assert what happens to ``cuda`` items on a machine without CUDA (a
     counted skip, or a failure under ``--export-require-device``); on a GPU machine
-    those items would run instead. An empty ``CUDA_VISIBLE_DEVICES`` hides every GPU
-    from torch (the plugin asks ``torch.cuda.is_available()``).
+    those items would run instead. The plugin asks ``torch.cuda.is_available()``: in
+    this process it is replaced for the test; an empty ``CUDA_VISIBLE_DEVICES`` hides
+    every GPU from the processes a run starts (xdist workers).
     """
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
@@ -183,7 +193,8 @@ def test_fake_third_party_plugin(
     The same suite runs twice in one directory: without xdist, then with ``-n 2``,
     which reuses the first run's cached artifacts and writes the same JSON report.
     """
-    counter = _env(pytester, monkeypatch, install(pytester.path / "site"))
+    site = install(pytester.path / "site")
+    counter = _env(pytester, monkeypatch, site)
     _hide_cuda(monkeypatch)  # the cuda items below must skip, on any machine
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_own="def test_own_test():\n    pass\n")
@@ -204,7 +215,7 @@ def test_fake_third_party_plugin(
         "-rA",
     ]
 
-    first = pytester.runpytest_subprocess(*common, "--export-report=serial.json", "-n", "0")
+    first = runpytest_installed(pytester, site, *common, "--export-report=serial.json", "-n", "0")
     out = first.stdout.str()
     assert first.ret == pytest.ExitCode.TESTS_FAILED
     # header: options, versions, every plugin with its distribution, failures
@@ -278,7 +289,9 @@ def test_fake_third_party_plugin(
     assert items["demo_settings[good-cpu]"]["details"]["deadline"] == "None"
     assert _exports(counter) == ["good"]  # one export, shared by every check that needs it
 
-    second = pytester.runpytest_subprocess(*common, "--export-report=parallel.json", "-n", "2")
+    second = runpytest_installed(
+        pytester, site, *common, "--export-report=parallel.json", "-n", "2"
+    )
     assert second.ret == pytest.ExitCode.TESTS_FAILED
     assert _without_durations(pytester.path / "parallel.json") == _without_durations(
         pytester.path / "serial.json"
@@ -294,11 +307,14 @@ def test_export_only_no_cache_require_device_and_user_profile(
 ) -> None:
     """--export-only hides the repo's tests; --export-no-cache keeps nothing across runs;
     --export-require-device fails what would skip; the user's Hypothesis profile wins."""
-    counter = _env(pytester, monkeypatch, install(pytester.path / "site"))
+    site = install(pytester.path / "site")
+    counter = _env(pytester, monkeypatch, site)
     _hide_cuda(monkeypatch)  # the cuda item must fail for want of a device, on any machine
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_own="def test_own_test():\n    pass\n")
-    result = pytester.runpytest_subprocess(
+    result = runpytest_installed(
+        pytester,
+        site,
         "--export-targets=good",
         "--export-models=tiny",
         "--export-device=cpu,cuda",
@@ -322,7 +338,7 @@ def test_export_only_no_cache_require_device_and_user_profile(
 
 def test_suite_runs_in_an_empty_directory(pytester: pytest.Pytester) -> None:
     """No test file, no conftest: --export-targets=all runs the suite and exits 0 when all pass."""
-    result = pytester.runpytest_subprocess(
+    result = pytester.runpytest(
         "--export-targets=all", "--export-checks=plugin_loads", "-p", "no:cacheprovider"
     )
     assert result.ret == pytest.ExitCode.OK
@@ -340,8 +356,11 @@ def test_faulty_plugins_are_caught_by_the_check_named_after_their_fault(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each fake target or exporter that is wrong on purpose fails the check naming its fault."""
-    _env(pytester, monkeypatch, install(pytester.path / "site"))
-    result = pytester.runpytest_subprocess(
+    site = install(pytester.path / "site")
+    _env(pytester, monkeypatch, site)
+    result = runpytest_installed(
+        pytester,
+        site,
         "--export-targets=good,perturb,inplace,swallow",
         "--export-models=iterable_moe",
         "--export-exporters=outside,zeroscale,brokenexp",
@@ -411,8 +430,13 @@ def test_example_plugin_passes_the_suite(
     # no goldens/ here: the exporter's golden comes from the package (ModuleExporter.goldens)
     assert not (pytester.path / "goldens").exists()
 
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-W", "error::DeprecationWarning"
+    result = runpytest_installed(
+        pytester,
+        [site, example / "src"],
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "error::DeprecationWarning",
     )
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     result.stdout.fnmatch_lines(
@@ -433,18 +457,19 @@ def test_cached_exports_serve_the_next_run_except_the_fresh_one_deterministic_ne
     check's own ``(logits, cache)`` model's), and so does ``deterministic`` for its first
     export (the family with one layer), so a second run exports only the one fresh copy
     ``deterministic`` compares that cached artifact with."""
-    counter = _env(pytester, monkeypatch, install(pytester.path / "site"))
+    site = install(pytester.path / "site")
+    counter = _env(pytester, monkeypatch, site)
     args = [
         "--export-targets=good",
         "--export-models=tiny",
         "--export-checks=artifact_contract,cache_wrapper,deterministic",
         "--export-report=report.json",
     ]
-    first = pytester.runpytest_subprocess(*args)
+    first = runpytest_installed(pytester, site, *args)
     assert first.ret == pytest.ExitCode.OK, first.stdout.str()
     # tiny, cache_wrapper's model, deterministic's one-layer tiny and its fresh copy
     assert _exports(counter) == ["good"] * 4
-    second = pytester.runpytest_subprocess(*args)
+    second = runpytest_installed(pytester, site, *args)
     assert second.ret == pytest.ExitCode.OK, second.stdout.str()
     assert _exports(counter) == ["good"] * 5
     items = _items(pytester.path / "report.json")

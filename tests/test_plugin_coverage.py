@@ -1,13 +1,15 @@
 """Coverage in the verdict, end to end: the lockfile, --export-strict, shards + report merge.
 
-Each run is a ``runpytest_subprocess`` with a small distribution on ``PYTHONPATH``
-(so the registries stay isolated): a target ``saver`` (torch.save of the model, a
+Each run is in this process with a small distribution installed for it
+(:func:`tests._installed.runpytest_installed`: the registries see it as a fresh
+process would, and get their own entries back after): a target ``saver`` (torch.save of the model, a
 runtime that loads it) whose ``dynamic_shapes`` capability an environment variable
 switches, and a module exporter ``lonely`` that claims a module no toy model
 contains, so every one of its value checks skips. Runs with xdist use one worker
 (``-n 1 --dist loadgroup``): what they check happens on the controller (the lockfile,
 the strict verdict, a shard's report), which one worker proves as two would; each
-worker is a process that imports torch and transformers again.
+worker is a process that imports torch and transformers again (it finds the
+distribution through ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 from exportlm._matrix import matrix_of
 from exportlm.cli import main
 from tests._distinfo import make_distribution
+from tests._installed import runpytest_installed
 
 PLUGIN = '''
 import os
@@ -90,13 +93,13 @@ def test_the_lockfile_fails_when_a_capability_flag_turns_items_into_skips(
     pytester: pytest.Pytester, site: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("COVPLUGIN_DYNAMIC", "1")
-    written = pytester.runpytest_subprocess(*SUITE, "--export-lock=update")
+    written = runpytest_installed(pytester, site, *SUITE, "--export-lock=update")
     written.assert_outcomes(passed=9)  # and plugin_loads
     lock = json.loads((pytester.path / "exportcheck.lock").read_text())
     assert set(lock["items"]["target"]["saver"]["dynamic_shapes"].values()) == {"pass"}
 
     monkeypatch.setenv("COVPLUGIN_DYNAMIC", "0")
-    lost = pytester.runpytest_subprocess(*SUITE)
+    lost = runpytest_installed(pytester, site, *SUITE)
     lost.assert_outcomes(passed=1, skipped=8)
     assert lost.ret == pytest.ExitCode.TESTS_FAILED
     lost.stdout.fnmatch_lines(
@@ -115,12 +118,12 @@ def test_the_lockfile_is_compared_on_the_xdist_controller(
     lockfile = pytester.path / "exportcheck.lock"
     lockfile.write_text(json.dumps({"exportcheck_lock": 1, "items": entries}))
     monkeypatch.setenv("COVPLUGIN_DYNAMIC", "0")
-    lost = pytester.runpytest_subprocess(*SUITE, *XDIST)
+    lost = runpytest_installed(pytester, site, *SUITE, *XDIST)
     lost.assert_outcomes(passed=1, skipped=8)
     assert lost.ret == pytest.ExitCode.TESTS_FAILED
     lost.stdout.fnmatch_lines(["*FAILED, 8 change(s) lose coverage*", "  *: pass -> skip"])
     lockfile.write_text("{not json")
-    bad = pytester.runpytest_subprocess(*SUITE)
+    bad = runpytest_installed(pytester, site, *SUITE)
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
     bad.stderr.fnmatch_lines([f"*exportcheck lockfile {lockfile}: cannot be read as JSON*"])
 
@@ -136,7 +139,9 @@ def test_strict_fails_on_an_exporter_whose_value_checks_all_skip(
         "--export-models=decoder",
     ]
     monkeypatch.setenv("CI", "true")  # strict by default
-    lenient = pytester.runpytest_subprocess(*suite, "--export-strict=off", "--export-report=r.json")
+    lenient = runpytest_installed(
+        pytester, site, *suite, "--export-strict=off", "--export-report=r.json"
+    )
     lenient.assert_outcomes(passed=1, skipped=2)
     assert lenient.ret == 0
     lenient.stdout.fnmatch_lines(
@@ -144,7 +149,7 @@ def test_strict_fails_on_an_exporter_whose_value_checks_all_skip(
     )
     assert _report(pytester, "r.json")["unchecked"] == {"exporter": ["lonely"]}
 
-    failed = pytester.runpytest_subprocess(*suite, *XDIST)
+    failed = runpytest_installed(pytester, site, *suite, *XDIST)
     failed.assert_outcomes(passed=1, skipped=2)
     assert failed.ret == pytest.ExitCode.TESTS_FAILED
     failed.stdout.fnmatch_lines(
@@ -152,8 +157,12 @@ def test_strict_fails_on_an_exporter_whose_value_checks_all_skip(
     )
 
     # an accepted row is still reported unchecked, with its reason, and no longer fails
-    allowed = pytester.runpytest_subprocess(
-        *suite, "-o", "export_strict_allow=lonely its module is never built (issue 99)"
+    allowed = runpytest_installed(
+        pytester,
+        site,
+        *suite,
+        "-o",
+        "export_strict_allow=lonely its module is never built (issue 99)",
     )
     assert allowed.ret == 0
     allowed.stdout.fnmatch_lines(
@@ -167,7 +176,7 @@ def test_strict_fails_on_an_exporter_whose_value_checks_all_skip(
 
 
 def test_a_bad_shard_is_a_usage_error(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest_subprocess("--export-targets=torchscript", "--export-shard=3/2")
+    result = pytester.runpytest("--export-targets=torchscript", "--export-shard=3/2")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--export-shard: expected K/N with 1 <= K <= N*3/2*"])
 
@@ -185,13 +194,10 @@ def test_two_shards_and_report_merge_give_the_matrix_of_one_run(
         "-p",
         "no:randomly",
     ]
-    # Subprocesses: an in-process run of these checks imports torch modules that register
-    # operator libraries, and pytester drops them afterwards; importing them again later
-    # in this process fails ("Only a single TORCH_LIBRARY").
-    whole = pytester.runpytest_subprocess(*suite, "--export-report=whole.json")
+    whole = pytester.runpytest(*suite, "--export-report=whole.json")
     assert whole.ret == 0
     for k, extra in ((1, ()), (2, XDIST)):
-        shard = pytester.runpytest_subprocess(
+        shard = pytester.runpytest(
             *suite, f"--export-shard={k}/2", f"--export-report=s{k}.json", *extra
         )
         assert shard.ret == 0

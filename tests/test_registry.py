@@ -262,6 +262,47 @@ def test_once_runs_a_registration_function_once_and_retries_after_a_failure() ->
     register()
     register()
     assert len(calls) == 2
+    assert register.__name__ == "register"  # functools.wraps: the docs and repr keep the name
+    register.reset()  # forgotten: the next call runs it again, once
+    register()
+    register()
+    assert len(calls) == 3
+
+
+def test_installed_loads_a_distribution_for_one_run_and_puts_every_registry_back(
+    plugin_path: Path,
+) -> None:
+    """tests/_installed.py, which lets plugin runs of the tests stay in this process: inside,
+    the registries hold the built-ins and the entry points found on the path, as a fresh
+    process would; outside, exactly what they held before."""
+    from exportlm.export import EXPORT_REGISTRY, ensure_exporters_registered
+    from exportlm.inventory import plugin_inventory
+    from pytest_exportcheck.checks import CHECKS
+    from pytest_exportcheck.checks.catalogue import BUILTIN_CHECKS
+    from tests._installed import installed
+
+    site = plugin_path.parent / "isolated-site"
+    make_distribution(
+        site,
+        "isolated-plugin",
+        {"exportlm.export_backends": {"isolated": "plug_isolated:export", "gone": "plug_x:y"}},
+        {"plug_isolated.py": "def export(model, output_path):\n    return output_path\n"},
+    )
+    ensure_exporters_registered()
+    before = plugin_inventory()
+    checks = dict(CHECKS)
+    with installed(site):
+        assert "isolated" not in EXPORT_REGISTRY  # not loaded until the first ensure
+        with pytest.warns(PluginWarning, match="plug_x"):  # warned then, as a fresh process warns
+            ensure_exporters_registered()
+        assert EXPORT_REGISTRY.entry("isolated").provider == "isolated-plugin 1.0"
+        assert set(EXPORT_REGISTRY.failed()) == {"gone"}
+        assert all(e.builtin or e.name == "isolated" for e in EXPORT_REGISTRY.entries())
+        assert list(CHECKS) == [spec.id for spec in BUILTIN_CHECKS]  # a fresh catalogue
+    assert plugin_inventory() == before
+    assert dict(CHECKS) == checks
+    assert "isolated" not in EXPORT_REGISTRY
+    assert str(site) not in sys.path
 
 
 def test_records_list_loaded_failed_and_conflicting_entry_points(plugin_path: Path) -> None:

@@ -24,6 +24,7 @@ from pytest_exportcheck.run._hypothesis import (
     register_profiles,
 )
 from tests._distinfo import make_distribution
+from tests._installed import runpytest_installed
 from tests.test_generated import CONFTEST, ENTRY_POINTS, GEN_PLUGIN
 
 
@@ -80,21 +81,20 @@ def test_a_profile_the_user_chose_keeps_hypothesis_own_bound() -> None:
 def test_a_ci_run_is_derandomized_and_a_failed_item_keeps_its_shrunk_structure_and_a_repro(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One CI run (a subprocess: the fake targets must not join this process's registries)
-    shows both facets: items run derandomized under exportcheck-ci with no database and
+    """One CI run (in this process, the fake targets installed for it alone) shows both facets: items run derandomized under exportcheck-ci with no database and
     the default budget catches vocabpad; its shrunk structure is kept with a repro that
     works. No .hypothesis directory appears."""
     site = pytester.path / "site"
     make_distribution(site, "genplugin", ENTRY_POINTS, {"genplugin.py": GEN_PLUGIN})
-    monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.setenv("CI", "true")  # derandomized: the default budget catches vocabpad
     # Shrinking for the default 15 s only repeats what the tests above prove in process;
-    # a 1 s budget still shrinks (what is kept is the best structure by then), and the
-    # environment variable is then also read in the run's own process.
+    # a 1 s budget still shrinks (what is kept is the best structure by then).
     monkeypatch.setenv("EXPORTCHECK_SHRINK_SECONDS", "1")
     pytester.makeini("[pytest]\n")  # the rootdir is the test's directory
     pytester.makeconftest(CONFTEST)  # the profile_probe check
-    result = pytester.runpytest_subprocess(
+    result = runpytest_installed(
+        pytester,
+        site,
         "--export-targets=plain,vocabpad",
         "--export-checks=profile_probe,roundtrip_generated",
         "--export-report=report.json",

@@ -37,7 +37,8 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "int4_awq", "fp8+fp8_kv"])
+# fp8+fp8_kv writes every tensor plain fp8 writes, and the k/v scales: plain fp8 adds no case.
+@pytest.mark.parametrize("recipe", ["int4_awq", "fp8+fp8_kv"])
 def test_a_killed_run_resumes_after_its_last_layer_and_writes_the_same_bytes(
     tmp_path: Path, recipe: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -45,27 +45,44 @@ class PluginWarning(UserWarning):
     """A third-party plugin could not be loaded; the others were."""
 
 
-def once(fn: Callable[[], None]) -> Callable[[], None]:
+class _Once:
+    """What :func:`once` returns: ``fn`` run at most once, and :meth:`reset`."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __call__(self) -> None:
+        if self._done:
+            return
+        with self._lock:
+            if self._done:
+                return
+            self._fn()
+            self._done = True
+
+    def reset(self) -> None:
+        """Forget the call: the next one runs ``fn`` again.
+
+        For tests that load the entry points of another set of installed
+        distributions in the same process: reset the registration function after
+        putting the registries back to their built-in entries (their loaded groups
+        cleared), and the next call loads the entry points found then.
+        """
+        with self._lock:
+            self._done = False
+
+
+def once(fn: Callable[[], None]) -> _Once:
     """Make a zero-argument registration function idempotent and thread-safe.
 
     The first call runs ``fn`` under a lock; later calls return at once. If ``fn``
-    raises, the next call tries again.
+    raises, the next call tries again. The returned callable's ``reset()`` makes the
+    next call run ``fn`` again.
     """
-    lock = threading.Lock()
-    done = False
-
-    @functools.wraps(fn)
-    def wrapper() -> None:
-        nonlocal done
-        if done:
-            return
-        with lock:
-            if done:
-                return
-            fn()
-            done = True
-
-    return wrapper
+    return _Once(fn)
 
 
 def plugins_disabled() -> bool:
