@@ -33,6 +33,7 @@ from exportlm.engines import (
 )
 from exportlm.models import tiny_hf_model
 from exportlm.quant import quantize
+from tests._exports import shared_export
 
 #: Larger weights than the family default, so the toy's next-token distribution has
 #: clear winners (default init: top-2 margins of 1e-3 that bf16 rounding can swap).
@@ -92,6 +93,8 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     made: dict[str, Path] = {}
 
     def make(kind: str) -> Path:
+        if kind == "onnx":  # any float graph: the session's decoder (tests/test_onnx_api.py's)
+            return shared_export(tmp_path_factory, "onnx", "decoder").path
         if kind not in made:
             made[kind] = _export(kind, root / kind.replace("/", "-"))
         return made[kind]
@@ -105,8 +108,6 @@ def _export(kind: str, out: Path) -> Path:
         return exportlm.export_model("hf_checkpoint", model, out)
     if kind == "bf16":
         return exportlm.export_model("hf_checkpoint", model, out, dtype="bfloat16")
-    if kind == "onnx":
-        return exportlm.export_model("onnx", model, out.with_suffix(".onnx"))
     layout, recipe = kind.split("/")
     quantize(model, recipe)
     return exportlm.export_model("hf_checkpoint", model, out, format=layout)

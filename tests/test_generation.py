@@ -68,8 +68,11 @@ def assert_same_generation(got: GenerationResult, eager: GenerationResult, targe
 # ----------------------------------------------------------------------------- parity
 
 
+# One family per kind of graph: positions from the ids (llama), MoE experts (mixtral), a
+# model that places tokens itself (decoder). The tied family and the others are the main
+# job's generation_parity items (make conformance), through the same runtimes.
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("family", ["llama", "mixtral", "llama_tied", "decoder"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "decoder"])
 def test_greedy_tokens_through_the_artifact_equal_the_eager_model(
     exported: Callable[[str, str], Any], target: str, family: str
 ) -> None:

@@ -46,6 +46,7 @@ from exportlm.models import build_model
 from exportlm.quant import QuantLinear, is_quantized_module, quantize
 from pytest_exportcheck.checks import CHECKS, TargetCase
 from pytest_exportcheck.checks.targets.quantized import FLIP_ATOL, FLIP_RTOL
+from tests._exports import shared_export
 from tests._faulty_target import faulty_checkpoint_target
 
 ONNX_DTYPES = {"fp8": "float8e4m3fn", "int8_wo": "int8"}
@@ -66,15 +67,19 @@ def _quantized(family: str, recipe: str) -> nn.Module:
     return quantize(_build(family), recipe)
 
 
+#: llama with both recipes: weights and activations (fp8), weights only (int8_wo). The
+#: MoE experts with fp8, which quantizes both: their weight-only path is llama's.
+EXPORTED = [("llama", "fp8"), ("llama", "int8_wo"), ("iterable_moe", "fp8")]
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
     """ONNX files of (family, recipe), exported once for the module's tests."""
     root = tmp_path_factory.mktemp("qdq")
     files: dict[tuple[str, str], Path] = {}
-    for family in ("llama", "iterable_moe"):
-        for recipe in ("fp8", "int8_wo"):
-            model = _quantized(family, recipe)
-            files[family, recipe] = export_model("onnx", model, root / f"{family}-{recipe}.onnx")
+    for family, recipe in EXPORTED:
+        model = _quantized(family, recipe)
+        files[family, recipe] = export_model("onnx", model, root / f"{family}-{recipe}.onnx")
     return files
 
 
@@ -89,8 +94,7 @@ def _quantized_linears(model: nn.Module) -> dict[str, QuantLinear]:
 # ----------------------------------------------------------------------------- roundtrip
 
 
-@pytest.mark.parametrize("family", ["llama", "iterable_moe"])
-@pytest.mark.parametrize("recipe", ["fp8", "int8_wo"])
+@pytest.mark.parametrize(("family", "recipe"), EXPORTED, ids=[f"{r}-{f}" for f, r in EXPORTED])
 def test_roundtrip_matches_the_fake_quantized_model(
     exported: dict[tuple[str, str], Path], family: str, recipe: str
 ) -> None:
@@ -160,9 +164,10 @@ def test_info_lists_one_quantized_initializer_per_quantized_linear(
     assert info.initializer_bytes - info.quantized_bytes < float_bytes + scale_bytes + 16 * 1024
 
 
-def test_info_of_a_float_graph_lists_no_quantized_initializer(tmp_path: Path) -> None:
-    path = export_to_onnx(build_model("decoder", seed=0), tmp_path / "float.onnx")
-    info = get_onnx_info(path)
+def test_info_of_a_float_graph_lists_no_quantized_initializer(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    info = get_onnx_info(shared_export(tmp_path_factory, "onnx", "decoder").path)
     assert info.quantized_initializers == ()
     assert info.quantized_bytes == 0
 
