@@ -12,16 +12,16 @@ the run's first ``ensure_*_registered()`` loads the entry points found then (and
 warns about a broken one there, as a fresh process does); the check catalogue holds
 the built-in checks only, so the run's conftest registers its own. On exit, the
 registries get back exactly the entries, failures and loaded groups they had, and
-the catalogue its checks; the run's
-modules under the session's base temporary directory (the fake plugin) are
-dropped by pytester's ``sys.modules`` snapshot (``tests/conftest.py``).
+the catalogue its checks; the run's modules under the session's base temporary
+directory (the fake plugin) are dropped by pytester's ``sys.modules`` snapshot
+(``tests/conftest.py``).
 
 Each run gets a context of its own (:func:`runpytest_installed`): a run loads the
 plugin as it is then (a module that reads an environment variable at import reads
-it again). xdist workers do not read ``PYTHONPATH``: the controller hands them the
-``sys.path`` it had when xdist was imported (``xdist.plugin._sys_path``, a list
-that its worker manager sends to each worker), so the directory goes first in that
-list too, for the run.
+it again). The directories also go first on ``PYTHONPATH``, for a process the run
+starts, and in the ``sys.path`` xdist hands its workers: they do not read
+``PYTHONPATH`` but get the ``sys.path`` the controller had when xdist was imported
+(``xdist.plugin._sys_path``, a list its worker manager sends to each worker).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,18 +100,34 @@ def _worker_sys_path() -> list[str]:
 
 
 @contextlib.contextmanager
+def _first_on_paths(entries: list[str]) -> Iterator[None]:
+    """``entries`` first on ``sys.path``, xdist's worker path and ``PYTHONPATH``; then as before."""
+    lists = [sys.path, _worker_sys_path()]
+    before = [list(path) for path in lists]
+    env = os.environ.get("PYTHONPATH")
+    for path in lists:
+        path[:0] = entries
+    os.environ["PYTHONPATH"] = os.pathsep.join([*entries, *([env] if env else [])])
+    importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        for path, old in zip(lists, before, strict=True):
+            path[:] = old
+        if env is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = env
+        importlib.invalidate_caches()
+
+
+@contextlib.contextmanager
 def installed(*paths: Path) -> Iterator[None]:
     """The registries as a fresh process with ``paths`` on its path would load them."""
     for guard in _GUARDS:
         guard()
     saved = [_save(registry) for registry in _REGISTRIES]
     checks = dict(catalogue._CHECKS)
-    before = list(sys.path)
-    sys.path[:0] = [str(p) for p in paths]
-    workers = _worker_sys_path()
-    workers_before = list(workers)
-    workers[:0] = [str(p) for p in paths]
-    importlib.invalidate_caches()
     try:
         for registry in _REGISTRIES:
             _builtins_only(registry)
@@ -118,18 +135,18 @@ def installed(*paths: Path) -> Iterator[None]:
             guard.reset()
         catalogue._CHECKS.clear()
         catalogue._CHECKS.update((spec.id, spec) for spec in BUILTIN_CHECKS)
-        yield
+        with _first_on_paths([str(p) for p in paths]):
+            yield
     finally:
-        sys.path[:] = before
-        workers[:] = workers_before
-        importlib.invalidate_caches()
         for registry, state in zip(_REGISTRIES, saved, strict=True):
             _restore(registry, state)
         catalogue._CHECKS.clear()
         catalogue._CHECKS.update(checks)
 
 
-def runpytest_installed(pytester: pytest.Pytester, paths: Path | list[Path], *args: Any) -> Any:
+def runpytest_installed(
+    pytester: pytest.Pytester, paths: Path | list[Path], *args: Any
+) -> pytest.RunResult:
     """``pytester.runpytest(*args)`` in this process, as if ``paths`` were installed."""
     with installed(*([paths] if isinstance(paths, Path) else paths)):
         return pytester.runpytest(*args)

@@ -166,7 +166,6 @@ def _items(report: Path) -> dict[str, dict[str, Any]]:
 def fake_site(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
     site = pytester.path / "site"
     make_distribution(site, "genplugin", ENTRY_POINTS, {"genplugin.py": GEN_PLUGIN})
-    monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.delenv("CI", raising=False)
     pytester.makeconftest(CONFTEST)
     return site

@@ -11,7 +11,6 @@ check catalogue.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +73,9 @@ CONFTEST = (
 )
 
 
-def _env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, site: Path) -> Path:
-    """Point the fake plugin's export log into the run's directory; returns the log.
-
-    ``site`` (the installed distribution) is on ``PYTHONPATH`` too, for a run that
-    starts a process of its own.
-    """
+def _env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point the fake plugin's export log into the run's directory; returns the log."""
     counter = pytester.path / "exports.log"
-    monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.setenv("FAKEPLUGIN_COUNTER", str(counter))
     return counter
 
@@ -194,7 +188,7 @@ def test_fake_third_party_plugin(
     which reuses the first run's cached artifacts and writes the same JSON report.
     """
     site = install(pytester.path / "site")
-    counter = _env(pytester, monkeypatch, site)
+    counter = _env(pytester, monkeypatch)
     _hide_cuda(monkeypatch)  # the cuda items below must skip, on any machine
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_own="def test_own_test():\n    pass\n")
@@ -308,7 +302,7 @@ def test_export_only_no_cache_require_device_and_user_profile(
     """--export-only hides the repo's tests; --export-no-cache keeps nothing across runs;
     --export-require-device fails what would skip; the user's Hypothesis profile wins."""
     site = install(pytester.path / "site")
-    counter = _env(pytester, monkeypatch, site)
+    counter = _env(pytester, monkeypatch)
     _hide_cuda(monkeypatch)  # the cuda item must fail for want of a device, on any machine
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_own="def test_own_test():\n    pass\n")
@@ -357,7 +351,7 @@ def test_faulty_plugins_are_caught_by_the_check_named_after_their_fault(
 ) -> None:
     """Each fake target or exporter that is wrong on purpose fails the check naming its fault."""
     site = install(pytester.path / "site")
-    _env(pytester, monkeypatch, site)
+    _env(pytester, monkeypatch)
     result = runpytest_installed(
         pytester,
         site,
@@ -415,9 +409,7 @@ def test_ini_twins_configure_the_suite(pytester: pytest.Pytester) -> None:
     }
 
 
-def test_example_plugin_passes_the_suite(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_example_plugin_passes_the_suite(pytester: pytest.Pytester) -> None:
     """examples/exportlm-plugin-example, installed from its own pyproject's entry points,
     passes every check when its author runs plain ``pytest`` with its ini selection."""
     tomllib = pytest.importorskip("tomllib")
@@ -425,7 +417,6 @@ def test_example_plugin_passes_the_suite(
     project = tomllib.loads((example / "pyproject.toml").read_text())["project"]
     site = pytester.path / "site"
     make_distribution(site, project["name"], project["entry-points"], version=project["version"])
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(example / "src")]))
     (pytester.path / "pyproject.toml").write_text((example / "pyproject.toml").read_text())
     # no goldens/ here: the exporter's golden comes from the package (ModuleExporter.goldens)
     assert not (pytester.path / "goldens").exists()
@@ -458,7 +449,7 @@ def test_cached_exports_serve_the_next_run_except_the_fresh_one_deterministic_ne
     export (the family with one layer), so a second run exports only the one fresh copy
     ``deterministic`` compares that cached artifact with."""
     site = install(pytester.path / "site")
-    counter = _env(pytester, monkeypatch, site)
+    counter = _env(pytester, monkeypatch)
     args = [
         "--export-targets=good",
         "--export-models=tiny",

@@ -9,7 +9,7 @@ contains, so every one of its value checks skips. Runs with xdist use one worker
 (``-n 1 --dist loadgroup``): what they check happens on the controller (the lockfile,
 the strict verdict, a shard's report), which one worker proves as two would; each
 worker is a process that imports torch and transformers again (it finds the
-distribution through ``PYTHONPATH``).
+distribution on the path the run hands it).
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ XDIST = ("-n", "1", "--dist", "loadgroup")
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "site"
     make_distribution(root, "covplugin", ENTRY_POINTS, {"covplugin.py": PLUGIN})
-    monkeypatch.setenv("PYTHONPATH", str(root))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("CI", raising=False)
     return root

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -203,8 +204,6 @@ def test_kill_switch_skips_discovery(plugin_path: Path, monkeypatch: pytest.Monk
 
 
 def _run(code: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    import os
-
     env = {**os.environ, **env_extra}
     return subprocess.run(
         [sys.executable, "-c", code],
@@ -291,7 +290,9 @@ def test_installed_loads_a_distribution_for_one_run_and_puts_every_registry_back
     ensure_exporters_registered()
     before = plugin_inventory()
     checks = dict(CHECKS)
+    environment = os.environ.get("PYTHONPATH")
     with installed(site):
+        assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(site)  # for its children
         assert "isolated" not in EXPORT_REGISTRY  # not loaded until the first ensure
         with pytest.warns(PluginWarning, match="plug_x"):  # warned then, as a fresh process warns
             ensure_exporters_registered()
@@ -303,6 +304,7 @@ def test_installed_loads_a_distribution_for_one_run_and_puts_every_registry_back
     assert dict(CHECKS) == checks
     assert "isolated" not in EXPORT_REGISTRY
     assert str(site) not in sys.path
+    assert os.environ.get("PYTHONPATH") == environment
 
 
 def test_records_list_loaded_failed_and_conflicting_entry_points(plugin_path: Path) -> None:
