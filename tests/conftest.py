@@ -117,6 +117,22 @@ def _pytester_keeps_library_modules(
     hypothesis.core.global_force_seed = seed  # type: ignore[attr-defined]
 
 
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.cuda.is_available()`` is False for the test and the processes it starts, GPU or not.
+
+    For pytester runs that assert what happens to ``cuda`` items on a machine without
+    CUDA (a counted skip, or a failure under ``--export-require-device``): on a GPU
+    machine those items would run instead. The plugin asks ``torch.cuda.is_available()``:
+    in this process it is replaced for the test; an empty ``CUDA_VISIBLE_DEVICES`` hides
+    every GPU from the processes a run starts (xdist workers).
+    """
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 FAKE_EXPORTER = "exportcheck_fake_exporter"
 
 

@@ -34,6 +34,8 @@ pytestmark = pytest.mark.skipif(
 
 NO_CUDA = "CUDA is not available on this machine (torch.cuda.is_available() is False)"
 REQUIRED = "and --export-require-device is set"
+#: The skip line of fp8_gemm's cpu item: the check needs CUDA whatever the machine has.
+FP8_GEMM_SKIP = "SKIPPED*fp8_gemm (torch._scaled_mm): needs a CUDA device*this item runs on cpu*"
 
 
 def _outcomes(result: pytest.RunResult) -> dict[str, int]:
@@ -103,9 +105,7 @@ def test_fp8_gemm_skips_without_cuda_and_fails_when_a_device_is_required(
     args = ("--export-exporters=quant_linear", "--export-checks=fp8_gemm", "-m", "cuda")
     skipped = pytester.runpytest(*args, "--export-device=cpu,cuda", "-rs")
     assert _outcomes(skipped) == {"skipped": 2}, skipped.stdout.str()
-    skipped.stdout.fnmatch_lines(
-        ["SKIPPED*fp8_gemm (torch._scaled_mm): needs a CUDA device*this item runs on cpu*"]
-    )
+    skipped.stdout.fnmatch_lines([FP8_GEMM_SKIP])
     required = pytester.runpytest(
         *args, "--export-device=cpu,cuda", "--export-require-device", "-rfs"
     )
@@ -132,7 +132,7 @@ def test_under_xdist_the_cuda_items_skip_or_fail_as_in_one_process(
     skipped.stdout.fnmatch_lines_random(
         [
             f"SKIPPED*{NO_CUDA}*",
-            "SKIPPED*fp8_gemm (torch._scaled_mm): needs a CUDA device*this item runs on cpu*",
+            FP8_GEMM_SKIP,
         ]
     )
     required = pytester.runpytest(*args, "--export-require-device", "-rfs")

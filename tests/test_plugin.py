@@ -3,9 +3,9 @@
 Runs with a fake third-party plugin discovered through a real ``*.dist-info`` run in
 this process with the registries as a fresh process would load them
 (:func:`tests._installed.runpytest_installed`); the ones that check what a fresh
-process imports start one. Each run checks many things at once. Demo checks registered by the
-generated ``conftest.py`` exercise the plugin machinery independently of the real
-check catalogue.
+process imports start one. Each run checks many things at once. Demo checks
+registered by the generated ``conftest.py`` exercise the plugin machinery
+independently of the real check catalogue.
 """
 
 from __future__ import annotations
@@ -78,21 +78,6 @@ def _env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
     counter = pytester.path / "exports.log"
     monkeypatch.setenv("FAKEPLUGIN_COUNTER", str(counter))
     return counter
-
-
-def _hide_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make ``torch.cuda.is_available()`` False in the runs, GPU or not.
-
-    The runs below assert what happens to ``cuda`` items on a machine without CUDA (a
-    counted skip, or a failure under ``--export-require-device``); on a GPU machine
-    those items would run instead. The plugin asks ``torch.cuda.is_available()``: in
-    this process it is replaced for the test; an empty ``CUDA_VISIBLE_DEVICES`` hides
-    every GPU from the processes a run starts (xdist workers).
-    """
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 def _exports(counter: Path) -> list[str]:
@@ -179,6 +164,7 @@ def test_bad_option_is_a_usage_error(
     result.stderr.fnmatch_lines([f"*{message}*"])
 
 
+@pytest.mark.usefixtures("no_cuda")  # the cuda items must skip (or fail), on any machine
 def test_fake_third_party_plugin(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -189,7 +175,6 @@ def test_fake_third_party_plugin(
     """
     site = install(pytester.path / "site")
     counter = _env(pytester, monkeypatch)
-    _hide_cuda(monkeypatch)  # the cuda items below must skip, on any machine
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_own="def test_own_test():\n    pass\n")
     (pytester.path / "xfails.json").write_text(
@@ -296,6 +281,7 @@ def test_fake_third_party_plugin(
     assert cache_use["served_from_cache"] > 0, cache_use
 
 
+@pytest.mark.usefixtures("no_cuda")  # the cuda items must skip (or fail), on any machine
 def test_export_only_no_cache_require_device_and_user_profile(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -303,7 +289,6 @@ def test_export_only_no_cache_require_device_and_user_profile(
     --export-require-device fails what would skip; the user's Hypothesis profile wins."""
     site = install(pytester.path / "site")
     counter = _env(pytester, monkeypatch)
-    _hide_cuda(monkeypatch)  # the cuda item must fail for want of a device, on any machine
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_own="def test_own_test():\n    pass\n")
     result = runpytest_installed(

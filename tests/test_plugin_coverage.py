@@ -2,10 +2,10 @@
 
 Each run is in this process with a small distribution installed for it
 (:func:`tests._installed.runpytest_installed`: the registries see it as a fresh
-process would, and get their own entries back after): a target ``saver`` (torch.save of the model, a
-runtime that loads it) whose ``dynamic_shapes`` capability an environment variable
-switches, and a module exporter ``lonely`` that claims a module no toy model
-contains, so every one of its value checks skips. Runs with xdist use one worker
+process would, and get their own entries back after): a target ``saver``
+(torch.save of the model, a runtime that loads it) whose ``dynamic_shapes``
+capability an environment variable switches, and a module exporter ``lonely`` that
+claims a module no toy model contains, so every one of its value checks skips. Runs with xdist use one worker
 (``-n 1 --dist loadgroup``): what they check happens on the controller (the lockfile,
 the strict verdict, a shard's report), which one worker proves as two would; each
 worker is a process that imports torch and transformers again (it finds the
@@ -72,10 +72,9 @@ XDIST = ("-n", "1", "--dist", "loadgroup")
 
 
 @pytest.fixture
-def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_cuda: None) -> Path:
     root = tmp_path / "site"
     make_distribution(root, "covplugin", ENTRY_POINTS, {"covplugin.py": PLUGIN})
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("CI", raising=False)
     return root
 

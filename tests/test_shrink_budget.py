@@ -81,9 +81,10 @@ def test_a_profile_the_user_chose_keeps_hypothesis_own_bound() -> None:
 def test_a_ci_run_is_derandomized_and_a_failed_item_keeps_its_shrunk_structure_and_a_repro(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One CI run (in this process, the fake targets installed for it alone) shows both facets: items run derandomized under exportcheck-ci with no database and
-    the default budget catches vocabpad; its shrunk structure is kept with a repro that
-    works. No .hypothesis directory appears."""
+    """One CI run (in this process, the fake targets installed for it alone) shows both
+    facets: items run derandomized under exportcheck-ci with no database and the default
+    budget catches vocabpad; its shrunk structure is kept with a repro that works. No
+    .hypothesis directory appears."""
     site = pytester.path / "site"
     make_distribution(site, "genplugin", ENTRY_POINTS, {"genplugin.py": GEN_PLUGIN})
     monkeypatch.setenv("CI", "true")  # derandomized: the default budget catches vocabpad
