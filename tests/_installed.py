@@ -60,8 +60,9 @@ _GUARDS = (
     ensure_models_registered,
     engines._register,
 )
-#: A registry's state: what a fresh process starts without.
-_STATE = ("_entries", "_failed", "_loaded_groups", "_groups", "_problems", "plugin_errors")
+#: A registry's state, what a fresh process starts without: every attribute a new
+#: registry sets but its kind, validator and lock (so a field added later is kept too).
+_STATE = tuple(n for n in vars(Registry("probe")) if n not in ("kind", "_validate", "_lock"))
 
 
 def _save(registry: Registry[Any]) -> dict[str, Any]:
@@ -77,17 +78,9 @@ def _restore(registry: Registry[Any], state: dict[str, Any]) -> None:
 
 
 def _builtins_only(registry: Registry[Any]) -> None:
-    _restore(
-        registry,
-        {
-            "_entries": {n: e for n, e in registry._entries.items() if e.builtin},
-            "_failed": {},
-            "_loaded_groups": set(),
-            "_groups": {},
-            "_problems": [],
-            "plugin_errors": [],
-        },
-    )
+    fresh = vars(Registry[Any](registry.kind))  # each field as a new registry has it
+    builtins = {n: e for n, e in registry._entries.items() if e.builtin}
+    _restore(registry, {name: fresh[name] for name in _STATE} | {"_entries": builtins})
 
 
 def _worker_sys_path() -> list[str]:
