@@ -70,6 +70,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.inspection",  # the shards' headers, validated as the loader does
         "exportlm.module_exporters",
         "exportlm.quant",
+        "exportlm.safeio",  # the work area's files opened without following links or blocking
     },
     "exportlm.inventory": {
         "exportlm.registry",

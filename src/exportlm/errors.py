@@ -44,6 +44,7 @@ __all__ = [
     "EngineUnavailableError",
     "LayerTooLargeError",
     "StreamingError",
+    "StreamIntegrityError",
     "StreamingUnsupportedError",
 ]
 
@@ -154,6 +155,20 @@ class LayerTooLargeError(StreamingError, MemoryError):
     """A streaming export does not fit its memory budget: the largest set of modules
     loaded at once (a decoder layer, the embedding), the output shard being filled and
     one linear in float32 need more than ``--max-memory`` / ``max_memory``."""
+
+
+class StreamIntegrityError(StreamingError):
+    """A streamed checkpoint does not hold together before it is published (a decoder layer or
+    a module of the model missing from what was written): nothing is published, and the work
+    area is removed so that the next run starts afresh."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+        super().__init__(
+            f"{problem}; nothing was published. The work area was changed outside this export "
+            "or exportlm has a bug; it was removed, so exporting again starts afresh (report "
+            "it if it happens again)"
+        )
 
 
 class RuntimeUnavailableError(ExportLMError, RuntimeError):

@@ -1,0 +1,37 @@
+"""The one digest the streaming export binds its resume state with (source files, work files).
+
+A file's digest is sha256 over its bytes, read in pieces of :data:`_PIECE` bytes into one
+reused buffer (the memory is the buffer, whatever the file's size), from a descriptor
+opened by :func:`exportlm.safeio.open_regular` (a FIFO, device or link is refused, never
+read). It must be the digest :func:`~exportlm.export.hf_checkpoint.sink.write_safetensors`
+returns for the files it writes (``FileDigest.sha256``): a resumed run re-hashes each work
+file and compares it with what the writer recorded. Switching the algorithm means changing
+:func:`file_digest` here and that writer together; the resume tests fail otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from exportlm.safeio import open_regular
+
+__all__ = ["file_digest"]
+
+_PIECE = 1 << 20
+
+
+def file_digest(path: Path, *, what: str) -> str:
+    """The hex sha256 of the regular file ``path`` (a link as the last component is refused).
+
+    Raises:
+        NotRegularFileError: ``path`` is a FIFO, device, socket or directory.
+        OSError: it is missing, a symbolic link, or unreadable.
+    """
+    digest = hashlib.sha256()
+    buffer = bytearray(_PIECE)
+    view = memoryview(buffer)
+    with open_regular(path, what=what, nofollow=True) as handle:
+        while count := handle.readinto(view):
+            digest.update(view[:count])
+    return digest.hexdigest()
