@@ -12,7 +12,9 @@ file and compares it with what the writer recorded. Switching the algorithm mean
 from __future__ import annotations
 
 import hashlib
+import io
 from pathlib import Path
+from typing import cast
 
 from exportlm.safeio import open_regular
 
@@ -32,6 +34,7 @@ def file_digest(path: Path, *, what: str) -> str:
     buffer = bytearray(_PIECE)
     view = memoryview(buffer)
     with open_regular(path, what=what, nofollow=True) as handle:
-        while count := handle.readinto(view):
+        reader = cast(io.BufferedReader, handle)  # what open_regular opens
+        while count := reader.readinto(view):
             digest.update(view[:count])
     return digest.hexdigest()
