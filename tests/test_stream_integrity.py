@@ -200,6 +200,22 @@ def test_a_run_after_the_model_was_swapped_starts_over_on_the_new_model(
     assert _work_dirs(out) == []  # the old model's work area was removed, not continued
 
 
+def test_a_model_directory_of_links_is_hashed_through_them(
+    killed: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # files that are links (inside the directory, as the loader requires): the key follows
+    # the links the reads do, and a work file's digest is still its own
+    snapshot = tmp_path / "snapshot"
+    blobs = snapshot / "blobs"
+    shutil.copytree(killed / "src", blobs)
+    for blob in blobs.iterdir():
+        (snapshot / blob.name).symlink_to(blob)
+    _kill_after(snapshot, tmp_path / "out", 0)
+    with caplog.at_level("INFO", logger="exportlm.stream"):
+        _same_export(killed / "ref", _export(snapshot, tmp_path / "out"))
+    assert "resuming after layer 1 of 4" in caplog.text
+
+
 # ----------------------------------------------------------------- edited records
 
 

@@ -23,17 +23,21 @@ __all__ = ["file_digest"]
 _PIECE = 1 << 20
 
 
-def file_digest(path: Path, *, what: str) -> str:
-    """The hex sha256 of the regular file ``path`` (a link as the last component is refused).
+def file_digest(path: Path, *, what: str, follow: bool = False) -> str:
+    """The hex sha256 of the regular file ``path``.
+
+    A symbolic link as the last component is refused unless ``follow`` (a model
+    directory may be a hub snapshot, every file a link into ``blobs/``; a work file is
+    never a link).
 
     Raises:
         NotRegularFileError: ``path`` is a FIFO, device, socket or directory.
-        OSError: it is missing, a symbolic link, or unreadable.
+        OSError: it is missing, unreadable, or a symbolic link and not ``follow``.
     """
     digest = hashlib.sha256()
     buffer = bytearray(_PIECE)
     view = memoryview(buffer)
-    with open_regular(path, what=what, nofollow=True) as handle:
+    with open_regular(path, what=what, nofollow=not follow) as handle:
         reader = cast(io.BufferedReader, handle)  # what open_regular opens
         while count := reader.readinto(view):
             digest.update(view[:count])

@@ -76,7 +76,7 @@ class SourceDigests:
     def _digest(self, name: str) -> str:
         path = self.directory / name
         try:
-            return file_digest(path, what="model file")
+            return file_digest(path, what="model file", follow=True)
         except ExportLMError:
             raise
         except OSError as err:
