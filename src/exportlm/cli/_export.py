@@ -258,6 +258,7 @@ def _verify(plan: ExportPlan, model: Any, path: Path) -> Any:
     from exportlm.inputs import VERIFY_IDS_SEED
 
     info = get_target_info(plan.target)
+    model = _reference(plan, model)
     result = None
     with phase(f"verifying in the {info.runtime} runtime"):
         runtime = load_exported(plan.target, path, trust=plan.trust)
@@ -273,6 +274,21 @@ def _verify(plan: ExportPlan, model: Any, path: Path) -> Any:
             if not result.passed:
                 break
     return result
+
+
+def _reference(plan: ExportPlan, model: Any) -> Any:
+    """The eager model as the artifact computes: in the dtype a ``dtype`` option cast it to.
+
+    ``-o dtype=fp32`` of a bfloat16 directory writes a float32 artifact; against the
+    bfloat16 model its logits differ by bfloat16's rounding, not by a fault.
+    """
+    wanted = plan.options.get("dtype")
+    if wanted is None:
+        return model
+    from exportlm.export._cast import cast_copy
+    from exportlm.export.options import resolve_dtype
+
+    return cast_copy(model, resolve_dtype(wanted, where=f"{plan.target} dtype"))
 
 
 def _print_result(plan: ExportPlan, result: _Result) -> None:
