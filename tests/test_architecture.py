@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "exportlm.inputs": {"exportlm.errors"},
     "exportlm._progress": set(),
     "exportlm._matrix": set(),  # the report matrix and merge: stdlib only
+    "exportlm._report_html": {"exportlm._matrix"},  # the report as HTML / SVG: stdlib only
     "exportlm._transformers_model": set(),  # is this a transformers model? stdlib only
     "exportlm.safeio": {"exportlm.errors"},
     "exportlm.hfdir": {"exportlm.errors", "exportlm.safeio"},

@@ -252,7 +252,10 @@ def _meta_model(directory: Path) -> Any:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+        # eager attention, as the in-memory export loads a directory (cli/_model.py)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=False, attn_implementation="eager"
+        )
     model.tie_weights()  # one parameter for a tied pair, as from_pretrained leaves it
     _load_generation_config(model, directory)
     return model.eval()
