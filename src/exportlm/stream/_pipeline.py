@@ -19,7 +19,7 @@ from exportlm.errors import OutputExistsError, StreamIntegrityError
 from exportlm.export.guard import PendingManifest
 from exportlm.export.hf_checkpoint.configs import quantization_section, write_configs
 from exportlm.export.hf_checkpoint.naming import module_namer
-from exportlm.export.hf_checkpoint.sink import CheckpointSink, parse_size
+from exportlm.export.hf_checkpoint.sink import CheckpointSink
 from exportlm.export.hf_checkpoint.target import HF_CHECKPOINT_TARGET
 from exportlm.export.hf_checkpoint.target import _one_torch_thread as one_torch_thread
 from exportlm.inputs import make_input_ids
@@ -31,11 +31,11 @@ from exportlm.stream._complete import check_complete
 from exportlm.stream._key import resume_key
 from exportlm.stream._layers import CalibrationInputs, capture_layer_inputs, quantize_layer
 from exportlm.stream._memory import (
-    MemoryBound,
     map_large_allocations,
     release_freed,
     resident_bytes,
 )
+from exportlm.stream._sizing import fit_bound
 from exportlm.stream._source import CheckpointSource
 from exportlm.stream._summary import PhaseSink, PrefixSink, SummaryPart, merge_summaries
 from exportlm.stream._work import ActivationStore, WorkArea
@@ -146,14 +146,8 @@ def export_streaming(
     layers = [source.tensor_bytes(source.layer(i)) for i in range(source.layout.count)]
     acts = _activation_bytes(source.model, batches)
     shells = _shell_names(source)
-    bound, largest = _bound(
-        source,
-        shells,
-        parse_size(max_shard_size),
-        baseline,
-        layers,
-        acts,
-        quantized=plan is not None,
+    bound, largest, max_shard_size = fit_bound(
+        source, shells, budget, max_shard_size, baseline, layers, acts, quantized=plan is not None
     )
     check_fits(budget, bound, largest)  # before anything is written
     options = _given(
@@ -340,43 +334,6 @@ def _given(options: dict[str, Any]) -> dict[str, Any]:
 
 def _default_ids(model: Any) -> torch.Tensor:
     return make_input_ids(int(model.config.vocab_size))
-
-
-def _bound(
-    source: CheckpointSource,
-    shells: tuple[set[str], set[str]],
-    max_shard_size: int,
-    baseline: int,
-    layers: list[int],
-    activations: int,
-    *,
-    quantized: bool,
-) -> tuple[MemoryBound, str]:
-    """What this export should peak at, and what its largest module set is.
-
-    The terms: the baseline, the largest modules loaded at once (a layer, or the head /
-    tail modules: the embedding, ``lm_head``), one output shard (``max_shard_size``,
-    capped at the model's size, or a single larger tensor), the calibration activations
-    entering and leaving a layer, and, when a recipe quantizes, the largest weight of a
-    layer in float32 (quantizing one linear)."""
-    state = source.model.state_dict(keep_vars=True)
-    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
-    shell_bytes = [sum(sizes[n] for n in source.saved(names)) for names in shells]
-    shard = min(max_shard_size, source.total_bytes)
-    inside = source.layout.layers + "."
-    linear = max((t.numel() for n, t in state.items() if n.startswith(inside)), default=0)
-    sets = [(size, f"decoder layer {i}") for i, size in enumerate(layers)]
-    sets += [(shell_bytes[0], "the modules before the layers")]
-    sets += [(shell_bytes[1], "the modules after them")]
-    modules, what = max(sets, key=lambda pair: pair[0])
-    bound = MemoryBound(
-        baseline=baseline,
-        modules=modules,
-        shard=max(shard, *sizes.values()),
-        activations=2 * activations,
-        working=4 * linear if quantized else 0,
-    )
-    return bound, what
 
 
 def _activation_bytes(model: nn.Module, batches: Sequence[torch.Tensor]) -> int:

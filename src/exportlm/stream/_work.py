@@ -195,7 +195,7 @@ class ActivationStore:
             )
         if previous is not None and previous != file:
             previous.unlink(missing_ok=True)
-        return written.sha256
+        return written.digest
 
     def restore(self, index: int) -> None:
         """Use the inputs of layer ``index`` that a killed run left on disk."""

@@ -113,7 +113,7 @@ class ResumableShardWriter:
             file = f"pending-{tag}.safetensors"
             tensors = {n: t for n in self._unspilled if (t := self._current[n]) is not None}
             written = write_safetensors(self.directory / file, tensors, self.metadata)
-            self._state.pending.append((file, list(self._unspilled), written.sha256))
+            self._state.pending.append((file, list(self._unspilled), written.digest))
             self._current.update(dict.fromkeys(self._unspilled))  # read back when written
             self._unspilled = []
         return self._state
@@ -165,7 +165,7 @@ class ResumableShardWriter:
     def _flush(self) -> None:
         tmp = f"shard-{len(self._state.shards) + 1:05d}.safetensors.partial"
         written = write_safetensors(self.directory / tmp, self._open_shard(), self.metadata)
-        self._state.shards.append((tmp, list(self._current), written.sha256))
+        self._state.shards.append((tmp, list(self._current), written.digest))
         # deleted only once the progress that no longer names them is saved (collect)
         self._obsolete.extend(file for file, _, _ in self._state.pending)
         self._state.pending = []
