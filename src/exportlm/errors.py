@@ -45,6 +45,7 @@ __all__ = [
     "LayerTooLargeError",
     "StreamingError",
     "StreamingUnsupportedError",
+    "UnsafeLockFileError",
 ]
 
 
@@ -366,3 +367,22 @@ class EngineTimeoutError(EngineError, TimeoutError):
 
 class EngineProtocolError(EngineError):
     """The worker's response is not the JSON the worker protocol describes (``docs/engines.md``)."""
+
+
+class UnsafeLockFileError(ExportLMError):
+    """A lock file's path is not a private regular file of this user (a symbolic link, ...).
+
+    Lock files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and an existing one is
+    opened only when it is a regular file this user owns with one link: a planted
+    symbolic link would otherwise make the open create or lock the file it points to.
+    Attributes: ``path`` and ``problem`` (what it is).
+    """
+
+    def __init__(self, path: object, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(
+            f"lock file {path} is {problem}, not a private regular file of this user; it was "
+            "not opened (a planted link would make the lock create or lock the file it points "
+            f"to). Remove {path} if nobody else should have put it there."
+        )

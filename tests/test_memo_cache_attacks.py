@@ -1,0 +1,151 @@
+"""The failure memo and the artifact cache: a backend upgrade and planted lock links.
+
+A remembered failure is replayed only under the same library versions (the cache
+key's, read from installed metadata), and says which; a lock path in the cache that
+is a symbolic link is never followed (it used to make a run create ``.git/index.lock``
+or an empty signing key).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from exportlm.errors import UnsafeLockFileError
+from exportlm.safeio import exclusive_lock, open_lock_file
+from pytest_exportcheck.run._failure_memo import ExportFailureMemo
+
+PLUGIN = """
+import importlib.metadata
+import os
+
+from exportlm.errors import ExportFailedError
+from exportlm.export import export_target
+
+
+@export_target("backendfail", runtime="torchscript", suffix=".pt", atol=1e-5, rtol=1e-5)
+def export_backendfail(model, output_path, *, example_inputs=None):
+    version = importlib.metadata.version("fakebackend")
+    with open(os.environ["FAKEBACKEND_LOG"], "a") as log:
+        log.write(version + "\\n")
+    raise ExportFailedError(f"fakebackend {version} cannot export this graph")
+"""
+
+CONFTEST = """
+from exportlm.export import EXPORT_REGISTRY, ensure_exporters_registered
+import fakeplugin
+
+ensure_exporters_registered()
+EXPORT_REGISTRY.register("backendfail", fakeplugin.export_backendfail)
+"""
+
+ARGS = [
+    "--export-targets=backendfail",
+    "--export-exporters=none",
+    "--export-models=decoder",
+    "--export-checks=roundtrip_logits",
+    "--export-only",
+    "-p",
+    "no:randomly",
+]
+
+
+def _dist(site: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
+    """An installed distribution ``name`` in ``site``, as pip leaves one (no other)."""
+    for old in site.glob(f"{name}-*.dist-info"):
+        for file in old.iterdir():
+            file.unlink()
+        old.rmdir()
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    lines += [f"Requires-Dist: {r}" for r in requires]
+    (info / "METADATA").write_text("\n".join(lines) + "\n")
+    (info / "top_level.txt").write_text(f"{name}\n")
+
+
+@pytest.fixture
+def plugin_site(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
+    site = pytester.path / "site"
+    (site / "fakeplugin").mkdir(parents=True)
+    (site / "fakeplugin" / "__init__.py").write_text(PLUGIN)
+    _dist(site, "fakeplugin", "1.0", requires=("fakebackend>=1.0",))
+    _dist(site, "fakebackend", "1.0")
+    pytester.makeconftest(CONFTEST)
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *([path] if path else [])]))
+    monkeypatch.setenv("FAKEBACKEND_LOG", str(pytester.path / "exports.log"))
+    return site
+
+
+def _exports(pytester: pytest.Pytester) -> list[str]:
+    return (pytester.path / "exports.log").read_text().split()
+
+
+def test_a_backend_upgrade_runs_a_remembered_failure_again(
+    pytester: pytest.Pytester, plugin_site: Path
+) -> None:
+    first = pytester.runpytest_subprocess(*ARGS)
+    first.assert_outcomes(passed=1, failed=1)
+    assert _exports(pytester) == ["1.0"]
+    # Same versions: the failure is replayed, and says what it was remembered with.
+    second = pytester.runpytest_subprocess(*ARGS)
+    second.assert_outcomes(passed=1, failed=1)
+    assert _exports(pytester) == ["1.0"], "the remembered failure was exported again"
+    text = second.stdout.str()
+    assert "remembered from a run with fakeplugin 1.0, fakebackend 1.0" in text
+    assert "--export-no-cache" in text
+    # The backend is upgraded: the target's export runs again, nothing is replayed.
+    _dist(plugin_site, "fakebackend", "1.1")
+    third = pytester.runpytest_subprocess(*ARGS)
+    third.assert_outcomes(passed=1, failed=1)
+    assert _exports(pytester) == ["1.0", "1.1"], "the failure of fakebackend 1.0 was replayed"
+    assert "remembered from a run" not in third.stdout.str()
+    assert "fakebackend 1.1 cannot export this graph" in third.stdout.str()
+
+
+# ----------------------------------------------------------------------------- lock files
+
+
+def test_a_planted_lock_link_is_never_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "repo" / ".git" / "index.lock"
+    victim.parent.mkdir(parents=True)
+    lock = tmp_path / "k.lock"
+    lock.symlink_to(victim)  # dangling: opening it with O_CREAT would create the victim
+    with pytest.raises(UnsafeLockFileError, match="symbolic link"):
+        open_lock_file(lock)
+    assert not victim.exists()
+    existing = tmp_path / "key"
+    existing.write_bytes(b"k" * 32)
+    other = tmp_path / "other.lock"
+    other.symlink_to(existing)
+    with pytest.raises(UnsafeLockFileError, match="Remove"), exclusive_lock(other):
+        pass
+    assert existing.read_bytes() == b"k" * 32
+
+
+def test_a_lock_file_is_created_private_and_reused(tmp_path: Path) -> None:
+    lock = tmp_path / "k.lock"
+    with exclusive_lock(lock):
+        assert lock.stat().st_mode & 0o777 == 0o600
+    with exclusive_lock(lock):  # the existing one is opened again
+        pass
+    os.link(lock, tmp_path / "second-name")
+    with pytest.raises(UnsafeLockFileError, match="2 hard links"):
+        open_lock_file(lock)
+    fifo = tmp_path / "fifo.lock"
+    os.mkfifo(fifo)
+    with pytest.raises(UnsafeLockFileError, match="FIFO"):
+        open_lock_file(fifo)  # and it did not block
+
+
+def test_a_planted_memo_lock_neither_creates_its_target_nor_replays(tmp_path: Path) -> None:
+    victim = tmp_path / "signing-key"
+    memo = ExportFailureMemo(tmp_path / "failures")
+    (tmp_path / "failures").mkdir()
+    (tmp_path / "failures" / "abc.lock").symlink_to(victim)
+    with pytest.warns(match="neither replayed nor remembered"), memo.exclusive("abc"):
+        assert memo.recall("abc") is None
+    assert not os.path.lexists(victim)
