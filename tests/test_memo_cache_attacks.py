@@ -9,6 +9,7 @@ or an empty signing key).
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,43 @@ def test_a_planted_memo_lock_neither_creates_its_target_nor_replays(tmp_path: Pa
     with pytest.warns(match="neither replayed nor remembered"), memo.exclusive("abc"):
         assert memo.recall("abc") is None
     assert not os.path.lexists(victim)
+
+
+CACHE_ARGS = [
+    "--export-targets=torchscript",
+    "--export-models=decoder",
+    "--export-checks=roundtrip_logits",
+    "-p",
+    "no:randomly",
+    "-W",
+    "always::pytest_exportcheck.ExportCheckWarning",
+]
+
+
+def test_planted_lock_links_in_the_cache_create_nothing(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = tmp_path / "home" / "key"
+    monkeypatch.setenv("EXPORTLM_KEY_FILE", str(key))
+    pytester.runpytest(*CACHE_ARGS).assert_outcomes(passed=3, xfailed=1)
+    root = pytester.path / ".pytest_cache" / "d" / "exportcheck" / "artifacts"
+    entries = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert entries
+    key.unlink()  # a first run: no key yet, and the links point where it will be created
+    git = pytester.path / ".git"
+    git.mkdir()
+    for entry in entries:  # the entry is gone, its lock is a link
+        for path in entry.rglob("*"):
+            path.chmod(0o700)
+        shutil.rmtree(entry)
+        (root / f"{entry.name}.lock").unlink()
+        (root / f"{entry.name}.lock").symlink_to(key if entry == entries[0] else git / "index.lock")
+    dead = "f" * 32  # a dead writer's staging directory, swept with its (planted) lock
+    (root / f".{dead}.abcd").mkdir()
+    (root / f"{dead}.lock").symlink_to(git / "index.lock")
+    result = pytester.runpytest(*CACHE_ARGS)
+    result.assert_outcomes(passed=3, xfailed=1)
+    assert not os.path.lexists(git / "index.lock"), "a planted lock link created .git/index.lock"
+    assert key.stat().st_size == 32, "the key was spoiled"
+    assert key.stat().st_mode & 0o777 == 0o600
+    result.stdout.fnmatch_lines(["*lock file * is a symbolic link*outside the cross-run cache*"])
