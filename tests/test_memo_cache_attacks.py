@@ -190,3 +190,39 @@ def test_planted_lock_links_in_the_cache_create_nothing(
     assert key.stat().st_size == 32, "the key was spoiled"
     assert key.stat().st_mode & 0o777 == 0o600
     result.stdout.fnmatch_lines(["*lock file * is a symbolic link*outside the cross-run cache*"])
+
+
+# ----------------------------------------------------------------------------- the signing key
+
+
+def _spoil(key: Path, how: str) -> None:
+    key.parent.mkdir(parents=True, exist_ok=True)
+    if how == "symlink":
+        real = key.parent / "real-key"
+        real.write_bytes(b"k" * 32)
+        real.chmod(0o600)
+        key.symlink_to(real)
+    elif how == "directory":
+        key.mkdir()
+    else:
+        key.write_bytes({"empty": b"", "wrong-size": b"k" * 16}.get(how, b"k" * 32))
+        key.chmod(0o644 if how == "group-readable" else 0o600)
+
+
+@pytest.mark.parametrize("how", ["empty", "wrong-size", "group-readable", "symlink", "directory"])
+def test_an_unusable_key_is_reported_once_and_fails_no_target(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    key = tmp_path / "home" / "key"
+    _spoil(key, how)
+    before = key.read_bytes() if key.is_file() else None
+    monkeypatch.setenv("EXPORTLM_KEY_FILE", str(key))
+    args = [*CACHE_ARGS, "--export-checks=roundtrip_logits,trust"]
+    result = pytester.runpytest(*args)
+    result.assert_outcomes(passed=4, xfailed=2)  # as with a usable key: nothing fails
+    text = result.stdout.str()
+    assert text.count(str(key)) == 1, "the key's problem is not reported exactly once"
+    result.stdout.fnmatch_lines(["*signing key*temporary key of its own*no target was failed*"])
+    assert os.environ["EXPORTLM_KEY_FILE"] == str(key), "the run's own key outlived it"
+    assert (key.read_bytes() if key.is_file() else None) == before, "the user's key was changed"
+    assert not (pytester.path / ".pytest_cache" / "d" / "exportcheck" / "artifacts").exists()
