@@ -11,6 +11,7 @@ The name rules of the ``checkpoint_names`` conformance check live here too
 (:func:`checkpoint_name_problems`, :func:`listed_names`, :func:`saved_tensor_names`).
 """
 
+from exportlm.inspection._completeness import LayerGap, layer_count_of, layer_gap
 from exportlm.inspection._config import config_field_problems, quant_config_problems
 from exportlm.inspection._files import escape_problem
 from exportlm.inspection._header import TensorInfo, read_safetensors_header
@@ -28,6 +29,7 @@ __all__ = [
     "RULES_DOC",
     "Finding",
     "InspectionReport",
+    "LayerGap",
     "ListedName",
     "Rule",
     "Severity",
@@ -37,6 +39,8 @@ __all__ = [
     "escape_problem",
     "get_rule",
     "inspect_checkpoint",
+    "layer_count_of",
+    "layer_gap",
     "listed_names",
     "quant_config_problems",
     "read_safetensors_header",

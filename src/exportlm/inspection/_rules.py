@@ -148,6 +148,13 @@ _TABLE: tuple[Rule, ...] = (
         "shards' tensors, each in the shard that holds it, and no tensor is in two shards.",
     ),
     Rule(
+        "layer-missing",
+        _E,
+        (*_SERVING, _HF),
+        "The shards store every decoder layer 0..num_hidden_layers-1 (the text config's); "
+        "exportlm's loader refuses a checkpoint missing one.",
+    ),
+    Rule(
         "tied-duplicate",
         _E,
         (_VLLM, _HF),
