@@ -17,6 +17,7 @@ __all__ = [
     "ExportLMError",
     "ManifestSchemaError",
     "MalformedCheckpointError",
+    "MalformedOnnxError",
     "CustomCodeRefusedError",
     "NotRegularFileError",
     "MissingDependencyError",
@@ -242,6 +243,15 @@ class MalformedCheckpointError(ExportLMError, ValueError):
         self.path = path
         self.field = field
         super().__init__(message)
+
+
+class MalformedOnnxError(MalformedCheckpointError):
+    """An ONNX file onnxruntime would refuse: a custom-domain operator, external data outside
+    its directory (by name or link), missing or truncated external data, an opset too old.
+
+    Raised by the ``onnx`` runtime before onnxruntime creates a session, and for any
+    error onnxruntime still raises creating one. ``field`` is the operator or initializer.
+    """
 
 
 class ArtifactIntegrityError(ExportLMError):

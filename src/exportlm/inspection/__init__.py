@@ -22,6 +22,7 @@ from exportlm.inspection._names import (
     listed_names,
     saved_tensor_names,
 )
+from exportlm.inspection._onnx import onnx_load_problems
 from exportlm.inspection._rules import RULES, RULES_DOC, Finding, Rule, Severity, get_rule
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "layer_count_of",
     "layer_gap",
     "listed_names",
+    "onnx_load_problems",
     "quant_config_problems",
     "read_safetensors_header",
     "saved_tensor_names",

@@ -343,6 +343,14 @@ _TABLE: tuple[Rule, ...] = (
         "onnx",
     ),
     Rule(
+        "onnx-custom-op",
+        _E,
+        ("onnxruntime",),
+        "Every operator is a standard one or in a domain onnxruntime ships kernels for (no "
+        "custom-op library needed); model-local functions count as defined.",
+        "onnx",
+    ),
+    Rule(
         "onnx-external-data-path",
         _E,
         ("onnxruntime",),
