@@ -18,6 +18,8 @@ ignored with a warning, and signatures made with it do not verify. The same poli
 holds for a key path that is not a regular file (a directory, a FIFO, a device, a
 symbolic link): it is ignored with a warning, never opened for reading (a FIFO
 would block) and never replaced; manifests are then written unsigned.
+:func:`key_problem` says what is wrong (and what to do) without warning: the
+conformance plugin asks it once per run and then signs with a temporary key.
 """
 
 from __future__ import annotations
