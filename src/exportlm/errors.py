@@ -17,6 +17,7 @@ __all__ = [
     "ExportLMError",
     "ManifestSchemaError",
     "MalformedCheckpointError",
+    "MalformedOnnxError",
     "CustomCodeRefusedError",
     "NotRegularFileError",
     "MissingDependencyError",
@@ -46,6 +47,7 @@ __all__ = [
     "StreamingError",
     "StreamIntegrityError",
     "StreamingUnsupportedError",
+    "UnsafeLockFileError",
 ]
 
 
@@ -258,6 +260,15 @@ class MalformedCheckpointError(ExportLMError, ValueError):
         super().__init__(message)
 
 
+class MalformedOnnxError(MalformedCheckpointError):
+    """An ONNX file onnxruntime would refuse: a custom-domain operator, external data outside
+    its directory (by name or link), missing or truncated external data, an opset too old.
+
+    Raised by the ``onnx`` runtime before onnxruntime creates a session, and for any
+    error onnxruntime still raises creating one. ``field`` is the operator or initializer.
+    """
+
+
 class ArtifactIntegrityError(ExportLMError):
     """An artifact does not match its manifest (a file differs, is missing or is extra).
 
@@ -381,3 +392,22 @@ class EngineTimeoutError(EngineError, TimeoutError):
 
 class EngineProtocolError(EngineError):
     """The worker's response is not the JSON the worker protocol describes (``docs/engines.md``)."""
+
+
+class UnsafeLockFileError(ExportLMError):
+    """A lock file's path is not a private regular file of this user (a symbolic link, ...).
+
+    Lock files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and an existing one is
+    opened only when it is a regular file this user owns with one link: a planted
+    symbolic link would otherwise make the open create or lock the file it points to.
+    Attributes: ``path`` and ``problem`` (what it is).
+    """
+
+    def __init__(self, path: object, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(
+            f"lock file {path} is {problem}, not a private regular file of this user; it was "
+            "not opened (a planted link would make the lock create or lock the file it points "
+            f"to). Remove {path} if nobody else should have put it there."
+        )
