@@ -160,3 +160,14 @@ def test_the_lockfile_still_catches_lost_coverage_in_a_narrowed_run(
             "  dynamic_shapes[saver-decoder-cpu]: pass -> skip",
         ]
     )
+
+
+def test_a_target_declares_only_its_own_rows_unchecked_and_gives_a_reason() -> None:
+    from exportlm.export import export_target
+    from exportlm.export.torchscript import TORCHSCRIPT_TARGET
+
+    assert set(TORCHSCRIPT_TARGET.unchecked) == {"script"}  # trace is checked on every family
+    with pytest.raises(ValueError, match=r"unchecked names rows it does not have: \['nope'\]"):
+        export_target("y", unchecked={"nope": "why"})
+    with pytest.raises(ValueError, match=r"unchecked rows \['a'\] give no reason"):
+        export_target("y", variants={"a": {}}, unchecked={"a": " "})

@@ -102,6 +102,7 @@ def strict_lines(rows: Mapping[str, list[str]]) -> list[str]:
     return [
         f"exportcheck --export-strict: FAILED, {len(named)} unchecked row(s) (no value "
         f"check passed or failed): {', '.join(named)}",
-        "  give them a conformance model / the capability, accept a row with "
+        "  give them a conformance model / the capability, declare a row the target cannot "
+        "check (export_target(unchecked={variant: reason})), accept a row with "
         "export_strict_allow (ROW reason), or run with --export-strict=off",
     ]
