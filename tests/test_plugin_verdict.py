@@ -81,6 +81,17 @@ def test_the_json_report_names_no_home_user_or_rootdir(
     assert os.path.expanduser("~") not in text
     assert f"pytest-of-{os.environ.get('USER') or 'root'}" not in text
     assert json.loads(text)["options"]["report"] == "out/r.json"
+    kept = runpytest_installed(
+        pytester,
+        site,
+        "--export-targets=saver",
+        "--export-models=decoder",
+        "--export-checks=registered",
+        f"--export-report={report_path}",
+        "--export-report-absolute-paths",
+    )
+    assert kept.ret == 0
+    assert json.loads(report_path.read_text())["options"]["report"] == str(report_path)
 
 
 FRESH = ["--export-targets=torchscript", "--export-models=decoder", "-p", "no:randomly"]

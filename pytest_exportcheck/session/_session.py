@@ -281,7 +281,10 @@ class ExportCheckSession:
         if self.coverage.judge(self.report.sorted_records()) and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         env = self.environment()
-        data = report_paths_redacted(self.report.to_json(**env), self.config)
+        data = self.report.to_json(**env)
+        if not self.options.report_absolute_paths:  # the report is a CI artifact: no local paths
+            data = report_paths_redacted(data, self.config)
+            env = {key: data[key] for key in env}
         if self.options.report is not None:
             write_json_atomic(self.options.report, data)
         add_suite_properties(self.config, env, self.report.sorted_records())

@@ -58,6 +58,7 @@ PER_JOB_OPTIONS = frozenset(
         "device",
         "require_device",
         "report",
+        "report_absolute_paths",
         "durations",
         "goldens_dir",
         "xfails_file",

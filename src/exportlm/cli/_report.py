@@ -98,6 +98,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         f"{sum(totals.values())} items from {len(reports)} report(s): "
         + ", ".join(f"{count} {_WORDS.get(o, o)}" for o, count in totals.items())
     )
+    unfinished = sum(item["outcome"] == "incomplete" for item in merged["items"])
+    if unfinished:
+        print(f"  {unfinished} of the failed never finished (incomplete)")
     if args.output is not None:
         print(f"merged report: {args.output}")
     for name in merged["interrupted_reports"]:
