@@ -85,10 +85,9 @@ class ExportCheckSession:
         for name in sorted({m for spec in self.specs for m in spec.markers}):
             register_marker(config, name, "exportcheck items of checks marked so")
         self._testcase_properties = wants_testcase_properties(config)
-        #: every check's value-check items per row: tells a row -k / --export-checks narrowed
-        every = self.specs
-        if not options.checks.all:
-            every = planner.items(options.request(NameSelection(all=True)), args)
+        # every check's value-check items per row, whatever narrowed this run (-k, -m,
+        # --export-checks, node ids, --lf): a row missing some of them was narrowed
+        every = planner.items(options.request(NameSelection(all=True)))
         planned, declared = planned_value_items(every), declared_rows(self.discovery)
         #: strict, lockfile and shard: the coverage part of the verdict (:mod:`._verdict`).
         self.coverage = CoverageVerdict(config.rootpath, options, self.specs, planned, declared)
