@@ -24,7 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     "exportlm.registry": {"exportlm.errors"},
     "exportlm.inputs": {"exportlm.errors"},
     "exportlm._progress": set(),
-    "exportlm._matrix": set(),  # the report matrix and merge: stdlib only
+    "exportlm._matrix": {"exportlm._report_schema"},  # the report matrix and merge: stdlib only
+    "exportlm._report_schema": set(),  # what a report must hold to be merged: stdlib only
     "exportlm._report_html": {"exportlm._matrix"},  # the report as HTML / SVG: stdlib only
     "exportlm._transformers_model": set(),  # is this a transformers model? stdlib only
     "exportlm.safeio": {"exportlm.errors"},

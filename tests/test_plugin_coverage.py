@@ -27,6 +27,7 @@ from tests._installed import runpytest_installed
 
 PLUGIN = '''
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -39,9 +40,16 @@ CAPS = {"dynamic_shapes"} if os.environ.get("COVPLUGIN_DYNAMIC") == "1" else set
 
 @export_target("saver", runtime="saver", atol=1e-5, rtol=1e-5, capabilities=CAPS, suffix=".pt")
 def export_saver(model, output_path, *, example_inputs=None):
+    if os.environ.get("COVPLUGIN_SIGINT") == "1":  # a CI job cancelled in the middle of an item
+        os.kill(os.getpid(), signal.SIGINT)
     with atomic_output(output_path) as tmp:
         torch.save(ExportCacheWrapper(model).eval(), tmp)
     return Path(output_path)
+
+
+@export_target("picky", runtime="saver", accepts=lambda model: "it takes no toy model")
+def export_picky(model, output_path, *, example_inputs=None):
+    raise AssertionError("never called: it accepts no model")
 
 
 def load_saver(artifact, *, device="cpu"):
@@ -62,7 +70,10 @@ class LonelyExporter(QuantLinearExporter):
 '''
 
 ENTRY_POINTS = {
-    "exportlm.export_backends": {"saver": "covplugin:export_saver"},
+    "exportlm.export_backends": {
+        "saver": "covplugin:export_saver",
+        "picky": "covplugin:export_picky",
+    },
     "exportlm.export_runtimes": {"saver": "covplugin:load_saver"},
     "exportlm.module_exporters": {"lonely": "covplugin:LonelyExporter"},
 }
@@ -126,48 +137,39 @@ def test_the_lockfile_is_compared_on_the_xdist_controller(
     bad.stderr.fnmatch_lines([f"*exportcheck lockfile {lockfile}: cannot be read as JSON*"])
 
 
-def test_strict_fails_on_an_exporter_whose_value_checks_all_skip(
+def test_strict_fails_on_a_row_whose_value_checks_all_skip(
     pytester: pytest.Pytester, site: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    suite = [
-        "--export-exporters=lonely",
-        "--export-checks=precedence,export_contract,tied_weights",
-        # lonely claims nothing in any family: the plain decoder shows it as well as llama,
-        # without transformers in each of the four processes (2.3 CPU-s each)
-        "--export-models=decoder",
-    ]
+    # picky accepts no model: every value check skips, and every check is selected
+    suite = ["--export-targets=picky", "--export-models=decoder"]
     monkeypatch.setenv("CI", "true")  # strict by default
     lenient = runpytest_installed(
         pytester, site, *suite, "--export-strict=off", "--export-report=r.json"
     )
-    lenient.assert_outcomes(passed=1, skipped=2)
+    lenient.assert_outcomes(passed=2, skipped=13)
     assert lenient.ret == 0
     lenient.stdout.fnmatch_lines(
-        ["UNCHECKED exporter(s), no value check ran (all skipped or xfailed): lonely"]
+        ["UNCHECKED target(s), no value check ran (all skipped or xfailed): picky"]
     )
-    assert _report(pytester, "r.json")["unchecked"] == {"exporter": ["lonely"]}
+    assert _report(pytester, "r.json")["unchecked"] == {"target": ["picky"]}
 
     failed = runpytest_installed(pytester, site, *suite, *XDIST)
-    failed.assert_outcomes(passed=1, skipped=2)
+    failed.assert_outcomes(passed=2, skipped=13)
     assert failed.ret == pytest.ExitCode.TESTS_FAILED
     failed.stdout.fnmatch_lines(
-        ["exportcheck --export-strict: FAILED, 1 unchecked row(s) * exporter lonely"]
+        ["exportcheck --export-strict: FAILED, 1 unchecked row(s) * target picky"]
     )
 
     # an accepted row is still reported unchecked, with its reason, and no longer fails
     allowed = runpytest_installed(
-        pytester,
-        site,
-        *suite,
-        "-o",
-        "export_strict_allow=lonely its module is never built (issue 99)",
+        pytester, site, *suite, "-o", "export_strict_allow=picky it takes no model (issue 99)"
     )
     assert allowed.ret == 0
     allowed.stdout.fnmatch_lines(
         [
-            "UNCHECKED exporter(s), no value check ran (all skipped or xfailed): lonely",
-            "exportcheck --export-strict: lonely is unchecked, allowed: its module is never "
-            "built (issue 99)",
+            "UNCHECKED target(s), no value check ran (all skipped or xfailed): picky",
+            "exportcheck --export-strict: picky is unchecked, allowed: it takes no model "
+            "(issue 99)",
         ]
     )
     assert "FAILED" not in allowed.stdout.str()

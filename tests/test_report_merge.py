@@ -51,7 +51,7 @@ ITEMS = [
 
 def _report(items: list[dict[str, Any]], **options: Any) -> dict[str, Any]:
     return {
-        "format": 1,
+        "format": 2,
         "options": {"targets": "all", "models": "all", "device": "cpu", "shard": None, **options},
         "environment": {"exportlm": "0.2.0", "pytest_exportcheck": "0.2.0", "torch": "2.9"},
         "value_checks": VALUE,
@@ -75,7 +75,7 @@ def test_the_matrix_names_the_unchecked_rows_under_their_table() -> None:
 def test_two_halves_merge_into_the_matrix_of_the_whole() -> None:
     whole = matrix_of(ITEMS)
     a = _report(ITEMS[::2], shard="1/2")
-    b = _report(ITEMS[1::2], shard="2/2", device="cuda")
+    b = _report(ITEMS[1::2], shard="2/2", durations=5)
     merged = merge_reports([("a.json", a), ("b.json", b)])
     assert merged["matrix"] == whole
     assert merged["totals"] == {"pass": 7, "fail": 1, "xfail": 1, "skip": 2}
@@ -87,10 +87,11 @@ def test_two_halves_merge_into_the_matrix_of_the_whole() -> None:
 
 def test_an_item_in_two_reports_with_two_outcomes_is_refused_naming_it() -> None:
     changed = {**ITEMS[1], "outcome": "skip"}
-    merged = merge_reports([("a", _report(ITEMS[:2])), ("b", _report(ITEMS[1:2]))])
+    a, b = _report(ITEMS[:2], device="cpu"), _report(ITEMS[1:2], device="cuda")
+    merged = merge_reports([("a", a), ("b", b)])
     assert len(merged["items"]) == 2  # the same outcome twice is one item
     with pytest.raises(MergeError, match=r"roundtrip_logits\[onnx-llama\]: pass in a, skip in b"):
-        merge_reports([("a", _report(ITEMS[:2])), ("b", _report([changed]))])
+        merge_reports([("a", a), ("b", _report([changed], device="cuda"))])
 
 
 @pytest.mark.parametrize(
@@ -100,7 +101,6 @@ def test_an_item_in_two_reports_with_two_outcomes_is_refused_naming_it() -> None
             {"environment": {"exportlm": "0.3.0", "pytest_exportcheck": "0.2.0"}},
             "environment.exportlm",
         ),
-        ({"format": 2}, "format"),
         ({"options": {"targets": "onnx", "models": "all"}}, "options.targets"),
         ({"value_checks": {"target": []}}, "value_checks"),
     ],

@@ -91,11 +91,11 @@ def _triples(entries: Entries) -> Iterable[tuple[Triple, dict[str, str]]]:
 
 
 def ran_entries(items: Iterable[Mapping[str, Any]]) -> Entries:
-    """The lock entries of the items that ran (with an outcome)."""
+    """The lock entries of the items that ran and finished (an interrupted item is not one)."""
     out: Entries = {}
     for item in items:
         outcome = str(item.get("outcome") or "")
-        if not outcome:
+        if not outcome or outcome == "incomplete":
             continue
         checks = out.setdefault(str(item["scope"]), {}).setdefault(str(item["column"]), {})
         checks.setdefault(str(item["check"]), {})[str(item["id"])] = outcome

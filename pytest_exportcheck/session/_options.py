@@ -119,6 +119,12 @@ _SPECS: tuple[_Spec, ...] = (
         "path",
         "PATH.json",
     ),
+    _Spec(
+        "--export-report-absolute-paths",
+        "keep this machine's absolute paths in the JSON report (default: relative to the "
+        "rootdir, home and user name redacted, fit to upload)",
+        "bool",
+    ),
     _Spec("--export-no-cache", "do not reuse exported artifacts across runs", "bool"),
     _Spec(
         "--export-durations",
@@ -252,6 +258,8 @@ class Options:
     #: ``--export-shard=K/N``, or ``None`` for the whole suite.
     shard: Shard | None = None
     catalogue: int | None = None
+    #: ``--export-report-absolute-paths``: the JSON report keeps this machine's paths.
+    report_absolute_paths: bool = False
 
     @property
     def active(self) -> bool:
@@ -313,6 +321,7 @@ class Options:
             require_engines=bool(_value(config, specs["export_require_engines"])),
             **coverage_options(config),
             catalogue=parse_catalogue(_value(config, specs["exportcheck_catalogue"])),
+            report_absolute_paths=bool(_value(config, specs["export_report_absolute_paths"])),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
@@ -342,6 +351,7 @@ class Options:
             "update_goldens": self.update_goldens,
             "goldens_dir": path(self.goldens_dir),
             "report": path(self.report),
+            "report_absolute_paths": self.report_absolute_paths,
             "no_cache": self.no_cache,
             "only": self.only,
             "durations": self.durations,

@@ -21,9 +21,20 @@ from typing import Any
 
 import pytest
 
-from exportlm._matrix import OUTCOMES, matrix_lines, matrix_of, render_matrix, totals_of
+from exportlm._matrix import (
+    INCOMPLETE,
+    OUTCOMES,
+    REPORT_FORMAT,
+    Coverage,
+    Rows,
+    coverage_of,
+    matrix_lines,
+    matrix_of,
+    render_matrix,
+    totals_of,
+)
 from exportlm.atomic import write_text_atomic
-from pytest_exportcheck.session._coverage import VALUE_CHECKS, unchecked_rows, value_checks_json
+from pytest_exportcheck.session._coverage import VALUE_CHECKS, value_checks_json
 
 __all__ = [
     "OUTCOMES",
@@ -37,7 +48,6 @@ __all__ = [
 
 #: The attribute of a ``TestReport`` holding an exportcheck item's record.
 REPORT_ATTRIBUTE = "exportcheck"
-REPORT_FORMAT = 1
 _SKIP_PREFIX = "Skipped: "
 
 
@@ -76,7 +86,8 @@ class ItemRecord:
     check_index: int = 0
     model: str | None = None
     device: str | None = None
-    outcome: str = "pass"
+    #: ``incomplete`` until the item finishes (its call, or a skip or failure, and its teardown).
+    outcome: str = INCOMPLETE
     duration: float = 0.0
     message: str = ""
     details: dict[str, Any] = field(default_factory=dict)
@@ -91,10 +102,27 @@ class ItemRecord:
 
 
 class ReportBuilder:
-    """Accumulates :class:`ItemRecord` from test reports and renders the matrix."""
+    """Accumulates :class:`ItemRecord` from test reports and renders the matrix.
 
-    def __init__(self) -> None:
+    ``planned`` (``{scope: {column: [value-check item id]}}`` of every check) tells a
+    row narrowed by ``-k`` / ``--export-checks`` from an unchecked one, ``declared``
+    (``{scope: {column: reason}}``) the rows their target declares it cannot check;
+    ``judged`` (a shard's whole rows) limits the coverage lines to those rows.
+    """
+
+    def __init__(
+        self,
+        planned: Rows | None = None,
+        declared: Rows | None = None,
+        judged: set[tuple[str, str]] | None = None,
+    ) -> None:
         self.records: dict[str, ItemRecord] = {}
+        self.planned = planned or {}
+        self.declared = declared or {}
+        self.judged = judged
+        #: Set when the run was interrupted (Ctrl-C, SIGINT): its unfinished items fail.
+        self.interrupted = False
+        self._called: set[str] = set()
 
     def add(self, report: pytest.TestReport) -> None:
         """Fold one phase report (setup, call or teardown) of an exportcheck item in."""
@@ -113,7 +141,6 @@ class ReportBuilder:
                 check_index=int(meta.get("check_index", 0)),
                 model=meta.get("model"),
                 device=meta.get("device"),
-                outcome="",
             )
             self.records[report.nodeid] = record
         record.duration += report.duration
@@ -124,8 +151,13 @@ class ReportBuilder:
         profile = data.get("profile") if report.when == "call" else None
         if isinstance(profile, dict):
             record.profile = dict(profile)
+        if report.when == "call" and report.passed:
+            self._called.add(report.nodeid)
         _fold_outcome(
-            record, report, check_failed=isinstance(result, dict) and result.get("status") == "fail"
+            record,
+            report,
+            check_failed=isinstance(result, dict) and result.get("status") == "fail",
+            called=report.nodeid in self._called,
         )
 
     def matrix(self) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
@@ -136,9 +168,15 @@ class ReportBuilder:
         """Item counts per outcome."""
         return totals_of(self._plain())
 
+    def coverage(self) -> Coverage:
+        """The rows that checked nothing: unchecked, declared so, not selected."""
+        return coverage_of(
+            self._plain(), VALUE_CHECKS, self.planned, self.declared, judged=self.judged
+        )
+
     def unchecked(self) -> dict[str, list[str]]:
         """``{scope: [column]}``: the rows whose value checks all skipped (or xfailed)."""
-        return unchecked_rows(self._plain())
+        return self.coverage().unchecked
 
     def _plain(self) -> list[dict[str, Any]]:
         return [asdict(r) for r in self.records.values()]
@@ -163,14 +201,19 @@ class ReportBuilder:
         return ranked[: max(0, n)]
 
     def to_json(self, **header: Any) -> dict[str, Any]:
-        """The JSON report: ``header`` fields, matrix, totals, cache use, per-item records."""
+        """The JSON report: ``header`` fields, matrix, totals, coverage, per-item records."""
+        coverage = self.coverage()
         return {
             "format": REPORT_FORMAT,
             **header,
+            "interrupted": self.interrupted,
             "matrix": self.matrix(),
             "totals": self.totals(),
             "value_checks": value_checks_json(),
-            "unchecked": self.unchecked(),
+            "planned": {s: {c: list(ids) for c, ids in r.items()} for s, r in self.planned.items()},
+            "declared_unchecked": coverage.declared,
+            "unchecked": coverage.unchecked,
+            "not_selected": coverage.not_selected,
             "cache": self.cache_use(),
             "items": [r.as_json() for r in self.sorted_records()],
         }
@@ -179,13 +222,18 @@ class ReportBuilder:
         """Terminal lines: one matrix per scope, totals and skip reasons."""
         if not self.records:
             return ["no exportcheck items ran"]
-        lines = matrix_lines(self._plain(), width, VALUE_CHECKS)
+        lines = matrix_lines(
+            self._plain(), width, VALUE_CHECKS, self.planned, self.declared, judged=self.judged
+        )
         totals = self.totals()
         lines.append(
             f"{sum(totals.values())} items: "
             + ", ".join(f"{totals[o]} {_WORDS[o]}" for o in OUTCOMES)
             + "  (cells: passed/total; F failed, x xfailed, s skipped)"
         )
+        unfinished = sum(r.outcome == INCOMPLETE for r in self.records.values())
+        if unfinished or self.interrupted:
+            lines.append(f"interrupted: {unfinished} unfinished item(s) counted as failed")
         for reason, count in self.skip_reasons()[:5]:
             lines.append(f"  skipped {count}x: {reason}")
         lines.append(_cache_line(self.cache_use()))
@@ -219,7 +267,10 @@ def _cache_line(use: Mapping[str, int]) -> str:
     )
 
 
-def _fold_outcome(record: ItemRecord, report: pytest.TestReport, *, check_failed: bool) -> None:
+def _fold_outcome(
+    record: ItemRecord, report: pytest.TestReport, *, check_failed: bool, called: bool
+) -> None:
+    """Fold one phase in: a failure or skip at once; a pass only once its teardown reported."""
     if report.failed:
         record.outcome = "fail"
         if not (check_failed and report.when == "call"):
@@ -232,7 +283,7 @@ def _fold_outcome(record: ItemRecord, report: pytest.TestReport, *, check_failed
         else:
             record.outcome = "skip"
             record.message = _skip_reason(report)
-    elif report.when == "call" and not record.outcome:
+    elif report.when == "teardown" and called and record.outcome == INCOMPLETE:
         record.outcome = "pass"
 
 

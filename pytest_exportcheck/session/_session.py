@@ -25,11 +25,19 @@ import pytest
 
 from pytest_exportcheck._warnings import ExportCheckWarning
 from pytest_exportcheck.checks import CHECKS
-from pytest_exportcheck.plan import Discovery, ItemSpec, Planner, XfailBook, discover
+from pytest_exportcheck.plan import (
+    Discovery,
+    ItemSpec,
+    NameSelection,
+    Planner,
+    XfailBook,
+    discover,
+)
 from pytest_exportcheck.plan._nodeids import ROOT, SuiteArgs
 from pytest_exportcheck.plan._xfails import load_xfails_file
 from pytest_exportcheck.run._hypothesis import register_profiles
 from pytest_exportcheck.session._catalogue import catalogue_lines, catalogue_record
+from pytest_exportcheck.session._coverage import declared_rows, planned_value_items
 from pytest_exportcheck.session._failure_files import keep_failure
 from pytest_exportcheck.session._float32 import Float32Precision
 from pytest_exportcheck.session._golden_setup import goldens_dir
@@ -43,6 +51,7 @@ from pytest_exportcheck.session._junit import (
 from pytest_exportcheck.session._markers import EXPECTED_WARNINGS, register_marker
 from pytest_exportcheck.session._nodes import ExportCheckItem, SuiteCollector
 from pytest_exportcheck.session._options import Options
+from pytest_exportcheck.session._redact import report_paths_redacted
 from pytest_exportcheck.session._report import REPORT_ATTRIBUTE, ReportBuilder, write_json_atomic
 from pytest_exportcheck.session._signing_key import RunSigningKey
 from pytest_exportcheck.session._verdict import CoverageVerdict
@@ -63,7 +72,6 @@ class ExportCheckSession:
     def __init__(self, config: pytest.Config, options: Options, args: SuiteArgs) -> None:
         self.config = config
         self.options = options
-        self.report = ReportBuilder()
         self.discovery: Discovery = discover()
         planner = Planner(self.discovery, CHECKS, catalogue=options.catalogue)
         self.xfails: XfailBook = _xfail_book(planner, options)
@@ -83,8 +91,13 @@ class ExportCheckSession:
         for name in sorted({m for spec in self.specs for m in spec.markers}):
             register_marker(config, name, "exportcheck items of checks marked so")
         self._testcase_properties = wants_testcase_properties(config)
+        # every check's value-check items per row, whatever narrowed this run (-k, -m,
+        # --export-checks, node ids, --lf): a row missing some of them was narrowed
+        every = planner.items(options.request(NameSelection(all=True)))
+        planned, declared = planned_value_items(every), declared_rows(self.discovery)
         #: strict, lockfile and shard: the coverage part of the verdict (:mod:`._verdict`).
-        self.coverage = CoverageVerdict(config.rootpath, options, self.specs)
+        self.coverage = CoverageVerdict(config.rootpath, options, self.specs, planned, declared)
+        self.report = ReportBuilder(planned, declared, self.coverage.judged_rows())
         if not _is_worker(config):
             self.coverage.load()  # a bad lockfile is a usage error before anything runs
         if _is_worker(config):
@@ -254,7 +267,11 @@ class ExportCheckSession:
         if not expected or not expected <= {(s.check, s.column) for s in self.specs}:
             return []
         records = list(self.report.records.values())
-        ran = {(r.check, r.column) for r in records if r.check in golden_ids and r.outcome}
+        ran = {
+            (r.check, r.column)
+            for r in records
+            if r.check in golden_ids and r.outcome != "incomplete"
+        }
         if not expected <= ran:
             return []
         used = {g for r in records for g in r.details.get("goldens", [])}
@@ -269,10 +286,14 @@ class ExportCheckSession:
         self.signing.close()
         if _is_worker(self.config):
             return
+        self.report.interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
         if self.coverage.judge(self.report.sorted_records()) and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         env = self.environment()
         data = self.report.to_json(**env)
+        if not self.options.report_absolute_paths:  # the report is a CI artifact: no local paths
+            data = report_paths_redacted(data, self.config)
+            env = {key: data[key] for key in env}
         if self.options.report is not None:
             write_json_atomic(self.options.report, data)
         add_suite_properties(self.config, env, self.report.sorted_records())

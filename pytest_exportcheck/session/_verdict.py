@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
+from exportlm._matrix import Rows, coverage_of
 from pytest_exportcheck.plan import ItemSpec
 from pytest_exportcheck.plan._shard import in_shard
-from pytest_exportcheck.session._coverage import VALUE_CHECKS, strict_lines, unchecked_rows
+from pytest_exportcheck.session._coverage import VALUE_CHECKS, not_selected_lines, strict_lines
 from pytest_exportcheck.session._lock import (
     LOCK_FILE,
     Entries,
@@ -43,9 +44,19 @@ _MAX_NOTES = 20
 class CoverageVerdict:
     """Strict coverage, lockfile comparison and shard selection of one run."""
 
-    def __init__(self, rootpath: Path, options: Options, specs: list[ItemSpec]) -> None:
+    def __init__(
+        self,
+        rootpath: Path,
+        options: Options,
+        specs: list[ItemSpec],
+        planned: Rows | None = None,
+        declared: Rows | None = None,
+    ) -> None:
         self.options = options
         self.specs = specs
+        #: every row's value-check item ids (all checks) and the rows declared not checkable
+        self.planned = planned or {}
+        self.declared = declared or {}
         self.path = rootpath / LOCK_FILE
         self.old: Entries | None = None
         shard = options.shard
@@ -84,7 +95,7 @@ class CoverageVerdict:
             session.config.hook.pytest_deselected(items=dropped)
             items[:] = [item for item in items if keep(item)]
 
-    def _judged_rows(self) -> set[tuple[str, str]] | None:
+    def judged_rows(self) -> set[tuple[str, str]] | None:
         """Under a shard, the rows whose every value-check item is in this shard."""
         if self.kept is None:
             return None
@@ -109,7 +120,10 @@ class CoverageVerdict:
         """Judge the run's records; True when coverage fails the run."""
         items: list[dict[str, Any]] = [asdict(r) for r in records]
         failed = False
-        rows = unchecked_rows(items, self._judged_rows())
+        coverage = coverage_of(
+            items, VALUE_CHECKS, self.planned, self.declared, judged=self.judged_rows()
+        )
+        rows = coverage.unchecked
         allowed = dict(self.options.strict_allow)
         accepted = {s: [c for c in cols if c in allowed] for s, cols in rows.items()}
         rows = {s: [c for c in cols if c not in allowed] for s, cols in rows.items()}
@@ -123,6 +137,7 @@ class CoverageVerdict:
                 for columns in accepted.values()
                 for column in columns
             ]
+        self.lines += [(line, False) for line in not_selected_lines(coverage.not_selected)]
         if rows and self.options.strict:
             self.lines += [(line, True) for line in strict_lines(rows)]
             failed = True

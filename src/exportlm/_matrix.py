@@ -15,21 +15,36 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from exportlm._report_schema import (
+    INCOMPLETE,
+    REPORT_FORMAT,
+    MergeError,
+    check_report,
+    check_shards,
+)
+
 __all__ = [
+    "INCOMPLETE",
     "OUTCOMES",
+    "REPORT_FORMAT",
     "VERSION_KEYS",
+    "Rows",
+    "Coverage",
     "MergeError",
+    "coverage_of",
     "matrix_lines",
     "matrix_of",
+    "merge_problems",
     "merge_reports",
     "render_matrix",
     "totals_of",
     "unchecked_of",
 ]
 
-#: Outcomes of an item, in matrix order.
+#: Outcomes of an item, in matrix order (an ``incomplete`` item counts as ``fail``).
 OUTCOMES = ("pass", "fail", "xfail", "skip")
 #: Outcomes by which an item checked something (a failure checked, and found a fault).
 _CHECKED = frozenset({"pass", "fail"})
@@ -43,6 +58,7 @@ PER_JOB_OPTIONS = frozenset(
         "device",
         "require_device",
         "report",
+        "report_absolute_paths",
         "durations",
         "goldens_dir",
         "xfails_file",
@@ -58,14 +74,14 @@ PER_JOB_OPTIONS = frozenset(
 VERSION_KEYS = ("exportlm", "pytest_exportcheck")
 
 Item = Mapping[str, Any]
-
-
-class MergeError(ValueError):
-    """Reports that cannot be merged: the message names the differing key or items."""
+#: ``{scope: {column: value}}``
+Rows = Mapping[str, Mapping[str, Any]]
 
 
 def _outcome(item: Item) -> str:
-    return str(item.get("outcome") or "pass")
+    """The item's matrix outcome: an unfinished item (no outcome) counts as failed."""
+    outcome = str(item.get("outcome") or INCOMPLETE)
+    return "fail" if outcome == INCOMPLETE else outcome
 
 
 def _scope_key(scope: str) -> tuple[int, str]:
@@ -91,6 +107,73 @@ def totals_of(items: Iterable[Item]) -> dict[str, int]:
     return {o: counts.get(o, 0) for o in OUTCOMES}
 
 
+@dataclass(frozen=True)
+class Coverage:
+    """The rows (``{scope: [column]}``) whose value checks checked nothing, by why.
+
+    ``unchecked``: every value-check item of the row ran, none passed or failed; this
+    fails ``--export-strict``. ``declared``: such rows that their target declares it
+    cannot check (``{scope: {column: reason}}``), shown and never a failure.
+    ``not_selected``: rows some of whose value-check items were deselected (``-k``,
+    ``-m``, ``--export-checks``) and none of those that ran checked: not judged.
+    """
+
+    unchecked: dict[str, list[str]] = field(default_factory=dict)
+    declared: dict[str, dict[str, str]] = field(default_factory=dict)
+    not_selected: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _by_scope(rows: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for scope, column in sorted(rows, key=lambda r: (_scope_key(r[0]), r[1])):
+        out.setdefault(scope, []).append(column)
+    return out
+
+
+def coverage_of(
+    items: Iterable[Item],
+    value_checks: Mapping[str, Iterable[str]],
+    planned: Rows | None = None,
+    declared: Rows | None = None,
+    *,
+    judged: set[tuple[str, str]] | None = None,
+) -> Coverage:
+    """Judge each row by its value-check items (see :class:`Coverage`).
+
+    ``planned`` is ``{scope: {column: [value-check item id]}}`` of every check (not
+    only the selected ones): a row with a planned id that did not run was narrowed.
+    ``declared`` is ``{scope: {column: reason}}``. Without ``planned`` every row with
+    value-check items is judged; a row without any is never judged. With ``judged``
+    (a shard's whole rows), only those rows are.
+    """
+    wanted = {scope: frozenset(checks) for scope, checks in value_checks.items()}
+    checked: dict[tuple[str, str], bool] = {}
+    ran: dict[tuple[str, str], set[str]] = {}
+    present: set[tuple[str, str]] = set()
+    for item in items:
+        row = (str(item["scope"]), str(item["column"]))
+        if judged is not None and row not in judged:
+            continue
+        present.add(row)
+        if item["check"] in wanted.get(row[0], ()):
+            checked[row] = checked.get(row, False) or _outcome(item) in _CHECKED
+            ran.setdefault(row, set()).add(str(item.get("id", item["nodeid"])))
+    narrowed = {
+        (scope, column)
+        for scope, columns in (planned or {}).items()
+        for column, ids in columns.items()
+        if (scope, column) in present and not set(ids) <= ran.get((scope, column), set())
+    }
+    idle = {row for row in present if not checked.get(row, False)}
+    reasons = {(s, c): str(r) for s, cols in (declared or {}).items() for c, r in cols.items()}
+    said = {row for row in idle if row in reasons and (row in checked or row in narrowed)}
+    return Coverage(
+        unchecked=_by_scope(r for r in idle if r in checked and r not in narrowed | said),
+        declared={s: {c: reasons[(s, c)] for c in cs} for s, cs in _by_scope(said).items()},
+        not_selected=_by_scope(r for r in idle & narrowed if r not in said),
+    )
+
+
 def unchecked_of(
     items: Iterable[Item], value_checks: Mapping[str, Iterable[str]]
 ) -> dict[str, list[str]]:
@@ -100,23 +183,9 @@ def unchecked_of(
     produced (logits, tensors, goldens). A column all of whose value-check items
     were skipped (or expected to fail) was never checked, whatever else passed.
     A column without any value-check item (a selection without them) is not
-    judged.
+    judged. :func:`coverage_of` also knows what was planned and declared.
     """
-    wanted = {scope: frozenset(checks) for scope, checks in value_checks.items()}
-    seen: dict[tuple[str, str], bool] = {}
-    for item in items:
-        scope, column = str(item["scope"]), str(item["column"])
-        if item["check"] not in wanted.get(scope, ()):
-            continue
-        key = (scope, column)
-        seen[key] = seen.get(key, False) or _outcome(item) in _CHECKED
-    out: dict[str, list[str]] = {}
-    for (scope, column), checked in sorted(
-        seen.items(), key=lambda kv: (_scope_key(kv[0][0]), kv[0][1])
-    ):
-        if not checked:
-            out.setdefault(scope, []).append(column)
-    return out
+    return coverage_of(items, value_checks).unchecked
 
 
 def _cell(counts: Mapping[str, int] | None) -> str:
@@ -161,67 +230,139 @@ def render_matrix(
 
 
 def matrix_lines(
-    items: Sequence[Item], width: int, value_checks: Mapping[str, Iterable[str]]
+    items: Sequence[Item],
+    width: int,
+    value_checks: Mapping[str, Iterable[str]],
+    planned: Rows | None = None,
+    declared: Rows | None = None,
+    *,
+    judged: set[tuple[str, str]] | None = None,
 ) -> list[str]:
-    """One table per scope (rows in catalogue order), each followed by its unchecked columns."""
+    """One table per scope (rows in catalogue order), each followed by its rows that checked
+    nothing: unchecked, declared unchecked by their target, not selected."""
     order = {str(i["check"]): (int(i.get("check_index", 0)), str(i["check"])) for i in items}
-    unchecked = unchecked_of(items, value_checks)
+    coverage = coverage_of(items, value_checks, planned, declared, judged=judged)
     lines: list[str] = []
     for scope, columns in matrix_of(items).items():
         checks = sorted({c for cells in columns.values() for c in cells}, key=order.__getitem__)
         lines += render_matrix(f"check \\ {scope}", checks, columns, width)
-        if unchecked.get(scope):
-            lines.append(
-                f"UNCHECKED {scope}(s), no value check ran (all skipped or xfailed): {', '.join(unchecked[scope])}"
-            )
+        lines += _coverage_lines(scope, coverage)
         lines.append("")
     return lines
 
 
-def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
-    """One report from several ``(name, report)`` of one suite run in parts (shards, devices).
+def _coverage_lines(scope: str, coverage: Coverage) -> list[str]:
+    lines = []
+    if coverage.unchecked.get(scope):
+        lines.append(
+            f"UNCHECKED {scope}(s), no value check ran (all skipped or xfailed): "
+            + ", ".join(coverage.unchecked[scope])
+        )
+    for column, reason in coverage.declared.get(scope, {}).items():
+        lines.append(
+            f"declared unchecked {scope} {column} (its declaration, not a failure): {reason}"
+        )
+    if coverage.not_selected.get(scope):
+        lines.append(
+            f"not selected {scope}(s), no value check of theirs selected (-k, -m, "
+            f"--export-checks; not judged): {', '.join(coverage.not_selected[scope])}"
+        )
+    return lines
 
-    Items are the union by node id; the same item with two outcomes, reports of
-    different exportlm / plugin versions, report formats or options (those in
-    :data:`PER_JOB_OPTIONS` aside) raise :class:`MergeError` naming them. The
-    matrix, totals and unchecked columns are recomputed from the merged items.
-    """
-    if not reports:
-        raise MergeError("no reports to merge")
-    first_name, first = reports[0]
-    for name, report in reports[1:]:
-        _same(first_name, first, name, report)
+
+def _union(reports: Iterable[Mapping[str, Any]], key: str) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        for scope, rows in report.get(key, {}).items():
+            for column, value in rows.items():
+                cell = out.setdefault(scope, {})
+                cell[column] = (
+                    sorted(set(cell.get(column, [])) | set(value))
+                    if isinstance(value, list)
+                    else value
+                )
+    return out
+
+
+def _merged_items(reports: Sequence[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """The union of the reports' items by node id; an unfinished item wins over its twin."""
     items: dict[str, dict[str, Any]] = {}
     where: dict[str, str] = {}
     clashes: list[str] = []
     for name, report in reports:
-        for item in report.get("items", []):
+        for item in report["items"]:
             nodeid = str(item["nodeid"])
             old = items.get(nodeid)
-            if old is None:
-                items[nodeid] = dict(item)
-                where[nodeid] = name
-            elif _outcome(old) != _outcome(item):
+            if old is None or item["outcome"] == INCOMPLETE:
+                items[nodeid], where[nodeid] = dict(item), name
+            elif old["outcome"] != item["outcome"] and old["outcome"] != INCOMPLETE:
                 clashes.append(
-                    f"{nodeid}: {_outcome(old)} in {where[nodeid]}, {_outcome(item)} in {name}"
+                    f"{nodeid}: {old['outcome']} in {where[nodeid]}, {item['outcome']} in {name}"
                 )
     if clashes:
         raise MergeError(
             f"{len(clashes)} item(s) with different outcomes: " + "; ".join(clashes[:10])
         )
-    merged = [items[n] for n in sorted(items)]
+    return [items[n] for n in sorted(items)]
+
+
+def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """One report from several ``(name, report)`` of one suite run in parts (shards, devices).
+
+    Each report is validated first (:func:`exportlm._report_schema.check_report`: the
+    format, every item and its outcome), the shards of each job must be 1..N of N once
+    each (:func:`~exportlm._report_schema.check_shards`); items are the union by node
+    id; the same item with two outcomes, reports of different exportlm / plugin
+    versions or options (those in :data:`PER_JOB_OPTIONS` aside) raise
+    :class:`MergeError` naming them. The matrix, totals and coverage are recomputed
+    from the merged items; ``interrupted`` names the reports of cancelled runs.
+    """
+    if not reports:
+        raise MergeError("no reports to merge")
+    for name, report in reports:
+        check_report(name, report)
+    first_name, first = reports[0]
+    for name, report in reports[1:]:
+        _same(first_name, first, name, report)
+    check_shards(reports)
+    merged = _merged_items(reports)
     value_checks = first.get("value_checks", {})
     options = {k: v for k, v in first.get("options", {}).items() if k not in PER_JOB_OPTIONS}
+    planned = _union((r for _, r in reports), "planned")
+    declared = _union((r for _, r in reports), "declared_unchecked")
+    coverage = coverage_of(merged, value_checks, planned, declared)
     return {
         **{k: v for k, v in first.items() if k not in ("items", "options")},
         "options": options,
         "merged_from": [name for name, _ in reports],
+        "interrupted": any(r.get("interrupted", False) for _, r in reports),
+        "interrupted_reports": [n for n, r in reports if r.get("interrupted", False)],
         "matrix": matrix_of(merged),
         "totals": totals_of(merged),
-        "unchecked": unchecked_of(merged, value_checks),
+        "planned": planned,
+        "declared_unchecked": coverage.declared,
+        "unchecked": coverage.unchecked,
+        "not_selected": coverage.not_selected,
         "cache": _summed_cache(r for _, r in reports),
         "items": merged,
     }
+
+
+def merge_problems(merged: Mapping[str, Any], *, allow_failed: bool = False) -> list[str]:
+    """Why ``report merge --strict`` fails ``merged``: interrupted runs, unfinished items,
+    failed items (unless ``allow_failed``) and unchecked rows; empty when none."""
+    problems = [f"{name}: the run was interrupted" for name in merged["interrupted_reports"]]
+    for outcome, word in ((INCOMPLETE, "unfinished"), ("fail", "failed")):
+        if outcome == "fail" and allow_failed:
+            continue
+        ids = [str(i["nodeid"]) for i in merged["items"] if i["outcome"] == outcome]
+        if ids:
+            more = f" and {len(ids) - 5} more" if len(ids) > 5 else ""
+            problems.append(f"{len(ids)} {word} item(s): {', '.join(ids[:5])}{more}")
+    rows = [f"{s} {c}" for s, cols in merged["unchecked"].items() for c in cols]
+    if rows:
+        problems.append(f"{len(rows)} unchecked row(s): {', '.join(rows)}")
+    return problems
 
 
 def _summed_cache(reports: Iterable[Mapping[str, Any]]) -> dict[str, int]:
@@ -233,7 +374,7 @@ def _summed_cache(reports: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 def _same(a_name: str, a: Mapping[str, Any], b_name: str, b: Mapping[str, Any]) -> None:
     """Raise :class:`MergeError` naming the first key in which ``a`` and ``b`` differ."""
-    pairs: list[tuple[str, Any, Any]] = [("format", a.get("format"), b.get("format"))]
+    pairs: list[tuple[str, Any, Any]] = []
     a_env, b_env = a.get("environment", {}), b.get("environment", {})
     pairs += [(f"environment.{k}", a_env.get(k), b_env.get(k)) for k in VERSION_KEYS]
     a_opt, b_opt = a.get("options", {}), b.get("options", {})

@@ -1,12 +1,15 @@
-"""``exportlm report merge A.json B.json ... [-o all.json] [--strict]``: one matrix from many.
+"""``exportlm report merge A.json B.json ... [-o all.json] [--strict [--allow-failed]]``.
 
 Merges the JSON reports (``pytest --export-report``) of the jobs of one suite run,
 its shards (``--export-shard=K/N``) and devices, with :func:`exportlm._matrix.merge_reports`,
 writes the merged report atomically and prints its matrix. Exit codes: 0 merged,
-1 with ``--strict`` when a target or exporter is unchecked in the merged report,
-2 for a usage error: a report that cannot be read (missing, not JSON, a FIFO or
-device), or reports that cannot be merged (different versions or options, one item
-with two outcomes); the message names the file, key or items.
+1 with ``--strict`` when the merged run has a failed item (unless ``--allow-failed``),
+an unfinished item or an interrupted report, or an unchecked target or exporter,
+2 for a usage error: a report that cannot be read (missing, not JSON, nested too
+deep, a FIFO or device), that is malformed (another format, an item without a
+known outcome), or reports that cannot be merged (different versions or options,
+a shard given twice or missing, one item with two outcomes); the message names
+the file, key or items.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from exportlm._matrix import MergeError, matrix_lines, merge_reports
+from exportlm._matrix import MergeError, matrix_lines, merge_problems, merge_reports
 from exportlm.atomic import check_output_path, write_text_atomic
 from exportlm.cli._errors import EXIT_FAILURE, EXIT_OK, UsageError
 from exportlm.errors import NotRegularFileError
@@ -40,7 +43,14 @@ def add_report_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     merge.add_argument(
         "--strict",
         action="store_true",
-        help="exit 1 when a target or exporter is unchecked (every value check skipped)",
+        help="exit 1 when an item failed or never finished, a report was interrupted, or a "
+        "target or exporter is unchecked (every value check skipped)",
+    )
+    merge.add_argument(
+        "--allow-failed",
+        action="store_true",
+        help="with --strict, do not fail on failed items (unfinished items, interrupted "
+        "reports and unchecked rows still fail)",
     )
     return merge
 
@@ -50,6 +60,11 @@ def _read(path: Path) -> dict[str, Any]:
         data = json.loads(read_regular_text(path, what="JSON report", max_bytes=_MAX_BYTES))
     except (NotRegularFileError, OSError, UnicodeDecodeError, ValueError) as err:
         raise UsageError(f"report {path}: cannot be read as JSON ({err})") from err
+    except RecursionError as err:  # json nests on the C stack
+        raise UsageError(
+            f"report {path}: nested too deeply to be a report; merge only the reports "
+            "pytest --export-report wrote"
+        ) from err
     if not isinstance(data, dict) or not isinstance(data.get("items"), list):
         raise UsageError(
             f"report {path}: not an exportcheck JSON report (no 'items' list); "
@@ -69,18 +84,29 @@ def cmd_report(args: argparse.Namespace) -> int:
         check_output_path(args.output)
         write_text_atomic(args.output, json.dumps(merged, indent=2, sort_keys=True) + "\n")
     width = shutil.get_terminal_size((100, 24)).columns
-    for line in matrix_lines(merged["items"], width, merged.get("value_checks", {})):
+    lines = matrix_lines(
+        merged["items"],
+        width,
+        merged.get("value_checks", {}),
+        merged["planned"],
+        merged["declared_unchecked"],
+    )
+    for line in lines:
         print(line)
     totals = merged["totals"]
     print(
         f"{sum(totals.values())} items from {len(reports)} report(s): "
         + ", ".join(f"{count} {_WORDS.get(o, o)}" for o, count in totals.items())
     )
+    unfinished = sum(item["outcome"] == "incomplete" for item in merged["items"])
+    if unfinished:
+        print(f"  {unfinished} of the failed never finished (incomplete)")
     if args.output is not None:
         print(f"merged report: {args.output}")
-    unchecked = merged["unchecked"]
-    if args.strict and unchecked:
-        rows = ", ".join(f"{s} {c}" for s, cols in unchecked.items() for c in cols)
-        print(f"--strict: FAILED, unchecked row(s): {rows}")
+    for name in merged["interrupted_reports"]:
+        print(f"{name}: interrupted; its unfinished items count as failed")
+    problems = merge_problems(merged, allow_failed=args.allow_failed) if args.strict else []
+    if problems:
+        print("--strict: FAILED, " + "; ".join(problems))
         return EXIT_FAILURE
     return EXIT_OK

@@ -85,6 +85,10 @@ class TargetInfo:
             (``"torch.export"`` for ``torch.export`` and exporters built on it), or
             ``{variant: capture}`` when variants capture differently; ``""``:
             undeclared (the target inherits no family's failure causes).
+        unchecked: ``{variant: reason}``, the rows the conformance suite cannot check
+            on any toy family (``""`` names the row of a target without variants): the
+            row is still run and shown, as *declared unchecked* with the reason, and
+            ``--export-strict`` does not fail on it.
     """
 
     name: str
@@ -100,6 +104,7 @@ class TargetInfo:
     description: str = ""
     executes_code: bool = False
     capture: str | Mapping[str, str] = ""
+    unchecked: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = set(self.capabilities) - CAPABILITIES
@@ -109,6 +114,7 @@ class TargetInfo:
                 f"known: {sorted(CAPABILITIES)}"
             )
         _check_capture(self.name, self.capture, self.variants)
+        _check_unchecked(self.name, self.unchecked, self.variants)
         if self.artifact not in ("file", "directory"):
             raise ValueError(f"target {self.name!r}: artifact must be 'file' or 'directory'")
         object.__setattr__(self, "capabilities", frozenset(self.capabilities))
@@ -141,6 +147,19 @@ def _check_capture(
         )
 
 
+def _check_unchecked(name: str, unchecked: Mapping[str, str], variants: Mapping[str, Any]) -> None:
+    rows = set(variants) or {""}
+    if not isinstance(unchecked, Mapping) or set(unchecked) - rows:
+        raise ValueError(
+            f"target {name!r}: unchecked names rows it does not have: "
+            f"{sorted(set(unchecked) - rows) if isinstance(unchecked, Mapping) else unchecked!r}"
+            f"; its rows: {sorted(rows)} ({{variant: reason}}, '' without variants)"
+        )
+    empty = sorted(k for k, reason in unchecked.items() if not str(reason).strip())
+    if empty:
+        raise ValueError(f"target {name!r}: unchecked rows {empty} give no reason")
+
+
 _INFO_ATTR = "__exportlm_target__"
 
 
@@ -159,12 +178,14 @@ def export_target(
     description: str = "",
     executes_code: bool = False,
     capture: str | Mapping[str, str] = "",
+    unchecked: Mapping[str, str] | None = None,
 ) -> Callable[[F], F]:
     """Decorator declaring an export factory's :class:`TargetInfo`.
 
     ``runtime`` defaults to ``name``. ``executes_code=True`` declares that loading
     the artifact can run code (a pickle, TorchScript); ``capture`` says how the model is
-    captured (``"torch.export"``, ``"torchscript-trace"``, ...): see :class:`TargetInfo`. The
+    captured (``"torch.export"``, ``"torchscript-trace"``, ...); ``unchecked`` the rows the
+    conformance suite cannot check on any toy family: see :class:`TargetInfo`. The
     decorated function is unchanged apart from the attached declaration, so it can be
     registered in code or exposed through the ``exportlm.export_backends`` entry-point group.
     """
@@ -182,6 +203,7 @@ def export_target(
         description=description,
         executes_code=executes_code,
         capture=capture if isinstance(capture, str) else dict(capture),
+        unchecked=dict(unchecked or {}),
     )
 
     def decorate(fn: F) -> F:

@@ -103,6 +103,13 @@ TORCHSCRIPT_TARGET = TargetInfo(
     variants={"trace": {"method": "trace"}, "script": {"method": "script"}},
     capture={"trace": "torchscript-trace", "script": "torchscript-script"},
     executes_code=True,  # torch.jit.load unpickles and runs code
+    # Declared here, not accepted by a project's CI configuration: every toy family fails
+    # torch.jit.script (each family declares the cause), so no value check of the row can
+    # pass on a fresh install; the row still runs, and is shown as declared unchecked.
+    unchecked={
+        "script": "no toy family scripts under TorchScript (a variable-length KV-cache "
+        "tuple it cannot type; each family declares it); use method='trace'"
+    },
     description="TorchScript .pt (torch.jit.trace, or script) run with torch.jit.load",
 )
 
