@@ -163,9 +163,9 @@ def test_the_real_onnxruntime_genai_worker_refuses_a_custom_ops_library(
     (folder / "genai_config.json").write_text(json.dumps(config))
     worker = WORKERS_DIR / "ort_genai.py"
     answer = _run_worker_directly(str(python), worker, folder / "model.onnx", tmp_path)
+    assert not marker.exists(), "onnxruntime-genai loaded the library"
     assert answer["status"] == "refused", answer
     assert "custom_ops_library" in answer["error"]
-    assert not marker.exists()
     with pytest.raises(EngineArtifactRefusedError, match="custom_ops_library"):
         run_engine("onnxruntime-genai", folder / "model.onnx", _request())
     assert not marker.exists()
@@ -216,9 +216,9 @@ def test_the_transformers_worker_itself_refuses_custom_generate(
     answer = _run_worker_directly(python, worker, folder, tmp_path)
     if answer.get("status") == "unavailable":
         pytest.skip(f"transformers does not import in {python}")
+    assert not marker.exists(), f"transformers {answer.get('engine_version')} ran the artifact"
     assert answer["status"] == "refused", answer
     assert "custom_generate" in answer["error"]
-    assert not marker.exists()
 
 
 @pytest.mark.parametrize(
@@ -325,16 +325,17 @@ def test_a_relative_interpreter_path_is_refused_never_looked_up_in_the_cwd(
 
 def test_verify_refuses_a_relative_python(
     tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
     marker: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     shared = tmp_path / "shared"
     _planted_python(shared, marker)
-    graph = _genai_folder(tmp_path / "art")
+    checkpoint = shared_export(tmp_path_factory, "hf_checkpoint", "llama", filename="ckpt").path
     monkeypatch.chdir(shared)
-    argv = ["verify", str(graph), "--engine", "transformers", "--python", "venv/bin/python"]
-    assert main(argv) == 2
+    argv = ["verify", str(checkpoint), "--engine", "transformers", "--python", "venv/bin/python"]
+    assert main(argv) == 2  # resolved in the cwd, the planted python would serve it
     assert "relative path" in capsys.readouterr().err
     assert not marker.exists()
 
