@@ -88,7 +88,8 @@ def _request(mode: str = "ok", **options: str) -> EngineRequest:
 
 @pytest.fixture
 def artifact(tmp_path: Path) -> Path:
-    path = tmp_path / "model.onnx"
+    (tmp_path / "artifact").mkdir()  # a folder of its own: no worker .py beside it
+    path = tmp_path / "artifact" / "model.onnx"
     path.write_bytes(b"not read by the fake engine")
     return path
 

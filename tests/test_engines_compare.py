@@ -146,7 +146,8 @@ def model() -> torch.nn.Module:
 
 @pytest.fixture
 def graph(tmp_path: Path) -> Path:
-    path = tmp_path / "model.onnx"
+    (tmp_path / "artifact").mkdir()  # a folder of its own: no worker .py beside it
+    path = tmp_path / "artifact" / "model.onnx"
     path.write_bytes(b"not read by the fake engine")
     return path
 

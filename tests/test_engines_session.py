@@ -52,7 +52,8 @@ def _pid(engine: Engine, artifact: Path, **options: str) -> int:
 
 @pytest.fixture
 def artifact(tmp_path: Path) -> Path:
-    path = tmp_path / "model.onnx"
+    (tmp_path / "artifact").mkdir()  # a folder of its own: no worker .py beside it
+    path = tmp_path / "artifact" / "model.onnx"
     path.write_bytes(b"not read")
     return path
 

@@ -6,6 +6,7 @@ resolved :class:`~pytest_exportcheck.session._options.Options`) so that module s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,12 @@ def parse_engines(value: Any) -> tuple[str, ...]:
             raise pytest.UsageError(f"--export-engine takes NAME=PATH, got {item!r}")
         if name.strip() in names:
             raise pytest.UsageError(f"--export-engine names engine {name.strip()!r} twice")
+        if not os.path.isabs(os.path.expanduser(path.strip())):
+            raise pytest.UsageError(
+                f"--export-engine {item!r}: {path.strip()!r} is a relative path, which would be "
+                "looked up in the current directory (whatever it holds); give the engine's "
+                "interpreter or venv as an absolute path"
+            )
         names.append(name.strip())
     return tuple(items)
 

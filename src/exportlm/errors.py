@@ -43,6 +43,8 @@ __all__ = [
     "EngineRefusedError",
     "EngineTimeoutError",
     "EngineUnavailableError",
+    "EngineArtifactRefusedError",
+    "EngineOutputLimitError",
     "LayerTooLargeError",
     "StreamingError",
     "StreamIntegrityError",
@@ -411,3 +413,27 @@ class UnsafeLockFileError(ExportLMError):
             "not opened (a planted link would make the lock create or lock the file it points "
             f"to). Remove {path} if nobody else should have put it there."
         )
+
+
+class EngineArtifactRefusedError(CustomCodeRefusedError):
+    """An artifact would make a serving engine load a library or run Python of its own
+    (``*.so``, ``*.py``, ``custom_generate/``, ``auto_map``, ``custom_ops_library``);
+    refused before any worker starts. Attributes: ``path``, ``reasons``, ``engine``."""
+
+    def __init__(self, path: object, reasons: list[str], engine: str) -> None:
+        self.path, self.reasons, self.engine = path, list(reasons), engine
+        ExportLMError.__init__(
+            self,
+            f"{path}: refused before engine {engine!r} saw it, as it would run the artifact's "
+            f"own code ({'; '.join(self.reasons)}); an artifact is data. Serve one exportlm "
+            "wrote, from a folder holding only it, or remove what is named if you reviewed it.",
+        )
+
+
+class EngineOutputLimitError(EngineProtocolError):
+    """A worker wrote more than ``limit`` bytes of ``what`` (output or response); it was killed."""
+
+    def __init__(self, engine: str, version: str | None, what: str, limit: int, detail: str):
+        self.limit, self.what = limit, what
+        summary = f"the worker wrote more than {limit} bytes ({limit / 2**20:g} MiB) of {what}"
+        super().__init__(engine, version, summary + ", the cap; it was killed", detail)

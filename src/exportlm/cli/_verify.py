@@ -91,6 +91,24 @@ def _parses(graph: Path) -> None:
         raise UsageError(f"{graph} is not an ONNX model: {type(err).__name__}: {err}") from err
 
 
+def _check_manifests(path: Path) -> None:
+    """Hold the artifact to its manifest where it has one, before any engine reads it.
+
+    ``path`` itself (a directory's ``exportlm-manifest.json``, a file's sibling manifest)
+    and, for a folder, its one ``.onnx`` graph (whose manifest lists the serving files
+    beside it, ``genai_config.json`` included). A file that differs from its manifest
+    raises :class:`~exportlm.errors.ArtifactIntegrityError` (exit 1). No manifest:
+    served unverified (the engine check still refuses anything that would run).
+    """
+    from exportlm.export.manifest import read_manifest, verify_artifact
+
+    graphs = sorted(path.glob("*.onnx")) if path.is_dir() else []
+    for candidate in [path, *graphs[:1]] if len(graphs) == 1 else [path]:
+        manifest = read_manifest(candidate)
+        if manifest is not None:
+            verify_artifact(candidate, manifest=manifest)
+
+
 def _reference(args: argparse.Namespace, path: Path, kind: Any) -> Any:
     from exportlm.cli._calib import calibration_request, quantize_model
     from exportlm.cli._model import resolve_model
@@ -119,6 +137,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     engine, overrides = _engine(args)
     path = Path(os.path.abspath(args.path))
     kind = _kind(path)
+    _check_manifests(path)
     model = _reference(args, path, kind)
     got = serve_and_compare(
         engine, path, model, dtype=args.dtype, overrides=overrides, timeout=args.timeout

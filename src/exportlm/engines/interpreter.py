@@ -3,7 +3,9 @@
 In order: an explicit path (what the plugin's ``--export-engine NAME=PATH`` hands
 over), the environment variable ``EXPORTLM_ENGINE_<NAME>``, else the current
 interpreter when the engine's module is importable there. A path may name the
-interpreter or a virtual environment (``bin/python`` inside it).
+interpreter or a virtual environment (``bin/python`` inside it); it must be absolute
+(or start with ``~``): a relative one is refused, never resolved against the current
+directory.
 """
 
 from __future__ import annotations
@@ -50,6 +52,16 @@ def engine_env_var(name: str) -> str:
 
 def _resolve(engine: Engine, given: str | os.PathLike[str], where: str) -> Path:
     path = Path(given).expanduser()
+    if not path.is_absolute():
+        # Resolved against the current directory, which may be shared (a CI workspace,
+        # /tmp), a relative path would run whatever interpreter is planted there.
+        raise EngineInterpreterError(
+            engine.name,
+            None,
+            f"{where} names {str(given)!r}, a relative path: it would be looked up in the "
+            "current directory, whatever that holds. Give the interpreter's absolute path "
+            "(or ~/...), e.g. /opt/venvs/vllm/bin/python",
+        )
     if path.is_dir():
         path = path / "bin" / "python"
     if not (path.is_file() and os.access(path, os.X_OK)):

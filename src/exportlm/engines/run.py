@@ -22,8 +22,10 @@ from exportlm.engines.interpreter import find_interpreter
 from exportlm.engines.protocol import PROTOCOL, EngineRequest, EngineResult, parse_result
 from exportlm.engines.registry import get_engine
 from exportlm.engines.spec import Engine
+from exportlm.engines.untrusted import vet_artifact
 from exportlm.errors import (
     EngineCrashedError,
+    EngineOutputLimitError,
     EngineProtocolError,
     EngineRefusedError,
     EngineTimeoutError,
@@ -62,12 +64,16 @@ def _worker_env(engine: Engine) -> dict[str, str]:
     return env
 
 
-def _read_response(engine: Engine, resp: Path, tail: str) -> dict[str, Any] | None:
+def _read_response(
+    engine: Engine, resp: Path, tail: str, limit: int = session.MAX_OUTPUT
+) -> dict[str, Any] | None:
     if not resp.is_file():
         return None
+    if resp.stat().st_size > limit:
+        raise EngineOutputLimitError(engine.name, None, "response", limit, tail)
     try:
         loaded = json.loads(resp.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise EngineProtocolError(
             engine.name, None, f"the response is not JSON ({err})", tail
         ) from None
@@ -84,9 +90,13 @@ def _version(response: Mapping[str, Any] | None) -> str | None:
 
 
 def _run_worker(
-    engine: Engine, python: Path, payload: Mapping[str, Any], timeout: float
+    engine: Engine, python: Path, payload: Mapping[str, Any], timeout: float, max_output: int
 ) -> dict[str, Any]:
     """Run the request in the engine's worker to its final response; a crash or a timeout raises.
+
+    The worker's stdout and stderr go to a file of which only the end is read back;
+    past ``max_output`` bytes (or a response file larger than that) the worker is
+    killed and :class:`~exportlm.errors.EngineOutputLimitError` names the cap.
 
     The worker is one kept from an earlier request with the same engine, interpreter
     and environment where it said it can serve another (:mod:`exportlm.engines.session`).
@@ -95,12 +105,14 @@ def _run_worker(
     logger.debug("engine %s: %s", engine.name, " ".join(cmd))
 
     def read(resp: Path, log: str) -> dict[str, Any] | None:
-        return _read_response(engine, resp, trim(log))
+        return _read_response(engine, resp, trim(log), max_output)
 
     ended, response = session.exchange(
-        engine.name, cmd, _worker_env(engine), payload, timeout, read
+        engine.name, cmd, _worker_env(engine), payload, timeout, read, max_output
     )
     tail = trim(ended.log)
+    if ended.flooded:
+        raise EngineOutputLimitError(engine.name, None, "output", max_output, tail)
     if ended.timed_out:
         raise EngineTimeoutError(engine.name, _version(response), timeout, tail)
     # A worker writes "running" (with its version) once the engine imports, the answer last.
@@ -116,6 +128,7 @@ def _exchange(
     python: str | os.PathLike[str] | None,
     overrides: Mapping[str, str | os.PathLike[str]] | None,
     timeout: float | None,
+    max_output: int = session.MAX_OUTPUT,
 ) -> dict[str, Any]:
     """One request/response round with ``engine``'s worker; non-``ok`` answers raise."""
     if python is None:
@@ -124,7 +137,7 @@ def _exchange(
             raise EngineUnavailableError(engine.name, None, found.reason)
         python = found.path
     limit = engine.timeout if timeout is None else timeout
-    response = _run_worker(engine, Path(python), payload, limit)
+    response = _run_worker(engine, Path(python), payload, limit, max_output)
     version = _version(response)
     status = response.get("status")
     error = trim(str(response.get("error") or ""))
@@ -145,27 +158,35 @@ def run_engine(
     python: str | os.PathLike[str] | None = None,
     overrides: Mapping[str, str | os.PathLike[str]] | None = None,
     timeout: float | None = None,
+    max_output: int = session.MAX_OUTPUT,
 ) -> EngineResult:
     """Serve ``request`` from ``artifact`` (a checkpoint directory or a file) in ``engine``.
 
     ``python`` is the interpreter to run the worker with; by default
     :func:`~exportlm.engines.find_interpreter` picks it (``overrides`` are the
-    plugin's ``--export-engine`` paths). ``timeout`` defaults to the engine's own.
+    plugin's ``--export-engine`` paths). ``timeout`` defaults to the engine's own;
+    ``max_output`` is the cap on the worker's output (and response) in bytes.
+    Before any worker starts, the artifact's folder is checked to hold nothing an
+    engine would run (:func:`~exportlm.engines.untrusted.vet_artifact`:
+    :class:`~exportlm.errors.EngineArtifactRefusedError`).
 
     Raises :class:`~exportlm.errors.EngineUnavailableError`,
     :class:`~exportlm.errors.EngineRefusedError`,
     :class:`~exportlm.errors.EngineCrashedError`,
     :class:`~exportlm.errors.EngineTimeoutError` or
-    :class:`~exportlm.errors.EngineProtocolError` (``docs/engines.md``).
+    :class:`~exportlm.errors.EngineProtocolError` (its subclass
+    :class:`~exportlm.errors.EngineOutputLimitError` past ``max_output``;
+    ``docs/engines.md``).
     """
     eng = get_engine(engine)
     path = Path(artifact).absolute()
+    # The artifact is data: its folder holds no library, no Python, no custom_generate/,
+    # no auto_map and no genai_config.json naming a library, checked before any worker starts.
+    vet_artifact(path, eng.name)
     if path.is_dir():
-        # The engines run with trust_remote_code=False; a directory that would run its
-        # own code is refused here as well, before any engine sees it.
         vet_model_directory(path, what=f"artifact for engine {eng.name!r}")
     payload = request.payload(str(path), eng.hints)
-    response = _exchange(eng, payload, python, overrides, timeout)
+    response = _exchange(eng, payload, python, overrides, timeout, max_output)
     result = parse_result(eng.name, response, request)
     if isinstance(result, str):
         raise EngineProtocolError(eng.name, _version(response), f"malformed response: {result}")

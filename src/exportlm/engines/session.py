@@ -26,13 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["MAX_SESSIONS", "MORE", "Exchange", "close_all", "exchange"]
+__all__ = ["MAX_OUTPUT", "MAX_SESSIONS", "MORE", "TAIL_BYTES", "Exchange", "close_all", "exchange"]
 
 #: The worker argument that keeps it serving requests from stdin (``_worker.MORE``).
 MORE = "--more"
 #: Workers kept at once (one per engine x interpreter x environment).
 MAX_SESSIONS = 6
 _POLL = 0.05
+#: What one request's worker may write on stdout / stderr before it is killed (the log is
+#: a file: only its last :data:`TAIL_BYTES` are ever read back, so memory stays bounded).
+MAX_OUTPUT = 64 * 2**20
+#: The end of the log read back for an error message.
+TAIL_BYTES = 64 * 1024
 _REUSE_ENV = "EXPORTLM_ENGINE_REUSE"
 #: Environment variables that change between two runs without changing the engine's
 #: (pytest names the running test in one): not part of a kept worker's key.
@@ -47,6 +52,8 @@ class Exchange:
     code: int | None
     log: str
     response_path: Path
+    #: the worker wrote more than ``max_output`` bytes of output and was killed
+    flooded: bool = False
 
 
 @dataclass
@@ -92,9 +99,14 @@ def _reuse() -> bool:
     return os.environ.get(_REUSE_ENV, "1").strip() not in {"0", "false", "no", ""}
 
 
-def _final(path: Path) -> bool:
-    """Whether the worker has written its last word on the request at ``path``."""
+def _final(path: Path, limit: int) -> bool:
+    """Whether the worker has written its last word on the request at ``path``.
+
+    A response over ``limit`` bytes counts as its last word (the reader refuses it).
+    """
     try:
+        if path.stat().st_size > limit:
+            return True
         loaded = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
@@ -120,13 +132,16 @@ def _start(
     return _Session(proc, tmp, log, out)
 
 
-def _wait(session: _Session, resp: Path, timeout: float, start: int) -> Exchange:
+def _wait(session: _Session, resp: Path, timeout: float, start: int, max_output: int) -> Exchange:
     deadline = time.monotonic() + timeout
     code: int | None = None
     while True:
         code = session.proc.poll()
-        if code is not None or _final(resp):
+        if code is not None or _final(resp, max_output):
             break
+        if session.log.stat().st_size - start > max_output:
+            _kill_group(session.proc)
+            return Exchange(False, None, _tail(session.log, start), resp, flooded=True)
         if time.monotonic() > deadline:
             _kill_group(session.proc)
             return Exchange(True, None, _tail(session.log, start), resp)
@@ -135,9 +150,11 @@ def _wait(session: _Session, resp: Path, timeout: float, start: int) -> Exchange
 
 
 def _tail(log: Path, start: int) -> str:
+    """The log from ``start``, at most its last :data:`TAIL_BYTES`."""
     with open(log, "rb") as f:
-        f.seek(start)
-        return f.read().decode("utf-8", errors="replace")
+        end = f.seek(0, os.SEEK_END)
+        f.seek(max(start, end - TAIL_BYTES))
+        return f.read(TAIL_BYTES).decode("utf-8", errors="replace")
 
 
 def _paths(tmp: str, n: int) -> tuple[Path, Path]:
@@ -176,12 +193,14 @@ def exchange(
     payload: Mapping[str, Any],
     timeout: float,
     read: Callable[[Path, str], dict[str, Any] | None],
+    max_output: int = MAX_OUTPUT,
 ) -> tuple[Exchange, dict[str, Any] | None]:
     """Send ``payload`` to a worker (``worker``: interpreter and script) and wait for it.
 
     ``read(path, log)`` reads the response file (raising on one off the protocol);
     what it returns is handed back with how the request ended. A worker answering
-    ``"reusable": true`` is kept for the next request with the same key.
+    ``"reusable": true`` is kept for the next request with the same key. A worker
+    writing more than ``max_output`` bytes of output is killed (``flooded``).
     """
     key = (name, *worker, json.dumps(sorted(i for i in env.items() if i[0] not in _VOLATILE)))
     session, resp, start = _SESSIONS.pop(key, None), None, 0
@@ -196,13 +215,13 @@ def exchange(
             session = None
     if session is None or resp is None:
         session, resp = _fresh(name, worker, env, payload)
-    ended = _wait(session, resp, timeout, start)
+    ended = _wait(session, resp, timeout, start, max_output)
     try:
-        response = read(resp, ended.log)
+        response = None if ended.flooded else read(resp, ended.log)
     except BaseException:
         session.close(kill=True)
         raise
-    if ended.timed_out:
+    if ended.timed_out or ended.flooded:
         session.close(kill=True)
     elif ended.code is None and isinstance(response, dict) and response.get("reusable") is True:
         _keep(key, session)

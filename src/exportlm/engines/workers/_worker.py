@@ -16,6 +16,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -117,6 +118,55 @@ def _read(argv: Sequence[str]) -> tuple[dict[str, Any], str | None]:
             request = json.load(f)
         return request, argv[2] if len(argv) >= 3 else None
     return json.load(sys.stdin), None
+
+
+#: What an engine would load or run as code (exportlm refuses it before a worker starts;
+#: workers check again: exportlm.engines.untrusted).
+_CODE_NAME = re.compile(r"\.(py|pyc|pyo|pyd|pyx|so|dylib|dll)$|\.so(\.\d+)+$", re.IGNORECASE)
+_LIBRARY_KEY = re.compile(r"librar|plugin|backend_path|lib_path|custom_op", re.IGNORECASE)
+
+
+def artifact_folder(artifact: str) -> str:
+    """The folder an engine reads for ``artifact`` (itself, or a file's folder)."""
+    return artifact if os.path.isdir(artifact) else os.path.dirname(artifact)
+
+
+def refuse_code(artifact: str) -> None:
+    """Raise ``ValueError`` if the artifact's folder holds code, or a config naming a library."""
+    folder = artifact_folder(artifact)
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for name in dirs + files:
+            if name == "custom_generate" or _CODE_NAME.search(name):
+                raise ValueError(f"{os.path.join(root, name)}: an artifact's code is never run")
+    genai = os.path.join(folder, "genai_config.json")
+    if os.path.isfile(genai):
+        with open(genai, encoding="utf-8") as f:
+            found = [k for k in _keys(json.load(f)) if _LIBRARY_KEY.search(k)]
+        if found:
+            raise ValueError(f"{genai} names a library to load ({found}); it is never loaded")
+
+
+def _keys(value: Any) -> Iterator[str]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield str(key)
+            yield from _keys(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _keys(item)
+
+
+def disable_custom_generate(mixin: Any) -> None:
+    """Make transformers' ``GenerationMixin`` never load ``custom_generate/generate.py``.
+
+    transformers 4.5x loads it from a local folder at ``from_pretrained`` even with
+    ``trust_remote_code=False``; the OSError raised here is what it reads as "none".
+    """
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("custom_generate is disabled: exportlm never runs an artifact's code")
+
+    mixin.load_custom_generate = refuse
 
 
 Serve = Callable[[Context], tuple[list[list[int]], list[list[float]]]]

@@ -27,6 +27,7 @@ def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
     req = ctx.request
     options = ctx.options(_OPTIONS)
     with ctx.stage("load"):
+        _worker.refuse_code(req["artifact"])
         core = ov.Core()
         model = core.read_model(req["artifact"])
         names = {name for port in model.inputs for name in port.get_names()}

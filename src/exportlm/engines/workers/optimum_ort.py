@@ -21,10 +21,15 @@ import _worker
 
 def _load(artifact: str) -> Any:
     from optimum.onnxruntime import ORTModelForCausalLM
+    from transformers import GenerationMixin
 
+    _worker.refuse_code(artifact)
+    _worker.disable_custom_generate(GenerationMixin)
     path = Path(artifact)
     folder, file_name = (path.parent, path.name) if path.is_file() else (path, None)
-    model = ORTModelForCausalLM.from_pretrained(folder, file_name=file_name, use_cache=True)
+    model = ORTModelForCausalLM.from_pretrained(
+        folder, file_name=file_name, use_cache=True, trust_remote_code=False
+    )
     # generation_config.json names an end-of-sequence id; generate would stop a row there.
     model.generation_config.eos_token_id = None
     return model

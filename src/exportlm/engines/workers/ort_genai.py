@@ -67,6 +67,7 @@ def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
     ctx.options(())
     rows = _worker.rows(req)
     with ctx.stage("load"):
+        _worker.refuse_code(req["artifact"])  # no custom_ops_library, no shipped library
         path = Path(req["artifact"])
         folder = path.parent if path.is_file() else path
         config = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))

@@ -3,7 +3,9 @@ compressed-tensors where the checkpoint needs it).
 
 Imports only transformers (and the torch it runs on), numpy and the standard library.
 The batch goes in left-padded with its attention mask and position ids; greedy
-decoding runs on the model's own KV cache. ``trust_remote_code`` stays False and
+decoding runs on the model's own KV cache. ``trust_remote_code`` stays False,
+``custom_generate`` is disabled (transformers 4.5x loads a local folder's
+``custom_generate/generate.py`` regardless), a folder holding code is refused and
 nothing is downloaded (``local_files_only``).
 """
 
@@ -23,6 +25,8 @@ def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
     req = ctx.request
     ctx.options(())
     with ctx.stage("load"):
+        _worker.refuse_code(req["artifact"])
+        _worker.disable_custom_generate(transformers.GenerationMixin)
         dtype: Any = getattr(torch, req["dtype"]) if req.get("dtype") else "auto"
         model = transformers.AutoModelForCausalLM.from_pretrained(
             req["artifact"], trust_remote_code=False, local_files_only=True, dtype=dtype

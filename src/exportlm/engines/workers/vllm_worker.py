@@ -25,6 +25,7 @@ def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
     options = ctx.options(_OPTIONS)
     prompts: list[Any] = [{"prompt_token_ids": row} for row in _worker.rows(req)]
     with ctx.stage("load"):
+        _worker.refuse_code(req["artifact"])
         kwargs: dict[str, Any] = {"max_model_len": int(options["max_model_len"])} if options else {}
         llm = LLM(
             model=req["artifact"],
