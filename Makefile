@@ -94,7 +94,8 @@ CONFORMANCE_STRICT := --export-strict
 
 conformance: $(STAMP)
 	$(BIN)/python -m pytest -n $(JOBS) --export-targets=all --export-only \
-		--export-report=conformance-report.json $(CONFORMANCE_SEED) $(CONFORMANCE_STRICT)
+		--export-report=conformance-report.json --export-report-html=conformance-report.html \
+		$(CONFORMANCE_SEED) $(CONFORMANCE_STRICT)
 
 # Lower bounds: a separate venv whose direct dependencies are pinned to the `>=`
 # bounds of pyproject.toml (core + the `pytest` and `onnx` extras). Transitive
@@ -222,4 +223,4 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) $(WHEEL_VENV) build .pytest_cache .mypy_cache .ruff_cache \
-		conformance-report.json conformance-wheel.json
+		conformance-report.json conformance-report.html conformance-wheel.json

@@ -213,3 +213,64 @@ def test_a_cell_link_opens_its_items_in_the_browser(tmp_path: Path) -> None:
     anchor = parser.hrefs[0]
     dom, _ = _browser(page, "--dump-dom", fragment=anchor)
     assert f'<details id="{anchor}" open="">' in dom
+
+
+# -- from the plugin and the CLI --------------------------------------------------------
+
+#: A run without exports: two cheap checks, one of them turned into a failure by a strict
+#: expected failure that passes (as tests/test_plugin_reporting.py does).
+_SUITE = [
+    "--export-targets=torch_export,torchscript",
+    "--export-checks=plugin_loads,registered",
+    "--export-xfails-file=xfails.txt",
+    "-p",
+    "no:cacheprovider",
+]
+
+
+@pytest.fixture
+def plugin_run(pytester: pytest.Pytester) -> pytest.Pytester:
+    (pytester.path / "xfails.txt").write_text("exportcheck::plugin_loads[torchscript:trace]\n")
+    result = pytester.runpytest(
+        *_SUITE,
+        "--export-report=r.json",
+        "--export-report-html=pages/r.html",
+        "--export-report-badge=pages/b.svg",
+    )
+    result.assert_outcomes(passed=5, failed=1)
+    result.stdout.fnmatch_lines(["HTML report: *pages/r.html", "badge: *pages/b.svg"])
+    return pytester
+
+
+def test_the_plugin_writes_the_page_and_the_badge(plugin_run: pytest.Pytester) -> None:
+    page = (plugin_run.path / "pages" / "r.html").read_text()
+    parser = _Links()
+    parser.feed(page)
+    assert len(parser.hrefs) == 6  # 3 rows x 2 checks, each cell linking to its items
+    assert set(parser.hrefs) <= parser.ids
+    assert 'class="verdict v-failed"' in page
+    assert "<td>plugin_loads[torchscript:trace]</td>" in page
+    assert str(plugin_run.path) not in page  # the same redaction as the JSON report
+    svg = ET.fromstring((plugin_run.path / "pages" / "b.svg").read_text())
+    assert [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")][-1] == "1 failed"
+    dom, stderr = _browser(plugin_run.path / "pages" / "r.html", "--dump-dom")
+    assert _console(stderr) == []
+    assert '<body data-ready="1">' in dom
+
+
+def test_the_cli_renders_a_report_and_refuses_a_malformed_one(
+    plugin_run: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from exportlm.cli import main
+
+    out, badge = plugin_run.path / "cli.html", plugin_run.path / "cli.svg"
+    report = str(plugin_run.path / "r.json")
+    assert main(["report", "html", report, "-o", str(out), "--badge", str(badge)]) == 0
+    assert capsys.readouterr().out.strip() == f"{out}: 6 items from 1 report(s), failed"
+    assert 'class="verdict v-failed"' in out.read_text()
+    assert badge.read_text().startswith("<svg ")
+    broken = plugin_run.path / "broken.json"
+    broken.write_text('{"format": 99, "items": []}')
+    assert main(["report", "html", str(broken), "-o", str(plugin_run.path / "x.html")]) == 2
+    assert "broken.json" in capsys.readouterr().err
+    assert not (plugin_run.path / "x.html").exists()

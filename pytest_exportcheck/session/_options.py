@@ -120,6 +120,19 @@ _SPECS: tuple[_Spec, ...] = (
         "PATH.json",
     ),
     _Spec(
+        "--export-report-html",
+        "write the report as one self-contained HTML page: both matrices, each cell "
+        "linking to its items, the engines, the environment",
+        "path",
+        "PATH.html",
+    ),
+    _Spec(
+        "--export-report-badge",
+        "write an SVG badge (passed/total items, coloured by the verdict) for a README",
+        "path",
+        "PATH.svg",
+    ),
+    _Spec(
         "--export-report-absolute-paths",
         "keep this machine's absolute paths in the JSON report (default: relative to the "
         "rootdir, home and user name redacted, fit to upload)",
@@ -260,6 +273,9 @@ class Options:
     catalogue: int | None = None
     #: ``--export-report-absolute-paths``: the JSON report keeps this machine's paths.
     report_absolute_paths: bool = False
+    #: ``--export-report-html`` / ``--export-report-badge``: the report as a page and a badge.
+    report_html: Path | None = None
+    report_badge: Path | None = None
 
     @property
     def active(self) -> bool:
@@ -322,6 +338,8 @@ class Options:
             **coverage_options(config),
             catalogue=parse_catalogue(_value(config, specs["exportcheck_catalogue"])),
             report_absolute_paths=bool(_value(config, specs["export_report_absolute_paths"])),
+            report_html=_path(config, specs["export_report_html"]),
+            report_badge=_path(config, specs["export_report_badge"]),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
@@ -330,8 +348,10 @@ class Options:
             )
         check_kind(options.xfails_file, "--export-xfails-file", directory=False)
         check_kind(options.goldens_dir, "--export-goldens-dir", directory=True)
-        if options.report is not None and not hasattr(config, "workerinput"):
-            check_report_path(options.report)  # the controller writes it, at the very end
+        if not hasattr(config, "workerinput"):  # the controller writes them, at the very end
+            for written in (options.report, options.report_html, options.report_badge):
+                if written is not None:
+                    check_report_path(written)
         return options
 
     def as_dict(self) -> dict[str, Any]:
@@ -352,6 +372,8 @@ class Options:
             "goldens_dir": path(self.goldens_dir),
             "report": path(self.report),
             "report_absolute_paths": self.report_absolute_paths,
+            "report_html": path(self.report_html),
+            "report_badge": path(self.report_badge),
             "no_cache": self.no_cache,
             "only": self.only,
             "durations": self.durations,

@@ -33,6 +33,7 @@ from exportlm._matrix import (
     render_matrix,
     totals_of,
 )
+from exportlm._report_html import report_badge, report_html
 from exportlm.atomic import write_text_atomic
 from pytest_exportcheck.session._coverage import VALUE_CHECKS, value_checks_json
 
@@ -44,6 +45,7 @@ __all__ = [
     "jsonable",
     "render_matrix",
     "write_json_atomic",
+    "write_report_pages",
 ]
 
 #: The attribute of a ``TestReport`` holding an exportcheck item's record.
@@ -302,3 +304,11 @@ def _skip_reason(report: pytest.TestReport) -> str:
 def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
     """Write ``data`` as indented JSON to ``path`` all-or-nothing (:mod:`exportlm.atomic`)."""
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_report_pages(data: Mapping[str, Any], html: Path | None, badge: Path | None) -> None:
+    """The report as an HTML page and an SVG badge (:mod:`exportlm._report_html`), where asked."""
+    if html is not None:
+        write_text_atomic(html, report_html(data))
+    if badge is not None:
+        write_text_atomic(badge, report_badge(data))

@@ -52,7 +52,12 @@ from pytest_exportcheck.session._markers import EXPECTED_WARNINGS, register_mark
 from pytest_exportcheck.session._nodes import ExportCheckItem, SuiteCollector
 from pytest_exportcheck.session._options import Options
 from pytest_exportcheck.session._redact import report_paths_redacted
-from pytest_exportcheck.session._report import REPORT_ATTRIBUTE, ReportBuilder, write_json_atomic
+from pytest_exportcheck.session._report import (
+    REPORT_ATTRIBUTE,
+    ReportBuilder,
+    write_json_atomic,
+    write_report_pages,
+)
 from pytest_exportcheck.session._signing_key import RunSigningKey
 from pytest_exportcheck.session._verdict import CoverageVerdict
 from pytest_exportcheck.session._xdist import artifact_scheduler, work_units
@@ -236,8 +241,13 @@ class ExportCheckSession:
                 terminal.write_line(line)
         for line in catalogue_lines(self.catalogue):
             terminal.write_line(line, yellow=True)
-        if self.options.report is not None:
-            terminal.write_line(f"JSON report: {self.options.report}")
+        for kind, path in (
+            ("JSON report", self.options.report),
+            ("HTML report", self.options.report_html),
+            ("badge", self.options.report_badge),
+        ):
+            if path is not None:
+                terminal.write_line(f"{kind}: {path}")
         self.coverage.summary(terminal)
         key_line = self.signing.summary_line()
         if key_line is not None:
@@ -296,6 +306,7 @@ class ExportCheckSession:
             env = {key: data[key] for key in env}
         if self.options.report is not None:
             write_json_atomic(self.options.report, data)
+        write_report_pages(data, self.options.report_html, self.options.report_badge)
         add_suite_properties(self.config, env, self.report.sorted_records())
         self.config.hook.pytest_exportcheck_report(config=self.config, report=data)
 

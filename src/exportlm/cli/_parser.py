@@ -143,8 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verbosity(p_verify, "sub")
     from exportlm.cli._report import add_report_arguments
 
-    p_report = sub.add_parser("report", help="merge exportcheck JSON reports (shards, devices)")
-    _add_verbosity(add_report_arguments(p_report), "sub")
+    p_report = sub.add_parser(
+        "report", help="merge exportcheck JSON reports (shards, devices), or render them as HTML"
+    )
+    for action in add_report_arguments(p_report):
+        _add_verbosity(action, "sub")
     return parser
 
 

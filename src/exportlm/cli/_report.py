@@ -10,6 +10,11 @@ deep, a FIFO or device), that is malformed (another format, an item without a
 known outcome), or reports that cannot be merged (different versions or options,
 a shard given twice or missing, one item with two outcomes); the message names
 the file, key or items.
+
+``exportlm report html A.json [B.json ...] -o report.html [--badge badge.svg]`` reads
+and merges the same way and renders the result as one self-contained page
+(:mod:`exportlm._report_html`); it exits 0 whatever the verdict (gate with ``merge
+--strict``), 2 for the usage errors above.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ _MAX_BYTES = 256 * 1024 * 1024
 _WORDS = {"pass": "passed", "fail": "failed", "xfail": "xfailed", "skip": "skipped"}
 
 
-def add_report_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``report`` subcommand and its ``merge`` action; returns the ``merge`` parser."""
+def add_report_arguments(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The ``report`` subcommand's ``merge`` and ``html`` actions; returns their parsers."""
     actions = p.add_subparsers(dest="report_command", metavar="ACTION", required=True)
     merge = actions.add_parser(
         "merge", help="merge the JSON reports of a suite's shards and devices into one"
@@ -52,7 +57,15 @@ def add_report_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="with --strict, do not fail on failed items (unfinished items, interrupted "
         "reports and unchecked rows still fail)",
     )
-    return merge
+    html = actions.add_parser(
+        "html", help="render reports (one run, or a run's shards merged) as one HTML page"
+    )
+    html.add_argument("reports", nargs="+", type=Path, metavar="REPORT.json")
+    html.add_argument(
+        "-o", "--output", type=Path, required=True, metavar="REPORT.html", help="the page"
+    )
+    html.add_argument("--badge", type=Path, metavar="BADGE.svg", help="also an SVG badge")
+    return [merge, html]
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -73,13 +86,20 @@ def _read(path: Path) -> dict[str, Any]:
     return data
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    """Run ``exportlm report merge``."""
-    reports = [(str(path), _read(path)) for path in args.reports]
+def _merged(paths: list[Path]) -> tuple[int, dict[str, Any]]:
+    """The reports read and merged (validated as a merge validates them), and how many."""
+    reports = [(str(path), _read(path)) for path in paths]
     try:
-        merged = merge_reports(reports)
+        return len(reports), merge_reports(reports)
     except MergeError as err:
         raise UsageError(str(err)) from err
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Run ``exportlm report merge`` or ``exportlm report html``."""
+    if args.report_command == "html":
+        return _cmd_html(args)
+    count, merged = _merged(args.reports)
     if args.output is not None:
         check_output_path(args.output)
         write_text_atomic(args.output, json.dumps(merged, indent=2, sort_keys=True) + "\n")
@@ -95,7 +115,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(line)
     totals = merged["totals"]
     print(
-        f"{sum(totals.values())} items from {len(reports)} report(s): "
+        f"{sum(totals.values())} items from {count} report(s): "
         + ", ".join(f"{count} {_WORDS.get(o, o)}" for o, count in totals.items())
     )
     unfinished = sum(item["outcome"] == "incomplete" for item in merged["items"])
@@ -109,4 +129,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     if problems:
         print("--strict: FAILED, " + "; ".join(problems))
         return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _cmd_html(args: argparse.Namespace) -> int:
+    """Render the reports' merge as an HTML page (and a badge); exit 0 whatever the verdict."""
+    from exportlm._report_html import report_badge, report_html, verdict_of
+
+    count, merged = _merged(args.reports)
+    outputs = [(args.output, report_html(merged))]
+    if args.badge is not None:
+        outputs.append((args.badge, report_badge(merged)))
+    for path, text in outputs:
+        check_output_path(path)
+        write_text_atomic(path, text)
+    print(
+        f"{args.output}: {len(merged['items'])} items from {count} report(s), {verdict_of(merged)}"
+    )
     return EXIT_OK
