@@ -19,6 +19,7 @@ __all__ = [
     "MalformedCheckpointError",
     "CustomCodeRefusedError",
     "NotRegularFileError",
+    "InputTooLargeError",
     "MissingDependencyError",
     "OutputExistsError",
     "PluginLoadError",
@@ -195,6 +196,23 @@ class NotRegularFileError(ExportLMError, ValueError):
             f"from a {expected} (a FIFO or device could block or never end). "
             f"Pass the path of a {expected}."
         )
+
+
+class InputTooLargeError(ExportLMError, ValueError):
+    """An input is larger than exportlm reads or builds, refused before it is read or allocated.
+
+    A file beyond its format's limit (an ONNX protobuf over 2 GiB), a calibration
+    line beyond the longest sample read, a model spec whose model exceeds the size
+    budget. The message names the size, the limit and how to go on (a smaller
+    input, or the setting that raises the budget). Attributes: ``what``, ``size``
+    (``None`` when unknown) and ``limit``.
+    """
+
+    def __init__(self, message: str, *, what: str, size: int | None, limit: int) -> None:
+        self.what = what
+        self.size = size
+        self.limit = limit
+        super().__init__(message)
 
 
 class UnsupportedDtypeError(InvalidInputError):
