@@ -109,8 +109,8 @@ def _vet_dataset(folder: Path) -> None:
         raise CalibrationDataError(
             f"calibration data {folder / _STATE}: format {fmt!r} is not one a saved dataset "
             f"can be read with (a custom format needs a Python transform); expected one of "
-            f"{[f for f in _FORMATS if f]} or null: save the dataset again after "
-            "dataset.reset_format()"
+            f"{[f for f in _FORMATS if f]} or null: run dataset.reset_format() and save it again with "
+            "save_to_disk"
         )
 
 

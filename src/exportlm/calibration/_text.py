@@ -56,19 +56,21 @@ def _bounded_lines(handle: BinaryIO, path: Path) -> Iterator[tuple[int, bytes]]:
         start = 0
         while (end := chunk.find(b"\n", start)) >= 0:
             pending += chunk[start:end]
-            _check_length(pending, number, path, handle)
+            _check_length(len(pending) - pending.endswith(b"\r"), number, path, handle)
             yield number, bytes(pending)
             pending.clear()
             number += 1
             start = end + 1
         pending += chunk[start:]
-        _check_length(pending, number, path, handle)
+        _check_length(len(pending) - 1, number, path, handle)  # a \r may end it
     if pending:
+        _check_length(len(pending), number, path, handle)
         yield number, bytes(pending)
 
 
-def _check_length(line: bytearray, number: int, path: Path, handle: BinaryIO) -> None:
-    if len(line) <= MAX_SAMPLE_BYTES:
+def _check_length(length: int, number: int, path: Path, handle: BinaryIO) -> None:
+    """Refuse line ``number`` once its ``length`` (without a carriage return) is over the bound."""
+    if length <= MAX_SAMPLE_BYTES:
         return
     size = os.fstat(handle.fileno()).st_size
     raise CalibrationDataError(

@@ -21,9 +21,11 @@ from exportlm.inspection._names import (
     listed_names,
     saved_tensor_names,
 )
+from exportlm.inspection._onnx_file import MAX_ONNX_BYTES, check_onnx_size, read_onnx_model
 from exportlm.inspection._rules import RULES, RULES_DOC, Finding, Rule, Severity, get_rule
 
 __all__ = [
+    "MAX_ONNX_BYTES",
     "RULES",
     "RULES_DOC",
     "Finding",
@@ -32,6 +34,7 @@ __all__ = [
     "Rule",
     "Severity",
     "TensorInfo",
+    "check_onnx_size",
     "checkpoint_name_problems",
     "config_field_problems",
     "escape_problem",
@@ -39,6 +42,7 @@ __all__ = [
     "inspect_checkpoint",
     "listed_names",
     "quant_config_problems",
+    "read_onnx_model",
     "read_safetensors_header",
     "saved_tensor_names",
 ]

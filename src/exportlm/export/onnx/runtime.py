@@ -26,6 +26,7 @@ from exportlm.export.generation import PastStepRuntime
 from exportlm.export.onnx._io import INPUT_NAMES, OUTPUT_NAMES
 from exportlm.export.onnx._past import PAST_PREFIX, PRESENT_PREFIX
 from exportlm.export.runtime import check_runtime_inputs
+from exportlm.inspection import check_onnx_size
 
 __all__ = ["OnnxGenerationRuntime", "OnnxRuntimeModel", "load_onnx"]
 
@@ -202,6 +203,7 @@ def load_onnx(
         FileNotFoundError: no file at ``artifact``.
         RuntimeUnavailableError: ``device="cuda"`` without onnxruntime's CUDA provider.
         InvalidModelError: the graph's inputs are not the ones exportlm writes.
+        InputTooLargeError: a file over 2 GiB (protobuf's limit), refused before it is read.
     """
     require_modules(
         "onnxruntime", extra="onnx", purpose="loading an artifact with the 'onnx' runtime"
@@ -211,6 +213,7 @@ def load_onnx(
     path = Path(artifact)
     if not path.is_file():
         raise FileNotFoundError(f"onnx runtime: no ONNX file at {path}")
+    check_onnx_size(path)  # onnxruntime would read a sparse 16 GiB file whole
     options = ort.SessionOptions()
     options.log_severity_level = 4  # failures raise with the message; no duplicate stderr lines
     options.intra_op_num_threads = intra_op_num_threads or torch.get_num_threads()
