@@ -184,7 +184,8 @@ def test_a_dataset_naming_a_fifo_outside_its_directory_is_refused_before_dataset
         _dataset_dir(tmp_path / "outside", {"_data_files": [{"filename": "../fifo.arrow"}]})
     else:
         root = _dataset_dir(tmp_path / "ds", {"_data_files": [{"filename": names[where]}]})
-        (root / "linked.arrow").symlink_to(fifo)
+        if where == "link":  # refused by the scan for special files, before and after
+            (root / "linked.arrow").symlink_to(fifo)
     with pytest.raises(CalibrationDataError, match=r"outside the dataset directory|FIFO") as err:
         load_calibration_texts(root)
     assert "save_to_disk" in str(err.value) or "fifo" in str(err.value)

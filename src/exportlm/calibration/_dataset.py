@@ -29,8 +29,8 @@ _STATE = "state.json"
 _INFO = "dataset_info.json"
 _STRING_DTYPES = ("string", "large_string")
 #: ``_format_type`` values a saved dataset may carry (``datasets.formatting``), ``None`` included.
-_FORMATS = (None, "python", "numpy", "np", "torch", "pt", "tensorflow", "tf", "jax", "arrow")
-_FORMATS += ("pa", "pandas", "pd", "polars", "pl")
+_FORMATS: tuple[str | None, ...] = (None, "python", "numpy", "np", "torch", "pt", "tensorflow")
+_FORMATS += ("tf", "jax", "arrow", "pa", "pandas", "pd", "polars", "pl")
 
 
 def dataset_texts(path: Path, samples: int | None) -> list[str]:
