@@ -157,34 +157,32 @@ def calibration_batches(
             raise CalibrationDataError(f"{name} must be at least 1, got {value}")
     if not texts:
         raise CalibrationDataError("no calibration texts to tokenize")
-    import torch
-
     stream = _token_stream(texts, tokenizer, vocab_size)
-    rows = [stream[i : i + seq_len] for i in range(0, len(stream), seq_len)]
-    full = [row for row in rows if len(row) == seq_len]
-    batches = [
-        torch.tensor(full[i : i + batch_size], dtype=torch.long)
-        for i in range(0, len(full), batch_size)
-    ]
-    if len(rows) > len(full):
-        batches.append(torch.tensor([rows[-1]], dtype=torch.long))
+    whole = len(stream) // seq_len * seq_len
+    # Views of the one stream tensor: 8 bytes a token, no per-token Python objects.
+    batches = list(stream[:whole].view(-1, seq_len).split(batch_size)) if whole else []
+    if whole < len(stream):
+        batches.append(stream[whole:].unsqueeze(0))
     return batches
 
 
-def _token_stream(texts: Sequence[str], tokenizer: Any | None, vocab_size: int) -> list[int]:
+def _token_stream(texts: Sequence[str], tokenizer: Any | None, vocab_size: int) -> torch.Tensor:
+    """The token ids of all ``texts``, separated, as one int64 tensor (see the module docstring)."""
+    import torch
+
     if tokenizer is None:
-        separator = utf8_byte_ids("\n", vocab_size)
-        encoded = [utf8_byte_ids(text, vocab_size) for text in texts]
-    else:
-        eos = getattr(tokenizer, "eos_token_id", None)
-        separator = [eos] if isinstance(eos, int) else []
-        encoded = [encode(tokenizer, text, index) for index, text in enumerate(texts)]
-    stream: list[int] = []
-    for index, ids in enumerate(encoded):
-        if index:
-            stream.extend(separator)
-        stream.extend(ids)
-    too_large = max(stream, default=0)
+        data = bytearray(b"\n".join(text.encode("utf-8") for text in texts))
+        if not data:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.frombuffer(data, dtype=torch.uint8).long().remainder_(vocab_size)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    separator = [eos] if isinstance(eos, int) else []
+    parts = [
+        torch.tensor((separator if index else []) + encode(tokenizer, text, index))
+        for index, text in enumerate(texts)
+    ]
+    stream = torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.long)
+    too_large = int(stream.max()) if len(stream) else 0
     if too_large >= vocab_size:
         raise CalibrationDataError(
             f"the tokenizer produced token id {too_large}, outside the model's vocabulary of "
