@@ -223,12 +223,12 @@ def _released(call: Callable[[], Any], fifo: Path, seconds: float = 30.0) -> Any
     return outcome[0]
 
 
-def _arrow(path: Path, garbage: bool = False) -> None:
+def _arrow(path: Path, garbage: bool = False, texts: tuple[str, ...] = ("hello", "world")) -> None:
     pa = pytest.importorskip("pyarrow")
     if garbage:
         path.write_bytes(b"not an arrow stream" * 4)
         return
-    table = pa.table({"text": ["hello", "world"]})
+    table = pa.table({"text": list(texts)})
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
 
@@ -263,6 +263,16 @@ def test_with_datasets_a_malformed_directory_is_a_calibration_data_error(
     healthy = _dataset_dir(tmp_path / "healthy")
     _arrow(healthy / "data-00000-of-00001.arrow")
     assert load_calibration_texts(healthy, samples=1) == ["hello"]
+
+
+def test_with_datasets_a_row_over_the_bound_is_refused_before_it_becomes_a_string(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("datasets")
+    root = _dataset_dir(tmp_path / "ds")
+    _arrow(root / "data-00000-of-00001.arrow", texts=("z" * (MAX_SAMPLE_BYTES + 1), "short"))
+    with pytest.raises(CalibrationDataError, match=f"a text of {MAX_SAMPLE_BYTES + 1} bytes"):
+        load_calibration_texts(root, samples=1)
 
 
 # ---------------------------------------------------------------- model specs

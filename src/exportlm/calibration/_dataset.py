@@ -18,7 +18,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from exportlm.calibration._common import SOURCES, CalibrationDataError
+from exportlm.calibration._common import MAX_SAMPLE_BYTES, SOURCES, CalibrationDataError
 from exportlm.errors import ExportLMError, MalformedCheckpointError, NotRegularFileError
 from exportlm.hfdir import read_json_object
 
@@ -68,7 +68,22 @@ def _read(datasets: Any, path: Path, samples: int | None) -> list[str]:
     column = _pick_column(path, dataset.features)
     count = len(dataset) if samples is None else min(samples * 2, len(dataset))
     # Read twice the samples asked for, so that a few blank rows still leave enough.
-    return [t for t in dataset.select(range(count))[column] if isinstance(t, str)]
+    rows = dataset.with_format("arrow")[:count][column]  # Arrow, memory-mapped: nothing copied
+    _check_lengths(path, rows)
+    return [t for t in rows.to_pylist() if isinstance(t, str)]
+
+
+def _check_lengths(path: Path, rows: Any) -> None:
+    """Refuse a row longer than a text file's line may be, before it becomes a Python string."""
+    import pyarrow.compute as pc
+
+    longest = pc.max(pc.binary_length(rows)).as_py() or 0
+    if longest > MAX_SAMPLE_BYTES:
+        raise CalibrationDataError(
+            f"calibration data {path}: a text of {longest} bytes, longer than the "
+            f"{MAX_SAMPLE_BYTES} a calibration sample may have (MAX_SAMPLE_BYTES); split the "
+            "texts into shorter samples and save the dataset again with save_to_disk"
+        )
 
 
 def _vet(path: Path) -> None:
