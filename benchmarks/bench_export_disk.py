@@ -7,7 +7,7 @@ repeat runs, in turn:
 * ``raw``: ``safetensors.torch.save_file`` of the final tensors (what our export
   writes, read back once before timing), the obvious way to write those bytes;
 * ``exportlm``: ``exportlm.export_model("hf_checkpoint", ...)``, manifest included
-  (every file's sha256, the model's hash, the signature);
+  (schema 3: every file's BLAKE3 digest, the model's BLAKE3 hash, the signature);
 * ``modelopt``: ModelOpt's ``export_hf_checkpoint`` on the same weights quantized with
   ``mtq.FP8_DEFAULT_CFG`` (skipped, with the reason, when ModelOpt does not import).
 
@@ -16,7 +16,8 @@ each step adds (sampled every 2 ms), and the ratios against ``raw`` and ModelOpt
 Goals: exportlm within 1.25x of ``raw``, at least 2x faster than ModelOpt.
 
 Usage: ``python benchmarks/bench_export_disk.py [--repeat 5] [--dir /dev/shm] [--json out.json]``;
-``--parts`` prints instead the CPU seconds of the export's parts, each on its own.
+``--parts`` prints instead the CPU seconds of the export's parts, each on its own, and
+the two digests (BLAKE3, sha256 of schema 2) of the same bytes.
 Timings on a machine shared with other work are noisy: compare the ratios of one run.
 """
 
@@ -109,10 +110,12 @@ def _steps(skip_modelopt: str | None, tmp: Path) -> dict[str, Step]:
 
 def _parts(tmp: Path) -> None:
     """CPU seconds of the export's parts, one at a time, on one torch thread (``--parts``)."""
+    import blake3
     import torch
     from safetensors.torch import save_file
 
     import exportlm
+    from exportlm.export._digest import digest_bytes
     from exportlm.export.hf_checkpoint.sink import write_safetensors
     from exportlm.export.manifest import model_hash
     from exportlm.module_exporters import export_quantized_state
@@ -126,16 +129,24 @@ def _parts(tmp: Path) -> None:
         def add(self, name: str, tensor: Any) -> None:
             del name, tensor
 
+    shard = (tmp / "probe" / "model.safetensors").read_bytes()
     parts: dict[str, Callable[[], object]] = {
-        "model hash (1 thread)": lambda: model_hash(model),
+        "model hash (BLAKE3, 1 thread)": lambda: model_hash(model),
         "conversion (to a sink that drops)": lambda: export_quantized_state(model, _Null()),
-        "write + sha256 of the shard": lambda: write_safetensors(tmp / "s", tensors, {}),
+        "write + BLAKE3 of the shard": lambda: write_safetensors(tmp / "s", tensors, {}),
         "raw save_file": lambda: save_file(tensors, tmp / "r"),
     }
-    for name, part in parts.items():
-        cpu = time.process_time()
+    digests: dict[str, Callable[[], object]] = {  # the same bytes: GB/s comparable
+        "BLAKE3 of the shard, 1 thread": lambda: blake3.blake3(shard, max_threads=1),
+        "BLAKE3 of the shard, AUTO threads": lambda: digest_bytes(shard),
+        "sha256 of the shard (schema 2)": lambda: digest_bytes(shard, "sha256"),
+    }
+    for name, part in {**parts, **digests}.items():
+        cpu, wall = time.process_time(), time.perf_counter()
         part()
-        print(f"{name:36s} {time.process_time() - cpu:6.3f} CPU s")
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        rate = f"  {len(shard) / wall / 1e9:.2f} GB/s" if name in digests else ""
+        print(f"{name:36s} {cpu:6.3f} CPU s {wall:6.3f} s{rate}")
 
 
 def main() -> int:

@@ -142,6 +142,16 @@ def _tensor(name: str, value: float) -> Callable[[Path], object]:
     )
 
 
+def _drop_layer(index: int) -> Callable[[Path], object]:
+    """Every tensor of decoder layer ``index`` removed (a shard or a resumed layer lost)."""
+
+    def drop(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if n.startswith(f"model.layers.{index}.")]:
+            del tensors[name]
+
+    return lambda d: edit_tensors(d / SHARD, drop)
+
+
 def _outside(d: Path) -> None:
     # a valid shard outside the checkpoint: without the check the loader would read it
     shutil.copy(_first_shard(d), d.parent / "outside.safetensors")
@@ -256,6 +266,13 @@ CASES: dict[str, Case] = {
         "quant-algo-unknown",
         "config.json",
         UnknownQuantAlgoError,
+    ),
+    "layer-1-missing": Case("single", _drop_layer(1), "layer-missing", "config.json"),
+    "text-config-empty": Case(  # transformers raised AttributeError building the model
+        "single",
+        lambda d: edit_json(d / "config.json", lambda c: c.__setitem__("text_config", {})),
+        "config-field-invalid",
+        "config.json",
     ),
     "hf-quant-config-garbage": Case(
         "single",

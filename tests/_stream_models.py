@@ -102,4 +102,4 @@ def assert_same_checkpoint(a: Path, b: Path) -> None:
     # every file's digest is the same; the streamed manifest has no model hash (never whole)
     assert ours["files"] == theirs["files"]
     assert ours["options"] == theirs["options"]
-    assert theirs["model_sha256"] is None
+    assert theirs["model_blake3"] is None

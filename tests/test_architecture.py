@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "exportlm.inputs": {"exportlm.errors"},
     "exportlm._progress": set(),
     "exportlm._matrix": set(),  # the report matrix and merge: stdlib only
+    "exportlm._report_html": {"exportlm._matrix"},  # the report as HTML / SVG: stdlib only
     "exportlm._transformers_model": set(),  # is this a transformers model? stdlib only
     "exportlm.safeio": {"exportlm.errors"},
     "exportlm.hfdir": {"exportlm.errors", "exportlm.safeio"},
@@ -70,6 +71,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.inspection",  # the shards' headers, validated as the loader does
         "exportlm.module_exporters",
         "exportlm.quant",
+        "exportlm.safeio",  # the work area's files opened without following links or blocking
     },
     "exportlm.inventory": {
         "exportlm.registry",

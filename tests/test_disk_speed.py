@@ -1,19 +1,20 @@
 """Export at the speed of the disk (issue 21, point 3): every file hashed as it is written.
 
-The hf_checkpoint target computes each file's sha256 from the bytes it writes (shards,
-index, configs) and the model's hash on worker threads; the manifest reads nothing
-back. These tests pin that (a spy on the re-reading hash), that the digests are the
-files' real sha256, and the writer's threads (order, failure, the digest of one file).
+The hf_checkpoint target computes each file's BLAKE3 digest (manifest schema 3) from the
+bytes it writes (shards, index, configs) and the model's hash on worker threads; the
+manifest reads nothing back. These tests pin that (a spy on the re-reading hash), that
+the digests are the files' real BLAKE3, and the writer's threads (order, failure, the
+digest of one file).
 No timing here: ``benchmarks/bench_export_disk.py`` measures.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -44,8 +45,8 @@ def _no_reread(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
         calls.append(Path(path))
         raise AssertionError(f"{path} was read back to hash it")
 
-    monkeypatch.setattr(exportlm.export.guard, "file_sha256", spy)
-    monkeypatch.setattr(exportlm.export.manifest, "file_sha256", spy)
+    monkeypatch.setattr(exportlm.export.guard, "file_digest", spy)
+    monkeypatch.setattr(exportlm.export.manifest, "file_digest", spy)
     return calls
 
 
@@ -64,7 +65,7 @@ def test_an_export_hashes_every_file_as_it_writes_it_and_reads_none_back(
     assert set(manifest.files) == files  # shards, index and configs, nothing else
 
 
-def test_the_recorded_digests_are_the_sha256_of_the_published_files(tmp_path: Path) -> None:
+def test_the_recorded_digests_are_the_blake3_of_the_published_files(tmp_path: Path) -> None:
     model = _fp8_model()
     out = exportlm.export_model("hf_checkpoint", model, tmp_path / "ckpt", max_shard_size="64KB")
     manifest = read_manifest(out)
@@ -72,7 +73,7 @@ def test_the_recorded_digests_are_the_sha256_of_the_published_files(tmp_path: Pa
     assert len([n for n in manifest.files if n.endswith(".safetensors")]) > 2
     for name, entry in manifest.files.items():
         data = (out / name).read_bytes()
-        assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}, name
+        assert entry == {"blake3": blake3.blake3(data).hexdigest(), "size": len(data)}, name
     assert manifest.model_hash == model_hash(model)
     reloaded = exportlm.load_exported("hf_checkpoint", out)  # verified on load, as always
     assert reloaded is not None
@@ -81,15 +82,15 @@ def test_the_recorded_digests_are_the_sha256_of_the_published_files(tmp_path: Pa
 def test_write_safetensors_returns_the_digest_of_what_it_wrote_across_pieces(
     tmp_path: Path,
 ) -> None:
-    tensors = {  # 12 MB: more than one piece handed to the hashing thread
-        "big": torch.arange(3 << 20, dtype=torch.float32),
+    tensors = {  # 72 MB: several pieces handed to the hashing thread, hashed multithreaded
+        "big": torch.arange(18 << 20, dtype=torch.float32),
         "small": torch.tensor([1, 2, 3], dtype=torch.int8),
         "empty": torch.zeros(0, 4),
     }
     path = tmp_path / "t.safetensors"
     digest = write_safetensors(path, tensors, {"format": "pt"})
     data = path.read_bytes()
-    assert (digest.sha256, digest.size) == (hashlib.sha256(data).hexdigest(), len(data))
+    assert (digest.digest, digest.size) == (blake3.blake3(data).hexdigest(), len(data))
     loaded = load_file(path)
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
 
@@ -126,10 +127,10 @@ def test_a_failed_background_write_surfaces_at_finish(tmp_path: Path) -> None:
 def test_model_hash_is_the_same_on_any_number_of_threads() -> None:
     model = tiny_hf_model("llama", num_hidden_layers=1)
     assert model_hash(model, threads=1) == model_hash(model, threads=4)
-    expected = hashlib.sha256(b"transformers.models.llama.modeling_llama.LlamaForCausalLM\n")
+    expected = blake3.blake3(b"transformers.models.llama.modeling_llama.LlamaForCausalLM\n")
     for name, tensor in sorted(model.state_dict().items()):
         raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         dtype = str(tensor.dtype).removeprefix("torch.")
-        line = f"{name}|{dtype}|{list(tensor.shape)}|{hashlib.sha256(raw).hexdigest()}\n"
+        line = f"{name}|{dtype}|{list(tensor.shape)}|{blake3.blake3(raw).hexdigest()}\n"
         expected.update(line.encode())
     assert model_hash(model) == expected.hexdigest()  # the documented definition

@@ -91,24 +91,11 @@ def test_tensors_equal_compressed_tensors_compressor_bytes(recipe: str, tmp_path
         for leaf in sorted(set(ours) & set(theirs)):
             mine, ref = ours[leaf], theirs[leaf].contiguous()
             assert (mine.dtype, mine.shape) == (ref.dtype, ref.shape), f"{module}.{leaf}"
-            mine_bytes, ref_bytes = _raw(mine), _raw(ref)
-            if leaf == "weight_packed" and mine.dtype == torch.uint8:
-                mine_bytes = _positive_zero_e2m1(mine_bytes)
-            assert torch.equal(mine_bytes, ref_bytes), f"{module}.{leaf}: bytes differ"
+            assert torch.equal(_raw(mine), _raw(ref)), f"{module}.{leaf}: bytes differ"
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
-
-
-def _positive_zero_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """E2M1 nibbles with -0 (code 8) as +0: compressed-tensors' ``cast_to_fp4`` keeps the sign
-    by multiplying with ``sign(x)``, so re-quantizing a dequantized -0.0 gives +0 (same value).
-    Our -0 codes are ModelOpt's (byte-equal in test_interop.py)."""
-    low, high = packed & 0x0F, packed >> 4
-    low = torch.where(low == 8, torch.zeros_like(low), low)
-    high = torch.where(high == 8, torch.zeros_like(high), high)
-    return low | (high << 4)
 
 
 @pytest.mark.parametrize(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import warnings
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 import torch
 from torch import nn
@@ -61,8 +61,8 @@ def test_the_manifest_records_what_the_artifact_is(tmp_path: Path) -> None:
     assert manifest.tolerance == {"atol": 1e-5, "rtol": 1e-5}
     assert manifest.vocab_size == 256
     assert manifest.model_hash == model_hash(model)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert manifest.files == {"m.pt": {"sha256": digest, "size": path.stat().st_size}}
+    digest = blake3.blake3(path.read_bytes()).hexdigest()
+    assert manifest.files == {"m.pt": {"blake3": digest, "size": path.stat().st_size}}
     assert manifest.is_own()
 
 
@@ -138,7 +138,7 @@ def test_a_manifest_copied_into_another_directory_artifact_fails(tmp_path: Path)
         "hf_checkpoint", tiny_hf_model("llama", num_hidden_layers=1, seed=1), tmp_path / "b"
     )
     (b / "exportlm-manifest.json").write_bytes((a / "exportlm-manifest.json").read_bytes())
-    with pytest.raises(ArtifactIntegrityError, match="does not match its sha256"):
+    with pytest.raises(ArtifactIntegrityError, match="does not match its blake3 digest"):
         verify_artifact(b)
 
 

@@ -38,3 +38,16 @@ def test_stream_refuses_what_it_cannot_do(
     assert "only --target hf_checkpoint" in capsys.readouterr().err
     assert _export(src, tmp_path / "b", "--max-memory", "lots") == 2
     assert "--max-memory lots" in capsys.readouterr().err
+
+
+def test_a_small_max_memory_sizes_the_shards_instead_of_refusing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 0.8 MB: no room for the default 5 GB shard (the whole model) beside one layer; it
+    # used to refuse "... lower max_shard_size"
+    src = llama_directory(tmp_path, tied=False, layers=2)
+    args = ["-v", "export", "--target", "hf_checkpoint", "--model", str(src), "--quantize", "fp8"]
+    with caplog.at_level("INFO"):
+        assert main([*args, "--out", str(tmp_path / "out"), "--max-memory", "0.8MB"]) == 0
+    assert "max_shard_size 5GB does not fit the budget beside one layer" in caplog.text
+    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1

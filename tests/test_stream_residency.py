@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from exportlm.stream import _pipeline as pipeline
+from exportlm.stream import _sizing as sizing
 from exportlm.stream import export_streaming
 from exportlm.stream._source import CheckpointSource
 from tests._stream_models import family_directory, llama_directory
@@ -38,7 +38,7 @@ class _Residency:
         self.after_load: list[tuple[str, int]] = []
         self.modules_bound = 0
         self.model_bytes = 0
-        load, plan = CheckpointSource.load, pipeline._bound
+        load, plan = CheckpointSource.load, sizing.bound_of
 
         def recording_load(source: CheckpointSource, prefix: str, **kwargs: Any) -> Any:
             module = load(source, prefix, **kwargs)
@@ -52,7 +52,7 @@ class _Residency:
             return bound, what
 
         monkeypatch.setattr(CheckpointSource, "load", recording_load)
-        monkeypatch.setattr(pipeline, "_bound", recording_bound)
+        monkeypatch.setattr(sizing, "bound_of", recording_bound)
 
     @property
     def peak(self) -> int:

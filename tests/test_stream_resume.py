@@ -53,7 +53,8 @@ def test_a_killed_run_resumes_after_its_last_layer_and_writes_the_same_bytes(
     )
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
     assert not out.exists()  # nothing published by the killed run
-    progress = json.loads((tmp_path / ".resumed.stream" / "progress.json").read_text())
+    (work,) = tmp_path.glob(".resumed.stream-*")  # the killed run's private work area
+    progress = json.loads((work / "progress.json").read_text())["record"]
     assert progress["layers_done"] == 2  # layers 0 and 1 were recorded
     with caplog.at_level("INFO", logger="exportlm.stream"):
         export_streaming(src, out, recipe=recipe, max_shard_size="100KB")
@@ -61,15 +62,23 @@ def test_a_killed_run_resumes_after_its_last_layer_and_writes_the_same_bytes(
     assert "layer 0 done" not in caplog.text
     assert "layer 1 done" not in caplog.text
     assert different_files(whole, out, skip=(MANIFEST,)) == []
-    assert not (tmp_path / ".resumed.stream").exists()
+    assert not list(tmp_path.glob(".resumed.stream*"))
 
 
 def test_other_arguments_start_afresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = llama_directory(tmp_path, tied=False, layers=2)
-    work = tmp_path / ".out.stream"
-    work.mkdir()
-    (work / "progress.json").write_text(json.dumps({"fingerprint": "another export"}))
+    out = tmp_path / "out"
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(src), str(out), "int8_wo", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert len(list(tmp_path.glob(".out.stream-*"))) == 1
     with caplog.at_level("INFO", logger="exportlm.stream"):
-        export_streaming(src, tmp_path / "out", recipe="fp8")
-    assert "resuming" not in caplog.text
-    assert (tmp_path / "out" / "model.safetensors").is_file()
+        export_streaming(src, out, recipe="fp8", max_shard_size="100KB")
+    assert "it was started with other arguments" in caplog.text
+    assert "resuming after" not in caplog.text
+    assert (out / "model.safetensors.index.json").is_file()
+    assert not list(tmp_path.glob(".out.stream*"))  # the other run's area was removed too

@@ -7,12 +7,14 @@ the fix.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import stat
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,12 +110,21 @@ def test_a_copied_manifest_does_not_vouch_for_other_bytes(tmp_path: Path) -> Non
         load_exported("torchscript", foreign, trust=True)
 
 
+def _sha256_entries(root: Path, files: dict[str, Any]) -> dict[str, Any]:
+    """The file entries as schemas 1 and 2 wrote them: ``{"sha256", "size"}``."""
+    return {
+        name: {"sha256": hashlib.sha256((root / name).read_bytes()).hexdigest(), "size": e["size"]}
+        for name, e in files.items()
+    }
+
+
 def test_an_old_manifest_without_the_artifact_name_cannot_vouch(tmp_path: Path) -> None:
     """Schema 1 did not require the artifact's name: such a manifest needs trust=True."""
     path = export_quietly("torchscript", tmp_path / "m.pt")
     data = json.loads(manifest_path(path).read_text())
     data = {k: v for k, v in data.items() if k not in ("artifact", "hmac")}
     data["schema"] = 1
+    data["files"] = _sha256_entries(path.parent, data["files"])  # schema 1 listed sha256
     data["hmac"] = trustkey.sign(_canonical(data))  # signed here, yet names no artifact
     manifest_path(path).write_text(json.dumps(data))
     with pytest.raises(UntrustedArtifactError, match="does not name the artifact") as excinfo:
@@ -126,6 +137,7 @@ def test_a_schema_1_manifest_that_names_its_file_still_vouches(tmp_path: Path) -
     path = export_quietly("torchscript", tmp_path / "m.pt")
     data = json.loads(manifest_path(path).read_text())
     data = {k: v for k, v in data.items() if k != "hmac"} | {"schema": 1}
+    data["files"] = _sha256_entries(path.parent, data["files"])  # schema 1 listed sha256
     data["hmac"] = trustkey.sign(_canonical(data))
     manifest_path(path).write_text(json.dumps(data))
     assert load_exported("torchscript", path)(_IDS).shape == (2, 4, 256)

@@ -322,7 +322,7 @@ def test_a_path_swapped_during_load_never_runs_the_payload(
     assert loaded
     assert refusals
     assert loaded + len(refusals) == 40
-    assert all("does not match its sha256" in text for text in refusals), refusals
+    assert all("does not match its blake3 digest" in text for text in refusals), refusals
 
 
 # --- swapped artifact-cache entries --------------------------------------------------------

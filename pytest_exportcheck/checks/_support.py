@@ -32,6 +32,7 @@ from exportlm.export import (
     make_input_ids,
     runtime_loader,
 )
+from exportlm.inputs import VERIFY_IDS_SEED
 from exportlm.models import model_names
 from pytest_exportcheck.checks._api import CheckResult, TargetCase
 from pytest_exportcheck.checks._common import CheckAbort, attempt
@@ -67,7 +68,7 @@ DEFAULT_MODELS = ("decoder", "llama")
 #: ``(batch, seq)`` of the example inputs every built-in target traces with.
 TRACED_SHAPE = (2, 8)
 #: Seed of the input ids of roundtrips (not the traced ids, which use seed 0).
-IDS_SEED = 1
+IDS_SEED = VERIFY_IDS_SEED
 
 
 def target_info(case: TargetCase) -> TargetInfo:

@@ -5,8 +5,9 @@ export kwargs, model family and seed (or, for a model a check built itself, its
 class), a fingerprint of the built model (class, config, state-dict names,
 shapes, dtypes and bytes), the source of the package that provides the target
 and of the one that defines the model's class (unless a versioned library
-below), and the versions of Python, exportlm, torch, transformers, onnx and
-onnxruntime.
+below), and the versions of Python, exportlm, torch, transformers, onnx,
+onnxruntime and onnxscript, and of the target's distribution with everything it
+requires (:mod:`._versions`, the one computation the failure memo's key shares).
 
 The export runs into an empty directory, which must afterwards hold the
 returned artifact (and whatever it wrote next to it): a returned path that does
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -43,12 +43,13 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from exportlm.errors import ExportError
+from exportlm.errors import ExportError, UnsafeLockFileError
+from exportlm.safeio import exclusive_lock
 from pytest_exportcheck._warnings import ExportCheckWarning
 from pytest_exportcheck.run._cache_entry import (
     UnsoundEntryError,
@@ -57,6 +58,8 @@ from pytest_exportcheck.run._cache_entry import (
     sweep_dead_writers,
     write_meta,
 )
+from pytest_exportcheck.run._versions import VERSIONED, factory_versions, version_of
+from pytest_exportcheck.run._versions import library_versions as library_versions
 
 __all__ = [
     "ArtifactCache",
@@ -69,28 +72,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Bump when the layout or the key changes. 4: ``meta.json`` carries its own key.
-CACHE_FORMAT = 4
+#: 5: the key holds the versions of everything the target's distribution requires.
+CACHE_FORMAT = 5
 _KEY_LENGTH = 32
-
-_VERSIONED = ("exportlm", "torch", "transformers", "onnx", "onnxruntime", "onnxscript")
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 class ArtifactPathError(ExportError):
     """An export returned a path that does not exist or is not in its output directory."""
-
-
-@cache
-def library_versions() -> tuple[tuple[str, str | None], ...]:
-    """Versions of Python and of the libraries an artifact depends on."""
-    python = ".".join(map(str, sys.version_info[:3]))
-    return (("python", python), *((d, _version(d)) for d in _VERSIONED))
 
 
 @cache
@@ -137,8 +125,8 @@ def model_fingerprint(model: Any) -> str:
 def code_digest(cls: type) -> str:
     """:func:`source_digest` of the package defining ``cls``; its version for a versioned library."""
     top = cls.__module__.split(".", 1)[0]
-    if top in _VERSIONED and top != "exportlm":
-        return f"{top}=={_version(top)}"
+    if top in VERSIONED and top != "exportlm":
+        return f"{top}=={version_of(top)}"
     return source_digest(cls.__module__)
 
 
@@ -208,7 +196,7 @@ class ArtifactCache:
                 self._fingerprint(model, seed) if isinstance(model, str) else _fingerprint_of(model)
             ),
             "source": source_digest(getattr(factory, "__module__", None) or "?"),
-            "versions": library_versions(),
+            "versions": factory_versions(factory),
         }
         text = json.dumps(material, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:_KEY_LENGTH]
@@ -269,11 +257,11 @@ class ArtifactCache:
         suffix: str,
         directory: bool,
     ) -> Path:
-        root = self.root if self.root is not None else self.session_dir
-        entry = root / key
         executes_code = _executes_code(target)
         label = model[0] if isinstance(model[0], str) else _class_name(type(model[0]))
-        with _file_lock(root / f"{key}.lock"):
+        with contextlib.ExitStack() as stack:
+            root = self._locked_root(stack, key)
+            entry = root / key
             hit = self._verified(entry, key, executes_code, f"{target} / {label}")
             if hit is not None:
                 self.hits += 1
@@ -299,6 +287,25 @@ class ArtifactCache:
             if published is None:  # pragma: no cover - only if the published entry vanished
                 raise RuntimeError(f"artifact cache entry {entry} disappeared after publishing")
             return published
+
+    def _locked_root(self, stack: contextlib.ExitStack, key: str) -> Path:
+        """The directory of ``key``'s entry, its lock held; the session's when the lock is unsafe."""
+        if self.root is not None:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                stack.enter_context(exclusive_lock(self.root / f"{key}.lock"))
+                return self.root
+            except UnsafeLockFileError as err:
+                warnings.warn(
+                    ExportCheckWarning(
+                        f"artifact cache: {err} This export runs outside the cross-run cache "
+                        "(in this session's directory); it is not a failure of the target."
+                    ),
+                    stacklevel=4,
+                )
+        self.session_dir.mkdir(parents=True, exist_ok=True)
+        stack.enter_context(exclusive_lock(self.session_dir / f"{key}.lock"))
+        return self.session_dir
 
     def _verified(self, entry: Path, key: str, executes_code: bool, what: str) -> Path | None:
         """The entry's artifact when it verifies for ``key``; a refused one is evicted with a warning."""
@@ -366,20 +373,3 @@ def _make_read_only(directory: Path) -> None:
 def _remove(path: Path) -> None:
     # Read-only files in a writable directory are removable on POSIX.
     shutil.rmtree(path, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive inter-process lock on ``path`` (no-op where ``fcntl`` is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows: racing writers are resolved by os.replace
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -26,6 +26,7 @@ failure.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -33,11 +34,15 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
+from exportlm.errors import UnsafeLockFileError
 from exportlm.export.manifest import file_sha256
+from exportlm.safeio import open_lock_file
 
 __all__ = ["META", "UnsoundEntryError", "evict", "read_entry", "sweep_dead_writers", "write_meta"]
 
 META = "meta.json"
+
+logger = logging.getLogger(__name__)
 
 
 class UnsoundEntryError(Exception):
@@ -198,7 +203,8 @@ def sweep_dead_writers(root: Path, key_length: int) -> list[Path]:
 
     A writer stages ``.<key>.*`` only while it holds ``<key>.lock`` (an ``fcntl``
     lock, released by the kernel when its process dies), so a staging directory
-    whose lock can be taken without waiting has no live writer. Returns what was
+    whose lock can be taken without waiting has no live writer. A lock path that is
+    not a private regular file (a planted link) is never opened: that directory stays. Returns what was
     removed. Where ``fcntl`` is missing (Windows) nothing is removed.
     """
     try:
@@ -210,14 +216,18 @@ def sweep_dead_writers(root: Path, key_length: int) -> list[Path]:
         key = path.name[1:].split(".", 1)[0]
         if len(key) != key_length or not path.is_dir() or path.is_symlink():
             continue
-        with open(root / f"{key}.lock", "a+b") as handle:
+        try:
+            fd = open_lock_file(root / f"{key}.lock")
+        except UnsafeLockFileError as err:  # planted: never followed; the directory stays
+            logger.warning("not sweeping %s: %s", path, err)
+            continue
+        try:
             try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # a live writer holds it
-            try:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-            finally:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
     return removed

@@ -21,6 +21,7 @@ from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.plan import Discovery, ItemSpec
 from pytest_exportcheck.run._cache import ArtifactCache
 from pytest_exportcheck.run._failure_memo import ExportFailureMemo
+from pytest_exportcheck.run._versions import Versions, factory_versions
 
 __all__ = ["CachedExports"]
 
@@ -104,7 +105,7 @@ class CachedExports:
                 )
             except Exception as err:
                 if key is not None:
-                    self.failures.remember(key, err)
+                    self.failures.remember(key, err, self._versions(spec.target))
                 raise
             finally:
                 exported = cache.misses > misses
@@ -119,3 +120,9 @@ class CachedExports:
         from exportlm.export import EXPORT_REGISTRY
 
         return self.cache.key(target, EXPORT_REGISTRY.get(target), kwargs, model, self.seed, device)
+
+    def _versions(self, target: str) -> Versions:
+        """The library versions in the cache key of ``target``'s exports (the same computation)."""
+        from exportlm.export import EXPORT_REGISTRY
+
+        return factory_versions(EXPORT_REGISTRY.get(target))

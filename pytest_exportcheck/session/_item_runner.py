@@ -35,8 +35,17 @@ __all__ = ["SuiteRunner"]
 class SuiteRunner:
     """Runs the suite's items of one pytest process through the one engine."""
 
-    def __init__(self, config: pytest.Config, options: Options, discovery: Discovery) -> None:
+    def __init__(
+        self,
+        config: pytest.Config,
+        options: Options,
+        discovery: Discovery,
+        *,
+        cross_run: bool = True,
+    ) -> None:
         self.config = config
+        #: False: no cross-run artifact cache or failure memo (the run signs with its own key).
+        self.cross_run = cross_run
         self.options = options
         self.discovery = discovery
         self.scratch = Scratch(config)
@@ -66,7 +75,7 @@ class SuiteRunner:
     def _cache_root(self) -> Path | None:
         """``<pytest cache>/exportcheck``; ``None`` under --export-no-cache or no cacheprovider."""
         cache = getattr(self.config, "cache", None)  # absent under -p no:cacheprovider
-        if cache is None or self.options.no_cache:
+        if cache is None or self.options.no_cache or not self.cross_run:
             return None
         return Path(cache.mkdir("exportcheck"))
 

@@ -44,6 +44,7 @@ from pytest_exportcheck.session._markers import EXPECTED_WARNINGS, register_mark
 from pytest_exportcheck.session._nodes import ExportCheckItem, SuiteCollector
 from pytest_exportcheck.session._options import Options
 from pytest_exportcheck.session._report import REPORT_ATTRIBUTE, ReportBuilder, write_json_atomic
+from pytest_exportcheck.session._signing_key import RunSigningKey
 from pytest_exportcheck.session._verdict import CoverageVerdict
 from pytest_exportcheck.session._xdist import artifact_scheduler, work_units
 
@@ -68,7 +69,12 @@ class ExportCheckSession:
         self.xfails: XfailBook = _xfail_book(planner, options)
         self.specs: list[ItemSpec] = planner.items(options.request(), args)
         self.catalogue = catalogue_record(planner, options.request())
-        self.runner = SuiteRunner(config, options, self.discovery)
+        #: This user's signing key, or the run's own when it is unusable (:mod:`._signing_key`).
+        self.signing = RunSigningKey(config)
+        config.pluginmanager.register(self.signing, "exportcheck-signing-key")
+        self.runner = SuiteRunner(
+            config, options, self.discovery, cross_run=not self.signing.temporary
+        )
         self.goldens_dir: Path = goldens_dir(config, options)
         #: TF32 off while a run that selects CUDA lasts (restored by :meth:`finish`).
         self.precision = Float32Precision(options.devices)
@@ -220,6 +226,9 @@ class ExportCheckSession:
         if self.options.report is not None:
             terminal.write_line(f"JSON report: {self.options.report}")
         self.coverage.summary(terminal)
+        key_line = self.signing.summary_line()
+        if key_line is not None:
+            terminal.write_line(key_line, yellow=True)
         unused = self.unused_goldens()
         if unused:
             terminal.write_line(
@@ -257,6 +266,7 @@ class ExportCheckSession:
         """Judge coverage, write the JSON report and the JUnit properties, call the report hook."""
         self.runner.close()
         self.precision.stop()
+        self.signing.close()
         if _is_worker(self.config):
             return
         if self.coverage.judge(self.report.sorted_records()) and session.exitstatus == 0:

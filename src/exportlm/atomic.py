@@ -292,7 +292,7 @@ def _writer_alive(entry: Path) -> bool:
             import fcntl
         except ImportError:  # pragma: no cover - not POSIX
             return time.time() - entry.stat().st_mtime < _STALE_GRACE_S
-        fd = os.open(lock, os.O_RDONLY)
+        fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # a FIFO never blocks
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -304,11 +304,17 @@ def _writer_alive(entry: Path) -> bool:
     return time.time() - entry.lstat().st_mtime < _STALE_GRACE_S
 
 
+def _owned(entry: Path) -> bool:
+    """Whether this user owns ``entry`` itself (a link is not followed)."""
+    return not hasattr(os, "getuid") or os.lstat(entry).st_uid == os.getuid()
+
+
 def remove_stale_staging(path: str | os.PathLike[str]) -> list[Path]:
     """Remove ``.NAME.*.tmp`` / ``.NAME.old-*`` siblings of ``path`` left by dead writers.
 
     A writer is dead when nothing holds its staging lock (the kernel releases an ``flock``
     when a process dies, even by SIGKILL); a lockless entry is removed after a minute.
+    Entries another user owns, and any this user cannot remove, are left alone.
     """
     target = Path(path)
     removed: list[Path] = []
@@ -316,14 +322,16 @@ def remove_stale_staging(path: str | os.PathLike[str]) -> list[Path]:
     for pattern in patterns:
         for entry in sorted(target.parent.glob(pattern)):
             try:
-                if _writer_alive(entry):
-                    continue
+                if not _owned(entry) or _writer_alive(entry):
+                    continue  # another user's (planted in a shared directory?): never touched
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry)
                 else:
                     entry.unlink()
             except FileNotFoundError:
                 continue  # another writer removed it first
+            except OSError:
+                continue  # not ours to remove after all (permissions): left alone, never raised
             removed.append(entry)
     return removed
 

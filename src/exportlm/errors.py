@@ -17,6 +17,7 @@ __all__ = [
     "ExportLMError",
     "ManifestSchemaError",
     "MalformedCheckpointError",
+    "MalformedOnnxError",
     "CustomCodeRefusedError",
     "NotRegularFileError",
     "InputTooLargeError",
@@ -45,7 +46,9 @@ __all__ = [
     "EngineUnavailableError",
     "LayerTooLargeError",
     "StreamingError",
+    "StreamIntegrityError",
     "StreamingUnsupportedError",
+    "UnsafeLockFileError",
 ]
 
 
@@ -157,6 +160,20 @@ class LayerTooLargeError(StreamingError, MemoryError):
     one linear in float32 need more than ``--max-memory`` / ``max_memory``."""
 
 
+class StreamIntegrityError(StreamingError):
+    """A streamed checkpoint does not hold together before it is published (a decoder layer or
+    a module of the model missing from what was written): nothing is published, and the work
+    area is removed so that the next run starts afresh."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+        super().__init__(
+            f"{problem}; nothing was published. The work area was changed outside this export "
+            "or exportlm has a bug; it was removed, so exporting again starts afresh (report "
+            "it if it happens again)"
+        )
+
+
 class RuntimeUnavailableError(ExportLMError, RuntimeError):
     """The requested runtime device (e.g. ``cuda``) is not available on this machine."""
 
@@ -199,19 +216,11 @@ class NotRegularFileError(ExportLMError, ValueError):
 
 
 class InputTooLargeError(ExportLMError, ValueError):
-    """An input is larger than exportlm reads or builds, refused before it is read or allocated.
-
-    A file beyond its format's limit (an ONNX protobuf over 2 GiB), a calibration
-    line beyond the longest sample read, a model spec whose model exceeds the size
-    budget. The message names the size, the limit and how to go on (a smaller
-    input, or the setting that raises the budget). Attributes: ``what``, ``size``
-    (``None`` when unknown) and ``limit``.
-    """
+    """An input over its size limit, refused before it is read or built: the message names
+    the size, the limit and how to go on. Attributes: ``what``, ``size`` (or ``None``), ``limit``."""
 
     def __init__(self, message: str, *, what: str, size: int | None, limit: int) -> None:
-        self.what = what
-        self.size = size
-        self.limit = limit
+        self.what, self.size, self.limit = what, size, limit
         super().__init__(message)
 
 
@@ -259,6 +268,15 @@ class MalformedCheckpointError(ExportLMError, ValueError):
         self.path = path
         self.field = field
         super().__init__(message)
+
+
+class MalformedOnnxError(MalformedCheckpointError):
+    """An ONNX file onnxruntime would refuse: a custom-domain operator, external data outside
+    its directory (by name or link), missing or truncated external data, an opset too old.
+
+    Raised by the ``onnx`` runtime before onnxruntime creates a session, and for any
+    error onnxruntime still raises creating one. ``field`` is the operator or initializer.
+    """
 
 
 class ArtifactIntegrityError(ExportLMError):
@@ -384,3 +402,22 @@ class EngineTimeoutError(EngineError, TimeoutError):
 
 class EngineProtocolError(EngineError):
     """The worker's response is not the JSON the worker protocol describes (``docs/engines.md``)."""
+
+
+class UnsafeLockFileError(ExportLMError):
+    """A lock file's path is not a private regular file of this user (a symbolic link, ...).
+
+    Lock files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and an existing one is
+    opened only when it is a regular file this user owns with one link: a planted
+    symbolic link would otherwise make the open create or lock the file it points to.
+    Attributes: ``path`` and ``problem`` (what it is).
+    """
+
+    def __init__(self, path: object, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(
+            f"lock file {path} is {problem}, not a private regular file of this user; it was "
+            "not opened (a planted link would make the lock create or lock the file it points "
+            f"to). Remove {path} if nobody else should have put it there."
+        )

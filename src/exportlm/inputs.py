@@ -11,10 +11,14 @@ from torch import nn
 
 from exportlm.errors import InvalidInputError, InvalidModelError
 
-__all__ = ["infer_vocab_size", "make_input_ids", "resolve_example_inputs"]
+__all__ = ["VERIFY_IDS_SEED", "infer_vocab_size", "make_input_ids", "resolve_example_inputs"]
 
 DEFAULT_BATCH = 2
 DEFAULT_SEQ = 8
+#: Added to a model's seed to draw the ids its logits are compared on: by the
+#: conformance checks and by ``exportlm export --verify`` alike, so a check's printed
+#: command compares on the same ids.
+VERIFY_IDS_SEED = 1
 
 
 def infer_vocab_size(model: nn.Module) -> int:

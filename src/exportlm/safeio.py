@@ -1,4 +1,4 @@
-"""Reading files whose paths come from users, without blocking and without surprises.
+"""Opening files whose paths come from users, without blocking and without surprises.
 
 Every path that a user, an environment variable or a file we did not write hands
 to exportlm (a key file, calibration data, an xfails file, a checkpoint's
@@ -9,24 +9,32 @@ is opened with ``O_NONBLOCK`` (so a FIFO with no writer does not block the
 ``open``), checked with ``fstat`` on that descriptor (so the check and the read
 see the same file), and only then read, in blocking mode.
 
+Lock files live in directories others may write too (a restored CI cache, a shared
+checkout): :func:`open_lock_file` never follows a link planted at a lock path and never
+creates or truncates anything but a new private file (:func:`exclusive_lock` holds one).
+
 Torch-free and dependency-free, so the plugin and the CLI use it too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from exportlm.errors import InputTooLargeError, NotRegularFileError
+from exportlm.errors import InputTooLargeError, NotRegularFileError, UnsafeLockFileError
 
 __all__ = [
     "ensure_directory",
     "ensure_no_special_files",
     "ensure_regular_file",
+    "exclusive_lock",
     "file_kind",
+    "open_lock_file",
     "open_regular",
     "read_regular_bytes",
     "read_regular_text",
@@ -163,3 +171,61 @@ def read_regular_text(
 ) -> str:
     """The text of the regular file ``path``; undecodable bytes raise :class:`UnicodeDecodeError`."""
     return read_regular_bytes(path, what=what, max_bytes=max_bytes).decode(encoding)
+
+
+def open_lock_file(path: str | os.PathLike[str]) -> int:
+    """A descriptor of the lock file ``path``, created ``0600`` if missing; never through a link.
+
+    A missing file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW``, so a symbolic
+    link planted at ``path`` (even a dangling one, pointing at ``.git/index.lock`` or
+    at the signing key) is never followed and nothing is created or truncated at its
+    target. An existing file is opened with ``O_NOFOLLOW | O_NONBLOCK`` and kept only
+    when ``fstat`` shows a regular file of this user with a single link. Anything else
+    raises :class:`~exportlm.errors.UnsafeLockFileError`. The caller ``flock``\\ s the
+    descriptor and closes it.
+    """
+    common = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | common, 0o600)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | common)
+    except FileNotFoundError:  # removed since: one more exclusive try
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | common, 0o600)
+    except OSError as err:  # ELOOP: a symbolic link
+        if os.path.islink(path):
+            raise UnsafeLockFileError(path, "a symbolic link") from err
+        raise
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = f"a {file_kind(info.st_mode)}"
+    elif hasattr(os, "getuid") and info.st_uid != os.getuid():
+        problem = f"a file of another user (uid {info.st_uid})"
+    elif info.st_nlink != 1:
+        problem = f"a file with {info.st_nlink} hard links"
+    if problem is not None:
+        os.close(fd)
+        raise UnsafeLockFileError(path, problem)
+    return fd
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the lock file ``path`` (:func:`open_lock_file`).
+
+    Raises :class:`~exportlm.errors.UnsafeLockFileError` before locking anything when
+    the path is unsafe. Where ``fcntl`` is missing (Windows) nothing is opened.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: callers resolve races otherwise
+        yield
+        return
+    fd = open_lock_file(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

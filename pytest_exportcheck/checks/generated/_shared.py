@@ -9,7 +9,7 @@ import re
 import secrets
 import shlex
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,8 +125,10 @@ def repro_command(
     *,
     seed: int = 0,
     options: dict[str, Any] | None = None,
+    shapes: Sequence[tuple[int, int]] = (),
 ) -> str:
-    """``exportlm export --target T --model FILE.json --out OUT --verify`` (with ``-o`` / ``--seed``)."""
+    """``exportlm export --target T --model FILE.json --out OUT --verify`` (with ``-o`` /
+    ``--seed``, and a ``--verify-shape BxS`` per shape the failure was compared at)."""
     parts = ["exportlm", "export", "--target", target, "--model", str(spec_file)]
     parts += ["--out", str(out)]
     if seed:
@@ -134,6 +136,8 @@ def repro_command(
     for key, value in sorted((options or {}).items()):
         parts += ["-o", f"{key}={value!r}"]
     parts.append("--verify")
+    for batch, seq in shapes:
+        parts += ["--verify-shape", f"{batch}x{seq}"]
     return shlex.join(parts)
 
 

@@ -210,22 +210,24 @@ def _failed(case: TargetCase, info: TargetInfo, failure: GeneratedFailure) -> Ch
     """The failure with the shrunk structure, written to a file, and the repro command."""
     spec_file = write_spec(case.workdir, f"roundtrip_generated-{case.target_id}", failure.spec)
     out = case.workdir / "repro" / artifact_name(info)
+    # The item compares at the traced shape, then at the drawn one: the command does too.
+    shapes = [TRACED_SHAPE]
+    if failure.shape is not None and tuple(failure.shape) != TRACED_SHAPE:
+        shapes.append((int(failure.shape[0]), int(failure.shape[1])))
     command = repro_command(
-        case.target, spec_file, out, seed=case.seed, options=dict(case.export_kwargs)
+        case.target,
+        spec_file,
+        out,
+        seed=case.seed,
+        options=dict(case.export_kwargs),
+        shapes=shapes,
     )
-    note = ""
-    if failure.shape is not None and failure.shape != TRACED_SHAPE:
-        note = (
-            f"(the mismatch is at input_ids {list(failure.shape)}; --verify runs the "
-            f"traced shape {list(TRACED_SHAPE)})"
-        )
     return failure_result(
         failure,
         f"{case.target_id} fails on a generated model structure "
         f"(tolerance atol={info.atol:g} rtol={info.rtol:g}):",
         spec_file,
         command,
-        note,
     )
 
 

@@ -67,6 +67,16 @@ def _seed(text: str) -> int:
     return value
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``BxS`` (``2x8``) as ``(batch, seq)``, both at least 1."""
+    batch, sep, seq = text.lower().partition("x")
+    if sep and batch.isdigit() and seq.isdigit() and int(batch) >= 1 and int(seq) >= 1:
+        return int(batch), int(seq)
+    raise argparse.ArgumentTypeError(
+        f"expected BATCHxSEQUENCE with both at least 1 (such as 2x8), got {text!r}"
+    )
+
+
 def _add_verbosity(parser: argparse.ArgumentParser, where: str) -> None:
     parser.add_argument(
         "-v",
@@ -174,6 +184,15 @@ def _add_export(p: argparse.ArgumentParser) -> None:
         "--verify",
         action="store_true",
         help="reload the artifact in its runtime and compare its logits with the eager model",
+    )
+    p.add_argument(
+        "--verify-shape",
+        action="append",
+        type=_shape,
+        default=None,
+        metavar="BxS",
+        help="with --verify: compare at input_ids of batch B and sequence S, repeatable "
+        "(default 2x8, the traced shape); ids drawn as the conformance checks draw them",
     )
     p.add_argument("--trust", action="store_true", help=_TRUST_HELP)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")

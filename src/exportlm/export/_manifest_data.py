@@ -8,12 +8,13 @@ itself, and how artifacts are verified against it, live in
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
 from typing import Any
+
+from exportlm.export._digest import new_hasher
 
 __all__ = [
     "HASH_THREADS",
@@ -25,23 +26,24 @@ __all__ = [
 ]
 
 
-#: Threads that hash a model's tensors (``hashlib`` releases the GIL on large buffers).
+#: Threads that hash a model's tensors (``blake3`` releases the GIL on large buffers).
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def model_hash(model: Any, *, threads: int = 1) -> str:
-    """sha256 of ``model``'s structure and weights: class, then every state-dict entry in name order.
+    """BLAKE3 of ``model``'s structure and weights: class, then every state-dict entry in name order.
 
-    Each entry contributes a line ``name|dtype|shape|sha256 of its raw bytes`` (exact: no
+    Each entry contributes a line ``name|dtype|shape|BLAKE3 of its raw bytes`` (exact: no
     float is compared, the bytes are hashed), so the same weights give the same hash on
     any machine. Hashing each tensor on its own lets ``threads`` workers hash them in
     parallel; the value does not depend on ``threads``. Tensors are read on the CPU; a
     model on the ``meta`` device has no bytes and must be refused before this is called.
 
     Changed in issue 21: a line held the tensor's bytes themselves, one sha256
-    stream over the whole state dict; now it holds their own sha256, so the tensors can
-    be hashed concurrently (and while the export writes). Same inputs, same purity;
-    hashes written before differ from those written now.
+    stream over the whole state dict; now it holds their own digest, so the tensors can
+    be hashed concurrently (and while the export writes). Changed in issue 44 (manifest
+    schema 3): BLAKE3 instead of sha256, the manifest's ``model_blake3``. Same inputs,
+    same purity; hashes written before differ from those written now.
 
     Why it is not derived from what the exporter reads: the state dict holds tensors the
     export never reads as they are (quantizer state, LoRA adapters, tied copies), and the
@@ -68,13 +70,14 @@ class ModelHashFuture:
             tensor = state[name].detach()
             dtype = str(tensor.dtype).removeprefix("torch.")
             self._lines.append(f"{name}|{dtype}|{list(tensor.shape)}|")
-            self._lines.append(self._pool.submit(_tensor_sha256, tensor))
+            self._lines.append(self._pool.submit(_tensor_digest, tensor))
             self._lines.append("\n")
 
     def __call__(self) -> str:
         """The hash (waits for the workers, which then stop)."""
         try:
-            digest = hashlib.sha256(self._head.encode())
+            digest = new_hasher()
+            digest.update(self._head.encode())
             for line in self._lines:
                 digest.update((line if isinstance(line, str) else line.result()).encode())
             return digest.hexdigest()
@@ -95,8 +98,8 @@ def model_hash_future(model: Any, *, threads: int = 1) -> ModelHashFuture:
     return ModelHashFuture(model, threads)
 
 
-def _tensor_sha256(tensor: Any) -> str:
-    digest = hashlib.sha256()
+def _tensor_digest(tensor: Any) -> str:
+    digest = new_hasher()
     if tensor.numel():
         flat = tensor.cpu().contiguous().reshape(-1)
         digest.update(flat.view(_uint8()).numpy().data)

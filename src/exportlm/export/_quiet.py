@@ -46,6 +46,14 @@ _NOISY_LOGGERS = (
     "onnx_ir",
     "transformers",
 )
+#: torch's structured-trace logger (for ``tlparse``): every graph and guard at DEBUG, which
+#: a test runner's log capture prints under each item. Left alone when the user asked for
+#: a trace (``TORCH_TRACE``).
+_TRACE_LOGGER = "torch.__trace"
+
+
+def _noisy_loggers() -> tuple[str, ...]:
+    return _NOISY_LOGGERS if os.environ.get("TORCH_TRACE") else (*_NOISY_LOGGERS, _TRACE_LOGGER)
 
 
 @dataclass
@@ -102,7 +110,7 @@ def quiet_exporter(target: str) -> Iterator[CapturedNoise]:
             warnings.catch_warnings(record=True) as records,
             contextlib.redirect_stdout(out),
             contextlib.redirect_stderr(err),
-            _quiet_loggers(_NOISY_LOGGERS),
+            _quiet_loggers(_noisy_loggers()),
         ):
             warnings.simplefilter("always")
             captured.warnings = records  # the live list: a target can inspect it mid-export

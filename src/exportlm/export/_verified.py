@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import hashlib
 import io
 import os
 import stat
@@ -31,13 +30,24 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import Any, BinaryIO, cast
 
+from exportlm.errors import ArtifactIntegrityError, NotRegularFileError
+from exportlm.export._digest import DIGEST, LEGACY_DIGEST, file_digest, hash_handle
 from exportlm.safeio import open_regular
 
-__all__ = ["VerifiedFile", "file_sha256", "hash_handle", "hold", "open_artifact", "serving"]
+__all__ = [
+    "VerifiedFile",
+    "check_entry",
+    "file_digest",
+    "file_sha256",
+    "hash_handle",
+    "hold",
+    "open_artifact",
+    "serving",
+    "verify_listed",
+]
 
-_CHUNK = 1 << 20
 _HELD: contextvars.ContextVar[Mapping[str, VerifiedFile] | None] = contextvars.ContextVar(
     "exportlm_verified_files", default=None
 )
@@ -49,39 +59,27 @@ _SERVED: contextvars.ContextVar[set[Path] | None] = contextvars.ContextVar(
 
 @dataclass(frozen=True)
 class VerifiedFile:
-    """One artifact file, open, with the sha256 and size of exactly the bytes it reads.
+    """One artifact file, open, with the digest and size of exactly the bytes it reads.
 
     Attributes:
         path: the path it was opened from (informative: it is never opened again).
         handle: the open file the loader reads (the original descriptor, or a private copy).
-        sha256, size: of the bytes behind ``handle``.
+        digest, size: of the bytes behind ``handle`` (hex ``algorithm`` digest, bytes).
         copied: whether ``handle`` is a private copy (the original was writable by others).
+        algorithm: ``"blake3"`` (manifest schema 3) or ``"sha256"`` (schema 1-2).
     """
 
     path: Path
     handle: BinaryIO
-    sha256: str
+    digest: str
     size: int
     copied: bool
-
-
-def hash_handle(handle: BinaryIO, copy_to: BinaryIO | None = None) -> tuple[str, int]:
-    """(hex sha256, size) of ``handle`` from its start; every chunk also goes to ``copy_to``."""
-    digest = hashlib.sha256()
-    size = 0
-    handle.seek(0)
-    while chunk := handle.read(_CHUNK):
-        digest.update(chunk)
-        size += len(chunk)
-        if copy_to is not None:
-            copy_to.write(chunk)
-    return digest.hexdigest(), size
+    algorithm: str = DIGEST
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
-    """Hex sha256 of the regular file at ``path``, read in 1 MiB chunks."""
-    with open_regular(path, what="artifact file") as handle:
-        return hash_handle(handle)[0]
+    """Hex sha256 of the regular file at ``path`` (the digest of schema 1-2 manifests)."""
+    return file_digest(path, LEGACY_DIGEST)
 
 
 def _only_we_can_write(handle: BinaryIO) -> bool:
@@ -93,9 +91,12 @@ def _only_we_can_write(handle: BinaryIO) -> bool:
     return info.st_uid in (os.getuid(), 0) and not writable_by_others
 
 
-def hold(path: Path, *, what: str, copy_if_shared: bool = True) -> VerifiedFile:
+def hold(
+    path: Path, *, what: str, copy_if_shared: bool = True, algorithm: str = DIGEST
+) -> VerifiedFile:
     """Open ``path`` once and hash it (see the module docstring); the caller closes ``handle``.
 
+    ``algorithm``: the digest its manifest lists (:mod:`~exportlm.export._digest`).
     ``copy_if_shared=False`` never makes the private copy (for a format that runs no code,
     whose loader resolves its own paths: the copy would buy nothing).
 
@@ -106,18 +107,18 @@ def hold(path: Path, *, what: str, copy_if_shared: bool = True) -> VerifiedFile:
     source = open_regular(path, what=what)
     try:
         if not copy_if_shared or _only_we_can_write(source):
-            digest, size = hash_handle(source)
-            return VerifiedFile(path, source, digest, size, copied=False)
+            digest, size = hash_handle(source, algorithm=algorithm)
+            return VerifiedFile(path, source, digest, size, False, algorithm)
         # mode 0600, and without a name at all where O_TMPFILE exists
         copy = cast(BinaryIO, tempfile.TemporaryFile(prefix="exportlm-verified-"))  # noqa: SIM115
         try:
-            digest, size = hash_handle(source, copy_to=copy)
+            digest, size = hash_handle(source, copy_to=copy, algorithm=algorithm)
             copy.flush()
         except BaseException:
             copy.close()
             raise
         source.close()
-        return VerifiedFile(path, copy, digest, size, copied=True)
+        return VerifiedFile(path, copy, digest, size, True, algorithm)
     except BaseException:
         source.close()
         raise
@@ -161,3 +162,45 @@ def open_artifact(path: str | os.PathLike[str], *, what: str = "artifact") -> Bi
     handle = io.open(fd, "rb", closefd=True)  # noqa: UP020, SIM115 - a descriptor, returned
     handle.seek(0)
     return handle
+
+
+def check_entry(
+    file: Path, entry: Any, actual: tuple[str, int, str], digest: str, manifest: Path
+) -> None:
+    """``actual`` (hex digest, size, its algorithm) must be a manifest ``entry``'s, whose
+    file digests are ``digest``; else :class:`ArtifactIntegrityError` naming ``file``."""
+    listed = (entry.get(digest), entry.get("size")) if isinstance(entry, Mapping) else None
+    if actual[2] != digest or listed != actual[:2]:
+        raise ArtifactIntegrityError(
+            f"{file} does not match its {digest} digest in the manifest {manifest}: it was "
+            "changed or replaced after export. It is not loaded; re-export the artifact from "
+            "its model.",
+            file,
+        )
+
+
+def verify_listed(root: Path, name: str, entry: Any, digest: str, manifest: Path) -> None:
+    """Hash the file ``name`` the manifest lists under ``root`` and check it (see :func:`check_entry`).
+
+    Raises:
+        ArtifactIntegrityError: ``name`` leaves ``root``, the entry is malformed, the
+            file is missing or not a regular file, or it differs.
+    """
+    candidate = (root / name).resolve()
+    if not isinstance(entry, Mapping) or not candidate.is_relative_to(root.resolve()):
+        raise ArtifactIntegrityError(
+            f"manifest {manifest} lists {name!r}, which is not a file inside {root}; the "
+            "manifest is malformed or tampered with. Re-export the artifact.",
+            root / name,
+        )
+    file = root / name
+    try:
+        with open_regular(file, what="artifact file") as handle:
+            found = hash_handle(handle, algorithm=digest)
+    except (FileNotFoundError, NotRegularFileError) as err:
+        raise ArtifactIntegrityError(
+            f"{file} is listed in the manifest {manifest} but missing (or not a regular file); "
+            "the artifact is incomplete. Re-export it.",
+            file,
+        ) from err
+    check_entry(file, entry, (*found, digest), digest, manifest)

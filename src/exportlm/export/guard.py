@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from exportlm.errors import InvalidModelError, ManifestSchemaError, UntrustedArtifactError
+from exportlm.export._digest import DIGEST, file_digest
 from exportlm.export._manifest_data import HASH_THREADS, ModelHashFuture, model_hash_future
-from exportlm.export._verified import VerifiedFile, file_sha256, hold, open_artifact, serving
+from exportlm.export._verified import VerifiedFile, hold, open_artifact, serving
 from exportlm.export.declaration import TargetInfo
 from exportlm.export.manifest import (
     DIRECTORY_MANIFEST_NAME,
@@ -189,11 +190,12 @@ class PendingManifest:
             self._model_hash.cancel()
 
     def record_files(self, digests: Mapping[str, Mapping[str, Any]]) -> None:
-        """The ``{"sha256", "size"}`` of files of a staged directory, hashed as they were written.
+        """The ``{"blake3", "size"}`` of files of a staged directory, hashed as they were written.
 
         Names are relative to the directory. The manifest lists them without reading them
         again (a recorded file whose size differs by then is hashed anew); any file of the
-        directory that nobody recorded is hashed when the manifest is written.
+        directory that nobody recorded, or recorded without a BLAKE3 digest, is hashed when
+        the manifest is written.
         """
         self._recorded.update({name: dict(entry) for name, entry in digests.items()})
 
@@ -247,8 +249,8 @@ class PendingManifest:
                 continue
             size = path.stat().st_size
             entry = self._recorded.get(name)
-            if entry is None or entry.get("size") != size:
-                entry = {"sha256": file_sha256(path), "size": size}
+            if entry is None or entry.get("size") != size or DIGEST not in entry:
+                entry = {DIGEST: file_digest(path), "size": size}
             entries[name] = entry
         return entries
 
@@ -312,7 +314,8 @@ def verified_load(info: TargetInfo, path: Path, *, trust: bool) -> Iterator[Mani
         return
     held: list[VerifiedFile] = []
     if info.artifact == "file":
-        held.append(hold(path, what=f"{info.name} artifact", copy_if_shared=info.executes_code))
+        what, copy = f"{info.name} artifact", info.executes_code
+        held.append(hold(path, what=what, copy_if_shared=copy, algorithm=manifest.digest))
     with serving(held) as served:
         verify_artifact(path, manifest=manifest, held=held[0] if held else None)
         _check_origin(info, path, manifest, trust)

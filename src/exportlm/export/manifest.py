@@ -1,4 +1,4 @@
-"""The manifest beside every artifact: what it is, what made it, and the sha256 of every file.
+"""The manifest beside every artifact: what it is, what made it, and the digest of every file.
 
 Where it lives (:func:`manifest_path`):
 
@@ -10,9 +10,9 @@ What it holds (schema :data:`MANIFEST_SCHEMA`): the one artifact it was written 
 (its published name and kind), the target and variant, the options
 (JSON-safe), versions of exportlm / torch / transformers / the target's runtime library,
 the input names with their dims (names for dynamic ones), the declared tolerance, a
-sha256 of the model's structure and weights (:func:`model_hash`: the exact bytes, no
-float comparison), the sha256 and size of every file of the artifact, the vocabulary
-size where known, and an HMAC-SHA256 under this user's key
+BLAKE3 digest of the model's structure and weights (:func:`model_hash`: the exact bytes,
+no float comparison), the BLAKE3 digest (:func:`file_digest`) and size of every file of
+the artifact, the vocabulary size where known, and an HMAC-SHA256 under this user's key
 (:mod:`~exportlm.export.trustkey`).
 
 What it proves: with :func:`verify_artifact` passing, the artifact is the one the manifest
@@ -36,11 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from exportlm.atomic import write_bytes_atomic
-from exportlm.errors import ArtifactIntegrityError, ManifestSchemaError, NotRegularFileError
+from exportlm.errors import ArtifactIntegrityError, ManifestSchemaError
 from exportlm.export import trustkey
+from exportlm.export._digest import DIGEST, LEGACY_DIGEST, file_digest
 from exportlm.export._manifest_data import json_safe, model_hash, versions
-from exportlm.export._verified import VerifiedFile, file_sha256, hash_handle
-from exportlm.safeio import open_regular, read_regular_bytes
+from exportlm.export._verified import VerifiedFile, check_entry, file_sha256, verify_listed
+from exportlm.safeio import read_regular_bytes
 
 __all__ = [
     "DIRECTORY_MANIFEST_NAME",
@@ -48,6 +49,7 @@ __all__ = [
     "MANIFEST_SUFFIX",
     "Manifest",
     "NewerManifestWarning",
+    "file_digest",
     "file_sha256",
     "json_safe",
     "manifest_path",
@@ -60,7 +62,8 @@ __all__ = [
 #: Schema version written by this exportlm. A reader warns on a newer one, refuses an unknown one.
 #: 2: ``artifact`` (the published name and the kind) is required, and the loader holds the
 #: manifest to it; schema 1 recorded the staging name of a directory (``payload``).
-MANIFEST_SCHEMA = 2
+#: 3: BLAKE3 digests (``{"blake3", "size"}`` per file, ``model_blake3``); 1-2 list sha256.
+MANIFEST_SCHEMA = 3
 MANIFEST_SUFFIX = ".manifest.json"
 DIRECTORY_MANIFEST_NAME = "exportlm-manifest.json"
 _MAX_MANIFEST_BYTES = 64 << 20
@@ -87,8 +90,9 @@ class Manifest:
         schema: its schema version.
         target, variant, options, versions, inputs, tolerance, model_hash, vocab_size:
             as written.
-        files: ``{relative path: {"sha256": hex, "size": bytes}}``; relative to the
-            artifact's directory (a directory artifact) or its parent (a file artifact).
+        files: ``{relative path: {"blake3": hex, "size": bytes}}`` (``"sha256"`` before
+            schema 3); relative to the artifact's directory (a directory artifact) or its
+            parent (a file artifact).
         artifact_name, artifact_kind: the artifact it was written for (its published
             name, ``"file"`` or ``"directory"``); ``None`` in a schema-1 manifest that
             lacks them, which then vouches for nothing.
@@ -110,6 +114,11 @@ class Manifest:
     artifact_kind: str | None
     data: Mapping[str, Any] = field(repr=False)
 
+    @property
+    def digest(self) -> str:
+        """The digest its file entries list: ``"blake3"`` from schema 3, ``"sha256"`` before."""
+        return DIGEST if self.schema >= 3 else LEGACY_DIGEST
+
     def is_own(self) -> bool:
         """True when its HMAC verifies under this user's key: written by exportlm on this machine.
 
@@ -128,7 +137,7 @@ def _file_entries(root: Path, files: Iterable[Path]) -> dict[str, dict[str, Any]
     entries: dict[str, dict[str, Any]] = {}
     for path in sorted(set(files)):
         entries[path.relative_to(root).as_posix()] = {
-            "sha256": file_sha256(path),
+            DIGEST: file_digest(path),
             "size": path.stat().st_size,
         }
     return entries
@@ -173,7 +182,7 @@ def write_manifest(
         companions: further files of a file artifact (e.g. ONNX external data).
         name: the name the artifact is published under (default: its own), recorded
             and signed as the one artifact this manifest vouches for.
-        files: the file entries (``{relative path: {"sha256", "size"}}``) as hashed
+        files: the file entries (``{relative path: {"blake3", "size"}}``) as hashed
             earlier, when the files were published; default: hash them now.
     """
     path = Path(artifact)
@@ -189,7 +198,7 @@ def write_manifest(
         "versions": versions(runtime),
         "inputs": json_safe(list(inputs)),
         "tolerance": json_safe(dict(tolerance)),
-        "model_sha256": model_hash,
+        "model_blake3": model_hash,
         "vocab_size": vocab_size,
         "files": {name: dict(entry) for name, entry in sorted(files.items())},
     }
@@ -264,7 +273,7 @@ def _parse(path: Path, schema: int, data: dict[str, Any]) -> Manifest:
         versions=data.get("versions") or {},
         inputs=data.get("inputs") or [],
         tolerance=data.get("tolerance") or {},
-        model_hash=data.get("model_sha256"),
+        model_hash=data.get("model_blake3" if schema >= 3 else "model_sha256"),
         vocab_size=vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None,
         files=files,
         artifact_name=name,
@@ -307,7 +316,7 @@ def verify_artifact(
     Raises:
         ArtifactIntegrityError: the artifact has no manifest, or the manifest was written
             for another artifact (another file name, or a file where it names a
-            directory), or a listed file is missing or differs (sha256 or size), a listed
+            directory), or a listed file is missing or differs (digest or size), a listed
             name leaves the artifact's directory, or a directory artifact holds a file the
             manifest does not list. The message names the file.
         ManifestSchemaError: the manifest itself is unreadable (see :func:`read_manifest`).
@@ -325,9 +334,10 @@ def verify_artifact(
     root = path if directory else path.parent
     for name, entry in sorted(manifest.files.items()):
         if held is not None and name == path.name:
-            _compare(path, entry, (held.sha256, held.size), manifest.path)
+            actual = (held.digest, held.size, held.algorithm)
+            check_entry(path, entry, actual, manifest.digest, manifest.path)
         else:
-            _verify_file(root, name, entry, manifest.path)
+            verify_listed(root, name, entry, manifest.digest, manifest.path)
     if directory:
         _refuse_unlisted(path, manifest)
     return manifest
@@ -366,33 +376,3 @@ def _refuse_unlisted(directory: Path, manifest: Manifest) -> None:
                 "changed after export. Remove the file or re-export the artifact.",
                 extra,
             )
-
-
-def _compare(file: Path, entry: Any, actual: tuple[str, int], manifest: Path) -> None:
-    if not isinstance(entry, Mapping) or (entry.get("sha256"), entry.get("size")) != actual:
-        raise ArtifactIntegrityError(
-            f"{file} does not match its sha256 in the manifest {manifest}: it was changed or "
-            "replaced after export. It is not loaded; re-export the artifact from its model.",
-            file,
-        )
-
-
-def _verify_file(root: Path, name: str, entry: Any, manifest: Path) -> None:
-    candidate = (root / name).resolve()
-    if not isinstance(entry, Mapping) or not candidate.is_relative_to(root.resolve()):
-        raise ArtifactIntegrityError(
-            f"manifest {manifest} lists {name!r}, which is not a file inside {root}; the "
-            "manifest is malformed or tampered with. Re-export the artifact.",
-            root / name,
-        )
-    file = root / name
-    try:
-        with open_regular(file, what="artifact file") as handle:
-            actual = hash_handle(handle)
-    except (FileNotFoundError, NotRegularFileError) as err:
-        raise ArtifactIntegrityError(
-            f"{file} is listed in the manifest {manifest} but missing (or not a regular file); "
-            "the artifact is incomplete. Re-export it.",
-            file,
-        ) from err
-    _compare(file, entry, actual, manifest)

@@ -18,6 +18,8 @@ ignored with a warning, and signatures made with it do not verify. The same poli
 holds for a key path that is not a regular file (a directory, a FIFO, a device, a
 symbolic link): it is ignored with a warning, never opened for reading (a FIFO
 would block) and never replaced; manifests are then written unsigned.
+:func:`key_problem` says what is wrong (and what to do) without warning: the
+conformance plugin asks it once per run and then signs with a temporary key.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 from exportlm.errors import NotRegularFileError
 from exportlm.safeio import open_regular
 
-__all__ = ["KEY_FILE_ENV", "HOME_ENV", "key_path", "sign", "verify_signature"]
+__all__ = ["KEY_FILE_ENV", "HOME_ENV", "key_path", "key_problem", "sign", "verify_signature"]
 
 KEY_FILE_ENV = "EXPORTLM_KEY_FILE"
 HOME_ENV = "EXPORTLM_HOME"
@@ -51,55 +53,47 @@ def key_path() -> Path:
     return Path.home() / ".cache" / "exportlm" / "key"
 
 
-def _read_key(path: Path) -> bytes | None:
-    """The key at ``path``; ``None`` when absent, unsafe (warned) or malformed (warned)."""
+_UNSIGNED = "manifests are written unsigned and loading code-executing artifacts needs trust=True"
+#: What is wrong with a key, and what to do about it.
+_Problem = tuple[str, str]
+
+
+def _load_key(path: Path) -> tuple[bytes | None, _Problem | None]:
+    """``(key, None)``, ``(None, None)`` when absent, or ``(None, (what is wrong, what to do))``."""
     try:
         handle = open_regular(path, what="exportlm signing key", nofollow=True)
     except FileNotFoundError:
-        return None
+        return None, None
     except NotRegularFileError as err:  # a directory, FIFO or device: never read, never replaced
-        warnings.warn(
-            f"the exportlm signing key at {path} is a {err.kind}, not a regular file; it is "
-            f"ignored, so manifests are written unsigned and loading code-executing artifacts "
-            f"needs trust=True. Set {KEY_FILE_ENV} to the path of a private regular file (a "
-            f"missing one is created).",
-            UserWarning,
-            stacklevel=3,
+        return None, (
+            f"the exportlm signing key at {path} is a {err.kind}, not a regular file",
+            f"Set {KEY_FILE_ENV} to the path of a private regular file (a missing one is created).",
         )
-        return None
     except OSError as err:  # a parent that is a file, a symlinked key, no permission...
-        warnings.warn(
-            f"cannot read the exportlm signing key at {path} ({err}); it is ignored, so "
-            f"manifests are written unsigned and loading code-executing artifacts needs "
-            f"trust=True. Set {KEY_FILE_ENV} to a private, readable file.",
-            UserWarning,
-            stacklevel=3,
+        what = (
+            f"the exportlm signing key at {path} is a symbolic link, never followed"
+            if path.is_symlink()
+            else f"cannot read the exportlm signing key at {path} ({err})"
         )
-        return None
+        return None, (what, f"Set {KEY_FILE_ENV} to a private, readable file.")
     with handle:
         info = os.fstat(handle.fileno())
         if os.name == "posix" and (info.st_mode & 0o077 or info.st_uid != os.getuid()):
-            warnings.warn(
+            return None, (
                 f"exportlm signing key {path} is not a private file of this user (mode "
-                f"{stat.S_IMODE(info.st_mode):04o}); it proves nothing and is ignored. "
-                f"Remove it (a new one is created) or chmod 600 it.",
-                UserWarning,
-                stacklevel=3,
+                f"{stat.S_IMODE(info.st_mode):04o}); it proves nothing",
+                "Remove it (a new one is created) or chmod 600 it.",
             )
-            return None
         data = handle.read(_KEY_BYTES + 1)
     if len(data) != _KEY_BYTES:
-        warnings.warn(
-            f"exportlm signing key {path} is not {_KEY_BYTES} bytes; it is ignored. "
+        return None, (
+            f"exportlm signing key {path} is not {_KEY_BYTES} bytes ({'empty' if not data else 'other size'})",
             "Remove it and a new one is created on the next export.",
-            UserWarning,
-            stacklevel=3,
         )
-        return None
-    return data
+    return data, None
 
 
-def _create_key(path: Path) -> bytes | None:
+def _create_key(path: Path) -> tuple[bytes | None, _Problem | None]:
     """Create the key file (``0600``, exclusive); a concurrent creator's key wins."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = secrets.token_bytes(_KEY_BYTES)
@@ -114,7 +108,7 @@ def _create_key(path: Path) -> bytes | None:
             pass
     finally:
         tmp.unlink(missing_ok=True)
-    return _read_key(path)
+    return _load_key(path)
 
 
 def _blocked(path: Path) -> bool:
@@ -122,22 +116,43 @@ def _blocked(path: Path) -> bool:
     return any(p.exists() and not p.is_dir() for p in path.parents)
 
 
-def _key(create: bool) -> bytes | None:
+def _usable_key(create: bool) -> tuple[bytes | None, _Problem | None]:
+    """This user's key (created when missing and ``create``), or what is wrong with it."""
     path = key_path()
-    key = _read_key(path)
-    if key is None and create and not os.path.lexists(path) and not _blocked(path):
-        try:
-            key = _create_key(path)
-        except OSError as err:
-            warnings.warn(
-                f"cannot create the exportlm signing key at {path} ({err}); manifests are "
-                f"written unsigned and loading code-executing artifacts needs trust=True. "
-                f"Set {KEY_FILE_ENV} to a writable location.",
-                UserWarning,
-                stacklevel=3,
-            )
-            return None
+    key, problem = _load_key(path)
+    if key is not None or problem is not None or not create:
+        return key, problem
+    if os.path.lexists(path) or _blocked(path):
+        return None, (
+            f"no exportlm signing key can be created at {path} (a parent is not a directory)",
+            f"Set {KEY_FILE_ENV} to a writable location.",
+        )
+    try:
+        return _create_key(path)
+    except OSError as err:
+        return None, (
+            f"cannot create the exportlm signing key at {path} ({err})",
+            f"Set {KEY_FILE_ENV} to a writable location.",
+        )
+
+
+def _key(create: bool) -> bytes | None:
+    key, problem = _usable_key(create)
+    if problem is not None:
+        what, todo = problem
+        warnings.warn(f"{what}; it is ignored, so {_UNSIGNED}. {todo}", UserWarning, stacklevel=3)
     return key
+
+
+def key_problem() -> str | None:
+    """What makes this user's signing key unusable, with what to do; ``None`` when it is usable.
+
+    Creates the key when it is missing (as the first :func:`sign` would); warns
+    nothing. The conformance plugin asks this once per run and reports the answer
+    once, instead of failing every code-executing target's load.
+    """
+    problem = _usable_key(create=True)[1]
+    return None if problem is None else f"{problem[0]}. {problem[1]}"
 
 
 def sign(payload: bytes) -> str | None:

@@ -11,6 +11,7 @@ The name rules of the ``checkpoint_names`` conformance check live here too
 (:func:`checkpoint_name_problems`, :func:`listed_names`, :func:`saved_tensor_names`).
 """
 
+from exportlm.inspection._completeness import LayerGap, layer_count_of, layer_gap
 from exportlm.inspection._config import config_field_problems, quant_config_problems
 from exportlm.inspection._files import escape_problem
 from exportlm.inspection._header import TensorInfo, read_safetensors_header
@@ -21,6 +22,7 @@ from exportlm.inspection._names import (
     listed_names,
     saved_tensor_names,
 )
+from exportlm.inspection._onnx import onnx_load_problems
 from exportlm.inspection._onnx_file import MAX_ONNX_BYTES, check_onnx_size, read_onnx_model
 from exportlm.inspection._rules import RULES, RULES_DOC, Finding, Rule, Severity, get_rule
 
@@ -30,6 +32,7 @@ __all__ = [
     "RULES_DOC",
     "Finding",
     "InspectionReport",
+    "LayerGap",
     "ListedName",
     "Rule",
     "Severity",
@@ -40,7 +43,10 @@ __all__ = [
     "escape_problem",
     "get_rule",
     "inspect_checkpoint",
+    "layer_count_of",
+    "layer_gap",
     "listed_names",
+    "onnx_load_problems",
     "quant_config_problems",
     "read_onnx_model",
     "read_safetensors_header",

@@ -27,7 +27,7 @@ import torch
 
 from exportlm.inspection._loaders import compressed_tensors_formats, modelopt_quant_algos
 
-__all__ = ["SIZE_FIELDS", "config_field_problems", "quant_config_problems"]
+__all__ = ["SIZE_FIELDS", "config_field_problems", "quant_config_problems", "sub_config_problems"]
 
 #: Size fields every loader divides or allocates by: a positive int where present.
 SIZE_FIELDS = (
@@ -46,14 +46,26 @@ def _positive_int(value: Any) -> bool:
 
 
 @functools.cache
-def _annotations(model_type: str) -> Mapping[str, Any]:
-    """The field annotations of transformers' config class for ``model_type`` (``{}``: unknown)."""
+def _config_class(model_type: str) -> type | None:
+    """transformers' config class for ``model_type`` (``None``: unknown, or no transformers)."""
     try:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
         cls = CONFIG_MAPPING[model_type]
     except (ImportError, KeyError, ValueError):
-        return {}
+        return None
+    return cls if isinstance(cls, type) else None
+
+
+def _annotations(model_type: str) -> Mapping[str, Any]:
+    """The field annotations of transformers' config class for ``model_type`` (``{}``: unknown)."""
+    cls = _config_class(model_type)
+    return {} if cls is None else _class_annotations(cls)
+
+
+@functools.cache
+def _class_annotations(cls: type) -> Mapping[str, Any]:
+    """The field and ``__init__`` annotations of config class ``cls`` and its bases."""
     hints: dict[str, Any] = {}
     for klass in reversed(cls.__mro__):
         for annotated in (klass, vars(klass).get("__init__")):  # fields, then keyword arguments
@@ -135,18 +147,73 @@ def config_field_problems(config: Mapping[str, Any]) -> list[tuple[str, str]]:
                     "the model's tensors by it",
                 )
             )
-    flagged = {field for field, _ in problems}
     hints = _annotations(model_type) if isinstance(model_type, str) else {}
+    problems += _typed_fields(config, hints, {field for field, _ in problems}, "")
+    cls = _config_class(model_type) if isinstance(model_type, str) else None
+    if cls is not None:
+        flagged = {field for field, _ in problems}
+        problems += [p for p in sub_config_problems(config, cls, hints) if p[0] not in flagged]
+    return problems
+
+
+def _typed_fields(
+    config: Mapping[str, Any], hints: Mapping[str, Any], flagged: set[str], where: str
+) -> list[tuple[str, str]]:
+    """Fields of ``config`` not of the type ``hints`` annotates (``where``: a sub-config's prefix)."""
+    problems = []
     for name, hint in sorted(hints.items()):
         if name in config and name not in flagged and not _conforms(config[name], hint):
             shown = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
             problems.append(
                 (
-                    name,
-                    f"{_CONFIG}: {name} is {config[name]!r}, but transformers' config class for "
-                    f"model_type {model_type!r} declares it {shown}",
+                    f"{where}{name}",
+                    f"{_CONFIG}: {where}{name} is {config[name]!r}, but transformers' config class "
+                    f"declares it {shown}",
                 )
             )
+    return problems
+
+
+#: The keys transformers' ``get_text_config`` reads as the text model's config.
+TEXT_CONFIG_NAMES = ("text_config", "decoder", "generator", "text_encoder")
+
+
+def sub_config_problems(
+    config: Mapping[str, Any], cls: type, hints: Mapping[str, Any]
+) -> list[tuple[str, str]]:
+    """``(field, message)`` of sub-configs that ``cls`` (the config class) cannot hold.
+
+    A text-config key (:data:`TEXT_CONFIG_NAMES`) on a class that declares no such
+    sub-config stays a plain dict, on which transformers fails building the model
+    (``AttributeError: 'dict' object has no attribute 'to_dict'``); a declared
+    sub-config must be an object (or null), and its fields are held to its own class.
+    """
+    declared: Mapping[str, Any] = getattr(cls, "sub_configs", None) or {}
+    problems: list[tuple[str, str]] = []
+    for name in sorted(set(config) & (set(declared) | set(TEXT_CONFIG_NAMES))):
+        value, sub = config[name], declared.get(name)
+        if sub is None and name not in hints:
+            problems.append(
+                (
+                    name,
+                    f"{_CONFIG}: {name} is set, but transformers' {cls.__name__} has no "
+                    f"sub-config {name!r} (its sub-configs: {', '.join(sorted(declared)) or 'none'})"
+                    ": transformers keeps it as a plain dict and fails building the model. Remove "
+                    f"{name}, or fix model_type",
+                )
+            )
+        elif sub is not None and value is not None and not isinstance(value, dict):
+            problems.append(
+                (name, f"{_CONFIG}: {name} is {value!r}, expected an object ({sub.__name__})")
+            )
+        elif isinstance(sub, type) and isinstance(value, dict) and sub.__name__ != "AutoConfig":
+            sizes = [(f, v) for f in SIZE_FIELDS if (v := value.get(f)) is not None]
+            bad = {f for f, v in sizes if not _positive_int(v)}
+            problems += [
+                (f"{name}.{f}", f"{_CONFIG}: {name}.{f} is {value[f]!r}, expected a positive int")
+                for f in sorted(bad)
+            ]
+            problems += _typed_fields(value, _class_annotations(sub), bad, f"{name}.")
     return problems
 
 

@@ -1,9 +1,15 @@
-"""Rules on ONNX files: opset, external data, quantized initializers.
+"""Rules on ONNX files: opset, operators, external data, quantized initializers.
 
 The model is read with :func:`read_onnx_model` (external data not loaded): only
 the graph and the initializers' metadata, from a file of at most 2 GiB (protobuf's
 limit; a larger file is an ``onnx-unreadable`` finding, never read); external-data
 files are checked by size, never read.
+
+Two rules are onnxruntime's own refusals, which the ``onnx`` runtime checks before
+it creates a session (:func:`onnx_load_problems`, one implementation for both): an
+operator in a domain onnxruntime ships no kernels for (a custom-op library would
+have to be registered, and exportlm never registers one), and an external-data
+location that leaves the model's directory, by name or through a symbolic link.
 """
 
 from __future__ import annotations
@@ -15,9 +21,26 @@ from typing import Any
 from exportlm.errors import MissingDependencyError, NotRegularFileError
 from exportlm.inspection._files import escape_problem
 from exportlm.inspection._onnx_file import read_onnx_model
-from exportlm.inspection._rules import RULES, Finding
+from exportlm.inspection._rules import RULES, Finding, Severity
 
-__all__ = ["QUANTIZED_ONNX_DTYPES", "onnx_findings"]
+__all__ = ["ONNXRUNTIME_DOMAINS", "QUANTIZED_ONNX_DTYPES", "onnx_findings", "onnx_load_problems"]
+
+#: Operator domains an onnxruntime build ships kernels for, without a custom-op library.
+ONNXRUNTIME_DOMAINS = frozenset(
+    {
+        "",
+        "ai.onnx",
+        "ai.onnx.ml",
+        "ai.onnx.training",
+        "ai.onnx.preview.training",
+        "com.microsoft",
+        "com.microsoft.nchwc",
+        "com.microsoft.experimental",
+        "com.ms.internal.nhwc",
+    }
+)
+#: Domains whose operators ``onnx.defs`` knows, so an unknown ``op_type`` there is caught too.
+_SCHEMA_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
 #: Initializer dtypes that hold quantized codes, with the opset whose DequantizeLinear takes them.
 QUANTIZED_ONNX_DTYPES: dict[str, int] = {
@@ -58,7 +81,10 @@ def onnx_findings(path: Path) -> tuple[list[Finding], dict[str, Any]]:
         return [finding], {}
     opset = next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     initializers = [_initializer(onnx, init, path.parent) for init in model.graph.initializer]
-    findings = list(_external(initializers, path))
+    findings = [
+        RULES[rule].finding(subject, message) for rule, subject, message in _ops(onnx, model)
+    ]
+    findings += _external(initializers, path)
     findings += _opset(initializers, opset, path.name)
     quantized = [i for i in initializers if i["dtype"] in QUANTIZED_ONNX_DTYPES]
     by_dtype: dict[str, dict[str, int]] = {}
@@ -119,13 +145,14 @@ def _external(initializers: list[dict[str, Any]], path: Path) -> Iterator[Findin
     for init in initializers:
         if init["location"] is None:
             continue
-        escape = escape_problem(path.parent, str(init["location"]), follow_links=False)
+        escape = escape_problem(path.parent, str(init["location"]), follow_links=True)
         if escape is not None:
             yield RULES["onnx-external-data-path"].finding(
                 init["name"],
-                f"initializer {init['name']} of {path.name} is stored in {escape}: onnxruntime "
-                "would read a file outside the model's directory. Keep external data next to "
-                "the .onnx file, named by a relative path",
+                f"initializer {init['name']} of {path.name} is stored in {escape}: it names a "
+                "file outside the model's directory (onnxruntime refuses it: 'External data "
+                "path escapes model directory'). Keep external data next to the .onnx file, "
+                "named by a relative path, as a regular file",
                 location=init["location"],
             )
             continue
@@ -166,3 +193,51 @@ def _opset(initializers: list[dict[str, Any]], opset: int | None, file: str) -> 
                 opset=opset,
                 needed=needed,
             )
+
+
+def _nodes(graph: Any) -> Iterator[Any]:
+    """Every node of ``graph`` and of the subgraphs its nodes hold (``If``, ``Loop``, ``Scan``)."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.HasField("g"):
+                yield from _nodes(attribute.g)
+            for sub in attribute.graphs:
+                yield from _nodes(sub)
+
+
+def _ops(onnx: Any, model: Any) -> Iterator[tuple[str, str, str]]:
+    """``onnx-custom-op``: operators onnxruntime has no kernel or local function for."""
+    local = {(f.domain, f.name) for f in model.functions}
+    seen: set[tuple[str, str]] = set()
+    nodes = [*_nodes(model.graph), *(n for f in model.functions for n in f.node)]
+    for node in nodes:
+        op = (node.domain, node.op_type)
+        if op in seen or op in local:
+            continue
+        seen.add(op)
+        domain, name = op
+        if domain not in ONNXRUNTIME_DOMAINS:
+            why = f"custom domain {domain!r}, which onnxruntime ships no kernels for"
+        elif domain in _SCHEMA_DOMAINS and not onnx.defs.has(name, domain):
+            why = f"no operator {name!r} in the standard domain {domain or 'ai.onnx'!r}"
+        else:
+            continue
+        yield (
+            "onnx-custom-op",
+            f"{domain}:{name}" if domain else name,
+            f"node {node.name or '?'} is operator {name!r} in {why}: onnxruntime refuses the "
+            "model ('is not a registered function/op'), and running it would need a custom-op "
+            "library, native code exportlm never loads. Export with standard operators",
+        )
+
+
+def onnx_load_problems(path: Path) -> list[tuple[str, str, str]]:
+    """``(rule, subject, message)`` of what makes onnxruntime refuse ONNX file ``path``.
+
+    Every error-level ONNX rule (``onnx-custom-op``, ``onnx-external-data-path``,
+    ``onnx-external-data``, ``onnx-opset``, ``onnx-unreadable``): the ``onnx`` runtime
+    raises these as an exportlm error instead of onnxruntime's. Needs ``onnx``.
+    """
+    findings, _ = onnx_findings(path)
+    return [(f.rule, f.subject, f.message) for f in findings if f.severity is Severity.ERROR]

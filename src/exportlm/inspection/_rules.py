@@ -148,6 +148,13 @@ _TABLE: tuple[Rule, ...] = (
         "shards' tensors, each in the shard that holds it, and no tensor is in two shards.",
     ),
     Rule(
+        "layer-missing",
+        _E,
+        (*_SERVING, _HF),
+        "The shards store every decoder layer 0..num_hidden_layers-1 (the text config's); "
+        "exportlm's loader refuses a checkpoint missing one.",
+    ),
+    Rule(
         "tied-duplicate",
         _E,
         (_VLLM, _HF),
@@ -333,6 +340,14 @@ _TABLE: tuple[Rule, ...] = (
         ("onnxruntime",),
         "The default-domain opset is at least the one its "
         "initializers' dtypes need (19 for float8, 21 for int4).",
+        "onnx",
+    ),
+    Rule(
+        "onnx-custom-op",
+        _E,
+        ("onnxruntime",),
+        "Every operator is a standard one or in a domain onnxruntime ships kernels for (no "
+        "custom-op library needed); model-local functions count as defined.",
         "onnx",
     ),
     Rule(

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from exportlm.errors import MalformedCheckpointError
 from exportlm.hfdir import custom_code_reasons
+from exportlm.inspection._completeness import layer_count_of, layer_gap
 from exportlm.inspection._config import config_field_problems, quant_config_problems
 from exportlm.inspection._declared import MIXED_PRECISION, Declared
 from exportlm.inspection._files import CONFIG, INDEX, Checkpoint
@@ -29,13 +30,14 @@ _INTERNAL_SUFFIXES = ("_quantizer",)
 
 
 def file_findings(checkpoint: Checkpoint) -> Iterator[Finding]:
-    """``shard-*``, ``index-*``, ``tied-duplicate``, ``leaked-buffer``."""
+    """``shard-*``, ``index-*``, ``layer-missing``, ``tied-duplicate``, ``leaked-buffer``."""
     for shard, problems in sorted(checkpoint.shard_problems.items()):
         for problem in problems:
             yield RULES[problem.rule].finding(
                 shard, problem.message, file=shard, tensor=problem.field
             )
     yield from _index(checkpoint)
+    yield from _layers(checkpoint)
     yield from _tied(checkpoint)
     for name in sorted(checkpoint.tensors):
         parts = name.split(".")
@@ -96,6 +98,15 @@ def _index(checkpoint: Checkpoint) -> Iterator[Finding]:
             name,
             f"{checkpoint.locations[name][0]} saves {name}, but {INDEX} does not list it: "
             "loaders that read the index never load it",
+        )
+
+
+def _layers(checkpoint: Checkpoint) -> Iterator[Finding]:
+    """``layer-missing``: the loader's rule (:func:`layer_gap`); stored extras (MTP) pass here."""
+    gap = layer_gap(layer_count_of(checkpoint.config), checkpoint.tensors)
+    if gap is not None and gap.missing:
+        yield RULES["layer-missing"].finding(
+            f"{gap.prefix}.{gap.missing}", gap.message(), missing=gap.missing, file=CONFIG
         )
 
 

@@ -66,7 +66,8 @@ def _quantized_outside(model: nn.Module, recipe: QuantRecipe, inside: str) -> li
 
 
 def check_fits(budget: int | None, bound: MemoryBound, what: str) -> None:
-    """Refuse a budget below what the stream holds beyond the process itself.
+    """Refuse a budget below what the stream holds beyond the process itself, its output
+    shard sized to the budget (:func:`~exportlm.stream._budget.shard_size_within`).
 
     That is the bound's terms but the baseline: the largest set of modules loaded at
     once (``what`` names it), one output shard and, with a recipe, quantizing one
@@ -84,8 +85,8 @@ def check_fits(budget: int | None, bound: MemoryBound, what: str) -> None:
             f"streaming needs about {_size(need)} beyond the process itself ({what} "
             f"{_size(bound.modules)}, one output shard {_size(bound.shard)}, quantizing one "
             f"linear {_size(bound.working)}), more than the {_size(budget)} budget; expected "
-            f"at least {_size(need)}. Raise --max-memory, or lower max_shard_size "
-            "(-o max_shard_size=...) if the output shard is what does not fit"
+            f"at least {_size(need)} (the output shard is already its largest tensor alone). "
+            "Raise --max-memory"
         )
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import time
@@ -16,13 +14,12 @@ import torch
 from torch import nn
 
 from exportlm._progress import progress
-from exportlm._version import __version__
 from exportlm.atomic import atomic_output, check_output_path
-from exportlm.errors import OutputExistsError
+from exportlm.errors import OutputExistsError, StreamIntegrityError
 from exportlm.export.guard import PendingManifest
 from exportlm.export.hf_checkpoint.configs import quantization_section, write_configs
 from exportlm.export.hf_checkpoint.naming import module_namer
-from exportlm.export.hf_checkpoint.sink import CheckpointSink, parse_size
+from exportlm.export.hf_checkpoint.sink import CheckpointSink
 from exportlm.export.hf_checkpoint.target import HF_CHECKPOINT_TARGET
 from exportlm.export.hf_checkpoint.target import _one_torch_thread as one_torch_thread
 from exportlm.inputs import make_input_ids
@@ -30,13 +27,15 @@ from exportlm.module_exporters import ExportFormat, export_quantized_state
 from exportlm.quant import QuantRecipe
 from exportlm.stream._budget import memory_limit, parse_memory
 from exportlm.stream._checks import check_fits, check_streamable
+from exportlm.stream._complete import check_complete
+from exportlm.stream._key import resume_key
 from exportlm.stream._layers import CalibrationInputs, capture_layer_inputs, quantize_layer
 from exportlm.stream._memory import (
-    MemoryBound,
     map_large_allocations,
     release_freed,
     resident_bytes,
 )
+from exportlm.stream._sizing import fit_bound
 from exportlm.stream._source import CheckpointSource
 from exportlm.stream._summary import PhaseSink, PrefixSink, SummaryPart, merge_summaries
 from exportlm.stream._work import ActivationStore, WorkArea
@@ -62,6 +61,7 @@ class _Run:
         self.writer = ResumableShardWriter(work.directory, max_shard_size=max_shard_size)
         self.sink = CheckpointSink(source.namer, self.writer, format)  # type: ignore[arg-type]
         self.head_names, self.tail_names = shells
+        self.stored = source.stored_names()  # before a layer is quantized (check_complete)
 
     def checkpoint(self, tag: str) -> None:
         """Record progress after a part: spill the open shard, save, drop what it supersedes."""
@@ -101,8 +101,9 @@ def export_streaming(
     (same files, same bytes where the calibration is the same, see
     ``calibration_inputs``), published all at once with its manifest.
 
-    A killed run leaves its progress in ``.NAME.stream/`` beside ``output_path``; the
-    same call again continues after the last finished layer and writes the same bytes.
+    A killed run leaves its progress in a private ``.NAME.stream-XXXXXXXX/`` beside
+    ``output_path``; the same call again, on the same model files (by digest), continues
+    after the last finished layer and writes the same bytes (see ``docs/streaming.md``).
 
     Args:
         model_dir: a local Hugging Face model directory (safetensors shards).
@@ -129,6 +130,7 @@ def export_streaming(
         StreamingUnsupportedError: a family or recipe that does not stream yet.
         LayerTooLargeError: one layer does not fit ``max_memory``.
         OutputExistsError: ``output_path`` is a non-empty directory and not ``overwrite``.
+        StreamIntegrityError: what was written is not the whole model (nothing is published).
     """
     out = Path(output_path)
     check_output_path(out)
@@ -144,27 +146,47 @@ def export_streaming(
     layers = [source.tensor_bytes(source.layer(i)) for i in range(source.layout.count)]
     acts = _activation_bytes(source.model, batches)
     shells = _shell_names(source)
-    bound, largest = _bound(
-        source,
-        shells,
-        parse_size(max_shard_size),
-        baseline,
-        layers,
-        acts,
-        quantized=plan is not None,
+    bound, largest, max_shard_size = fit_bound(
+        source, shells, budget, max_shard_size, baseline, layers, acts, quantized=plan is not None
     )
     check_fits(budget, bound, largest)  # before anything is written
     options = _given(
         {"format": format, "max_shard_size": max_shard_size, "dtype": dtype, "overwrite": overwrite}
     )
-    fingerprint = _fingerprint(source, recipe, batches, calibration_inputs, options)
-    work = WorkArea(out, fingerprint)
-    run = _Run(source, work, format, max_shard_size, shells)
-    logger.info("streaming within a memory bound of %s", bound.describe())
-    # the activations are held in what the budget leaves, else read back from the work area
-    store = ActivationStore(work.directory, budget - bound.held if budget else 1 << 30)
-    with one_torch_thread():  # as the hf_checkpoint target converts (see its docstring)
-        summary = _export_parts(run, store, plan, batches, calibration_inputs, dtype)
+    key = resume_key(
+        source.directory,
+        list(source.shard_of.values()),
+        recipe,
+        batches,
+        calibration_inputs,
+        options,
+    )
+    work = WorkArea(out, key)
+    try:
+        run = _Run(source, work, format, max_shard_size, shells)
+        logger.info("streaming within a memory bound of %s", bound.describe())
+        # the activations are held in what the budget leaves, else read back from the work area
+        store = ActivationStore(work.directory, budget - bound.held if budget else 1 << 30)
+        with one_torch_thread():  # as the hf_checkpoint target converts (see its docstring)
+            summary = _export_parts(run, store, plan, batches, calibration_inputs, dtype)
+        _publish(run, summary, out, options, dtype, overwrite)
+    finally:
+        work.release()  # kept for a later run to continue, unless published (removed)
+    source.close()
+    bound.report()
+    return out
+
+
+def _publish(
+    run: _Run,
+    summary: Any,
+    out: Path,
+    options: dict[str, Any],
+    dtype: torch.dtype | None,
+    overwrite: bool,
+) -> None:
+    """Finish the shards, check the checkpoint is the whole model, publish it with its manifest."""
+    source, work = run.source, run.work
     written = run.writer.finish()
     logger.info(
         "streamed %d tensors (%d bytes) in %d file(s)",
@@ -172,6 +194,11 @@ def export_streaming(
         written.total_size,
         len(written.files),
     )
+    try:
+        check_complete(source, work.progress.layers, written.weight_map, run.stored)
+    except StreamIntegrityError:
+        work.remove()  # its record led here: the next run must not continue it
+        raise
     quant = quantization_section(summary, module_namer(source.model, run.sink.namer, False))
     manifest = PendingManifest(
         info=HF_CHECKPOINT_TARGET,
@@ -183,13 +210,9 @@ def export_streaming(
     with atomic_output(
         out, directory=True, overwrite=overwrite, before_publish=manifest.hook
     ) as staged:
-        for name in [*written.files, *([written.index_file] if written.index_file else [])]:
-            _link_or_copy(work.directory / name, staged / name)  # the work area keeps its own
-        write_configs(source.model, staged, dtype, quant, format)
+        work.link_into(staged, [*written.files, *filter(None, [written.index_file])])
+        write_configs(source.model, staged, dtype, quant, run.format)
     work.remove()
-    source.close()
-    bound.report()
-    return out
 
 
 def _export_parts(
@@ -209,7 +232,7 @@ def _export_parts(
     if progress_state.head is None:
         head = _export_shell(run, run.head_names, dtype)
         progress_state.head, progress_state.layers_done = head.to_json(), 0
-        store.put(0, inputs.hidden)
+        progress_state.activations = store.put(0, inputs.hidden)
         run.checkpoint("head")
     else:
         store.restore(progress_state.layers_done)
@@ -235,7 +258,7 @@ def _export_parts(
         release_freed()  # the layer's pages back to the system before the next is read
         progress_state.layers.append(SummaryPart(part, prefix + ".").to_json())
         progress_state.layers_done = index + 1
-        store.put(index + 1, outputs)
+        progress_state.activations = store.put(index + 1, outputs)
         run.checkpoint(f"layer{index}")
         _log_eta(index + 1 - start, count - start, began, index)
     tail = _export_shell(run, run.tail_names, dtype)
@@ -301,16 +324,6 @@ def _without_layers(source: CheckpointSource) -> Iterator[nn.Module]:
         setattr(parent, attr, layers)
 
 
-def _link_or_copy(source: Path, destination: Path) -> None:
-    """A hard link (same filesystem: free), else a copy; a kill before publishing loses nothing."""
-    try:
-        os.link(source, destination)
-    except OSError:
-        import shutil
-
-        shutil.copyfile(source, destination)
-
-
 _DEFAULTS = {"format": "modelopt", "max_shard_size": "5GB", "dtype": None, "overwrite": False}
 
 
@@ -323,66 +336,10 @@ def _default_ids(model: Any) -> torch.Tensor:
     return make_input_ids(int(model.config.vocab_size))
 
 
-def _bound(
-    source: CheckpointSource,
-    shells: tuple[set[str], set[str]],
-    max_shard_size: int,
-    baseline: int,
-    layers: list[int],
-    activations: int,
-    *,
-    quantized: bool,
-) -> tuple[MemoryBound, str]:
-    """What this export should peak at, and what its largest module set is.
-
-    The terms: the baseline, the largest modules loaded at once (a layer, or the head /
-    tail modules: the embedding, ``lm_head``), one output shard (``max_shard_size``,
-    capped at the model's size, or a single larger tensor), the calibration activations
-    entering and leaving a layer, and, when a recipe quantizes, the largest weight of a
-    layer in float32 (quantizing one linear)."""
-    state = source.model.state_dict(keep_vars=True)
-    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
-    shell_bytes = [sum(sizes[n] for n in source.saved(names)) for names in shells]
-    shard = min(max_shard_size, source.total_bytes)
-    inside = source.layout.layers + "."
-    linear = max((t.numel() for n, t in state.items() if n.startswith(inside)), default=0)
-    sets = [(size, f"decoder layer {i}") for i, size in enumerate(layers)]
-    sets += [(shell_bytes[0], "the modules before the layers")]
-    sets += [(shell_bytes[1], "the modules after them")]
-    modules, what = max(sets, key=lambda pair: pair[0])
-    bound = MemoryBound(
-        baseline=baseline,
-        modules=modules,
-        shard=max(shard, *sizes.values()),
-        activations=2 * activations,
-        working=4 * linear if quantized else 0,
-    )
-    return bound, what
-
-
 def _activation_bytes(model: nn.Module, batches: Sequence[torch.Tensor]) -> int:
     hidden = int(getattr(model.config, "hidden_size", 0))
     element = torch.finfo(next(model.parameters()).dtype).bits // 8
     return sum(b.numel() for b in batches) * hidden * element
-
-
-def _fingerprint(
-    source: CheckpointSource,
-    recipe: Any,
-    batches: Sequence[torch.Tensor],
-    mode: str,
-    options: dict[str, Any],
-) -> str:
-    digest = hashlib.sha256(__version__.encode())
-    for name in sorted({"config.json", *source.shard_of.values()}):
-        stat = (source.directory / name).stat()
-        digest.update(f"{name}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    digest.update(
-        json.dumps([repr(recipe), mode, {k: str(v) for k, v in options.items()}]).encode()
-    )
-    for batch in batches:
-        digest.update(batch.cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _log_eta(done: int, total: int, began: float, index: int) -> None:

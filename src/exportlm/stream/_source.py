@@ -228,6 +228,16 @@ class CheckpointSource:
         """Every tensor name of the checkpoint."""
         return iter(self.shard_of)
 
+    def stored_names(self) -> set[str]:
+        """The checkpoint tensors :meth:`load` reads the whole model from (tied copies as the
+        tensor they are saved as; a fused expert parameter as its per-expert tensors)."""
+        state = self.model.state_dict(keep_vars=True)
+        return {
+            self._saved_name(stored)
+            for name in self.saved(state)
+            for stored, _, _ in self._names.pieces(name, state[name])
+        }
+
 
 def _meta_model(directory: Path) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -242,7 +252,10 @@ def _meta_model(directory: Path) -> Any:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+        # eager attention, as the in-memory export loads a directory (cli/_model.py)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=False, attn_implementation="eager"
+        )
     model.tie_weights()  # one parameter for a tied pair, as from_pretrained leaves it
     _load_generation_config(model, directory)
     return model.eval()

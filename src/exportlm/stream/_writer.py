@@ -38,17 +38,19 @@ from exportlm.export.hf_checkpoint.sink import (
     parse_size,
     write_safetensors,
 )
+from exportlm.stream._record import plain_name
 
 __all__ = ["ResumableShardWriter", "WriterState"]
 
 
 @dataclass
 class WriterState:
-    """What a restarted run needs: written shards ``[(file, names)]``, the pending spill files
-    ``[(file, names)]`` holding the open shard's tensors, and the bytes written in all."""
+    """What a restarted run needs: written shards ``[(file, names, digest)]``, the pending
+    spill files ``[(file, names, digest)]`` holding the open shard's tensors, and the bytes
+    written in all. Each digest is the one :func:`write_safetensors` returned for the file."""
 
-    shards: list[tuple[str, list[str]]] = field(default_factory=list)
-    pending: list[tuple[str, list[str]]] = field(default_factory=list)
+    shards: list[tuple[str, list[str], str]] = field(default_factory=list)
+    pending: list[tuple[str, list[str], str]] = field(default_factory=list)
     total_size: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -57,12 +59,19 @@ class WriterState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WriterState:
-        """The state :meth:`to_json` wrote."""
+        """The state :meth:`to_json` wrote; ``ValueError`` for a file that is not a plain name."""
         return cls(
-            shards=[(str(f), list(n)) for f, n in data["shards"]],
-            pending=[(str(f), list(n)) for f, n in data["pending"]],
-            total_size=int(data["total_size"]),
+            shards=[_entry(e) for e in data["shards"]],
+            pending=[_entry(e) for e in data["pending"]],
+            total_size=int(data.get("total_size", 0)),
         )
+
+
+def _entry(entry: Any) -> tuple[str, list[str], str]:
+    file, names, digest = entry
+    if not plain_name(file) or not isinstance(digest, str):
+        raise ValueError(f"work file {file!r} is not a file name inside the work area")
+    return str(file), [str(n) for n in names], digest
 
 
 class ResumableShardWriter:
@@ -103,8 +112,8 @@ class ResumableShardWriter:
         if self._unspilled:
             file = f"pending-{tag}.safetensors"
             tensors = {n: t for n in self._unspilled if (t := self._current[n]) is not None}
-            write_safetensors(self.directory / file, tensors, self.metadata)
-            self._state.pending.append((file, list(self._unspilled)))
+            written = write_safetensors(self.directory / file, tensors, self.metadata)
+            self._state.pending.append((file, list(self._unspilled), written.digest))
             self._current.update(dict.fromkeys(self._unspilled))  # read back when written
             self._unspilled = []
         return self._state
@@ -120,8 +129,8 @@ class ResumableShardWriter:
         from exportlm.inspection import read_safetensors_header
 
         self._state = state
-        self._names = {n for _, names in state.shards for n in names}
-        for file, names in state.pending:
+        self._names = {n for _, names, _ in state.shards for n in names}
+        for file, names, _ in state.pending:
             infos = read_safetensors_header(self.directory / file)
             for name in names:
                 begin, end = infos[name].offsets
@@ -137,12 +146,9 @@ class ResumableShardWriter:
         count = len(shards)
         weight_map: dict[str, str] = {}
         files: list[str] = []
-        for i, (tmp, names) in enumerate(shards, start=1):
+        for i, (tmp, names, _) in enumerate(shards, start=1):
             final = SINGLE_FILE_NAME if count == 1 else f"model-{i:05d}-of-{count:05d}.safetensors"
-            if (self.directory / tmp).exists() or not (self.directory / final).exists():
-                (self.directory / tmp).replace(
-                    self.directory / final
-                )  # else: renamed before a kill
+            (self.directory / tmp).replace(self.directory / final)
             files.append(final)
             weight_map.update(dict.fromkeys(names, final))
         index_file = None
@@ -157,18 +163,18 @@ class ResumableShardWriter:
         return WriteSummary(files, weight_map, self._state.total_size, index_file)
 
     def _flush(self) -> None:
-        tmp = f".shard-{len(self._state.shards) + 1:05d}.safetensors.partial"
-        write_safetensors(self.directory / tmp, self._open_shard(), self.metadata)
-        self._state.shards.append((tmp, list(self._current)))
+        tmp = f"shard-{len(self._state.shards) + 1:05d}.safetensors.partial"
+        written = write_safetensors(self.directory / tmp, self._open_shard(), self.metadata)
+        self._state.shards.append((tmp, list(self._current), written.digest))
         # deleted only once the progress that no longer names them is saved (collect)
-        self._obsolete.extend(file for file, _ in self._state.pending)
+        self._obsolete.extend(file for file, _, _ in self._state.pending)
         self._state.pending = []
         self._current, self._current_bytes, self._unspilled = {}, 0, []
 
     def _open_shard(self) -> dict[str, torch.Tensor]:
         """The open shard's tensors in the order they were added, spilled ones read back."""
         spilled: dict[str, torch.Tensor] = {}
-        for file, _ in self._state.pending:
+        for file, _, _ in self._state.pending:
             spilled |= _read_safetensors(self.directory / file)
         return {n: t if t is not None else spilled[n] for n, t in self._current.items()}
 

@@ -98,7 +98,8 @@ class StoredFormats:
     @classmethod
     def _compressed_tensors(cls, config: Mapping[str, Any], source: str) -> StoredFormats:
         groups = list((config.get("config_groups") or {}).values())
-        specs = [_by_group(group, source) for group in groups]
+        default = config.get("format")  # a group without its own format has the config's
+        specs = [_by_group(group, source, default) for group in groups]
         # one group: every quantized layer is in its format; several: read by stored leaves
         weights = specs[0] if len(specs) == 1 else None
         return cls(
@@ -178,13 +179,13 @@ def _kv_by_algo(kv_cache_quant_algo: str) -> FormatSpec:
 
 
 def _kv_by_scheme(config: Mapping[str, Any], layout: str) -> FormatSpec | None:
-    """The format whose ``kv_cache.<layout>`` scheme is ``config["kv_cache_scheme"]``."""
+    """The format whose ``kv_cache.<layout>`` scheme means ``config["kv_cache_scheme"]``."""
     scheme = config.get("kv_cache_scheme")
     if not scheme:
         return None
     for spec in formats():
         own = getattr(spec.kv_cache, layout, None) if spec.kv_cache else None
-        if own is not None and dict(own) == scheme:
+        if own is not None and _meaning(own) == _meaning(scheme):
             return spec
     raise UnsupportedFormatError(
         f"kv_cache_scheme {scheme!r} is no registered format's KV-cache scheme; register "
@@ -192,18 +193,64 @@ def _kv_by_scheme(config: Mapping[str, Any], layout: str) -> FormatSpec | None:
     )
 
 
-def _by_group(group: Mapping[str, Any], source: str) -> FormatSpec:
-    """The format whose compressed-tensors scheme writes ``group`` (with its group size).
+#: What a compressed-tensors ``QuantizationArgs`` means for the stored tensors, with
+#: compressed-tensors' defaults for a key left out. The rest (``observer``,
+#: ``observer_kwargs``, ``scale_dtype``, ``zp_dtype``, ``block_structure`` of a
+#: non-block strategy...) says how the producer calibrated or stores what the tensors'
+#: own dtypes say: llm-compressor writes them, and they do not change what is read.
+_MEANINGFUL = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "strategy": None,
+    "group_size": None,
+    "dynamic": False,
+}
+_GROUPED = frozenset({"group", "tensor_group"})
+#: ``actorder`` values under which the codes are stored in column order (no ``g_idx``).
+_PLAIN_ORDER = frozenset({None, False, "static"})
 
-    Keys compressed-tensors writes as ``null`` (``output_activations``, an absent
-    ``input_activations``) are not compared.
+
+def _meaning(args: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``args`` reduced to :data:`_MEANINGFUL` (defaults filled in), ``None`` for none."""
+    if args is None:
+        return None
+    out = {k: default if args.get(k) is None else args[k] for k, default in _MEANINGFUL.items()}
+    if out["strategy"] not in _GROUPED:
+        out["group_size"] = None
+    return out
+
+
+def _group_meaning(group: Mapping[str, Any], default_format: Any) -> tuple[Any, ...]:
+    return (
+        group.get("format") or default_format,
+        _meaning(group.get("weights")),
+        _meaning(group.get("input_activations")),
+        _meaning(group.get("output_activations")),
+    )
+
+
+def _by_group(group: Mapping[str, Any], source: str, default_format: Any = None) -> FormatSpec:
+    """The format whose compressed-tensors scheme writes what ``group`` means.
+
+    Compared by meaning (:data:`_MEANINGFUL` of the weights, input and output args, and
+    the group's format, else the config's), so another producer's defaults
+    (llm-compressor's ``observer``, ``scale_dtype``...) read as ours do. An ``actorder``
+    that stores a ``g_idx`` permutation is refused: the codes would be read out of order.
     """
+    order = (group.get("weights") or {}).get("actorder")
+    if order not in _PLAIN_ORDER:
+        raise UnsupportedFormatError(
+            f"{source}: config group {dict(group)!r} stores its weights with "
+            f"actorder={order!r} (a weight_g_idx permutation), which the hf_checkpoint "
+            "runtime does not read; export with actorder='static' or None"
+        )
     targets = list(group.get("targets") or [])
-    given = {k: v for k, v in group.items() if v is not None}
     size = (group.get("weights") or {}).get("group_size")
+    wanted = _group_meaning(group, default_format)
     for spec in formats():
         scheme = spec.compressed_tensors
-        if scheme is not None and scheme.group(targets, size) == given:
+        if scheme is not None and _group_meaning(scheme.group(targets, size), None) == wanted:
             return spec
     raise UnsupportedFormatError(
         f"{source}: config group {dict(group)!r} is no registered format's compressed-tensors "

@@ -142,8 +142,7 @@ def _rebuild_model(directory: Path, device: torch.device) -> Any:
     stored = read_stored_tensors(directory)
     check_layer_count(config, stored)  # before any model is built: a huge count would hang
     weights, activation_scales, dynamic = _dequantized(directory, stored)
-    with torch.device("meta"):  # an empty model: the parameters' paths and shapes only
-        skeleton = model_cls(config)
+    skeleton = _skeleton(model_cls, config, directory)
     if not _has_conversion_table(config) and any(SPLIT_EXPERT.match(n) for n in weights):
         # transformers merges split experts only through a conversion table: without
         # one, stack them into the experts' own layout, read off the empty model
@@ -158,6 +157,24 @@ def _rebuild_model(directory: Path, device: torch.device) -> Any:
     # work on CUDA, but as a CPU scalar, which CUDA divides by through its reciprocal:
     # activations would round differently from the fake-quant model's.
     return model.to(device)
+
+
+def _skeleton(model_cls: Any, config: Any, directory: Path) -> Any:
+    """An empty (``meta``) model of ``config``: the parameters' paths and shapes only.
+
+    The config passed every rule first; a dependency's error left building it is still
+    the file's defect, and is reported as such naming ``config.json``.
+    """
+    try:
+        with torch.device("meta"):
+            return model_cls(config)
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError) as err:
+        path = directory / "config.json"
+        raise MalformedCheckpointError(
+            f"{path}: transformers cannot build {model_cls.__name__} from it "
+            f"({type(err).__name__}: {err}); fix the file or export the model again",
+            path=path,
+        ) from err
 
 
 def _auto_config(transformers: Any, directory: Path) -> Any:

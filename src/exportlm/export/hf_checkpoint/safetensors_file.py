@@ -2,8 +2,9 @@
 
 :func:`write_safetensors` writes each tensor's storage straight to the file through a
 ``memoryview`` (no copy) and hands the same pieces, in order, to a second thread that
-hashes them while the next piece is written (``file.write`` and ``hashlib`` release the
-GIL), so the file's sha256 (:class:`FileDigest`) costs no read of the file. The layout is
+hashes them while the next piece is written (``file.write`` and ``blake3`` release the
+GIL), so the file's digest (:class:`FileDigest`: BLAKE3, multithreaded for a file from
+:data:`~exportlm.export._digest.THREADED_FROM` up) costs no read of the file. The layout is
 what ``safetensors.safe_open`` reads: an 8-byte little-endian header length, a JSON
 header (``__metadata__`` + ``{name: {dtype, shape, data_offsets}}``) padded with spaces
 to a multiple of 8 bytes, then the tensor bytes.
@@ -11,7 +12,6 @@ to a multiple of 8 bytes, then the tensor bytes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from collections.abc import Iterable
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from exportlm.export._digest import DIGEST, new_hasher
 
 __all__ = ["SAFETENSORS_DTYPES", "FileDigest", "write_safetensors"]
 
@@ -42,14 +44,15 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 
 @dataclass(frozen=True)
 class FileDigest:
-    """sha256 (hex) and size of the bytes written to one file, as the manifest lists them."""
+    """The digest (hex BLAKE3) and size of the bytes written to one file, as the manifest
+    lists them."""
 
-    sha256: str
+    digest: str
     size: int
 
     def entry(self) -> dict[str, str | int]:
-        """``{"sha256", "size"}``: the manifest's entry for the file."""
-        return {"sha256": self.sha256, "size": self.size}
+        """``{"blake3", "size"}``: the manifest's entry for the file."""
+        return {DIGEST: self.digest, "size": self.size}
 
 
 #: Bytes per piece handed to the hashing thread while the next piece is written.
@@ -62,7 +65,7 @@ def write_safetensors(
     """Write ``tensors`` to ``path`` in the safetensors format without copying their data.
 
     Tensors are laid out by element size (largest first), then by name, so every
-    tensor starts at an offset aligned to its element size. Returns the sha256 and
+    tensor starts at an offset aligned to its element size. Returns the digest and
     size of the bytes written, hashed from memory while they are written (a second
     thread hashes each piece as the next one is written), never read back.
     """
@@ -81,9 +84,9 @@ def write_safetensors(
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     prefix = struct.pack("<Q", len(raw)) + raw
-    digest = hashlib.sha256()
+    digest = new_hasher(size=len(prefix) + offset)
     with open(path, "wb") as f, ThreadPoolExecutor(1) as hasher:
-        hashed: list[Future[None]] = []
+        hashed: list[Future[object]] = []
         for piece in _pieces(prefix, (tensors[name] for name in order)):
             hashed.append(hasher.submit(digest.update, piece))  # in order: one worker
             f.write(piece)

@@ -17,16 +17,16 @@ Shard names follow the Hugging Face convention ``model-00001-of-00003.safetensor
 since the number of shards is unknown while streaming, shards are written under
 temporary names and renamed by :meth:`ShardedSafetensorsWriter.finish`.
 
-Every file is hashed (sha256) from the bytes as they are written, never read back:
+Every file is hashed (BLAKE3, :mod:`~exportlm.export._digest`) from the bytes as they are
+written, never read back:
 :attr:`WriteSummary.digests` is what the manifest lists. A full shard is written by a
 writer thread while the exporter converts the next tensors (``write_threads`` shards
-at a time; ``file.write`` and ``hashlib`` release the GIL), and within one file a
+at a time; ``file.write`` and ``blake3`` release the GIL), and within one file a
 second thread hashes each piece while the next is written.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from exportlm.errors import DuplicateTensorError, ExportFailedError, InvalidInputError
+from exportlm.export._digest import digest_bytes
 from exportlm.export.hf_checkpoint.naming import CheckpointNamer
 from exportlm.export.hf_checkpoint.safetensors_file import (
     SAFETENSORS_DTYPES,
@@ -200,7 +201,7 @@ class ShardedSafetensorsWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:
             f.write(data)
-        digest = FileDigest(hashlib.sha256(data).hexdigest(), len(data))
+        digest = FileDigest(digest_bytes(data), len(data))
         self._extra[name] = digest
         return digest
 
@@ -229,7 +230,7 @@ class ShardedSafetensorsWriter:
             }
             raw = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
             (self.directory / INDEX_NAME).write_bytes(raw)
-            found[INDEX_NAME] = FileDigest(hashlib.sha256(raw).hexdigest(), len(raw))
+            found[INDEX_NAME] = FileDigest(digest_bytes(raw), len(raw))
             index_file = INDEX_NAME
         return WriteSummary(
             files=files,

@@ -24,7 +24,6 @@ The same checks are the error-level file rules of ``exportlm inspect``.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from exportlm.hfdir import (
 )
 from exportlm.inspection import (
     config_field_problems,
+    layer_gap,
     quant_config_problems,
     read_safetensors_header,
 )
@@ -54,9 +54,6 @@ __all__ = [
     "read_model_config",
     "read_stored_tensors",
 ]
-
-#: The stored layer index of a decoder block (``model.layers.3.``, ``transformer.h.3.``, ``blocks.3.``).
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
 def read_model_config(directory: Path) -> dict[str, Any]:
@@ -223,18 +220,17 @@ def check_layer_count(config: Any, stored: StoredTensors) -> None:
     """Refuse a ``num_hidden_layers`` that disagrees with the stored layers, before a model exists.
 
     A config may ask for a million layers with the tensors of two: transformers would
-    build (and randomly initialise) them all. Checked where the names show layer
-    indices (``model.layers.{i}.``); other layouts are left to :func:`check_shapes`.
+    build (and randomly initialise) them all; a layer missing from the shards would be
+    built from random weights, silently. The rule is ``exportlm inspect``'s
+    ``layer-missing`` (:func:`exportlm.inspection.layer_gap`); layouts whose names show
+    no layer indices are left to :func:`check_shapes`.
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    count = getattr(text, "num_hidden_layers", None)
-    indices = {int(m[1]) for name in stored.tensors if (m := _LAYER.search(name))}
-    if not isinstance(count, int) or not indices or indices == set(range(count)):
+    gap = layer_gap(getattr(text, "num_hidden_layers", None), stored.tensors)
+    if gap is None:
         return
     raise MalformedCheckpointError(
-        f"config.json: num_hidden_layers is {count}, but the shards store layers "
-        f"{min(indices)}..{max(indices)} ({len(indices)} of them); fix config.json or copy "
-        "every shard",
+        gap.message(),
         path=next(iter(stored.files.values())).parent / CONFIG_NAME,
         field="num_hidden_layers",
     )

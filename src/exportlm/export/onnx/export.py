@@ -30,6 +30,7 @@ import itertools
 import os
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from torch import nn
 
 from exportlm._transformers_model import is_transformers_model
 from exportlm.errors import InvalidInputError, InvalidModelError, UnsupportedDtypeError
+from exportlm.export._cast import cast_copy
 from exportlm.export._optional import require_modules
 from exportlm.export._wrapper import ExportCacheWrapper, accepts_attention_mask
 from exportlm.export.declaration import TargetInfo
@@ -52,6 +54,7 @@ from exportlm.export.onnx._legacy import (
 from exportlm.export.onnx._past import check_kv_cache_options, torch_onnx_export
 from exportlm.export.onnx._qdq import check_quantized_export, qdq_refusal, quantized_graph
 from exportlm.export.onnx._serving import SERVING_FILES, check_serving_options
+from exportlm.export.options import resolve_dtype
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -151,10 +154,22 @@ def _check_dtypes(model: Any) -> None:
                 f"onnx export: {type(model).__name__} holds {tensor.dtype} tensors (first: "
                 f"{name!r}); onnxruntime's CPU kernels cannot run a "
                 f"{str(tensor.dtype).removeprefix('torch.')} graph (the session fails with "
-                f"NOT_IMPLEMENTED). Supported dtypes: {supported}. Export a float copy "
-                "(model.float() or model.half()), or load the model with dtype=torch.float32; "
-                "the hf_checkpoint target keeps bfloat16 weights"
+                f"NOT_IMPLEMENTED). Supported dtypes: {supported}. Pass "
+                "dtype=torch.float32 (CLI: -o dtype=fp32), export a float copy "
+                "(model.float()), or load the model with dtype=torch.float32; the "
+                "hf_checkpoint target keeps bfloat16 weights"
             )
+
+
+def _in_dtype(request: ExportRequest, dtype: Any) -> tuple[ExportRequest, torch.dtype | None]:
+    """The request with its model cast to ``dtype`` (a copy; see ``cast_copy``), and the dtype;
+    a model holding a dtype onnxruntime cannot run is refused (:func:`_check_dtypes`)."""
+    cast_to = None
+    if dtype is not None:
+        cast_to = resolve_dtype(dtype, where="onnx dtype", supported=_SUPPORTED_DTYPES)
+        request = replace(request, model=cast_copy(request.model, cast_to))
+    _check_dtypes(request.model)
+    return request, cast_to
 
 
 def _require_exporter(dynamo: bool) -> None:
@@ -243,6 +258,7 @@ def export_onnx_target(
     kv_cache: bool = False,
     layout: str = "file",
     genai_config: bool = False,
+    dtype: torch.dtype | str | None = None,
 ) -> Path:
     """Export ``model`` to an ONNX file at ``output_path``; returns the path.
 
@@ -273,18 +289,22 @@ def export_onnx_target(
             (``kv_cache=True``, transformers models; see :mod:`._serving`).
         genai_config: also write onnxruntime-genai's ``genai_config.json`` beside the graph
             (``kv_cache=True``, transformers models).
+        dtype: export a copy whose bfloat16 / float16 / float32 tensors are cast to this
+            dtype (``torch.float32`` or ``torch.float16``, or its name), e.g. a bfloat16
+            checkpoint as onnxruntime's CPU kernels can run it; the model is not changed.
+            Quantized (FP8, integer) tensors stay as they are. Default: the model's own.
 
     Raises:
         InvalidModelError / InvalidInputError: the model or inputs do not fit.
         UnsupportedDtypeError: the model holds bfloat16 tensors, which onnxruntime's CPU
-            kernels cannot run; supported: float32, float16.
+            kernels cannot run (pass ``dtype=torch.float32``); supported: float32, float16.
         MissingDependencyError: ``onnx`` (or, for ``dynamo=True``, ``onnxscript``) is
             not installed: ``pip install 'exportlm[onnx]'``.
         ExportFailedError: ``torch.onnx.export`` failed (the cause is chained).
     """
-    model = request.model
     _check_opset(opset)
-    _check_dtypes(model)
+    request, cast_to = _in_dtype(request, dtype)
+    model = request.model
     check_kv_cache_options(kv_cache, dynamo=dynamo, dynamic=dynamic, attention_mask=attention_mask)
     check_serving_options(model, layout=layout, genai_config=genai_config, kv_cache=kv_cache)
     check_quantized_export(model, opset=opset, dynamo=dynamo)
@@ -302,6 +322,7 @@ def export_onnx_target(
         "external_data": external_data,
         "attention_mask": attention_mask,
         "kv_cache": kv_cache,
+        **({"dtype": str(cast_to).removeprefix("torch.")} if cast_to is not None else {}),
     }
     if layout != "file" or genai_config:  # recorded only when asked: older manifests stay equal
         recorded.update(layout=layout, genai_config=genai_config)

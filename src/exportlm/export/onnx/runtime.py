@@ -12,6 +12,7 @@ without it.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from exportlm.errors import InvalidInputError, InvalidModelError, RuntimeUnavailableError
+from exportlm.errors import (
+    ExportLMError,
+    InvalidInputError,
+    InvalidModelError,
+    MalformedOnnxError,
+    RuntimeUnavailableError,
+)
 from exportlm.export._optional import require_modules
 from exportlm.export._past import PastLayout, flat_past_names
 from exportlm.export.generation import PastStepRuntime
@@ -177,6 +184,27 @@ def _providers(device: str, providers: Sequence[str] | None) -> list[str]:
     raise InvalidInputError(f"onnx runtime: unknown device {device!r}; expected 'cpu' or 'cuda'")
 
 
+def _refuse_unloadable(path: Path) -> None:
+    """Raise what onnxruntime would refuse in ``path`` as an exportlm error (needs ``onnx``).
+
+    The rules are ``exportlm inspect``'s (:func:`exportlm.inspection.onnx_load_problems`):
+    a custom-domain operator, external data outside the directory (by name or link),
+    missing or truncated external data, an opset too old for the initializers' dtypes.
+    """
+    if importlib.util.find_spec("onnx") is None:  # onnxruntime alone: its own errors, wrapped
+        return
+    from exportlm.inspection import onnx_load_problems
+
+    problems = onnx_load_problems(path)
+    if problems:
+        rule, subject, message = problems[0]
+        raise MalformedOnnxError(
+            f"{path}: {message} (rule {rule}: docs/checkpoint-rules.md#{rule})",
+            path=path,
+            field=subject,
+        )
+
+
 def load_onnx(
     artifact: Path,
     *,
@@ -203,6 +231,9 @@ def load_onnx(
         FileNotFoundError: no file at ``artifact``.
         RuntimeUnavailableError: ``device="cuda"`` without onnxruntime's CUDA provider.
         InvalidModelError: the graph's inputs are not the ones exportlm writes.
+        MalformedOnnxError: onnxruntime would refuse the file (``exportlm inspect``'s
+            error-level ONNX rules: a custom-domain operator, external data outside the
+            model's directory, ...), or refused it.
         InputTooLargeError: a file over 2 GiB (protobuf's limit), refused before it is read.
     """
     require_modules(
@@ -217,9 +248,18 @@ def load_onnx(
     options = ort.SessionOptions()
     options.log_severity_level = 4  # failures raise with the message; no duplicate stderr lines
     options.intra_op_num_threads = intra_op_num_threads or torch.get_num_threads()
-    session = ort.InferenceSession(
-        str(path), sess_options=options, providers=_providers(device, providers)
-    )
+    chosen = _providers(device, providers)
+    _refuse_unloadable(path)
+    try:
+        session = ort.InferenceSession(str(path), sess_options=options, providers=chosen)
+    except Exception as err:  # onnxruntime's Fail / InvalidGraph / ...: the file's defect
+        if isinstance(err, (MemoryError, ExportLMError)):
+            raise
+        raise MalformedOnnxError(
+            f"{path}: onnxruntime cannot load it ({type(err).__name__}: {err}); run "
+            f"'exportlm inspect {path}' to see which rule it breaks, or export it again",
+            path=path,
+        ) from err
     if any(i.name.startswith(f"{PAST_PREFIX}.") for i in session.get_inputs()):
         return OnnxGenerationRuntime(session, path)
     return OnnxRuntimeModel(session, path)

@@ -112,7 +112,7 @@ def verify_onnx(
         return failed(False, f"onnx.checker: {type(err).__name__}: {err}")
     try:
         actual = load_onnx(file, device=device)(ids).float()
-    except Exception as err:  # onnxruntime raises its own Fail / InvalidArgument classes
+    except Exception as err:  # MalformedOnnxError (what onnxruntime would refuse), or its own
         return failed(True, f"onnxruntime: {type(err).__name__}: {err}")
     if actual.shape != expected.shape:
         return failed(True, "shape mismatch", tuple(actual.shape), mismatch=1.0)

@@ -126,12 +126,24 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return (1.0 / scale.to(torch.float32)).reshape(1)
 
 
+def _positive_zeros(packed: torch.Tensor) -> torch.Tensor:
+    """E2M1 code 8 (-0.0) as code 0 (+0.0) in both nibbles, as compressed-tensors packs it.
+
+    The same value either way; ModelOpt keeps the sign of a value that rounds to zero.
+    """
+    low, high = packed & 0x0F, packed >> 4
+    low = torch.where(low == 8, torch.zeros_like(low), low)
+    high = torch.where(high == 8, torch.zeros_like(high), high)
+    return (high << 4) | low
+
+
 def nvfp4_codec() -> LeafCodec:
-    """``nvfp4-pack-quantized``: ModelOpt's codes and block scales, reciprocal global scales."""
+    """``nvfp4-pack-quantized``: ModelOpt's codes (zeros unsigned) and block scales, reciprocal
+    global scales."""
 
     def encode(leaves: LeafTensors) -> dict[str, torch.Tensor]:
         return {
-            "weight_packed": leaves["weight"],
+            "weight_packed": _positive_zeros(leaves["weight"]),
             "weight_scale": leaves["weight_scale"],
             "weight_global_scale": _reciprocal(leaves["weight_scale_2"]),
         }
