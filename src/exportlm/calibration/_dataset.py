@@ -51,7 +51,7 @@ def dataset_texts(path: Path, samples: int | None) -> list[str]:
     _vet(path)
     try:
         return _read(datasets, path, samples)
-    except ExportLMError:
+    except (ExportLMError, MemoryError):
         raise
     except Exception as err:  # datasets / pyarrow: TypeError, KeyError, ArrowInvalid, ...
         raise CalibrationDataError(
