@@ -20,6 +20,7 @@ __all__ = [
     "MalformedOnnxError",
     "CustomCodeRefusedError",
     "NotRegularFileError",
+    "InputTooLargeError",
     "MissingDependencyError",
     "OutputExistsError",
     "PluginLoadError",
@@ -214,6 +215,15 @@ class NotRegularFileError(ExportLMError, ValueError):
             f"from a {expected} (a FIFO or device could block or never end). "
             f"Pass the path of a {expected}."
         )
+
+
+class InputTooLargeError(ExportLMError, ValueError):
+    """An input over its size limit, refused before it is read or built: the message names
+    the size, the limit and how to go on. Attributes: ``what``, ``size`` (or ``None``), ``limit``."""
+
+    def __init__(self, message: str, *, what: str, size: int | None, limit: int) -> None:
+        self.what, self.size, self.limit = what, size, limit
+        super().__init__(message)
 
 
 class UnsupportedDtypeError(InvalidInputError):

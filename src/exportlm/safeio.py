@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from exportlm.errors import NotRegularFileError, UnsafeLockFileError
+from exportlm.errors import InputTooLargeError, NotRegularFileError, UnsafeLockFileError
 
 __all__ = [
     "ensure_directory",
@@ -140,15 +140,25 @@ def read_regular_bytes(
 ) -> bytes:
     """The bytes of the regular file ``path`` (see :func:`open_regular`).
 
-    With ``max_bytes``, a larger file raises :class:`ValueError` naming the limit
-    instead of being read whole.
+    With ``max_bytes``, a larger file raises :class:`~exportlm.errors.InputTooLargeError`
+    (a :class:`ValueError`) naming the limit: judged by the size ``fstat`` reports
+    before a byte is read (a sparse file of terabytes costs nothing), and by what
+    the read returns (a file that grows meanwhile), so at most ``max_bytes + 1``
+    bytes are ever held.
     """
     with open_regular(path, what=what) as handle:
         if max_bytes is None:
             return handle.read()
-        data = handle.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise ValueError(f"{what} {path} is larger than {max_bytes} bytes; pass a smaller file.")
+        size = os.fstat(handle.fileno()).st_size
+        data = b"" if size > max_bytes else handle.read(max_bytes + 1)
+    if size > max_bytes or len(data) > max_bytes:
+        raise InputTooLargeError(
+            f"{what} {path} is larger than {max_bytes} bytes ({max(size, len(data))} bytes); "
+            "pass a smaller file.",
+            what=what,
+            size=max(size, len(data)),
+            limit=max_bytes,
+        )
     return data
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from exportlm.calibration import CalibrationDataError
 from exportlm.errors import (
     ExportLMError,
+    InputTooLargeError,
     InvalidConfigError,
     NotRegularFileError,
     OutputExistsError,
@@ -19,7 +20,7 @@ EXIT_OK = 0
 #: The work failed: an export, a quantization or a verification.
 EXIT_FAILURE = 1
 #: The command line was wrong: arguments, option values, unknown names, missing paths,
-#: a FIFO, device or socket given where a file is read.
+#: a FIFO, device or socket given where a file is read, an input over its size limit.
 EXIT_USAGE = 2
 #: Interrupted with Ctrl-C (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
@@ -39,6 +40,7 @@ _USAGE_ERRORS: tuple[type[BaseException], ...] = (
     InvalidConfigError,
     NotRegularFileError,
     OutputExistsError,
+    InputTooLargeError,
 )
 
 

@@ -81,12 +81,18 @@ def _kind(path: Path) -> Any:
 
 
 def _parses(graph: Path) -> None:
+    from exportlm.inspection import check_onnx_size, read_onnx_model
+
     try:
-        import onnx
+        check_onnx_size(graph)  # before any engine opens it: a sparse 16 GiB file is read whole
+    except (ValueError, OSError) as err:  # InputTooLargeError, NotRegularFileError
+        raise UsageError(f"{graph}: {err}") from err
+    try:
+        import onnx  # noqa: F401 - only whether it is installed
     except ImportError:  # nothing to check with; the engine says what it thinks
         return
     try:
-        onnx.load(str(graph), load_external_data=False)
+        read_onnx_model(graph)
     except Exception as err:  # a DecodeError, a truncated file: not a model
         raise UsageError(f"{graph} is not an ONNX model: {type(err).__name__}: {err}") from err
 

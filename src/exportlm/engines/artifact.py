@@ -7,14 +7,13 @@ The result is what :meth:`Engine.support` takes.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exportlm.hfdir import read_config
+from exportlm.hfdir import read_config, read_json_object
 
 __all__ = ["ArtifactKind", "artifact_kind"]
 
@@ -85,9 +84,9 @@ def _onnx_layout(graph: Path) -> str:
     support-table row to look up; the comparison itself decides the outcome).
     """
     manifest = graph.with_name(graph.name + _MANIFEST_SUFFIX)
-    try:
-        options = json.loads(manifest.read_text(encoding="utf-8")).get("options") or {}
-    except (OSError, ValueError, AttributeError):
+    try:  # bounded, and a FIFO or device refused (ValueError) before it is read
+        options = read_json_object(manifest, what="ONNX manifest").get("options") or {}
+    except (OSError, ValueError):
         return "plain"
     return "kv_cache" if isinstance(options, dict) and options.get("kv_cache") else "plain"
 

@@ -23,9 +23,11 @@ from exportlm.inspection._names import (
     saved_tensor_names,
 )
 from exportlm.inspection._onnx import onnx_load_problems
+from exportlm.inspection._onnx_file import MAX_ONNX_BYTES, check_onnx_size, read_onnx_model
 from exportlm.inspection._rules import RULES, RULES_DOC, Finding, Rule, Severity, get_rule
 
 __all__ = [
+    "MAX_ONNX_BYTES",
     "RULES",
     "RULES_DOC",
     "Finding",
@@ -35,6 +37,7 @@ __all__ = [
     "Rule",
     "Severity",
     "TensorInfo",
+    "check_onnx_size",
     "checkpoint_name_problems",
     "config_field_problems",
     "escape_problem",
@@ -45,6 +48,7 @@ __all__ = [
     "listed_names",
     "onnx_load_problems",
     "quant_config_problems",
+    "read_onnx_model",
     "read_safetensors_header",
     "saved_tensor_names",
 ]

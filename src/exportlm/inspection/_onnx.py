@@ -1,8 +1,9 @@
 """Rules on ONNX files: opset, operators, external data, quantized initializers.
 
-The model is read with ``onnx.load(path, load_external_data=False)``: only the
-graph and the initializers' metadata; external-data files are checked by size,
-never read.
+The model is read with :func:`read_onnx_model` (external data not loaded): only
+the graph and the initializers' metadata, from a file of at most 2 GiB (protobuf's
+limit; a larger file is an ``onnx-unreadable`` finding, never read); external-data
+files are checked by size, never read.
 
 Two rules are onnxruntime's own refusals, which the ``onnx`` runtime checks before
 it creates a session (:func:`onnx_load_problems`, one implementation for both): an
@@ -17,8 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from exportlm.errors import MissingDependencyError
+from exportlm.errors import MissingDependencyError, NotRegularFileError
 from exportlm.inspection._files import escape_problem
+from exportlm.inspection._onnx_file import read_onnx_model
 from exportlm.inspection._rules import RULES, Finding, Severity
 
 __all__ = ["ONNXRUNTIME_DOMAINS", "QUANTIZED_ONNX_DTYPES", "onnx_findings", "onnx_load_problems"]
@@ -69,8 +71,10 @@ def onnx_findings(path: Path) -> tuple[list[Finding], dict[str, Any]]:
     """The findings of ONNX file ``path`` and its summary (opset, initializers, bytes)."""
     onnx = _onnx()
     try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as err:  # protobuf's DecodeError and OSError: the file is not ONNX
+        model = read_onnx_model(path)
+    except NotRegularFileError:
+        raise
+    except Exception as err:  # DecodeError, OSError, InputTooLargeError: the file is not ONNX
         finding = RULES["onnx-unreadable"].finding(
             path.name, f"{path.name} does not parse as an ONNX model: {type(err).__name__}: {err}"
         )

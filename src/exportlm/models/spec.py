@@ -23,19 +23,32 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from exportlm.errors import InvalidConfigError
+from exportlm.errors import InputTooLargeError, InvalidConfigError
 from exportlm.models.hf import _Family, _family, _make_config, build_from_config
 
 if TYPE_CHECKING:
     import transformers
 
-__all__ = ["SPEC_FAMILIES", "SPEC_FORMAT", "ModelSpec", "build_from_spec"]
+__all__ = [
+    "DEFAULT_MAX_SPEC_BYTES",
+    "MAX_SPEC_BYTES_ENV",
+    "SPEC_FAMILIES",
+    "SPEC_FORMAT",
+    "ModelSpec",
+    "build_from_spec",
+]
 
 #: ``"format"`` value of a spec written by :meth:`ModelSpec.to_dict`.
 SPEC_FORMAT = "exportlm.model_spec/1"
 #: family -> whether it is a mixture of experts. Dense families ignore the expert fields.
 SPEC_FAMILIES: dict[str, bool] = {"llama": False, "mixtral": True, "qwen3_moe": True}
 _MAX_POSITIONS = 64
+#: The memory a spec's model may take by default (its estimate, :meth:`ModelSpec.estimated_bytes`).
+DEFAULT_MAX_SPEC_BYTES = 2 << 30
+#: The environment variable that sets another budget, in bytes.
+MAX_SPEC_BYTES_ENV = "EXPORTLM_MAX_SPEC_BYTES"
+#: What one built module costs beyond its parameters (Python objects; about 2.8 KB measured).
+_MODULE_BYTES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +141,20 @@ class ModelSpec:
         """``hidden_size // num_heads``."""
         return self.hidden_size // self.num_heads
 
+    def parameter_count(self) -> int:
+        """About how many parameters the built model has (embeddings, layers, experts, norms)."""
+        hidden, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        attention = 2 * hidden * hidden + 2 * hidden * kv + 2 * self.head_dim
+        mlp = 3 * hidden * self.intermediate_size * max(self.num_experts, 1)
+        layer = attention + mlp + hidden * self.num_experts + 2 * hidden
+        embeddings = self.vocab_size * hidden * (1 if self.tie_embeddings else 2)
+        return embeddings + self.num_layers * layer + hidden
+
+    def estimated_bytes(self) -> int:
+        """About how much memory the built model takes: float32 parameters and its modules."""
+        modules = 4 + self.num_layers * (14 + 5 * self.num_experts)
+        return 4 * self.parameter_count() + _MODULE_BYTES * modules
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON-compatible form, with ``"format"`` first; :meth:`from_dict` reads it back."""
         return {"format": SPEC_FORMAT, **dataclasses.asdict(self)}
@@ -199,10 +226,14 @@ def build_from_spec(
     from the config alone, float32, eager attention, eval mode, weights from
     :func:`~exportlm.models.seeded_init_` with ``seed``; nothing is downloaded.
     A tied spec shares one ``lm_head`` / ``embed_tokens`` parameter. Raises
-    :class:`~exportlm.errors.InvalidConfigError` for an invalid spec.
+    :class:`~exportlm.errors.InvalidConfigError` for an invalid spec, and
+    :class:`~exportlm.errors.InputTooLargeError` before allocating anything when
+    the model's :meth:`~ModelSpec.estimated_bytes` exceed the budget
+    (:data:`DEFAULT_MAX_SPEC_BYTES`, 2 GiB; ``EXPORTLM_MAX_SPEC_BYTES`` sets another).
     """
     if not isinstance(spec, ModelSpec):
         spec = ModelSpec.from_dict(spec)
+    _check_budget(spec)
     base = _family(spec.family)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # The spec's values go into the family's tiny config as its own values (not as
@@ -212,3 +243,37 @@ def build_from_spec(
         _Family(base.config_class, {**base.config, **spec.config_overrides()}), {}
     )
     return build_from_config(config, seed, f"spec:{spec.family}")
+
+
+def _max_spec_bytes() -> int:
+    raw = os.environ.get(MAX_SPEC_BYTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_SPEC_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise InvalidConfigError(
+            f"{MAX_SPEC_BYTES_ENV}={raw!r} is not a positive number of bytes; "
+            f"set it like {MAX_SPEC_BYTES_ENV}={8 << 30} (8 GiB), or unset it for "
+            f"the default of {DEFAULT_MAX_SPEC_BYTES}"
+        )
+    return value
+
+
+def _check_budget(spec: ModelSpec) -> None:
+    """Refuse a spec whose model would not fit the budget, before a byte is allocated."""
+    budget, need = _max_spec_bytes(), spec.estimated_bytes()
+    if need <= budget:
+        return
+    raise InputTooLargeError(
+        f"model spec {spec.family} (vocab_size={spec.vocab_size}, hidden_size="
+        f"{spec.hidden_size}, num_layers={spec.num_layers}, num_experts={spec.num_experts}) "
+        f"builds a model of about {need} bytes ({spec.parameter_count()} float32 parameters), "
+        f"over the budget of {budget} bytes; a spec describes a toy model: make it smaller, "
+        f"or set {MAX_SPEC_BYTES_ENV} to a larger number of bytes if the machine has the memory",
+        what="model spec",
+        size=need,
+        limit=budget,
+    )

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from exportlm.export._optional import require_modules
+from exportlm.inspection import read_onnx_model
 
 __all__ = ["OnnxInfo", "OnnxQuantizedInitializer", "OnnxValueInfo", "get_onnx_info"]
 
@@ -135,14 +136,14 @@ def get_onnx_info(path: str | os.PathLike[str]) -> OnnxInfo:
     Raises:
         MissingDependencyError: the ``onnx`` package is not installed.
         FileNotFoundError: no file at ``path``.
+        InputTooLargeError: a file over 2 GiB (protobuf's limit), refused before it is read.
     """
     require_modules("onnx", extra="onnx", purpose="reading an ONNX file with get_onnx_info")
-    import onnx
 
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"no ONNX file at {file}")
-    proto = onnx.load(str(file), load_external_data=False)
+    proto = read_onnx_model(file)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     sizes = [_initializer_bytes(t) for t in proto.graph.initializer]
     by_name = {t.name: size for t, (size, _) in zip(proto.graph.initializer, sizes, strict=True)}

@@ -33,6 +33,7 @@ from exportlm.export.generation import PastStepRuntime
 from exportlm.export.onnx._io import INPUT_NAMES, OUTPUT_NAMES
 from exportlm.export.onnx._past import PAST_PREFIX, PRESENT_PREFIX
 from exportlm.export.runtime import check_runtime_inputs
+from exportlm.inspection import check_onnx_size
 
 __all__ = ["OnnxGenerationRuntime", "OnnxRuntimeModel", "load_onnx"]
 
@@ -233,6 +234,7 @@ def load_onnx(
         MalformedOnnxError: onnxruntime would refuse the file (``exportlm inspect``'s
             error-level ONNX rules: a custom-domain operator, external data outside the
             model's directory, ...), or refused it.
+        InputTooLargeError: a file over 2 GiB (protobuf's limit), refused before it is read.
     """
     require_modules(
         "onnxruntime", extra="onnx", purpose="loading an artifact with the 'onnx' runtime"
@@ -242,6 +244,7 @@ def load_onnx(
     path = Path(artifact)
     if not path.is_file():
         raise FileNotFoundError(f"onnx runtime: no ONNX file at {path}")
+    check_onnx_size(path)  # onnxruntime would read a sparse 16 GiB file whole
     options = ort.SessionOptions()
     options.log_severity_level = 4  # failures raise with the message; no duplicate stderr lines
     options.intra_op_num_threads = intra_op_num_threads or torch.get_num_threads()

@@ -22,6 +22,7 @@ from exportlm.export._wrapper import ExportCacheWrapper
 from exportlm.export.onnx.export import ONNX_ATOL, ONNX_RTOL
 from exportlm.export.onnx.runtime import load_onnx
 from exportlm.inputs import resolve_example_inputs
+from exportlm.inspection import check_onnx_size
 
 __all__ = ["OnnxVerification", "verify_onnx"]
 
@@ -101,6 +102,10 @@ def verify_onnx(
             file, checker_ok, _NAN, _NAN, mismatch, shape, actual, atol, rtol, False, error
         )
 
+    try:
+        check_onnx_size(file)  # the checker and onnxruntime would read a 16 GiB sparse file whole
+    except (ValueError, OSError) as err:  # InputTooLargeError, NotRegularFileError, missing
+        return failed(False, f"{type(err).__name__}: {err}")
     try:
         onnx.checker.check_model(str(file), full_check=False)
     except Exception as err:  # the checker raises ValidationError and friends
