@@ -1,0 +1,38 @@
+"""Errors of quantization formats: unsupported, unclaimed, tied, unknown algorithms."""
+
+from __future__ import annotations
+
+from exportlm.errors._base import ExportLMError
+from exportlm.errors._export import ExportError
+from exportlm.errors._inputs import MalformedCheckpointError
+
+__all__ = [
+    "QuantizationError",
+    "TiedWeightsError",
+    "UnclaimedModuleError",
+    "UnknownQuantAlgoError",
+    "UnsupportedFormatError",
+]
+
+
+class QuantizationError(ExportLMError):
+    """Base class of fake-quantization and quantized-export errors."""
+
+
+class UnsupportedFormatError(QuantizationError, ValueError):
+    """A quantization format cannot be applied to a module or tensor of this shape."""
+
+
+class UnclaimedModuleError(QuantizationError, ExportError):
+    """A quantized module was not claimed by any registered module exporter."""
+
+
+class TiedWeightsError(QuantizationError, ExportError):
+    """Tensors declared tied hold different values."""
+
+
+class UnknownQuantAlgoError(MalformedCheckpointError, UnsupportedFormatError):
+    """A checkpoint declares a ``quant_algo`` (or scheme) that no registered format and no
+    known loader has: the checkpoint is malformed for this exportlm, and the format is
+    unsupported until one is registered (``exportlm.quant.formats.register_format``).
+    """
