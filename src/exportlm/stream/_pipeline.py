@@ -25,6 +25,7 @@ from exportlm.export.hf_checkpoint.naming import module_namer
 from exportlm.export.hf_checkpoint.sink import CheckpointSink, parse_size
 from exportlm.export.hf_checkpoint.target import HF_CHECKPOINT_TARGET
 from exportlm.export.hf_checkpoint.target import _one_torch_thread as one_torch_thread
+from exportlm.export.hf_checkpoint.tokenizer import write_payload
 from exportlm.inputs import make_input_ids
 from exportlm.module_exporters import ExportFormat, export_quantized_state
 from exportlm.quant import QuantRecipe
@@ -183,13 +184,19 @@ def export_streaming(
     with atomic_output(
         out, directory=True, overwrite=overwrite, before_publish=manifest.hook
     ) as staged:
-        for name in [*written.files, *([written.index_file] if written.index_file else [])]:
-            _link_or_copy(work.directory / name, staged / name)  # the work area keeps its own
+        _stage_files(run, written, staged)
         write_configs(source.model, staged, dtype, quant, format)
     work.remove()
     source.close()
     bound.report()
     return out
+
+
+def _stage_files(run: _Run, written: Any, staged: Path) -> None:
+    """The shards and index from the work area, and the source directory's tokenizer files."""
+    for name in [*written.files, *([written.index_file] if written.index_file else [])]:
+        _link_or_copy(run.work.directory / name, staged / name)  # the work area keeps its own
+    write_payload(staged, run.source.tokenizer_files)
 
 
 def _export_parts(
