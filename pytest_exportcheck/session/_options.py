@@ -76,6 +76,14 @@ _SPECS: tuple[_Spec, ...] = (
         "all",
     ),
     _Spec(
+        "--export-model",
+        "a local Hugging Face model directory to add as a row of every per-model check "
+        "(repeatable; ini export_models_dirs: one per line; see docs/checks.md)",
+        "append",
+        "PATH",
+        ini_key="export_models_dirs",
+    ),
+    _Spec(
         "--export-checks",
         "check ids to run: 'all' or a,b (default: all; see docs/checks.md)",
         "str",
@@ -223,6 +231,17 @@ def _path(config: pytest.Config, spec: _Spec) -> Path | None:
     return (base / str(ini)).resolve()
 
 
+def _paths(config: pytest.Config, spec: _Spec) -> tuple[Path, ...]:
+    """A repeatable path option: each relative to the invocation dir, or the ini file's dir."""
+    cli = config.getoption(spec.ini)
+    if cli:
+        values, base = cli, config.invocation_params.dir
+    else:
+        values = config.getini(spec.ini) or []
+        base = config.inipath.parent if config.inipath else config.rootpath
+    return tuple((Path(base) / str(v).strip()).resolve() for v in values if str(v).strip())
+
+
 @dataclass(frozen=True)
 class Options:
     """The resolved ``--export-*`` options of one pytest run."""
@@ -252,6 +271,8 @@ class Options:
     #: ``--export-shard=K/N``, or ``None`` for the whole suite.
     shard: Shard | None = None
     catalogue: int | None = None
+    #: ``--export-model`` / ini ``export_models_dirs``: model directories added as families.
+    model_dirs: tuple[Path, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -313,6 +334,7 @@ class Options:
             require_engines=bool(_value(config, specs["export_require_engines"])),
             **coverage_options(config),
             catalogue=parse_catalogue(_value(config, specs["exportcheck_catalogue"])),
+            model_dirs=_paths(config, specs["export_models_dirs"]),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
@@ -352,4 +374,5 @@ class Options:
             "lock": self.lock,
             "shard": None if self.shard is None else str(self.shard),
             "catalogue": self.catalogue,
+            "model_dirs": [str(p) for p in self.model_dirs],
         }
