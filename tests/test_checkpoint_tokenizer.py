@@ -73,6 +73,16 @@ def test_the_cli_copies_the_directory_s_tokenizer(
     exportlm.load_exported("hf_checkpoint", out)  # every file verified against the manifest
 
 
+def test_a_streamed_export_refuses_another_tokenizer(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    argv = ["export", "--target", "hf_checkpoint", "--model", str(model_dir), "--out", str(out)]
+    assert main([*argv, "--stream", "-o", f"tokenizer={tmp_path}"]) == 2
+    assert "-o tokenizer: not taken by a streaming export" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_a_changed_tokenizer_file_fails_the_manifest(model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = ["export", "--target", "hf_checkpoint", "--model", str(model_dir), "--out", str(out)]
