@@ -74,6 +74,29 @@ def test_the_ini_key_lists_model_directories(pytester: pytest.Pytester, model_di
     result.stdout.fnmatch_lines([f"*roundtrip_logits[[]torch_export-{NAME}-cpu[]] PASSED*"])
 
 
+def test_export_quantize_names_the_recipes_of_the_quantized_checks(
+    pytester: pytest.Pytester, model_dir: Path
+) -> None:
+    result = pytester.runpytest(
+        "--export-targets=hf_checkpoint",
+        f"--export-model={model_dir}",
+        f"--export-models={NAME}",
+        "--export-checks=loadable",
+        "--export-quantize=fp8",
+        "--export-report=report.json",
+    )
+    result.assert_outcomes(passed=2)  # + plugin_loads
+    report = json.loads((pytester.path / "report.json").read_text())
+    (item,) = [i for i in report["items"] if i["check"] == "loadable"]
+    assert set(item["details"]["checked"]) == {"fp8"}, item
+
+
+def test_an_unknown_recipe_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--export-targets=hf_checkpoint", "--export-quantize=fp9")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--export-quantize fp9*"])
+
+
 def test_a_directory_with_code_of_its_own_is_a_usage_error(
     pytester: pytest.Pytester, tmp_path: Path
 ) -> None:

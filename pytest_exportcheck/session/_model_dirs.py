@@ -13,7 +13,21 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["register_model_dirs"]
+__all__ = ["check_recipes", "register_model_dirs"]
+
+
+def check_recipes(recipes: Sequence[str]) -> None:
+    """``--export-quantize``: every recipe is one ``exportlm.quant.quantize`` takes."""
+    if not recipes:
+        return
+    from exportlm.errors import ExportLMError
+    from exportlm.quant import QuantRecipe
+
+    for recipe in recipes:
+        try:
+            QuantRecipe.parse(recipe)
+        except (ExportLMError, ValueError, TypeError) as err:
+            raise pytest.UsageError(f"--export-quantize {recipe}: {err}") from err
 
 
 def register_model_dirs(paths: Sequence[Path]) -> list[str]:

@@ -84,6 +84,14 @@ _SPECS: tuple[_Spec, ...] = (
         ini_key="export_models_dirs",
     ),
     _Spec(
+        "--export-quantize",
+        "quantization recipe(s) the quantized per-model checks (loadable, "
+        "roundtrip_quantized) use instead of their own lists: a,b (e.g. fp8 or "
+        "int4_awq,w8a8); default: each check's own",
+        "str",
+        "a,b",
+    ),
+    _Spec(
         "--export-checks",
         "check ids to run: 'all' or a,b (default: all; see docs/checks.md)",
         "str",
@@ -273,6 +281,8 @@ class Options:
     catalogue: int | None = None
     #: ``--export-model`` / ini ``export_models_dirs``: model directories added as families.
     model_dirs: tuple[Path, ...] = ()
+    #: ``--export-quantize``: the recipes of the quantized per-model checks (empty: theirs).
+    quantize: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -335,6 +345,11 @@ class Options:
             **coverage_options(config),
             catalogue=parse_catalogue(_value(config, specs["exportcheck_catalogue"])),
             model_dirs=_paths(config, specs["export_models_dirs"]),
+            quantize=tuple(
+                r.strip()
+                for r in str(_value(config, specs["export_quantize"]) or "").split(",")
+                if r.strip()
+            ),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
@@ -375,4 +390,5 @@ class Options:
             "shard": None if self.shard is None else str(self.shard),
             "catalogue": self.catalogue,
             "model_dirs": [str(p) for p in self.model_dirs],
+            "quantize": list(self.quantize),
         }

@@ -41,7 +41,7 @@ from pytest_exportcheck.session._junit import (
     wants_testcase_properties,
 )
 from pytest_exportcheck.session._markers import EXPECTED_WARNINGS, register_marker
-from pytest_exportcheck.session._model_dirs import register_model_dirs
+from pytest_exportcheck.session._model_dirs import check_recipes, register_model_dirs
 from pytest_exportcheck.session._nodes import ExportCheckItem, SuiteCollector
 from pytest_exportcheck.session._options import Options
 from pytest_exportcheck.session._report import REPORT_ATTRIBUTE, ReportBuilder, write_json_atomic
@@ -65,6 +65,7 @@ class ExportCheckSession:
         self.options = options
         self.report = ReportBuilder()
         register_model_dirs(options.model_dirs)  # the user's own models: families too
+        check_recipes(options.quantize)
         self.discovery: Discovery = discover()
         planner = Planner(self.discovery, CHECKS, catalogue=options.catalogue)
         self.xfails: XfailBook = _xfail_book(planner, options)
