@@ -148,10 +148,12 @@ def test_the_family_loads_the_directory_s_weights_in_float32(tmp_path: Path) -> 
 
 @pytest.mark.real_model
 def test_the_suite_gates_the_real_model(pytester: pytest.Pytester, real_model_dir: Path) -> None:
+    from exportlm.models.directory import directory_family_name
+
     result = pytester.runpytest(
         "--export-targets=hf_checkpoint",
         f"--export-model={real_model_dir}",
-        "--export-models=smollm2_135m_instruct_bf16_0_1_2",
+        f"--export-models={directory_family_name(real_model_dir)}",
         "--export-checks=roundtrip_logits",
         "--export-report=report.json",
         "-v",
