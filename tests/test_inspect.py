@@ -20,10 +20,16 @@ from exportlm.errors import InvalidInputError
 from exportlm.inspection import RULES, InspectionReport, Severity, inspect_checkpoint
 from exportlm.models import build_model
 from exportlm.quant import quantize
+from tests._model_dirs import toy_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo")
 Q_PROJ = "model.layers.0.self_attn.q_proj"
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    return toy_tokenizer()
 
 
 @functools.cache
@@ -32,7 +38,9 @@ def _quantized(family: str, recipe: str) -> Any:
 
 
 def export(tmp_path: Path, family: str = "llama", recipe: str = "fp8", **kwargs: Any) -> Path:
-    """A fresh export of ``family`` quantized with ``recipe`` (the model is built once)."""
+    """A fresh export of ``family`` quantized with ``recipe`` (the model is built once),
+    with its tokenizer, as a user exports a model they serve."""
+    kwargs.setdefault("tokenizer", _tokenizer())
     out: Path = exportlm.export_model(
         "hf_checkpoint", _quantized(family, recipe), tmp_path / f"{family}-{recipe}", **kwargs
     )
@@ -298,6 +306,15 @@ def test_kv_scales_without_a_declaration_warn(tmp_path: Path) -> None:
     report = inspect_checkpoint(out)
     assert report.ok
     assert rules_of(report, Severity.WARNING) == {"kv-scale-undeclared"}
+
+
+def test_a_checkpoint_without_its_tokenizer_warns(tmp_path: Path) -> None:
+    report = inspect_checkpoint(export(tmp_path, "llama", "fp8", tokenizer=None))
+    assert report.ok  # the weights load; serving it needs the tokenizer
+    (finding,) = [f for f in report.findings if f.rule == "tokenizer-missing"]
+    assert finding.severity is Severity.WARNING
+    assert "tokenizer.json" in finding.message
+    assert "tokenizer=" in finding.message
 
 
 def test_a_path_that_is_no_checkpoint_is_refused(tmp_path: Path) -> None:

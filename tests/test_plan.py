@@ -213,6 +213,7 @@ def test_case_options_are_typed_and_read_as_a_mapping() -> None:
         "expected_failure": "known",
         "engines": (),
         "require_engines": False,
+        "quantize": (),
     }
     assert case_options(("a", "b"), None) == CaseOptions("a,b", "cpu")
     assert options.get("nope") is None

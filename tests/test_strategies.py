@@ -120,8 +120,8 @@ def test_decoder_configs_reject_bad_multiple_of() -> None:
 def test_model_specs_are_valid_small_and_awkward(spec: ModelSpec) -> None:
     assert not spec.problems()
     assert 1 <= spec.num_layers <= 4
-    assert spec.hidden_size <= 64
-    assert spec.intermediate_size <= 128
+    assert spec.hidden_size <= 64 or spec.hidden_size == 192
+    assert spec.intermediate_size <= 128 or spec.intermediate_size == 320
     assert spec.num_heads % spec.num_kv_heads == 0
     assert spec.vocab_size % 64 != 0
     assert 97 <= spec.vocab_size <= 400
@@ -134,6 +134,7 @@ def test_model_specs_are_valid_small_and_awkward(spec: ModelSpec) -> None:
 def test_model_specs_cover_the_structures_the_toy_models_lack() -> None:
     seen: dict[str, set[object]] = {"family": set(), "tie": set(), "mqa": set()}
     layers: set[int] = set()
+    real: dict[str, set[object]] = {"hidden": set(), "intermediate": set(), "gqa": set()}
 
     @model_settings(max_examples=80)
     @given(model_specs())
@@ -142,12 +143,19 @@ def test_model_specs_cover_the_structures_the_toy_models_lack() -> None:
         seen["tie"].add(spec.tie_embeddings)
         seen["mqa"].add(spec.num_kv_heads == 1 < spec.num_heads)
         layers.add(spec.num_layers)
+        real["hidden"].add(spec.hidden_size % 128 != 0 and spec.hidden_size > 128)
+        real["intermediate"].add(spec.intermediate_size % 128 != 0 and spec.intermediate_size > 128)
+        real["gqa"].add(spec.num_heads // spec.num_kv_heads)
 
     collect()
     assert seen["family"] == {"llama", "mixtral", "qwen3_moe"}
     assert seen["tie"] == {True, False}
     assert True in seen["mqa"]
     assert max(layers) > 2
+    # real models' shapes, which INT4 groups of 128 refuse: 192 (576 / 3), 320, GQA ratio 3
+    assert True in real["hidden"]
+    assert True in real["intermediate"]
+    assert 3 in real["gqa"]
 
 
 @model_settings(max_examples=10)

@@ -11,6 +11,7 @@ runtime loader, the runtime) stop the check through
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from exportlm.export import (
     runtime_loader,
 )
 from exportlm.inputs import VERIFY_IDS_SEED
-from exportlm.models import model_names
+from exportlm.models import model_names, model_tolerance_scale
 from pytest_exportcheck.checks._api import CheckResult, TargetCase
 from pytest_exportcheck.checks._common import CheckAbort, attempt
 
@@ -72,9 +73,17 @@ IDS_SEED = VERIFY_IDS_SEED
 
 
 def target_info(case: TargetCase) -> TargetInfo:
-    """The declaration of ``case.target`` (a lookup failure fails the check)."""
+    """The declaration of ``case.target`` (a lookup failure fails the check).
+
+    For a family that declares a ``tolerance_scale`` (a user's model directory,
+    ``--export-model``), ``atol`` / ``rtol`` are the declared ones times that scale.
+    """
     ensure_exporters_registered()
-    return attempt(f"looking up target {case.target!r}", get_target_info, case.target)
+    info = attempt(f"looking up target {case.target!r}", get_target_info, case.target)
+    scale = model_tolerance_scale(case.model_name) if case.model_name else 1.0
+    if scale == 1.0:
+        return info
+    return dataclasses.replace(info, atol=info.atol * scale, rtol=info.rtol * scale)
 
 
 def require_device(case: TargetCase, info: TargetInfo) -> None:

@@ -28,6 +28,8 @@ class CaseOptions(Mapping[str, Any]):
         expected_failure: the reason the item is an expected failure, or ``None``.
         engines: ``--export-engine`` values (``NAME=PATH``) for the ``served`` check.
         require_engines: fail, instead of skip, when an engine has no interpreter.
+        quantize: ``--export-quantize`` recipes the quantized per-model checks use
+            instead of their own lists (empty: their own).
     """
 
     models: str = "all"
@@ -36,6 +38,7 @@ class CaseOptions(Mapping[str, Any]):
     expected_failure: str | None = None
     engines: tuple[str, ...] = ()
     require_engines: bool = False
+    quantize: tuple[str, ...] = ()
 
     def __getitem__(self, key: str) -> Any:
         if key not in _KEYS:
@@ -60,6 +63,7 @@ def case_options(
     expected_failure: str | None = None,
     engines: Iterable[str] = (),
     require_engines: bool = False,
+    quantize: Iterable[str] = (),
 ) -> CaseOptions:
     """The options of one item: ``models`` is ``"all"``, ``"a,b"`` or the families (none: all)."""
     chosen = models if isinstance(models, str) else ",".join(models)
@@ -70,4 +74,5 @@ def case_options(
         expected_failure,
         tuple(engines),
         require_engines,
+        tuple(quantize),
     )

@@ -89,6 +89,7 @@ class SuiteRunner:
             expected_failure=_xfail_reason(item),
             engines=self.options.engines,
             require_engines=self.options.require_engines,
+            quantize=self.options.quantize,
         )
 
     def __call__(self, item: ExportCheckItem) -> None:

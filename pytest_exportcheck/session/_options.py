@@ -16,6 +16,7 @@ from pytest_exportcheck.plan._selection import DEVICES, NameSelection, PlanReque
 from pytest_exportcheck.plan._shard import Shard
 from pytest_exportcheck.session._coverage_options import add_coverage_options, coverage_options
 from pytest_exportcheck.session._option_paths import check_kind, check_report_path
+from pytest_exportcheck.session._option_specs import _SPECS, _Spec
 from pytest_exportcheck.session._option_values import (
     UPDATE_SCOPES,
     parse_catalogue,
@@ -35,145 +36,6 @@ __all__ = [
 
 
 GROUP = "exportcheck"
-
-
-@dataclass(frozen=True)
-class _Spec:
-    flag: str
-    help: str
-    # "str" | "bool" | "path" | "choice" (an optional value: bare flag = "own") |
-    # "append" (repeatable; the ini key is a list of lines)
-    kind: str
-    metavar: str | None = None
-    default: str = ""
-    ini_key: str = ""  # an ini key other than the flag's twin
-
-    @property
-    def ini(self) -> str:
-        return self.ini_key or self.flag.removeprefix("--").replace("-", "_")
-
-
-_SPECS: tuple[_Spec, ...] = (
-    _Spec(
-        "--export-targets",
-        "export targets to check: 'all' or a,b (activates the suite; "
-        "'all' also selects every module exporter)",
-        "str",
-        "all|a,b",
-    ),
-    _Spec(
-        "--export-exporters",
-        "module exporters to check: 'all', 'none' or a,b (activates the suite)",
-        "str",
-        "all|a,b",
-    ),
-    _Spec(
-        "--export-models",
-        "toy model families (rows of the matrix): 'all' or a,b "
-        "(default: all, built in and plugin-registered)",
-        "str",
-        "all|a,b",
-        "all",
-    ),
-    _Spec(
-        "--export-checks",
-        "check ids to run: 'all' or a,b (default: all; see docs/checks.md)",
-        "str",
-        "all|a,b",
-        "all",
-    ),
-    _Spec(
-        "--export-device",
-        "device(s) the roundtrips run on: cpu, cuda or cpu,cuda (default: cpu)",
-        "str",
-        "cpu|cuda",
-        "cpu",
-    ),
-    _Spec(
-        "--export-require-device", "fail, instead of skip, items whose device is missing", "bool"
-    ),
-    _Spec(
-        "--export-xfails-file",
-        "expected failures: a file of node ids, one per line ('# reason' after one "
-        "optional), or a JSON object {item-id-pattern: reason}",
-        "path",
-        "PATH",
-    ),
-    _Spec(
-        "--export-update-goldens",
-        "rewrite golden files instead of comparing: 'own' (the default when the flag has no "
-        "value) writes only goldens of exporters your project's distribution provides; 'all' "
-        "also writes local copies of other distributions' goldens (they then shadow the shipped ones)",
-        "choice",
-        "own|all",
-    ),
-    _Spec(
-        "--export-goldens-dir",
-        "golden files directory (default: goldens/ under rootdir)",
-        "path",
-        "DIR",
-    ),
-    _Spec(
-        "--export-report",
-        "write the conformance matrix and per-item records as JSON",
-        "path",
-        "PATH.json",
-    ),
-    _Spec(
-        "--export-report-html",
-        "write the report as one self-contained HTML page: both matrices, each cell "
-        "linking to its items, the engines, the environment",
-        "path",
-        "PATH.html",
-    ),
-    _Spec(
-        "--export-report-badge",
-        "write an SVG badge (passed/total items, coloured by the verdict) for a README",
-        "path",
-        "PATH.svg",
-    ),
-    _Spec(
-        "--export-report-absolute-paths",
-        "keep this machine's absolute paths in the JSON report (default: relative to the "
-        "rootdir, home and user name redacted, fit to upload)",
-        "bool",
-    ),
-    _Spec("--export-no-cache", "do not reuse exported artifacts across runs", "bool"),
-    _Spec(
-        "--export-durations",
-        "print the N slowest exportcheck items with their time per phase (build, export, "
-        "cache, load, compare) and whether their artifact came from the cache (0: off)",
-        "str",
-        "N",
-        "0",
-    ),
-    _Spec(
-        "--export-engine",
-        "the interpreter (or venv) of a serving engine for the 'served' check, NAME=PATH; "
-        "repeatable (ini: one per line). EXPORTLM_ENGINE_<NAME> is honoured too",
-        "append",
-        "NAME=PATH",
-    ),
-    _Spec(
-        "--export-require-engines",
-        "fail, instead of skip, 'served' items whose engine has no interpreter (CI gates)",
-        "bool",
-    ),
-    _Spec(
-        "--export-only",
-        "run only the conformance suite; the repo's own tests are not collected",
-        "bool",
-    ),
-    _Spec(
-        "--export-catalogue",
-        "the catalogue version the plugin conforms to (ini: exportcheck_catalogue): only "
-        "checks and model families of that version run, newer ones are counted "
-        "(default: the current version, every item)",
-        "str",
-        "N",
-        ini_key="exportcheck_catalogue",
-    ),
-)
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -242,6 +104,17 @@ def _path(config: pytest.Config, spec: _Spec) -> Path | None:
     return (base / str(ini)).resolve()
 
 
+def _paths(config: pytest.Config, spec: _Spec) -> tuple[Path, ...]:
+    """A repeatable path option: each relative to the invocation dir, or the ini file's dir."""
+    cli = config.getoption(spec.ini)
+    if cli:
+        values, base = cli, config.invocation_params.dir
+    else:
+        values = config.getini(spec.ini) or []
+        base = config.inipath.parent if config.inipath else config.rootpath
+    return tuple((Path(base) / str(v).strip()).resolve() for v in values if str(v).strip())
+
+
 @dataclass(frozen=True)
 class Options:
     """The resolved ``--export-*`` options of one pytest run."""
@@ -276,6 +149,10 @@ class Options:
     #: ``--export-report-html`` / ``--export-report-badge``: the report as a page and a badge.
     report_html: Path | None = None
     report_badge: Path | None = None
+    #: ``--export-model`` / ini ``export_models_dirs``: model directories added as families.
+    model_dirs: tuple[Path, ...] = ()
+    #: ``--export-quantize``: the recipes of the quantized per-model checks (empty: theirs).
+    quantize: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -340,6 +217,12 @@ class Options:
             report_absolute_paths=bool(_value(config, specs["export_report_absolute_paths"])),
             report_html=_path(config, specs["export_report_html"]),
             report_badge=_path(config, specs["export_report_badge"]),
+            model_dirs=_paths(config, specs["export_models_dirs"]),
+            quantize=tuple(
+                r.strip()
+                for r in str(_value(config, specs["export_quantize"]) or "").split(",")
+                if r.strip()
+            ),
         )
         if options.only and not options.active:
             raise pytest.UsageError(
@@ -384,4 +267,6 @@ class Options:
             "lock": self.lock,
             "shard": None if self.shard is None else str(self.shard),
             "catalogue": self.catalogue,
+            "model_dirs": [str(p) for p in self.model_dirs],
+            "quantize": list(self.quantize),
         }

@@ -49,6 +49,7 @@ from pytest_exportcheck.session._junit import (
     wants_testcase_properties,
 )
 from pytest_exportcheck.session._markers import EXPECTED_WARNINGS, register_marker
+from pytest_exportcheck.session._model_dirs import check_recipes, register_model_dirs
 from pytest_exportcheck.session._nodes import ExportCheckItem, SuiteCollector
 from pytest_exportcheck.session._options import Options
 from pytest_exportcheck.session._redact import report_paths_redacted
@@ -77,6 +78,8 @@ class ExportCheckSession:
     def __init__(self, config: pytest.Config, options: Options, args: SuiteArgs) -> None:
         self.config = config
         self.options = options
+        register_model_dirs(options.model_dirs)  # the user's own models: families too
+        check_recipes(options.quantize)
         self.discovery: Discovery = discover()
         planner = Planner(self.discovery, CHECKS, catalogue=options.catalogue)
         self.xfails: XfailBook = _xfail_book(planner, options)

@@ -28,7 +28,9 @@ __all__ = [
     "read_config",
     "read_json_object",
     "refuse_custom_code",
+    "TOKENIZER_FILES",
     "shard_name_problem",
+    "tokenizer_files",
     "vet_model_directory",
 ]
 
@@ -37,6 +39,22 @@ CONFIG_NAME = "config.json"
 MAX_JSON_BYTES = 64 * 1024 * 1024
 #: Small JSON files beside config.json whose ``auto_map`` would also load code.
 _CODE_CONFIGS = ("tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
+#: The files of a model directory that its tokenizer and chat template are read from
+#: (what ``save_pretrained`` of transformers' tokenizers writes), copied into a checkpoint.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+#: The folder transformers saves a tokenizer's further named chat templates into.
+_TEMPLATES_FOLDER = "additional_chat_templates"
 
 
 def read_json_object(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
@@ -187,3 +205,50 @@ def _check_shard_names(root: Path) -> None:
                     path=index,
                     field="weight_map",
                 )
+
+
+def tokenizer_files(directory: str | os.PathLike[str]) -> dict[str, bytes]:
+    """The tokenizer files of ``directory`` (:data:`TOKENIZER_FILES`, ``additional_chat_templates/*.jinja``).
+
+    ``{relative name: bytes}``, empty when there is none. Each is read as
+    :func:`read_json_object` reads (a regular file, at most :data:`MAX_JSON_BYTES`), and a
+    symbolic link is followed only where it resolves inside ``directory`` (the rule of
+    :func:`shard_name_problem`). A directory whose tokenizer config would load code of
+    its own (``auto_map``, ``*.py``) is refused, as for loading it.
+
+    Raises:
+        CustomCodeRefusedError: ``auto_map`` or ``*.py`` files in ``directory``.
+        MalformedCheckpointError: a link out of the directory, or a file over the limit.
+        NotRegularFileError: a FIFO, device or socket under a tokenizer file's name.
+    """
+    root = Path(directory)
+    refuse_custom_code(root)
+    names = [name for name in TOKENIZER_FILES if os.path.lexists(root / name)]
+    templates = root / _TEMPLATES_FOLDER
+    if templates.is_dir() and _outside(root, _TEMPLATES_FOLDER) is None:
+        names += [f"{_TEMPLATES_FOLDER}/{p.name}" for p in sorted(templates.glob("*.jinja"))]
+    return {name: _tokenizer_file(root, name) for name in names}
+
+
+def _outside(root: Path, name: str) -> str | None:
+    folder, _, base = name.rpartition("/")
+    return shard_name_problem(root / folder if folder else root, base)
+
+
+def _tokenizer_file(root: Path, name: str) -> bytes:
+    path = root / name
+    problem = _outside(root, name)
+    if problem is None and name.startswith(_TEMPLATES_FOLDER):
+        problem = _outside(root, _TEMPLATES_FOLDER)  # the folder, too, stays inside
+    if problem is not None:
+        raise MalformedCheckpointError(
+            f"tokenizer file {path}: {problem}; expected the tokenizer's files inside the "
+            "model directory (copy them in, e.g. `cp -L`, to export them with the model)",
+            path=path,
+        )
+    try:
+        return read_regular_bytes(path, what="tokenizer file", max_bytes=MAX_JSON_BYTES)
+    except ValueError as err:
+        if isinstance(err, NotRegularFileError):
+            raise
+        raise MalformedCheckpointError(str(err), path=path) from err

@@ -80,6 +80,8 @@ class Tally:
     fp8_weights: int = 0
     quantized_models: int = 0
     not_fitting: Counter[str] = field(default_factory=Counter)
+    #: recipe -> why it refused the first structure it did not fit (the refusal, as is).
+    refusals: dict[str, str] = field(default_factory=dict)
 
 
 def generated_budget() -> int:

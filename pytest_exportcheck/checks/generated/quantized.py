@@ -251,6 +251,7 @@ def _check_spec(case: ExporterCase, spec: ModelSpec, state: tuple[Any, ...], tal
             ) from err
         if isinstance(q, str):
             tally.not_fitting[recipe] += 1
+            tally.refusals.setdefault(recipe, q)
             continue
         tally.quantized_models += 1
         involved = _involves(q, case.name)
@@ -343,13 +344,18 @@ def quantized_generated(case: ExporterCase) -> CheckResult:
         return uncovered(case.name, f"the toy models nor of {what}")
     if own is not None:
         tally.claimed += sum(1 for c in own.claims if c.exporter == case.name)
+    refused = "".join(
+        f"; {recipe} refused {tally.not_fitting[recipe]} structure(s) ({why})"
+        for recipe, why in sorted(tally.refusals.items())
+    )
     return CheckResult.passed(
         f"{tally.claimed} module(s) claimed by {case.name} in {tally.quantized_models} quantized "
         f"generated models; {tally.fp8_weights} of its FP8 weights bit-identical to fake quant; "
-        f"{seconds} s",
+        f"{seconds} s{refused}",
         claimed=tally.claimed,
         fp8_weights=tally.fp8_weights,
         seconds=seconds,
+        not_fitting=dict(tally.not_fitting),
     )
 
 

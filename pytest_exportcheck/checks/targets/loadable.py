@@ -67,8 +67,13 @@ def layout_options(case: TargetCase, recipe: str) -> dict[str, Any] | str:
     )
 
 
-def _recipes(skipped: dict[str, str]) -> Iterator[str]:
-    """:data:`LOADABLE_RECIPES`, then :data:`FALLBACK_RECIPE` if ``fp8+fp8_kv`` was skipped."""
+def _recipes(case: TargetCase, skipped: dict[str, str]) -> Iterator[str]:
+    """``--export-quantize``'s recipes; else :data:`LOADABLE_RECIPES`, then
+    :data:`FALLBACK_RECIPE` if ``fp8+fp8_kv`` was skipped."""
+    chosen = tuple(case.options.get("quantize") or ())
+    if chosen:
+        yield from chosen
+        return
     yield from LOADABLE_RECIPES
     if LOADABLE_RECIPES[0] in skipped:
         yield FALLBACK_RECIPE
@@ -88,7 +93,7 @@ def loadable(case: TargetCase) -> CheckResult:
     problems: list[str] = []
     checked: dict[str, dict[str, int]] = {}
     skipped: dict[str, str] = {}
-    for recipe in _recipes(skipped):
+    for recipe in _recipes(case, skipped):
         try:
             model = quantized_toy(case, name, recipe)
         except CheckAbort as abort:

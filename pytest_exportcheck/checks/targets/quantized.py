@@ -140,7 +140,7 @@ def roundtrip_quantized(case: TargetCase) -> CheckResult:
     name = default_model_name(case)
     passed: dict[str, Any] = {}
     skipped: dict[str, str] = {}
-    for recipe in QUANTIZED_RECIPES:
+    for recipe in tuple(case.options.get("quantize") or ()) or QUANTIZED_RECIPES:
         model = _quantized(case, name, recipe)
         if isinstance(model, str):
             skipped[recipe] = model

@@ -99,7 +99,22 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     plan.stream_inputs = getattr(args, "stream_inputs", None) or "quantized"
     if plan.verify and not plan.stream:
         _check_runtime(plan.target)
+    _default_tokenizer(plan, factory)
     return plan
+
+
+def _default_tokenizer(plan: ExportPlan, factory: Any) -> None:
+    """A model directory's tokenizer files go into the checkpoint (``tokenizer=`` the directory)."""
+    import inspect
+
+    if plan.source.kind != "directory" or plan.stream or "tokenizer" in plan.options:
+        return  # the streamed export copies the directory's own itself
+    try:
+        takes_tokenizer = "tokenizer" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no introspectable signature: nothing to pass
+        return
+    if takes_tokenizer:
+        plan.options["tokenizer"] = plan.source.path
 
 
 def _check_output(plan: ExportPlan, factory: Any) -> None:

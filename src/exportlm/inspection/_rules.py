@@ -190,6 +190,14 @@ _TABLE: tuple[Rule, ...] = (
         "files); exportlm's loader refuses such a checkpoint.",
     ),
     Rule(
+        "tokenizer-missing",
+        _W,
+        (_VLLM, _SGL, _HF),
+        "The checkpoint carries its tokenizer (tokenizer.json, tokenizer.model, vocab.json "
+        "or vocab.txt): a serving engine reads it, and the chat template, from the same "
+        "directory.",
+    ),
+    Rule(
         "quant-method-unknown",
         _E,
         (*_SERVING, _HF),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 from exportlm.errors import MalformedCheckpointError
@@ -292,3 +293,21 @@ def config_file_findings(checkpoint: Checkpoint) -> Iterator[Finding]:
         checkpoint.hf_quant_config, checkpoint.config
     ):
         yield RULES[rule].finding(subject, message)
+    yield from _tokenizer(checkpoint)
+
+
+#: The files a tokenizer's vocabulary is read from; one of them makes the checkpoint servable.
+_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _tokenizer(checkpoint: Checkpoint) -> Iterator[Finding]:
+    """``tokenizer-missing``: no vocabulary file beside the weights."""
+    if any(os.path.lexists(checkpoint.directory / name) for name in _VOCABULARY_FILES):
+        return
+    yield RULES["tokenizer-missing"].finding(
+        checkpoint.directory.name or str(checkpoint.directory),
+        f"no tokenizer file ({', '.join(_VOCABULARY_FILES)}): vLLM and transformers "
+        "cannot serve the checkpoint as it is. Export it with its tokenizer (`exportlm "
+        "export --model DIR` copies the directory's; export_model(..., tokenizer=...)) or "
+        "copy the source model's tokenizer files and chat template into it",
+    )

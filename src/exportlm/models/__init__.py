@@ -40,6 +40,7 @@ from exportlm.models.registry import (
     model_failure_causes,
     model_names,
     model_since,
+    model_tolerance_scale,
     model_traits,
     register_builtin_models,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "model_failure_causes",
     "model_names",
     "model_since",
+    "model_tolerance_scale",
     "model_traits",
     "register_builtin_models",
     "seeded_init_",

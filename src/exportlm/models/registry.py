@@ -11,6 +11,7 @@ attribute) it also declares the conformance items it is known to fail, with why.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ __all__ = [
     "model_failure_causes",
     "model_names",
     "model_since",
+    "model_tolerance_scale",
     "model_traits",
     "register_builtin_models",
 ]
@@ -259,6 +261,17 @@ def model_since(name: str) -> int | None:
     ensure_models_registered()
     since = getattr(MODEL_REGISTRY.get(name), "since", None)
     return since if isinstance(since, int) and not isinstance(since, bool) else None
+
+
+def model_tolerance_scale(name: str) -> float:
+    """How much family ``name`` widens the targets' ``atol`` / ``rtol`` (1.0 unless it declares
+    a ``tolerance_scale``, as a model directory does; an unknown name is 1.0)."""
+    ensure_models_registered()
+    if name not in MODEL_REGISTRY:
+        return 1.0
+    scale = getattr(MODEL_REGISTRY.get(name), "tolerance_scale", 1.0)
+    ok = isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
+    return max(1.0, float(scale)) if ok else 1.0
 
 
 def model_names() -> list[str]:

@@ -22,6 +22,7 @@ from exportlm.export.hf_checkpoint.naming import module_namer
 from exportlm.export.hf_checkpoint.sink import CheckpointSink
 from exportlm.export.hf_checkpoint.target import HF_CHECKPOINT_TARGET
 from exportlm.export.hf_checkpoint.target import _one_torch_thread as one_torch_thread
+from exportlm.export.hf_checkpoint.tokenizer import write_payload
 from exportlm.inputs import make_input_ids
 from exportlm.module_exporters import ExportFormat, export_quantized_state
 from exportlm.quant import QuantRecipe
@@ -211,6 +212,7 @@ def _publish(
         out, directory=True, overwrite=overwrite, before_publish=manifest.hook
     ) as staged:
         work.link_into(staged, [*written.files, *filter(None, [written.index_file])])
+        write_payload(staged, run.source.tokenizer_files)
         write_configs(source.model, staged, dtype, quant, run.format)
     work.remove()
 

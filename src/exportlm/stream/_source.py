@@ -30,7 +30,7 @@ from torch import nn
 
 from exportlm.errors import InvalidConfigError, MalformedCheckpointError
 from exportlm.export.hf_checkpoint.sink import SAFETENSORS_DTYPES
-from exportlm.hfdir import CONFIG_NAME, vet_model_directory
+from exportlm.hfdir import CONFIG_NAME, tokenizer_files, vet_model_directory
 from exportlm.stream._names import CheckpointNames
 
 __all__ = ["CheckpointSource", "DecoderLayout"]
@@ -61,11 +61,14 @@ class CheckpointSource:
         model: the causal LM on the ``meta`` device (loaded modules hold CPU tensors).
         layout: where its decoder layers are.
         shard_of: ``{tensor name: shard file}`` from the index (or the single file).
+        tokenizer_files: the directory's tokenizer files (``{name: bytes}``), read up
+            front and written into the checkpoint with its configs.
     """
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         vet_model_directory(self.directory)
+        self.tokenizer_files = tokenizer_files(self.directory)
         self.model: Any = _meta_model(self.directory)
         self.layout = _decoder_layout(self.model)
         self.shard_of = _shard_map(self.directory)

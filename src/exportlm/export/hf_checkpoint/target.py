@@ -8,6 +8,7 @@ Layout (see ``docs/checkpoint-format.md``)::
       config.json                        # the model's config (+ quantization_config)
       generation_config.json             # when the model can generate
       hf_quant_config.json               # only when quantized, modelopt format
+      tokenizer.json, tokenizer_config.json, chat_template.jinja, ...   # with tokenizer=
 
 The export driver (:func:`exportlm.module_exporters.export_quantized_state`) walks the
 model one module at a time and hands every tensor to a
@@ -26,6 +27,7 @@ SGLang, transformers) can rebuild. A plain torch decoder gets a clear reason.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import tempfile
 from collections.abc import Callable, Iterator
@@ -44,6 +46,7 @@ from exportlm.export.hf_checkpoint.configs import (
 )
 from exportlm.export.hf_checkpoint.naming import CheckpointNamer, module_namer
 from exportlm.export.hf_checkpoint.sink import CheckpointSink, ShardedSafetensorsWriter
+from exportlm.export.hf_checkpoint.tokenizer import describe_tokenizer, tokenizer_payload
 from exportlm.export.job import ExportRequest, export_job, job_target
 from exportlm.export.options import resolve_dtype
 
@@ -98,6 +101,7 @@ def export_hf_checkpoint(
     is_qlora: bool = False,
     example_inputs: Any = None,
     safe_serialization: bool = True,
+    tokenizer: Any = None,
 ) -> Path:
     """Write ``model`` (quantized with :func:`exportlm.quant.quantize`, or not) as an HF checkpoint.
 
@@ -118,6 +122,10 @@ def export_hf_checkpoint(
         is_qlora: drop LoRA adapters and write ``base_layer`` weights under the base names.
         example_inputs: accepted for API uniformity; nothing is traced.
         safe_serialization: must be true: the checkpoint is safetensors only, never pickle.
+        tokenizer: the tokenizer files to carry (``docs/checkpoint-format.md``): a
+            tokenizer object (its ``save_pretrained``) or a model directory (its
+            ``tokenizer.json``, ``tokenizer_config.json``, chat template, ...); read before
+            anything else is done. ``None``: weights and configs only.
 
     Returns:
         ``output_path``.
@@ -137,8 +145,14 @@ def export_hf_checkpoint(
         cast_to = resolve_dtype(dtype, where="hf_checkpoint dtype", supported=_FLOAT_DTYPES)
     from exportlm.module_exporters import export_quantized_state
 
+    tokenizer_files = tokenizer_payload(tokenizer)
+    if request.recorded is not None and "tokenizer" in request.recorded:
+        recorded = {**request.recorded, "tokenizer": describe_tokenizer(tokenizer)}
+        request = dataclasses.replace(request, recorded=recorded)
     options = {"format": format, "max_shard_size": max_shard_size, "dtype": cast_to}
     options |= {"overwrite": overwrite, "is_qlora": is_qlora}
+    if tokenizer is not None:
+        options["tokenizer"] = describe_tokenizer(tokenizer)
     with export_job(request, options=options, traced=False, overwrite=overwrite) as job:
         model, staging = job.model, job.staged
         job.manifest.hash_model_in_background()  # on worker threads while the export runs
@@ -151,6 +165,8 @@ def export_hf_checkpoint(
                 )
             quant = quantization_section(summary, module_namer(model, sink.namer, is_qlora))
             _write_configs(writer, model, cast_to, quant, format)
+            for name, data in tokenizer_files.items():
+                writer.write_file(name, data)
             written = writer.finish()
         except BaseException:
             writer.abort()  # no shard is being written into the directory about to be removed

@@ -1,7 +1,7 @@
 """The files serving runtimes read beside a ``kv_cache=True`` ONNX graph.
 
 * ``layout="optimum"``: ``config.json`` and ``generation_config.json`` (the model's
-  transformers config, as ``save_pretrained`` writes them), so the artifact's folder
+  transformers config and its own generation config, as ``save_pretrained`` writes them), so the artifact's folder
   is what Optimum's ``ORTModelForCausalLM.from_pretrained(folder)`` loads (name the
   file ``model.onnx``, Optimum's default, or pass ``file_name=``).
 * ``genai_config=True``: onnxruntime-genai's ``genai_config.json`` (the ``decoder``
@@ -87,9 +87,12 @@ def write_serving_files(
         from transformers import GenerationConfig
 
         config.to_json_file(str(folder / "config.json"))
-        GenerationConfig.from_model_config(config).to_json_file(
-            str(folder / "generation_config.json")
-        )
+        # The model's own (loaded from its directory: EOS lists, sampling defaults), else
+        # the one transformers derives from the config.
+        generation = getattr(model, "generation_config", None)
+        if generation is None:
+            generation = GenerationConfig.from_model_config(config)
+        generation.to_json_file(str(folder / "generation_config.json"))
     if genai:
         text = json.dumps(genai_config_for(config, graph.name, layout), indent=2, sort_keys=True)
         (folder / GENAI_CONFIG).write_text(text + "\n", encoding="utf-8")

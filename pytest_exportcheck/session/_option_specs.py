@@ -1,0 +1,167 @@
+"""The ``--export-*`` options as data: flag, help, kind, metavar, default, ini key.
+
+:func:`pytest_exportcheck.session._options.add_options` declares each with its ini twin
+(``--export-targets`` / ``export_targets``) and :class:`~._options.Options` reads them
+back. Imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["_SPECS", "_Spec"]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    flag: str
+    help: str
+    # "str" | "bool" | "path" | "choice" (an optional value: bare flag = "own") |
+    # "append" (repeatable; the ini key is a list of lines)
+    kind: str
+    metavar: str | None = None
+    default: str = ""
+    ini_key: str = ""  # an ini key other than the flag's twin
+
+    @property
+    def ini(self) -> str:
+        return self.ini_key or self.flag.removeprefix("--").replace("-", "_")
+
+
+_SPECS: tuple[_Spec, ...] = (
+    _Spec(
+        "--export-targets",
+        "export targets to check: 'all' or a,b (activates the suite; "
+        "'all' also selects every module exporter)",
+        "str",
+        "all|a,b",
+    ),
+    _Spec(
+        "--export-exporters",
+        "module exporters to check: 'all', 'none' or a,b (activates the suite)",
+        "str",
+        "all|a,b",
+    ),
+    _Spec(
+        "--export-models",
+        "toy model families (rows of the matrix): 'all' or a,b "
+        "(default: all, built in and plugin-registered)",
+        "str",
+        "all|a,b",
+        "all",
+    ),
+    _Spec(
+        "--export-model",
+        "a local Hugging Face model directory to add as a row of every per-model check "
+        "(repeatable; ini export_models_dirs: one per line; see docs/checks.md)",
+        "append",
+        "PATH",
+        ini_key="export_models_dirs",
+    ),
+    _Spec(
+        "--export-quantize",
+        "quantization recipe(s) the quantized per-model checks (loadable, "
+        "roundtrip_quantized) use instead of their own lists: a,b (e.g. fp8 or "
+        "int4_awq,w8a8); default: each check's own",
+        "str",
+        "a,b",
+    ),
+    _Spec(
+        "--export-checks",
+        "check ids to run: 'all' or a,b (default: all; see docs/checks.md)",
+        "str",
+        "all|a,b",
+        "all",
+    ),
+    _Spec(
+        "--export-device",
+        "device(s) the roundtrips run on: cpu, cuda or cpu,cuda (default: cpu)",
+        "str",
+        "cpu|cuda",
+        "cpu",
+    ),
+    _Spec(
+        "--export-require-device", "fail, instead of skip, items whose device is missing", "bool"
+    ),
+    _Spec(
+        "--export-xfails-file",
+        "expected failures: a file of node ids, one per line ('# reason' after one "
+        "optional), or a JSON object {item-id-pattern: reason}",
+        "path",
+        "PATH",
+    ),
+    _Spec(
+        "--export-update-goldens",
+        "rewrite golden files instead of comparing: 'own' (the default when the flag has no "
+        "value) writes only goldens of exporters your project's distribution provides; 'all' "
+        "also writes local copies of other distributions' goldens (they then shadow the shipped ones)",
+        "choice",
+        "own|all",
+    ),
+    _Spec(
+        "--export-goldens-dir",
+        "golden files directory (default: goldens/ under rootdir)",
+        "path",
+        "DIR",
+    ),
+    _Spec(
+        "--export-report",
+        "write the conformance matrix and per-item records as JSON",
+        "path",
+        "PATH.json",
+    ),
+    _Spec(
+        "--export-report-html",
+        "write the report as one self-contained HTML page: both matrices, each cell "
+        "linking to its items, the engines, the environment",
+        "path",
+        "PATH.html",
+    ),
+    _Spec(
+        "--export-report-badge",
+        "write an SVG badge (passed/total items, coloured by the verdict) for a README",
+        "path",
+        "PATH.svg",
+    ),
+    _Spec(
+        "--export-report-absolute-paths",
+        "keep this machine's absolute paths in the JSON report (default: relative to the "
+        "rootdir, home and user name redacted, fit to upload)",
+        "bool",
+    ),
+    _Spec("--export-no-cache", "do not reuse exported artifacts across runs", "bool"),
+    _Spec(
+        "--export-durations",
+        "print the N slowest exportcheck items with their time per phase (build, export, "
+        "cache, load, compare) and whether their artifact came from the cache (0: off)",
+        "str",
+        "N",
+        "0",
+    ),
+    _Spec(
+        "--export-engine",
+        "the interpreter (or venv) of a serving engine for the 'served' check, NAME=PATH; "
+        "repeatable (ini: one per line). EXPORTLM_ENGINE_<NAME> is honoured too",
+        "append",
+        "NAME=PATH",
+    ),
+    _Spec(
+        "--export-require-engines",
+        "fail, instead of skip, 'served' items whose engine has no interpreter (CI gates)",
+        "bool",
+    ),
+    _Spec(
+        "--export-only",
+        "run only the conformance suite; the repo's own tests are not collected",
+        "bool",
+    ),
+    _Spec(
+        "--export-catalogue",
+        "the catalogue version the plugin conforms to (ini: exportcheck_catalogue): only "
+        "checks and model families of that version run, newer ones are counted "
+        "(default: the current version, every item)",
+        "str",
+        "N",
+        ini_key="exportcheck_catalogue",
+    ),
+)

@@ -1,0 +1,87 @@
+"""The tokenizer files a checkpoint carries beside its weights (``tokenizer=``).
+
+A checkpoint is servable only with its tokenizer and chat template: vLLM and transformers
+read ``tokenizer.json`` / ``tokenizer_config.json`` / ``chat_template.jinja`` from the
+same directory. The ``hf_checkpoint`` target and the streaming export take them from a
+tokenizer object (its ``save_pretrained``) or a directory (its tokenizer files, read by
+:func:`exportlm.hfdir.tokenizer_files`: regular files, no link out of the directory, no
+directory that would run code of its own). They are read before the export does any
+work, so a refused tokenizer costs nothing, and written into the staged checkpoint, so
+the manifest lists each with its digest like every file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from exportlm.errors import InvalidInputError
+from exportlm.hfdir import tokenizer_files
+
+__all__ = ["describe_tokenizer", "tokenizer_payload"]
+
+#: What the export writes itself: a tokenizer's file never replaces one of these.
+_CHECKPOINT_OWN = ("config.json", "generation_config.json", "hf_quant_config.json")
+
+
+def tokenizer_payload(tokenizer: Any, scratch: Path | None = None) -> dict[str, bytes]:
+    """``{relative name: bytes}`` of ``tokenizer``'s files (empty for ``None``).
+
+    Args:
+        tokenizer: ``None``, a directory (``str`` / path: its tokenizer files), or an
+            object with ``save_pretrained(directory)`` (a transformers tokenizer or
+            processor), saved into a temporary folder under ``scratch``.
+        scratch: where that folder is made (default: the system's temporary folder).
+
+    Raises:
+        InvalidInputError: ``tokenizer`` is none of these, or names no directory.
+    """
+    if tokenizer is None:
+        return {}
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = Path(tokenizer)
+        if not path.is_dir():
+            raise InvalidInputError(
+                f"tokenizer={os.fspath(tokenizer)!r} is not a directory; expected a folder "
+                "holding the tokenizer's files (as save_pretrained writes them) or a "
+                "tokenizer object"
+            )
+        files = tokenizer_files(path)
+    else:
+        files = _saved(tokenizer, scratch)
+    return {name: data for name, data in files.items() if name not in _CHECKPOINT_OWN}
+
+
+def _saved(tokenizer: Any, scratch: Path | None) -> dict[str, bytes]:
+    save = getattr(tokenizer, "save_pretrained", None)
+    if not callable(save):
+        raise InvalidInputError(
+            f"tokenizer must be a directory or an object with save_pretrained() (a "
+            f"transformers tokenizer), got {type(tokenizer).__name__}"
+        )
+    with tempfile.TemporaryDirectory(dir=scratch, prefix=".tokenizer-") as tmp:
+        folder = Path(tmp)
+        save(str(folder))
+        return {
+            p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*"))
+            if p.is_file()
+        }
+
+
+def describe_tokenizer(tokenizer: Any) -> Any:
+    """What the manifest records of ``tokenizer=``: the path as given, or the object's class."""
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    return f"<{type(tokenizer).__name__}>"
+
+
+def write_payload(directory: Path, files: Mapping[str, bytes]) -> None:
+    """Write ``files`` under ``directory`` (a staged checkpoint)."""
+    for name, data in files.items():
+        path = directory / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
