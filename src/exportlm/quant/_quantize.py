@@ -31,8 +31,9 @@ from exportlm.quant._modules import (
     QuantMoELinear,
     quant_experts_class,
 )
+from exportlm.quant._options import OptionValue
 from exportlm.quant._quantizer import TensorQuantizer
-from exportlm.quant._recipe import ALGORITHMS, Algorithm, QuantRecipe, RecipeLike
+from exportlm.quant._recipe import Algorithm, QuantRecipe, RecipeLike, resolve_algorithm
 from exportlm.quant._refusals import (
     refuse_experts_algorithm,
     refuse_unconvertible,
@@ -65,6 +66,7 @@ def quantize(
     *,
     exclude: Sequence[str] | None = None,
     inplace: bool = True,
+    **options: OptionValue,
 ) -> nn.Module:
     """Fake-quantize ``model`` following ``recipe``; returns the quantized model.
 
@@ -85,6 +87,11 @@ def quantize(
             the AWQ scales are chosen.
         exclude: extra fnmatch patterns of module names never quantized.
         inplace: convert ``model`` itself (default) or a deep copy of it.
+        options: options of the default weight recipe, e.g. ``group_size=64`` for
+            ``int4_awq`` on input features not divisible by 128, ``alpha=0.5`` for a
+            SmoothQuant recipe (the same as spelling ``"int4_awq:group_size=64"``;
+            see ``docs/checkpoint-format.md``). An unknown option raises
+            :class:`~exportlm.errors.UnknownOptionError` naming the known ones.
 
     After calibration, linears that read the same input inside one parent
     (``q/k/v_proj``, ``gate/up_proj``) share their input amax and per-tensor weight
@@ -106,7 +113,7 @@ def quantize(
     ``quantize`` can be called on it again. With ``inplace=False`` the original
     is never modified.
     """
-    plan = QuantRecipe.parse(recipe, exclude)
+    plan = QuantRecipe.parse(recipe, exclude, options)
     if not inplace:
         model = copy.deepcopy(model)
     conversions = list(_plan(model, plan))
@@ -213,7 +220,7 @@ def _plan(model: nn.Module, recipe: QuantRecipe) -> Iterator[_Conversion]:
             refuse_unconvertible(name, module, recipe)
             continue
         algo_name = recipe.algo_for(name, default_applies=kind != "embedding")
-        algo = ALGORITHMS[algo_name] if algo_name else None
+        algo = resolve_algorithm(algo_name) if algo_name else None
         if kind == "experts" and algo is not None:
             refuse_experts_algorithm(name, module, algo)
         kv = recipe.kv_for(name) if kind == "linear" and _kv_role(name) else None
@@ -284,9 +291,11 @@ def _check_shapes(conversion: _Conversion) -> None:
         if need is not None:
             raise UnsupportedFormatError(
                 f"module {conversion.name!r} ({type(conversion.module).__name__}): recipe "
-                f"{algo.name!r} needs {need}, but {what} has shape {_weight_shape(conversion)} "
-                f"({rows} out x {cols} in). Exclude it (exclude=[{conversion.name!r}]) or give "
-                f"it another recipe ({{{conversion.name!r}: 'fp8'}})."
+                f"{algo.spelling!r} needs {need}, but {what} has shape "
+                f"{_weight_shape(conversion)} ({rows} out x {cols} in). "
+                f"{_fitting_group_sizes(algo, rows, cols)}Exclude it "
+                f"(exclude=[{conversion.name!r}]) or give it another recipe "
+                f"({{{conversion.name!r}: 'fp8'}})."
             )
     if not algo.weight_block:
         return  # unchanged behaviour: the experts check below runs for block recipes only
@@ -298,6 +307,24 @@ def _check_shapes(conversion: _Conversion) -> None:
             f"module {conversion.name!r} ({type(conversion.module).__name__}): only gated "
             "experts without a post-expert norm can be quantized; exclude it"
         )
+
+
+def _fitting_group_sizes(algo: Algorithm, rows: int, cols: int) -> str:
+    """The sentence naming the ``group_size`` options that fit ``[rows, cols]``, or ``""``."""
+    spec = get_format(algo.weight)
+    fits = [
+        size
+        for size in sorted(algo.group_sizes, reverse=True)
+        if size != algo.weight_block and spec.shape_problem(rows, cols, size) is None
+    ]
+    if not fits:
+        return ""
+    sizes = " or ".join(f"group_size={size}" for size in fits)
+    return (
+        f"{sizes} divides {cols}: quantize with {algo.name}:group_size={fits[0]} "
+        f"(--quantize {algo.name}:group_size={fits[0]}, or quantize(model, {algo.name!r}, "
+        f"group_size={fits[0]})). "
+    )
 
 
 # -- conversion ---------------------------------------------------------------
@@ -352,6 +379,8 @@ def _convert(c: _Conversion) -> None:
         module.output_quantizer = output
     module.quant_algo = algo.quant_algo if algo else None
     module.group_size = algo.group_size if algo else None
+    if algo is not None and algo.smoothquant_alpha is not None:
+        module.smoothquant_alpha = algo.smoothquant_alpha  # the recipe's, options applied
 
 
 def _weights(module: QuantModule) -> Iterator[tuple[TensorQuantizer, torch.Tensor]]:

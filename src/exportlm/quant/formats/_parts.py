@@ -106,6 +106,7 @@ class WeightRecipe:
     input_format: str | None = None
     smoothquant_alpha: float | None = None
     smoothquant_fold: bool = False
+    group_sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
