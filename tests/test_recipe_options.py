@@ -44,7 +44,7 @@ def test_group_size_128_refuses_hidden_192_naming_the_sizes_that_divide_it() -> 
 
 
 def test_unknown_options_and_values_are_refused_naming_the_known_ones() -> None:
-    with pytest.raises(UnknownOptionError, match="'group_sze'.*accepted: group_size"):
+    with pytest.raises(UnknownOptionError, match=r"'group_sze'.*accepted: group_size"):
         quantize(_toy(), "int4_awq", group_sze=64)
     with pytest.raises(UnknownOptionError, match="accepted: group_size"):
         QuantRecipe.parse("int4_awq:group_sze=64")
