@@ -36,6 +36,7 @@ from exportlm.quant._quantizer import TensorQuantizer
 from exportlm.quant._recipe import Algorithm, QuantRecipe, RecipeLike, resolve_algorithm
 from exportlm.quant._refusals import (
     refuse_experts_algorithm,
+    refuse_shapes,
     refuse_unconvertible,
     refuse_unplaceable_kv_cache,
 )
@@ -44,7 +45,13 @@ from exportlm.quant._tensor import FormatId, QuantFormat
 from exportlm.quant._transaction import QuantizeSteps, quantize_transaction
 from exportlm.quant.formats import get_format
 
-__all__ = ["iterable_expert_lists", "quantize", "unify_expert_input_amax", "wrap_module"]
+__all__ = [
+    "check_recipe",
+    "iterable_expert_lists",
+    "quantize",
+    "unify_expert_input_amax",
+    "wrap_module",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +88,8 @@ def quantize(
             ``lm_head``, MoE routers and embeddings stay unquantized by default.
         calibrate: ``calibrate(model)`` runs the calibration forwards (max
             calibration of activations). Default: one forward on deterministic
-            ``input_ids`` from :func:`exportlm.export.make_input_ids`. AWQ recipes
+            ``input_ids`` from :func:`exportlm.export.make_input_ids`. A weight-only
+            recipe (``int8_wo``) never calls it: every scale comes from the weights. AWQ recipes
             call it twice (statistics, then the scale search), so it must run the
             same forwards on every call; see ``docs/checkpoint-format.md`` for how
             the AWQ scales are chosen.
@@ -116,19 +124,19 @@ def quantize(
     plan = QuantRecipe.parse(recipe, exclude, options)
     if not inplace:
         model = copy.deepcopy(model)
-    conversions = list(_plan(model, plan))
-    refuse_unplaceable_kv_cache(model, plan, conversions)
-    for conversion in conversions:
-        _check_shapes(conversion)
+    conversions = _checked_plan(model, plan)
     with quantize_transaction(model) as steps:
         with steps.step("conversion"):
             for conversion in conversions:
                 _convert(conversion)
             route_kv_cache_to_attention(model)  # K / V quantized where they are cached
             _init_weight_amax(model)
-        groups = _calibrate_and_smooth(
-            model, calibrate, steps, any(c.algo is not None and c.algo.awq for c in conversions)
-        )
+        groups: list[list[QuantLinear]] = []
+        if _calibrates(conversions):
+            awq = any(c.algo is not None and c.algo.awq for c in conversions)
+            groups = _calibrate_and_smooth(model, calibrate, steps, awq)
+        else:
+            logger.info("weight-only recipe: every scale comes from the weights; no calibration")
         with steps.step("amax unification"):
             unify_groups(model, groups)
             for experts in iterable_expert_lists(model).values():
@@ -139,6 +147,39 @@ def quantize(
             check_finite(model)
     logger.info("quantized %d module(s) of %s", len(conversions), type(model).__name__)
     return model
+
+
+def check_recipe(
+    model: nn.Module,
+    recipe: RecipeLike,
+    *,
+    exclude: Sequence[str] | None = None,
+    **options: OptionValue,
+) -> bool:
+    """Refuse what :func:`quantize` would refuse before converting, changing nothing.
+
+    The recipe, its options and every module's shape are checked, on a model whose
+    weights may be on the ``meta`` device (a skeleton built from ``config.json``), so a
+    refusal costs no loading and no calibration. Returns whether the recipe runs
+    calibration forwards (``False``: weight-only, every scale from the weights).
+
+    Raises what :func:`quantize` raises for them (``UnknownNameError``,
+    ``UnknownOptionError``, ``UnsupportedFormatError``, ``QuantizationError``).
+    """
+    return _calibrates(_checked_plan(model, QuantRecipe.parse(recipe, exclude, options)))
+
+
+def _checked_plan(model: nn.Module, plan: QuantRecipe) -> list[_Conversion]:
+    conversions = list(_plan(model, plan))
+    refuse_unplaceable_kv_cache(model, plan, conversions)
+    for c in conversions:
+        refuse_shapes(c.name, c.module, c.kind, c.algo)
+    return conversions
+
+
+def _calibrates(conversions: Sequence[_Conversion]) -> bool:
+    """Some module needs calibration forwards (activations, AWQ, SmoothQuant or KV scales)."""
+    return any(c.kv is not None or (c.algo is not None and c.algo.calibrates) for c in conversions)
 
 
 def _calibrate_and_smooth(
@@ -262,69 +303,6 @@ def iterable_expert_lists(model: nn.Module) -> dict[str, nn.ModuleList]:
 def _kv_role(name: str) -> str | None:
     leaf = name.rsplit(".", 1)[-1]
     return {"k_proj": "k", "v_proj": "v"}.get(leaf)
-
-
-def _weight_shape(conversion: _Conversion) -> tuple[int, ...]:
-    module: Any = conversion.module
-    if conversion.kind == "experts":  # the first stored expert weight
-        return tuple(next(module.parameters()).shape)
-    return tuple(module.weight.shape)
-
-
-def _in_dims(conversion: _Conversion) -> list[tuple[str, int, int]]:
-    """(what, rows, input features) of each weight the algorithm quantizes."""
-    module: Any = conversion.module
-    if conversion.kind != "experts":
-        rows, cols = module.weight.shape
-        return [("weight", rows, cols)]
-    base = experts_base(module)
-    return [] if base is None else base.weight_dims(module)
-
-
-def _check_shapes(conversion: _Conversion) -> None:
-    algo = conversion.algo
-    if algo is None:
-        return
-    spec = get_format(algo.weight)
-    for what, rows, cols in _in_dims(conversion):
-        need = spec.shape_problem(rows, cols, algo.weight_block)
-        if need is not None:
-            raise UnsupportedFormatError(
-                f"module {conversion.name!r} ({type(conversion.module).__name__}): recipe "
-                f"{algo.spelling!r} needs {need}, but {what} has shape "
-                f"{_weight_shape(conversion)} ({rows} out x {cols} in). "
-                f"{_fitting_group_sizes(algo, rows, cols)}Exclude it "
-                f"(exclude=[{conversion.name!r}]) or give it another recipe "
-                f"({{{conversion.name!r}: 'fp8'}})."
-            )
-    if not algo.weight_block:
-        return  # unchanged behaviour: the experts check below runs for block recipes only
-    if conversion.kind == "experts" and (
-        not getattr(conversion.module, "has_gate", True)
-        or getattr(conversion.module, "has_post_expert_norm", False)
-    ):
-        raise UnsupportedFormatError(
-            f"module {conversion.name!r} ({type(conversion.module).__name__}): only gated "
-            "experts without a post-expert norm can be quantized; exclude it"
-        )
-
-
-def _fitting_group_sizes(algo: Algorithm, rows: int, cols: int) -> str:
-    """The sentence naming the ``group_size`` options that fit ``[rows, cols]``, or ``""``."""
-    spec = get_format(algo.weight)
-    fits = [
-        size
-        for size in sorted(algo.group_sizes, reverse=True)
-        if size != algo.weight_block and spec.shape_problem(rows, cols, size) is None
-    ]
-    if not fits:
-        return ""
-    sizes = " or ".join(f"group_size={size}" for size in fits)
-    return (
-        f"{sizes} divides {cols}: quantize with {algo.name}:group_size={fits[0]} "
-        f"(--quantize {algo.name}:group_size={fits[0]}, or quantize(model, {algo.name!r}, "
-        f"group_size={fits[0]})). "
-    )
 
 
 # -- conversion ---------------------------------------------------------------
