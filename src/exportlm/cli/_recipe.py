@@ -11,6 +11,7 @@ still before calibration.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from exportlm.cli._errors import UsageError
@@ -61,21 +62,19 @@ def check_model_recipe(source: ModelSource, recipe: Any) -> None:
         return
     from exportlm.quant import check_recipe
 
-    skeleton = _skeleton(source)
+    skeleton = _skeleton(source.path)
     if skeleton is not None:
         check_recipe(skeleton, recipe)
 
 
-def _skeleton(source: ModelSource) -> Any:
+def _skeleton(path: Path) -> Any:
     """The directory's causal LM on the ``meta`` device, or ``None`` where it cannot be built
     (loading then reports why, as it does without this check)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.from_pretrained(
-            source.path, local_files_only=True, trust_remote_code=False
-        )
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception:  # any failure here is reported by the real load, with its context
