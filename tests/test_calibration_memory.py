@@ -133,3 +133,18 @@ def test_peak_memory_of_calibration_does_not_grow_with_the_batches() -> None:
     # the same for both, within allocator noise (measured: +73 MB vs +39 MB).
     two, eight = _peak_growth_mb(2, "fp8"), _peak_growth_mb(8, "fp8")
     assert eight - two < 150, (two, eight)
+
+
+def test_the_head_computes_the_last_position_only_unless_it_is_quantized() -> None:
+    model = tiny_hf_model("llama", seed=0).eval()
+    batches = _batches(2, model.config.vocab_size)
+    rows: list[int] = []
+    model.lm_head.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[1]))
+    calibrate_with(batches)(model)
+    assert rows == [1, 1]  # no [rows, seq, vocabulary] logits for an unquantized head
+    rows.clear()
+    final_norm_out: list[torch.Tensor] = []
+    model.model.norm.register_forward_hook(lambda *a: final_norm_out.append(a[2].abs().amax()))
+    quantize(model, {"*": "fp8", "lm_head": "fp8"}, calibrate=calibrate_with(batches))
+    assert rows == [16, 16]  # a quantized head calibrates on every position
+    assert torch.equal(model.lm_head.input_quantizer.amax, torch.stack(final_norm_out).amax())
