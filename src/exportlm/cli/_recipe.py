@@ -26,8 +26,8 @@ def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
     Raises:
         UsageError: ``--exclude`` without ``--quantize``, or a malformed recipe.
         UnknownNameError, UnknownOptionError: an unknown recipe or option.
-        UnsupportedFormatError: ``--target hf_checkpoint`` in a layout (``-o format=``)
-            that cannot hold the recipe's formats, naming the one that can.
+        UsageError: also ``--target hf_checkpoint`` in a layout (``-o format=``) that
+            cannot hold the recipe's formats, naming the one that can (exit code 2).
     """
     exclude = list(getattr(args, "exclude", None) or [])
     if args.quantize is None:
@@ -48,7 +48,8 @@ def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
         layout = str(options.get("format", DEFAULT_LAYOUT))
         try:
             check_layout(recipe, layout)
-        except ValueError as err:  # an unknown layout name; the export would say the same
+        except ValueError as err:  # a layout that cannot hold the recipe (an
+            # UnsupportedFormatError), or an unknown layout name: both are the command line's
             raise UsageError(f"-o format={layout}: {err}") from err
     return recipe
 
