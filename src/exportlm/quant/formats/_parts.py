@@ -96,6 +96,8 @@ class WeightRecipe:
             that feeds them (llm-compressor's ``SmoothQuantModifier``: the layout then
             needs no ``pre_quant_scale``); ``False``: every linear, the scale kept as
             ``pre_quant_scale`` (ModelOpt's ``smoothquant``).
+        group_sizes: the group sizes the recipe takes as its ``group_size`` option
+            (``block_size`` among them); empty: ``block_size`` only.
     """
 
     name: str
