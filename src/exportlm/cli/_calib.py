@@ -47,8 +47,11 @@ class CalibrationRequest:
     batch_size: int
 
 
-def calibration_request(args: argparse.Namespace) -> CalibrationRequest | None:
+def calibration_request(args: argparse.Namespace, recipe: Any = None) -> CalibrationRequest | None:
     """The checked calibration flags, texts already read; ``None`` without ``--quantize``.
+
+    ``recipe`` (a :class:`~exportlm.quant.QuantRecipe`) that runs no calibration forward
+    (weight-only, ``int8_wo``): ``--calib-data`` is not read, and a warning says so.
 
     Raises:
         UsageError: a ``--calib-*`` flag without ``--quantize`` or ``--calib-data``.
@@ -65,6 +68,14 @@ def calibration_request(args: argparse.Namespace) -> CalibrationRequest | None:
         if given:
             raise UsageError(f"{', '.join(given)}: only used with --calib-data PATH")
         return CalibrationRequest(None, None, None, DEFAULT_BATCH_SIZE)
+    if recipe is not None and not _recipe_calibrates(recipe):
+        logger.warning(
+            "--calib-data %s is not read: recipe %s is weight-only (every scale comes from "
+            "the weights), so it runs no calibration",
+            args.calib_data,
+            args.quantize,
+        )
+        return CalibrationRequest(None, None, None, DEFAULT_BATCH_SIZE)
     samples = args.calib_samples or DEFAULT_SAMPLES
     return CalibrationRequest(
         data=args.calib_data,
@@ -74,23 +85,41 @@ def calibration_request(args: argparse.Namespace) -> CalibrationRequest | None:
     )
 
 
+def _recipe_calibrates(recipe: Any) -> bool:
+    """Some weight recipe of ``recipe`` (a ``QuantRecipe``) or its KV cache needs forwards."""
+    return recipe.kv_cache is not None or any(a.calibrates for a in recipe.algorithms())
+
+
 def quantize_model(
-    model: Any, recipe: str, request: CalibrationRequest, source: ModelSource
+    model: Any, recipe: Any, request: CalibrationRequest, source: ModelSource
 ) -> tuple[Any, dict[str, Any]]:
     """Quantize ``model`` with ``recipe`` on the requested calibration data.
 
-    Returns the quantized model and a JSON description of the calibration
-    (``export --json`` prints it).
+    The recipe is checked against the model first (:func:`exportlm.quant.check_recipe`),
+    so a shape it cannot take is refused before the data is tokenized or a forward runs;
+    a weight-only recipe runs no calibration at all. Returns the quantized model and a
+    JSON description of the calibration (``export --json`` prints it).
     """
-    from exportlm.quant import is_quantized_module, quantize
+    from exportlm.quant import check_recipe, is_quantized_module, quantize
 
-    calibrate, report = _calibration(model, request, source)
-    logger.info("quantizing with %s...", recipe)
+    if check_recipe(model, recipe):
+        calibrate, report = _calibration(model, request, source)
+    else:
+        calibrate, report = None, {"source": "none: weight-only, every scale from the weights"}
+    label = _label(recipe)
+    logger.info("quantizing with %s...", label)
     start = time.perf_counter()
     model = quantize(model, recipe, calibrate=calibrate)
     count = sum(1 for module in model.modules() if is_quantized_module(module))
-    logger.info("quantized %d modules (%s) in %.1f s", count, recipe, time.perf_counter() - start)
+    logger.info("quantized %d modules (%s) in %.1f s", count, label, time.perf_counter() - start)
     return model, {**report, "quantized_modules": count}
+
+
+def _label(recipe: Any) -> str:
+    """A recipe as spelled: the string itself, or a ``QuantRecipe``'s default and KV parts."""
+    if isinstance(recipe, str):
+        return recipe
+    return "+".join(p for p in (recipe.algo, recipe.kv_cache) if p) or "the recipe"
 
 
 def _calibration(

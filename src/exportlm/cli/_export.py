@@ -22,6 +22,7 @@ from exportlm.cli._calib import CalibrationRequest, calibration_request, quantiz
 from exportlm.cli._errors import EXIT_FAILURE, EXIT_OK, UsageError
 from exportlm.cli._model import ModelSource, resolve_model
 from exportlm.cli._options import parse_target_options
+from exportlm.cli._recipe import check_model_recipe, checked_recipe
 
 __all__ = ["ExportPlan", "cmd_export", "plan_export"]
 
@@ -38,7 +39,7 @@ class ExportPlan:
     model_argument: str
     out: Path
     seed: int
-    recipe: str | None
+    recipe: str | None  # as spelled on the command line
     calibration: CalibrationRequest | None
     verify: bool
     as_json: bool
@@ -47,6 +48,7 @@ class ExportPlan:
     stream: bool = False  # layer by layer (exportlm.stream), see cli/_stream.py
     max_memory: str | None = None
     stream_inputs: str = "quantized"
+    quant_recipe: Any = None  # the checked QuantRecipe (--quantize with --exclude)
 
 
 @dataclass
@@ -73,23 +75,24 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     ensure_exporters_registered()
     factory = EXPORT_REGISTRY.get(args.target)
     options = parse_target_options(args.target, factory, args.option)
-    if args.quantize is not None:
-        from exportlm.quant import QuantRecipe
-
-        QuantRecipe.parse(args.quantize)
+    recipe = checked_recipe(args, options)
+    source = resolve_model(args.model)
+    if recipe is not None:
+        check_model_recipe(source, recipe)  # shapes, before loading or reading any data
     plan = ExportPlan(
         target=args.target,
         options=options,
-        source=resolve_model(args.model),
+        source=source,
         model_argument=args.model,
         out=args.out,
         seed=args.seed,
         recipe=args.quantize,
-        calibration=calibration_request(args),
+        calibration=calibration_request(args, recipe),
         verify=args.verify,
         as_json=args.json,
         verify_shapes=tuple(getattr(args, "verify_shape", None) or ((2, 8),)),
         trust=getattr(args, "trust", False),
+        quant_recipe=recipe,
     )
     _check_output(plan, factory)
     from exportlm.cli._stream import wants_streaming
@@ -169,9 +172,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         model = plan.source.build(plan.seed)
     timings["load"] = time.perf_counter() - start
     calibration = None
-    if plan.recipe is not None and plan.calibration is not None:
+    if plan.quant_recipe is not None and plan.calibration is not None:
         start = time.perf_counter()
-        model, calibration = quantize_model(model, plan.recipe, plan.calibration, plan.source)
+        model, calibration = quantize_model(model, plan.quant_recipe, plan.calibration, plan.source)
         timings["quantize"] = time.perf_counter() - start
     result = _export(plan, model)
     result.calibration, result.timings = calibration, timings
@@ -211,7 +214,7 @@ def _export_streamed(plan: ExportPlan) -> _Result:
         path = export_streaming(
             plan.model_argument,
             plan.out,
-            recipe=plan.recipe,
+            recipe=plan.quant_recipe,
             calibration=stream_batches(plan.calibration, plan.source),
             max_memory=plan.max_memory,
             calibration_inputs="float" if plan.stream_inputs == "float" else "quantized",
@@ -311,9 +314,13 @@ def _print_result(plan: ExportPlan, result: _Result) -> None:
     if plan.as_json:
         print(json.dumps(_result_json(plan, result, size), indent=2))
         return
+    quantized = result.timings.get("quantize")
+    seconds = f"export {result.seconds:.2f} s" + (
+        "" if quantized is None else f", quantization (calibration) {quantized:.2f} s"
+    )
     print(
         f"exported {plan.model_argument} with {plan.target} -> {result.path} "
-        f"({size / 1e6:.2f} MB, {result.seconds:.2f} s)"
+        f"({size / 1e6:.2f} MB, {seconds})"
     )
     if result.verification is not None:
         verdict = "OK" if result.verification.passed else "MISMATCH"
@@ -329,7 +336,11 @@ def _result_json(plan: ExportPlan, result: _Result, size: int) -> dict[str, Any]
         "path": str(result.path),
         "files": [{"path": str(p), "bytes": n} for p, n in result.files],
         "bytes": size,
-        "seconds": round(result.seconds, 3),
+        "seconds": round(result.seconds, 3),  # the export itself; timings has the rest
+        "export_seconds": round(result.seconds, 3),
+        "quantize_seconds": None
+        if "quantize" not in result.timings
+        else round(result.timings["quantize"], 3),
         "timings": {key: round(value, 3) for key, value in result.timings.items()},
         "quantize": plan.recipe,
         "calibration": result.calibration,

@@ -27,6 +27,7 @@ from exportlm.quant._modules import (
     is_quantized_module,
 )
 from exportlm.quant._quantize import (
+    check_recipe,
     iterable_expert_lists,
     quantize,
     unify_expert_input_amax,
@@ -40,7 +41,9 @@ from exportlm.quant._recipe import (
     Algorithm,
     QuantRecipe,
     recipe_names,
+    resolve_algorithm,
 )
+from exportlm.quant._refusals import check_layout
 from exportlm.quant._synthetic import synthetic_calibration
 from exportlm.quant._tensor import (
     FP4_MAX,
@@ -87,6 +90,8 @@ __all__ = [
     "QuantizedTensor",
     "TensorQuantizer",
     "awq_margin",
+    "check_layout",
+    "check_recipe",
     "dequantize",
     "experts_base",
     "get_format",
@@ -96,6 +101,7 @@ __all__ = [
     "quantize",
     "quantize_tensor",
     "recipe_names",
+    "resolve_algorithm",
     "route_kv_cache_to_attention",
     "register_format",
     "safe_scale",

@@ -23,6 +23,7 @@ is folded only when
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,8 +49,15 @@ class NormTrace:
     norms: dict[str, nn.Module] = field(default_factory=dict)
     consumers: dict[str, set[str]] = field(default_factory=dict)
     samples: dict[str, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[int, str] = field(default_factory=dict)
-    keep_alive: list[torch.Tensor] = field(default_factory=list)
+    #: ``id(output) -> (a weak reference to the output, norm name)``: a norm's output is
+    #: recognized while it is alive, and no output is kept alive for it (an ``id`` reused
+    #: by a later tensor fails the reference check).
+    outputs: dict[int, tuple[weakref.ref[torch.Tensor], str]] = field(default_factory=dict)
+
+    def norm_of_output(self, value: torch.Tensor) -> str | None:
+        """The norm whose (still alive) output ``value`` is, or ``None``."""
+        entry = self.outputs.get(id(value))
+        return entry[1] if entry is not None and entry[0]() is value else None
 
     def norm_of(self, members: list[str]) -> str | None:
         """The norm whose output fed exactly ``members`` (their containers and their own
@@ -93,15 +101,13 @@ def trace_norms(model: nn.Module, enabled: bool = True) -> Iterator[NormTrace]:
     finally:
         for handle in handles:
             handle.remove()
-        trace.keep_alive.clear()
         trace.outputs.clear()
 
 
 def _output_hook(trace: NormTrace, name: str):  # type: ignore[no-untyped-def]
     def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if isinstance(output, torch.Tensor):
-            trace.keep_alive.append(output)  # ids stay unique while referenced
-            trace.outputs[id(output)] = name
+            trace.outputs[id(output)] = (weakref.ref(output), name)
             trace.consumers.setdefault(name, set())
             if name not in trace.samples and args and isinstance(args[0], torch.Tensor):
                 x = args[0].detach()
@@ -113,7 +119,7 @@ def _output_hook(trace: NormTrace, name: str):  # type: ignore[no-untyped-def]
 def _consumer_hook(trace: NormTrace, name: str):  # type: ignore[no-untyped-def]
     def hook(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         for value in (*args, *kwargs.values()):
-            norm = trace.outputs.get(id(value)) if isinstance(value, torch.Tensor) else None
+            norm = trace.norm_of_output(value) if isinstance(value, torch.Tensor) else None
             if norm is not None:
                 trace.consumers[norm].add(name)
 

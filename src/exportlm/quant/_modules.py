@@ -42,10 +42,13 @@ class QuantModule(nn.Module):
             (``"FP8"``, ``"NVFP4"``, ``"W4A16_AWQ"``, ``"W8A16"``), or ``None``
             when only its KV-cache output is quantized.
         group_size: NVFP4 block / AWQ group size, else ``None``.
+        smoothquant_alpha: the SmoothQuant strength of the module's recipe (its
+            ``alpha`` option applied), ``None`` for a recipe without smoothing.
     """
 
     quant_algo: str | None = None
     group_size: int | None = None
+    smoothquant_alpha: float | None = None
 
     def quantizers(self) -> Iterator[tuple[str, TensorQuantizer]]:
         """``(attribute name, quantizer)`` of this module's own quantizers."""

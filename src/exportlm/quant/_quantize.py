@@ -31,10 +31,12 @@ from exportlm.quant._modules import (
     QuantMoELinear,
     quant_experts_class,
 )
+from exportlm.quant._options import OptionValue
 from exportlm.quant._quantizer import TensorQuantizer
-from exportlm.quant._recipe import ALGORITHMS, Algorithm, QuantRecipe, RecipeLike
+from exportlm.quant._recipe import Algorithm, QuantRecipe, RecipeLike, resolve_algorithm
 from exportlm.quant._refusals import (
     refuse_experts_algorithm,
+    refuse_shapes,
     refuse_unconvertible,
     refuse_unplaceable_kv_cache,
 )
@@ -43,7 +45,13 @@ from exportlm.quant._tensor import FormatId, QuantFormat
 from exportlm.quant._transaction import QuantizeSteps, quantize_transaction
 from exportlm.quant.formats import get_format
 
-__all__ = ["iterable_expert_lists", "quantize", "unify_expert_input_amax", "wrap_module"]
+__all__ = [
+    "check_recipe",
+    "iterable_expert_lists",
+    "quantize",
+    "unify_expert_input_amax",
+    "wrap_module",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +73,7 @@ def quantize(
     *,
     exclude: Sequence[str] | None = None,
     inplace: bool = True,
+    **options: OptionValue,
 ) -> nn.Module:
     """Fake-quantize ``model`` following ``recipe``; returns the quantized model.
 
@@ -79,12 +88,18 @@ def quantize(
             ``lm_head``, MoE routers and embeddings stay unquantized by default.
         calibrate: ``calibrate(model)`` runs the calibration forwards (max
             calibration of activations). Default: one forward on deterministic
-            ``input_ids`` from :func:`exportlm.export.make_input_ids`. AWQ recipes
+            ``input_ids`` from :func:`exportlm.export.make_input_ids`. A weight-only
+            recipe (``int8_wo``) never calls it: every scale comes from the weights. AWQ recipes
             call it twice (statistics, then the scale search), so it must run the
             same forwards on every call; see ``docs/checkpoint-format.md`` for how
             the AWQ scales are chosen.
         exclude: extra fnmatch patterns of module names never quantized.
         inplace: convert ``model`` itself (default) or a deep copy of it.
+        options: options of the default weight recipe, e.g. ``group_size=64`` for
+            ``int4_awq`` on input features not divisible by 128, ``alpha=0.5`` for a
+            SmoothQuant recipe (the same as spelling ``"int4_awq:group_size=64"``;
+            see ``docs/checkpoint-format.md``). An unknown option raises
+            :class:`~exportlm.errors.UnknownOptionError` naming the known ones.
 
     After calibration, linears that read the same input inside one parent
     (``q/k/v_proj``, ``gate/up_proj``) share their input amax and per-tensor weight
@@ -106,22 +121,22 @@ def quantize(
     ``quantize`` can be called on it again. With ``inplace=False`` the original
     is never modified.
     """
-    plan = QuantRecipe.parse(recipe, exclude)
+    plan = QuantRecipe.parse(recipe, exclude, options)
     if not inplace:
         model = copy.deepcopy(model)
-    conversions = list(_plan(model, plan))
-    refuse_unplaceable_kv_cache(model, plan, conversions)
-    for conversion in conversions:
-        _check_shapes(conversion)
+    conversions = _checked_plan(model, plan)
     with quantize_transaction(model) as steps:
         with steps.step("conversion"):
             for conversion in conversions:
                 _convert(conversion)
             route_kv_cache_to_attention(model)  # K / V quantized where they are cached
             _init_weight_amax(model)
-        groups = _calibrate_and_smooth(
-            model, calibrate, steps, any(c.algo is not None and c.algo.awq for c in conversions)
-        )
+        groups: list[list[QuantLinear]] = []
+        if _calibrates(conversions):
+            awq = any(c.algo is not None and c.algo.awq for c in conversions)
+            groups = _calibrate_and_smooth(model, calibrate, steps, awq)
+        else:
+            logger.info("weight-only recipe: every scale comes from the weights; no calibration")
         with steps.step("amax unification"):
             unify_groups(model, groups)
             for experts in iterable_expert_lists(model).values():
@@ -132,6 +147,39 @@ def quantize(
             check_finite(model)
     logger.info("quantized %d module(s) of %s", len(conversions), type(model).__name__)
     return model
+
+
+def check_recipe(
+    model: nn.Module,
+    recipe: RecipeLike,
+    *,
+    exclude: Sequence[str] | None = None,
+    **options: OptionValue,
+) -> bool:
+    """Refuse what :func:`quantize` would refuse before converting, changing nothing.
+
+    The recipe, its options and every module's shape are checked, on a model whose
+    weights may be on the ``meta`` device (a skeleton built from ``config.json``), so a
+    refusal costs no loading and no calibration. Returns whether the recipe runs
+    calibration forwards (``False``: weight-only, every scale from the weights).
+
+    Raises what :func:`quantize` raises for them (``UnknownNameError``,
+    ``UnknownOptionError``, ``UnsupportedFormatError``, ``QuantizationError``).
+    """
+    return _calibrates(_checked_plan(model, QuantRecipe.parse(recipe, exclude, options)))
+
+
+def _checked_plan(model: nn.Module, plan: QuantRecipe) -> list[_Conversion]:
+    conversions = list(_plan(model, plan))
+    refuse_unplaceable_kv_cache(model, plan, conversions)
+    for c in conversions:
+        refuse_shapes(c.name, c.module, c.kind, c.algo)
+    return conversions
+
+
+def _calibrates(conversions: Sequence[_Conversion]) -> bool:
+    """Some module needs calibration forwards (activations, AWQ, SmoothQuant or KV scales)."""
+    return any(c.kv is not None or (c.algo is not None and c.algo.calibrates) for c in conversions)
 
 
 def _calibrate_and_smooth(
@@ -213,7 +261,7 @@ def _plan(model: nn.Module, recipe: QuantRecipe) -> Iterator[_Conversion]:
             refuse_unconvertible(name, module, recipe)
             continue
         algo_name = recipe.algo_for(name, default_applies=kind != "embedding")
-        algo = ALGORITHMS[algo_name] if algo_name else None
+        algo = resolve_algorithm(algo_name) if algo_name else None
         if kind == "experts" and algo is not None:
             refuse_experts_algorithm(name, module, algo)
         kv = recipe.kv_for(name) if kind == "linear" and _kv_role(name) else None
@@ -255,49 +303,6 @@ def iterable_expert_lists(model: nn.Module) -> dict[str, nn.ModuleList]:
 def _kv_role(name: str) -> str | None:
     leaf = name.rsplit(".", 1)[-1]
     return {"k_proj": "k", "v_proj": "v"}.get(leaf)
-
-
-def _weight_shape(conversion: _Conversion) -> tuple[int, ...]:
-    module: Any = conversion.module
-    if conversion.kind == "experts":  # the first stored expert weight
-        return tuple(next(module.parameters()).shape)
-    return tuple(module.weight.shape)
-
-
-def _in_dims(conversion: _Conversion) -> list[tuple[str, int, int]]:
-    """(what, rows, input features) of each weight the algorithm quantizes."""
-    module: Any = conversion.module
-    if conversion.kind != "experts":
-        rows, cols = module.weight.shape
-        return [("weight", rows, cols)]
-    base = experts_base(module)
-    return [] if base is None else base.weight_dims(module)
-
-
-def _check_shapes(conversion: _Conversion) -> None:
-    algo = conversion.algo
-    if algo is None:
-        return
-    spec = get_format(algo.weight)
-    for what, rows, cols in _in_dims(conversion):
-        need = spec.shape_problem(rows, cols, algo.weight_block)
-        if need is not None:
-            raise UnsupportedFormatError(
-                f"module {conversion.name!r} ({type(conversion.module).__name__}): recipe "
-                f"{algo.name!r} needs {need}, but {what} has shape {_weight_shape(conversion)} "
-                f"({rows} out x {cols} in). Exclude it (exclude=[{conversion.name!r}]) or give "
-                f"it another recipe ({{{conversion.name!r}: 'fp8'}})."
-            )
-    if not algo.weight_block:
-        return  # unchanged behaviour: the experts check below runs for block recipes only
-    if conversion.kind == "experts" and (
-        not getattr(conversion.module, "has_gate", True)
-        or getattr(conversion.module, "has_post_expert_norm", False)
-    ):
-        raise UnsupportedFormatError(
-            f"module {conversion.name!r} ({type(conversion.module).__name__}): only gated "
-            "experts without a post-expert norm can be quantized; exclude it"
-        )
 
 
 # -- conversion ---------------------------------------------------------------
@@ -352,6 +357,8 @@ def _convert(c: _Conversion) -> None:
         module.output_quantizer = output
     module.quant_algo = algo.quant_algo if algo else None
     module.group_size = algo.group_size if algo else None
+    if algo is not None and algo.smoothquant_alpha is not None:
+        module.smoothquant_alpha = algo.smoothquant_alpha  # the recipe's, options applied
 
 
 def _weights(module: QuantModule) -> Iterator[tuple[TensorQuantizer, torch.Tensor]]:

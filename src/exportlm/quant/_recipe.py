@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from exportlm.errors import UnknownNameError
+from exportlm.errors import UnknownNameError, UnknownOptionError
+from exportlm.quant._options import OptionValue, apply_options, spell, split_options
 from exportlm.quant._tensor import FormatId
 from exportlm.quant.formats import FormatSpec, formats
 
@@ -26,6 +27,7 @@ __all__ = [
     "QuantRecipe",
     "RecipeLike",
     "recipe_names",
+    "resolve_algorithm",
 ]
 
 _V = TypeVar("_V")
@@ -45,6 +47,12 @@ class Algorithm:
         input: the activation format, or ``None`` for weight-only.
         awq: compute an AWQ ``pre_quant_scale`` from calibration activations.
         smoothquant_alpha: SmoothQuant's migration strength, ``None`` without smoothing.
+        group_sizes: the group sizes the ``group_size`` option takes (block recipes).
+        spelled: the recipe as spelled with its options (``"int4_awq:group_size=64"``);
+            empty for the recipe's defaults.
+
+    A recipe with options is this record with the options applied
+    (:func:`resolve_algorithm`, :mod:`exportlm.quant._options`).
     """
 
     name: str
@@ -55,6 +63,22 @@ class Algorithm:
     input: FormatId | None = None
     awq: bool = False
     smoothquant_alpha: float | None = None
+    group_sizes: tuple[int, ...] = ()
+    spelled: str = ""
+
+    @property
+    def spelling(self) -> str:
+        """The recipe as spelled (``"int4_awq:group_size=64"``, or the name)."""
+        return self.spelled or self.name
+
+    @property
+    def calibrates(self) -> bool:
+        """Its statistics need calibration forwards: activations quantized, AWQ or SmoothQuant.
+
+        ``False`` for weight-only round-to-nearest (``int8_wo``): every scale comes from
+        the weights, so :func:`~exportlm.quant.quantize` runs no forward for it.
+        """
+        return self.input is not None or self.awq or self.smoothquant_alpha is not None
 
     @property
     def group_size(self) -> int | None:
@@ -76,6 +100,7 @@ class Algorithm:
             (recipe.input_format or spec.format) if recipe.quantize_inputs else None,
             recipe.awq,
             recipe.smoothquant_alpha,
+            recipe.group_sizes or ((recipe.block_size,) if recipe.block_size else ()),
         )
 
 
@@ -134,6 +159,20 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
 RecipeLike = Any  # str | Sequence[str] | Mapping[str, str | None] | QuantRecipe
 
 
+def resolve_algorithm(spelled: str) -> Algorithm:
+    """The :class:`Algorithm` of a recipe part as spelled, options applied (``"int4_awq:group_size=64"``).
+
+    Raises :class:`~exportlm.errors.UnknownNameError` (unknown recipe),
+    :class:`~exportlm.errors.UnknownOptionError` or ``ValueError`` (see
+    :func:`~exportlm.quant._options.apply_options`).
+    """
+    name, options = split_options(spelled)
+    if name not in ALGORITHMS:
+        raise UnknownNameError("quantization recipe", name, recipe_names())
+    algo = ALGORITHMS[name]
+    return apply_options(algo, options) if options else algo
+
+
 def recipe_names() -> list[str]:
     """Every recipe name accepted by :func:`~exportlm.quant.quantize`, sorted."""
     return sorted([*ALGORITHMS, *KV_CACHE_FORMATS])
@@ -164,8 +203,8 @@ class QuantRecipe:
 
     def __post_init__(self) -> None:
         for algo in (self.algo, *(a for _, a in self.overrides)):
-            if algo is not None and algo not in ALGORITHMS:
-                raise UnknownNameError("quantization recipe", algo, recipe_names())
+            if algo is not None:
+                resolve_algorithm(algo)  # an unknown name, option or value raises
         if self.kv_cache is not None and self.kv_cache not in KV_CACHE_FORMATS:
             raise UnknownNameError("quantization recipe", self.kv_cache, recipe_names())
         floor = self.kv_cache_min_scale
@@ -175,14 +214,22 @@ class QuantRecipe:
             )
 
     @classmethod
-    def parse(cls, recipe: RecipeLike, exclude: Sequence[str] | None = None) -> QuantRecipe:
+    def parse(
+        cls,
+        recipe: RecipeLike,
+        exclude: Sequence[str] | None = None,
+        options: Mapping[str, OptionValue] | None = None,
+    ) -> QuantRecipe:
         """Build a recipe from its short forms.
 
-        ``"fp8"``; ``"fp8+fp8_kv"`` or ``["fp8", "fp8_kv"]`` (combined); a mapping
-        of fnmatch patterns to recipes, where ``"*"`` gives the default, e.g.
-        ``{"*": "fp8+fp8_kv", "*.mlp.*": "nvfp4", "*.o_proj": None}``; or a
-        :class:`QuantRecipe`. ``exclude`` adds patterns never quantized.
-        Unknown names raise :class:`~exportlm.errors.UnknownNameError`.
+        ``"fp8"``; ``"fp8+fp8_kv"`` or ``["fp8", "fp8_kv"]`` (combined); a part with
+        options, ``"int4_awq:group_size=64"``; a mapping of fnmatch patterns to
+        recipes, where ``"*"`` gives the default, e.g. ``{"*": "fp8+fp8_kv",
+        "*.mlp.*": "nvfp4", "*.o_proj": None}``; or a :class:`QuantRecipe`.
+        ``exclude`` adds patterns never quantized; ``options`` apply to the default
+        weight recipe (``group_size=64``).
+        Unknown names raise :class:`~exportlm.errors.UnknownNameError`, unknown
+        options :class:`~exportlm.errors.UnknownOptionError` naming the known ones.
         """
         extra = tuple(exclude or ())
         if isinstance(recipe, QuantRecipe):
@@ -192,9 +239,26 @@ class QuantRecipe:
         else:
             algo, kv = _split_parts(recipe)
             base = cls(algo=algo, kv_cache=kv)
+        if options:
+            base = base.with_options(options)
         if extra:
             return dataclasses.replace(base, exclude=base.exclude + extra)
         return base
+
+    def with_options(self, options: Mapping[str, OptionValue]) -> QuantRecipe:
+        """This recipe with ``options`` added to its default weight recipe's."""
+        if self.algo is None:
+            raise ValueError(
+                f"recipe options {dict(options)!r} apply to the default weight recipe, and this "
+                "recipe has none; spell them on a part instead ('int4_awq:group_size=64')"
+            )
+        name, own = split_options(self.algo)
+        return dataclasses.replace(self, algo=spell(name, {**own, **options}))
+
+    def algorithms(self) -> list[Algorithm]:
+        """Every weight recipe this recipe applies (the default and the overrides), once each."""
+        spelled = {a: None for a in (self.algo, *(a for _, a in self.overrides)) if a is not None}
+        return [resolve_algorithm(a) for a in spelled]
 
     @classmethod
     def _from_mapping(cls, mapping: Mapping[str, Any]) -> QuantRecipe:
@@ -255,17 +319,21 @@ def _split_parts(recipe: Any) -> tuple[str | None, str | None]:
     algo: str | None = None
     kv: str | None = None
     for part in parts:
-        if part in KV_CACHE_FORMATS:
-            kv = part
-        elif part in ALGORITHMS:
-            if algo is not None and algo != part:
+        name, options = split_options(part)
+        if name in KV_CACHE_FORMATS:
+            if options:
+                raise UnknownOptionError(f"quantization recipe {name!r}", list(options), [])
+            kv = name
+        elif name in ALGORITHMS:
+            spelled = resolve_algorithm(spell(name, options)).spelling
+            if algo is not None and algo != spelled:
                 raise ValueError(
-                    f"recipe {recipe!r} names two weight algorithms ({algo!r}, {part!r}); use "
-                    "a mapping of module patterns for mixed precision"
+                    f"recipe {recipe!r} names two weight algorithms ({algo!r}, {spelled!r}); "
+                    "use a mapping of module patterns for mixed precision"
                 )
-            algo = part
+            algo = spelled
         else:
-            raise UnknownNameError("quantization recipe", part, recipe_names())
+            raise UnknownNameError("quantization recipe", name, recipe_names())
     if not parts:
         raise ValueError("empty quantization recipe; expected e.g. 'fp8' or 'fp8+fp8_kv'")
     return algo, kv

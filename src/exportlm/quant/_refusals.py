@@ -10,9 +10,16 @@ from torch import nn
 
 from exportlm.errors import UnsupportedFormatError
 from exportlm.quant._experts import experts_base, has_stacked_weights
-from exportlm.quant._recipe import Algorithm, QuantRecipe
+from exportlm.quant._recipe import KV_CACHE_FORMATS, Algorithm, QuantRecipe
+from exportlm.quant.formats import CHECKPOINT_LAYOUTS, FormatSpec, checkpoint_layout, get_format
 
-__all__ = ["refuse_experts_algorithm", "refuse_unconvertible", "refuse_unplaceable_kv_cache"]
+__all__ = [
+    "check_layout",
+    "refuse_experts_algorithm",
+    "refuse_shapes",
+    "refuse_unconvertible",
+    "refuse_unplaceable_kv_cache",
+]
 
 logger = logging.getLogger("exportlm.quant._quantize")
 
@@ -68,3 +75,106 @@ def refuse_unplaceable_kv_cache(
         "supported for KV-cache scales); quantize without the KV-cache recipe, or unfuse "
         "the projection"
     )
+
+
+def refuse_shapes(name: str, module: nn.Module, kind: str, algo: Algorithm | None) -> None:
+    """A weight whose shape ``algo``'s format cannot take, named with the options that fit.
+
+    ``kind`` is the conversion's (``"linear"``, ``"experts"``...). For a block recipe
+    whose group size does not divide the input features, the message names the
+    ``group_size`` options that do ("group_size=64 divides 576").
+    """
+    if algo is None:
+        return
+    spec = get_format(algo.weight)
+    for what, rows, cols in _in_dims(module, kind):
+        need = spec.shape_problem(rows, cols, algo.weight_block)
+        if need is not None:
+            raise UnsupportedFormatError(
+                f"module {name!r} ({type(module).__name__}): recipe {algo.spelling!r} needs "
+                f"{need}, but {what} has shape {_weight_shape(module, kind)} ({rows} out x "
+                f"{cols} in). {_fitting_group_sizes(algo, rows, cols)}Exclude it "
+                f"(exclude=[{name!r}]) or give it another recipe ({{{name!r}: 'fp8'}})."
+            )
+    if not algo.weight_block:
+        return  # unchanged behaviour: the experts check below runs for block recipes only
+    if kind == "experts" and (
+        not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False)
+    ):
+        raise UnsupportedFormatError(
+            f"module {name!r} ({type(module).__name__}): only gated experts without a "
+            "post-expert norm can be quantized; exclude it"
+        )
+
+
+def _weight_shape(module: Any, kind: str) -> tuple[int, ...]:
+    if kind == "experts":  # the first stored expert weight
+        return tuple(next(module.parameters()).shape)
+    return tuple(module.weight.shape)
+
+
+def _in_dims(module: Any, kind: str) -> list[tuple[str, int, int]]:
+    """(what, rows, input features) of each weight the algorithm quantizes."""
+    if kind != "experts":
+        rows, cols = module.weight.shape
+        return [("weight", rows, cols)]
+    base = experts_base(module)
+    return [] if base is None else base.weight_dims(module)
+
+
+def _fitting_group_sizes(algo: Algorithm, rows: int, cols: int) -> str:
+    """The sentence naming the ``group_size`` options that fit ``[rows, cols]``, or ``""``."""
+    spec = get_format(algo.weight)
+    fits = [
+        size
+        for size in sorted(algo.group_sizes, reverse=True)
+        if size != algo.weight_block and spec.shape_problem(rows, cols, size) is None
+    ]
+    if not fits:
+        return ""
+    sizes = " or ".join(f"group_size={size}" for size in fits)
+    return (
+        f"{sizes} divides {cols}: quantize with {algo.name}:group_size={fits[0]} "
+        f"(--quantize {algo.name}:group_size={fits[0]}, or quantize(model, {algo.name!r}, "
+        f"group_size={fits[0]})). "
+    )
+
+
+def check_layout(recipe: QuantRecipe, layout: str) -> None:
+    """A recipe whose formats the checkpoint layout ``layout`` cannot hold, refused up front.
+
+    The writer refuses the same at the end of an export; checked here, before the model
+    is loaded or calibrated, a refusal costs nothing (``--quantize w8a8`` in the default
+    ModelOpt layout used to fail after minutes of calibration).
+
+    (Mixed precision in compressed-tensors is refused by the writer: which formats a
+    model mixes depends on which modules the patterns match.)
+
+    Raises:
+        UnsupportedFormatError: naming the recipe, the layout and the layouts that hold it.
+        ValueError: an unknown layout name.
+    """
+    holder = checkpoint_layout(layout)
+    algos = recipe.algorithms()
+    kv = None if recipe.kv_cache is None else get_format(KV_CACHE_FORMATS[recipe.kv_cache])
+    for algo in algos:
+        spec = get_format(algo.weight)
+        if (spec.modelopt if holder.scheme is None else getattr(spec, holder.scheme)) is None:
+            raise UnsupportedFormatError(
+                f"recipe {algo.spelling!r} cannot be written in the {layout} checkpoint layout "
+                f"(its format {spec.name!r} declares no scheme there); {_layouts_of(spec)}"
+            )
+    kv_scheme = None if kv is None else kv.kv_cache
+    if holder.scheme is not None and kv_scheme is not None and kv_scheme.compressed_tensors is None:
+        raise UnsupportedFormatError(
+            f"format={layout!r} cannot hold the KV-cache recipe {recipe.kv_cache!r}; "
+            "use format='modelopt'"
+        )
+
+
+def _layouts_of(spec: FormatSpec) -> str:
+    names = [n for n, lay in CHECKPOINT_LAYOUTS.items() if lay.holds(spec)]
+    names = [n for n in names if n != "modelopt" or spec.modelopt is not None]
+    if not names:
+        return "no checkpoint layout holds it"
+    return "export with " + " or ".join(f"-o format={n} (format={n!r})" for n in names)

@@ -87,6 +87,8 @@ def plan_smoothquant(model: nn.Module) -> SmoothQuantPlan:
             continue
         recipe = module.weight_quantizer.spec.recipe
         alpha = None if recipe is None else recipe.smoothquant_alpha
+        if module.smoothquant_alpha is not None:  # the recipe's, its ``alpha`` option applied
+            alpha = module.smoothquant_alpha
         if alpha is not None and module.weight_quantizer.enabled:
             module.input_quantizer.track_channels = True
             plan.linears.append((module, alpha))

@@ -125,7 +125,10 @@ def _calibrate_on(
     layer: nn.Module, hidden: Sequence[torch.Tensor], kwargs: Sequence[dict[str, Any]]
 ) -> Callable[[nn.Module], None]:
     def calibrate(_root: nn.Module) -> None:
-        run_layer(layer, hidden, kwargs)
+        # the outputs are dropped batch by batch: calibration reads the layer's inputs only
+        with torch.no_grad():
+            for h, kw in zip(hidden, kwargs, strict=True):
+                layer(h, **kw)
 
     return calibrate
 

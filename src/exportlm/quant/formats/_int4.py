@@ -107,7 +107,9 @@ INT4 = FormatSpec(
     ),
     packing=2,
     packed_dim=-2,
-    recipe=WeightRecipe("int4_awq", block_size=128, awq=True),
+    # group_size=64 / 32 (recipe options) for input features not divisible by 128
+    # (SmolLM2's 576, 960), as AutoAWQ, ModelOpt and llm-compressor take them
+    recipe=WeightRecipe("int4_awq", block_size=128, awq=True, group_sizes=(32, 64, 128)),
     modelopt=ModelOptScheme(
         "W4A16_AWQ",
         weights={"dynamic": False, "num_bits": 4, "type": "int"},

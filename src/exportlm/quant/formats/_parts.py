@@ -96,6 +96,8 @@ class WeightRecipe:
             that feeds them (llm-compressor's ``SmoothQuantModifier``: the layout then
             needs no ``pre_quant_scale``); ``False``: every linear, the scale kept as
             ``pre_quant_scale`` (ModelOpt's ``smoothquant``).
+        group_sizes: the group sizes the recipe takes as its ``group_size`` option
+            (``block_size`` among them); empty: ``block_size`` only.
     """
 
     name: str
@@ -106,6 +108,7 @@ class WeightRecipe:
     input_format: str | None = None
     smoothquant_alpha: float | None = None
     smoothquant_fold: bool = False
+    group_sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,8 @@ class FormatSpec:
             yield "a format with a recipe declares a checkpoint scheme (ModelOpt or compressed-tensors)"
         if self.needs_block != bool(recipe.block_size):
             yield "recipe.block_size is required by block formats and only by them"
+        if recipe.group_sizes and recipe.block_size not in recipe.group_sizes:
+            yield "recipe.group_sizes (the group_size option's values) include its block_size"
         own_inputs = recipe.quantize_inputs and recipe.input_format is None
         if own_inputs and not self.calibrated:
             yield "only a calibrated format can quantize activations"

@@ -1,0 +1,84 @@
+"""``--quantize RECIPE[:options]`` and ``--exclude``: the recipe, checked before any work.
+
+The recipe's names and options, the checkpoint layout it is written in and the shapes
+of the model's modules are checked before the model is loaded, the calibration data is
+read or a forward runs: a refusal costs the CLI's start-up, not a calibration. The
+shapes come from a skeleton of a model directory on the ``meta`` device (built from its
+``config.json``, no weights read); a toy family or spec file is checked once built,
+still before calibration.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from exportlm.cli._errors import UsageError
+from exportlm.cli._model import ModelSource
+
+__all__ = ["check_model_recipe", "checked_recipe"]
+
+
+def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
+    """The :class:`~exportlm.quant.QuantRecipe` of ``--quantize`` / ``--exclude``, or ``None``.
+
+    Raises:
+        UsageError: ``--exclude`` without ``--quantize``, or a malformed recipe.
+        UnknownNameError, UnknownOptionError: an unknown recipe or option.
+        UsageError: also ``--target hf_checkpoint`` in a layout (``-o format=``) that
+            cannot hold the recipe's formats, naming the one that can (exit code 2).
+    """
+    exclude = list(getattr(args, "exclude", None) or [])
+    if args.quantize is None:
+        if exclude:
+            raise UsageError("--exclude: only used with --quantize RECIPE")
+        return None
+    from exportlm.errors import UnknownNameError, UnknownOptionError
+    from exportlm.quant import QuantRecipe, check_layout
+    from exportlm.quant.formats import DEFAULT_LAYOUT
+
+    try:
+        recipe = QuantRecipe.parse(args.quantize, exclude)
+    except (UnknownNameError, UnknownOptionError):
+        raise
+    except ValueError as err:
+        raise UsageError(f"--quantize {args.quantize}: {err}") from err
+    if args.target == "hf_checkpoint":
+        layout = str(options.get("format", DEFAULT_LAYOUT))
+        try:
+            check_layout(recipe, layout)
+        except ValueError as err:  # a layout that cannot hold the recipe (an
+            # UnsupportedFormatError), or an unknown layout name: both are the command line's
+            raise UsageError(f"-o format={layout}: {err}") from err
+    return recipe
+
+
+def check_model_recipe(source: ModelSource, recipe: Any) -> None:
+    """Refuse, from a model directory's ``config.json`` alone, a module the recipe cannot take.
+
+    Other sources are checked by :func:`~exportlm.cli._calib.quantize_model` once built.
+    """
+    if source.kind != "directory" or source.path is None:
+        return
+    from exportlm.quant import check_recipe
+
+    skeleton = _skeleton(source.path)
+    if skeleton is not None:
+        check_recipe(skeleton, recipe)
+
+
+def _skeleton(path: Path) -> Any:
+    """The directory's causal LM on the ``meta`` device, or ``None`` where it cannot be built
+    (loading then reports why, as it does without this check)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except Exception:  # any failure here is reported by the real load, with its context
+        return None
+    model.tie_weights()
+    return model

@@ -1,0 +1,114 @@
+"""Recipe options: ``int4_awq:group_size=64`` and ``quantize(model, "int4_awq", group_size=64)``.
+
+A recipe part is spelled ``NAME[:KEY=VALUE[,KEY=VALUE...]]``; the options a recipe takes
+are what its :class:`~exportlm.quant.Algorithm` record declares:
+
+==============  ==========================================  ===============================
+option          recipes                                     values
+==============  ==========================================  ===============================
+``group_size``  block recipes whose format takes several    one of the recipe's group sizes
+                group sizes (``int4_awq``: 32, 64, 128)     (INT4: 32, 64, 128; default 128)
+``alpha``       SmoothQuant recipes (``int8_sq``, ``w8a8``)  a number in [0, 1]
+==============  ==========================================  ===============================
+
+No layout exportlm writes for INT4 has a zero point (ModelOpt's ``W4A16_AWQ`` and
+compressed-tensors' symmetric ``pack-quantized``), so no recipe takes ``symmetric``.
+An unknown option is an :class:`~exportlm.errors.UnknownOptionError` naming the known
+ones; a value a recipe cannot take is a ``ValueError`` naming the values it can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from exportlm.errors import UnknownOptionError
+
+if TYPE_CHECKING:
+    from exportlm.quant._recipe import Algorithm
+
+__all__ = ["OptionValue", "apply_options", "known_options", "spell", "split_options"]
+
+OptionValue = bool | int | float | str
+_TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")
+
+
+def split_options(part: str) -> tuple[str, dict[str, OptionValue]]:
+    """``("int4_awq", {"group_size": 64})`` of ``"int4_awq:group_size=64"``."""
+    name, sep, rest = part.partition(":")
+    options: dict[str, OptionValue] = {}
+    if sep:
+        for item in rest.split(","):
+            key, eq, raw = item.partition("=")
+            if not eq or not key.strip() or not raw.strip():
+                raise ValueError(
+                    f"recipe {part!r}: options are KEY=VALUE separated by commas, e.g. "
+                    f"'{name.strip()}:group_size=64'; got {item!r}"
+                )
+            options[key.strip()] = _value(raw.strip())
+    return name.strip(), options
+
+
+def _value(raw: str) -> OptionValue:
+    if raw.lower() in _TRUE or raw.lower() in _FALSE:
+        return raw.lower() in _TRUE
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            continue
+    return raw
+
+
+def spell(name: str, options: Mapping[str, OptionValue]) -> str:
+    """The canonical spelling of a recipe part: ``name:key=value,...`` by key order."""
+    if not options:
+        return name
+    return name + ":" + ",".join(f"{k}={_spelled(v)}" for k, v in sorted(options.items()))
+
+
+def _spelled(value: OptionValue) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def known_options(algo: Algorithm) -> dict[str, str]:
+    """``{option: the values it takes}`` of the recipe ``algo``."""
+    known: dict[str, str] = {}
+    if len(algo.group_sizes) > 1:
+        known["group_size"] = " / ".join(map(str, algo.group_sizes))
+    if algo.smoothquant_alpha is not None:
+        known["alpha"] = "a number in [0, 1]"
+    return known
+
+
+def apply_options(algo: Algorithm, options: Mapping[str, OptionValue]) -> Algorithm:
+    """``algo`` with ``options`` applied (see the module docstring).
+
+    Raises:
+        UnknownOptionError: an option the recipe does not take, naming those it does.
+        ValueError: a value the option cannot take, naming those it can.
+    """
+    known = known_options(algo)
+    unknown = [key for key in options if key not in known]
+    if unknown:
+        raise UnknownOptionError(f"quantization recipe {algo.name!r}", unknown, list(known))
+    changes: dict[str, object] = {}
+    if "group_size" in options:
+        size = options["group_size"]
+        if isinstance(size, bool) or size not in algo.group_sizes:
+            raise ValueError(
+                f"recipe {algo.name!r}: group_size={size!r} is not one it takes "
+                f"({known['group_size']})"
+            )
+        changes["weight_block"] = int(size)
+    if "alpha" in options:
+        alpha = options["alpha"]
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+            raise ValueError(f"recipe {algo.name!r}: alpha={alpha!r} is not a number in [0, 1]")
+        if not (math.isfinite(alpha) and 0.0 <= alpha <= 1.0):
+            raise ValueError(f"recipe {algo.name!r}: alpha={alpha!r} is not in [0, 1]")
+        changes["smoothquant_alpha"] = float(alpha)
+    changes["spelled"] = spell(algo.name, options)
+    return dataclasses.replace(algo, **changes)  # type: ignore[arg-type]
