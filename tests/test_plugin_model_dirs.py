@@ -47,6 +47,7 @@ def test_a_model_directory_is_a_row_of_every_per_model_check(
         f"--export-models={NAME}",
         CHECKS,
         "--export-report=report.json",
+        "--export-report-absolute-paths",  # the directory as given, not redacted
         "-v",
     )
     result.assert_outcomes(passed=6, skipped=2)  # + plugin_loads; 2 capability gaps
