@@ -49,7 +49,8 @@ def test_a_scheme_tolerance_takes_precedence_over_the_dtype_one() -> None:
     vllm = get_engine("vllm")
     w8a8 = vllm.tolerance("bfloat16", "W8A8")
     bf16 = vllm.tolerance("bfloat16")
-    assert w8a8 is not None and bf16 is not None
+    assert w8a8 is not None
+    assert bf16 is not None
     assert (w8a8.dtype, w8a8.scheme) == ("bfloat16", "W8A8")
     assert w8a8.atol > bf16.atol
     assert "0.305" in w8a8.evidence

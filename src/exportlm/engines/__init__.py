@@ -41,6 +41,7 @@ from exportlm.engines.interpreter import (
     parse_engine_options,
 )
 from exportlm.engines.protocol import PROTOCOL, EngineRequest, EngineResult
+from exportlm.engines.reference import MIN_MARGIN
 from exportlm.engines.registry import (
     ENGINE_REGISTRY,
     ENGINES_GROUP,
@@ -57,7 +58,6 @@ from exportlm.engines.resolve import (
     table_target,
 )
 from exportlm.engines.run import probe_engine, run_engine
-from exportlm.engines.reference import MIN_MARGIN
 from exportlm.engines.spec import WORKERS_DIR, Engine, Match, Support, Tolerance, Verdict
 from exportlm.errors import (
     EngineCrashedError,

@@ -54,7 +54,9 @@ ONNXRUNTIME_GENAI = Engine(
     ),
     notes="give its interpreter with EXPORTLM_ENGINE_ONNXRUNTIME_GENAI (onnxruntime-genai 0.18.0)",
     tolerances=(
-        Tolerance(F32_ATOL, "measured <= 2e-6 (onnxruntime-genai 0.18.0; llama, mixtral, qwen3_moe)"),
+        Tolerance(
+            F32_ATOL, "measured <= 2e-6 (onnxruntime-genai 0.18.0; llama, mixtral, qwen3_moe)"
+        ),
     ),
 )
 
