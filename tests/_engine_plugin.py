@@ -3,8 +3,8 @@
 :func:`make_engine_plugin` writes a distribution ``toy-engine`` under a directory: its
 ``exportlm.engines`` entry point names an :class:`~exportlm.engines.Engine` with its
 support table, its tolerance (with the measurement it rests on) and its worker: a
-script speaking the worker protocol (version 1) that computes the logits with
-transformers in its own process. ``drop_mask=True`` plants a bug: the worker leaves out
+script speaking the worker protocol (version 1) that computes the logits in its own
+process (transformers for a checkpoint, onnxruntime for an ONNX graph). ``drop_mask=True`` plants a bug: the worker leaves out
 the attention mask (and position ids), so a left-padded row attends to its padding.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tests._distinfo import make_distribution
 
-__all__ = ["ENGINE", "make_engine_plugin"]
+__all__ = ["BROKEN", "ENGINE", "make_broken_engine_plugin", "make_engine_plugin"]
 
 #: The plugin's engine name (its ``served`` items: ``served[<target>-toy-engine-<family>-cpu]``).
 ENGINE = "toy-engine"
@@ -52,13 +52,37 @@ def write(path, response):
     os.replace(path + ".tmp", path)
 
 
-def serve(req):
+def load(artifact):
+    # (input_ids, attention_mask, position_ids) -> logits: a checkpoint through
+    # transformers, an ONNX graph through onnxruntime
     import torch
+
+    if artifact.endswith(".onnx"):
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(artifact, providers=["CPUExecutionProvider"])
+        names = {i.name for i in session.get_inputs()}
+
+        def run(ids, mask, pos):
+            given = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+            feed = {k: v.numpy() for k, v in given.items() if k in names and v is not None}
+            if "attention_mask" in names and mask is None:
+                feed["attention_mask"] = torch.ones_like(ids).numpy()
+            return torch.from_numpy(session.run(None, feed)[0])
+
+        return run
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        req["artifact"], local_files_only=True, trust_remote_code=False, dtype=torch.float32
+        artifact, local_files_only=True, trust_remote_code=False, dtype=torch.float32
     ).eval()
+    return lambda ids, mask, pos: model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+
+
+def serve(req):
+    import torch
+
+    model = load(req["artifact"])
     ids = torch.tensor(req["input_ids"])
     mask = torch.tensor(req["attention_mask"])
     first = (mask == 0).sum(-1)
@@ -80,9 +104,8 @@ def serve(req):
 
 def forward(model, ids, mask):
     if DROP_MASK:  # the planted bug: the padding is attended to
-        return model(input_ids=ids).logits
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        return model(ids, None, None)
+    return model(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
 
 
 DROP_MASK = {drop_mask}
@@ -119,5 +142,20 @@ def make_engine_plugin(
             .replace("{{", "{")
             .replace("}}", "}"),
         },
+    )
+    return root
+
+
+#: The name of the engine plugin :func:`make_broken_engine_plugin` writes.
+BROKEN = "broken-engine"
+
+
+def make_broken_engine_plugin(root: Path) -> Path:
+    """Write a distribution ``broken-engine-dist`` whose engine entry point fails to import."""
+    make_distribution(
+        root,
+        "broken-engine-dist",
+        {"exportlm.engines": {BROKEN: "broken_engine:ENGINE"}},
+        {"broken_engine.py": "raise ImportError('broken_engine needs libengine.so')\n"},
     )
     return root

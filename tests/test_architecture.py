@@ -78,6 +78,8 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.export",
         "exportlm.models",
         "exportlm.module_exporters",
+        "exportlm.engines",  # the engine registry: engines are in the inventory
+        "exportlm.quant",  # the quantization formats (and the recipes they hold)
     },
 }
 

@@ -55,7 +55,6 @@ from exportlm.engines.resolve import (
     engines_taking,
     installed_version,
     resolve_engine,
-    table_target,
 )
 from exportlm.engines.run import probe_engine, run_engine
 from exportlm.engines.spec import WORKERS_DIR, Engine, Match, Support, Tolerance, Verdict
@@ -115,6 +114,5 @@ __all__ = [
     "resolve_engine",
     "run_engine",
     "serve_and_compare",
-    "table_target",
     "validate_engine",
 ]

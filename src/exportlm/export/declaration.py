@@ -85,6 +85,16 @@ class TargetInfo:
             (``"torch.export"`` for ``torch.export`` and exporters built on it), or
             ``{variant: capture}`` when variants capture differently; ``""``:
             undeclared (the target inherits no family's failure causes).
+        artifact_kind: what the artifact is, in the serving engines' support tables'
+            terms: ``"hf_checkpoint"`` (a Hugging Face checkpoint directory),
+            ``"onnx"`` (an ONNX graph), or a kind a third-party engine's table names;
+            ``""``: nothing an engine serves (no ``served`` item). Engines match on it,
+            never on the file suffix.
+        scheme: the quantization scheme every artifact it writes carries, as the engine
+            tables name it (an ONNX QDQ graph: ``"int8"``, ``"fp8"``); ``None``: float,
+            or (a checkpoint) the one its ``config.json`` states. An engine serves it
+            only where its table has a row for that scheme, against that scheme's
+            tolerance (``docs/engines.md``).
     """
 
     name: str
@@ -100,6 +110,8 @@ class TargetInfo:
     description: str = ""
     executes_code: bool = False
     capture: str | Mapping[str, str] = ""
+    artifact_kind: str = ""
+    scheme: str | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.capabilities) - CAPABILITIES
@@ -111,6 +123,11 @@ class TargetInfo:
         _check_capture(self.name, self.capture, self.variants)
         if self.artifact not in ("file", "directory"):
             raise ValueError(f"target {self.name!r}: artifact must be 'file' or 'directory'")
+        if self.scheme is not None and not self.artifact_kind:
+            raise ValueError(
+                f"target {self.name!r} declares scheme={self.scheme!r} but no artifact_kind; "
+                "say what the artifact is (artifact_kind='onnx', 'hf_checkpoint', ...)"
+            )
         object.__setattr__(self, "capabilities", frozenset(self.capabilities))
 
     def has(self, capability: str) -> bool:
@@ -159,12 +176,15 @@ def export_target(
     description: str = "",
     executes_code: bool = False,
     capture: str | Mapping[str, str] = "",
+    artifact_kind: str = "",
+    scheme: str | None = None,
 ) -> Callable[[F], F]:
     """Decorator declaring an export factory's :class:`TargetInfo`.
 
     ``runtime`` defaults to ``name``. ``executes_code=True`` declares that loading
     the artifact can run code (a pickle, TorchScript); ``capture`` says how the model is
-    captured (``"torch.export"``, ``"torchscript-trace"``, ...): see :class:`TargetInfo`. The
+    captured (``"torch.export"``, ``"torchscript-trace"``, ...); ``artifact_kind`` and
+    ``scheme`` say what the artifact is, for the serving engines: see :class:`TargetInfo`. The
     decorated function is unchanged apart from the attached declaration, so it can be
     registered in code or exposed through the ``exportlm.export_backends`` entry-point group.
     """
@@ -182,6 +202,8 @@ def export_target(
         description=description,
         executes_code=executes_code,
         capture=capture if isinstance(capture, str) else dict(capture),
+        artifact_kind=artifact_kind,
+        scheme=scheme,
     )
 
     def decorate(fn: F) -> F:
