@@ -2,7 +2,8 @@
 
 One item per target x engine x model family (``served[hf_checkpoint-vllm-llama-cpu]``;
 the planner's engines are those whose support table has a row for what the target
-writes, :func:`exportlm.engines.engines_taking`), for :data:`SERVED_FAMILIES` (a dense
+declares it writes, ``TargetInfo.artifact_kind`` and ``scheme``:
+:func:`exportlm.engines.engines_taking`), for :data:`SERVED_FAMILIES` (a dense
 and an MoE family; each engine run starts a fresh engine process, 10-60 s).
 
 Before anything is exported the item resolves its engine
@@ -24,7 +25,7 @@ cache):
 Each (artifact, engine) pair is compared by :func:`exportlm.engines.serve_and_compare`:
 three left-padded prompts of 3, 7 and 12 tokens without near-ties, 8 greedy tokens
 equal to the eager (or fake-quant) model's, teacher-forced logprobs within the
-engine's stated tolerance.
+engine's stated tolerance (its record's, for the compute dtype and the artifact's scheme).
 """
 
 from __future__ import annotations
