@@ -2,7 +2,7 @@
 
 The served comparison (``exportlm.engines.serve_and_compare``) states, per engine and
 compute dtype, a tolerance on teacher-forced log-probabilities and the largest eager
-top-2 margin that the engine's rounding may swap (``exportlm.engines.TOLERANCES``).
+top-2 margin that the engine's rounding may swap (the engine record's ``tolerances``, ``Engine.tolerance``).
 This measures both for a bfloat16 checkpoint on this CPU, so the stated numbers rest on
 a measurement anyone can repeat:
 

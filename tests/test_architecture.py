@@ -84,6 +84,8 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.export",
         "exportlm.models",
         "exportlm.module_exporters",
+        "exportlm.engines",  # the engine registry: engines are in the inventory
+        "exportlm.quant",  # the quantization formats (and the recipes they hold)
     },
 }
 
@@ -448,3 +450,29 @@ def test_the_plan_package_is_pure_at_import() -> None:
             if imported.split(".")[0] in PLAN_HEAVY:
                 found.setdefault(path.name, set()).add(imported)
     assert not found, f"pytest_exportcheck.plan imports at import time: {found}"
+
+
+def _keys_naming(node: ast.Dict, names: set[str]) -> list[str]:
+    """The keys of a dict literal that are one of ``names`` or a tuple starting with one."""
+    found = []
+    for key in node.keys:
+        first = key.elts[0] if isinstance(key, ast.Tuple) and key.elts else key
+        if isinstance(first, ast.Constant) and first.value in names:
+            found.append(ast.unparse(key))
+    return found
+
+
+def test_no_side_table_keyed_by_an_engine_name_or_a_file_suffix() -> None:
+    """Engine facts live on the Engine record (tolerances included), and engine tables
+    match on what a target declares its artifact is, never on a suffix (issue 40)."""
+    from exportlm.engines import builtin_engines
+
+    names = {e.name for e in builtin_engines()} | {".onnx", "directory"}
+    offenders: dict[str, list[str]] = {}
+    for folder in (ROOT / "src" / "exportlm" / "engines", ROOT / "pytest_exportcheck"):
+        for path in sorted(folder.rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Dict) and (keys := _keys_naming(node, names)):
+                    offenders.setdefault(str(path.relative_to(ROOT)), []).extend(keys)
+    assert not offenders, f"side tables keyed by engine name or suffix: {offenders}"

@@ -15,7 +15,6 @@ import torch
 
 from exportlm.engines import (
     NEW_TOKENS,
-    TOLERANCES,
     Engine,
     EngineResult,
     Outcome,
@@ -24,11 +23,12 @@ from exportlm.engines import (
     Support,
     Tolerance,
     Verdict,
+    builtin_engines,
     choose_prompts,
     compare_result,
     eager_reference,
+    get_engine,
     serve_and_compare,
-    tolerance_for,
 )
 from exportlm.models import tiny_hf_model
 from tests.test_engines import FAKE_WORKER, PYTEST_VERSION
@@ -106,10 +106,16 @@ def test_a_nan_logprob_is_as_far_off_as_it_gets() -> None:
 
 
 def test_every_stated_tolerance_names_its_evidence() -> None:
-    assert TOLERANCES
-    assert all(t.atol > 0 and t.evidence for t in TOLERANCES.values())
-    assert tolerance_for("vllm", "float32") == TOLERANCES["vllm", "float32"]
-    assert tolerance_for("vllm", "int3") is None
+    stated = [t for e in builtin_engines() for t in e.tolerances]
+    assert len(stated) >= 9
+    assert all(t.atol > 0 and t.evidence for t in stated)
+    vllm = get_engine("vllm")
+    assert vllm.tolerance("float32") == next(t for t in vllm.tolerances if t.dtype == "float32")
+    assert vllm.tolerance("int3") is None
+    with pytest.raises(ValueError, match="measurement"):
+        Tolerance(1e-4, "")  # a tolerance without its evidence is refused
+    with pytest.raises(ValueError, match="two tolerances"):
+        Engine("x", "json", (), "w.py", tolerances=(Tolerance(1, "m"), Tolerance(2, "m")))
 
 
 def test_the_reference_and_the_prompts_come_from_the_eager_model_alone() -> None:

@@ -31,14 +31,18 @@ _ONNX = EXPORT_REGISTRY.get("onnx")
 _HF = EXPORT_REGISTRY.get("hf_checkpoint")
 
 
-@export_target("nomask_onnx", capabilities={"kv_cache"}, suffix=".onnx", atol=1e-4, rtol=1e-4)
+@export_target(
+    "nomask_onnx", capabilities={"kv_cache"}, suffix=".onnx", artifact_kind="onnx", atol=1e-4, rtol=1e-4
+)
 def nomask_onnx(model, output_path, **kwargs):
     if kwargs.get("kv_cache"):
         kwargs["attention_mask"] = False  # the bug: the KV graph has no mask input
     return _ONNX(model, output_path, **kwargs)
 
 
-@export_target("vllm_refused_ckpt", artifact="directory", atol=1e-4, rtol=1e-4)
+@export_target(
+    "vllm_refused_ckpt", artifact="directory", artifact_kind="hf_checkpoint", atol=1e-4, rtol=1e-4
+)
 def vllm_refused_ckpt(model, output_path, **kwargs):
     out = Path(_HF(model, output_path, **kwargs))
     config = json.loads((out / "config.json").read_text())

@@ -11,14 +11,11 @@ from __future__ import annotations
 import pytest
 
 from exportlm.engines import (
-    TOLERANCES,
     Verdict,
     choose_prompts,
     eager_reference,
     get_engine,
-    tolerance_for,
 )
-from exportlm.engines.tolerances import SCHEME_TOLERANCES
 from exportlm.models import tiny_hf_model
 from pytest_exportcheck.checks.targets.served import (
     QUANTIZED,
@@ -49,14 +46,17 @@ def test_each_engine_is_asked_for_its_rows_dtype() -> None:
 
 
 def test_a_scheme_tolerance_takes_precedence_over_the_dtype_one() -> None:
-    w8a8 = tolerance_for("vllm", "bfloat16", "W8A8")
-    assert w8a8 is SCHEME_TOLERANCES["vllm", "W8A8", "bfloat16"]
+    vllm = get_engine("vllm")
+    w8a8 = vllm.tolerance("bfloat16", "W8A8")
+    bf16 = vllm.tolerance("bfloat16")
     assert w8a8 is not None
-    assert w8a8.atol > TOLERANCES["vllm", "bfloat16"].atol
+    assert bf16 is not None
+    assert (w8a8.dtype, w8a8.scheme) == ("bfloat16", "W8A8")
+    assert w8a8.atol > bf16.atol
     assert "0.305" in w8a8.evidence
     # a scheme without a row of its own: the engine's dtype tolerance
-    assert tolerance_for("vllm", "bfloat16", "FP8") is TOLERANCES["vllm", "bfloat16"]
-    assert tolerance_for("vllm", "float16") is None  # plain float16: nothing stated
+    assert vllm.tolerance("bfloat16", "FP8") is bf16
+    assert vllm.tolerance("float16") is None  # plain float16: nothing stated
 
 
 def test_every_quantized_item_vllm_or_transformers_runs_on_cpu_has_a_tolerance() -> None:
@@ -68,7 +68,7 @@ def test_every_quantized_item_vllm_or_transformers_runs_on_cpu_has_a_tolerance()
             for family in SERVED_FAMILIES:
                 dtype = served_dtype(engine, _HF, q.layout, q.scheme, family) or "float32"
                 match = engine.support(_HF, q.layout, q.scheme, dtype=dtype, model_type=family)
-                if match.verdict is Verdict.RUNS and tolerance_for(name, dtype, q.scheme) is None:
+                if match.verdict is Verdict.RUNS and engine.tolerance(dtype, q.scheme) is None:
                     missing.append((name, q.scheme, dtype, family))
     assert not missing
 

@@ -111,7 +111,7 @@ def discover() -> Discovery:
     Reads :func:`exportlm.inventory.plugin_inventory`, the one inventory that
     ``exportlm list`` and the ``plugin_loads`` check read too.
     """
-    from exportlm.engines import engines_taking, table_target
+    from exportlm.engines import engines_taking
     from exportlm.export import EXPORT_REGISTRY, get_target_info
     from exportlm.inventory import plugin_inventory
     from exportlm.models import (
@@ -137,10 +137,12 @@ def discover() -> Discovery:
     )
     models = tuple(MODEL_REGISTRY.names())
     targets = {name: get_target_info(name) for name in EXPORT_REGISTRY.names()}
-    kinds = {n: table_target(i.artifact, i.suffix) for n, i in targets.items()}
     return Discovery(
         targets=targets,
-        target_engines={n: tuple(engines_taking(k)) if k else () for n, k in kinds.items()},
+        target_engines={
+            n: tuple(engines_taking(i.artifact_kind, i.scheme)) if i.artifact_kind else ()
+            for n, i in targets.items()
+        },
         models=models,
         exporters={e.name: e.obj for e in EXPORT_MODULE_REGISTRY.entries()},
         plugins=plugins,

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Planner"]
 
-_KINDS = ("target", "runtime", "module exporter", "model family")
+_KINDS = ("target", "runtime", "module exporter", "model family", "engine")
 #: ``kind -> name -> failures`` of the plugins that failed to load.
 _Failed = Mapping[str, Mapping[str, list[PluginFailure]]]
 
@@ -253,7 +253,9 @@ class Planner:
     def _extra_failures(
         self, targets: list[str], models: list[str], *, every_runtime: bool
     ) -> dict[str, str]:
-        """Failing plugin_loads of selected model families and of runtimes no target uses."""
+        """Failing plugin_loads of selected model families, of runtimes no target uses and
+        of every engine plugin that failed to load (``engine:<name>``: its own item, so
+        its error is charged to it, not to the other engines' ``served`` items)."""
         d, failed = self.discovery, self._failed
         used = {d.targets[t].runtime for t in targets if t in d.targets}
         extra = {
@@ -261,6 +263,7 @@ class Planner:
             for m in models
             if m in failed["model family"]
         }
+        extra |= {f"engine:{e}": _failure_text(fs) for e, fs in failed["engine"].items()}
         if every_runtime:
             extra |= {
                 f"runtime:{r}": _failure_text(fs)

@@ -22,6 +22,8 @@ _PLURAL = {
     "runtime": "runtimes",
     "module exporter": "module exporters",
     "model family": "model families",
+    "engine": "engines",
+    "quantization format": "quantization formats",
 }
 
 

@@ -1,8 +1,8 @@
 """The plugin inventory: what every registry holds and which entry points failed.
 
-One list of :class:`~exportlm.registry.PluginRecord` built from the four
-registries (export targets, runtimes, module exporters, model families) after
-loading their entry points. It is the single source read by ``exportlm list``
+One list of :class:`~exportlm.registry.PluginRecord` built from the registries
+(export targets, runtimes, module exporters, model families, serving engines,
+quantization formats) after loading their entry points. It is the single source read by ``exportlm list``
 and ``exportlm env``, by the pytest plugin's header and by its ``plugin_loads``
 check, so they can never disagree about which plugin is broken.
 
@@ -26,26 +26,31 @@ __all__ = ["PluginRecord", "plugin_inventory", "registries"]
 
 
 def registries() -> list[Registry[Any]]:
-    """The four registries, loaded (built-ins and entry points; idempotent).
+    """Every registry, loaded (built-ins and entry points; idempotent).
 
     Broken plugins do not raise here: they are recorded and appear in
     :func:`plugin_inventory` (and are warned about once with :class:`PluginWarning`
     by the registry loader, which this function silences: the inventory shows them).
     """
+    from exportlm.engines.registry import ENGINE_REGISTRY, ensure_engines_registered
     from exportlm.export import EXPORT_REGISTRY, RUNTIME_REGISTRY, ensure_exporters_registered
     from exportlm.models import MODEL_REGISTRY, ensure_models_registered
     from exportlm.module_exporters import (
         EXPORT_MODULE_REGISTRY,
         ensure_module_exporters_registered,
     )
+    from exportlm.quant.formats import QUANT_FORMATS
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PluginWarning)
         ensure_exporters_registered()
         ensure_module_exporters_registered()
         ensure_models_registered()
+        ensure_engines_registered()
     module_registry: Registry[Any] = EXPORT_MODULE_REGISTRY
-    return [EXPORT_REGISTRY, RUNTIME_REGISTRY, module_registry, MODEL_REGISTRY]
+    engines: Registry[Any] = ENGINE_REGISTRY
+    formats: Registry[Any] = QUANT_FORMATS
+    return [EXPORT_REGISTRY, RUNTIME_REGISTRY, module_registry, MODEL_REGISTRY, engines, formats]
 
 
 def plugin_inventory() -> list[PluginRecord]:

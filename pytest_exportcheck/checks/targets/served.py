@@ -2,7 +2,8 @@
 
 One item per target x engine x model family (``served[hf_checkpoint-vllm-llama-cpu]``;
 the planner's engines are those whose support table has a row for what the target
-writes, :func:`exportlm.engines.engines_taking`), for :data:`SERVED_FAMILIES` (a dense
+declares it writes, ``TargetInfo.artifact_kind`` and ``scheme``:
+:func:`exportlm.engines.engines_taking`), for :data:`SERVED_FAMILIES` (a dense
 and an MoE family; each engine run starts a fresh engine process, 10-60 s).
 
 Before anything is exported the item resolves its engine
@@ -24,7 +25,7 @@ cache):
 Each (artifact, engine) pair is compared by :func:`exportlm.engines.serve_and_compare`:
 three left-padded prompts of 3, 7 and 12 tokens without near-ties, 8 greedy tokens
 equal to the eager (or fake-quant) model's, teacher-forced logprobs within the
-engine's stated tolerance.
+engine's stated tolerance (its record's, for the compute dtype and the artifact's scheme).
 """
 
 from __future__ import annotations
@@ -37,17 +38,20 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from exportlm.engines import (
+    ENGINE_REGISTRY,
+    ArtifactKind,
     Engine,
     Outcome,
     Resolved,
     Served,
     Support,
+    artifact_kind,
     engines_taking,
+    ensure_engines_registered,
     get_engine,
     parse_engine_options,
     resolve_engine,
     serve_and_compare,
-    table_target,
 )
 from exportlm.errors import ExportLMError, UnsupportedFormatError
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
@@ -207,19 +211,40 @@ def _artifacts(case: TargetCase, name: str) -> Iterator[_Artifact]:
     def plain(**options: Any) -> Callable[[str | None], tuple[Path, nn.Module]]:
         return lambda _: (shared_artifact(case, name, **options), build_case_model(case, name))
 
-    if info.artifact == "directory":
-        yield _Artifact("plain", None, None, plain())
-        if info.has("quantized"):
+    if info.artifact_kind == "hf_checkpoint":
+        yield _Artifact("plain", None, info.scheme, plain())
+        if info.has("quantized") and info.scheme is None:
             yield from _quantized(case, name)
-    elif info.suffix == ".onnx":
-        yield _Artifact("plain", "plain", None, plain())
+    elif info.artifact_kind == "onnx":
+        yield _Artifact("plain", "plain", info.scheme, plain())
         if info.has("kv_cache"):
-            yield _Artifact("kv_cache", "kv_cache", None, plain(**KV_SERVING))
+            yield _Artifact("kv_cache", "kv_cache", info.scheme, plain(**KV_SERVING))
+    elif info.artifact_kind:  # a kind only a third-party engine's table names
+        yield _Artifact("plain", None, info.scheme, plain())
+
+
+def _kind(target: str, artifact: _Artifact, path: Path, family: str) -> ArtifactKind:
+    """The artifact as the tables name it: the target's declaration (its kind and scheme)
+    over what the file says (a checkpoint's config: its layout, scheme and model type)."""
+    try:
+        read = artifact_kind(path)
+    except ValueError:  # a kind the built-in reader does not know
+        return ArtifactKind(target, artifact.layout, artifact.scheme, OWN_DTYPE, family)
+    return ArtifactKind(
+        target, read.layout, read.scheme or artifact.scheme, read.dtype, read.model_type
+    )
 
 
 def _overrides(case: TargetCase) -> dict[str, str]:
+    """``--export-engine`` paths; those of an engine plugin that failed to load are left
+    out (its own failing ``plugin_loads[engine:<name>]`` item carries its error)."""
+    ensure_engines_registered()
+    broken = ENGINE_REGISTRY.failed()
+    given = [
+        v for v in case.options.get("engines") or () if v.partition("=")[0].strip() not in broken
+    ]
     try:
-        return parse_engine_options(case.options.get("engines") or ())
+        return parse_engine_options(given)
     except (ValueError, ExportLMError) as err:
         raise CheckAbort(CheckResult.failed(f"--export-engine: {error_text(err)}")) from err
 
@@ -252,8 +277,7 @@ def _engines(case: TargetCase) -> list[str]:
     if case.engine is not None:
         return [case.engine]
     info = target_info(case)
-    kind = table_target(info.artifact, info.suffix)
-    return engines_taking(kind) if kind else []
+    return engines_taking(info.artifact_kind, info.scheme) if info.artifact_kind else []
 
 
 @check("served")
@@ -283,7 +307,7 @@ def served(case: TargetCase) -> CheckResult:
         )
     overrides = _overrides(case)
     info = target_info(case)
-    target = table_target(info.artifact, info.suffix) or ""
+    target = info.artifact_kind
     results: list[tuple[str, Served]] = []
     unfit: list[str] = []
     for found in _resolve(case, overrides):
@@ -309,6 +333,7 @@ def served(case: TargetCase) -> CheckResult:
                 path,
                 model,
                 dtype=dtype,
+                kind=_kind(target, artifact, path, name),
                 python=found.python,
                 device="cuda" if case.device.startswith("cuda") else "cpu",
             )

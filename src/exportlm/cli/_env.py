@@ -152,5 +152,8 @@ def _registered() -> dict[str, Any]:
         "runtimes": [r["name"] for r in inventory.runtimes],
         "module_exporters": [e["name"] for e in inventory.module_exporters],
         "models": [m["name"] for m in inventory.models],
+        "engines": [e["name"] for e in inventory.engines],
+        "quant_formats": [f["name"] for f in inventory.quant_formats],
+        "recipes": [r["name"] for r in inventory.recipes],
         "failed_plugins": [f"{f['registry']}: {f['error']}" for f in inventory.failed_plugins],
     }

@@ -1,4 +1,5 @@
-"""What is registered: targets, runtimes, module exporters, model families, failed plugins.
+"""What is registered: targets, runtimes, module exporters, model families, serving
+engines, quantization formats and their recipes, failed plugins.
 
 Shared by ``exportlm list`` and ``exportlm env``; every list is plain JSON data.
 """
@@ -19,6 +20,9 @@ class Inventory:
     runtimes: list[dict[str, str]] = field(default_factory=list)
     module_exporters: list[dict[str, str]] = field(default_factory=list)
     models: list[dict[str, str]] = field(default_factory=list)
+    engines: list[dict[str, Any]] = field(default_factory=list)
+    quant_formats: list[dict[str, Any]] = field(default_factory=list)
+    recipes: list[dict[str, str]] = field(default_factory=list)
     failed_plugins: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -28,6 +32,9 @@ class Inventory:
             "runtimes": self.runtimes,
             "module_exporters": self.module_exporters,
             "models": self.models,
+            "engines": self.engines,
+            "quant_formats": self.quant_formats,
+            "recipes": self.recipes,
             "failed_plugins": self.failed_plugins,
         }
 
@@ -56,6 +63,8 @@ def collect_inventory() -> Inventory:
                 "runtime": info.runtime,
                 "runtime_available": info.runtime in RUNTIME_REGISTRY,
                 "artifact": info.artifact,
+                "artifact_kind": info.artifact_kind,
+                "scheme": info.scheme,
                 "capabilities": sorted(info.capabilities),
                 "atol": info.atol,
                 "rtol": info.rtol,
@@ -68,6 +77,8 @@ def collect_inventory() -> Inventory:
     ]
     inventory.models = [{"name": e.name, "provider": e.provider} for e in MODEL_REGISTRY.entries()]
     inventory.module_exporters = _module_exporters()
+    inventory.engines = _engines()
+    inventory.quant_formats, inventory.recipes = _quant()
     inventory.failed_plugins = [
         {
             "registry": r.kind,
@@ -95,3 +106,45 @@ def _module_exporters() -> list[dict[str, str]]:
             keys = f"{keys} + predicate" if keys else "predicate"
         rows.append({"name": entry.name, "keys": keys, "provider": entry.provider})
     return rows
+
+
+def _engines() -> list[dict[str, Any]]:
+    """The serving engines: what their tables take and their stated tolerances."""
+    from exportlm.engines import ENGINE_REGISTRY, ensure_engines_registered
+
+    ensure_engines_registered()
+    rows: list[dict[str, Any]] = []
+    for entry in ENGINE_REGISTRY.entries():
+        engine = entry.obj
+        takes = sorted({r.target for r in engine.table})
+        tolerances = [
+            {"dtype": t.dtype, "scheme": t.scheme, "atol": t.atol, "evidence": t.evidence}
+            for t in engine.tolerances
+        ]
+        rows.append(
+            {
+                "name": entry.name,
+                "provider": entry.provider,
+                "module": engine.module,
+                "table_version": engine.table_version,
+                "takes": takes,
+                "tolerances": tolerances,
+            }
+        )
+    return rows
+
+
+def _quant() -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """The quantization formats, and the recipes (weight and KV cache) they provide."""
+    from exportlm.quant.formats import QUANT_FORMATS
+
+    formats: list[dict[str, Any]] = []
+    recipes: list[dict[str, str]] = []
+    for entry in QUANT_FORMATS.entries():
+        spec = entry.obj
+        formats.append({"name": entry.name, "provider": entry.provider})
+        if spec.recipe is not None:
+            recipes.append({"name": spec.recipe.name, "format": entry.name, "kind": "weights"})
+        if spec.kv_cache is not None:
+            recipes.append({"name": spec.kv_cache.recipe, "format": entry.name, "kind": "kv_cache"})
+    return formats, sorted(recipes, key=lambda r: r["name"])

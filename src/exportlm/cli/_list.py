@@ -1,9 +1,11 @@
-"""``exportlm list``: every registered target, runtime, module exporter and model family."""
+"""``exportlm list``: every registered target, runtime, module exporter, model family,
+serving engine, quantization format and recipe."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 from exportlm.cli._inventory import collect_inventory
 
@@ -40,11 +42,41 @@ def cmd_list(as_json: bool) -> int:
     if inventory.models:
         print("\nModel families:")
         print_table(("name", "provided by"), [(m["name"], m["provider"]) for m in inventory.models])
+    _print_engines_and_quant(inventory.engines, inventory.quant_formats, inventory.recipes)
     if inventory.failed_plugins:
         print("\nPlugins that failed to load:")
         for failure in inventory.failed_plugins:
             print(f"  {failure['registry']}: {failure['error']}")
     return 0
+
+
+def _print_engines_and_quant(
+    engines: list[dict[str, Any]], formats: list[dict[str, Any]], recipes: list[dict[str, str]]
+) -> None:
+    if engines:
+        print("\nServing engines:")
+        rows = [
+            (
+                e["name"],
+                ",".join(e["takes"]) or "-",
+                ", ".join(
+                    f"{t['dtype']}{'/' + t['scheme'] if t['scheme'] else ''}={t['atol']:g}"
+                    for t in e["tolerances"]
+                )
+                or "-",
+                e["provider"],
+            )
+            for e in engines
+        ]
+        print_table(("name", "takes", "tolerances", "provided by"), rows)
+    if formats:
+        print("\nQuantization formats:")
+        print_table(("name", "provided by"), [(f["name"], f["provider"]) for f in formats])
+    if recipes:
+        print("\nRecipes:")
+        print_table(
+            ("name", "format", "kind"), [(r["name"], r["format"], r["kind"]) for r in recipes]
+        )
 
 
 def print_table(header: Sequence[str] | None, rows: Sequence[Sequence[str]]) -> None:

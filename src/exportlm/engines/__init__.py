@@ -14,7 +14,7 @@
   engine's worker in a subprocess; an :class:`EngineResult`, or a specific
   :class:`~exportlm.errors.EngineError`.
 - :func:`serve_and_compare`: the served comparison (prompts without near-ties, the
-  eager reference, the engine's answer, the stated :data:`TOLERANCES`) as one
+  eager reference, the engine's answer, its stated :meth:`Engine.tolerance`) as one
   :class:`Served` result naming engine, version, artifact, gap and divergence.
 
 Importing this package imports no engine and no torch.
@@ -41,6 +41,7 @@ from exportlm.engines.interpreter import (
     parse_engine_options,
 )
 from exportlm.engines.protocol import PROTOCOL, EngineRequest, EngineResult
+from exportlm.engines.reference import MIN_MARGIN
 from exportlm.engines.registry import (
     ENGINE_REGISTRY,
     ENGINES_GROUP,
@@ -54,11 +55,9 @@ from exportlm.engines.resolve import (
     engines_taking,
     installed_version,
     resolve_engine,
-    table_target,
 )
 from exportlm.engines.run import probe_engine, run_engine
-from exportlm.engines.spec import WORKERS_DIR, Engine, Match, Support, Verdict
-from exportlm.engines.tolerances import MIN_MARGIN, TOLERANCES, Tolerance, tolerance_for
+from exportlm.engines.spec import WORKERS_DIR, Engine, Match, Support, Tolerance, Verdict
 from exportlm.errors import (
     EngineCrashedError,
     EngineError,
@@ -77,7 +76,6 @@ __all__ = [
     "NEW_TOKENS",
     "PROMPT_LENGTHS",
     "PROTOCOL",
-    "TOLERANCES",
     "WORKERS_DIR",
     "ArtifactKind",
     "Engine",
@@ -116,7 +114,5 @@ __all__ = [
     "resolve_engine",
     "run_engine",
     "serve_and_compare",
-    "table_target",
-    "tolerance_for",
     "validate_engine",
 ]

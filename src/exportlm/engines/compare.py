@@ -6,8 +6,8 @@ without near-ties (:func:`choose_prompts`), computes the eager reference
 (:func:`eager_reference`: each prompt alone, unpadded, full recompute), sends the
 prompts to the engine as one left-padded batch (:func:`~exportlm.engines.run_engine`)
 and compares: greedy tokens equal row by row, teacher-forced log-probabilities within
-the engine's stated tolerance for the dtype (:data:`~exportlm.engines.tolerances.TOLERANCES`;
-for some quantized schemes :data:`~exportlm.engines.tolerances.SCHEME_TOLERANCES`).
+the engine's stated tolerance for the dtype (:meth:`Engine.tolerance
+<exportlm.engines.Engine.tolerance>`: on the engine's record, per dtype and per quantized scheme).
 
 What the support table declares decides what an outcome means
 (:class:`Outcome`): a row that ``runs`` must match; a ``refused`` / ``engine_limit``
@@ -39,8 +39,7 @@ from exportlm.engines.reference import (
 )
 from exportlm.engines.registry import get_engine
 from exportlm.engines.run import run_engine
-from exportlm.engines.spec import Engine, Match, Verdict
-from exportlm.engines.tolerances import Tolerance, tolerance_for
+from exportlm.engines.spec import Engine, Match, Tolerance, Verdict
 from exportlm.errors import EngineError, EngineUnavailableError
 
 __all__ = [
@@ -298,7 +297,7 @@ def _job(
         device=device,
         model_type=kind.model_type,
     )
-    tolerance = tolerance_for(eng.name, compute, kind.scheme)
+    tolerance = eng.tolerance(compute, kind.scheme)
     return _Job(eng, artifact, kind, compute, match, tolerance)
 
 
@@ -345,8 +344,9 @@ def serve_and_compare(
     if tol is None:
         return replace(
             served,
-            message=f"no tolerance stated for {job.engine.name} at {job.dtype} "
-            "(exportlm.engines.tolerances.TOLERANCES); pass tolerance=",
+            message=f"no tolerance stated for {job.engine.name} at {job.dtype}"
+            f"{f' for {job.kind.scheme}' if job.kind and job.kind.scheme else ''} (its Engine "
+            "record's tolerances=, docs/engines.md); pass tolerance=",
         )
     if prompts is None:
         prompts = choose_prompts(model, min_margin=2 * tol.atol)

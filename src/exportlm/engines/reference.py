@@ -13,10 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from exportlm.engines.tolerances import MIN_MARGIN
-
 __all__ = [
     "FIRST_ID",
+    "MIN_MARGIN",
     "NEW_TOKENS",
     "PROMPT_LENGTHS",
     "PROMPT_SEED",
@@ -26,6 +25,9 @@ __all__ = [
     "eager_reference",
 ]
 
+#: The smallest eager top-2 logit margin a chosen prompt's greedy steps may have (at
+#: least twice the tolerance is used): below it, engine rounding could swap the top two.
+MIN_MARGIN = 0.2
 #: Greedy tokens decoded after each prompt.
 NEW_TOKENS = 8
 #: One prompt of each length, left-padded to the longest in the engine's batch.

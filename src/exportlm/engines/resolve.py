@@ -1,7 +1,8 @@
 """Which engines take what a target writes, and whether one is usable here, before any export.
 
 :func:`engines_taking` answers from the support tables alone (``"hf_checkpoint"``:
-the engines with a checkpoint row); :func:`resolve_engine` finds an engine's
+the engines with a checkpoint row; a target says what it writes in its declaration,
+``TargetInfo.artifact_kind`` and ``scheme``); :func:`resolve_engine` finds an engine's
 interpreter and its installed version without importing the engine (a
 ``importlib.metadata`` lookup, in a subprocess for another interpreter: ~50 ms,
 against 10-60 s for an engine start). The ``served`` check calls both first, so an
@@ -23,21 +24,21 @@ from exportlm.engines.interpreter import find_interpreter
 from exportlm.engines.registry import engine_names, get_engine
 from exportlm.engines.spec import Engine
 
-__all__ = ["Resolved", "engines_taking", "installed_version", "resolve_engine", "table_target"]
-
-#: What the tables call the artifact a target writes, by the target's declared artifact
-#: kind (``TargetInfo.artifact``, else its file suffix).
-_TABLE_TARGETS = {"directory": "hf_checkpoint", ".onnx": "onnx"}
+__all__ = ["Resolved", "engines_taking", "installed_version", "resolve_engine"]
 
 
-def table_target(artifact: str, suffix: str = "") -> str | None:
-    """The support tables' name for what a target writes (``"hf_checkpoint"``), or ``None``."""
-    return _TABLE_TARGETS.get(artifact) or _TABLE_TARGETS.get(suffix)
-
-
-def engines_taking(target: str) -> list[str]:
-    """The registered engines whose support table has a row for artifacts of ``target``."""
-    return [n for n in engine_names() if any(r.target == target for r in get_engine(n).table)]
+def engines_taking(target: str, scheme: str | None = None) -> list[str]:
+    """The registered engines whose support table has a row for artifacts of ``target``
+    (a target's declared ``TargetInfo.artifact_kind``: ``"hf_checkpoint"``, ``"onnx"``);
+    with ``scheme`` (a target whose every artifact is quantized so), a row for that scheme."""
+    return [
+        n
+        for n in engine_names()
+        if any(
+            r.target == target and (scheme is None or r.scheme == scheme)
+            for r in get_engine(n).table
+        )
+    ]
 
 
 _PROBE = (

@@ -6,6 +6,11 @@ refuses it (and which layout it takes instead). Every row carries its evidence:
 the engine's own message where one was measured, else the engine source file and
 version the row was read from. :meth:`Engine.support` answers one question
 (this artifact, this dtype, this device) with the row and the reason in one call.
+
+An engine also states its tolerances (:class:`Tolerance`): how far its teacher-forced
+log-probabilities may be from the eager model's, per compute dtype and, where a
+quantized scheme is computed apart from the fake-quant reference, per scheme; each
+with the measurement it rests on. :meth:`Engine.tolerance` looks one up.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from pathlib import Path
 
 __all__ = [
     "CPU_FEATURES",
+    "F32_ATOL",
     "WORKERS_DIR",
     "Engine",
     "Match",
     "Support",
+    "Tolerance",
     "Verdict",
     "host_cpu_features",
 ]
@@ -30,6 +37,10 @@ __all__ = [
 WORKERS_DIR = Path(__file__).resolve().parent / "workers"
 
 ALL_DTYPES = ("float32", "bfloat16", "float16")
+
+#: The float32 tolerance of the built-in engines: measured gaps are 1e-6..1.3e-5
+#: (reordered reductions), so it leaves about 8x headroom over the largest.
+F32_ATOL = 1e-4
 
 #: The CPU features a support row may need, as torch names them (``torch.cpu._is_<name>_supported``:
 #: the checks engines such as vLLM-CPU make to choose a kernel library and kernels), with
@@ -179,6 +190,34 @@ class Support:
 
 
 @dataclass(frozen=True)
+class Tolerance:
+    """Max |engine - eager| of a teacher-forced log-probability, and where it comes from.
+
+    Attributes:
+        atol: the bound. It also bounds which greedy token may swap: an eager top-2
+            margin up to ``2 * atol`` may swap (a near-tie), and prompts are chosen above it.
+        evidence: the measurement it rests on (what was served, the gap seen, where).
+        dtype: the compute dtype it holds for.
+        scheme: the quantized scheme it holds for, as the support tables name it
+            (``"W8A8"``); ``None``: any artifact in that dtype without a row of its own.
+    """
+
+    atol: float
+    evidence: str
+    dtype: str = "float32"
+    scheme: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.atol >= 0 and self.atol != float("inf")):
+            raise ValueError(f"Tolerance atol must be a finite number >= 0, got {self.atol!r}")
+        if not self.evidence.strip():
+            raise ValueError(
+                f"Tolerance {self.dtype}/{self.scheme}: state the measurement it rests on "
+                "(evidence='measured ... with <engine> <version>')"
+            )
+
+
+@dataclass(frozen=True)
 class Match:
     """The answer of :meth:`Engine.support`: the verdict, the row it came from, and why."""
 
@@ -204,6 +243,8 @@ class Engine:
         env: environment variables set for the worker process.
         timeout: seconds a worker may run before it is killed.
         notes: how to enable it where it is not installed (GPU runners, ...).
+        tolerances: the stated :class:`Tolerance` per compute dtype (``scheme=None``) and
+            per quantized scheme and dtype; :meth:`tolerance` reads them.
     """
 
     name: str
@@ -216,6 +257,21 @@ class Engine:
     env: Mapping[str, str] = field(default_factory=dict)
     timeout: float = 600.0
     notes: str = ""
+    tolerances: tuple[Tolerance, ...] = ()
+
+    def __post_init__(self) -> None:
+        keys = [(t.dtype, t.scheme) for t in self.tolerances]
+        twice = sorted({f"{d}/{s}" for d, s in keys if keys.count((d, s)) > 1})
+        if twice:
+            raise ValueError(f"engine {self.name!r} states two tolerances for {twice}")
+
+    def tolerance(self, dtype: str, scheme: str | None = None) -> Tolerance | None:
+        """The stated tolerance at ``dtype`` for ``scheme`` where one is stated apart, else
+        the dtype's own; ``None`` when none is stated (the comparison says so)."""
+        rows = {(t.dtype, t.scheme): t for t in self.tolerances}
+        if scheme is not None and (dtype, scheme) in rows:
+            return rows[dtype, scheme]
+        return rows.get((dtype, None))
 
     def worker_path(self) -> Path:
         """The worker script's absolute path."""

@@ -89,6 +89,16 @@ class TargetInfo:
             on any toy family (``""`` names the row of a target without variants): the
             row is still run and shown, as *declared unchecked* with the reason, and
             ``--export-strict`` does not fail on it.
+        artifact_kind: what the artifact is, in the serving engines' support tables'
+            terms: ``"hf_checkpoint"`` (a Hugging Face checkpoint directory),
+            ``"onnx"`` (an ONNX graph), or a kind a third-party engine's table names;
+            ``""``: nothing an engine serves (no ``served`` item). Engines match on it,
+            never on the file suffix.
+        scheme: the quantization scheme every artifact it writes carries, as the engine
+            tables name it (an ONNX QDQ graph: ``"int8"``, ``"fp8"``); ``None``: float,
+            or (a checkpoint) the one its ``config.json`` states. An engine serves it
+            only where its table has a row for that scheme, against that scheme's
+            tolerance (``docs/engines.md``).
     """
 
     name: str
@@ -105,6 +115,8 @@ class TargetInfo:
     executes_code: bool = False
     capture: str | Mapping[str, str] = ""
     unchecked: Mapping[str, str] = field(default_factory=dict)
+    artifact_kind: str = ""
+    scheme: str | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.capabilities) - CAPABILITIES
@@ -117,6 +129,11 @@ class TargetInfo:
         _check_unchecked(self.name, self.unchecked, self.variants)
         if self.artifact not in ("file", "directory"):
             raise ValueError(f"target {self.name!r}: artifact must be 'file' or 'directory'")
+        if self.scheme is not None and not self.artifact_kind:
+            raise ValueError(
+                f"target {self.name!r} declares scheme={self.scheme!r} but no artifact_kind; "
+                "say what the artifact is (artifact_kind='onnx', 'hf_checkpoint', ...)"
+            )
         object.__setattr__(self, "capabilities", frozenset(self.capabilities))
 
     def has(self, capability: str) -> bool:
@@ -179,13 +196,16 @@ def export_target(
     executes_code: bool = False,
     capture: str | Mapping[str, str] = "",
     unchecked: Mapping[str, str] | None = None,
+    artifact_kind: str = "",
+    scheme: str | None = None,
 ) -> Callable[[F], F]:
     """Decorator declaring an export factory's :class:`TargetInfo`.
 
     ``runtime`` defaults to ``name``. ``executes_code=True`` declares that loading
     the artifact can run code (a pickle, TorchScript); ``capture`` says how the model is
     captured (``"torch.export"``, ``"torchscript-trace"``, ...); ``unchecked`` the rows the
-    conformance suite cannot check on any toy family: see :class:`TargetInfo`. The
+    conformance suite cannot check on any toy family; ``artifact_kind`` and ``scheme`` say
+    what the artifact is, for the serving engines: see :class:`TargetInfo`. The
     decorated function is unchanged apart from the attached declaration, so it can be
     registered in code or exposed through the ``exportlm.export_backends`` entry-point group.
     """
@@ -204,6 +224,8 @@ def export_target(
         executes_code=executes_code,
         capture=capture if isinstance(capture, str) else dict(capture),
         unchecked=dict(unchecked or {}),
+        artifact_kind=artifact_kind,
+        scheme=scheme,
     )
 
     def decorate(fn: F) -> F:

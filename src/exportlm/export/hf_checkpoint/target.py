@@ -84,6 +84,7 @@ HF_CHECKPOINT_TARGET = TargetInfo(
     rtol=1e-3,
     capabilities=frozenset({"quantized", "multi_file", "cuda"}),
     artifact="directory",
+    artifact_kind="hf_checkpoint",
     capture="weights",  # the runtime rebuilds the model from the saved weights
     accepts=_hf_accepts,
     description="Hugging Face checkpoint directory (safetensors shards; ModelOpt or compressed-tensors quantization)",

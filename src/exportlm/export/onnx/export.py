@@ -239,6 +239,7 @@ ONNX_TARGET = TargetInfo(
     accepts=qdq_refusal,
     artifact="file",
     suffix=".onnx",
+    artifact_kind="onnx",
     capture="torch.export",  # the dynamo exporter runs torch.export first
     description="ONNX graph (torch.onnx dynamo exporter, dynamic batch/seq) run in onnxruntime",
 )
