@@ -40,7 +40,7 @@ from exportlm.engines.interpreter import (
     find_interpreter,
     parse_engine_options,
 )
-from exportlm.engines.protocol import PROTOCOL, EngineRequest, EngineResult
+from exportlm.engines.protocol import PROTOCOL, DecodeSteps, EngineRequest, EngineResult
 from exportlm.engines.registry import (
     ENGINE_REGISTRY,
     ENGINES_GROUP,
@@ -80,6 +80,7 @@ __all__ = [
     "TOLERANCES",
     "WORKERS_DIR",
     "ArtifactKind",
+    "DecodeSteps",
     "Engine",
     "EngineCrashedError",
     "EngineError",

@@ -35,6 +35,21 @@ class Context:
         self.stage_name = "load"
         self.seconds: dict[str, float] = {}
         self.notes: list[str] = []
+        self.decode: dict[str, Any] | None = None
+
+    def record_decode(
+        self,
+        logprobs: list[list[float]],
+        top: list[list[list[tuple[int, float]]]] | None = None,
+        cache_lengths: list[list[int]] | None = None,
+    ) -> None:
+        """Each generation step's own numbers, per row and step (``docs/engines.md``).
+
+        ``logprobs[r][s]``: the chosen token's log-probability from that step's logits
+        (step 0 is the prefill); ``top[r][s]``: the step's top-k ``(token, logprob)``,
+        best first; ``cache_lengths[r][s]``: the row's KV-cache length after the step.
+        """
+        self.decode = {"logprobs": logprobs, "top": top, "cache_lengths": cache_lengths}
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -191,6 +206,8 @@ def _answer(
         _write(out, {**base, **failed, "reusable": more})
         return
     done = {"status": "ok", "tokens": tokens, "logprobs": logprobs, "reusable": more}
+    if ctx.decode is not None:
+        done["decode"] = ctx.decode
     _write(out, {**base, **done, "notes": ctx.notes, "seconds": ctx.seconds})
 
 
