@@ -11,6 +11,7 @@ becomes ``refused`` with the stage it happened in and the engine's own message.
 
 from __future__ import annotations
 
+import heapq
 import importlib
 import importlib.metadata
 import json
@@ -93,6 +94,33 @@ def log_softmax_at(logits: Sequence[float], index: int) -> float:
     top = max(logits)
     total = math.fsum(math.exp(x - top) for x in logits)
     return float(logits[index] - top - math.log(total))
+
+
+def step_logprobs(logits: Sequence[float], token: int, k: int = 2) -> tuple[float, list[Any]]:
+    """One decode step's numbers from its logits: ``token``'s log-softmax and the top-k
+    ``(token, logprob)`` pairs, best first (float64)."""
+    top = max(logits)
+    norm = top + math.log(math.fsum(math.exp(x - top) for x in logits))
+    best = heapq.nlargest(k, range(len(logits)), key=lambda i: logits[i])
+    return float(logits[token] - norm), [(i, float(logits[i] - norm)) for i in best]
+
+
+class Steps:
+    """Each decode step's numbers of a batch, gathered step by step (:func:`step_logprobs`)."""
+
+    def __init__(self, rows: int) -> None:
+        self.logprobs: list[list[float]] = [[] for _ in range(rows)]
+        self.top: list[list[Any]] = [[] for _ in range(rows)]
+
+    def add(self, row: int, logits: Sequence[float], token: int) -> None:
+        """Row ``row``'s next step: its logits and the token chosen from them."""
+        lp, top = step_logprobs(logits, token)
+        self.logprobs[row].append(lp)
+        self.top[row].append(top)
+
+    def record(self, ctx: Context, cache_lengths: list[list[int]] | None = None) -> None:
+        """Hand the steps to the response (:meth:`Context.record_decode`)."""
+        ctx.record_decode(self.logprobs, self.top, cache_lengths)
 
 
 def describe(err: BaseException) -> str:
