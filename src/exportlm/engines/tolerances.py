@@ -96,6 +96,16 @@ SCHEME_TOLERANCES: Mapping[tuple[str, str, str], Tolerance] = {
         "against 0.161 "
         "for a plain bfloat16 checkpoint; tokens equal in both",
     ),
+    # The decode path (a cached step, other GEMM shapes) moves float32 activations by
+    # ~1e-7; where one sits at an FP8 rounding boundary its code flips, which the eager
+    # full recompute does not: a decode step moves by up to ~1e-3 (the teacher-forced
+    # pass, shaped like eager's, stays at 1e-7).
+    ("transformers", "FP8", "float32"): Tolerance(
+        5e-3,
+        "measured decode-step gap 8.84e-4 (teacher-forced 9.9e-8; tokens equal) on "
+        "served[hf_checkpoint-transformers-llama-cpu], compressed-tensors FP8, transformers "
+        "5.19.0 + compressed-tensors 0.17.0",
+    ),
     ("vllm", "W4A16", "float16"): Tolerance(
         0.15,
         "measured 0.062 against the checkpoint read back in float32, 0.045 against the "
