@@ -70,19 +70,27 @@ def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
     steps = _worker.Steps(len(req["input_ids"]))
     with ctx.stage("generate"):
         for ids, mask in groups:
-            ids, mask = [list(r) for r in ids], [list(m) for m in mask]
-            new: list[list[int]] = [[] for _ in ids]
-            done = len(tokens)
-            for _ in range(int(req["max_new_tokens"])):
-                last = logits(ids, mask)[:, -1]
-                for r, t in enumerate(last.argmax(-1)):
-                    steps.add(done + r, last[r].tolist(), int(t))
-                    ids[r].append(int(t))
-                    mask[r].append(1)
-                    new[r].append(int(t))
-            tokens.extend(new)
+            tokens.extend(
+                _greedy(logits, ids, mask, int(req["max_new_tokens"]), steps, len(tokens))
+            )
     steps.record(ctx)
     return tokens, logprobs
+
+
+def _greedy(
+    logits: Any, ids: Any, mask: Any, n: int, steps: _worker.Steps, done: int
+) -> list[list[int]]:
+    """Greedy tokens of one group (rerunning the whole sequence), each step recorded."""
+    ids, mask = [list(r) for r in ids], [list(m) for m in mask]
+    new: list[list[int]] = [[] for _ in ids]
+    for _ in range(n):
+        last = logits(ids, mask)[:, -1]
+        for r, t in enumerate(last.argmax(-1)):
+            steps.add(done + r, last[r].tolist(), int(t))
+            ids[r].append(int(t))
+            mask[r].append(1)
+            new[r].append(int(t))
+    return new
 
 
 def _logprob(row: Any, index: int) -> float:
