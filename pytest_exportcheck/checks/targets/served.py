@@ -24,7 +24,8 @@ cache):
 
 Each (artifact, engine) pair is compared by :func:`exportlm.engines.serve_and_compare`:
 three left-padded prompts of 3, 7 and 12 tokens without near-ties, 8 greedy tokens
-equal to the eager (or fake-quant) model's, teacher-forced logprobs within the
+equal to the eager (or fake-quant) model's, teacher-forced logprobs and each decode
+step's logprobs (the engine's cache path, where its worker reports them) within the
 engine's stated tolerance (its record's, for the compute dtype and the artifact's scheme).
 """
 

@@ -40,7 +40,7 @@ from exportlm.engines.interpreter import (
     find_interpreter,
     parse_engine_options,
 )
-from exportlm.engines.protocol import PROTOCOL, EngineRequest, EngineResult
+from exportlm.engines.protocol import PROTOCOL, DecodeSteps, EngineRequest, EngineResult
 from exportlm.engines.reference import MIN_MARGIN
 from exportlm.engines.registry import (
     ENGINE_REGISTRY,
@@ -78,6 +78,7 @@ __all__ = [
     "PROTOCOL",
     "WORKERS_DIR",
     "ArtifactKind",
+    "DecodeSteps",
     "Engine",
     "EngineCrashedError",
     "EngineError",

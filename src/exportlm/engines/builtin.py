@@ -329,6 +329,17 @@ TRANSFORMERS = Engine(
             "(benchmarks/engine_bf16_error.py, AMD EPYC AVX2, torch 2.13.0)",
             "bfloat16",
         ),
+        # The decode path (a cached step, other GEMM shapes) moves float32 activations by
+        # ~1e-7; where one sits at an FP8 rounding boundary its code flips, which the eager
+        # full recompute does not: a decode step moves by up to ~1e-3.
+        Tolerance(
+            5e-3,
+            "measured decode-step gap 8.84e-4 (teacher-forced 9.9e-8; tokens equal) on "
+            "served[hf_checkpoint-transformers-llama-cpu], compressed-tensors FP8, "
+            "transformers 5.19.0 + compressed-tensors 0.17.0",
+            "float32",
+            "FP8",
+        ),
     ),
 )
 

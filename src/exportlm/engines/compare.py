@@ -5,9 +5,11 @@ fake-quantized model for a quantized artifact) and an engine; it chooses prompts
 without near-ties (:func:`choose_prompts`), computes the eager reference
 (:func:`eager_reference`: each prompt alone, unpadded, full recompute), sends the
 prompts to the engine as one left-padded batch (:func:`~exportlm.engines.run_engine`)
-and compares: greedy tokens equal row by row, teacher-forced log-probabilities within
-the engine's stated tolerance for the dtype (:meth:`Engine.tolerance
-<exportlm.engines.Engine.tolerance>`: on the engine's record, per dtype and per quantized scheme).
+and compares: greedy tokens equal row by row, teacher-forced log-probabilities and
+each decode step's log-probabilities (the engine's cache path, :mod:`~exportlm.engines.steps`),
+and the KV-cache length where the engine reports it, within the engine's stated
+tolerance for the dtype (:meth:`Engine.tolerance <exportlm.engines.Engine.tolerance>`:
+on the engine's record, per dtype and per quantized scheme).
 
 What the support table declares decides what an outcome means
 (:class:`Outcome`): a row that ``runs`` must match; a ``refused`` / ``engine_limit``
@@ -40,6 +42,13 @@ from exportlm.engines.reference import (
 from exportlm.engines.registry import get_engine
 from exportlm.engines.run import run_engine
 from exportlm.engines.spec import Engine, Match, Tolerance, Verdict
+from exportlm.engines.steps import (
+    cache_problem,
+    decode_gap,
+    describe_gaps,
+    divergence,
+    prompt_gap,
+)
 from exportlm.errors import EngineError, EngineUnavailableError
 
 __all__ = [
@@ -93,6 +102,9 @@ class Served:
         gap_at: ``(row, position)`` of ``max_gap``.
         tokens_equal: whether every row's greedy tokens equal the eager ones.
         diverges: ``(row, new-token position)`` of the first token that differs.
+        decode_gap: the largest |engine - eager| logprob of a decode step, as the
+            engine computed it while generating (``None``: it reports none);
+            ``decode_gap_at``: its ``(row, step)``.
         engine_error: the engine's own error text when it refused, crashed or timed out.
         tolerance_evidence: where the tolerance comes from (a measurement).
         seconds: the worker's load / generate / score times.
@@ -112,6 +124,8 @@ class Served:
     gap_at: tuple[int, int] | None = None
     tokens_equal: bool | None = None
     diverges: tuple[int, int] | None = None
+    decode_gap: float | None = None
+    decode_gap_at: tuple[int, int] | None = None
     engine_error: str = ""
     tolerance_evidence: str = ""
     seconds: Mapping[str, float] = field(default_factory=dict)
@@ -151,35 +165,21 @@ class Served:
             "gap_at": list(self.gap_at) if self.gap_at else None,
             "tokens_equal": self.tokens_equal,
             "diverges": list(self.diverges) if self.diverges else None,
+            "decode_gap": self.decode_gap,
+            "decode_gap_at": list(self.decode_gap_at) if self.decode_gap_at else None,
             "table_version": self.table_version,
             "message": self.message,
         }
 
 
-def _gap(result: EngineResult, ref: Reference) -> tuple[float, tuple[int, int] | None]:
-    worst, where = 0.0, None
-    for r, (got, want) in enumerate(zip(result.logprobs, ref.logprobs)):
-        for i, (g, w) in enumerate(zip(got, want)):
-            gap = abs(g - w) if g == g else float("inf")  # NaN is as far off as it gets
-            if where is None or gap > worst:
-                worst, where = gap, (r, i)
-    return worst, where
-
-
-def _divergence(result: EngineResult, ref: Reference) -> tuple[int, int] | None:
-    for r, (got, want) in enumerate(zip(result.tokens, ref.tokens)):
-        for i, (g, w) in enumerate(zip(got, want)):
-            if g != w:
-                return (r, i)
-    return None
-
-
 def compare_result(
     served: Served, result: EngineResult, ref: Reference, tolerance: Tolerance
 ) -> Served:
-    """``served`` completed with the engine's ``result`` against ``ref`` (tokens, then logprobs)."""
-    gap, gap_at = _gap(result, ref)
-    diverges = _divergence(result, ref)
+    """``served`` completed with the engine's ``result`` against ``ref``: tokens, the
+    teacher-forced logprobs, each decode step's logprobs, the KV-cache lengths."""
+    gap, gap_at = prompt_gap(result, ref)
+    steps = decode_gap(result, ref)
+    diverges = divergence(result, ref)
     name = f"{result.engine} {result.engine_version}"
     base = replace(
         served,
@@ -189,12 +189,13 @@ def compare_result(
         gap_at=gap_at,
         tokens_equal=diverges is None,
         diverges=diverges,
+        decode_gap=steps.gap if steps else None,
+        decode_gap_at=steps.at if steps else None,
         tolerance_evidence=tolerance.evidence,
         seconds=dict(result.seconds),
     )
-    numbers = (
-        f"max |logprob gap| {gap:.3g} (tolerance {tolerance.atol:g}, at row/position {gap_at})"
-    )
+    numbers = describe_gaps(gap, gap_at, steps, tolerance.atol)
+    worst = max(gap, steps.gap if steps else 0.0)
     if diverges is not None:
         r, i = diverges
         margin = ref.margins[r][i]
@@ -202,11 +203,13 @@ def compare_result(
             f"{name}: row {r} diverges at new token {i}: {result.tokens[r]} != eager "
             f"{ref.tokens[r]} (eager top-2 margin there {margin:.3g}); {numbers}"
         )
-        if margin <= 2 * tolerance.atol and gap <= tolerance.atol:
+        if margin <= 2 * tolerance.atol and worst <= tolerance.atol:
             return replace(base, outcome=Outcome.NEAR_TIE, message=f"near-tie: {text}")
         return replace(base, outcome=Outcome.FAILED, message=text)
-    if gap > tolerance.atol:
-        return replace(base, outcome=Outcome.FAILED, message=f"{name}: tokens equal, but {numbers}")
+    cache = cache_problem(result, ref)
+    if worst > tolerance.atol or cache is not None:
+        why = f"KV cache: {cache}; {numbers}" if cache else numbers
+        return replace(base, outcome=Outcome.FAILED, message=f"{name}: tokens equal, but {why}")
     rows = len(ref.prompts)
     return replace(
         base,

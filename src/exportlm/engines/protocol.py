@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PROTOCOL", "EngineRequest", "EngineResult", "parse_result"]
+__all__ = ["PROTOCOL", "DecodeSteps", "EngineRequest", "EngineResult", "parse_result"]
 
 PROTOCOL = 1
 
@@ -86,11 +86,28 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
+class DecodeSteps:
+    """What an engine computed at each decode step, on its own cache (``docs/engines.md``).
+
+    ``logprobs[r][s]``: the log-probability of row ``r``'s chosen token ``s``, from the
+    logits of that generation step (step 0: the prefill); ``top[r][s]``: the step's top-k
+    ``(token, logprob)`` pairs, best first (``None``: the engine does not give them);
+    ``cache_lengths[r][s]``: the row's KV-cache length after step ``s``'s forward pass
+    (``None``: the engine does not expose it).
+    """
+
+    logprobs: list[list[float]]
+    top: list[list[list[tuple[int, float]]]] | None = None
+    cache_lengths: list[list[int]] | None = None
+
+
+@dataclass(frozen=True)
 class EngineResult:
     """What an engine produced for an :class:`EngineRequest`.
 
     ``tokens[r]``: the greedy tokens after row ``r``'s prompt; ``logprobs[r][i]``: the
-    engine's log-probability of real prompt token ``i + 1`` given tokens ``0..i``.
+    engine's log-probability of real prompt token ``i + 1`` given tokens ``0..i``;
+    ``decode``: each generation step's own numbers (``None``: the worker gives none).
     """
 
     engine: str
@@ -99,6 +116,7 @@ class EngineResult:
     logprobs: list[list[float]]
     notes: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    decode: DecodeSteps | None = None
 
 
 def _shape_problem(response: Mapping[str, Any], request: EngineRequest) -> str | None:
@@ -133,6 +151,40 @@ def parse_result(
             logprobs=[[float(x) for x in row] for row in response["logprobs"]],
             notes=[str(n) for n in response.get("notes") or []],
             seconds={str(k): float(v) for k, v in (response.get("seconds") or {}).items()},
+            decode=_decode(response.get("decode"), request),
         )
     except (TypeError, ValueError) as err:
-        return f"a token or logprob is not a number: {err}"
+        return f"a token or logprob is not a number (or a decode list has the wrong shape): {err}"
+
+
+def _rows(value: Any, request: EngineRequest, what: str) -> list[Any]:
+    """``value`` as one list per prompt of one entry per new token, or ``ValueError``."""
+    want = (len(request.input_ids), request.max_new_tokens)
+    if not isinstance(value, list) or len(value) != want[0]:
+        raise ValueError(f"decode {what}: expected {want[0]} rows, got {value!r:.80}")
+    for r, row in enumerate(value):
+        if not isinstance(row, list) or len(row) != want[1]:
+            raise ValueError(f"decode {what} row {r}: expected {want[1]} steps, got {row!r:.80}")
+    return value
+
+
+def _decode(value: Any, request: EngineRequest) -> DecodeSteps | None:
+    """The response's ``decode`` object; ``ValueError`` for one of the wrong shape."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"decode must be an object, got {value!r:.80}")
+    lps = [[float(x) for x in row] for row in _rows(value.get("logprobs"), request, "logprobs")]
+    top, cache = value.get("top"), value.get("cache_lengths")
+    return DecodeSteps(
+        lps,
+        None
+        if top is None
+        else [
+            [[(int(t), float(lp)) for t, lp in step] for step in row]
+            for row in _rows(top, request, "top")
+        ],
+        None
+        if cache is None
+        else [[int(n) for n in row] for row in _rows(cache, request, "cache_lengths")],
+    )

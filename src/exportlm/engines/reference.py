@@ -3,14 +3,15 @@
 :func:`choose_prompts` draws one prompt per length from a seeded generator and keeps
 the first whose eager greedy decoding has no near-tie; :func:`eager_reference` runs
 each prompt alone and unpadded through the eager model, recomputing the whole row at
-each step (no cache): greedy tokens, teacher-forced log-probabilities and the top-2
-margin at every step. Torch and numpy are imported by the functions that need them.
+each step (no cache): greedy tokens, teacher-forced log-probabilities, and the top-2
+margin and top-2 log-probabilities at every step (what each decode step of an engine is
+compared with). Torch and numpy are imported by the functions that need them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -45,13 +46,15 @@ class Reference:
 
     ``tokens[r]``: greedy tokens after prompt ``r``; ``logprobs[r][i]``: log p(prompt
     token ``i + 1`` | tokens ``0..i``); ``margins[r][s]``: the eager top-2 logit margin
-    at greedy step ``s``.
+    at greedy step ``s``; ``top2[r][s]``: that step's two best ``(token, logprob)``
+    pairs, best first (the greedy token and its logprob first; empty when not computed).
     """
 
     prompts: list[list[int]]
     tokens: list[list[int]]
     logprobs: list[list[float]]
     margins: list[list[float]]
+    top2: list[list[list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def min_margin(self) -> float:
@@ -79,7 +82,7 @@ def eager_reference(
     import torch
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    tokens, logprobs, margins = [], [], []
+    tokens, logprobs, margins, top2 = [], [], [], []
     with torch.no_grad():
         for prompt in prompts:
             row = [int(t) for t in prompt]
@@ -87,14 +90,17 @@ def eager_reference(
             lp = torch.log_softmax(_logits(model, ids)[0].double(), dim=-1)
             logprobs.append([float(lp[i, row[i + 1]]) for i in range(len(row) - 1)])
             steps: list[float] = []
+            best: list[list[tuple[int, float]]] = []
             for _ in range(new_tokens):
                 last = _logits(model, torch.tensor([row], device=device))[0, -1].double()
-                top = torch.topk(last, 2).values
-                steps.append(float(top[0] - top[1]))
+                top = torch.topk(torch.log_softmax(last, dim=-1), 2)
+                steps.append(float(top.values[0] - top.values[1]))  # = the logit margin
+                best.append([(int(i), float(v)) for i, v in zip(top.indices, top.values)])
                 row.append(int(last.argmax()))
             tokens.append(row[len(prompt) :])
             margins.append(steps)
-    return Reference([list(map(int, p)) for p in prompts], tokens, logprobs, margins)
+            top2.append(best)
+    return Reference([list(map(int, p)) for p in prompts], tokens, logprobs, margins, top2)
 
 
 def _vocab(model: Any) -> int:

@@ -11,6 +11,7 @@ becomes ``refused`` with the stage it happened in and the engine's own message.
 
 from __future__ import annotations
 
+import heapq
 import importlib
 import importlib.metadata
 import json
@@ -35,6 +36,21 @@ class Context:
         self.stage_name = "load"
         self.seconds: dict[str, float] = {}
         self.notes: list[str] = []
+        self.decode: dict[str, Any] | None = None
+
+    def record_decode(
+        self,
+        logprobs: list[list[float]],
+        top: list[list[list[tuple[int, float]]]] | None = None,
+        cache_lengths: list[list[int]] | None = None,
+    ) -> None:
+        """Each generation step's own numbers, per row and step (``docs/engines.md``).
+
+        ``logprobs[r][s]``: the chosen token's log-probability from that step's logits
+        (step 0 is the prefill); ``top[r][s]``: the step's top-k ``(token, logprob)``,
+        best first; ``cache_lengths[r][s]``: the row's KV-cache length after the step.
+        """
+        self.decode = {"logprobs": logprobs, "top": top, "cache_lengths": cache_lengths}
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -78,6 +94,33 @@ def log_softmax_at(logits: Sequence[float], index: int) -> float:
     top = max(logits)
     total = math.fsum(math.exp(x - top) for x in logits)
     return float(logits[index] - top - math.log(total))
+
+
+def step_logprobs(logits: Sequence[float], token: int, k: int = 2) -> tuple[float, list[Any]]:
+    """One decode step's numbers from its logits: ``token``'s log-softmax and the top-k
+    ``(token, logprob)`` pairs, best first (float64)."""
+    top = max(logits)
+    norm = top + math.log(math.fsum(math.exp(x - top) for x in logits))
+    best = heapq.nlargest(k, range(len(logits)), key=lambda i: logits[i])
+    return float(logits[token] - norm), [(i, float(logits[i] - norm)) for i in best]
+
+
+class Steps:
+    """Each decode step's numbers of a batch, gathered step by step (:func:`step_logprobs`)."""
+
+    def __init__(self, rows: int) -> None:
+        self.logprobs: list[list[float]] = [[] for _ in range(rows)]
+        self.top: list[list[Any]] = [[] for _ in range(rows)]
+
+    def add(self, row: int, logits: Sequence[float], token: int) -> None:
+        """Row ``row``'s next step: its logits and the token chosen from them."""
+        lp, top = step_logprobs(logits, token)
+        self.logprobs[row].append(lp)
+        self.top[row].append(top)
+
+    def record(self, ctx: Context, cache_lengths: list[list[int]] | None = None) -> None:
+        """Hand the steps to the response (:meth:`Context.record_decode`)."""
+        ctx.record_decode(self.logprobs, self.top, cache_lengths)
 
 
 def describe(err: BaseException) -> str:
@@ -191,6 +234,8 @@ def _answer(
         _write(out, {**base, **failed, "reusable": more})
         return
     done = {"status": "ok", "tokens": tokens, "logprobs": logprobs, "reusable": more}
+    if ctx.decode is not None:
+        done["decode"] = ctx.decode
     _write(out, {**base, **done, "notes": ctx.notes, "seconds": ctx.seconds})
 
 

@@ -5,7 +5,8 @@ from the request's options (the engine record's hints: f32 inference precision a
 dynamic quantization off, without which OpenVINO's defaults are 0.05-0.08 off).
 A graph that takes an ``attention_mask`` gets the left-padded batch with it (and
 ``position_ids`` where the graph takes them); a graph that takes ``input_ids`` only
-gets each row on its own, unpadded. Greedy decoding reruns the whole sequence.
+gets each row on its own, unpadded. Greedy decoding reruns the whole sequence (the
+graph has no cache); each step's logprobs are recorded.
 """
 
 from __future__ import annotations
@@ -66,18 +67,30 @@ def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
                 logprobs.append(
                     [_logprob(out[r, i], row[i + 1]) for i in range(first, len(row) - 1)]
                 )
+    steps = _worker.Steps(len(req["input_ids"]))
     with ctx.stage("generate"):
         for ids, mask in groups:
-            ids, mask = [list(r) for r in ids], [list(m) for m in mask]
-            new: list[list[int]] = [[] for _ in ids]
-            for _ in range(int(req["max_new_tokens"])):
-                nxt = logits(ids, mask)[:, -1].argmax(-1)
-                for r, t in enumerate(nxt):
-                    ids[r].append(int(t))
-                    mask[r].append(1)
-                    new[r].append(int(t))
-            tokens.extend(new)
+            tokens.extend(
+                _greedy(logits, ids, mask, int(req["max_new_tokens"]), steps, len(tokens))
+            )
+    steps.record(ctx)
     return tokens, logprobs
+
+
+def _greedy(
+    logits: Any, ids: Any, mask: Any, n: int, steps: _worker.Steps, done: int
+) -> list[list[int]]:
+    """Greedy tokens of one group (rerunning the whole sequence), each step recorded."""
+    ids, mask = [list(r) for r in ids], [list(m) for m in mask]
+    new: list[list[int]] = [[] for _ in ids]
+    for _ in range(n):
+        last = logits(ids, mask)[:, -1]
+        for r, t in enumerate(last.argmax(-1)):
+            steps.add(done + r, last[r].tolist(), int(t))
+            ids[r].append(int(t))
+            mask[r].append(1)
+            new[r].append(int(t))
+    return new
 
 
 def _logprob(row: Any, index: int) -> float:

@@ -62,8 +62,20 @@ def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
         config = GenerationConfig(
             max_new_tokens=new, do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0
         )
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    return [[int(t) for t in row] for row in out[:, ids.shape[1] :]], logprobs
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=config,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = [[int(t) for t in row] for row in out.sequences[:, ids.shape[1] :]]
+    steps = _worker.Steps(len(tokens))
+    for s, step in enumerate(out.logits):  # each step's raw logits, on the ORT cache
+        for r, row in enumerate(step.double().tolist()):
+            steps.add(r, row, tokens[r][s])
+    steps.record(ctx)
+    return tokens, logprobs
 
 
 if __name__ == "__main__":

@@ -33,14 +33,24 @@ def _generator(og: Any, model: Any, batch: int, max_length: int) -> Any:
     return og.Generator(model, params)
 
 
-def _greedy(og: Any, model: Any, rows: list[list[int]], pad: int, new: int) -> list[list[int]]:
+def _greedy(
+    og: Any, model: Any, rows: list[list[int]], pad: int, new: int, record: _worker.Steps
+) -> list[list[int]]:
+    import numpy as np
+
     ids = _right_padded(rows, pad)
     generator = _generator(og, model, len(rows), ids.shape[1] + new)
     generator.append_tokens(ids)
     steps: list[list[int]] = []
     while not generator.is_done() and len(steps) < new:
+        # the logits this step chooses from: append_tokens (step 0) or the last
+        # generate_next_token computed them (read after it, they are the next step's)
+        logits = np.asarray(generator.get_logits(), dtype=np.float64)
+        logits = logits.reshape(len(rows), -1, logits.shape[-1])[:, -1]
         generator.generate_next_token()
         steps.append([int(t) for t in generator.get_next_tokens()])
+        for r, t in enumerate(steps[-1]):
+            record.add(r, logits[r].tolist(), t)
     if len(steps) != new:
         raise RuntimeError(f"onnxruntime-genai stopped after {len(steps)} of {new} tokens")
     return [[step[r] for step in steps] for r in range(len(rows))]
@@ -84,8 +94,11 @@ def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
     new = int(req["max_new_tokens"])
     if new == 0:
         return [[] for _ in rows], logprobs
+    steps = _worker.Steps(len(rows))
     with ctx.stage("generate"):
-        return _greedy(og, model, rows, pad, new), logprobs
+        tokens = _greedy(og, model, rows, pad, new, steps)
+    steps.record(ctx)
+    return tokens, logprobs
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""vLLM worker: greedy tokens and teacher-forced prompt logprobs from a checkpoint directory.
+"""vLLM worker: greedy tokens, each step's logprobs (top 2) and teacher-forced prompt
+logprobs from a checkpoint directory.
 
 Imports only vllm, numpy and the standard library (``docs/engines.md``). Prompts go in
 unpadded, as token ids (no tokenizer: ``skip_tokenizer_init``); ``ignore_eos`` so each
@@ -44,6 +45,7 @@ def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
         max_tokens=max(n, 1),
         ignore_eos=True,
         prompt_logprobs=0,
+        logprobs=2,  # each generated step: the chosen token's and the top 2
         detokenize=False,
     )
     with ctx.stage("generate"):
@@ -56,8 +58,25 @@ def serve(ctx: _worker.Context) -> tuple[list[list[int]], list[list[float]]]:
         ]
         for o in outs
     ]
+    _record_steps(ctx, [o.outputs[0].logprobs[:n] for o in outs], tokens)
     ctx.notes.append(f"dtype={llm.llm_engine.model_config.dtype}")
     return tokens, logprobs
+
+
+def _record_steps(ctx: _worker.Context, steps: list[Any], tokens: list[list[int]]) -> None:
+    """Each generated step's logprobs, as vLLM computed them while decoding."""
+    chosen, top = [], []
+    for row, toks in zip(steps, tokens):
+        chosen.append([float(step[t].logprob) for step, t in zip(row, toks)])
+        top.append(
+            [
+                sorted(
+                    ((int(i), float(lp.logprob)) for i, lp in step.items()), key=lambda p: -p[1]
+                )[:2]
+                for step in row
+            ]
+        )
+    ctx.record_decode(chosen, top)
 
 
 def reset() -> None:
