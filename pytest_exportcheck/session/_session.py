@@ -95,9 +95,15 @@ class ExportCheckSession:
         # --export-checks, node ids, --lf): a row missing some of them was narrowed
         every = planner.items(options.request(NameSelection(all=True)))
         planned, declared = planned_value_items(every), declared_rows(self.discovery)
+        # the (row, check) cells of the request that cannot apply: no items, listed with why
+        inapplicable = [c.as_json() for c in planner.not_applicable(options.request())]
         #: strict, lockfile and shard: the coverage part of the verdict (:mod:`._verdict`).
-        self.coverage = CoverageVerdict(config.rootpath, options, self.specs, planned, declared)
-        self.report = ReportBuilder(planned, declared, self.coverage.judged_rows())
+        self.coverage = CoverageVerdict(
+            config.rootpath, options, self.specs, planned, declared, inapplicable
+        )
+        self.report = ReportBuilder(
+            planned, declared, self.coverage.judged_rows(), not_applicable=inapplicable
+        )
         if not _is_worker(config):
             self.coverage.load()  # a bad lockfile is a usage error before anything runs
         if _is_worker(config):
