@@ -326,13 +326,14 @@ def _target_gaps(
     per_engine = getattr(spec, "per_engine", False)
     engines = len(target.engines) if per_engine else 1
     gap = target_gap(spec, target.name, target.capabilities, target.artifact, engines)
-    models = p.models if spec.per_model else (None,)
+    models: tuple[str | None, ...] = p.models if spec.per_model else (None,)
     if gap is None and spec.per_model:
         kept, gap = model_gap(spec, p.models)
         models = tuple(m for m in p.models if m not in kept)
-    left = len(models) * len(p.devices) * max(engines, 1)
-    if gap is None or not left:
+    if gap is None or not models or not p.devices:
         return []
+    # a per-engine check no engine takes never had an item: a cell of 0 items left out
+    left = len(models) * len(p.devices) * engines
     return [NotApplicable("target", column, spec.id, gap, left, index)]
 
 

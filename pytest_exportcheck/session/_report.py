@@ -246,15 +246,14 @@ class ReportBuilder:
         lines.append(
             f"{sum(totals.values())} items: "
             + ", ".join(f"{totals[o]} {_WORDS[o]}" for o in OUTCOMES)
-            + f"  (cells: passed/total; F failed, x xfailed, s skipped; {NOT_APPLICABLE} not "
-            "applicable)"
+            + "  (cells: passed/total; F failed, x xfailed, s skipped)"
         )
         if self.not_applicable:
             left = sum(int(c.get("items", 0)) for c in self.not_applicable)
             lines.append(
-                f"  not applicable: {len(self.not_applicable)} (row, check) cell(s), {left} "
-                "combination(s) the rows' declarations exclude (the JSON report's "
-                "not_applicable says why)"
+                f"  {NOT_APPLICABLE} not applicable: {len(self.not_applicable)} (row, check) "
+                f"cell(s), {left} item(s) fewer: the rows' declarations exclude them (the JSON "
+                "report's not_applicable says why)"
             )
         unfinished = sum(r.outcome == INCOMPLETE for r in self.records.values())
         if unfinished or self.interrupted:
