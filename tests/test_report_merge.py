@@ -217,3 +217,16 @@ def test_the_value_checks_are_catalogue_checks_of_their_scope_and_documented() -
     for scope, checks in VALUE_CHECKS.items():
         (row,) = [line for line in docs.splitlines() if line.startswith(f"| `{scope}` | ")]
         assert sorted(re.findall(r"`(\w+)`", row)[1:]) == sorted(checks)
+
+
+def test_a_run_whose_every_selected_cell_cannot_apply_says_so() -> None:
+    """``--export-checks=generation_parity --export-targets=hf_checkpoint``: no item, and why."""
+    from pytest_exportcheck.session._report import ReportBuilder
+
+    lines = ReportBuilder(not_applicable=NOT_APPLICABLE[:1]).summary_lines(100)
+    assert lines[:2] == ["check \\ target     lonely", "generation_parity       ·"]
+    assert any(
+        line.startswith("  · not applicable: 1 (row, check) cell(s), 2 item(s) fewer")
+        for line in lines
+    ), lines
+    assert ReportBuilder().summary_lines(100) == ["no exportcheck items ran"]

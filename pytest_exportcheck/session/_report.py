@@ -231,7 +231,7 @@ class ReportBuilder:
 
     def summary_lines(self, width: int) -> list[str]:
         """Terminal lines: one matrix per scope, totals and skip reasons."""
-        if not self.records:
+        if not self.records and not self.not_applicable:
             return ["no exportcheck items ran"]
         lines = matrix_lines(
             self._plain(),
