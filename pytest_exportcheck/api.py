@@ -13,8 +13,9 @@ one test with :func:`parametrize_with_checks`::
 
 Each parameter is an :class:`ExportCheck`; calling it runs one conformance item
 and fails the test with the check's own message (:class:`CheckFailedError`, an
-``AssertionError``) or skips it on a capability gap. :func:`run_check` runs one
-check by id and returns its :class:`~pytest_exportcheck.checks.CheckResult`.
+``AssertionError``) or skips it with the reason the check or the plan gives.
+:func:`run_check` runs one check by id and returns its
+:class:`~pytest_exportcheck.checks.CheckResult`.
 
 Importing this module imports neither torch nor exportlm; both are imported when
 a decorator is built or a check runs.
@@ -149,7 +150,8 @@ def parametrize_with_checks(
 
     The items are those ``pytest --export-targets=... --export-exporters=...`` runs
     for the same selection, in the same order, including the ``plugin_loads`` item
-    of each target row and the capability gaps (marked ``skip`` with the reason).
+    of each target row; a cell the row's declarations exclude (a capability it does not
+    declare: docs/checks.md, "Cells that cannot apply") is no parameter, as in the suite.
     Every parameter carries the ``exportcheck`` marker (and the check's own markers,
     e.g. ``hypothesis``); its id is ``<check>-<params>``, so a node id reads
     ``test_mine.py::test_conformance[roundtrip_logits-onnx-decoder-cpu]``.
@@ -222,8 +224,9 @@ def run_check(
     ``target`` is a registry name (the target's default options) or
     ``name:variant`` (a declared variant's options). ``model`` is the toy family
     of a per-model check (required for those); for an exporter check it limits
-    the families it surveys. A capability gap is a ``skip`` result, as in the
-    suite; expected failures are not applied. ``workdir`` and ``goldens_dir`` as
+    the families it surveys. A check that cannot apply (a capability the target does
+    not declare: the suite plans no item of it) is a ``skip`` result
+    ``not applicable: <reason>``; expected failures are not applied. ``workdir`` and ``goldens_dir`` as
     in :meth:`ExportCheck.result` and :func:`parametrize_with_checks`; under a pinned
     ``catalogue``, a check or family added after it raises
     :class:`~exportlm.errors.UnknownNameError` naming the version that added it.

@@ -68,7 +68,8 @@ def pytest_unconfigure(config):
     RUNTIME_REGISTRY.unregister("offset_logits")
 """
 
-#: Cheap checks: no export (``registered``), one trace (``roundtrip_logits``), a gap.
+#: Cheap checks: no export (``registered``), one trace (``roundtrip_logits``), and one
+#: that cannot apply to torchscript (``checkpoint_names`` needs ``quantized``): no item.
 CHEAP = '["registered", "roundtrip_logits", "checkpoint_names"]'
 
 USER_MODULE = f"""
@@ -91,24 +92,25 @@ def _literal(*patterns: str) -> list[str]:
 
 
 def test_checks_run_as_parameters_of_a_user_test(pytester: pytest.Pytester) -> None:
-    """Passes, the target's declared xfail, capability-gap skips; readable node ids; -m exportcheck."""
+    """Passes, the target's declared xfail, no item of a check the target's capabilities exclude;
+    readable node ids; -m exportcheck."""
     pytester.makepyfile(test_mine=USER_MODULE)
     result = pytester.runpytest("-p", "no:cacheprovider", "--strict-markers", "-rs", "-v")
-    result.assert_outcomes(passed=6, skipped=2, xfailed=1)
+    result.assert_outcomes(passed=6, xfailed=1)
+    assert "checkpoint_names" not in result.stdout.str()
     result.stdout.fnmatch_lines(
         _literal(
             "*test_mine.py::test_conformance[roundtrip_logits-torchscript:script-decoder-cpu] XFAIL*",
             "*test_mine.py::test_conformance[plugin_loads-torchscript:trace] PASSED*",
             "*test_mine.py::test_conformance[registered-torchscript:trace-cpu] PASSED*",
             "*test_mine.py::test_conformance[roundtrip_logits-torchscript:trace-decoder-cpu] PASSED*",
-            "*capability gap: target 'torchscript' does not declare 'quantized'*",
         )
     )
     selected = pytester.runpytest("-p", "no:cacheprovider", "-m", "exportcheck", "--co", "-q")
     assert "test_mine.py::test_unrelated" not in selected.stdout.str()
-    selected.stdout.fnmatch_lines(["*8/9 tests collected (1 deselected)*"])
+    selected.stdout.fnmatch_lines(["*6/7 tests collected (1 deselected)*"])
     others = pytester.runpytest("-p", "no:cacheprovider", "-m", "not exportcheck", "--co", "-q")
-    others.stdout.fnmatch_lines(["test_mine.py::test_unrelated", "*1/9 tests collected*"])
+    others.stdout.fnmatch_lines(["test_mine.py::test_unrelated", "*1/7 tests collected*"])
 
 
 def test_a_node_id_reruns_one_check(pytester: pytest.Pytester) -> None:
@@ -299,10 +301,10 @@ def test_run_check_returns_the_result_and_writes_into_workdir(tmp_path: Path) ->
     assert len(list(tmp_path.iterdir())) == 2
 
 
-def test_run_check_reports_a_capability_gap_as_a_skip() -> None:
+def test_run_check_reports_a_check_that_cannot_apply_as_a_skip_with_the_reason() -> None:
     result = run_check("checkpoint_names", target="torch_export", model="decoder")
     assert result.status == "skip"
-    assert "capability gap" in result.message
+    assert "not applicable: target 'torch_export' does not declare" in result.message
     assert "'quantized'" in result.message
 
 

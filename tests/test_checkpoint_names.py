@@ -307,6 +307,9 @@ def test_stale_exclude_name_fails_checkpoint_names(
     assert "'model.layers.0.mlp.gate'" in stale["message"]
     assert MIXTRAL_ROUTER in stale["message"]
     assert items["checkpoint_names[hf_checkpoint-mixtral-cpu]"]["outcome"] == "pass"
-    onnx = items["checkpoint_names[onnx-mixtral-cpu]"]
-    assert onnx["outcome"] == "skip"
-    assert "writes a single file" in onnx["message"]
+    # onnx writes one file, not a checkpoint directory: the cell cannot apply, no item
+    assert "checkpoint_names[onnx-mixtral-cpu]" not in items
+    (onnx,) = [c for c in report["not_applicable"] if c["column"] == "onnx"]
+    assert onnx["reason"] == (
+        "target 'onnx' writes a file artifact; checkpoint_names reads directory artifacts"
+    )

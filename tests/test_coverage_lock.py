@@ -94,6 +94,34 @@ def test_an_update_replaces_what_the_run_covered_and_keeps_the_rest() -> None:
     assert new["target"]["tflite"] == OLD["target"]["tflite"]  # not planned: kept
 
 
+def test_a_check_that_cannot_apply_now_is_noted_if_it_only_skipped_and_fails_if_it_ran() -> None:
+    """A lockfile written while not-applicable cells were skipped items reads as before; a
+    row whose check ran and whose declaration now excludes it lost coverage."""
+    old = {
+        "target": {
+            "onnx": {
+                "loadable": {"loadable[onnx-llama-cpu]": "skip"},
+                "dynamic_shapes": {"dynamic_shapes[onnx-llama-cpu]": "pass"},
+            }
+        }
+    }
+    why = {
+        ("target", "onnx", "loadable"): "target 'onnx' writes a file artifact",
+        ("target", "onnx", "dynamic_shapes"): "target 'onnx' does not declare 'dynamic_shapes'",
+    }
+    planned = Planned(PLANNED_IDS, lambda check: True, why)
+    diff = compare(old, _ran(**RAN), planned)
+    assert diff.failures == [
+        "check dynamic_shapes disappeared from target onnx (1 item(s) in the lockfile, not "
+        "applicable now: target 'onnx' does not declare 'dynamic_shapes')"
+    ]
+    assert diff.notes[0] == (
+        "check loadable on target onnx is not applicable (target 'onnx' writes a file "
+        "artifact): its 1 skipped item(s) in the lockfile are no items now"
+    )
+    assert "loadable" not in updated(old, _ran(**RAN), planned)["target"]["onnx"]
+
+
 def test_the_lockfile_roundtrips_and_a_missing_one_is_none(tmp_path: Path) -> None:
     path = tmp_path / "exportcheck.lock"
     assert read_lock(path) is None

@@ -123,7 +123,7 @@ class SampleSection:
     scope: str
     columns: list[str]
     abridged_columns: bool
-    rows: dict[str, list[int]]
+    rows: dict[str, list[int | None]]
 
 
 def _sample_block() -> Block:
@@ -144,7 +144,8 @@ def _sections(source: str) -> list[SampleSection]:
             )
         elif sections and re.match(r"[a-z]\w* ", line):
             check, _, cells = line.partition(" ")
-            sections[-1].rows[check] = [int(total) for total in re.findall(r"\d+/(\d+)", cells)]
+            totals = re.findall(r"\d+/(\d+)|·", cells)  # ·: a cell that cannot apply
+            sections[-1].rows[check] = [int(total) if total else None for total in totals]
     return sections
 
 
@@ -162,12 +163,33 @@ def test_the_sample_matrix_names_the_live_targets_checks_and_families() -> None:
     for section in (targets, exporters):
         order = [spec.id for spec in BUILTIN_CHECKS if spec.scope == section.scope]
         assert list(section.rows) == [c for c in order if c in section.rows], section.scope
+        live = _live_cells(section.scope)
         for check, totals in section.rows.items():
             spec = catalogue[check]
             assert spec.scope == section.scope, check
             assert len(totals) == len(section.columns), check
-            if section.scope == "target":  # one device (cpu): a cell per family, or one item
-                assert set(totals) == {families if spec.per_model else 1}, check
+            # one device (cpu): each cell holds the items the planner plans there, · none
+            cells = [live.get((column, check)) for column in section.columns]
+            assert totals == cells, check
+            if section.scope == "target" and not spec.per_engine and not spec.models:
+                assert set(totals) <= {families if spec.per_model else 1, None}, check
+
+
+def _live_cells(scope: str) -> dict[tuple[str, str], int]:
+    """``{(column, check): items}`` the planner plans for the built-in rows on the CPU."""
+    from pytest_exportcheck.checks import CHECKS
+    from pytest_exportcheck.plan import NameSelection, Planner, PlanRequest, discover, plan
+
+    request = PlanRequest(
+        NameSelection.of(_built_in("export target")),
+        NameSelection.of(_built_in("module exporter")),
+        NameSelection.of(_built_in("model family")),
+    )
+    counts: dict[tuple[str, str], int] = {}
+    for spec in plan(Planner(discover(), CHECKS).plan(request)):
+        if spec.scope == scope:
+            counts[(spec.column, spec.check)] = counts.get((spec.column, spec.check), 0) + 1
+    return counts
 
 
 def test_the_sample_totals_line_has_the_live_number_of_items() -> None:

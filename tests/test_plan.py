@@ -26,6 +26,7 @@ from pytest_exportcheck.plan import (
     PluginFailure,
     XfailBook,
     case_options,
+    not_applicable,
     plan,
 )
 from pytest_exportcheck.plan._api_request import ApiSelection, api_planner, single_item
@@ -46,6 +47,7 @@ class FakeTarget:
     variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     expected_failures: Mapping[str, str] = field(default_factory=dict)
     accepts: Any = None
+    artifact: str = "file"
 
 
 def _fn(case: Any) -> Any:  # pragma: no cover - never called: planning only
@@ -98,19 +100,109 @@ def test_planning_names_every_item_in_a_fixed_order() -> None:
     ]
 
 
-def test_variants_are_rows_and_capability_gaps_are_skips_with_a_reason() -> None:
+def test_variants_are_rows_and_a_capability_gap_is_no_item_but_a_cell_with_its_reason() -> None:
     request = PlanRequest(NameSelection.of("beta"), models=NameSelection.of("small"))
-    specs = {s.name: s for s in plan(_planner().plan(request))}
+    p = _planner().plan(request)
+    specs = {s.name: s for s in plan(p)}
     assert [n for n in specs if n.startswith("plugin_loads")] == [
         "plugin_loads[beta:fast]",
         "plugin_loads[beta:slow]",
     ]
     assert specs["logits[beta:fast-small-cpu]"].export_kwargs == {"opt": 1}
     assert specs["logits[beta:fast-small-cpu]"].skip is None
-    gap = specs["dynamic[beta:slow-small-cpu]"].skip
-    assert gap is not None
-    assert "'cuda', 'dynamic'" in gap
-    assert "declared: none" in gap
+    # beta declares no 'dynamic': the check cannot apply to either row, so it is no item...
+    assert not [n for n in specs if n.startswith("dynamic[")]
+    # ...but a cell of each row, once, with the reason
+    cells = {(c.column, c.check): c for c in not_applicable(p)}
+    assert set(cells) == {("beta:fast", "dynamic"), ("beta:slow", "dynamic")}
+    gap = cells[("beta:slow", "dynamic")]
+    assert "target 'beta' does not declare 'dynamic' (declared: none)" in gap.reason
+    assert (gap.scope, gap.items, gap.check_index) == ("target", 1, 3)
+
+
+def test_a_cuda_capability_gap_stays_a_skip_with_its_cause() -> None:
+    """'cuda' is declared where the runtime's GPU build is installed: a gap in it can close."""
+    request = PlanRequest(NameSelection.of("alpha"), models=NameSelection.of("big"))
+    p = _planner().plan(request)
+    (dynamic,) = [s for s in plan(p) if s.check == "dynamic"]
+    assert dynamic.skip is not None
+    assert "capability gap: target 'alpha' does not declare 'cuda'" in dynamic.skip
+    assert not_applicable(p) == []
+
+
+#: Checks declaring what they apply to besides capabilities: an artifact kind, families,
+#: devices, an engine that takes the target's output.
+APPLICABILITY = {
+    spec.id: spec
+    for spec in (
+        CheckSpec("reads_dir", "target", _fn, per_model=True, artifacts={"directory"}),
+        CheckSpec("big_only", "target", _fn, per_model=True, models={"big"}),
+        CheckSpec("engine", "target", _fn, per_model=True, per_engine=True),
+        CheckSpec("gemm", "exporter", _fn, per_device=True, devices={"cuda"}),
+    )
+}
+APPLICABILITY_DISCOVERY = Discovery(
+    targets={"dirt": FakeTarget(artifact="directory"), "filet": FakeTarget()},
+    models=("big", "small"),
+    exporters={"qlin": object()},
+    target_engines={"dirt": ("vllm",)},
+)
+
+
+def test_artifacts_families_devices_and_engines_decide_which_cells_are_items() -> None:
+    planner = Planner(APPLICABILITY_DISCOVERY, APPLICABILITY)
+    everything = PlanRequest(
+        NameSelection.of("all"), NameSelection.of("all"), NameSelection.of("all")
+    )
+    p = planner.plan(everything)
+    assert [s.name for s in plan(p)] == [
+        "plugin_loads[dirt]",
+        "reads_dir[dirt-big-cpu]",
+        "big_only[dirt-big-cpu]",
+        "engine[dirt-vllm-big-cpu]",
+        "reads_dir[dirt-small-cpu]",
+        "engine[dirt-vllm-small-cpu]",
+        "plugin_loads[filet]",
+        "big_only[filet-big-cpu]",
+    ]
+    cells = {(c.column, c.check): (c.reason, c.items) for c in planner.not_applicable(everything)}
+    assert cells == {
+        ("dirt", "big_only"): ("big_only runs the families big only, not small", 1),
+        ("filet", "reads_dir"): (
+            "target 'filet' writes a file artifact; reads_dir reads directory artifacts",
+            2,
+        ),
+        ("filet", "big_only"): ("big_only runs the families big only, not small", 1),
+        ("filet", "engine"): (  # never an item: it is shown as ·, it leaves out none
+            "no serving engine's support table takes what target 'filet' writes",
+            0,
+        ),
+        ("qlin", "gemm"): (
+            "gemm runs on cuda devices only, not cpu (select one with --export-device=cuda)",
+            1,
+        ),
+    }
+    # a run on a GPU too: the device check is an item there; its CPU item is still left out
+    on_gpu = PlanRequest(exporters=NameSelection.of("qlin"), devices=("cpu", "cuda"))
+    assert [s.name for s in plan(planner.plan(on_gpu))] == ["gemm[qlin-cuda]"]
+    assert [(c.column, c.items) for c in planner.not_applicable(on_gpu)] == [("qlin", 1)]
+
+
+def test_a_cell_that_cannot_apply_asked_for_by_name_says_why() -> None:
+    """run_check plans it as a skip with the reason; its node id on the command line says why."""
+    planner = api_planner(APPLICABILITY_DISCOVERY, APPLICABILITY)
+    item = single_item(
+        planner, "reads_dir", target="filet", exporter=None, model="big", device="cpu"
+    )
+    assert item.skip == (
+        "not applicable: target 'filet' writes a file artifact; reads_dir reads directory artifacts"
+    )
+    gemm = single_item(planner, "gemm", target=None, exporter="qlin", model=None, device="cpu")
+    assert gemm.skip is not None
+    assert gemm.skip.startswith("not applicable: gemm runs on cuda")
+    args, _ = split_suite_args(["exportcheck::reads_dir[filet-big-cpu]"], Path.cwd())
+    with pytest.raises(pytest.UsageError, match="not applicable: target 'filet' writes a file"):
+        Planner(APPLICABILITY_DISCOVERY, APPLICABILITY).items(PlanRequest(), args)
 
 
 def test_a_failed_plugin_is_a_failing_plugin_loads_item_and_nothing_else() -> None:

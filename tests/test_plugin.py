@@ -218,6 +218,7 @@ def test_fake_third_party_plugin(
             "plugin_loads * 0/1 F1 * 1/1 * 0/1 F1",
             "demo_pass * - * 1/2 s1 * 0/2 s2",
             "demo_fail * - * 0/2 x1 s1 * 0/2 F1 s1",
+            "demo_kv * - * · * 1/2 s1",  # ·: 'good' declares no kv_cache, the cell cannot apply
             "*items: * passed, * failed, * xfailed, * skipped *",
         ]
     )
@@ -257,12 +258,13 @@ def test_fake_third_party_plugin(
         "[XPASS(strict)] declared but the check passes" in items["demo_xpass[good-cpu]"]["message"]
     )
     assert items["demo_xpass[onnx-cpu]"]["outcome"] == "pass"
-    # capability gaps are counted skips with a reason
-    assert items["demo_kv[good-cpu]"]["outcome"] == "skip"
-    assert (
-        "capability gap: target 'good' does not declare 'kv_cache'"
-        in items["demo_kv[good-cpu]"]["message"]
-    )
+    # a capability the target does not declare: no item, a cell listed once with the reason
+    assert "demo_kv[good-cpu]" not in items
+    cells = json.loads((pytester.path / "serial.json").read_text())["not_applicable"]
+    (gap,) = [c for c in cells if (c["column"], c["check"]) == ("good", "demo_kv")]
+    assert "target 'good' does not declare 'kv_cache'" in gap["reason"]
+    assert gap["items"] == 2  # its cpu and cuda items
+    assert items["demo_kv[onnx-cpu]"]["outcome"] == "pass"
     assert items["demo_settings[good-cuda]"]["outcome"] == "skip"  # skip wins over the file's xfail
     # the exportcheck Hypothesis profile applies while no profile was chosen
     assert items["demo_settings[good-cpu]"]["details"]["deadline"] == "None"

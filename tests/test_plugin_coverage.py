@@ -77,7 +77,7 @@ ENTRY_POINTS = {
     "exportlm.export_runtimes": {"saver": "covplugin:load_saver"},
     "exportlm.module_exporters": {"lonely": "covplugin:LonelyExporter"},
 }
-#: Eight families: with the capability off, dynamic_shapes gives 8 collection skips.
+#: Eight families: with the capability off, dynamic_shapes cannot apply: 8 items fewer.
 FAMILIES = "decoder,decoder_tied,llama,llama_tied,mixtral,qwen2_moe,qwen3_moe,dbrx"
 XDIST = ("-n", "1", "--dist", "loadgroup")
 
@@ -98,7 +98,7 @@ def _report(pytester: pytest.Pytester, name: str) -> dict[str, Any]:
 SUITE = ["--export-targets=saver", "--export-checks=dynamic_shapes", f"--export-models={FAMILIES}"]
 
 
-def test_the_lockfile_fails_when_a_capability_flag_turns_items_into_skips(
+def test_the_lockfile_fails_when_a_capability_flag_makes_a_check_that_ran_inapplicable(
     pytester: pytest.Pytester, site: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("COVPLUGIN_DYNAMIC", "1")
@@ -109,12 +109,14 @@ def test_the_lockfile_fails_when_a_capability_flag_turns_items_into_skips(
 
     monkeypatch.setenv("COVPLUGIN_DYNAMIC", "0")
     lost = runpytest_installed(pytester, site, *SUITE)
-    lost.assert_outcomes(passed=1, skipped=8)
+    lost.assert_outcomes(passed=1)  # plugin_loads: dynamic_shapes is no item of saver now
     assert lost.ret == pytest.ExitCode.TESTS_FAILED
     lost.stdout.fnmatch_lines(
         [
-            "exportcheck lockfile */exportcheck.lock: FAILED, 8 change(s) lose coverage*",
-            "  dynamic_shapes[saver-dbrx-cpu]: pass -> skip",
+            "exportcheck lockfile */exportcheck.lock: FAILED, 1 change(s) lose coverage*",
+            "  check dynamic_shapes disappeared from target saver (8 item(s) in the lockfile, "
+            "not applicable now: target 'saver' does not declare 'dynamic_shapes' "
+            "(declared: none))",
         ]
     )
 
@@ -128,9 +130,11 @@ def test_the_lockfile_is_compared_on_the_xdist_controller(
     lockfile.write_text(json.dumps({"exportcheck_lock": 1, "items": entries}))
     monkeypatch.setenv("COVPLUGIN_DYNAMIC", "0")
     lost = runpytest_installed(pytester, site, *SUITE, *XDIST)
-    lost.assert_outcomes(passed=1, skipped=8)
+    lost.assert_outcomes(passed=1)
     assert lost.ret == pytest.ExitCode.TESTS_FAILED
-    lost.stdout.fnmatch_lines(["*FAILED, 8 change(s) lose coverage*", "  *: pass -> skip"])
+    lost.stdout.fnmatch_lines(
+        ["*FAILED, 1 change(s) lose coverage*", "  check dynamic_shapes disappeared from *"]
+    )
     lockfile.write_text("{not json")
     bad = runpytest_installed(pytester, site, *SUITE)
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
@@ -146,7 +150,7 @@ def test_strict_fails_on_a_row_whose_value_checks_all_skip(
     lenient = runpytest_installed(
         pytester, site, *suite, "--export-strict=off", "--export-report=r.json"
     )
-    lenient.assert_outcomes(passed=2, skipped=13)
+    lenient.assert_outcomes(passed=2, skipped=8)  # 5 checks need capabilities picky lacks
     assert lenient.ret == 0
     lenient.stdout.fnmatch_lines(
         ["UNCHECKED target(s), no value check ran (all skipped or xfailed): picky"]
@@ -154,7 +158,7 @@ def test_strict_fails_on_a_row_whose_value_checks_all_skip(
     assert _report(pytester, "r.json")["unchecked"] == {"target": ["picky"]}
 
     failed = runpytest_installed(pytester, site, *suite, *XDIST)
-    failed.assert_outcomes(passed=2, skipped=13)
+    failed.assert_outcomes(passed=2, skipped=8)
     assert failed.ret == pytest.ExitCode.TESTS_FAILED
     failed.stdout.fnmatch_lines(
         ["exportcheck --export-strict: FAILED, 1 unchecked row(s) * target picky"]

@@ -9,6 +9,7 @@ items, and a report carrying markup in a message shows it as text.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
@@ -109,6 +110,25 @@ def test_markup_in_a_report_is_text_not_markup() -> None:
     assert parser.scripts == 1  # the page's own script only
     assert "img" not in parser.tags
     assert "&lt;script&gt;document.title=&quot;pwned&quot;&lt;/script&gt;" in page
+
+
+def test_a_cell_that_cannot_apply_is_a_dot_titled_with_its_reason() -> None:
+    gap = {
+        "scope": "target",
+        "column": "onnx",
+        "check": "loadable",
+        "reason": f"target 'onnx' writes a file artifact {_EVIL}",
+        "items": 11,
+        "check_index": 4,
+    }
+    page = report_html({**_mixed(), "not_applicable": [gap, "garbage"]})
+    row = re.search(r"<tr><th>loadable</th>(.*?)</tr>", page)
+    assert row is not None, page  # its row is shown though no column has an item of it
+    assert 'title="not applicable: target &#x27;onnx&#x27; writes a file artifact &lt;script' in (
+        row.group(1)
+    )
+    assert row.group(1).count('title="no item"') == 2  # the other columns: no item, no reason
+    assert "<img" not in page
 
 
 def test_the_engine_table_names_engine_versions() -> None:

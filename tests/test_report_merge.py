@@ -85,6 +85,64 @@ def test_two_halves_merge_into_the_matrix_of_the_whole() -> None:
     assert "shard" not in merged["options"]
 
 
+#: ``lonely`` and ``scaled`` cannot apply to a check each; ``ghost`` has only cells that cannot.
+NOT_APPLICABLE = [
+    {
+        "scope": "target",
+        "column": "lonely",
+        "check": "generation_parity",
+        "reason": "target 'lonely' does not declare 'kv_cache'",
+        "items": 2,
+        "check_index": 7,
+    },
+    {
+        "scope": "exporter",
+        "column": "scaled",
+        "check": "fp8_gemm",
+        "reason": "fp8_gemm runs on cuda devices only, not cpu",
+        "items": 1,
+        "check_index": 28,
+    },
+]
+
+
+def test_a_cell_that_cannot_apply_is_a_dot_and_changes_no_verdict() -> None:
+    lines = matrix_lines(ITEMS, 120, VALUE, not_applicable=NOT_APPLICABLE)
+    rows = {line.split()[0]: line.split()[1:] for line in lines if line.strip()}
+    # the check's row appears in catalogue order, · where it cannot apply, - where no item ran
+    assert [line.split()[0] for line in lines[1:4]] == [
+        "registered",
+        "roundtrip_logits",
+        "generation_parity",
+    ]
+    assert rows["generation_parity"] == ["·", "-", "-"]
+    assert rows["fp8_gemm"] == ["-", "·"]
+    # a row is still judged on the value checks that apply: lonely and scaled stay unchecked
+    assert "UNCHECKED target(s), no value check ran (all skipped or xfailed): lonely" in lines
+    assert "UNCHECKED exporter(s), no value check ran (all skipped or xfailed): scaled" in lines
+    assert "·" not in "".join(matrix_lines(ITEMS, 120, VALUE))  # without them, no · at all
+
+
+def test_a_row_with_only_value_checks_that_cannot_apply_is_unchecked() -> None:
+    """As it was when those cells were items that skipped."""
+    items = [_item("registered", "ghost", "pass")]
+    ghost = [{**NOT_APPLICABLE[0], "column": "ghost", "check": "roundtrip_logits"}]
+    merged = merge_reports([("a", {**_report(items), "not_applicable": ghost})])
+    assert merged["unchecked"] == {"target": ["ghost"]}
+    assert merge_reports([("a", _report(items))])["unchecked"] == {}
+
+
+def test_merge_keeps_each_cell_that_cannot_apply_once_with_its_reason() -> None:
+    a = {**_report(ITEMS[::2], shard="1/2"), "not_applicable": NOT_APPLICABLE}
+    b = {**_report(ITEMS[1::2], shard="2/2"), "not_applicable": NOT_APPLICABLE[:1]}
+    merged = merge_reports([("a.json", a), ("b.json", b)])
+    assert merged["not_applicable"] == NOT_APPLICABLE[::-1]  # sorted by scope, row, check
+    assert merged["unchecked"] == {"target": ["lonely"], "exporter": ["scaled"]}
+    for bad in ({"scope": "target"}, {**NOT_APPLICABLE[0], "items": -1}, "generation_parity"):
+        with pytest.raises(MergeError, match="'not_applicable' is not a list of"):
+            merge_reports([("c.json", {**_report(ITEMS), "not_applicable": [bad]})])
+
+
 def test_an_item_in_two_reports_with_two_outcomes_is_refused_naming_it() -> None:
     changed = {**ITEMS[1], "outcome": "skip"}
     a, b = _report(ITEMS[:2], device="cpu"), _report(ITEMS[1:2], device="cuda")
@@ -118,10 +176,12 @@ def test_the_cli_merges_prints_the_matrix_and_writes_the_report(
 ) -> None:
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "all.json"
     a.write_text(json.dumps(_report(ITEMS[:5], shard="1/2")))
-    b.write_text(json.dumps(_report(ITEMS[5:], shard="2/2")))
+    b.write_text(json.dumps({**_report(ITEMS[5:], shard="2/2"), "not_applicable": NOT_APPLICABLE}))
     assert main(["report", "merge", str(a), str(b), "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "UNCHECKED exporter(s), no value check ran (all skipped or xfailed): scaled" in printed
+    assert re.search(r"^fp8_gemm +- +·$", printed, flags=re.MULTILINE), printed
+    assert json.loads(out.read_text())["not_applicable"] == NOT_APPLICABLE[::-1]  # sorted
     assert "11 items from 2 report(s): 7 passed, 1 failed, 1 xfailed, 2 skipped" in printed
     assert json.loads(out.read_text())["matrix"] == matrix_of(ITEMS)
     assert main(["report", "merge", str(a), str(b), "--strict"]) == 1
@@ -157,3 +217,16 @@ def test_the_value_checks_are_catalogue_checks_of_their_scope_and_documented() -
     for scope, checks in VALUE_CHECKS.items():
         (row,) = [line for line in docs.splitlines() if line.startswith(f"| `{scope}` | ")]
         assert sorted(re.findall(r"`(\w+)`", row)[1:]) == sorted(checks)
+
+
+def test_a_run_whose_every_selected_cell_cannot_apply_says_so() -> None:
+    """``--export-checks=generation_parity --export-targets=hf_checkpoint``: no item, and why."""
+    from pytest_exportcheck.session._report import ReportBuilder
+
+    lines = ReportBuilder(not_applicable=NOT_APPLICABLE[:1]).summary_lines(100)
+    assert lines[:2] == ["check \\ target     lonely", "generation_parity       ·"]
+    assert any(
+        line.startswith("  · not applicable: 1 (row, check) cell(s), 2 item(s) fewer")
+        for line in lines
+    ), lines
+    assert ReportBuilder().summary_lines(100) == ["no exportcheck items ran"]

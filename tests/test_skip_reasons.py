@@ -1,10 +1,11 @@
 """Skip reasons are written for users: no internal (leading-underscore) identifier in them.
 
-A capability gap or a refused model is a counted skip whose reason the matrix
-lists; a reason that names a private helper class (``_CacheByDefault``) tells
-the user nothing. Checked over the JSON report of a small conformance run whose
-items skip for each kind of reason: a target's ``accepts`` refusing the check's
-own model, a capability the target does not declare, an artifact kind.
+A refused model is a counted skip whose reason the matrix lists, a capability the
+target does not declare a not-applicable cell whose reason the report lists; a
+reason that names a private helper class (``_CacheByDefault``) tells the user
+nothing. Checked over the JSON report of a small conformance run with each kind of
+reason: a target's ``accepts`` refusing the check's own model (a skip), a
+capability the target does not declare (not applicable).
 """
 
 from __future__ import annotations
@@ -43,5 +44,11 @@ def test_no_skip_reason_of_a_conformance_run_names_a_private_identifier(
     report = json.loads((pytester.path / "report.json").read_text(encoding="utf-8"))
     skips = {item["id"]: item["message"] for item in report["items"] if item["outcome"] == "skip"}
     assert "cache_wrapper[hf_checkpoint-cpu]" in skips, result.stdout.str()
-    leaks = {key: msg for key, msg in skips.items() if PRIVATE_NAME.search(msg or "")}
+    cells = {
+        f"{cell['check']}[{cell['column']}]": cell["reason"] for cell in report["not_applicable"]
+    }
+    assert "generation_parity[hf_checkpoint]" in cells, result.stdout.str()
+    assert "loadable[torchscript:trace]" in cells
+    reasons = {**skips, **cells}
+    leaks = {key: msg for key, msg in reasons.items() if PRIVATE_NAME.search(msg or "")}
     assert not leaks

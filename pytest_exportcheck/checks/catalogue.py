@@ -22,12 +22,17 @@ after the built-in ones.
 
 from __future__ import annotations
 
-import functools
-import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
+from pytest_exportcheck.checks._spec_fields import (
+    ARTIFACT_KINDS,
+    CatalogueError,
+    names,
+    resolve,
+    split_reference,
+)
 from pytest_exportcheck.checks.versions import CATALOGUE_VERSION, CHECKS_SINCE
 
 if TYPE_CHECKING:
@@ -50,10 +55,6 @@ SCOPES: tuple[str, ...] = get_args(Scope)
 CheckFn = Callable[[Any], "CheckResult"]
 
 
-class CatalogueError(ValueError):
-    """A check declaration is invalid, duplicated, or disagrees with the catalogue."""
-
-
 @dataclass(frozen=True)
 class CheckSpec:
     """A check: its stable id, where it runs, what it needs, and its implementation.
@@ -66,8 +67,17 @@ class CheckSpec:
         impl: the implementation: a ``"package.module:function"`` reference,
             imported on first use of :attr:`fn`, or the function itself.
         per_model: target checks only: also parametrized over the toy model families.
-        needs: target capabilities the check needs; a target without one of them
-            gets a counted skip.
+        needs: target capabilities the check needs. A target that does not declare
+            one gets no item of the check: the cell is *not applicable* (``·`` in the
+            matrix, listed with the reason in the report's ``not_applicable``). A
+            missing ``cuda`` (declared where the runtime's GPU build is installed) is
+            a counted skip instead.
+        artifacts: the artifact kinds (``"file"``, ``"directory"``) the check reads;
+            empty: any. A target writing another kind is not applicable.
+        devices: exporter checks only: the devices (``"cpu"``, ``"cuda"``) the check can
+            run on; empty: any. A run on none of them has no item of it (not applicable).
+        models: per-model target checks only: the toy families the check runs on;
+            empty: every family. Other families get no item (not applicable).
         markers: pytest markers the plugin puts on the check's items
             (``"hypothesis"`` for checks driven by Hypothesis).
         per_device: exporter checks only: also run on each device of
@@ -94,11 +104,19 @@ class CheckSpec:
     per_device: bool = False
     since: int | None = None
     per_engine: bool = False
+    artifacts: frozenset[str] = frozenset()
+    devices: frozenset[str] = frozenset()
+    models: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         # Accept any iterable of names (a tuple in a declaration), store a frozenset.
-        object.__setattr__(self, "needs", _names(self.id, "needs", self.needs))
-        object.__setattr__(self, "markers", _names(self.id, "markers", self.markers))
+        for what in ("needs", "markers", "artifacts", "devices", "models"):
+            object.__setattr__(self, what, names(self.id, what, getattr(self, what)))
+        if not self.artifacts <= ARTIFACT_KINDS:
+            raise CatalogueError(
+                f"check {self.id!r}: artifacts {sorted(self.artifacts)} are not among "
+                f"{sorted(ARTIFACT_KINDS)}"
+            )
         if not self.id.isidentifier():
             raise CatalogueError(
                 f"check id {self.id!r} is not a Python identifier; ids appear in item ids "
@@ -117,8 +135,17 @@ class CheckSpec:
                 f"check {self.id!r}: per_device=True is for scope='exporter' "
                 "(target checks always run on every --export-device)"
             )
+        if self.models and not self.per_model:
+            raise CatalogueError(f"check {self.id!r}: models=... needs per_model=True")
+        if (self.devices and self.scope != "exporter") or (
+            self.artifacts and self.scope != "target"
+        ):
+            raise CatalogueError(
+                f"check {self.id!r}: devices=... is for scope='exporter', artifacts=... for "
+                "scope='target' (a target declares its devices through the 'cuda' capability)"
+            )
         if isinstance(self.impl, str):
-            _split_reference(self.id, self.impl)
+            split_reference(self.id, self.impl)
         elif not callable(self.impl):
             raise CatalogueError(
                 f"check {self.id!r}: impl {self.impl!r} is neither a 'module:function' "
@@ -129,7 +156,7 @@ class CheckSpec:
     def fn(self) -> CheckFn:
         """The implementation (importing its module the first time it is read)."""
         if isinstance(self.impl, str):
-            return _resolve(self.id, self.impl)
+            return cast(CheckFn, resolve(self.id, self.impl))
         return self.impl
 
     @property
@@ -138,42 +165,12 @@ class CheckSpec:
         return (self.fn.__doc__ or "").strip()
 
 
-def _names(check_id: str, what: str, value: Iterable[str]) -> frozenset[str]:
-    if isinstance(value, str):
-        raise CatalogueError(
-            f"check {check_id!r}: {what} must be a collection of names, not the string {value!r}"
-        )
-    return frozenset(value)
-
-
-def _split_reference(check_id: str, reference: str) -> tuple[str, str]:
-    module, sep, name = reference.partition(":")
-    if not sep or not module or not name.isidentifier():
-        raise CatalogueError(
-            f"check {check_id!r}: implementation reference {reference!r} is not of the "
-            "form 'package.module:function'"
-        )
-    return module, name
-
-
-@functools.cache
-def _resolve(check_id: str, reference: str) -> CheckFn:
-    module_name, name = _split_reference(check_id, reference)
-    module = importlib.import_module(module_name)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise CatalogueError(
-            f"check {check_id!r}: {module_name} has no function {name!r} "
-            f"(the catalogue's reference is {reference!r})"
-        )
-    resolved: CheckFn = fn
-    return resolved
-
-
 _T = "pytest_exportcheck.checks.targets"
 _E = "pytest_exportcheck.checks.exporters"
 _G = "pytest_exportcheck.checks.generated"
 _HYPOTHESIS = frozenset({"hypothesis"})
+#: The families ``served`` runs (each engine run starts an engine process): dense, MoE.
+SERVED_FAMILIES = frozenset({"llama", "qwen3_moe"})
 
 #: Every built-in check, in documentation order (``docs/checks.md``).
 _DECLARED: tuple[CheckSpec, ...] = (
@@ -267,6 +264,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_T}.checkpoint:checkpoint_names",
         per_model=True,
         needs=frozenset({"quantized"}),
+        artifacts=frozenset({"directory"}),
         summary="Names in a quantized checkpoint's configs are the names its tensors are "
         "saved under.",
     ),
@@ -276,6 +274,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_T}.loadable:loadable",
         per_model=True,
         needs=frozenset({"quantized"}),
+        artifacts=frozenset({"directory"}),
         summary="Quantized checkpoints (FP8 + FP8 KV, NVFP4, INT4 AWQ, INT8) pass every "
         "error-level rule of ``exportlm inspect``.",
     ),
@@ -293,6 +292,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_T}.served:served",
         per_model=True,
         per_engine=True,
+        models=SERVED_FAMILIES,
         summary="The artifact, loaded by the real serving engines that take it, gives the eager "
         "tokens.",
     ),
@@ -384,6 +384,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         "exporter",
         "pytest_exportcheck.checks.exporters.fp8_gemm:fp8_gemm",
         markers=frozenset({"cuda"}),
+        devices=frozenset({"cuda"}),
         summary="On a CUDA device of compute capability 8.9 or newer, the exported FP8 "
         "linears run through ``torch._scaled_mm`` match the fake-quant forward within "
         "``|gemm - fake_quant| <= 1e-3 * (|x_q| @ |w_q|^T) + 1e-6``.",

@@ -10,6 +10,7 @@ sees. Nothing here imports the run package or the pytest layer.
 
 from __future__ import annotations
 
+from pytest_exportcheck.plan._applicability import NotApplicable
 from pytest_exportcheck.plan._case_options import CaseOptions, case_options
 from pytest_exportcheck.plan._discovery import (
     Discovery,
@@ -24,6 +25,7 @@ from pytest_exportcheck.plan._items import (
     ItemSpec,
     Plan,
     TargetPlan,
+    not_applicable,
     plan,
 )
 from pytest_exportcheck.plan._planner import Planner
@@ -39,6 +41,7 @@ __all__ = [
     "InstalledPlugin",
     "ItemSpec",
     "NameSelection",
+    "NotApplicable",
     "Plan",
     "PlanRequest",
     "PluginFailure",
@@ -49,5 +52,6 @@ __all__ = [
     "XfailRule",
     "case_options",
     "discover",
+    "not_applicable",
     "plan",
 ]

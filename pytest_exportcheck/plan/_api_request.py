@@ -130,9 +130,10 @@ def single_item(
         p = replace(planner.plan(request), targets=(_target_row(planner, target),))
     else:
         p = planner.plan(replace(request, exporters=NameSelection.of([str(exporter)])))
-    # One result: a per-engine check (served) runs every engine that takes the target's output.
+    # One result: a per-engine check (served) runs every engine that takes the target's output;
+    # a check that cannot apply is asked for by name: its one item skips with the reason.
     one = tuple(replace(s, per_engine=False) for s in p.checks)
-    p = replace(p, checks=one, devices=(device,), extra_failures={})
+    p = replace(p, checks=one, devices=(device,), extra_failures={}, keep_inapplicable=True)
     (item,) = [i for i in plan(p) if i.check == check_id]
     return item
 
@@ -175,7 +176,7 @@ def _target_row(planner: Planner, target_id: str) -> TargetPlan:
     if variant and variant not in info.variants:
         raise UnknownNameError(f"variant of target {name!r}", variant, list(info.variants))
     kwargs = dict(info.variants[variant]) if variant else {}
-    return TargetPlan(name, ((variant or None, kwargs),), info.capabilities)
+    return TargetPlan(name, ((variant or None, kwargs),), info.capabilities, artifact=info.artifact)
 
 
 def _model_argument(

@@ -14,6 +14,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pytest_exportcheck.plan._applicability import (
+    ENVIRONMENT_CAPABILITIES,
+    NotApplicable,
+    device_gap,
+    model_gap,
+    target_gap,
+)
+
 if TYPE_CHECKING:
     from pytest_exportcheck.checks import CheckSpec
 
@@ -23,6 +31,7 @@ __all__ = [
     "ItemSpec",
     "Plan",
     "TargetPlan",
+    "not_applicable",
     "plan",
 ]
 
@@ -91,7 +100,8 @@ class TargetPlan:
     ``rows`` are its ``(variant, export_kwargs)`` pairs; ``failure`` the text its
     ``plugin_loads`` item fails with (``None``: passes); ``loaded`` false when the
     target itself is missing, so it gets no other item; ``engines`` the serving
-    engines that take what it writes (one item each of a ``per_engine`` check).
+    engines that take what it writes (one item each of a ``per_engine`` check);
+    ``artifact`` the kind it writes (``"file"``, ``"directory"``; ``""``: undeclared).
     """
 
     name: str
@@ -100,6 +110,7 @@ class TargetPlan:
     failure: str | None = None
     loaded: bool = True
     engines: tuple[str, ...] = ()
+    artifact: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,7 +127,10 @@ class Plan:
     """Inputs of :func:`plan`: selected names, resolved against what is installed.
 
     ``extra_failures`` are failing ``plugin_loads`` items of plugins that are no
-    target or exporter row (``model:<name>``, ``runtime:<name>``).
+    target or exporter row (``model:<name>``, ``runtime:<name>``). A (row, check)
+    pair that cannot apply (:mod:`._applicability`) has no item, unless
+    ``keep_inapplicable`` (``run_check``, asked for one item): then its items skip
+    with the reason.
     """
 
     checks: tuple[CheckSpec, ...]
@@ -125,6 +139,7 @@ class Plan:
     extra_failures: Mapping[str, str] = field(default_factory=dict)
     models: tuple[str, ...] = ()
     devices: tuple[str, ...] = ("cpu",)
+    keep_inapplicable: bool = False
 
 
 def plan(p: Plan) -> list[ItemSpec]:
@@ -184,7 +199,9 @@ def _row_items(
 
     Adjacent items of one model share its artifact and loaded runtime; xdist's
     ``--dist load`` hands out runs of consecutive items, so they mostly land on
-    one worker, which then loads the artifact once.
+    one worker, which then loads the artifact once. A combination that cannot
+    apply (:func:`_inapplicable`) is left out, or skips with the reason when the
+    plan keeps those.
     """
     column = f"{target.name}:{variant}" if variant else target.name
     checks = list(checks)
@@ -202,24 +219,38 @@ def _row_items(
         if spec.per_model
         for engine in _engines_of(target, spec)
     ]
-    return [
-        ItemSpec(
-            spec.id,
-            "target",
-            column,
-            _params(column, engine, model, device),
-            target=target.name,
-            variant=variant,
-            export_kwargs=kwargs,
-            model=model,
-            device=device,
-            engine=engine,
-            skip=_capability_gap(target, spec, device),
-            check_index=index,
-            markers=_markers(spec),
+    items: list[ItemSpec] = []
+    for index, spec, model, device, engine in combos:
+        gap = _inapplicable(target, spec, model)
+        if gap is not None and not p.keep_inapplicable:
+            continue
+        items.append(
+            ItemSpec(
+                spec.id,
+                "target",
+                column,
+                _params(column, engine, model, device),
+                target=target.name,
+                variant=variant,
+                export_kwargs=kwargs,
+                model=model,
+                device=device,
+                engine=engine,
+                skip=_NOT_APPLICABLE + gap if gap else _capability_gap(target, spec, device),
+                check_index=index,
+                markers=_markers(spec),
+            )
         )
-        for index, spec, model, device, engine in combos
-    ]
+    return items
+
+
+def _inapplicable(target: TargetPlan, spec: CheckSpec, model: str | None) -> str | None:
+    """Why ``spec`` cannot apply to the row's item of ``model``; ``None`` when it can."""
+    engines = len(target.engines) if getattr(spec, "per_engine", False) else 1
+    gap = target_gap(spec, target.name, target.capabilities, target.artifact, engines)
+    if gap is None and model is not None:
+        gap = model_gap(spec, (model,))[1]
+    return gap
 
 
 def _engines_of(target: TargetPlan, spec: CheckSpec) -> tuple[str | None, ...]:
@@ -243,9 +274,10 @@ def _exporter_items(exporter: ExporterPlan, p: Plan) -> list[ItemSpec]:
     for index, spec in _checks(p, "exporter"):
         # Exporter checks run on the CPU; a per_device one also on every other device
         # selected, with the device in its id (the CPU item keeps ``check[exporter]``).
-        devices = p.devices if getattr(spec, "per_device", False) else ("cpu",)
+        devices = _exporter_devices(spec, p.devices)
+        runs, gap = device_gap(spec, devices)
         for model in p.models if spec.per_model else (None,):
-            for device in devices:
+            for device in devices if p.keep_inapplicable else runs:
                 params = (name,) if model is None else (name, model)
                 items.append(
                     ItemSpec(
@@ -256,6 +288,7 @@ def _exporter_items(exporter: ExporterPlan, p: Plan) -> list[ItemSpec]:
                         exporter=name,
                         model=model,
                         device=device,
+                        skip=_NOT_APPLICABLE + gap if gap and device not in runs else None,
                         check_index=index,
                         markers=_markers(spec),
                     )
@@ -263,8 +296,51 @@ def _exporter_items(exporter: ExporterPlan, p: Plan) -> list[ItemSpec]:
     return items
 
 
+def _exporter_devices(spec: CheckSpec, devices: tuple[str, ...]) -> tuple[str, ...]:
+    return devices if getattr(spec, "per_device", False) else ("cpu",)
+
+
+def not_applicable(p: Plan) -> list[NotApplicable]:
+    """The (row, check) pairs :func:`plan` leaves items out of, once each, with the reason."""
+    out: list[NotApplicable] = []
+    for target in sorted(p.targets, key=lambda t: t.name):
+        for variant, _ in target.rows if target.loaded else ():
+            column = f"{target.name}:{variant}" if variant else target.name
+            for index, spec in _checks(p, "target"):
+                out += _target_gaps(target, column, (index, spec), p)
+    for exporter in sorted(p.exporters, key=lambda e: e.name):
+        for index, spec in _checks(p, "exporter") if exporter.loaded else ():
+            devices = _exporter_devices(spec, p.devices)
+            runs, gap = device_gap(spec, devices)
+            left = (len(devices) - len(runs)) * (len(p.models) if spec.per_model else 1)
+            if gap and left:
+                out.append(NotApplicable("exporter", exporter.name, spec.id, gap, left, index))
+    return out
+
+
+def _target_gaps(
+    target: TargetPlan, column: str, check: tuple[int, CheckSpec], p: Plan
+) -> list[NotApplicable]:
+    """The pair's record: the whole pair, or the families the check does not run on."""
+    index, spec = check
+    per_engine = getattr(spec, "per_engine", False)
+    engines = len(target.engines) if per_engine else 1
+    gap = target_gap(spec, target.name, target.capabilities, target.artifact, engines)
+    models: tuple[str | None, ...] = p.models if spec.per_model else (None,)
+    if gap is None and spec.per_model:
+        kept, gap = model_gap(spec, p.models)
+        models = tuple(m for m in p.models if m not in kept)
+    if gap is None or not models or not p.devices:
+        return []
+    # a per-engine check no engine takes never had an item: a cell of 0 items left out
+    left = len(models) * len(p.devices) * engines
+    return [NotApplicable("target", column, spec.id, gap, left, index)]
+
+
 def _capability_gap(target: TargetPlan, spec: CheckSpec, device: str) -> str | None:
-    needed = set(spec.needs) | ({"cuda"} if device == "cuda" else set())
+    """A skip for a capability the target declares by what is installed (``cuda``)."""
+    needed = set(spec.needs) & ENVIRONMENT_CAPABILITIES
+    needed |= {"cuda"} if device == "cuda" else set()
     missing = sorted(needed - target.capabilities)
     if not missing:
         return None
@@ -281,3 +357,5 @@ _CUDA_HINT = (
     "; its runtime does not run on CUDA in this environment (the built-in onnx target runs "
     "in onnxruntime's CPU provider and declares 'cuda' only when onnxruntime-gpu is installed)"
 )
+#: Starts the skip reason of a combination that cannot apply, in a plan that keeps those.
+_NOT_APPLICABLE = "not applicable: "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_exportcheck.checks.versions import CATALOGUE_VERSION
+from pytest_exportcheck.plan._applicability import NotApplicable
 from pytest_exportcheck.plan._discovery import Discovery, PluginFailure
 from pytest_exportcheck.plan._items import (
     PLUGIN_LOADS,
@@ -27,6 +28,7 @@ from pytest_exportcheck.plan._items import (
     ItemSpec,
     Plan,
     TargetPlan,
+    not_applicable,
     plan,
 )
 from pytest_exportcheck.plan._nodeids import ROOT, SuiteArgs
@@ -148,7 +150,7 @@ class Planner:
             chosen |= {s.name for s in plan(self.plan(every_check)) if s.check in args.checks}
         universe = plan(self.everything())
         if not args.lenient:
-            _require_known(args, {s.name for s in universe}, self._pinned_item)
+            _require_known(args, {s.name for s in universe}, self._unknown_item)
         chosen |= args.item_ids
         return [s for s in universe if s.name in chosen]
 
@@ -179,6 +181,17 @@ class Planner:
         if version is not None:
             return self.pin_message(f"{ROOT}::{check}", version)
         return f"{ROOT}::{check}: no such check; available: {', '.join(self.checks)}"
+
+    def not_applicable(self, request: PlanRequest) -> list[NotApplicable]:
+        """The (row, check) pairs of ``request`` that cannot apply, with the reason."""
+        return not_applicable(self.plan(request))
+
+    def _unknown_item(self, name: str) -> str | None:
+        """Why an item id that is no item is none: not applicable, or a newer catalogue's."""
+        for spec in plan(replace(self.everything(), keep_inapplicable=True)):
+            if spec.name == name and spec.skip:
+                return f"{spec.skip} (no item: the cell is not applicable, not skipped)"
+        return self._pinned_item(name)
 
     def _pinned_item(self, name: str) -> str | None:
         """The pin message for an item id that only a newer catalogue plans."""
@@ -239,7 +252,10 @@ class Planner:
 
     def unmatched(self, book: XfailBook, within: Plan | None = None) -> list[XfailRule]:
         """Rules of ``book`` that match no item of ``within`` (default: every possible item)."""
-        universe = plan(self.everything() if within is None else within)
+        # A rule of a cell that cannot apply matches it (a family's causes crossed with
+        # every target's capture name checks some rows do not have): not stale.
+        whole = self.everything() if within is None else within
+        universe = plan(replace(whole, keep_inapplicable=True))
         return book.unmatched((s.name, s.check, s.column) for s in universe)
 
     # -- rows ---------------------------------------------------------------
@@ -281,7 +297,12 @@ class Planner:
         rows = tuple((row.variant, row.export_kwargs) for row in self.discovery.rows(name))
         engines = tuple(self.discovery.target_engines.get(name, ()))
         return TargetPlan(
-            name, rows, info.capabilities, failure=_failure_text(problems), engines=engines
+            name,
+            rows,
+            info.capabilities,
+            failure=_failure_text(problems),
+            engines=engines,
+            artifact=info.artifact,
         )
 
     def _exporter_plan(self, name: str) -> ExporterPlan:
@@ -303,13 +324,13 @@ def _pinned_discovery(discovery: Discovery, catalogue: int | None) -> Discovery:
     return replace(discovery, models=models)
 
 
-def _require_known(args: SuiteArgs, known: set[str], pinned: Callable[[str], str | None]) -> None:
+def _require_known(args: SuiteArgs, known: set[str], why: Callable[[str], str | None]) -> None:
     for item, arg in args.items:
         if item in known:
             continue
-        newer = pinned(item)
-        if newer is not None:
-            raise pytest.UsageError(f"{arg}: {newer}")
+        reason = why(item)
+        if reason is not None:
+            raise pytest.UsageError(f"{arg}: {reason}")
         close = difflib.get_close_matches(item, sorted(known), n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise pytest.UsageError(

@@ -10,7 +10,9 @@ suite collected and their outcome::
 ``--export-lock=update`` writes it (atomically, :mod:`exportlm.atomic`); while the
 file exists every run compares with it (``--export-lock=off`` does not). A run
 fails when a check disappears from a row, an item that ran becomes a skip, or a
-pass becomes an expected failure; new items and skips that now pass are reported.
+pass becomes an expected failure; new items and skips that now pass are reported. A
+check that is not applicable to a row now (its declarations exclude it) and had only
+skips there is noted, not a failure; if it ran there before, the row lost coverage.
 Only what the run planned is compared: rows and checks it did not select keep
 their entries, and items it planned but did not run (``-k``, ``--export-shard``)
 are neither compared nor dropped on update. Reading uses :mod:`exportlm.safeio`,
@@ -60,11 +62,13 @@ class Planned:
     """What a run planned: its item ids per ``(scope, column, check)``, and its selection.
 
     ``selects(check)`` says whether the run's check selection includes a check id:
-    a check the run did not select has not disappeared.
+    a check the run did not select has not disappeared. ``inapplicable`` holds the
+    triples that cannot apply (the row's declarations exclude the check), with why.
     """
 
     ids: Mapping[Triple, frozenset[str]]
     selects: Callable[[str], bool]
+    inapplicable: Mapping[Triple, str] = field(default_factory=dict)
 
     @property
     def columns(self) -> set[tuple[str, str]]:
@@ -113,12 +117,8 @@ def compare(old: Entries, ran: Entries, planned: Planned) -> LockDiff:
     for triple, items in _triples(old):
         if not planned.covers(triple):
             continue
-        scope, column, check = triple
         if triple not in planned.ids:
-            diff.failures.append(
-                f"check {check} disappeared from {scope} {column} "
-                f"({len(items)} item(s) in the lockfile)"
-            )
+            _gone(diff, triple, items, planned.inapplicable.get(triple))
             continue
         now = _lookup(ran, triple)
         for item_id, before in sorted(items.items()):
@@ -135,6 +135,26 @@ def compare(old: Entries, ran: Entries, planned: Planned) -> LockDiff:
         fresh = sorted(i for i in items if i not in known)
         diff.notes += [f"{i}: new item ({items[i]})" for i in fresh]
     return diff
+
+
+def _gone(diff: LockDiff, triple: Triple, items: Mapping[str, str], reason: str | None) -> None:
+    """A check the run has no item of for a row the lockfile lists it in.
+
+    Not applicable now, and only skips before: those were never checks, noted. Anything
+    that ran before (a target that stopped declaring a capability) loses coverage.
+    """
+    scope, column, check = triple
+    if reason is not None and all(outcome == "skip" for outcome in items.values()):
+        diff.notes.append(
+            f"check {check} on {scope} {column} is not applicable ({reason}): its "
+            f"{len(items)} skipped item(s) in the lockfile are no items now"
+        )
+        return
+    why = f", not applicable now: {reason}" if reason is not None else ""
+    diff.failures.append(
+        f"check {check} disappeared from {scope} {column} "
+        f"({len(items)} item(s) in the lockfile{why})"
+    )
 
 
 def updated(old: Entries, ran: Entries, planned: Planned) -> Entries:

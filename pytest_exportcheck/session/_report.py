@@ -23,6 +23,7 @@ import pytest
 
 from exportlm._matrix import (
     INCOMPLETE,
+    NOT_APPLICABLE,
     OUTCOMES,
     REPORT_FORMAT,
     Coverage,
@@ -109,7 +110,9 @@ class ReportBuilder:
     ``planned`` (``{scope: {column: [value-check item id]}}`` of every check) tells a
     row narrowed by ``-k`` / ``--export-checks`` from an unchecked one, ``declared``
     (``{scope: {column: reason}}``) the rows their target declares it cannot check;
-    ``judged`` (a shard's whole rows) limits the coverage lines to those rows.
+    ``judged`` (a shard's whole rows) limits the coverage lines to those rows;
+    ``not_applicable`` lists the (row, check) cells the plan has no item of, with the
+    reason (``·`` in the matrix, the report's ``not_applicable``).
     """
 
     def __init__(
@@ -117,11 +120,13 @@ class ReportBuilder:
         planned: Rows | None = None,
         declared: Rows | None = None,
         judged: set[tuple[str, str]] | None = None,
+        not_applicable: list[dict[str, Any]] | None = None,
     ) -> None:
         self.records: dict[str, ItemRecord] = {}
         self.planned = planned or {}
         self.declared = declared or {}
         self.judged = judged
+        self.not_applicable = not_applicable or []
         #: Set when the run was interrupted (Ctrl-C, SIGINT): its unfinished items fail.
         self.interrupted = False
         self._called: set[str] = set()
@@ -173,7 +178,12 @@ class ReportBuilder:
     def coverage(self) -> Coverage:
         """The rows that checked nothing: unchecked, declared so, not selected."""
         return coverage_of(
-            self._plain(), VALUE_CHECKS, self.planned, self.declared, judged=self.judged
+            self._plain(),
+            VALUE_CHECKS,
+            self.planned,
+            self.declared,
+            judged=self.judged,
+            not_applicable=self.not_applicable,
         )
 
     def unchecked(self) -> dict[str, list[str]]:
@@ -216,16 +226,23 @@ class ReportBuilder:
             "declared_unchecked": coverage.declared,
             "unchecked": coverage.unchecked,
             "not_selected": coverage.not_selected,
+            "not_applicable": self.not_applicable,
             "cache": self.cache_use(),
             "items": [r.as_json() for r in self.sorted_records()],
         }
 
     def summary_lines(self, width: int) -> list[str]:
         """Terminal lines: one matrix per scope, totals and skip reasons."""
-        if not self.records:
+        if not self.records and not self.not_applicable:
             return ["no exportcheck items ran"]
         lines = matrix_lines(
-            self._plain(), width, VALUE_CHECKS, self.planned, self.declared, judged=self.judged
+            self._plain(),
+            width,
+            VALUE_CHECKS,
+            self.planned,
+            self.declared,
+            judged=self.judged,
+            not_applicable=self.not_applicable,
         )
         totals = self.totals()
         lines.append(
@@ -233,6 +250,13 @@ class ReportBuilder:
             + ", ".join(f"{totals[o]} {_WORDS[o]}" for o in OUTCOMES)
             + "  (cells: passed/total; F failed, x xfailed, s skipped)"
         )
+        if self.not_applicable:
+            left = sum(int(c.get("items", 0)) for c in self.not_applicable)
+            lines.append(
+                f"  {NOT_APPLICABLE} not applicable: {len(self.not_applicable)} (row, check) "
+                f"cell(s), {left} item(s) fewer: the rows' declarations exclude them (the JSON "
+                "report's not_applicable says why)"
+            )
         unfinished = sum(r.outcome == INCOMPLETE for r in self.records.values())
         if unfinished or self.interrupted:
             lines.append(f"interrupted: {unfinished} unfinished item(s) counted as failed")

@@ -103,9 +103,15 @@ class ExportCheckSession:
         # --export-checks, node ids, --lf): a row missing some of them was narrowed
         every = planner.items(options.request(NameSelection(all=True)))
         planned, declared = planned_value_items(every), declared_rows(self.discovery)
+        # the (row, check) cells of the request that cannot apply: no items, listed with why
+        inapplicable = [c.as_json() for c in planner.not_applicable(options.request())]
         #: strict, lockfile and shard: the coverage part of the verdict (:mod:`._verdict`).
-        self.coverage = CoverageVerdict(config.rootpath, options, self.specs, planned, declared)
-        self.report = ReportBuilder(planned, declared, self.coverage.judged_rows())
+        self.coverage = CoverageVerdict(
+            config.rootpath, options, self.specs, planned, declared, inapplicable
+        )
+        self.report = ReportBuilder(
+            planned, declared, self.coverage.judged_rows(), not_applicable=inapplicable
+        )
         if not _is_worker(config):
             self.coverage.load()  # a bad lockfile is a usage error before anything runs
         if _is_worker(config):
@@ -300,7 +306,9 @@ class ExportCheckSession:
         if _is_worker(self.config):
             return
         self.report.interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
-        if self.coverage.judge(self.report.sorted_records()) and session.exitstatus == 0:
+        # a lockfile check that cannot apply now may leave a narrowed run no item at all
+        quiet = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
+        if self.coverage.judge(self.report.sorted_records()) and session.exitstatus in quiet:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         env = self.environment()
         data = self.report.to_json(**env)

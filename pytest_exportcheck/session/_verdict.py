@@ -51,12 +51,15 @@ class CoverageVerdict:
         specs: list[ItemSpec],
         planned: Rows | None = None,
         declared: Rows | None = None,
+        not_applicable: list[dict[str, Any]] | None = None,
     ) -> None:
         self.options = options
         self.specs = specs
         #: every row's value-check item ids (all checks) and the rows declared not checkable
         self.planned = planned or {}
         self.declared = declared or {}
+        #: the (row, check) cells that cannot apply (report records, with the reason)
+        self.not_applicable = not_applicable or []
         self.path = rootpath / LOCK_FILE
         self.old: Entries | None = None
         shard = options.shard
@@ -114,6 +117,7 @@ class CoverageVerdict:
         return Planned(
             {k: frozenset(v) for k, v in ids.items()},
             lambda check: checks.all or check in checks.names,
+            {(c["scope"], c["column"], c["check"]): c["reason"] for c in self.not_applicable},
         )
 
     def judge(self, records: list[ItemRecord]) -> bool:
@@ -121,7 +125,12 @@ class CoverageVerdict:
         items: list[dict[str, Any]] = [asdict(r) for r in records]
         failed = False
         coverage = coverage_of(
-            items, VALUE_CHECKS, self.planned, self.declared, judged=self.judged_rows()
+            items,
+            VALUE_CHECKS,
+            self.planned,
+            self.declared,
+            judged=self.judged_rows(),
+            not_applicable=self.not_applicable,
         )
         rows = coverage.unchecked
         allowed = dict(self.options.strict_allow)

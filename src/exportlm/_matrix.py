@@ -14,21 +14,27 @@ side pulls torch or pytest in through it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from exportlm._report_schema import (
     INCOMPLETE,
+    PER_JOB_OPTIONS,
     REPORT_FORMAT,
+    VERSION_KEYS,
     MergeError,
     check_report,
+    check_same,
     check_shards,
+    not_applicable_of,
 )
 
 __all__ = [
     "INCOMPLETE",
+    "NOT_APPLICABLE",
     "OUTCOMES",
+    "PER_JOB_OPTIONS",
     "REPORT_FORMAT",
     "VERSION_KEYS",
     "Rows",
@@ -50,29 +56,8 @@ OUTCOMES = ("pass", "fail", "xfail", "skip")
 _CHECKED = frozenset({"pass", "fail"})
 _SCOPE_ORDER = {"target": 0, "exporter": 1}
 _FLAGS = (("fail", "F"), ("xfail", "x"), ("skip", "s"))
-#: Options that may differ between the reports of one merged run: where a job writes,
-#: what it runs on (one report per device), which shard it is, how strict its own verdict.
-PER_JOB_OPTIONS = frozenset(
-    {
-        "shard",
-        "device",
-        "require_device",
-        "report",
-        "report_absolute_paths",
-        "durations",
-        "goldens_dir",
-        "xfails_file",
-        "no_cache",
-        "strict",
-        "strict_allow",
-        "lock",
-        "engines",
-        "require_engines",
-    }
-)
-#: Environment keys that must agree: the versions of the code that judged the items.
-VERSION_KEYS = ("exportlm", "pytest_exportcheck")
-
+#: A cell that cannot apply (no item: the check's needs exclude the row).
+NOT_APPLICABLE = "·"
 Item = Mapping[str, Any]
 #: ``{scope: {column: value}}``
 Rows = Mapping[str, Mapping[str, Any]]
@@ -137,6 +122,7 @@ def coverage_of(
     declared: Rows | None = None,
     *,
     judged: set[tuple[str, str]] | None = None,
+    not_applicable: Iterable[Item] = (),
 ) -> Coverage:
     """Judge each row by its value-check items (see :class:`Coverage`).
 
@@ -158,6 +144,10 @@ def coverage_of(
         if item["check"] in wanted.get(row[0], ()):
             checked[row] = checked.get(row, False) or _outcome(item) in _CHECKED
             ran.setdefault(row, set()).add(str(item.get("id", item["nodeid"])))
+    for cell in not_applicable:
+        row = (str(cell["scope"]), str(cell["column"]))
+        if row in present and cell["check"] in wanted.get(row[0], ()):
+            checked.setdefault(row, False)
     narrowed = {
         (scope, column)
         for scope, columns in (planned or {}).items()
@@ -188,9 +178,9 @@ def unchecked_of(
     return coverage_of(items, value_checks).unchecked
 
 
-def _cell(counts: Mapping[str, int] | None) -> str:
+def _cell(counts: Mapping[str, int] | None, applies: bool = True) -> str:
     if not counts:
-        return "-"
+        return "-" if applies else NOT_APPLICABLE
     total = sum(counts.values())
     text = f"{counts['pass']}/{total}"
     flags = " ".join(f"{flag}{counts[o]}" for o, flag in _FLAGS if counts[o])
@@ -202,11 +192,15 @@ def render_matrix(
     rows: list[str],
     columns: Mapping[str, Mapping[str, Mapping[str, int]]],
     width: int,
+    blank: Collection[tuple[str, str]] = (),
 ) -> list[str]:
-    """A check (rows) x target/exporter (columns) table, split into blocks fitting ``width``."""
+    """A check (rows) x target/exporter (columns) table, split into blocks fitting ``width``.
+
+    ``blank``: the ``(column, check)`` cells that cannot apply, shown as ``·`` when empty.
+    """
     label_width = max(len(title), *(len(r) for r in rows))
     names = list(columns)
-    cells = {c: {r: _cell(columns[c].get(r)) for r in rows} for c in names}
+    cells = {c: {r: _cell(columns[c].get(r), (c, r) not in blank) for r in rows} for c in names}
     widths = {c: max(len(c), *(len(v) for v in cells[c].values())) for c in names}
     blocks: list[list[str]] = [[]]
     used = label_width
@@ -237,18 +231,34 @@ def matrix_lines(
     declared: Rows | None = None,
     *,
     judged: set[tuple[str, str]] | None = None,
+    not_applicable: Sequence[Item] = (),
 ) -> list[str]:
-    """One table per scope (rows in catalogue order), each followed by its rows that checked
-    nothing: unchecked, declared unchecked by their target, not selected."""
-    order = {str(i["check"]): (int(i.get("check_index", 0)), str(i["check"])) for i in items}
-    coverage = coverage_of(items, value_checks, planned, declared, judged=judged)
+    """One table per scope (rows in catalogue order; ``·``: a cell that cannot apply), each
+    followed by its rows that checked nothing: unchecked, declared unchecked, not selected."""
+    cells = [*items, *not_applicable]
+    order = {str(i["check"]): (int(i.get("check_index", 0)), str(i["check"])) for i in cells}
+    coverage = coverage_of(
+        items, value_checks, planned, declared, judged=judged, not_applicable=not_applicable
+    )
     lines: list[str] = []
-    for scope, columns in matrix_of(items).items():
-        checks = sorted({c for cells in columns.values() for c in cells}, key=order.__getitem__)
-        lines += render_matrix(f"check \\ {scope}", checks, columns, width)
+    for scope, columns in _with_blank_cells(matrix_of(items), not_applicable).items():
+        blank = {(str(c["column"]), str(c["check"])) for c in not_applicable if c["scope"] == scope}
+        checks = {c for cells in columns.values() for c in cells} | {c for _, c in blank}
+        rows = sorted(checks, key=order.__getitem__)
+        lines += render_matrix(f"check \\ {scope}", rows, columns, width, blank)
         lines += _coverage_lines(scope, coverage)
         lines.append("")
     return lines
+
+
+def _with_blank_cells(
+    matrix: Mapping[str, Mapping[str, Mapping[str, Any]]], not_applicable: Iterable[Item]
+) -> dict[str, dict[str, Mapping[str, Any]]]:
+    """``matrix`` with the scopes and columns that only have cells that cannot apply."""
+    out = {scope: dict(columns) for scope, columns in matrix.items()}
+    for cell in not_applicable:
+        out.setdefault(str(cell["scope"]), {}).setdefault(str(cell["column"]), {})
+    return {s: {c: out[s][c] for c in sorted(out[s])} for s in sorted(out, key=_scope_key)}
 
 
 def _coverage_lines(scope: str, coverage: Coverage) -> list[str]:
@@ -323,14 +333,15 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str,
         check_report(name, report)
     first_name, first = reports[0]
     for name, report in reports[1:]:
-        _same(first_name, first, name, report)
+        check_same(first_name, first, name, report)
     check_shards(reports)
     merged = _merged_items(reports)
     value_checks = first.get("value_checks", {})
     options = {k: v for k, v in first.get("options", {}).items() if k not in PER_JOB_OPTIONS}
     planned = _union((r for _, r in reports), "planned")
     declared = _union((r for _, r in reports), "declared_unchecked")
-    coverage = coverage_of(merged, value_checks, planned, declared)
+    inapplicable = not_applicable_of([r for _, r in reports])
+    coverage = coverage_of(merged, value_checks, planned, declared, not_applicable=inapplicable)
     return {
         **{k: v for k, v in first.items() if k not in ("items", "options")},
         "options": options,
@@ -343,6 +354,7 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str,
         "declared_unchecked": coverage.declared,
         "unchecked": coverage.unchecked,
         "not_selected": coverage.not_selected,
+        "not_applicable": inapplicable,
         "cache": _summed_cache(r for _, r in reports),
         "items": merged,
     }
@@ -370,20 +382,3 @@ def _summed_cache(reports: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     for report in reports:
         total.update({k: int(v) for k, v in report.get("cache", {}).items()})
     return dict(sorted(total.items()))
-
-
-def _same(a_name: str, a: Mapping[str, Any], b_name: str, b: Mapping[str, Any]) -> None:
-    """Raise :class:`MergeError` naming the first key in which ``a`` and ``b`` differ."""
-    pairs: list[tuple[str, Any, Any]] = []
-    a_env, b_env = a.get("environment", {}), b.get("environment", {})
-    pairs += [(f"environment.{k}", a_env.get(k), b_env.get(k)) for k in VERSION_KEYS]
-    a_opt, b_opt = a.get("options", {}), b.get("options", {})
-    keys = sorted((set(a_opt) | set(b_opt)) - PER_JOB_OPTIONS)
-    pairs += [(f"options.{k}", a_opt.get(k), b_opt.get(k)) for k in keys]
-    pairs.append(("value_checks", a.get("value_checks"), b.get("value_checks")))
-    for key, left, right in pairs:
-        if left != right:
-            raise MergeError(
-                f"{b_name} differs from {a_name} in {key}: {right!r} != {left!r}; "
-                "merge only the reports of one suite run (same versions and options)"
-            )

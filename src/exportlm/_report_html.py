@@ -84,9 +84,12 @@ def _anchor(scope: str, column: str, check: str) -> str:
     return f"cell-{digest[:16]}"
 
 
-def _cell(scope: str, column: str, check: str, counts: Mapping[str, int] | None) -> str:
+def _cell(
+    scope: str, column: str, check: str, counts: Mapping[str, int] | None, why: str = ""
+) -> str:
     if not counts or not sum(counts.values()):
-        return '<td class="cell na" title="no item">&middot;</td>'
+        title = f"not applicable: {why}" if why else "no item"
+        return f'<td class="cell na" title="{escape(title)}">&middot;</td>'
     total = sum(counts.values())
     kind = next(o for o in _CELL_ORDER if counts.get(o))
     flags = " ".join(
@@ -100,12 +103,18 @@ def _cell(scope: str, column: str, check: str, counts: Mapping[str, int] | None)
 
 
 def _matrix_table(
-    scope: str, columns: Mapping[str, Mapping[str, Mapping[str, int]]], checks: Sequence[str]
+    scope: str,
+    columns: Mapping[str, Mapping[str, Mapping[str, int]]],
+    checks: Sequence[str],
+    why: Mapping[tuple[str, str], str],
 ) -> str:
     head = "".join(f"<th>{escape(c)}</th>" for c in columns)
     rows = []
     for check in checks:
-        cells = "".join(_cell(scope, col, check, columns[col].get(check)) for col in columns)
+        cells = "".join(
+            _cell(scope, col, check, columns[col].get(check), why.get((col, check), ""))
+            for col in columns
+        )
         rows.append(f"<tr><th>{escape(check)}</th>{cells}</tr>")
     return (
         f'<table class="matrix" data-scope="{escape(scope)}"><thead><tr>'
@@ -117,13 +126,22 @@ def _check_order(items: Iterable[Item]) -> dict[str, tuple[int, str]]:
     return {str(i["check"]): (int(i.get("check_index", 0)), str(i["check"])) for i in items}
 
 
-def _matrices(items: Sequence[Item], unchecked: Mapping[str, Sequence[str]]) -> str:
-    order = _check_order(items)
+def _matrices(
+    items: Sequence[Item], unchecked: Mapping[str, Sequence[str]], inapplicable: Sequence[Item]
+) -> str:
+    """One table per scope; a cell that cannot apply (``not_applicable``) titled with why."""
+    order = _check_order([*items, *inapplicable])
     out = []
     for scope, columns in matrix_of(items).items():
-        checks = sorted({c for cells in columns.values() for c in cells}, key=order.__getitem__)
+        why = {
+            (str(c["column"]), str(c["check"])): str(c["reason"])
+            for c in inapplicable
+            if c.get("scope") == scope
+        }
+        checks = {c for cells in columns.values() for c in cells}
+        checks |= {check for column, check in why if column in columns}
         out.append(f"<h2>{escape(scope)} &times; check</h2>")
-        out.append(_matrix_table(scope, columns, checks))
+        out.append(_matrix_table(scope, columns, sorted(checks, key=order.__getitem__), why))
         if unchecked.get(scope):
             names = ", ".join(escape(str(c)) for c in unchecked[scope])
             out.append(
@@ -279,7 +297,11 @@ def report_html(report: Mapping[str, Any], *, title: str = "exportcheck conforma
     body = [
         f"<h1>{escape(title)}</h1>",
         _summary(report, items, verdict),
-        _matrices(items, unchecked),
+        _matrices(
+            items,
+            unchecked,
+            [c for c in report.get("not_applicable", []) if isinstance(c, Mapping)],
+        ),
         _engines_table(items),
         _kv_table("Environment", report.get("environment", {})),
         _kv_table("Options", report.get("options", {})),

@@ -5,7 +5,8 @@ A report is read from a file a CI job uploaded, so nothing in it is trusted:
 format, one nested deeper than any report is, a malformed item and an item without
 a known outcome (an item that never finished is written ``incomplete``, never left
 blank); :func:`check_shards` refuses shards of one job that repeat or leave a part
-out. Every refusal is a :class:`MergeError`, never a ``KeyError`` or ``TypeError``.
+out; :func:`check_same` refuses reports of other versions or options. Every refusal is a
+:class:`MergeError`, never a ``KeyError`` or ``TypeError``.
 """
 
 from __future__ import annotations
@@ -18,14 +19,20 @@ __all__ = [
     "INCOMPLETE",
     "ITEM_OUTCOMES",
     "REPORT_FORMAT",
+    "PER_JOB_OPTIONS",
+    "VERSION_KEYS",
     "MergeError",
     "check_report",
+    "check_same",
     "check_shards",
+    "not_applicable_of",
 ]
 
 #: The report format this exportlm writes and reads. 2: items start ``incomplete``,
 #: ``interrupted``, ``planned`` and ``declared_unchecked`` (format 1 wrote an unfinished
-#: item's outcome as ``""``, which read as a pass).
+#: item's outcome as ``""``, which read as a pass). An optional ``not_applicable`` list
+#: (the (row, check) cells that cannot apply, with the reason) needs no new format: a
+#: report without it has none.
 REPORT_FORMAT = 2
 #: An item that started and never finished (the run was interrupted in it).
 INCOMPLETE = "incomplete"
@@ -35,8 +42,34 @@ ITEM_OUTCOMES = ("pass", "fail", "xfail", "skip", INCOMPLETE)
 MAX_DEPTH = 32
 _SHARD = re.compile(r"([1-9][0-9]*)/([1-9][0-9]*)")
 _ITEM_TEXT = ("nodeid", "id", "check", "scope", "column")
+#: The names and the reason of a ``not_applicable`` record.
+_CELL_TEXT = ("scope", "column", "check", "reason")
 #: The options that say which job of a run wrote a report (its shard aside).
 _JOB_KEYS = ("device", "require_device", "engines", "require_engines")
+
+
+#: Options that may differ between the reports of one merged run: where a job writes,
+#: what it runs on (one report per device), which shard it is, how strict its own verdict.
+PER_JOB_OPTIONS = frozenset(
+    {
+        "shard",
+        "device",
+        "require_device",
+        "report",
+        "report_absolute_paths",
+        "durations",
+        "goldens_dir",
+        "xfails_file",
+        "no_cache",
+        "strict",
+        "strict_allow",
+        "lock",
+        "engines",
+        "require_engines",
+    }
+)
+#: Environment keys that must agree: the versions of the code that judged the items.
+VERSION_KEYS = ("exportlm", "pytest_exportcheck")
 
 
 class MergeError(ValueError):
@@ -89,6 +122,34 @@ def _check_top(name: str, data: Any) -> None:
     for scope, rows in data.get("declared_unchecked", {}).items():
         if not isinstance(rows, dict) or not all(isinstance(r, str) for r in rows.values()):
             raise _fail(name, f"'declared_unchecked.{scope}' is not {{row: reason}}")
+    cells = data.get("not_applicable", [])
+    if not isinstance(cells, list) or not all(_cell_ok(c) for c in cells):
+        raise _fail(
+            name,
+            "'not_applicable' is not a list of {scope, column, check, reason, items, "
+            "check_index} records",
+        )
+
+
+def _cell_ok(cell: Any) -> bool:
+    """Whether ``cell`` is a ``not_applicable`` record: names, a reason, counts."""
+    return (
+        isinstance(cell, dict)
+        and all(isinstance(cell.get(k), str) and cell[k] for k in _CELL_TEXT)
+        and type(cell.get("items", 0)) is int
+        and cell.get("items", 0) >= 0
+        and type(cell.get("check_index", 0)) is int
+    )
+
+
+def not_applicable_of(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The ``not_applicable`` records of ``reports``, each (row, check, reason) once, sorted."""
+    cells: dict[tuple[str, ...], dict[str, Any]] = {}
+    for report in reports:
+        for cell in report.get("not_applicable", []):
+            key = tuple(str(cell[k]) for k in _CELL_TEXT)
+            cells.setdefault(key, dict(cell))
+    return [cells[k] for k in sorted(cells)]
 
 
 def _check_names(name: str, key: str, mapping: Mapping[str, Any], kind: type) -> None:
@@ -191,3 +252,20 @@ def _complete(job: str, parts: list[tuple[str, tuple[int, int]]]) -> None:
             "vanish from the merge; add their reports (a cancelled shard's report counts its "
             "unfinished items as failed)"
         )
+
+
+def check_same(a_name: str, a: Mapping[str, Any], b_name: str, b: Mapping[str, Any]) -> None:
+    """Raise :class:`MergeError` naming the first key in which ``a`` and ``b`` differ."""
+    pairs: list[tuple[str, Any, Any]] = []
+    a_env, b_env = a.get("environment", {}), b.get("environment", {})
+    pairs += [(f"environment.{k}", a_env.get(k), b_env.get(k)) for k in VERSION_KEYS]
+    a_opt, b_opt = a.get("options", {}), b.get("options", {})
+    keys = sorted((set(a_opt) | set(b_opt)) - PER_JOB_OPTIONS)
+    pairs += [(f"options.{k}", a_opt.get(k), b_opt.get(k)) for k in keys]
+    pairs.append(("value_checks", a.get("value_checks"), b.get("value_checks")))
+    for key, left, right in pairs:
+        if left != right:
+            raise MergeError(
+                f"{b_name} differs from {a_name} in {key}: {right!r} != {left!r}; "
+                "merge only the reports of one suite run (same versions and options)"
+            )

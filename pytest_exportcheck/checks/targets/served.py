@@ -55,6 +55,7 @@ from exportlm.engines import (
     serve_and_compare,
 )
 from exportlm.errors import ExportLMError, UnsupportedFormatError
+from pytest_exportcheck.checks import catalogue
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, error_text
 from pytest_exportcheck.checks._support import (
@@ -78,8 +79,9 @@ __all__ = [
     "served_dtype",
 ]
 
-#: The families served: a dense one and an MoE one (both in every engine's measured rows).
-SERVED_FAMILIES = ("llama", "qwen3_moe")
+#: The families served: a dense one and an MoE one (both in every engine's measured rows),
+#: declared in the catalogue (``CheckSpec.models``: other families get no item).
+SERVED_FAMILIES: tuple[str, ...] = tuple(sorted(catalogue.SERVED_FAMILIES))
 
 
 class Quantized(NamedTuple):

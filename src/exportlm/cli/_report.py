@@ -110,6 +110,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         merged.get("value_checks", {}),
         merged["planned"],
         merged["declared_unchecked"],
+        not_applicable=merged["not_applicable"],
     )
     for line in lines:
         print(line)
