@@ -26,10 +26,7 @@ from exportlm.quant._recipe import Algorithm
 __all__ = ["data_parallel_world", "reduce_max_statistics", "refuse_unreduced"]
 
 #: What runs under a multi-process group, for the refusal's message.
-SUPPORTED = (
-    "max-calibrated recipes (fp8, nvfp4, w8a8 without smoothing, fp8_kv) and weight-only "
-    "recipes (int8_wo)"
-)
+SUPPORTED = "max-calibrated recipes (fp8, nvfp4, fp8_kv) and weight-only recipes (int8_wo)"
 
 
 def data_parallel_world() -> tuple[int, int] | None:
