@@ -181,10 +181,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             logger.info("rank %d: calibrated; rank 0 writes %s", group.rank, plan.out)
             group.barrier()
             return EXIT_OK
-        try:
-            return _streamed(plan) if plan.stream else _export_in_memory(plan)
-        finally:
-            group.barrier()
+        # No barrier on an exception: the others are stopped by torchrun, not left waiting.
+        code = _streamed(plan) if plan.stream else _export_in_memory(plan)
+        group.barrier()
+        return code
 
 
 def _streamed(plan: ExportPlan) -> int:
