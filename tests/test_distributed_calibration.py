@@ -9,6 +9,7 @@ each batch's forward computes the same values in either run.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -85,3 +86,50 @@ def test_awq_is_refused_under_two_ranks_naming_what_runs(tmp_path: Path, calib: 
     assert "cannot calibrate under a torch.distributed process group of 2 ranks" in result.stderr
     assert "Supported there: max-calibrated recipes (fp8" in result.stderr
     assert not (tmp_path / "dp").exists()
+
+
+_LIBRARY_RUN = """
+import copy, json, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from exportlm.calibration import calibrate_with
+from exportlm.quant import quantize
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Embedding(256, 32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+batches = [torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(i)) for i in
+           range(int(sys.argv[2]))]
+calibrated = lambda m: {n: b.tolist() for n, b in m.named_buffers() if n.endswith("amax")}
+alone = calibrated(quantize(copy.deepcopy(model), "fp8", calibrate_with(batches)))
+dist.init_process_group("gloo")
+seen = []
+model[1].register_forward_pre_hook(lambda m, a: seen.append(1))
+together = calibrated(quantize(model, "fp8", calibrate_with(batches)))
+out = {"alone": alone, "together": together, "forwards": len(seen)}
+with open(f"{sys.argv[1]}.{dist.get_rank()}.json", "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("batches", [5, 1])
+def test_quantize_under_a_callers_group_takes_the_max_over_ranks(
+    tmp_path: Path, batches: int
+) -> None:
+    """The library path: ``quantize(model, "fp8", calibrate_with(batches))`` under a group
+    the caller initialised; with one batch, rank 1 calibrates nothing and gets rank 0's amax."""
+    script = tmp_path / "run.py"
+    script.write_text(_LIBRARY_RUN, encoding="utf-8")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    argv += ["--master-addr=127.0.0.1", f"--master-port={_free_port()}"]
+    argv += [str(script), str(tmp_path / "out"), str(batches)]
+    result = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    ranks = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in (0, 1)]
+    # rank r ran batches r, r + 2, ...: every batch once over the two ranks
+    assert [r["forwards"] for r in ranks] == [(batches + 1) // 2, batches // 2]
+    for rank in ranks:
+        assert rank["together"] == rank["alone"]
+        assert rank["together"]
