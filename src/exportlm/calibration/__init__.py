@@ -202,6 +202,10 @@ def calibrate_with(
     takes that argument and its head is not quantized: no calibration statistic reads
     the logits, and a full ``[rows, seq, vocabulary]`` float32 tensor is 100 MB per
     512-token row at a 49k vocabulary.
+
+    Under an initialised ``torch.distributed`` process group of ``N`` ranks, rank ``r``
+    runs batches ``r, r + N, r + 2N, ...`` only; ``quantize`` then takes the maximum of
+    every activation amax over the ranks (data-parallel calibration, ``docs/streaming.md``).
     """
     if not batches:
         raise CalibrationDataError("calibrate_with needs at least one batch")
@@ -211,11 +215,21 @@ def calibrate_with(
 
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         lean = _lean_forward_kwargs(model)
+        share = _rank_share(batches)
         with torch.no_grad():
-            for batch in progress(batches, desc, total=len(batches), unit="batch"):
+            for batch in progress(share, desc, total=len(share), unit="batch"):
                 model(batch.to(device), **lean)
 
     return calibrate
+
+
+def _rank_share(batches: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """This rank's batches under a multi-process group (every ``N``-th from its rank), else all."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return batches
+    return batches[dist.get_rank() :: dist.get_world_size()]
 
 
 def _lean_forward_kwargs(model: nn.Module) -> dict[str, Any]:

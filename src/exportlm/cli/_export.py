@@ -161,21 +161,56 @@ def _check_runtime(target: str) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Run ``exportlm export``; the exit code is 1 when verification fails."""
-    plan = plan_export(args)
-    if plan.stream:
-        _print_result(plan, _export_streamed(plan))
-        return EXIT_OK
+    """Run ``exportlm export``; the exit code is 1 when verification fails.
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank calibrates on its share of the
+    batches and rank 0 alone writes (``cli/_distributed.py``).
+    """
+    from exportlm.cli._distributed import data_parallel_group
+
+    with data_parallel_group() as group:
+        plan = plan_export(args)
+        group.barrier()  # every rank checked --out before rank 0 writes into it
+        if group.world > 1 and plan.stream:
+            raise UsageError(
+                "streaming export (--max-memory, or a model over the memory budget) runs in one "
+                f"process, not under torchrun's {group.world}; run it without torchrun"
+            )
+        if not group.writes:
+            _quantize(plan, plan.source.build(plan.seed), {})
+            logger.info("rank %d: calibrated; rank 0 writes %s", group.rank, plan.out)
+            group.barrier()
+            return EXIT_OK
+        # No barrier on an exception: the others are stopped by torchrun, not left waiting.
+        code = _streamed(plan) if plan.stream else _export_in_memory(plan)
+        group.barrier()
+        return code
+
+
+def _streamed(plan: ExportPlan) -> int:
+    _print_result(plan, _export_streamed(plan))
+    return EXIT_OK
+
+
+def _quantize(
+    plan: ExportPlan, model: Any, timings: dict[str, float]
+) -> tuple[Any, dict[str, Any] | None]:
+    """The model quantized by the plan's recipe (as it is without one), and its calibration report."""
+    if plan.quant_recipe is None or plan.calibration is None:
+        return model, None
+    start = time.perf_counter()
+    model, calibration = quantize_model(model, plan.quant_recipe, plan.calibration, plan.source)
+    timings["quantize"] = time.perf_counter() - start
+    return model, calibration
+
+
+def _export_in_memory(plan: ExportPlan) -> int:
     timings: dict[str, float] = {}
     start = time.perf_counter()
     with phase(f"loading model {plan.model_argument}"):
         model = plan.source.build(plan.seed)
     timings["load"] = time.perf_counter() - start
-    calibration = None
-    if plan.quant_recipe is not None and plan.calibration is not None:
-        start = time.perf_counter()
-        model, calibration = quantize_model(model, plan.quant_recipe, plan.calibration, plan.source)
-        timings["quantize"] = time.perf_counter() - start
+    model, calibration = _quantize(plan, model, timings)
     result = _export(plan, model)
     result.calibration, result.timings = calibration, timings
     if plan.verify:

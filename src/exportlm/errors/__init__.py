@@ -54,6 +54,7 @@ from exportlm.errors._inputs import (
     UntrustedArtifactError,
 )
 from exportlm.errors._quant import (
+    DistributedCalibrationError,
     QuantizationError,
     TiedWeightsError,
     UnclaimedModuleError,
@@ -69,6 +70,7 @@ __all__ = [
     "InvalidInputError",
     "InvalidModelError",
     "ArtifactIntegrityError",
+    "DistributedCalibrationError",
     "ExportLMError",
     "ManifestSchemaError",
     "MalformedCheckpointError",

@@ -7,6 +7,7 @@ from exportlm.errors._export import ExportError
 from exportlm.errors._inputs import MalformedCheckpointError
 
 __all__ = [
+    "DistributedCalibrationError",
     "QuantizationError",
     "TiedWeightsError",
     "UnclaimedModuleError",
@@ -17,6 +18,11 @@ __all__ = [
 
 class QuantizationError(ExportLMError):
     """Base class of fake-quantization and quantized-export errors."""
+
+
+class DistributedCalibrationError(QuantizationError):
+    """A recipe whose calibration statistics cannot (yet) be combined across the ranks of a
+    ``torch.distributed`` process group (AWQ, SmoothQuant), or a collective that failed."""
 
 
 class UnsupportedFormatError(QuantizationError, ValueError):

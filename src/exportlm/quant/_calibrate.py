@@ -17,6 +17,7 @@ from torch import nn
 
 from exportlm.errors import QuantizationError
 from exportlm.inputs import infer_vocab_size, make_input_ids
+from exportlm.quant._distributed import reduce_max_statistics
 from exportlm.quant._modules import QuantLinear, QuantModule, QuantMoELinear
 from exportlm.quant._quantizer import TensorQuantizer
 
@@ -101,6 +102,9 @@ def run_calibration(
     finally:
         for quantizer in quantizers:
             quantizer.calibrating = False
+    # Data-parallel calibration: each rank saw its share of the batches (a no-op alone).
+    device = next((p.device for p in model.parameters()), None)
+    reduce_max_statistics(quantizers, device)
     return readers.groups()
 
 
