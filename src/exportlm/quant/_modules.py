@@ -252,6 +252,24 @@ class QuantExperts(QuantModule):
         per_expert = pqs[:, None, :] if pqs.dim() == 2 else pqs
         return weight / per_expert.to(weight.dtype)
 
+    def expert_weights(self, projection: str) -> Callable[[int], torch.Tensor]:
+        """``expert -> its fake-quantized [out, in] weight of projection`` for a forward.
+
+        One expert at a time where its weight quantizer gives each expert alone the values
+        (and the layout) of the whole stack's fake quantization
+        (:meth:`~exportlm.quant.TensorQuantizer.fake_quant_expert`): only the experts a
+        forward routes tokens to are quantized, and only one expert's copy is alive at a
+        time, not the whole stack's (what a streamed MoE layer peaked on). Otherwise (the
+        quantizer calibrating, or a scale that needs the whole tensor) the whole stack at once.
+        """
+        quantizer = self.weight_quantizer_of(projection)
+        weight = self.canonical_weight(projection)
+        pqs = self.input_quantizer_of(projection).pre_quant_scale
+        if pqs is None and quantizer.quantizes_experts_alone(weight):
+            return lambda expert: quantizer.fake_quant_expert(weight, expert)
+        whole = quantizer(self.effective_weight(projection))
+        return lambda expert: whole[expert]
+
     def expert_input(self, projection: str, tokens: torch.Tensor, expert: int) -> torch.Tensor:
         """``tokens`` routed to ``expert``, times its per-expert AWQ ``pre_quant_scale``.
 
@@ -311,8 +329,7 @@ class QuantExperts(QuantModule):
         weights times the hidden states (float32 for Mixtral's router), sum them over the
         slots and cast once.
         """
-        gate_up = self.gate_up_proj_weight_quantizer(self.effective_weight("gate_up_proj"))
-        down = self.down_proj_weight_quantizer(self.effective_weight("down_proj"))
+        gate_up, down = self.expert_weights("gate_up_proj"), self.expert_weights("down_proj")
         gate_up_bias, down_bias = self.bias_of("gate_up_proj"), self.bias_of("down_proj")
         x = self.gate_up_proj_input_quantizer(hidden_states)
         config = getattr(self, "config", None)
@@ -332,10 +349,10 @@ class QuantExperts(QuantModule):
             if token_idx.numel() == 0:
                 continue
             tokens = self.expert_input("gate_up_proj", x[token_idx], expert)
-            h = _add_bias(F.linear(tokens, gate_up[expert]), gate_up_bias, expert)
+            h = _add_bias(F.linear(tokens, gate_up(expert)), gate_up_bias, expert)
             h = self.expert_input("down_proj", self._apply_gate(h), expert)
             h = self.down_proj_input_quantizer(h)
-            y = _add_bias(F.linear(h, down[expert]), down_bias, expert)
+            y = _add_bias(F.linear(h, down(expert)), down_bias, expert)
             y = y * top_k_weights[token_idx, slot, None]
             if eager:
                 out.index_add_(0, token_idx, y.to(out.dtype))
