@@ -253,22 +253,26 @@ class QuantExperts(QuantModule):
         return weight / per_expert.to(weight.dtype)
 
     def expert_weights(self, projection: str) -> Callable[[int], torch.Tensor]:
-        """``expert -> its fake-quantized [out, in] weight of projection`` for a forward.
-
-        One expert at a time where its weight quantizer gives each expert alone the values
-        (and the layout) of the whole stack's fake quantization
-        (:meth:`~exportlm.quant.TensorQuantizer.fake_quant_expert`): only the experts a
-        forward routes tokens to are quantized, and only one expert's copy is alive at a
-        time, not the whole stack's (what a streamed MoE layer peaked on). Otherwise (the
-        quantizer calibrating, or a scale that needs the whole tensor) the whole stack at once.
-        """
+        """``expert -> its fake-quantized [out, in] weight``: one expert at a time where that
+        gives the whole stack's values and layout (one copy alive, not the stack's: what a
+        streamed MoE layer peaked on), else the whole stack at once (a calibrating quantizer)."""
         quantizer = self.weight_quantizer_of(projection)
         weight = self.canonical_weight(projection)
         pqs = self.input_quantizer_of(projection).pre_quant_scale
-        if pqs is None and quantizer.quantizes_experts_alone(weight):
-            return lambda expert: quantizer.fake_quant_expert(weight, expert)
+        alone = pqs is None or weight.is_contiguous()  # else the quotient's layout may differ
+        if alone and quantizer.quantizes_experts_alone(weight):
+            return lambda expert: quantizer.fake_quant_expert(
+                weight, expert, self._effective_expert(projection, expert)
+            )
         whole = quantizer(self.effective_weight(projection))
         return lambda expert: whole[expert]
+
+    def _effective_expert(self, projection: str, expert: int) -> torch.Tensor:
+        """``effective_weight(projection)[expert]`` computed for that expert alone."""
+        weight = self.canonical_weight(projection)[expert]
+        pqs = self.input_quantizer_of(projection).pre_quant_scale
+        scale = None if pqs is None else pqs[expert] if pqs.dim() == 2 else pqs
+        return weight if scale is None else weight / scale.to(weight.dtype)
 
     def expert_input(self, projection: str, tokens: torch.Tensor, expert: int) -> torch.Tensor:
         """``tokens`` routed to ``expert``, times its per-expert AWQ ``pre_quant_scale``.

@@ -267,11 +267,14 @@ class TensorQuantizer(nn.Module):
             and self._per_expert(x)
         )
 
-    def fake_quant_expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+    def fake_quant_expert(
+        self, x: torch.Tensor, expert: int, part: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Expert ``expert`` of the stacked ``[E, out, in]`` weight ``x`` fake-quantized alone:
         the values and the layout of ``fake_quant(x)[expert]`` (where
-        :meth:`quantizes_experts_alone`), without the whole stack's copy."""
-        part = x[expert]
+        :meth:`quantizes_experts_alone`), without the whole stack's copy. ``part``: that
+        expert's weight when it is not ``x[expert]`` (divided by an AWQ scale)."""
+        part = x[expert] if part is None else part
         out = torch.empty_like(x[:1])[0]  # laid out as the whole stack's result is, sliced
         return out.copy_(dequantize(self.quantize(part, index=expert), x.dtype))
 
