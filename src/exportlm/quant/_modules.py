@@ -255,6 +255,28 @@ class QuantExperts(QuantModule):
         per_expert = pqs[:, None, :] if pqs.dim() == 2 else pqs
         return weight / per_expert.to(weight.dtype)
 
+    def expert_weights(self, projection: str) -> Callable[[int], torch.Tensor]:
+        """``expert -> its fake-quantized [out, in] weight``: one expert at a time where that
+        gives the whole stack's values and layout (one copy alive, not the stack's: what a
+        streamed MoE layer peaked on), else the whole stack at once (a calibrating quantizer)."""
+        quantizer = self.weight_quantizer_of(projection)
+        weight = self.canonical_weight(projection)
+        pqs = self.input_quantizer_of(projection).pre_quant_scale
+        alone = pqs is None or weight.is_contiguous()  # else the quotient's layout may differ
+        if alone and quantizer.quantizes_experts_alone(weight):
+            return lambda expert: quantizer.fake_quant_expert(
+                weight, expert, self._effective_expert(projection, expert)
+            )
+        whole = quantizer(self.effective_weight(projection))
+        return lambda expert: whole[expert]
+
+    def _effective_expert(self, projection: str, expert: int) -> torch.Tensor:
+        """``effective_weight(projection)[expert]`` computed for that expert alone."""
+        weight = self.canonical_weight(projection)[expert]
+        pqs = self.input_quantizer_of(projection).pre_quant_scale
+        scale = None if pqs is None else pqs[expert] if pqs.dim() == 2 else pqs
+        return weight if scale is None else weight / scale.to(weight.dtype)
+
     def expert_input(self, projection: str, tokens: torch.Tensor, expert: int) -> torch.Tensor:
         """``tokens`` routed to ``expert``, times its per-expert AWQ ``pre_quant_scale``.
 
@@ -314,8 +336,7 @@ class QuantExperts(QuantModule):
         weights times the hidden states (float32 for Mixtral's router), sum them over the
         slots and cast once.
         """
-        gate_up = self.gate_up_proj_weight_quantizer(self.effective_weight("gate_up_proj"))
-        down = self.down_proj_weight_quantizer(self.effective_weight("down_proj"))
+        gate_up, down = self.expert_weights("gate_up_proj"), self.expert_weights("down_proj")
         gate_up_bias, down_bias = self.bias_of("gate_up_proj"), self.bias_of("down_proj")
         x = self.gate_up_proj_input_quantizer(hidden_states)
         config = getattr(self, "config", None)
@@ -335,10 +356,10 @@ class QuantExperts(QuantModule):
             if token_idx.numel() == 0:
                 continue
             tokens = self.expert_input("gate_up_proj", x[token_idx], expert)
-            h = _add_bias(F.linear(tokens, gate_up[expert]), gate_up_bias, expert)
+            h = _add_bias(F.linear(tokens, gate_up(expert)), gate_up_bias, expert)
             h = self.expert_input("down_proj", self._apply_gate(h), expert)
             h = self.down_proj_input_quantizer(h)
-            y = _add_bias(F.linear(h, down[expert]), down_bias, expert)
+            y = _add_bias(F.linear(h, down(expert)), down_bias, expert)
             y = y * top_k_weights[token_idx, slot, None]
             if eager:
                 out.index_add_(0, token_idx, y.to(out.dtype))

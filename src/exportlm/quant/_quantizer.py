@@ -132,16 +132,11 @@ class TensorQuantizer(nn.Module):
         # The max in x's own dtype, then float32: the same value as the max of the float32
         # copy (widening is exact and keeps the order; narrowing a float64 is monotonic),
         # without that copy, which for a weight is twice its size in bf16.
-        x = x.detach().abs()
-        if self.axis is None:
-            new = x.amax().to(torch.float32)
-        else:
-            axis = self.axis % x.dim()
-            dims = [d for d in range(x.dim()) if d != axis]
-            new = (x.amax(dim=dims) if dims else x).to(torch.float32)
+        x = x.detach()
+        new = _tensor.abs_max(x, self.axis)
         self.amax = new if self.amax is None else torch.maximum(self.amax, new)
         if self.track_channels:
-            x = x.to(torch.float32)
+            x = x.abs().to(torch.float32)
             channels = x.reshape(-1, x.shape[-1]).amax(dim=0)
             self.channel_amax = (
                 channels
@@ -260,6 +255,28 @@ class TensorQuantizer(nn.Module):
         if out.stride() != x.stride():  # packed formats unpack into a contiguous tensor
             out = torch.empty_like(x).copy_(out)
         return out
+
+    def quantizes_experts_alone(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`fake_quant_expert` gives each expert of the stacked weight ``x``
+        what ``self(x)[expert]`` is: enabled, not calibrating, no pre-quantization scale of
+        its own, and each expert quantizing alone to the values of the whole."""
+        return (
+            self.enabled
+            and not self.calibrating
+            and self.pre_quant_scale is None
+            and self._per_expert(x)
+        )
+
+    def fake_quant_expert(
+        self, x: torch.Tensor, expert: int, part: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Expert ``expert`` of the stacked ``[E, out, in]`` weight ``x`` fake-quantized alone:
+        the values and the layout of ``fake_quant(x)[expert]`` (where
+        :meth:`quantizes_experts_alone`), without the whole stack's copy. ``part``: that
+        expert's weight when it is not ``x[expert]`` (divided by an AWQ scale)."""
+        part = x[expert] if part is None else part
+        out = torch.empty_like(x[:1])[0]  # laid out as the whole stack's result is, sliced
+        return out.copy_(dequantize(self.quantize(part, index=expert), x.dtype))
 
     def _per_expert(self, x: torch.Tensor) -> bool:
         """Whether each expert of a stacked ``[E, out, in]`` weight quantizes alone to the

@@ -38,6 +38,7 @@ __all__ = [
     "FormatKernels",
     "QuantFormat",
     "QuantizedTensor",
+    "abs_max",
     "format_name",
     "install_format_lookup",
     "safe_scale",
@@ -189,3 +190,20 @@ def _describe(t: torch.Tensor) -> str:
     if t.numel() == 1:
         return f"{t.item()}"
     return f"{int((~torch.isfinite(t)).sum())} of {t.numel()} values non-finite"
+
+
+def abs_max(x: torch.Tensor, axis: int | None) -> torch.Tensor:
+    """``max |x|`` in float32: of the whole tensor, or per index of ``axis``.
+
+    Stacked experts (``[E, out, in]``, one value or one per expert) one expert at a time:
+    the same values (a max is exact in any order) with one expert's ``|x|`` alive, not the
+    stack's (what a streamed MoE layer's calibration peaked on, docs/streaming.md).
+    """
+    if x.dim() == 3 and 2 <= x.shape[0] <= 512 and (axis is None or axis % 3 == 0):
+        per_expert = torch.stack([x[e].abs().amax() for e in range(x.shape[0])])
+        return (per_expert if axis is not None else per_expert.amax()).to(torch.float32)
+    x = x.abs()
+    if axis is None:
+        return x.amax().to(torch.float32)
+    dims = [d for d in range(x.dim()) if d != axis % x.dim()]
+    return (x.amax(dim=dims) if dims else x).to(torch.float32)

@@ -1,0 +1,92 @@
+"""A streamed MoE layer peaks within what a dense layer of the same size does.
+
+Each export runs in a child process of its own, which reports its peak RSS (its
+``VmHWM``: ``ru_maxrss`` survives ``exec`` and would start at the RSS of the test process
+that forked it) and the terms of the bound the stream logged; the test compares what each
+held beyond its own baseline (the process before its first weight), in units of its
+decoder layer. The two models have one decoder layer of the same size (102 MB in bf16):
+eight experts of intermediate 4096, or one MLP of intermediate 32768, at hidden 512.
+Before the experts were fake-quantized and calibrated one expert at a time, the MoE
+layer's forward held the layer's whole fake-quantized expert stack (and its ``|x|`` while
+calibrating) beside the layer: 2.36 layers beyond the baseline, against 1.55 for the dense
+layer (1.57 since).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_HIDDEN = 512
+_CHILD = r"""
+import io, json, logging, re, sys
+from exportlm.stream import export_streaming
+
+log = io.StringIO()
+logger = logging.getLogger("exportlm")
+logger.addHandler(logging.StreamHandler(log))
+logger.setLevel(logging.INFO)
+export_streaming(sys.argv[1], sys.argv[2], recipe="fp8", max_shard_size="2MB")
+found = re.search(r"baseline (\d+) MB .* largest module set (\d+) MB", log.getvalue())
+# this process's own high-water mark: ru_maxrss would keep the parent's RSS at the fork
+with open("/proc/self/status", encoding="ascii") as status:
+    peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024
+print(json.dumps({"peak": peak / 1e6, "baseline": int(found[1]), "layer": int(found[2])}))
+"""
+
+
+def _save(directory: Path, kind: str) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    common = {
+        "vocab_size": 256,
+        "hidden_size": _HIDDEN,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+    }
+    torch.manual_seed(0)
+    if kind == "moe":  # experts: 8 x 3 x 4096 x 512 = 50M parameters
+        config = MixtralConfig(intermediate_size=4096, num_local_experts=8, **common)
+        model = MixtralForCausalLM(config)
+    else:  # the same in one MLP: 3 x 32768 x 512
+        model = LlamaForCausalLM(LlamaConfig(intermediate_size=32768, **common))
+    model.to(torch.bfloat16).save_pretrained(directory / kind, max_shard_size="20MB")
+    return directory / kind
+
+
+def _held_beyond_baseline(src: Path, out: Path) -> tuple[float, int]:
+    """(peak RSS - baseline) in layers of the child's export of ``src``, and its layer in MB."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(src), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return (found["peak"] - found["baseline"]) / found["layer"], found["layer"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/status and glibc's allocator")
+def test_a_streamed_moe_layer_holds_no_more_than_a_dense_layer_of_its_size(
+    tmp_path: Path,
+) -> None:
+    moe, moe_layer = _held_beyond_baseline(_save(tmp_path, "moe"), tmp_path / "moe-out")
+    dense, dense_layer = _held_beyond_baseline(_save(tmp_path, "dense"), tmp_path / "dense-out")
+    assert moe_layer == dense_layer == 102  # the bound's largest module set: the layer
+    # measured: MoE 1.57 layers, dense 1.55 (2.36 for MoE with the whole stack at once);
+    # a quarter of a layer (25 MB) is left for the allocator and the other jobs
+    assert moe <= dense + 0.25, f"MoE held {moe:.2f} layers beyond its baseline, dense {dense:.2f}"
+    assert dense <= 2.0  # the layer, one linear's float32 working memory, the 2 MB shard
