@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from exportlm.quant._recipe import Algorithm
 
 __all__ = [
+    "quant_experts_class",
     "QuantDbrxExperts",
     "QuantLlama4Experts",
     "experts_base",
@@ -229,3 +230,20 @@ def is_fused_experts(module: nn.Module) -> bool:
     have a quantized wrapper (transformers-5 Mixtral / Qwen-MoE / GptOss, Llama4)."""
     base = experts_base(module)
     return base is not None and base.stores_fused_parameters
+
+
+_EXPERT_CLASSES: dict[tuple[type[nn.Module], type[QuantExperts]], type[nn.Module]] = {}
+
+
+def quant_experts_class(original: type[nn.Module], base: type[QuantExperts]) -> type[nn.Module]:
+    """The (cached) wrapper class ``Quant<Original>(base, original)``."""
+    key = (original, base)
+    cls = _EXPERT_CLASSES.get(key)
+    if cls is None:
+        namespace: dict[str, Any] = {
+            "__module__": QuantExperts.__module__,  # where the classes always lived
+            "__qualname__": f"Quant{original.__name__}",
+        }
+        cls = type(f"Quant{original.__name__}", (base, original), namespace)
+        _EXPERT_CLASSES[key] = cls
+    return cls

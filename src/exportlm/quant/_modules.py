@@ -29,7 +29,6 @@ __all__ = [
     "QuantMoELinear",
     "QuantModule",
     "is_quantized_module",
-    "quant_experts_class",
     "smoothing_of",
 ]
 
@@ -384,20 +383,3 @@ class QuantBMMExperts(QuantExperts):
 
     default_transposed = True
     default_interleaved = True
-
-
-_EXPERT_CLASSES: dict[tuple[type[nn.Module], type[QuantExperts]], type[nn.Module]] = {}
-
-
-def quant_experts_class(original: type[nn.Module], base: type[QuantExperts]) -> type[nn.Module]:
-    """The (cached) wrapper class ``Quant<Original>(base, original)``."""
-    key = (original, base)
-    cls = _EXPERT_CLASSES.get(key)
-    if cls is None:
-        namespace: dict[str, Any] = {
-            "__module__": __name__,
-            "__qualname__": f"Quant{original.__name__}",
-        }
-        cls = type(f"Quant{original.__name__}", (base, original), namespace)
-        _EXPERT_CLASSES[key] = cls
-    return cls

@@ -21,7 +21,7 @@ from exportlm.quant._calibrate import (
     unify_groups,
 )
 from exportlm.quant._distributed import refuse_unreduced
-from exportlm.quant._experts import experts_base
+from exportlm.quant._experts import experts_base, quant_experts_class
 from exportlm.quant._fold import fold_into_norms, trace_norms
 from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
@@ -30,7 +30,6 @@ from exportlm.quant._modules import (
     QuantLinear,
     QuantModule,
     QuantMoELinear,
-    quant_experts_class,
 )
 from exportlm.quant._options import OptionValue
 from exportlm.quant._quantizer import TensorQuantizer
