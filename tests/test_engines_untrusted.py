@@ -387,7 +387,7 @@ def test_verify_holds_the_artifact_to_its_manifest_before_any_engine_starts(
     capsys.readouterr()
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert "genai_config.json does not match its sha256 in the manifest" in err
+    assert "genai_config.json does not match its blake3 digest in the manifest" in err
     assert not marker.exists()
 
 
