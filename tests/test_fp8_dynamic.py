@@ -216,3 +216,27 @@ def test_tensors_equal_compressed_tensors_compressor_bytes(tmp_path: Path) -> No
             assert torch.equal(
                 mine.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)
             )
+
+
+def test_the_modelopt_group_equals_modelopt_s_own() -> None:
+    """Mixed precision writes a group per layer config: ModelOpt 0.47's for this algorithm."""
+    convert = pytest.importorskip("modelopt.torch.export.convert_hf_config")
+    spec = get_format("fp8_dynamic")
+    assert spec.modelopt_layer_config(None) == {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}
+    theirs = convert._quant_algo_to_group_config("FP8_PER_CHANNEL_PER_TOKEN")
+    assert spec.modelopt_group(None) == theirs
+
+
+def test_mixed_with_static_fp8_loads_back_in_the_modelopt_layout(tmp_path: Path) -> None:
+    """Per-token inputs on attention, static FP8 inputs on the MLP: each layer as declared."""
+    model = tiny_hf_model("llama", seed=0).eval()
+    quantize(model, {"*": "fp8_dynamic", "*.mlp.*": "fp8"}, calibrate=lambda m: m(IDS))
+    out = exportlm.export_model("hf_checkpoint", model, tmp_path / "mixed")
+    layers = json.loads((out / "hf_quant_config.json").read_text())["quantization"][
+        "quantized_layers"
+    ]
+    assert layers["model.layers.0.self_attn.q_proj"] == {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}
+    assert layers["model.layers.0.mlp.up_proj"] == {"quant_algo": "FP8"}
+    assert inspect_checkpoint(out).errors == []
+    loaded = exportlm.load_exported("hf_checkpoint", out)
+    torch.testing.assert_close(_logits(loaded), _logits(model), rtol=0, atol=LOGITS_ATOL)

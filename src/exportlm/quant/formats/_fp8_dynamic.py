@@ -32,8 +32,12 @@ __all__ = ["FP8_DYNAMIC"]
 
 _NAME = "fp8_dynamic"
 
-_MODELOPT_WEIGHTS = {"dynamic": False, "num_bits": 8, "type": "float"}
-_MODELOPT_INPUTS = {"dynamic": True, "num_bits": 8, "type": "float"}
+#: ModelOpt 0.47's group of a ``FP8_PER_CHANNEL_PER_TOKEN`` layer in a mixed-precision
+#: ``config.json`` (``export/convert_hf_config.py`` ``_quant_algo_to_group_config``): it
+#: writes the inputs ``dynamic: false`` although they are quantized per token at run
+#: time; a single-format checkpoint has no ``config_groups`` (only ``quant_algo``).
+_MODELOPT_WEIGHTS = {"dynamic": False, "num_bits": 8, "type": "float", "strategy": "channel"}
+_MODELOPT_INPUTS = {"dynamic": False, "num_bits": 8, "type": "float"}
 #: compressed-tensors' ``FP8_DYNAMIC`` preset (``quantization/quant_scheme.py``).
 _CT_WEIGHTS = {
     "num_bits": 8,
