@@ -240,3 +240,22 @@ def test_mixed_with_static_fp8_loads_back_in_the_modelopt_layout(tmp_path: Path)
     assert inspect_checkpoint(out).errors == []
     loaded = exportlm.load_exported("hf_checkpoint", out)
     torch.testing.assert_close(_logits(loaded), _logits(model), rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_experts_load_back_with_the_fake_quant_logits(
+    family: str, layout: str, tmp_path: Path
+) -> None:
+    """Iterable (Mixtral), fused (Qwen3-MoE) and biased fused (GptOss) experts: row scales
+    per expert, per-token inputs in the runtime too."""
+    model = quantize(tiny_hf_model(family, seed=0).eval(), "fp8_dynamic")
+    ids = IDS.remainder(int(model.config.vocab_size))
+    out = exportlm.export_model("hf_checkpoint", model, tmp_path / family, format=layout)
+    assert inspect_checkpoint(out).errors == []
+    experts = {n: t for n, t in _tensors(out).items() if "experts" in n}
+    assert any(t.dtype == torch.float8_e4m3fn for t in experts.values()), sorted(experts)
+    loaded = exportlm.load_exported("hf_checkpoint", out)
+    with torch.no_grad():
+        want, got = model(ids).logits, loaded(ids)
+    torch.testing.assert_close(getattr(got, "logits", got), want, rtol=0, atol=LOGITS_ATOL)
