@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +260,25 @@ def test_moe_experts_load_back_with_the_fake_quant_logits(
     with torch.no_grad():
         want, got = model(ids).logits, loaded(ids)
     torch.testing.assert_close(getattr(got, "logits", got), want, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_a_group_as_llm_compressor_writes_it_reads_as_fp8_dynamic(tmp_path: Path) -> None:
+    """llm-compressor serializes every args key (``observer``, ``group_size: null``...) and
+    ``output_activations: null``: the loader matches the group by what it means."""
+    out = _export(tmp_path, "compressed-tensors")
+    config = json.loads((out / "config.json").read_text())
+    args = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
+    extra = {"actorder": None, "block_structure": None, "observer_kwargs": {}}
+    config["quantization_config"]["config_groups"]["group_0"] = {
+        "targets": ["Linear"],
+        "weights": {**args, **extra, "strategy": "channel", "dynamic": False, "observer": "minmax"},
+        "input_activations": {**args, **extra, "strategy": "token", "dynamic": True},
+        "output_activations": None,
+        "format": None,  # the config's top-level format names it
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "exportlm-manifest.json").unlink()  # a foreign checkpoint has none
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no manifest: unverified
+        loaded = exportlm.load_exported("hf_checkpoint", out)
+    torch.testing.assert_close(_logits(loaded), _logits(_quantized()), rtol=0, atol=LOGITS_ATOL)
