@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from exportlm.errors import UnknownNameError, UnknownOptionError
 from exportlm.quant._options import OptionValue, apply_options, spell, split_options
 from exportlm.quant._tensor import FormatId
-from exportlm.quant.formats import FormatSpec, formats
+from exportlm.quant.formats import FormatSpec, formats, get_format
 
 __all__ = [
     "ALGORITHMS",
@@ -73,12 +73,15 @@ class Algorithm:
 
     @property
     def calibrates(self) -> bool:
-        """Its statistics need calibration forwards: activations quantized, AWQ or SmoothQuant.
+        """Its statistics need calibration forwards: activations quantized with a static
+        (calibrated) scale, AWQ or SmoothQuant.
 
-        ``False`` for weight-only round-to-nearest (``int8_wo``): every scale comes from
-        the weights, so :func:`~exportlm.quant.quantize` runs no forward for it.
+        ``False`` for weight-only round-to-nearest (``int8_wo``) and for inputs quantized
+        at run time (``fp8_dynamic``): every stored scale comes from the weights, so
+        :func:`~exportlm.quant.quantize` runs no forward for it.
         """
-        return self.input is not None or self.awq or self.smoothquant_alpha is not None
+        static_inputs = self.input is not None and get_format(self.input).calibrated
+        return static_inputs or self.awq or self.smoothquant_alpha is not None
 
     @property
     def group_size(self) -> int | None:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from exportlm.errors import RegistryConflictError, UnknownNameError
 from exportlm.quant._tensor import FormatId, format_name, install_format_lookup
 from exportlm.quant.formats._fp8 import FP8
+from exportlm.quant.formats._fp8_dynamic import FP8_DYNAMIC
 from exportlm.quant.formats._int4 import INT4
 from exportlm.quant.formats._int8 import INT8
 from exportlm.quant.formats._int8_sq import INT8_SQ, INT8_TENSOR, W8A8
@@ -42,7 +43,16 @@ def _validate(name: str, obj: object) -> FormatSpec:
 #: Format specs by name (``"fp8"``, ``"nvfp4"``, ``"int4"``, ``"int8"`` + registered ones).
 QUANT_FORMATS: Registry[FormatSpec] = Registry("quantization format", _validate)
 #: The built-in specs, registered below in this order.
-BUILTIN_FORMATS: tuple[FormatSpec, ...] = (FP8, NVFP4, INT4, INT8, INT8_SQ, INT8_TENSOR, W8A8)
+BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
+    FP8,
+    NVFP4,
+    INT4,
+    INT8,
+    INT8_SQ,
+    INT8_TENSOR,
+    W8A8,
+    FP8_DYNAMIC,
+)
 _LOCK = threading.Lock()
 
 
