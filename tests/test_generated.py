@@ -378,6 +378,7 @@ def test_generated_checks_catch_what_the_toy_models_miss(
         "--export-checks=roundtrip_generated,quantized_generated",
         "--hypothesis-profile=wide",
         "--export-report=report.json",
+        "--export-report-absolute-paths",  # the spec file is read back below
         "-p",
         "no:cacheprovider",
     )
