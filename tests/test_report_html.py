@@ -150,6 +150,24 @@ def test_the_engine_table_names_engine_versions() -> None:
             _report(_item("roundtrip_logits", "onnx", "skip"), unchecked={"target": ["onnx"]}),
             "unchecked",
         ),
+        # a row its target declares unchecked, or whose value checks were deselected, is
+        # not one --export-strict fails on: the run passed
+        (
+            _report(
+                _item("roundtrip_logits", "onnx", "skip"),
+                unchecked={"target": ["onnx"]},
+                declared_unchecked={"target": {"onnx": "no toy family scripts"}},
+            ),
+            "passed",
+        ),
+        (
+            _report(
+                _item("roundtrip_logits", "onnx", "skip"),
+                unchecked={"target": ["onnx"]},
+                not_selected={"target": ["onnx"]},
+            ),
+            "passed",
+        ),
     ],
 )
 def test_verdict_counts_unfinished_items_as_failures(report: dict, verdict: str) -> None:
@@ -294,3 +312,16 @@ def test_the_cli_renders_a_report_and_refuses_a_malformed_one(
     assert main(["report", "html", str(broken), "-o", str(plugin_run.path / "x.html")]) == 2
     assert "broken.json" in capsys.readouterr().err
     assert not (plugin_run.path / "x.html").exists()
+
+
+def test_a_declared_unchecked_row_is_shown_with_its_reason() -> None:
+    page = report_html(
+        _report(
+            _item("roundtrip_logits", "torchscript:script", "xfail"),
+            unchecked={"target": ["torchscript:script"]},
+            declared_unchecked={"target": {"torchscript:script": "no toy family <scripts>"}},
+        )
+    )
+    assert 'class="verdict v-passed"' in page
+    assert "Declared unchecked (target torchscript:script, by its target, not a failure): " in page
+    assert "no toy family &lt;scripts&gt;" in page

@@ -74,9 +74,24 @@ def verdict_of(report: Mapping[str, Any]) -> str:
         _outcome(i) not in ("pass", "xfail", "skip") for i in items
     ):
         return "failed"
-    if any(report.get("unchecked", {}).values()):
+    if any(_judged_unchecked(report).values()):
         return "unchecked"
     return "passed"
+
+
+def _judged_unchecked(report: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The report's unchecked rows less those its targets declare unchecked (with a reason)
+    and those whose value checks were deselected: the rows ``--export-strict`` fails on."""
+    declared = report.get("declared_unchecked") or {}
+    narrowed = report.get("not_selected") or {}
+    return {
+        scope: [
+            c
+            for c in columns
+            if c not in (declared.get(scope) or {}) and c not in (narrowed.get(scope) or ())
+        ]
+        for scope, columns in (report.get("unchecked") or {}).items()
+    }
 
 
 def _anchor(scope: str, column: str, check: str) -> str:
@@ -127,7 +142,10 @@ def _check_order(items: Iterable[Item]) -> dict[str, tuple[int, str]]:
 
 
 def _matrices(
-    items: Sequence[Item], unchecked: Mapping[str, Sequence[str]], inapplicable: Sequence[Item]
+    items: Sequence[Item],
+    unchecked: Mapping[str, Sequence[str]],
+    inapplicable: Sequence[Item],
+    declared: Mapping[str, Mapping[str, str]],
 ) -> str:
     """One table per scope; a cell that cannot apply (``not_applicable``) titled with why."""
     order = _check_order([*items, *inapplicable])
@@ -147,6 +165,11 @@ def _matrices(
             out.append(
                 f'<p class="unchecked">Unchecked ({escape(scope)}): no value check '
                 f"ran (all skipped or xfailed): {names}</p>"
+            )
+        for column, reason in sorted((declared.get(scope) or {}).items()):
+            out.append(
+                f"<p>Declared unchecked ({escape(scope)} {escape(str(column))}, by its "
+                f"target, not a failure): {escape(str(reason))}</p>"
             )
     return "\n".join(out)
 
@@ -290,8 +313,12 @@ def report_html(report: Mapping[str, Any], *, title: str = "exportcheck conforma
     report renders like a single run.
     """
     items = [i for i in report.get("items", []) if isinstance(i, Mapping)]
-    unchecked = report.get("unchecked") or unchecked_of(items, report.get("value_checks", {}))
-    verdict = verdict_of({**report, "unchecked": unchecked})
+    report = {
+        **report,
+        "unchecked": report.get("unchecked") or unchecked_of(items, report.get("value_checks", {})),
+    }
+    unchecked = _judged_unchecked(report)
+    verdict = verdict_of(report)
     digest = base64.b64encode(hashlib.sha256(_SCRIPT.encode()).digest()).decode()
     csp = f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{digest}'"
     body = [
@@ -301,6 +328,7 @@ def report_html(report: Mapping[str, Any], *, title: str = "exportcheck conforma
             items,
             unchecked,
             [c for c in report.get("not_applicable", []) if isinstance(c, Mapping)],
+            report.get("declared_unchecked") or {},
         ),
         _engines_table(items),
         _kv_table("Environment", report.get("environment", {})),
