@@ -216,12 +216,19 @@ def _layer(layer: QuantizedLayer, spec: FormatSpec, declared: Declared) -> Itera
         yield from _shapes(layer, spec, weight)
 
 
+#: The AWQ / SmoothQuant activation multiplier, stored in any float dtype.
+_SMOOTHING = "pre_quant_scale"
+
+
 def _scale_dtype(info: TensorInfo, leaf: Leaf, spec: FormatSpec, layout: str) -> Iterator[Finding]:
     expected = safetensors_dtype(leaf.dtype)
-    # compressed-tensors stores float scales in the model's dtype (bf16 / fp16 / fp32)
+    # compressed-tensors stores float scales in the model's dtype (bf16 / fp16 / fp32), and
+    # ModelOpt an AWQ / SmoothQuant pre_quant_scale (a multiplier of the activations, which
+    # the loaders apply in the activation dtype): ModelOpt 0.47's int8_sq of a bf16 model
+    # stores it as BF16, and the loaders read it
     allowed = (
         FLOAT_SCALE_DTYPES
-        if leaf.is_float32_scale and layout == "compressed-tensors"
+        if leaf.is_float32_scale and (layout == "compressed-tensors" or leaf.name == _SMOOTHING)
         else {expected}
     )
     if info.dtype not in allowed:
