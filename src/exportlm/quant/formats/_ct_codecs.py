@@ -31,7 +31,14 @@ import torch
 
 from exportlm.quant.formats._parts import LeafCodec, LeafTensors, StoredLeaf, StoredScale
 
-__all__ = ["nvfp4_codec", "pack_int32", "pack_quantized_codec", "unpack_int32"]
+__all__ = [
+    "decode_channel_scales",
+    "encode_channel_scales",
+    "nvfp4_codec",
+    "pack_int32",
+    "pack_quantized_codec",
+    "unpack_int32",
+]
 
 #: Codes and the format's native code tensor, both ways (INT4: pairs of rows in a byte).
 CodesFn = Callable[[torch.Tensor], torch.Tensor]
@@ -165,3 +172,13 @@ def nvfp4_codec() -> LeafCodec:
         decode=decode,
         activations={"input_scale": StoredScale("input_global_scale", reciprocal=True)},
     )
+
+
+def encode_channel_scales(leaves: LeafTensors) -> dict[str, torch.Tensor]:
+    """Per-row ``weight_scale [out]`` as compressed-tensors' channel scales ``[out, 1]``."""
+    return {"weight": leaves["weight"], "weight_scale": leaves["weight_scale"].reshape(-1, 1)}
+
+
+def decode_channel_scales(leaves: LeafTensors) -> dict[str, torch.Tensor]:
+    """compressed-tensors' channel scales ``[out, 1]`` back as ``weight_scale [out]``."""
+    return {"weight": leaves["weight"], "weight_scale": leaves["weight_scale"].reshape(-1)}

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from exportlm.quant._tensor import FP8_MAX, QuantizedTensor, safe_scale
+from exportlm.quant.formats._ct_codecs import decode_channel_scales, encode_channel_scales
 from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
     Leaf,
     LeafCodec,
-    LeafTensors,
     ModelOptScheme,
     StoredLeaf,
     WeightRecipe,
@@ -69,22 +69,14 @@ def dequantize_fp8_rows(q: QuantizedTensor) -> torch.Tensor:
     return q.data.to(torch.float32) * q.scale.unsqueeze(-1)
 
 
-def _encode(leaves: LeafTensors) -> dict[str, torch.Tensor]:
-    return {"weight": leaves["weight"], "weight_scale": leaves["weight_scale"].reshape(-1, 1)}
-
-
-def _decode(leaves: LeafTensors) -> dict[str, torch.Tensor]:
-    return {"weight": leaves["weight"], "weight_scale": leaves["weight_scale"].reshape(-1)}
-
-
 #: compressed-tensors ``float-quantized`` with channel scales: ``weight_scale [out, 1]``.
 _CHANNEL_SCALES = LeafCodec(
     weights=(
         StoredLeaf("weight", torch.float8_e4m3fn, "codes"),
         StoredLeaf("weight_scale", torch.float32),
     ),
-    encode=_encode,
-    decode=_decode,
+    encode=encode_channel_scales,
+    decode=decode_channel_scales,
 )
 
 FP8_DYNAMIC = FormatSpec(

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from exportlm.quant._tensor import INT8_MAX, QuantizedTensor, safe_scale
+from exportlm.quant.formats._ct_codecs import decode_channel_scales, encode_channel_scales
 from exportlm.quant.formats._int8 import (
     CT_INT8_CHANNEL_ARGS,
     MODELOPT_INT8_ARGS,
@@ -42,7 +43,6 @@ from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
     Leaf,
     LeafCodec,
-    LeafTensors,
     ModelOptScheme,
     StoredLeaf,
     WeightRecipe,
@@ -119,14 +119,6 @@ def _rows_spec(
     )
 
 
-def _int_quantized_encode(leaves: LeafTensors) -> dict[str, torch.Tensor]:
-    return {"weight": leaves["weight"], "weight_scale": leaves["weight_scale"].reshape(-1, 1)}
-
-
-def _int_quantized_decode(leaves: LeafTensors) -> dict[str, torch.Tensor]:
-    return {"weight": leaves["weight"], "weight_scale": leaves["weight_scale"].reshape(-1)}
-
-
 #: compressed-tensors ``int-quantized`` (``IntQuantizationCompressor``): the int8 codes
 #: as ``weight``, the channel scales as ``weight_scale [out, 1]``, no zero point
 #: (symmetric); no ``pre_quant_scale`` tensor (the scale must fold into the norm).
@@ -135,8 +127,8 @@ _INT_QUANTIZED = LeafCodec(
         StoredLeaf("weight", torch.int8, "codes"),
         StoredLeaf("weight_scale", torch.float32),
     ),
-    encode=_int_quantized_encode,
-    decode=_int_quantized_decode,
+    encode=encode_channel_scales,
+    decode=decode_channel_scales,
     activations={"pre_quant_scale": None},
     refusal=(
         "compressed-tensors has no pre_quant_scale tensor (llm-compressor's SmoothQuant "
