@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from exportlm.calibration import (
     load_local_tokenizer,
 )
 from exportlm.errors import InputTooLargeError, InvalidConfigError
+from tests.test_trust_inputs import _finishes
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="RLIMIT_DATA, VmHWM and sparse files: Linux"
@@ -204,26 +204,6 @@ def test_a_custom_format_and_a_data_file_that_is_no_file_are_refused(tmp_path: P
         load_calibration_texts(folder)
 
 
-def _released(call: Callable[[], Any], fifo: Path, seconds: float = 30.0) -> Any:
-    """``call()``'s result or exception; a reader blocked on ``fifo`` fails the test, released."""
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(call())
-        except BaseException as err:  # handed back to the test, which asserts on it
-            outcome.append(err)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # EOF for the blocked reader
-        thread.join(seconds)
-        pytest.fail(f"blocked for {seconds} s on {fifo}")
-    return outcome[0]
-
-
 def _arrow(path: Path, garbage: bool = False, texts: tuple[str, ...] = ("hello", "world")) -> None:
     pa = pytest.importorskip("pyarrow")
     if garbage:
@@ -239,7 +219,7 @@ def test_with_datasets_a_fifo_named_outside_never_blocks(tmp_path: Path) -> None
     fifo = tmp_path / "fifo.arrow"
     os.mkfifo(fifo)
     root = _dataset_dir(tmp_path / "ds", {"_data_files": [{"filename": str(fifo)}]})
-    got = _released(lambda: load_calibration_texts(root, samples=1), fifo)
+    got = _finishes(lambda: load_calibration_texts(root, samples=1), fifo)
     assert isinstance(got, CalibrationDataError), got
     assert "outside the dataset directory" in str(got)
 
