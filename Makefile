@@ -168,7 +168,7 @@ UV_VERSION   ?= 0.13.9
 UV           := $(ENGINES_DIR)/.uv/bin/uv
 UV_STAMP     := $(ENGINES_DIR)/.uv/.exportlm-uv-$(UV_VERSION)
 UV_LINKS     := $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
-ENGINE_NAMES ?= transformers vllm openvino optimum ort_genai
+ENGINE_NAMES ?= transformers vllm openvino optimum ort_genai llmcompressor
 # What each venv's smoke test imports (default: the venv's own name).
 ENGINE_IMPORTS_transformers := transformers, compressed_tensors
 ENGINE_IMPORTS_optimum      := optimum.onnxruntime
