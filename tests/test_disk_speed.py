@@ -10,7 +10,12 @@ No timing here: ``benchmarks/bench_export_disk.py`` measures.
 
 from __future__ import annotations
 
+import errno
+import functools
+import importlib.metadata
 import json
+import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,10 @@ from safetensors.torch import load_file
 import exportlm
 import exportlm.export.guard
 import exportlm.export.manifest
+from exportlm.errors import ExportFailedError
+from exportlm.export import _manifest_data
+from exportlm.export.hf_checkpoint import sink as sink_module
+from exportlm.export.hf_checkpoint import target as target_module
 from exportlm.export.hf_checkpoint.sink import ShardedSafetensorsWriter, write_safetensors
 from exportlm.export.manifest import model_hash, read_manifest
 from exportlm.models import tiny_hf_model
@@ -116,12 +125,66 @@ def test_shards_written_by_threads_keep_their_order_names_and_bytes(tmp_path: Pa
     assert index["weight_map"]["t00"] == "model-00001-of-00006.safetensors"
 
 
-def test_a_failed_background_write_surfaces_at_finish(tmp_path: Path) -> None:
+def test_a_failed_background_write_surfaces_at_finish_as_our_error(tmp_path: Path) -> None:
     writer = ShardedSafetensorsWriter(tmp_path / "gone", max_shard_size=10)
     writer.add("a", torch.ones(4))
     writer.add("b", torch.ones(4))  # the first shard goes to the writer thread: no directory
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ExportFailedError, match=r"shard \.shard-00001.*FileNotFoundError") as e:
         writer.finish()
+    assert isinstance(e.value.__cause__, FileNotFoundError)
+
+
+def _disk_full_at_shard(monkeypatch: pytest.MonkeyPatch, failing: int) -> None:
+    """The writer of shard ``failing`` (1-based) writes a little, then finds the disk full."""
+    real = sink_module.write_safetensors
+
+    def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Any:
+        if path.name.startswith(f".shard-{failing:05d}"):
+            path.write_bytes(b"\0" * 100)  # a half-written shard in the staged directory
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, tensors, metadata)
+
+    monkeypatch.setattr(sink_module, "write_safetensors", write)
+
+
+@pytest.mark.parametrize("write_threads", [1, 3])
+def test_a_full_disk_in_a_shard_writer_publishes_nothing_and_raises_our_error(
+    write_threads: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _fp8_model()
+    out = exportlm.export_model("hf_checkpoint", model, tmp_path / "ckpt", max_shard_size="64KB")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    _disk_full_at_shard(monkeypatch, failing=2)
+    monkeypatch.setattr(  # shards written by parallel threads too
+        target_module,
+        "ShardedSafetensorsWriter",
+        functools.partial(ShardedSafetensorsWriter, write_threads=write_threads),
+    )
+    with pytest.raises(ExportFailedError, match=r"No space left on device.*previous checkpoint"):
+        exportlm.export_model("hf_checkpoint", model, out, max_shard_size="64KB", overwrite=True)
+    assert list(tmp_path.iterdir()) == [out]  # no staged directory, no half-written shard
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert exportlm.load_exported("hf_checkpoint", out) is not None  # still verifies
+    assert not [t for t in threading.enumerate() if t.name.startswith("exportlm-shard")]
+
+
+def test_a_failed_shard_among_parallel_writers_is_our_error_and_stops_every_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _disk_full_at_shard(monkeypatch, failing=2)
+    writer = ShardedSafetensorsWriter(tmp_path, max_shard_size=4000, write_threads=3)
+
+    def write_all() -> None:
+        for i in range(8):  # one shard each; a later add may be the one that sees it
+            writer.add(f"t{i}", torch.full((1000,), float(i)))
+        writer.finish()
+
+    with pytest.raises(ExportFailedError, match=r"\.shard-00002.*OSError") as e:
+        write_all()
+    writer.abort()  # what the target does after any failure: wait for the writes in flight
+    assert isinstance(e.value.__cause__, OSError)
+    assert e.value.__cause__.errno == errno.ENOSPC
+    assert not [t for t in threading.enumerate() if t.name.startswith("exportlm-shard")]
 
 
 def test_model_hash_is_the_same_on_any_number_of_threads() -> None:
@@ -134,3 +197,33 @@ def test_model_hash_is_the_same_on_any_number_of_threads() -> None:
         line = f"{name}|{dtype}|{list(tensor.shape)}|{blake3.blake3(raw).hexdigest()}\n"
         expected.update(line.encode())
     assert model_hash(model) == expected.hexdigest()  # the documented definition
+
+
+def test_a_manifest_reads_each_library_version_once_and_a_missing_one_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_manifest_data, "_VERSIONS", {})  # as in a fresh process
+    real = importlib.metadata.version
+    reads: list[str] = []
+
+    def version(distribution: str) -> str:
+        reads.append(distribution)
+        if distribution == "safetensors" and reads.count(distribution) == 1:
+            raise importlib.metadata.PackageNotFoundError(distribution)  # not installed yet
+        return real(distribution)
+
+    shim = types.SimpleNamespace(
+        version=version, PackageNotFoundError=importlib.metadata.PackageNotFoundError
+    )
+    monkeypatch.setattr(_manifest_data, "metadata", shim)  # the manifest's reads only
+    model = tiny_hf_model("llama", num_hidden_layers=1)
+    first = read_manifest(exportlm.export_model("hf_checkpoint", model, tmp_path / "a"))
+    second = read_manifest(exportlm.export_model("hf_checkpoint", model, tmp_path / "b"))
+    assert first is not None
+    assert second is not None
+    assert first.versions["runtime:safetensors"] is None
+    assert second.versions["runtime:safetensors"] == real("safetensors")  # found later
+    assert {k: v for k, v in first.versions.items() if "safetensors" not in k} == {
+        k: v for k, v in second.versions.items() if "safetensors" not in k
+    }
+    assert sorted(reads) == ["exportlm", "safetensors", "safetensors", "torch", "transformers"]

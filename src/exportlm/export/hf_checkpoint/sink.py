@@ -137,8 +137,11 @@ class ShardedSafetensorsWriter:
 
     A full shard is written by a background thread; ``write_threads`` bounds how many
     are written at once, and so how many shards' tensors are held beyond the one
-    filling (``add`` waits for the oldest). After a failure elsewhere, call
-    :meth:`abort` before the directory is removed: it waits for those writes.
+    filling (``add`` waits for the oldest). A failed write raises
+    :class:`~exportlm.errors.ExportFailedError` (the thread's error chained) from the
+    ``add`` that waits for it or from ``finish``, which then waits for the other writes.
+    After a failure elsewhere, call :meth:`abort` before the directory is removed: it
+    waits for those writes.
     """
 
     def __init__(
@@ -250,7 +253,7 @@ class ShardedSafetensorsWriter:
 
     def _wait_all(self) -> list[FileDigest]:
         try:
-            return [future.result() for _, _, future in self._written]
+            return [_digest_of(path, future) for path, _, future in self._written]
         finally:
             self.abort()
 
@@ -260,12 +263,30 @@ class ShardedSafetensorsWriter:
         path = self.directory / f".shard-{len(self._written) + 1:05d}.safetensors.partial"
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="exportlm-shard")
-        running = [future for _, _, future in self._written if not future.done()]
+        running = [(p, future) for p, _, future in self._written if not future.done()]
         if len(running) >= self._threads:  # backpressure: hold at most that many shards
-            running[0].result()
+            _digest_of(*running[0])
         future = self._pool.submit(write_safetensors, path, shard.tensors, self.metadata)
         future.add_done_callback(lambda _: logger.debug("wrote %s", path.name))
         self._written.append((path, list(shard.tensors), future))
+
+
+def _digest_of(path: Path, future: Future[FileDigest]) -> FileDigest:
+    """The digest of a shard written by a writer thread, or the reason it was not written.
+
+    Raises:
+        ExportFailedError: the write failed (a full disk, a removed directory, ...); the
+            thread's error is chained. The export then publishes nothing.
+    """
+    try:
+        return future.result()
+    except Exception as err:
+        raise ExportFailedError(
+            f"writing the checkpoint shard {path.name} into {path.parent} failed: "
+            f"{type(err).__name__}: {err}. Nothing is published and any previous checkpoint "
+            "at the output path is unchanged; free space on that filesystem (or fix its "
+            "permissions) and export again. The writer's error is chained below."
+        ) from err
 
 
 class CheckpointSink:
