@@ -283,9 +283,9 @@ def _digest_of(path: Path, future: Future[FileDigest]) -> FileDigest:
     except Exception as err:
         raise ExportFailedError(
             f"writing the checkpoint shard {path.name} into {path.parent} failed: "
-            f"{type(err).__name__}: {err}. Nothing is published and any previous checkpoint "
-            "at the output path is unchanged; free space on that filesystem (or fix its "
-            "permissions) and export again. The writer's error is chained below."
+            f"{type(err).__name__}: {err}. The export publishes nothing (any previous "
+            "checkpoint at the output path is unchanged); free space on that filesystem (or "
+            "fix its permissions) and export again. The writer's error is chained below."
         ) from err
 
 
