@@ -326,8 +326,11 @@ class ExportContext:
         self.emit(name, tensor)
 
     def emit_scale(self, name: str, scale: torch.Tensor) -> None:
-        """Write a float32 scale; a per-tensor one in the :attr:`layout`'s shape for it."""
-        self.emit(name, self.layout.stored_scale(scale.detach().to(torch.float32)))
+        """Write a float scale in the :attr:`layout`'s dtype and shape for it
+        (:meth:`~exportlm.quant.formats.CheckpointLayout.stored_scale`)."""
+        if scale.dtype not in (torch.bfloat16, torch.float16):
+            scale = scale.detach().to(torch.float32)
+        self.emit(name, self.layout.stored_scale(scale))
 
     def amax_of(self, quantizer: TensorQuantizer) -> torch.Tensor | None:
         """The amax to export for ``quantizer``: an override, else its calibrated amax."""

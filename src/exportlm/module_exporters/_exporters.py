@@ -80,8 +80,11 @@ def _emit_input(
     written: the norm's exported weight carries it.
     """
     if quantizer.enabled and quantizer.spec.calibrated:  # dynamic inputs keep no scale
-        amax = ctx.amax_of(quantizer)
-        _emit_activation(ctx, prefix, spec, "input_scale", quantizer.scale_from(amax))
+        scale = quantizer.scale_from(ctx.amax_of(quantizer))
+        stored = ctx.layout.activation_leaf(spec, "input_scale", prefix)
+        if stored.reciprocal != quantizer.divides:  # a global scale stored as a scale or back
+            scale = 1.0 / scale.to(torch.float32)  # not exact: docs/checkpoint-format.md
+        ctx.emit_scale(f"{prefix}.{stored.name}", scale)
     pqs = quantizer.pre_quant_scale
     if pqs is not None:
         _emit_activation(
