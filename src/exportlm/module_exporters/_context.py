@@ -245,6 +245,7 @@ class ExportContext:
             quantizer's own without modifying the model.
         ties: the model's tied tensors (default: none), see
             :func:`~exportlm.module_exporters.resolve_tied_weights`.
+        warned: the warnings an exporter gave once for this export (by key).
     """
 
     model: nn.Module
@@ -255,6 +256,7 @@ class ExportContext:
     quant_config: QuantConfigCollector = field(default_factory=QuantConfigCollector)
     amax_overrides: dict[TensorQuantizer, torch.Tensor] = field(default_factory=dict)
     ties: TieBook = field(default_factory=TieBook)
+    warned: set[str] = field(default_factory=set)
     _written: dict[str, str] = field(default_factory=dict, repr=False)
     _num_bytes: int = field(default=0, repr=False)
     _writer: str = field(default="the export driver (a plain tensor)", repr=False)
