@@ -22,7 +22,7 @@ import exportlm
 from exportlm.cli import main
 from exportlm.errors import UnknownOptionError
 from exportlm.models import tiny_hf_model
-from exportlm.quant import QuantRecipe, QuantLinear, quantize
+from exportlm.quant import QuantLinear, QuantRecipe, quantize
 from tests.test_interop import _calibration_batch as _batch
 
 LOGITS_ATOL = 1e-4
