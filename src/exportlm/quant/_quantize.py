@@ -20,6 +20,7 @@ from exportlm.quant._calibrate import (
     unify_expert_input_amax,
     unify_groups,
 )
+from exportlm.quant._conventions import apply_convention
 from exportlm.quant._distributed import refuse_unreduced
 from exportlm.quant._experts import experts_base, quant_experts_class
 from exportlm.quant._fold import fold_into_norms, trace_norms
@@ -323,29 +324,11 @@ def _input_quantizer(algo: Algorithm | None, label: str) -> TensorQuantizer:
     return TensorQuantizer(algo.input, block_size=block, label=label)
 
 
-def _convention(quantizer: TensorQuantizer, algo: Algorithm | None, dtype: Any) -> TensorQuantizer:
-    """``quantizer`` with the recipe's scale convention; under ``compressed-tensors`` its
-    scales are in the module weight's dtype when that is a half float (as
-    compressed-tensors initializes them)."""
-    if algo is not None and algo.scales != "modelopt":
-        quantizer.scales = algo.scales
-        half = dtype in (torch.bfloat16, torch.float16)
-        quantizer.scale_dtype = dtype if half else None
-    return quantizer
-
-
-def _weight_dtype(module: nn.Module) -> Any:
-    return next((p.dtype for p in module.parameters(recurse=False) if p.is_floating_point()), None)
-
-
 def _convert(c: _Conversion) -> None:
     module: Any = c.module
     algo = c.algo
     _convert_kind(c)
-    dtype = _weight_dtype(module)
-    for quantizer in module.modules():
-        if isinstance(quantizer, TensorQuantizer) and not quantizer.kv_role:
-            _convention(quantizer, algo, dtype)
+    apply_convention(module, algo)
 
 
 def _convert_kind(c: _Conversion) -> None:
