@@ -165,6 +165,29 @@ def test_fp8_scales_of_a_bf16_model_are_compressed_tensors_bf16_scales(tmp_path:
     assert checked
 
 
+@pytest.mark.interop
+def test_fp8_codes_of_a_bf16_model_equal_compressed_tensors_compressor(tmp_path: Path) -> None:
+    """The bf16 weight divided by its bf16 scale in bf16, then float8: compressed-tensors'
+    ``float-quantized`` compressor on the same weight and scale (llm-compressor's bytes)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    model, out = _export(FP8_CT, torch.bfloat16, tmp_path / "ct", "compressed-tensors")
+    tensors = _tensors(out)
+    group = json.loads((out / "config.json").read_text())["quantization_config"]
+    group = group["config_groups"]["group_0"]
+    scheme = QuantizationScheme.model_validate({k: v for k, v in group.items() if k != "format"})
+    compressor = BaseCompressor.get_value_from_registry("float-quantized")
+    names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    for name in names:
+        weight = model.get_submodule(name).weight.detach()
+        state = {"weight": weight, "weight_scale": tensors[f"{name}.weight_scale"]}
+        theirs = compressor.compress(state, scheme)["weight"]
+        mine = tensors[f"{name}.weight"]
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), name
+
+
 # ------------------------------------------------------------------- the recipe option
 
 
@@ -237,3 +260,54 @@ def test_real_model_compressed_tensors_nvfp4_reads_back_as_the_model(
     gap = float((got - want).abs().max())
     print(f"real model CT NVFP4: max |logit diff| {gap:.3g}")
     assert gap <= LOGITS_ATOL
+
+
+# ---------------------------------------------------------------- transformers (engines)
+
+_LOGITS_SCRIPT = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+directory, ids, out = sys.argv[1:4]
+model = AutoModelForCausalLM.from_pretrained(
+    directory, dtype=torch.bfloat16, attn_implementation="eager"
+).eval()
+with torch.no_grad():
+    logits = model(torch.tensor(json.loads(open(ids).read())), use_cache=False).logits
+torch.save(logits.float(), out)
+"""
+
+
+@pytest.mark.engines
+def test_engines_transformers_computes_the_fp8_bf16_checkpoint_as_the_model(tmp_path: Path) -> None:
+    """transformers 5.19 + compressed-tensors 0.17 on our CT FP8 checkpoint of a bf16 model.
+
+    Measured on this toy Llama (2 x 64 tokens): the ModelOpt convention (float32 scales,
+    float32 division) 0.037 max |logit diff|; the compressed-tensors convention 0.0. On
+    SmolLM2-135M: 6.05 before, 0.0 after (docs/checkpoint-format.md).
+    """
+    import subprocess
+
+    from exportlm.engines import find_interpreter
+
+    python = find_interpreter("transformers").path
+    if python is None:
+        pytest.skip(
+            "no transformers interpreter: run `make engines` (EXPORTLM_ENGINE_TRANSFORMERS)"
+        )
+    model = _toy(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 64), generator=gen)
+    quantize(model, FP8_CT, calibrate=lambda m: m(ids))
+    out = exportlm.export_model(
+        "hf_checkpoint", model, tmp_path / "ct", format="compressed-tensors"
+    )
+    (tmp_path / "ids.json").write_text(json.dumps(ids.tolist()))
+    (tmp_path / "logits.py").write_text(_LOGITS_SCRIPT)
+    argv = [str(python), str(tmp_path / "logits.py"), str(out), str(tmp_path / "ids.json")]
+    subprocess.run([*argv, str(tmp_path / "l.pt")], check=True, capture_output=True, timeout=600)
+    theirs = torch.load(tmp_path / "l.pt", weights_only=True)
+    with torch.no_grad():
+        want = model(ids).logits.float()
+    gap = float((theirs - want).abs().max())
+    print(f"transformers on CT FP8 (bf16): max |logit diff| {gap:.3g}")
+    assert gap <= 1e-2  # a bf16 ulp of a logit near 2; the float32 scales gave 0.037

@@ -79,6 +79,12 @@ def _warn_convention(ctx: ExportContext, name: str, spec: FormatSpec, q: Quantiz
             f"{name}: its {spec.name} scales are float32 and loaders of format={ctx.format!r} "
             f"(transformers) read them in the model's {str(q.dtype).removeprefix('torch.')}"
         )
+    elif not layout.half_scales and q.scale.dtype in HALF_FLOATS:
+        why = (
+            f"{name}: its {spec.name} scales are {str(q.scale.dtype).removeprefix('torch.')}, "
+            f"quantizing in that dtype as compressed-tensors does, and format={ctx.format!r} "
+            "stores float32 scales its loaders quantize with in float32"
+        )
     else:
         return
     ctx.warned.add("scale convention")

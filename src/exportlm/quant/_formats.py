@@ -138,7 +138,8 @@ def row_chunks(shape: tuple[int, ...] | torch.Size, spec: FormatSpec) -> list[sl
 
 
 def static_scale_value(scale: torch.Tensor, spec: FormatSpec, where: str) -> torch.Tensor:
-    """``scale`` as a 0-d float32 static activation scale of format ``spec``.
+    """``scale`` as a 0-d static activation scale of format ``spec``: float32, or the half
+    float it is stored in (a compressed-tensors checkpoint of a half-precision model).
 
     Raises :class:`QuantizationError` for a scale that is not a single finite,
     positive number, or a weight-only format (one whose spec is not ``calibrated``,
@@ -157,4 +158,4 @@ def static_scale_value(scale: torch.Tensor, spec: FormatSpec, where: str) -> tor
             f"got shape {tuple(scale.shape)} value(s) {value.flatten()[:4].tolist()}; "
             "the checkpoint is corrupt or was not written by a per-tensor exporter"
         )
-    return value.reshape(())
+    return (scale.detach() if scale.dtype in _HALF else value).reshape(())

@@ -235,6 +235,8 @@ def dequantize_state(
             divides = stored_input.reciprocal and spec.global_scale
             if stored_input.reciprocal and not divides:
                 value = 1.0 / value
+            elif tensors[input_scale].dtype in (torch.bfloat16, torch.float16):
+                value = tensors[input_scale]  # quantized with in its own dtype, as written
             pre_quant_scale = slot.name(_PRE_QUANT_SCALE, leaves.data)
             smoothing = tensors[pre_quant_scale].float() if pre_quant_scale in tensors else None
             # keyed by the format's own leaf name, which the static quantization looks up
