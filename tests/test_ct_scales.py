@@ -278,12 +278,16 @@ torch.save(logits.float(), out)
 
 
 @pytest.mark.engines
-def test_engines_transformers_computes_the_fp8_bf16_checkpoint_as_the_model(tmp_path: Path) -> None:
-    """transformers 5.19 + compressed-tensors 0.17 on our CT FP8 checkpoint of a bf16 model.
+@pytest.mark.parametrize("recipe", [FP8_CT, NVFP4_CT])
+def test_engines_transformers_computes_the_bf16_checkpoint_as_the_model(
+    recipe: str, tmp_path: Path
+) -> None:
+    """transformers 5.19 + compressed-tensors 0.17 (CPU, bf16) on our CT checkpoint.
 
-    Measured on this toy Llama (2 x 64 tokens): the ModelOpt convention (float32 scales,
-    float32 division) 0.037 max |logit diff|; the compressed-tensors convention 0.0. On
-    SmolLM2-135M: 6.05 before, 0.0 after (docs/checkpoint-format.md).
+    Measured on this toy Llama (2 x 64 tokens), max |logit diff| against the fake-quant
+    model: FP8 0.037 in the ModelOpt convention (float32 scales and division), NVFP4 0.11
+    (reciprocal global scales, float32 block-scale division); 0.0 for both in the
+    compressed-tensors convention. On SmolLM2-135M see docs/checkpoint-format.md.
     """
     import subprocess
 
@@ -297,7 +301,7 @@ def test_engines_transformers_computes_the_fp8_bf16_checkpoint_as_the_model(tmp_
     model = _toy(torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (2, 64), generator=gen)
-    quantize(model, FP8_CT, calibrate=lambda m: m(ids))
+    quantize(model, recipe, calibrate=lambda m: m(ids))
     out = exportlm.export_model(
         "hf_checkpoint", model, tmp_path / "ct", format="compressed-tensors"
     )
@@ -309,5 +313,5 @@ def test_engines_transformers_computes_the_fp8_bf16_checkpoint_as_the_model(tmp_
     with torch.no_grad():
         want = model(ids).logits.float()
     gap = float((theirs - want).abs().max())
-    print(f"transformers on CT FP8 (bf16): max |logit diff| {gap:.3g}")
-    assert gap <= 1e-2  # a bf16 ulp of a logit near 2; the float32 scales gave 0.037
+    print(f"transformers on CT {recipe} (bf16): max |logit diff| {gap:.3g}")
+    assert gap <= 1e-2  # a bf16 ulp of a logit near 2; the other convention: 0.037 / 0.11

@@ -80,7 +80,7 @@ def quantize_nvfp4(
     # CUDA divides by a CPU scalar through its reciprocal (another last bit).
     s2 = scale.to(x.device)
     if divides:
-        scale_fp8, effective = _ct_block_scales(blocks, s2)
+        scale_fp8, effective = _ct_block_scales(blocks, s2, x.dtype)
     else:
         scale_fp8 = _modelopt_block_scales(blocks, s2)
         effective = scale_fp8.to(torch.float32) * s2
@@ -104,14 +104,20 @@ def _modelopt_block_scales(blocks: torch.Tensor, s2: torch.Tensor) -> torch.Tens
     return torch.where(rounded == 0, floor, rounded).to(torch.float8_e4m3fn)
 
 
-def _ct_block_scales(blocks: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ct_block_scales(
+    blocks: torch.Tensor, gs: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors' float8 block scales and the effective scales they stand for.
 
-    As ``calculate_qparams`` computes them: ``gs * (block_amax / 6)`` (a division by a
-    tensor, so no device multiplies by a rounded 1/6), clamped to the float8 range and
-    rounded, a zero replaced by its ``0.125``; applied as ``block scale / gs``.
+    As ``calculate_qparams`` computes them: ``gs * (block_amax / 6)``, the division in
+    the tensor's own ``dtype`` (its observer's min / max are of that dtype; a division by
+    a tensor, so no device multiplies by a rounded 1/6), clamped to the float8 range
+    and rounded, a zero replaced by its ``0.125``; applied as ``block scale / gs``.
     """
-    local = blocks.abs().amax(dim=-1) / blocks.new_tensor(FP4_MAX)
+    if dtype not in (torch.bfloat16, torch.float16):
+        dtype = torch.float32
+    bamax = blocks.abs().amax(dim=-1).to(dtype)  # exact: a max of values of that dtype
+    local = (bamax / bamax.new_tensor(FP4_MAX)).to(torch.float32)
     rounded = torch.clamp(gs * local, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
     rounded = torch.where(rounded == 0, torch.full_like(rounded, _CT_ZERO_SCALE), rounded)
     return rounded.to(torch.float8_e4m3fn), rounded / gs
