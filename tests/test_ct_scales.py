@@ -194,6 +194,7 @@ def test_fp8_codes_of_a_bf16_model_equal_compressed_tensors_compressor(tmp_path:
 def test_the_scales_option_is_taken_by_calibrated_recipes_only() -> None:
     recipe = QuantRecipe.parse("nvfp4:scales=compressed_tensors+fp8_kv")
     assert recipe.algo == NVFP4_CT
+    assert QuantRecipe.parse("nvfp4", options={"scales": "compressed_tensors"}).algo == NVFP4_CT
     with pytest.raises(UnknownOptionError, match="scales"):
         QuantRecipe.parse("int4_awq:scales=compressed-tensors")
     with pytest.raises(ValueError, match="modelopt / compressed-tensors"):

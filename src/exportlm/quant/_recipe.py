@@ -267,7 +267,8 @@ class QuantRecipe:
                 "recipe has none; spell them on a part instead ('int4_awq:group_size=64')"
             )
         name, own = split_options(self.algo)
-        return dataclasses.replace(self, algo=spell(name, {**own, **options}))
+        spelled = resolve_algorithm(spell(name, {**own, **options})).spelling  # canonical values
+        return dataclasses.replace(self, algo=spelled)
 
     def for_layout(self, layout: str) -> QuantRecipe:
         """This recipe with the scale convention of checkpoint layout ``layout``.
