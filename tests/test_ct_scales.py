@@ -316,3 +316,22 @@ def test_engines_transformers_computes_the_bf16_checkpoint_as_the_model(
     gap = float((theirs - want).abs().max())
     print(f"transformers on CT {recipe} (bf16): max |logit diff| {gap:.3g}")
     assert gap <= 1e-2  # a bf16 ulp of a logit near 2; the other convention: 0.037 / 0.11
+
+
+def test_cli_streamed_nvfp4_compressed_tensors_equals_the_in_memory_export(tmp_path: Path) -> None:
+    """Calibrated on float inputs, the streamed export writes the in-memory export's bytes, so
+    it holds the calibrated model as exactly (the global scales of the convention included)."""
+    source = _bf16_dir(tmp_path / "src")
+    common = ["export", "--target", "hf_checkpoint", "--model", str(source)]
+    common += ["--quantize", "nvfp4", "-o", "format=compressed-tensors"]
+    assert main([*common, "--out", str(tmp_path / "mem")]) == 0
+    argv = [*common, "--out", str(tmp_path / "str"), "--stream", "--stream-inputs", "float"]
+    assert main(argv) == 0
+    memory, streamed = _tensors(tmp_path / "mem"), _tensors(tmp_path / "str")
+    assert sorted(memory) == sorted(streamed)
+    assert any(n.endswith("input_global_scale") for n in memory)
+    for name, tensor in memory.items():
+        assert tensor.dtype == streamed[name].dtype, name
+        assert torch.equal(
+            tensor.view(-1).view(torch.uint8), streamed[name].view(-1).view(torch.uint8)
+        ), name
