@@ -11,6 +11,7 @@ still before calibration.
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from exportlm.cli._errors import UsageError
 from exportlm.cli._model import ModelSource
 
 __all__ = ["check_model_recipe", "checked_recipe"]
+
+logger = logging.getLogger(__name__)
 
 
 def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
@@ -28,6 +31,11 @@ def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
         UnknownNameError, UnknownOptionError: an unknown recipe or option.
         UsageError: also ``--target hf_checkpoint`` in a layout (``-o format=``) that
             cannot hold the recipe's formats, naming the one that can (exit code 2).
+
+    For ``--target hf_checkpoint`` the recipe takes the scale convention of its layout
+    (:meth:`~exportlm.quant.QuantRecipe.for_layout`): ``-o format=compressed-tensors``
+    computes the scales as compressed-tensors does, so the checkpoint is the
+    calibrated model exactly; a ``scales=`` the command line spells is kept.
     """
     exclude = list(getattr(args, "exclude", None) or [])
     if args.quantize is None:
@@ -51,6 +59,16 @@ def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
         except ValueError as err:  # a layout that cannot hold the recipe (an
             # UnsupportedFormatError), or an unknown layout name: both are the command line's
             raise UsageError(f"-o format={layout}: {err}") from err
+        converted = recipe.for_layout(layout)
+        if converted != recipe:
+            logger.info(
+                "--quantize %s: scales computed as %s computes them (%s), so the "
+                "checkpoint holds the calibrated model exactly",
+                args.quantize,
+                layout,
+                converted.algo or ", ".join(a or "-" for _, a in converted.overrides),
+            )
+        return converted
     return recipe
 
 

@@ -245,6 +245,7 @@ class ExportContext:
             quantizer's own without modifying the model.
         ties: the model's tied tensors (default: none), see
             :func:`~exportlm.module_exporters.resolve_tied_weights`.
+        warned: the warnings an exporter gave once for this export (by key).
     """
 
     model: nn.Module
@@ -255,6 +256,7 @@ class ExportContext:
     quant_config: QuantConfigCollector = field(default_factory=QuantConfigCollector)
     amax_overrides: dict[TensorQuantizer, torch.Tensor] = field(default_factory=dict)
     ties: TieBook = field(default_factory=TieBook)
+    warned: set[str] = field(default_factory=set)
     _written: dict[str, str] = field(default_factory=dict, repr=False)
     _num_bytes: int = field(default=0, repr=False)
     _writer: str = field(default="the export driver (a plain tensor)", repr=False)
@@ -326,8 +328,11 @@ class ExportContext:
         self.emit(name, tensor)
 
     def emit_scale(self, name: str, scale: torch.Tensor) -> None:
-        """Write a float32 scale; a per-tensor one in the :attr:`layout`'s shape for it."""
-        self.emit(name, self.layout.stored_scale(scale.detach().to(torch.float32)))
+        """Write a float scale in the :attr:`layout`'s dtype and shape for it
+        (:meth:`~exportlm.quant.formats.CheckpointLayout.stored_scale`)."""
+        if scale.dtype not in (torch.bfloat16, torch.float16):
+            scale = scale.detach().to(torch.float32)
+        self.emit(name, self.layout.stored_scale(scale))
 
     def amax_of(self, quantizer: TensorQuantizer) -> torch.Tensor | None:
         """The amax to export for ``quantizer``: an override, else its calibrated amax."""

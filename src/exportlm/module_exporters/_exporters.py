@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import ClassVar
 
 import torch
@@ -24,7 +25,7 @@ from exportlm.quant import (
     is_quantized_module,
     unify_expert_input_amax,
 )
-from exportlm.quant.formats import CHECKPOINT_LAYOUTS, FormatSpec, formats
+from exportlm.quant.formats import CHECKPOINT_LAYOUTS, HALF_FLOATS, FormatSpec, formats
 
 __all__ = [
     "BMMExpertsExporter",
@@ -37,6 +38,8 @@ __all__ = [
     "builtin_module_exporters",
     "register_builtin_module_exporters",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def _check_format(ctx: ExportContext, name: str, quantizer: TensorQuantizer) -> None:
@@ -53,8 +56,47 @@ def _check_format(ctx: ExportContext, name: str, quantizer: TensorQuantizer) -> 
 
 def _emit_weight(ctx: ExportContext, prefix: str, q: QuantizedTensor) -> None:
     """The weight leaves of ``q``'s format as the layout stores them, in its order."""
-    for leaf, tensor in ctx.layout.weight_tensors(get_format(q.format), q):
+    spec = get_format(q.format)
+    _warn_convention(ctx, prefix, spec, q)
+    for leaf, tensor in ctx.layout.weight_tensors(spec, q):
         ctx.emit(f"{prefix}.{leaf}", tensor)
+
+
+def _warn_convention(ctx: ExportContext, name: str, spec: FormatSpec, q: QuantizedTensor) -> None:
+    """Warn once per export when the scales' convention is not the layout's (not exact)."""
+    layout = ctx.layout
+    if "scale convention" in ctx.warned:
+        return
+    if q.scale_2 is not None and q.scale_2_divides != layout.global_scales(spec):
+        has, stores = ("ModelOpt's", "global") if layout.global_scales(spec) else ("global", "")
+        why = (
+            f"{name}: its {spec.name} second-level scales are {has} scales, and "
+            f"format={ctx.format!r} stores {stores or 'ModelOpt'} scales: through a float32 "
+            "reciprocal, one last bit off for some values"
+        )
+    elif layout.half_scales and q.dtype in HALF_FLOATS and q.scale.dtype == torch.float32:
+        why = (
+            f"{name}: its {spec.name} scales are float32 and loaders of format={ctx.format!r} "
+            f"(transformers) read them in the model's {str(q.dtype).removeprefix('torch.')}"
+        )
+    elif not layout.half_scales and q.scale.dtype in HALF_FLOATS:
+        why = (
+            f"{name}: its {spec.name} scales are {str(q.scale.dtype).removeprefix('torch.')}, "
+            f"quantizing in that dtype as compressed-tensors does, and format={ctx.format!r} "
+            "stores float32 scales its loaders quantize with in float32"
+        )
+    else:
+        return
+    ctx.warned.add("scale convention")
+    fix = "scales=compressed-tensors" if layout.half_scales else "scales=modelopt"
+    logger.warning(
+        "%s, so the checkpoint is not exactly the fake-quantized model; quantize with the "
+        "recipe option '%s' (e.g. '%s:%s') to make it exact (docs/checkpoint-format.md)",
+        why,
+        fix,
+        spec.recipe.name if spec.recipe else spec.name,
+        fix,
+    )
 
 
 def _kv_cache_format(name: str, quantizer: TensorQuantizer) -> FormatSpec:
@@ -80,8 +122,11 @@ def _emit_input(
     written: the norm's exported weight carries it.
     """
     if quantizer.enabled and quantizer.spec.calibrated:  # dynamic inputs keep no scale
-        amax = ctx.amax_of(quantizer)
-        _emit_activation(ctx, prefix, spec, "input_scale", quantizer.scale_from(amax))
+        scale = quantizer.scale_from(ctx.amax_of(quantizer))
+        stored = ctx.layout.activation_leaf(spec, "input_scale", prefix)
+        if stored.reciprocal != quantizer.divides:  # a global scale stored as a scale or back
+            scale = 1.0 / scale.to(torch.float32)  # not exact: docs/checkpoint-format.md
+        ctx.emit_scale(f"{prefix}.{stored.name}", scale)
     pqs = quantizer.pre_quant_scale
     if pqs is not None:
         _emit_activation(

@@ -9,7 +9,15 @@ option          recipes                                     values
 ``group_size``  block recipes whose format takes several    one of the recipe's group sizes
                 group sizes (``int4_awq``: 32, 64, 128)     (INT4: 32, 64, 128; default 128)
 ``alpha``       SmoothQuant recipes (``int8_sq``, ``w8a8``)  a number in [0, 1]
+``scales``      recipes whose weight scales come from a     ``modelopt`` (default) or
+                calibrated amax (``fp8``, ``nvfp4``)        ``compressed-tensors``
 ==============  ==========================================  ===============================
+
+``scales=compressed-tensors`` computes NVFP4's global scale as compressed-tensors does
+(``6 * 448 / amax``, the block scales divided by it) and keeps the other calibrated
+scales in the dtype of the module's weight (bfloat16 for a bfloat16 model), as
+llm-compressor writes them: the checkpoint of that layout is then the calibrated model
+exactly. ``export --quantize ... -o format=compressed-tensors`` chooses it.
 
 No layout exportlm writes for INT4 has a zero point (ModelOpt's ``W4A16_AWQ`` and
 compressed-tensors' symmetric ``pack-quantized``), so no recipe takes ``symmetric``.
@@ -25,11 +33,22 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from exportlm.errors import UnknownOptionError
+from exportlm.quant.formats import get_format
 
 if TYPE_CHECKING:
     from exportlm.quant._recipe import Algorithm
 
-__all__ = ["OptionValue", "apply_options", "known_options", "spell", "split_options"]
+__all__ = [
+    "SCALE_CONVENTIONS",
+    "OptionValue",
+    "apply_options",
+    "known_options",
+    "spell",
+    "split_options",
+]
+
+#: The values of the ``scales`` option (a ``_`` for the ``-`` is taken too).
+SCALE_CONVENTIONS = ("modelopt", "compressed-tensors")
 
 OptionValue = bool | int | float | str
 _TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")
@@ -80,6 +99,8 @@ def known_options(algo: Algorithm) -> dict[str, str]:
         known["group_size"] = " / ".join(map(str, algo.group_sizes))
     if algo.smoothquant_alpha is not None:
         known["alpha"] = "a number in [0, 1]"
+    if get_format(algo.weight).calibrated:
+        known["scales"] = " / ".join(SCALE_CONVENTIONS)
     return known
 
 
@@ -110,5 +131,14 @@ def apply_options(algo: Algorithm, options: Mapping[str, OptionValue]) -> Algori
         if not (math.isfinite(alpha) and 0.0 <= alpha <= 1.0):
             raise ValueError(f"recipe {algo.name!r}: alpha={alpha!r} is not in [0, 1]")
         changes["smoothquant_alpha"] = float(alpha)
+    if "scales" in options:
+        convention = str(options["scales"]).replace("_", "-")
+        if convention not in SCALE_CONVENTIONS:
+            raise ValueError(
+                f"recipe {algo.name!r}: scales={options['scales']!r} is not one it takes "
+                f"({known['scales']})"
+            )
+        changes["scales"] = convention
+        options = {**options, "scales": convention}
     changes["spelled"] = spell(algo.name, options)
     return dataclasses.replace(algo, **changes)  # type: ignore[arg-type]

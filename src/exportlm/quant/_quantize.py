@@ -20,6 +20,7 @@ from exportlm.quant._calibrate import (
     unify_expert_input_amax,
     unify_groups,
 )
+from exportlm.quant._conventions import apply_convention
 from exportlm.quant._distributed import refuse_unreduced
 from exportlm.quant._experts import experts_base, quant_experts_class
 from exportlm.quant._fold import fold_into_norms, trace_norms
@@ -324,6 +325,13 @@ def _input_quantizer(algo: Algorithm | None, label: str) -> TensorQuantizer:
 
 
 def _convert(c: _Conversion) -> None:
+    module: Any = c.module
+    algo = c.algo
+    _convert_kind(c)
+    apply_convention(module, algo)
+
+
+def _convert_kind(c: _Conversion) -> None:
     module: Any = c.module
     algo = c.algo
     if c.kind == "experts":

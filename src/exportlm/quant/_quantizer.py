@@ -7,33 +7,11 @@ from torch import nn
 
 from exportlm.errors import QuantizationError
 from exportlm.quant import _tensor
-from exportlm.quant._formats import dequantize, quantize_tensor
+from exportlm.quant._formats import dequantize, quantize_tensor, row_chunks, static_scale_value
 from exportlm.quant._tensor import FormatId, QuantizedTensor, safe_scale
-from exportlm.quant.formats import FormatSpec, formats, get_format
+from exportlm.quant.formats import FormatSpec, get_format
 
 __all__ = ["TensorQuantizer", "row_chunks"]
-
-
-def row_chunks(shape: tuple[int, ...] | torch.Size, spec: FormatSpec) -> list[slice]:
-    """Slices of the rows of a 2-D ``shape`` that ``spec`` quantizes independently.
-
-    Quantizing (and dequantizing) each slice alone gives the same values as the whole
-    tensor when every scale is the per-tensor one given from a calibrated amax, or one
-    per row / per block of the last dimension (:attr:`FormatSpec.granularity
-    <exportlm.quant.formats.FormatSpec.granularity>`); slices of a format packed along
-    the rows keep whole pairs. A per-tensor scale derived from the tensor itself (an
-    uncalibrated ``"tensor"`` format) needs the whole tensor: one slice then. The
-    slices are about :data:`~exportlm.quant._tensor.CHUNK_ELEMENTS` each, so the float32 temporaries of a
-    fake quantization are those of one slice, not of a weight-sized copy.
-    """
-    if len(shape) != 2 or not (spec.calibrated or spec.granularity in ("row", "block")):
-        return [slice(None)]
-    rows, cols = int(shape[0]), max(int(shape[1]), 1)
-    pair = spec.packing if spec.packed_dim == -2 else 1
-    step = max(pair, _tensor.CHUNK_ELEMENTS // cols // pair * pair)
-    if step >= rows:
-        return [slice(None)]
-    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 class TensorQuantizer(nn.Module):
@@ -85,6 +63,13 @@ class TensorQuantizer(nn.Module):
         self.label = label
         self.min_scale = min_scale
         self.calibrating = False
+        #: How the per-tensor scale is computed and stored (the recipe's ``scales`` option):
+        #: ``"compressed-tensors"`` gives a format with a global scale (NVFP4) that scale,
+        #: divided by, and rounds the others to :attr:`scale_dtype`.
+        self.scales: _tensor.ScaleConvention = "modelopt"
+        #: The dtype per-tensor scales are rounded to and stored in (the module weight's
+        #: bfloat16 / float16 under the ``compressed-tensors`` convention); ``None``: float32.
+        self.scale_dtype: torch.dtype | None = None
         #: ``"k"`` / ``"v"`` for the KV-cache output quantizers of ``k_proj`` / ``v_proj``.
         self.kv_role: str | None = None
         #: Where a KV-cache quantizer runs: ``"projection"`` (the ``k_proj`` / ``v_proj``
@@ -215,17 +200,16 @@ class TensorQuantizer(nn.Module):
         exporter's unified value) without modifying the quantizer. A loaded
         :attr:`static_scale` is used as it is unless ``amax`` is given.
         """
-        where = self.label or "quantizer"
+        where, block = self.label or "quantizer", self.block_size
         if amax is None and self.static_scale is not None:
-            return quantize_tensor(
-                x, self.format, scale=self.static_scale, block_size=self.block_size, where=where
-            )
+            scale = self.static_scale
+        elif self.scales != "modelopt" and self.spec.calibrated:  # the convention's own scale
+            scale = self.scale_from(self._amax_for(x, index, amax))
+        else:
+            amax = self._amax_for(x, index, amax)
+            return quantize_tensor(x, self.format, amax=amax, block_size=block, where=where)
         return quantize_tensor(
-            x,
-            self.format,
-            amax=self._amax_for(x, index, amax),
-            block_size=self.block_size,
-            where=where,
+            x, self.format, scale=scale, block_size=block, where=where, divides=self.divides
         )
 
     def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
@@ -323,10 +307,29 @@ class TensorQuantizer(nn.Module):
         divisor = self.spec.amax_divisor
         if self.min_scale is not None:
             amax = torch.clamp(amax, min=self.min_scale * divisor)
-        return safe_scale(amax, divisor, where=self.label or "quantizer")
+        where = self.label or "quantizer"
+        if self.divides:
+            return _tensor.global_scale(amax, divisor, where=where)
+        scale = safe_scale(amax, divisor, where=where)
+        if self.scales != "modelopt" and self.scale_dtype is not None:
+            # rounded as llm-compressor's observer computes it in the weight's dtype
+            # (torch divides half floats in float32 and rounds once), and stored so
+            return scale.to(self.scale_dtype)
+        return scale
+
+    @property
+    def divides(self) -> bool:
+        """The per-tensor scale is compressed-tensors' global scale (NVFP4 under the
+        ``compressed-tensors`` convention): quantization divides by it."""
+        return self.scales == "compressed-tensors" and self.spec.global_scale
 
     def load_scale(
-        self, scale: torch.Tensor, fmt: FormatId, *, block_size: int | None = None
+        self,
+        scale: torch.Tensor,
+        fmt: FormatId,
+        *,
+        block_size: int | None = None,
+        divides: bool = False,
     ) -> None:
         """Enable this quantizer as a static one whose :attr:`scale` is an exported ``scale``.
 
@@ -335,32 +338,27 @@ class TensorQuantizer(nn.Module):
         scale), so a checkpoint's activation scale quantizes exactly as the quantizer
         that exported it: deriving it back from ``amax = scale * maxbound`` would not
         (``fl(fl(s * 448) / 448) != s`` for some float32 ``s``). ``amax`` is set to
-        ``scale * maxbound`` for information; ``min_scale`` is dropped.
+        ``scale * maxbound`` for information; ``min_scale`` is dropped. ``divides``:
+        ``scale`` is compressed-tensors' global scale (NVFP4's ``input_global_scale``), used
+        as it is under the ``compressed-tensors`` convention.
 
         Raises :class:`QuantizationError` for a scale that is not a single finite,
         positive number, or a weight-only format (one whose spec is not ``calibrated``,
         e.g. INT4 / INT8: activations are FP8 or NVFP4).
         """
         spec = get_format(fmt)
-        where = self.label or "quantizer"
-        if not spec.calibrated:
-            static = " or ".join(str(s.format).upper() for s in formats() if s.calibrated)
-            raise QuantizationError(
-                f"{where}: static activation scales are {static}, got {spec.format}; "
-                f"{spec.format} quantizes weights only"
-            )
-        value = scale.detach().to(torch.float32)
-        if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) <= 0:
-            raise QuantizationError(
-                f"{where}: an exported activation scale must be one finite positive number, "
-                f"got shape {tuple(scale.shape)} value(s) {value.flatten()[:4].tolist()}; "
-                "the checkpoint is corrupt or was not written by a per-tensor exporter"
-            )
+        value = static_scale_value(scale, spec, self.label or "quantizer")
         self.format = spec.format
         self.block_size = block_size
         self.min_scale = None
-        self.static_scale = value.reshape(())
-        self.amax = self.static_scale * spec.amax_divisor
+        self.static_scale = value
+        self.scales = "compressed-tensors" if divides and spec.global_scale else "modelopt"
+        self.scale_dtype = None
+        self.amax = (
+            spec.amax_divisor / self.static_scale
+            if self.divides
+            else self.static_scale * spec.amax_divisor
+        )
         self.enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

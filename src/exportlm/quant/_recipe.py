@@ -15,8 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from exportlm.errors import UnknownNameError, UnknownOptionError
-from exportlm.quant._options import OptionValue, apply_options, spell, split_options
-from exportlm.quant._tensor import FormatId
+from exportlm.quant._options import (
+    OptionValue,
+    apply_options,
+    known_options,
+    spell,
+    split_options,
+)
+from exportlm.quant._tensor import FormatId, ScaleConvention
 from exportlm.quant.formats import FormatSpec, formats, get_format
 
 __all__ = [
@@ -48,6 +54,10 @@ class Algorithm:
         awq: compute an AWQ ``pre_quant_scale`` from calibration activations.
         smoothquant_alpha: SmoothQuant's migration strength, ``None`` without smoothing.
         group_sizes: the group sizes the ``group_size`` option takes (block recipes).
+        scales: how the calibrated scales are computed and stored (the ``scales``
+            option): ``"modelopt"`` (default) or ``"compressed-tensors"`` (NVFP4's global
+            scale as compressed-tensors computes it, the other float scales in the weight's
+            dtype), exact in the layout of that name.
         spelled: the recipe as spelled with its options (``"int4_awq:group_size=64"``);
             empty for the recipe's defaults.
 
@@ -65,6 +75,7 @@ class Algorithm:
     smoothquant_alpha: float | None = None
     group_sizes: tuple[int, ...] = ()
     spelled: str = ""
+    scales: ScaleConvention = "modelopt"
 
     @property
     def spelling(self) -> str:
@@ -256,7 +267,33 @@ class QuantRecipe:
                 "recipe has none; spell them on a part instead ('int4_awq:group_size=64')"
             )
         name, own = split_options(self.algo)
-        return dataclasses.replace(self, algo=spell(name, {**own, **options}))
+        spelled = resolve_algorithm(spell(name, {**own, **options})).spelling  # canonical values
+        return dataclasses.replace(self, algo=spelled)
+
+    def for_layout(self, layout: str) -> QuantRecipe:
+        """This recipe with the scale convention of checkpoint layout ``layout``.
+
+        ``"compressed-tensors"``: every weight recipe that takes the ``scales`` option
+        and does not spell it gets ``scales=compressed-tensors``, so the checkpoint holds
+        the calibrated model exactly (``docs/checkpoint-format.md``); other layouts: the
+        recipe as it is. The CLI's ``export`` applies it from ``-o format=``.
+        """
+        if layout != "compressed-tensors":
+            return self
+
+        def convert(spelled: str | None) -> str | None:
+            if spelled is None:
+                return None
+            name, options = split_options(spelled)
+            if "scales" in options or "scales" not in known_options(ALGORITHMS[name]):
+                return spelled
+            return spell(name, {**options, "scales": "compressed-tensors"})
+
+        return dataclasses.replace(
+            self,
+            algo=convert(self.algo),
+            overrides=tuple((pattern, convert(a)) for pattern, a in self.overrides),
+        )
 
     def algorithms(self) -> list[Algorithm]:
         """Every weight recipe this recipe applies (the default and the overrides), once each."""

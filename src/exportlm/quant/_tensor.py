@@ -22,7 +22,7 @@ import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -38,8 +38,10 @@ __all__ = [
     "FormatKernels",
     "QuantFormat",
     "QuantizedTensor",
+    "ScaleConvention",
     "abs_max",
     "format_name",
+    "global_scale",
     "install_format_lookup",
     "safe_scale",
     "split_blocks",
@@ -52,6 +54,12 @@ logger = logging.getLogger(__name__)
 #: from which the streaming export maps each allocation on its own, so the slices'
 #: temporaries reuse the same heap memory. Read at call time (``_tensor.CHUNK_ELEMENTS``).
 CHUNK_ELEMENTS = 1 << 17
+
+#: How a recipe computes and stores its scales (the ``scales`` recipe option):
+#: ``"modelopt"`` (float32 scales; NVFP4's second level ``amax / (6 * 448)``, multiplied)
+#: or ``"compressed-tensors"`` (NVFP4's global scale ``6 * 448 / amax``, divided by, and
+#: the other float scales in the dtype of the module's weight, as llm-compressor writes them).
+ScaleConvention = Literal["modelopt", "compressed-tensors"]
 
 #: Largest finite float8_e4m3fn value.
 FP8_MAX = 448.0
@@ -106,6 +114,9 @@ class QuantizedTensor:
         block_size: NVFP4 block / INT4 group size along the last dimension, else ``None``.
         shape: the shape of the original (unpacked) tensor.
         dtype: the dtype of the original tensor; :func:`~exportlm.quant.dequantize` returns it.
+        scale_2_divides: ``scale_2`` is compressed-tensors' global scale (``6 * 448 / amax``):
+            the block scales are divided by it, not multiplied (``False``: ModelOpt's
+            ``weight_scale_2``). Neither is the exact reciprocal of the other in float32.
     """
 
     format: FormatId
@@ -115,6 +126,7 @@ class QuantizedTensor:
     block_size: int | None = None
     shape: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
+    scale_2_divides: bool = False
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dequantized tensor (see :func:`~exportlm.quant.dequantize`)."""
@@ -174,6 +186,21 @@ def safe_scale(amax: torch.Tensor, divisor: float, *, where: str) -> torch.Tenso
         )
         scale = torch.where(zero, torch.ones_like(scale), scale)
     return scale
+
+
+def global_scale(amax: torch.Tensor, divisor: float, *, where: str) -> torch.Tensor:
+    """compressed-tensors' global scale ``divisor / amax`` in float32, as it computes it.
+
+    The same expression as compressed-tensors' ``generate_gparam`` (a Python float over
+    a tensor: ``amax.reciprocal() * divisor`` in torch), an amax floored at the smallest
+    normal float32, an infinity (an all-zero tensor) replaced by 1.0. A NaN or infinite
+    amax raises :class:`QuantizationError` naming ``where``, as :func:`safe_scale` does.
+    """
+    safe_scale(amax, divisor, where=where)  # the same refusal of a non-finite amax
+    amax32 = amax.detach().to(torch.float32)
+    amax32 = torch.clamp(amax32, min=torch.finfo(torch.float32).tiny)
+    scale = divisor / amax32
+    return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0)
 
 
 def split_blocks(x: torch.Tensor, block: int, fmt: str, where: str) -> torch.Tensor:

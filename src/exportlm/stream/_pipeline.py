@@ -114,7 +114,9 @@ def export_streaming(
             ``"nvfp4"``, ``"int8_sq"``, ``"w8a8"``, or a plugin's), with or
             without ``"+fp8_kv"``, or a mapping of module-name
             patterns to them (mixed precision) that leaves the modules outside the
-            decoder layers unquantized; ``None`` for an unquantized re-export.
+            decoder layers unquantized; ``None`` for an unquantized re-export. It takes
+            the scale convention of ``format`` (:meth:`QuantRecipe.for_layout
+            <exportlm.quant.QuantRecipe.for_layout>`) unless it spells ``scales=``.
         calibration: ``input_ids`` batches; default: one batch of
             :func:`~exportlm.inputs.make_input_ids`, what ``quantize`` uses by default.
         max_memory: the memory the export may use beyond the process itself (bytes or
@@ -137,7 +139,8 @@ def export_streaming(
     check_output_path(out)
     if not overwrite and out.is_dir() and any(out.iterdir()):
         raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
-    plan = QuantRecipe.parse(recipe) if recipe is not None else None
+    # the layout's scale convention: a compressed-tensors checkpoint is the calibrated model
+    plan = QuantRecipe.parse(recipe).for_layout(format) if recipe is not None else None
     map_large_allocations()  # freed tensors go straight back to the system (see _memory.py)
     source = CheckpointSource(Path(model_dir))
     baseline = resident_bytes()  # before any weight: interpreter, torch, the meta model

@@ -103,6 +103,9 @@ class ActivationScale(NamedTuple):
     #: SmoothQuant: the scale the input is multiplied by before it is quantized (the
     #: dequantized weight is the stored, smoothed one).
     pre_quant_scale: torch.Tensor | None = None
+    #: ``scale`` is compressed-tensors' global scale (NVFP4's ``input_global_scale``),
+    #: which quantization divides by, as compressed-tensors does.
+    divides: bool = False
 
 
 class DequantizedState(NamedTuple):
@@ -227,13 +230,18 @@ def dequantize_state(
                     f"{slot.data} is in format {spec.name!r}, which quantizes no activations"
                 )
             value = check_scale(input_scale, tensors[input_scale])
-            if stored_input.reciprocal:  # compressed-tensors' input_global_scale = 1 / input_scale
+            # compressed-tensors' input_global_scale: a divisor (NVFP4's global scale, used
+            # as it is), else the reciprocal of the format's own input_scale
+            divides = stored_input.reciprocal and spec.global_scale
+            if stored_input.reciprocal and not divides:
                 value = 1.0 / value
+            elif tensors[input_scale].dtype in (torch.bfloat16, torch.float16):
+                value = tensors[input_scale]  # quantized with in its own dtype, as written
             pre_quant_scale = slot.name(_PRE_QUANT_SCALE, leaves.data)
             smoothing = tensors[pre_quant_scale].float() if pre_quant_scale in tensors else None
             # keyed by the format's own leaf name, which the static quantization looks up
             scales[slot.name(_INPUT_SCALE, leaves.data)] = ActivationScale(
-                spec.recipe.input_format or spec.format, value, block, smoothing
+                spec.recipe.input_format or spec.format, value, block, smoothing, divides
             )
             used.add(input_scale)
     for name, tensor in tensors.items():

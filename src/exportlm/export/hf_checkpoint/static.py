@@ -100,7 +100,9 @@ class StaticQuantization:
         wrapper = cast(QuantLinear, wrap_module(module, name))
         if inputs is not None:
             quantizer = wrapper.input_quantizer
-            quantizer.load_scale(inputs.scale, inputs.format, block_size=inputs.block_size)
+            quantizer.load_scale(
+                inputs.scale, inputs.format, block_size=inputs.block_size, divides=inputs.divides
+            )
             if inputs.pre_quant_scale is not None:  # SmoothQuant: scale, then quantize
                 quantizer.pre_quant_scale = inputs.pre_quant_scale
                 quantizer.weight_smoothed = True
@@ -134,10 +136,17 @@ class StaticQuantization:
                     "quantizer, so every expert needs an input_scale of the same format"
                 )
             # one shared input quantizer per projection: the block's largest scale
-            # (what the exporter writes for every expert, and what vLLM uses)
-            scale = torch.stack([s.scale.reshape(()) for s in present]).amax()
+            # (what the exporter writes for every expert, and what vLLM uses); of global
+            # scales (divisors), the smallest
+            stacked = torch.stack([s.scale.reshape(()) for s in present])
+            divides = present[0].divides
             quantizer = wrapper.input_quantizer_of(projection)
-            quantizer.load_scale(scale, present[0].format, block_size=present[0].block_size)
+            quantizer.load_scale(
+                stacked.amin() if divides else stacked.amax(),
+                present[0].format,
+                block_size=present[0].block_size,
+                divides=divides,
+            )
 
     def _expert_input_scales(
         self, name: str, wrapper: QuantExperts, projection: str

@@ -39,6 +39,7 @@ from exportlm.quant.formats._int8 import INT8
 from exportlm.quant.formats._layouts import (
     CHECKPOINT_LAYOUTS,
     DEFAULT_LAYOUT,
+    HALF_FLOATS,
     MIXED_PRECISION,
     CheckpointLayout,
     ExportFormat,
@@ -75,6 +76,7 @@ __all__ = [
     "DEFAULT_LAYOUT",
     "E2M1_VALUES",
     "FP8",
+    "HALF_FLOATS",
     "INT4",
     "INT8",
     "MIXED_PRECISION",

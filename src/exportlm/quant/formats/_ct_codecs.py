@@ -12,14 +12,15 @@ What compressed-tensors stores, read from its source (0.20.1 and 0.17,
 * ``nvfp4-pack-quantized``: ``weight_packed`` uint8 ``[out, in / 2]`` (the even
   column in the low nibble, as ModelOpt), ``weight_scale`` float8_e4m3fn
   ``[out, in / 16]``, ``weight_global_scale`` fp32 ``[1]`` and
-  ``input_global_scale`` fp32 ``[1]``. A global scale is the *reciprocal* of
+  ``input_global_scale`` fp32 ``[1]``. A global scale stands for the *reciprocal* of
   ModelOpt's second level: ``448 * 6 / amax`` (``generate_gparam``), applied as
-  ``scale / global_scale``; so ``weight_global_scale = 1 / weight_scale_2`` and
-  ``input_global_scale = 1 / input_scale``.
+  ``scale / global_scale``. The NVFP4 kernels compute with it as it is under the
+  recipe option ``scales=compressed-tensors``; a ModelOpt-convention scale is stored
+  as its float32 reciprocal by the layout (:class:`~exportlm.quant.formats.CheckpointLayout`),
+  one last bit off for some values.
 
-Everything here is a pure re-layout (and a float32 reciprocal for the global
-scales): the codes, the group scales and the float8 block scales are the format's
-own, byte for byte.
+Everything here is a pure re-layout: the codes, the group scales and the float8
+block scales are the format's own, byte for byte.
 """
 
 from __future__ import annotations
@@ -129,10 +130,6 @@ def pack_quantized_codec(bits: int, to_codes: CodesFn, from_codes: CodesFn) -> L
     )
 
 
-def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
-    return (1.0 / scale.to(torch.float32)).reshape(1)
-
-
 def _positive_zeros(packed: torch.Tensor) -> torch.Tensor:
     """E2M1 code 8 (-0.0) as code 0 (+0.0) in both nibbles, as compressed-tensors packs it.
 
@@ -145,21 +142,21 @@ def _positive_zeros(packed: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_codec() -> LeafCodec:
-    """``nvfp4-pack-quantized``: ModelOpt's codes (zeros unsigned) and block scales, reciprocal
-    global scales."""
+    """``nvfp4-pack-quantized``: the codes (zeros unsigned) and block scales, and the second
+    levels as global scales (``global_scale=True``: the layout hands them over as such)."""
 
     def encode(leaves: LeafTensors) -> dict[str, torch.Tensor]:
         return {
             "weight_packed": _positive_zeros(leaves["weight"]),
             "weight_scale": leaves["weight_scale"],
-            "weight_global_scale": _reciprocal(leaves["weight_scale_2"]),
+            "weight_global_scale": leaves["weight_scale_2"].to(torch.float32).reshape(1),
         }
 
     def decode(leaves: LeafTensors) -> dict[str, torch.Tensor]:
         return {
             "weight": leaves["weight_packed"],
             "weight_scale": leaves["weight_scale"],
-            "weight_scale_2": _reciprocal(leaves["weight_global_scale"]).reshape(()),
+            "weight_scale_2": leaves["weight_global_scale"].to(torch.float32).reshape(()),
         }
 
     return LeafCodec(
@@ -171,6 +168,7 @@ def nvfp4_codec() -> LeafCodec:
         encode=encode,
         decode=decode,
         activations={"input_scale": StoredScale("input_global_scale", reciprocal=True)},
+        global_scale=True,
     )
 
 

@@ -37,10 +37,20 @@ _COMPRESSED_TENSORS_ARGS = {
 def quantize_fp8(
     x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
 ) -> QuantizedTensor:
-    """``(x / scale)`` cast to float8_e4m3fn (saturating at 448); ``block_size`` is unused."""
+    """``(x / scale)`` cast to float8_e4m3fn (saturating at 448); ``block_size`` is unused.
+
+    In float32, except with a bfloat16 / float16 ``scale`` (the ``compressed-tensors``
+    scale convention of a half-precision model): then ``x / scale`` in the promoted dtype
+    of the two, clamped and cast, as compressed-tensors quantizes (and transformers runs
+    its checkpoints), a rounding to the half float before the one to float8.
+    """
     if scale is None:
         raise ValueError(f"{where}: fp8 quantization needs the per-tensor scale")
     x = x.detach()
+    if scale.dtype in (torch.bfloat16, torch.float16):
+        scaled = x / scale.to(x.device)
+        data = torch.clamp(scaled, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return QuantizedTensor(QuantFormat.FP8, data, scale, shape=tuple(x.shape), dtype=x.dtype)
     if (
         x.device.type == "cpu"
         and scale.numel() == 1

@@ -17,6 +17,7 @@ the loader never branch on a format or a layout either.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -37,6 +38,9 @@ __all__ = [
     "ExportFormat",
     "checkpoint_layout",
 ]
+
+#: The half-precision float dtypes a scale may be computed and stored in.
+HALF_FLOATS = (torch.bfloat16, torch.float16)
 
 #: ``format=`` values of the export (the layout names).
 ExportFormat = Literal["modelopt", "compressed-tensors"]
@@ -61,6 +65,10 @@ class CheckpointLayout:
             linears.
         kv_scales_on_attention: the KV-cache scales sit on the attention module
             (``self_attn.k_scale``), not on ``k_proj`` / ``v_proj``.
+        half_scales: a scale computed in bfloat16 / float16 (the ``compressed-tensors``
+            scale convention of a half-precision model) is stored in that dtype, as
+            compressed-tensors stores a scale in its weight's dtype; ``False``: every
+            float scale in float32 (exact: float32 holds every half-float value).
     """
 
     name: str
@@ -68,6 +76,7 @@ class CheckpointLayout:
     scheme: Literal["compressed_tensors"] | None = None
     stacked_experts: bool = True
     kv_scales_on_attention: bool = False
+    half_scales: bool = False
 
     def holds(self, spec: FormatSpec) -> bool:
         """This layout can store weights in ``spec``'s format."""
@@ -76,9 +85,15 @@ class CheckpointLayout:
     def stored_scale(self, scale: torch.Tensor) -> torch.Tensor:
         """``scale`` as this layout stores it: a 0-d scale gets :attr:`scalar_scale_shape`.
 
-        The one rule for the shape of per-tensor scales; a scale with dimensions is
-        returned as is.
+        The one rule for the shape of per-tensor scales and the dtype of half-float
+        ones: a bfloat16 / float16 scale (the ``compressed-tensors`` scale convention of
+        a half-precision model) stays so where :attr:`half_scales`, else becomes float32
+        (exact); other dtypes (float32, float8 block scales) and a scale with dimensions'
+        shape are kept.
         """
+        scale = scale.detach()
+        if scale.dtype in HALF_FLOATS and not self.half_scales:
+            scale = scale.to(torch.float32)
         if scale.dim() == 0 and self.scalar_scale_shape:
             return scale.reshape(self.scalar_scale_shape)
         return scale
@@ -104,22 +119,43 @@ class CheckpointLayout:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(stored leaf name, tensor)`` of ``q`` as this layout stores it, ready to write.
 
-        Float32 scales are float32, a 0-d one in :attr:`scalar_scale_shape`
-        (:meth:`stored_scale`); a codec re-lays the format's leaves out.
+        Float scales as :meth:`stored_scale` stores them; a second level in the form the
+        layout stores it (:meth:`second_level`); a codec re-lays the format's leaves out.
         """
         codec = self.codec(spec)
         native = {
-            leaf.name: t.detach().to(torch.float32) if leaf.is_float32_scale else t
+            leaf.name: self._native(spec, leaf.source, t, q) if leaf.is_float32_scale else t
             for leaf, t in spec.weight_tensors(q)
         }
         if codec is None:
-            for name, tensor in native.items():
-                yield name, self.stored_scale(tensor) if tensor.dtype == torch.float32 else tensor
+            yield from native.items()
             return
         encoded = codec.encode(native)
         for leaf in codec.weights:
             if leaf.name in encoded:
                 yield leaf.name, encoded[leaf.name]
+
+    def global_scales(self, spec: FormatSpec) -> bool:
+        """This layout stores ``spec``'s second level as compressed-tensors' global scale."""
+        codec = self.codec(spec)
+        return codec is not None and codec.global_scale
+
+    def second_level(self, spec: FormatSpec, scale: torch.Tensor, divides: bool) -> torch.Tensor:
+        """A second-level scale (``divides``: a global scale) in the form this layout stores.
+
+        The same number where the forms agree; else its float32 reciprocal, which for
+        some values is one last bit off (``docs/checkpoint-format.md``).
+        """
+        if divides == self.global_scales(spec):
+            return scale
+        return 1.0 / scale.to(torch.float32)
+
+    def _native(
+        self, spec: FormatSpec, source: str | None, tensor: torch.Tensor, q: QuantizedTensor
+    ) -> torch.Tensor:
+        if source == "scale_2":
+            tensor = self.second_level(spec, tensor, q.scale_2_divides)
+        return self.stored_scale(tensor)
 
     def from_leaves(self, spec: FormatSpec, leaves: Mapping[str, torch.Tensor]) -> QuantizedTensor:
         """The :class:`QuantizedTensor` stored as ``leaves`` (stored names) in this layout."""
@@ -138,7 +174,10 @@ class CheckpointLayout:
                     f"as {codec.codes.dtype}, got {codes.dtype}; the tensor is not in this format"
                 )
             leaves = codec.decode(leaves)
-        return spec.from_leaves(leaves)
+        q = spec.from_leaves(leaves)
+        if q.scale_2 is not None and self.global_scales(spec):
+            q = dataclasses.replace(q, scale_2_divides=True)
+        return q
 
     def activation_leaf(self, spec: FormatSpec, leaf: str, where: str) -> StoredScale:
         """How this layout stores ``spec``'s activation leaf ``leaf`` (``input_scale``).
@@ -169,6 +208,7 @@ CHECKPOINT_LAYOUTS: Mapping[str, CheckpointLayout] = MappingProxyType(
             scheme="compressed_tensors",
             stacked_experts=False,
             kv_scales_on_attention=True,
+            half_scales=True,
         ),
     }
 )

@@ -51,12 +51,26 @@ _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_UP = (0.75, 1.75, 3.5)  # ties whose upper neighbour has the even code
 # Smallest positive float8_e4m3fn (subnormal): a block scale never goes below it.
 _FP8_MIN_SUBNORMAL = 2.0**-9
+# compressed-tensors' replacement of a zero float8 block scale (``_get_dtype_eps``).
+_CT_ZERO_SCALE = 0.125
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
+    x: torch.Tensor,
+    *,
+    scale: torch.Tensor | None,
+    block_size: int | None,
+    where: str,
+    divides: bool = False,
 ) -> QuantizedTensor:
-    """E2M1 codes with float8 block scales; ``scale`` is the second level (``weight_scale_2``)."""
+    """E2M1 codes with float8 block scales; ``scale`` is the second level.
+
+    ``divides=False``: ModelOpt's ``weight_scale_2`` (``amax / (6 * 448)``), block scale
+    ``block_amax / (6 * scale)``, applied as ``block scale * scale``. ``divides=True``:
+    compressed-tensors' global scale (``6 * 448 / amax``), block scale
+    ``scale * (block_amax / 6)``, applied as ``block scale / scale``
+    (:func:`_ct_block_scales`).
+    """
     if scale is None or not block_size:
         raise ValueError(f"{where}: nvfp4 quantization needs the per-tensor scale and a block_size")
     if x.shape[-1] % 2:
@@ -65,6 +79,21 @@ def quantize_nvfp4(
     # 0-d, or [E, 1, 1] for stacked experts: broadcasts over the blocks. On x's device:
     # CUDA divides by a CPU scalar through its reciprocal (another last bit).
     s2 = scale.to(x.device)
+    if divides:
+        scale_fp8, effective = _ct_block_scales(blocks, s2, x.dtype)
+    else:
+        scale_fp8 = _modelopt_block_scales(blocks, s2)
+        effective = scale_fp8.to(torch.float32) * s2
+    scaled = blocks / effective.unsqueeze(-1)
+    codes = _e2m1_codes(scaled.reshape(x.shape))
+    packed = (codes[..., 1::2] << 4) | codes[..., 0::2]
+    return QuantizedTensor(
+        QuantFormat.NVFP4, packed, scale_fp8, scale, block_size, tuple(x.shape), x.dtype, divides
+    )
+
+
+def _modelopt_block_scales(blocks: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's float8 block scales ``block_amax / (6 * s2)`` (a zero block: 1.0)."""
     block_scale = blocks.abs().amax(dim=-1) / (FP4_MAX * s2)
     block_scale = torch.where(block_scale == 0, torch.ones_like(block_scale), block_scale)
     rounded = block_scale.to(torch.float8_e4m3fn).to(torch.float32)
@@ -72,13 +101,26 @@ def quantize_nvfp4(
     # smallest subnormal (the block's values still fit, |x| / scale < 3). Chosen in
     # float32 on x's device (2**-9 is exact in float8), so no device mixes in.
     floor = torch.full_like(rounded, _FP8_MIN_SUBNORMAL)
-    scale_fp8 = torch.where(rounded == 0, floor, rounded).to(torch.float8_e4m3fn)
-    scaled = blocks / (scale_fp8.to(torch.float32) * s2).unsqueeze(-1)
-    codes = _e2m1_codes(scaled.reshape(x.shape))
-    packed = (codes[..., 1::2] << 4) | codes[..., 0::2]
-    return QuantizedTensor(
-        QuantFormat.NVFP4, packed, scale_fp8, scale, block_size, tuple(x.shape), x.dtype
-    )
+    return torch.where(rounded == 0, floor, rounded).to(torch.float8_e4m3fn)
+
+
+def _ct_block_scales(
+    blocks: torch.Tensor, gs: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' float8 block scales and the effective scales they stand for.
+
+    As ``calculate_qparams`` computes them: ``gs * (block_amax / 6)``, the division in
+    the tensor's own ``dtype`` (its observer's min / max are of that dtype; a division by
+    a tensor, so no device multiplies by a rounded 1/6), clamped to the float8 range
+    and rounded, a zero replaced by its ``0.125``; applied as ``block scale / gs``.
+    """
+    if dtype not in (torch.bfloat16, torch.float16):
+        dtype = torch.float32
+    bamax = blocks.abs().amax(dim=-1).to(dtype)  # exact: a max of values of that dtype
+    local = (bamax / bamax.new_tensor(FP4_MAX)).to(torch.float32)
+    rounded = torch.clamp(gs * local, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    rounded = torch.where(rounded == 0, torch.full_like(rounded, _CT_ZERO_SCALE), rounded)
+    return rounded.to(torch.float8_e4m3fn), rounded / gs
 
 
 def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
@@ -94,12 +136,16 @@ def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_nvfp4(q: QuantizedTensor) -> torch.Tensor:
-    """E2M1 values times ``block scale * scale_2``, float32."""
+    """E2M1 values times ``block scale * scale_2`` (``block scale / scale_2`` where
+    :attr:`~exportlm.quant.QuantizedTensor.scale_2_divides`), float32."""
     if q.scale_2 is None or q.block_size is None:
         raise ValueError("an nvfp4 QuantizedTensor needs scale_2 and block_size")
     codes = torch.stack((q.data & 0x0F, q.data >> 4), dim=-1).reshape(q.shape)
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
-    block_scale = q.scale.to(torch.float32) * q.scale_2
+    s2 = q.scale_2.to(torch.float32)
+    block_scale = (
+        q.scale.to(torch.float32) / s2 if q.scale_2_divides else q.scale.to(torch.float32) * s2
+    )
     blocks = values.reshape(*q.shape[:-1], -1, q.block_size) * block_scale.unsqueeze(-1)
     return blocks.reshape(q.shape)
 
@@ -142,4 +188,5 @@ NVFP4 = FormatSpec(
         codec=nvfp4_codec(),
     ),
     share_fused_weight_amax=True,
+    global_scale=True,
 )

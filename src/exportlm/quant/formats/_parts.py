@@ -196,6 +196,10 @@ class LeafCodec:
             a module that would need it, naming the leaf and ``refusal``). A leaf
             not listed is stored under its own name.
         refusal: why a leaf mapped to ``None`` cannot be stored and what to do instead.
+        global_scale: the layout stores the format's second level (``scale_2``) as a
+            global scale, its divisor form (compressed-tensors' ``weight_global_scale``):
+            ``encode`` gets it and ``decode`` gives it back in that form, and the layout
+            converts a ModelOpt ``scale_2`` (the float32 reciprocal: not exact).
     """
 
     weights: tuple[StoredLeaf, ...]
@@ -203,6 +207,7 @@ class LeafCodec:
     decode: Callable[[LeafTensors], dict[str, torch.Tensor]]
     activations: Mapping[str, StoredScale | None] = field(default_factory=dict)
     refusal: str = ""
+    global_scale: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activations", _frozen(self.activations))

@@ -85,6 +85,10 @@ class FormatSpec:
             ``weight_scale_2`` per fused GEMM).
         share_expert_gate_up_amax: gate and up of one iterable expert share one
             weight amax at export (FP8: one ``weight_scale``).
+        global_scale: the per-tensor scale is a second level that compressed-tensors
+            stores as a *global scale* (``amax_divisor / amax``, divided by): the kernels
+            take ``divides=True`` for it (NVFP4), so a recipe's ``scales=compressed-tensors``
+            quantizes with the stored number itself.
     """
 
     format: FormatId
@@ -103,6 +107,7 @@ class FormatSpec:
     kv_cache: KVCacheScheme | None = None
     share_fused_weight_amax: bool = False
     share_expert_gate_up_amax: bool = False
+    global_scale: bool = False
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -125,6 +130,8 @@ class FormatSpec:
             yield from self._recipe_problems(self.recipe)
         if (self.share_fused_weight_amax or self.share_expert_gate_up_amax) and not self.calibrated:
             yield "only a calibrated format has a per-tensor weight amax to share"
+        if self.global_scale and not (self.calibrated and "scale_2" in sources):
+            yield "a global scale is the per-tensor second level (a 'scale_2' leaf) of a calibrated format"
         if self.kv_cache is not None and not (self.calibrated and self.granularity == "tensor"):
             yield "a KV-cache recipe needs a calibrated per-tensor format"
         if self.kv_cache is not None and {"k_scale", "v_scale"} - self._names("kv_cache"):
