@@ -212,7 +212,7 @@ engines: $(ENGINE_STAMPS)
 # rest), then the plugin's `served` items over every built-in target, each engine from
 # its venv, a missing or off-version engine failing (--export-require-engines).
 ENGINE_TESTS ?= tests/test_engines*.py tests/test_served*.py tests/test_generation_padded.py \
-	tests/test_interop_ct.py tests/test_ct_scales.py
+	tests/test_interop_ct.py tests/test_ct_scales.py tests/test_peer_checkpoints.py
 test-engines: $(STAMP) engines
 	env $(ENGINE_ENV) $(BIN)/python -m pytest -n 0 -m engines $(ENGINE_TESTS) -rs --durations=10
 	env $(ENGINE_ENV) $(BIN)/python -m pytest -n 0 --export-targets=all --export-only \

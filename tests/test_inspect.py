@@ -83,7 +83,9 @@ def test_our_modelopt_checkpoints_pass(family: str, recipe: str, tmp_path: Path)
     assert report.ok, [f.message for f in report.errors]
     # vLLM / SGLang refuse ModelOpt's integer algorithms (see test_inspect_engines.py)
     refused = {"engine-refuses-scheme"} if recipe in ("int4_awq", "int8_wo") else set()
-    assert rules_of(report, Severity.WARNING) == refused
+    # transformers reads unpacked codes as weights (test_inspect_loader_verdicts.py)
+    misread = set() if recipe in ("int4_awq", "nvfp4") else {"loader-misreads"}
+    assert rules_of(report, Severity.WARNING) == refused | misread
     assert report.summary["layout"] == "modelopt"
     assert sum(report.summary["quantized_layers"].values()) > 0
     assert report.summary["kv_cache"] is recipe.endswith("fp8_kv")
@@ -305,7 +307,8 @@ def test_kv_scales_without_a_declaration_warn(tmp_path: Path) -> None:
     )
     report = inspect_checkpoint(out)
     assert report.ok
-    assert rules_of(report, Severity.WARNING) == {"kv-scale-undeclared"}
+    # transformers misreads any ModelOpt FP8 checkpoint (test_inspect_loader_verdicts.py)
+    assert rules_of(report, Severity.WARNING) == {"kv-scale-undeclared", "loader-misreads"}
 
 
 def test_a_checkpoint_without_its_tokenizer_warns(tmp_path: Path) -> None:

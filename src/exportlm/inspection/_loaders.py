@@ -26,6 +26,8 @@ __all__ = [
     "engine_refusals",
     "loaders_knowing",
     "modelopt_quant_algos",
+    "transformers_kv_scales_dropped",
+    "transformers_modelopt_misread",
     "transformers_quant_methods",
 ]
 
@@ -285,3 +287,83 @@ def compressed_tensors_formats() -> frozenset[str]:
     except ImportError:
         return _CT_FORMATS
     return _CT_FORMATS | {str(f.value) for f in CompressionFormat}
+
+
+def _transformers_label() -> str | None:
+    """``"transformers 5.25.0"`` for the installed transformers (``None``: not installed)."""
+    if transformers_quant_methods() is None:
+        return None
+    from importlib.metadata import version
+
+    return f"transformers {version('transformers')}"
+
+
+def transformers_modelopt_misread(method: str | None, packings: Sequence[int]) -> Misread | None:
+    """transformers' misread of a ModelOpt-layout checkpoint whose codes keep the float shape.
+
+    A transformers without a ``modelopt`` quantizer (none up to 5.25) logs "Unknown
+    quantization type" (``AutoHfQuantizer.supports_quant_method``) and loads the model
+    unquantized: codes stored one per element (``packings`` all 1: FP8, INT8) fit the
+    float weights and are cast to the model's dtype as if they were weights, every scale is
+    dropped as an unexpected key. Packed codes (INT4, NVFP4) do not fit: it refuses them
+    (size mismatch), so they are no misread.
+    """
+    hf = transformers_quant_methods()
+    if method != "modelopt" or hf is None or "modelopt" in hf or not packings:
+        return None
+    if any(packing != 1 for packing in packings):
+        return None
+    label = _transformers_label()
+    assert label is not None
+    return Misread(
+        "transformers",
+        label.split(" ", 1)[1],
+        "modelopt",
+        frozenset(),
+        frozenset(),
+        frozenset(),
+        "it has no 'modelopt' quantizer: it loads the stored FP8 / INT8 codes as plain "
+        "weights and drops every scale as an unexpected key, so it computes garbage "
+        "(measured with 5.25: perplexity 2.9e7 on SmolLM2-135M FP8); read it with vLLM, SGLang, "
+        "TensorRT-LLM or exportlm.load_exported, or export format='compressed-tensors' "
+        "for transformers",
+    )
+
+
+def _attention_takes_past_key_values() -> bool | None:
+    """Whether transformers' attention ``forward`` takes ``past_key_value(s)`` (Llama's, as installed).
+
+    compressed-tensors (0.17 - 0.20) attaches KV-cache quantization only to attention
+    modules whose ``forward`` has such a parameter (``is_cached_attention_module``);
+    transformers 5.25 renamed it ``cache``. ``None``: transformers is not installed.
+    """
+    try:
+        from transformers.models.llama.modeling_llama import LlamaAttention
+    except ImportError:
+        return None
+    import inspect
+
+    parameters = inspect.signature(LlamaAttention.forward).parameters
+    return "past_key_value" in parameters or "past_key_values" in parameters
+
+
+def transformers_kv_scales_dropped(method: str | None, kv_cache: bool) -> str | None:
+    """The note on a compressed-tensors KV-cache checkpoint transformers loads without its KV scales.
+
+    compressed-tensors recognizes an attention module by a ``past_key_value(s)`` parameter
+    of its ``forward``; transformers 5.25's attentions take ``cache`` instead, so no KV-cache
+    quantization is attached and ``k_scale`` / ``v_scale`` are unexpected keys, the cache
+    unquantized (measured with 5.25 + compressed-tensors 0.20.1; 5.19 + 0.17 and
+    5.17 + 0.19 apply them).
+    """
+    label = _transformers_label()
+    if method != "compressed-tensors" or not kv_cache or label is None:
+        return None
+    if _attention_takes_past_key_values() is not False:
+        return None
+    return (
+        f"{label} drops the KV-cache scales (k_scale / v_scale are unexpected keys: its "
+        "attention forward takes no past_key_values, by which compressed-tensors finds the "
+        "modules to attach KV-cache quantization to, so its cache runs unquantized; an "
+        "ecosystem limit: vLLM, and transformers 5.19 with compressed-tensors 0.17, apply them)"
+    )

@@ -381,6 +381,12 @@ _TABLE: tuple[Rule, ...] = (
         "Reports the quantized initializers (FLOAT8E4M3FN, INT8, INT4...) and their bytes.",
         "onnx",
     ),
+    Rule(
+        "loader-misreads",
+        _W,
+        (_HF,),
+        "No loader that loads the checkpoint without an error computes something else.",
+    ),
 )
 
 #: Every rule by id, in the order of ``docs/checkpoint-rules.md``.

@@ -12,7 +12,14 @@ from exportlm.inspection._completeness import layer_count_of, layer_gap
 from exportlm.inspection._config import config_field_problems, quant_config_problems
 from exportlm.inspection._declared import MIXED_PRECISION, Declared
 from exportlm.inspection._files import CONFIG, INDEX, Checkpoint
-from exportlm.inspection._loaders import Misread, engine_misreads, engine_refusals, loaders_knowing
+from exportlm.inspection._loaders import (
+    Misread,
+    engine_misreads,
+    engine_refusals,
+    loaders_knowing,
+    transformers_kv_scales_dropped,
+    transformers_modelopt_misread,
+)
 from exportlm.inspection._names import listed_in, name_problems
 from exportlm.inspection._rules import RULES, Finding
 
@@ -171,7 +178,10 @@ def _misreads(checkpoint: Checkpoint, declared: Declared) -> list[Misread]:
     model_type = config.get("model_type")
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     kind = str(model_type) if model_type is not None else None
-    return engine_misreads(declared.quant_method, formats, kind, dtype)
+    found = engine_misreads(declared.quant_method, formats, kind, dtype)
+    packings = [s.spec.packing for s in schemes if s is not None and s.spec is not None]
+    hf = transformers_modelopt_misread(declared.quant_method, packings)
+    return [*found, hf] if hf is not None else found
 
 
 def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) -> Iterator[Finding]:
@@ -191,8 +201,18 @@ def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) ->
     misread = _misreads(checkpoint, declared)
     names = {f.details["engine_name"] for f in refused} | {m.engine for m in misread}
     loads = [loader for loader in known if loader.split(" ")[0] not in names]
-    if unknown or refusing or misread:
+    unknown = [loader for loader in unknown if loader.split(" ")[0] not in names]
+    for m in misread:
+        yield RULES["loader-misreads"].finding(
+            "config.json",
+            f"misread by {m.engine} {m.version}: it loads this checkpoint without an error "
+            f"and computes something else ({m.evidence})",
+            engine=f"{m.engine} {m.version}",
+        )
+    dropped = transformers_kv_scales_dropped(method, declared.kv_cache)
+    if unknown or refusing or misread or dropped:
         said = [f"loads in {', '.join(loads)}" if loads else "loads in no engine checked here"]
+        said += [dropped] if dropped and any(n.startswith("transformers") for n in loads) else []
         said += [f"refused by {', '.join(refusing)} (its algorithm)"] if refusing else []
         said += [f"misread by {m.engine} {m.version} ({m.evidence})" for m in misread]
         said += [f"not in {', '.join(unknown)}"] if unknown else []
@@ -203,6 +223,7 @@ def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) ->
             refused=refusing,
             misread=[f"{m.engine} {m.version}" for m in misread],
             unknown=unknown,
+            kv_scales_dropped=dropped is not None,
         )
 
 
