@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -174,7 +175,8 @@ def run_ours(
     if code:
         return {**result, "error": f"exit {code}: {_tail(log)}"}
     if evaluate:
-        result.update(_run_child("ours-eval", model_dir, recipe, data, out))
+        extra = () if args.ours_memory else ("--skip-memory",)
+        result.update(_run_child("ours-eval", model_dir, recipe, data, out, *extra))
     return result
 
 
@@ -224,9 +226,10 @@ def ours_eval(args: argparse.Namespace) -> None:
     data = load_data(args.data)
     result: dict[str, Any] = {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
-        quantize(model, args.recipe, calibrate=calibrate_with(data["batches"]))
-        result["mem"] = guarded(result, "mem_error", lambda: measure(hf_logits(model), data))
+        if not args.skip_memory:
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
+            quantize(model, args.recipe, calibrate=calibrate_with(data["batches"]))
+            result["mem"] = guarded(result, "mem_error", lambda: measure(hf_logits(model), data))
         run = guarded(
             result, "ckpt_error", lambda: exportlm.load_exported("hf_checkpoint", args.out)
         )
@@ -266,7 +269,12 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="quality-", dir=args.workdir) as tmp:
         work = Path(tmp)
         results: dict[str, Any] = {"meta": _meta(args, model_dir), "rows": []}
-        results["meta"].update(prepare(args, model_dir, work))
+        if args.data_from:  # another run's evaluation data, answers and bf16 row
+            shutil.copy(args.data_from, work / "run.pt")
+            previous = json.loads(args.data_from.with_suffix(".json").read_text())["meta"]
+            results["meta"].update({k: previous[k] for k in ("bf16", "calibration", "eval_tokens")})
+        else:
+            results["meta"].update(prepare(args, model_dir, work))
         print(f"bf16: {results['meta']['bf16']}", flush=True)
         plan = [(r, work / "run.pt", True) for r in args.recipes]
         if args.memory_row:
@@ -326,6 +334,18 @@ def _args() -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="chat prompts used")
     p.add_argument("--calib-data", type=Path, default=HERE / "data" / "calibration.txt")
     p.add_argument("--eval-data", type=Path, default=HERE / "data" / "eval.txt")
+    p.add_argument(
+        "--no-ours-memory",
+        dest="ours_memory",
+        action="store_false",
+        help="measure our checkpoint only, not the library's in-memory model (slow)",
+    )
+    p.add_argument(
+        "--data-from",
+        type=Path,
+        metavar="RUN.pt",
+        help="reuse another run's data (RUN.json beside it: its results, for the bf16 row)",
+    )
     p.add_argument("--workdir", type=Path, default=None, help="where checkpoints go (a temp dir)")
     return p.parse_args()
 
@@ -336,6 +356,7 @@ def _child_args() -> argparse.Namespace:
         p.add_argument(flag, type=Path, required=True)
     p.add_argument("--recipe", required=True)
     p.add_argument("--spawned", type=float)
+    p.add_argument("--skip-memory", action="store_true")
     return p.parse_args(sys.argv[2:])
 
 
