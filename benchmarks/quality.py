@@ -74,6 +74,9 @@ PROMPTS = (
     "Give me three tips for staying healthy.",
 )
 NEW_TOKENS = 32
+#: Export options a recipe needs, as the CLI's refusal tells a user: ``w8a8`` exists in
+#: compressed-tensors' layout only (the default layout is ModelOpt's).
+RECIPE_OPTIONS = {"w8a8": ["-o", "format=compressed-tensors"]}
 #: Every child runs with the same threads (the machine's cores are shared).
 CHILD_ENV = {"OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
 
@@ -168,6 +171,7 @@ def run_ours(
         sys.executable, "-m", "exportlm", "export", "--target", "hf_checkpoint",
         "--model", str(model_dir), "--quantize", recipe, "--calib-data", str(args.calib_data),
         "--calib-samples", str(samples), "--calib-seq-len", str(seq_len), "--out", str(out), "-q",
+        *RECIPE_OPTIONS.get(recipe.split(":")[0].split("+")[0], []),
     ]  # fmt: skip
     log = out.with_suffix(".log")
     seconds, rss, code = _child(command, log)
