@@ -109,6 +109,12 @@ def markdown(results: dict[str, Any]) -> str:
                 ],
             ),
         ]
+    peaks = {r["producer"]: r["peak_rss"] for r in memory if "peak_rss" in r}
+    if "exportlm" in peaks and "modelopt" in peaks:
+        parts += [
+            "",
+            f"exportlm's peak RSS / ModelOpt's: {peaks['exportlm'] / peaks['modelopt']:.2f}",
+        ]
     found = verdicts(results)
     if found:
         parts += ["", "In-memory perplexity, ours against the better peer:", "", *found]
