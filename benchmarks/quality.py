@@ -254,7 +254,7 @@ def cell(
 ) -> dict[str, Any]:
     if peer != "exportlm" and not supports(peer, recipe):
         return {"absent": True}
-    slug = recipe.replace(":", "_").replace("=", "").replace("+", "_")
+    slug = recipe.replace(":", "_").replace("=", "").replace("+", "_").replace(".", "")
     out = work / f"{peer}-{slug}-{data.stem}"
     print(f"[{time.strftime('%H:%M:%S')}] {recipe} / {peer} ...", flush=True)
     if peer == "exportlm":
