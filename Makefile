@@ -226,6 +226,16 @@ venvs: $(LOWEST_STAMP) $(WHEEL_STAMP) engines
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_export_overhead.py
 
+# What quantization costs on the real model, exportlm beside ModelOpt and llm-compressor
+# (benchmarks/quality.py; docs/quality.md): long (an hour or more on 2 cores), never part
+# of `make test` or CI. Needs the interop extra and `make engines` (llm-compressor's venv).
+QUALITY_ARGS ?= --samples 32 --seq-len 512 --memory-row --out quality-results.json
+.PHONY: quality
+quality: $(INTEROP_STAMP)
+	env EXPORTLM_ENGINE_LLMCOMPRESSOR=$(abspath $(ENGINES_DIR))/llmcompressor/bin/python \
+		$(BIN)/python benchmarks/quality.py $(QUALITY_ARGS)
+	$(BIN)/python benchmarks/quality.py --markdown quality-results.json
+
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) $(WHEEL_VENV) build .pytest_cache .mypy_cache .ruff_cache \
 		conformance-report.json conformance-report.html conformance-wheel.json

@@ -1,0 +1,236 @@
+"""The peers' side of ``benchmarks/quality.py``: ModelOpt's and llm-compressor's export of a
+model directory, each run by ``quality.py`` as a child process of its own.
+
+``python benchmarks/_quality_peers.py {modelopt,llmcompressor} --model DIR --recipe R
+--data RUN.pt --out CKPT --result RESULT.json --spawned T [--no-eval]``: loads the model in
+bf16, quantizes it on the calibration batches of ``RUN.pt`` (the very ``input_ids`` rows
+our CLI calibrates on, computed by exportlm's own ``calibration_batches``), writes the
+producer's checkpoint, records the wall seconds since ``T`` (the parent's clock at the
+spawn) and the peak RSS so far, then measures the fake-quantized model in memory (and
+ModelOpt's checkpoint through exportlm's ``hf_checkpoint`` runtime) with
+``_quality_metrics``. llm-compressor runs in its own venv, which has no exportlm: only
+``_quality_metrics`` (torch and the standard library) is imported from here.
+
+The schemes (a recipe a peer lacks is not run; the table shows "—"):
+
+==========================  =====================================  ==========================================
+recipe                      ModelOpt 0.47                          llm-compressor 0.14
+==========================  =====================================  ==========================================
+``fp8``                     ``FP8_DEFAULT_CFG``                    ``FP8`` (static per-tensor inputs)
+``fp8+fp8_kv``              that + ``FP8_KV_CFG``                  ``FP8`` + an FP8 per-tensor ``kv_cache_scheme``
+``fp8_dynamic``             ``FP8_PER_CHANNEL_PER_TOKEN_CFG``      ``FP8_DYNAMIC``
+``int8_sq``                 ``INT8_SMOOTHQUANT_CFG`` (alpha 1.0)   ``SmoothQuantModifier`` (0.5) + int8 channel
+                                                                   weights, static per-tensor int8 inputs
+``w8a8``                    —                                      ``SmoothQuantModifier`` (0.5) + ``W8A8``
+``int8_wo``                 ``INT8_WEIGHT_ONLY_CFG``               ``W8A16``
+``int4_awq:group_size=G``   ``INT4_AWQ_CFG``, block size G         ``AWQModifier``, symmetric int4 group G
+``nvfp4``                   ``NVFP4_DEFAULT_CFG``                  ``NVFP4``
+==========================  =====================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _quality_metrics import (
+    export_done,
+    guarded,
+    hf_logits,
+    load_data,
+    measure,
+    write_result,
+)
+
+MODELOPT_CONFIGS = {
+    "fp8": "FP8_DEFAULT_CFG",
+    "fp8_dynamic": "FP8_PER_CHANNEL_PER_TOKEN_CFG",
+    "int8_sq": "INT8_SMOOTHQUANT_CFG",
+    "int8_wo": "INT8_WEIGHT_ONLY_CFG",
+    "int4_awq": "INT4_AWQ_CFG",
+    "nvfp4": "NVFP4_DEFAULT_CFG",
+}
+LLMC_SCHEMES = {
+    "fp8": "FP8",
+    "fp8_dynamic": "FP8_DYNAMIC",
+    "int8_wo": "W8A16",
+    "nvfp4": "NVFP4",
+}
+
+
+def split_recipe(recipe: str) -> tuple[str, bool, dict[str, int]]:
+    """``("int4_awq", False, {"group_size": 64})`` of ``"int4_awq:group_size=64"``;
+    the middle value says whether ``+fp8_kv`` was added."""
+    parts = recipe.split("+")
+    kv = "fp8_kv" in parts[1:]
+    name, _, rest = parts[0].partition(":")
+    options = {k: int(v) for k, _, v in (item.partition("=") for item in rest.split(",") if item)}
+    return name, kv, options
+
+
+def supports(peer: str, recipe: str) -> bool:
+    """Whether ``peer`` has a scheme for ``recipe`` (else its cell is "—")."""
+    name, _, _ = split_recipe(recipe)
+    if peer == "modelopt":
+        return name in MODELOPT_CONFIGS
+    return name in LLMC_SCHEMES or name in ("int8_sq", "w8a8", "int4_awq")
+
+
+def modelopt_config(mtq: Any, recipe: str) -> dict[str, Any]:
+    name, kv, options = split_recipe(recipe)
+    config = copy.deepcopy(getattr(mtq, MODELOPT_CONFIGS[name]))
+    if "group_size" in options:  # INT4_AWQ_CFG's weight block size (128 by default)
+        for entry in config["quant_cfg"]:
+            if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry:
+                entry["cfg"]["block_sizes"][-1] = options["group_size"]
+    if kv:
+        config["quant_cfg"] = [*config["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]]
+    return config
+
+
+def _bf16_model(directory: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
+
+
+def evaluate(
+    args: argparse.Namespace, data: dict[str, Any], result: dict[str, Any], model: Any
+) -> None:
+    """The fake-quantized model in memory, measured (its seconds are not the export's; its
+    one-row forwards stay below the calibration's 8-row ones in memory)."""
+    if not args.no_eval:
+        result["mem"] = guarded(result, "mem_error", lambda: measure(hf_logits(model), data))
+
+
+def run_modelopt(args: argparse.Namespace, data: dict[str, Any], result: dict[str, Any]) -> None:
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+
+    model = _bf16_model(args.model)
+
+    def forward_loop(m: Any) -> None:
+        with torch.no_grad():
+            for batch in data["batches"]:
+                m(batch)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, modelopt_config(mtq, args.recipe), forward_loop=forward_loop)
+        # Measured before the export, which replaces the weights by their quantized bytes.
+        evaluate(args, data, result, model)
+        export_hf_checkpoint(model, export_dir=args.out)
+    export_done(result, args.spawned)
+    if args.no_eval:
+        return
+    del model
+
+    def checkpoint() -> dict[str, float]:
+        import exportlm
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no manifest: ModelOpt does not write ours
+            run = exportlm.load_exported("hf_checkpoint", args.out, trust=True)
+        return measure(run, data)
+
+    result["ckpt"] = guarded(result, "ckpt_error", checkpoint)
+
+
+def llmc_recipe(recipe: str) -> list[Any]:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor.modifiers.awq import AWQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform import SmoothQuantModifier
+
+    name, kv, options = split_recipe(recipe)
+    kv_scheme = (
+        QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+        if kv
+        else None
+    )
+    if name == "int4_awq":
+        weights = QuantizationArgs(
+            num_bits=4, type="int", symmetric=True, strategy="group",
+            group_size=options.get("group_size", 128),
+        )  # fmt: skip
+        groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+        return [AWQModifier(ignore=["lm_head"], config_groups=groups)]
+    if name == "int8_sq":  # ModelOpt's INT8_SQ layout: channel weights, static tensor inputs
+        scheme = QuantizationScheme(
+            targets=["Linear"],
+            weights=QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True),
+            input_activations=QuantizationArgs(
+                num_bits=8, type="int", strategy="tensor", symmetric=True, dynamic=False
+            ),
+        )
+        quant = QuantizationModifier(ignore=["lm_head"], config_groups={"group_0": scheme})
+        return [SmoothQuantModifier(), quant]
+    if name == "w8a8":
+        return [SmoothQuantModifier(), QuantizationModifier(ignore=["lm_head"], scheme="W8A8")]
+    return [
+        QuantizationModifier(
+            targets="Linear",
+            ignore=["lm_head"],
+            scheme=LLMC_SCHEMES[name],
+            kv_cache_scheme=kv_scheme,
+        )
+    ]
+
+
+def run_llmcompressor(
+    args: argparse.Namespace, data: dict[str, Any], result: dict[str, Any]
+) -> None:
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoTokenizer
+
+    model = _bf16_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    rows = [row for batch in data["batches"] for row in batch.tolist()]
+    same_length = len({len(row) for row in rows}) == 1
+    oneshot(
+        model=model,
+        processor=tokenizer,
+        dataset=Dataset.from_dict(
+            {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}
+        ),
+        recipe=llmc_recipe(args.recipe),
+        batch_size=len(data["batches"][0]) if same_length else 1,  # the CLI's rows per forward
+        num_calibration_samples=len(rows),
+        max_seq_length=max(len(row) for row in rows),
+        shuffle_calibration_samples=False,
+    )
+    evaluate(args, data, result, model)  # before the save, which compresses the weights
+    model.save_pretrained(args.out, save_compressed=True)
+    tokenizer.save_pretrained(args.out)
+    export_done(result, args.spawned)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("peer", choices=["modelopt", "llmcompressor"])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--result", type=Path, required=True)
+    parser.add_argument("--spawned", type=float, required=True)
+    parser.add_argument("--no-eval", action="store_true")
+    args = parser.parse_args()
+    data = load_data(args.data)
+    result: dict[str, Any] = {}
+    try:
+        (run_modelopt if args.peer == "modelopt" else run_llmcompressor)(args, data, result)
+    finally:
+        write_result(args.result, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""``benchmarks/quality.py``: its texts and its table (the benchmark itself runs for an hour).
+
+* The calibration text is cut so that its first N lines are exactly N calibration rows
+  of 512 tokens for the real model's tokenizer: the same rows, with no short last row,
+  for exportlm's CLI and for the peers (``benchmarks/data/README.md``).
+* The evaluation text is never the calibration text.
+* ``--markdown RESULTS`` writes a peer without the scheme as "—", a failed cell as its
+  error, and flags a recipe where ours is more than 1% worse than the better peer.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exportlm.calibration import calibration_batches, load_calibration_texts
+from exportlm.calibration._tokenizer import load_local_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "benchmarks" / "data"
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("samples", [1, 5, 32])
+def test_n_calibration_lines_are_n_rows_of_512_tokens(real_model_dir: Path, samples: int) -> None:
+    tokenizer = load_local_tokenizer(real_model_dir)
+    texts = load_calibration_texts(DATA / "calibration.txt", samples)
+    batches = calibration_batches(texts, tokenizer, tokenizer.vocab_size, seq_len=512)
+    assert [tuple(b.shape) for b in batches] == [
+        (min(8, samples - start), 512) for start in range(0, samples, 8)
+    ]
+
+
+def test_the_evaluation_text_is_not_the_calibration_text() -> None:
+    evaluation = DATA.joinpath("eval.txt").read_text(encoding="utf-8")
+    calibration = DATA.joinpath("calibration.txt").read_text(encoding="utf-8")
+    words = evaluation.split()
+    shingles = {" ".join(words[i : i + 8]) for i in range(len(words) - 8)}
+    assert not any(s in calibration for s in shingles)
+    assert len(calibration.splitlines()) >= 128  # the memory row's 128 samples
+
+
+def _row(recipe: str, producer: str, **fields: object) -> dict[str, object]:
+    return {"recipe": recipe, "producer": producer, "memory_row": False, **fields}
+
+
+def test_the_markdown_table_shows_absent_failed_and_worse_cells(tmp_path: Path) -> None:
+    measured = {"ppl": 20.0, "agree": 0.9, "eval_s": 1.0}
+    results = {
+        "meta": {
+            "bf16": {"ppl": 19.0, "agree": 1.0},
+            "calibration": {"rows": 4, "tokens": 2048},
+            "seq_len": 512,
+            "eval_tokens": 1024,
+            "started": "2026-12-05 09:00 UTC",
+            "wall_s": 600.0,
+            "memory_samples": 128,
+            "memory_seq_len": 512,
+        },
+        "rows": [
+            _row("w8a8", "exportlm", mem=measured, ckpt=measured, export_s=10.0, peak_rss=1e9),
+            _row("w8a8", "modelopt", absent=True),
+            _row(
+                "w8a8", "llmcompressor", mem={**measured, "ppl": 19.5}, export_s=9.0, peak_rss=2e9
+            ),
+            _row("nvfp4", "exportlm", error="exit 1: ValueError: no scheme"),
+            {**_row("fp8", "exportlm", export_s=30.0, peak_rss=1.5e9), "memory_row": True},
+        ],
+    }
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--markdown", str(path)],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    lines = done.stdout.splitlines()
+    assert "| w8a8 | ModelOpt | — | — | — | — | — | — |" in lines
+    assert (
+        "| nvfp4 | exportlm | error: exit 1: ValueError: no scheme | — | — | — | — | — |" in lines
+    )
+    assert "| exportlm | 30 | 1.50 |  |" in lines
+    assert any(line.startswith("- `w8a8`") and "WORSE by more than 1%" in line for line in lines)
