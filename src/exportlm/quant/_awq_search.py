@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from exportlm.quant import _tensor
-from exportlm.quant._formats import dequantize
+from exportlm.quant._awq_fake import fake_quant_fresh
 from exportlm.quant._quantizer import TensorQuantizer, row_chunks
 
 __all__ = [
@@ -139,18 +139,6 @@ def awq_scale(act: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Te
     """
     s = (act.double().pow(alpha) / (weight.double().pow(1 - alpha) + _TINY)).clamp(1e-4, 1e4)
     return s / (s.max() * s.min()).sqrt()
-
-
-def fake_quant_fresh(
-    quantizer: TensorQuantizer, weight: torch.Tensor, amax: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``weight`` fake-quantized by ``quantizer``'s format; a calibrated format's per-tensor
-    amax is ``amax`` when given, else taken from ``weight``."""
-    if quantizer.spec.calibrated and amax is None:
-        amax = weight.detach().abs().float().amax()
-    elif not quantizer.spec.calibrated:
-        amax = None
-    return dequantize(quantizer.quantize(weight, amax=amax), weight.dtype)
 
 
 def _chunks(weight: torch.Tensor, quantizer: TensorQuantizer) -> list[slice]:
