@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from exportlm.quant._awq_gram import GramLoss
 from exportlm.quant._awq_search import (
     AWQ_ALPHA,
     PORTABLE_MARGIN,
@@ -116,6 +117,7 @@ def plan_awq(model: nn.Module, groups: list[list[QuantLinear]]) -> AWQPlan:
                     real,
                     own_wscales=[awq_weight_scale([m.weight], block) for m in members],
                     name="/".join(names[id(m)] for m in members),
+                    gram=GramLoss(),
                 )
             plan.linears.append((members, search))
         elif isinstance(module, QuantExperts):

@@ -1,0 +1,97 @@
+"""The AWQ search's loss from the Gram matrix of the calibration inputs, not per forward.
+
+A candidate's loss is the squared error of a linear's output over the calibration
+tokens, ``sum_t ||x_t (W_c - W)^T||^2`` with ``W_c = Q(W * s) / s`` the weight the
+candidate makes effective. That is the quadratic form ``sum((D @ G) * D)`` of
+``D = W_c - W`` with ``G = sum_t x_t^T x_t`` (``[in, in]``): exactly, not an
+approximation. Scoring every candidate on every forward (ModelOpt's ``awq_lite``) costs
+11 fake quantizations and 11 matmuls per member, candidate family and forward; with
+``G`` the forwards only add ``X^T X`` (one matmul per input, shared by the group's
+members) and each candidate is fake-quantized and scored once, at the end. On
+SmolLM2-135M that took the search from hours to minutes (``docs/quality.md``).
+
+Everything is float64: ``G`` (the products of float32 / bf16 inputs are exact in
+float64, and the sums are ~1e-16 relative off), ``D`` and the form. The losses are
+those of the float computation to ~1e-15 relative, where the forward-by-forward loss
+carried the rounding of the model dtype's matmuls (bf16: ~4e-3 per output); a decision
+whose margin exceeds :data:`~exportlm.quant._awq_search.PORTABLE_MARGIN` takes the same
+outcome either way. Two ranks' ``G`` summed is one process's ``G`` to float64 rounding,
+which is what makes data-parallel AWQ agree with one process
+(:mod:`exportlm.quant._distributed`).
+
+ModelOpt's per-linear candidates are scored by *the sum over forwards of each forward's
+mean* squared error: ``H = sum_f G_f / tokens_f`` is kept beside ``G`` once two forwards
+had different token counts (before that, ``H = G / tokens``).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from exportlm.quant import _tensor
+
+__all__ = ["GramLoss"]
+
+
+class GramLoss:
+    """``G = sum X^T X`` (and ``H = sum X^T X / tokens``) of one search's inputs, float64."""
+
+    def __init__(self) -> None:
+        self.gram: torch.Tensor | None = None
+        self.mean_gram: torch.Tensor | None = None  # H, once token counts differed
+        self.tokens: int | None = None  # every forward's token count while they agree
+        self.forwards = 0
+        self._last: weakref.ref[torch.Tensor] | None = None
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add one forward's input ``x`` (``[..., in]``); the same tensor again (the next
+        member of a group that reads it) is counted once."""
+        if self._last is not None and self._last() is x:
+            return
+        self._last = weakref.ref(x)
+        rows = x.detach().reshape(-1, x.shape[-1]).double()
+        tokens = int(rows.shape[0])
+        if tokens == 0:
+            return
+        g = rows.T @ rows
+        if self.gram is None:
+            self.gram, self.tokens = g, tokens
+        else:
+            if self.mean_gram is None and tokens != self.tokens:
+                self.mean_gram = self.gram / float(self.tokens or 1)
+            self.gram += g
+        if self.mean_gram is not None:
+            self.mean_gram += g / float(tokens)
+        self.forwards += 1
+
+    def per_forward_mean(self) -> torch.Tensor | None:
+        """``H``: the Gram matrices of the forwards, each over its token count."""
+        if self.mean_gram is not None or self.gram is None:
+            return self.mean_gram
+        return self.gram / float(self.tokens or 1)
+
+    def release(self) -> None:
+        """Forget the matrices (after the losses were taken)."""
+        self.gram = self.mean_gram = None
+
+
+def quadratic(delta: torch.Tensor, gram: torch.Tensor) -> float:
+    """``sum((delta @ gram) * delta)`` in float64, a slice of rows at a time."""
+    rows, cols = delta.shape
+    step = max(1, _tensor.CHUNK_ELEMENTS // max(cols, 1))
+    total = 0.0
+    for start in range(0, rows, step):
+        d = delta[start : start + step]
+        total += float(((d @ gram) * d).sum())
+    return total
+
+
+def candidate_delta(quantized: torch.Tensor, weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``Q(W * s) / s - W`` in float64: the candidate's effective weight minus the weight.
+
+    ``s`` is the scale as the forward applies it (in the weight's dtype): the input is
+    divided by it, so ``(x / s) @ Q^T = x @ (Q / s)^T``.
+    """
+    return quantized.double() / s.double()[None, :] - weight.double()
