@@ -54,6 +54,7 @@ from exportlm.quant._awq_search import (
     awq_weight_scale,
 )
 from exportlm.quant._calibrate import run_transparent_forwards
+from exportlm.quant._distributed import reduce_searches
 from exportlm.quant._modules import QuantExperts, QuantLinear
 from exportlm.quant._quantizer import TensorQuantizer
 
@@ -210,6 +211,7 @@ def search_awq(
         searches = {p: per for m, p, per in plan.experts if m is module}
         handles.append(module.register_forward_pre_hook(_experts_hook(searches), with_kwargs=True))
     run_transparent_forwards(model, calibrate, handles)
+    reduce_searches(plan.searched)  # data-parallel ranks: every rank's share (else a no-op)
     missed = [s for s in plan.searched if s.count == 0]
     if missed:
         logger.warning(
