@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from exportlm.quant._awq_gram import GramLoss
+from exportlm.quant._awq_gram import GramLoss, gram_fits
 from exportlm.quant._awq_search import (
     AWQ_ALPHA,
     PORTABLE_MARGIN,
@@ -118,7 +118,7 @@ def plan_awq(model: nn.Module, groups: list[list[QuantLinear]]) -> AWQPlan:
                     real,
                     own_wscales=[awq_weight_scale([m.weight], block) for m in members],
                     name="/".join(names[id(m)] for m in members),
-                    gram=GramLoss(),
+                    gram=GramLoss() if gram_fits(members) else None,
                 )
             plan.linears.append((members, search))
         elif isinstance(module, QuantExperts):

@@ -27,12 +27,13 @@ had different token counts (before that, ``H = G / tokens``).
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
 from exportlm.quant import _tensor
 
-__all__ = ["GramLoss"]
+__all__ = ["GramLoss", "candidate_loss", "gram_fits"]
 
 
 class GramLoss:
@@ -77,21 +78,31 @@ class GramLoss:
         self.gram = self.mean_gram = None
 
 
-def quadratic(delta: torch.Tensor, gram: torch.Tensor) -> float:
-    """``sum((delta @ gram) * delta)`` in float64, a slice of rows at a time."""
-    rows, cols = delta.shape
-    step = max(1, _tensor.CHUNK_ELEMENTS // max(cols, 1))
-    total = 0.0
-    for start in range(0, rows, step):
-        d = delta[start : start + step]
-        total += float(((d @ gram) * d).sum())
-    return total
+def gram_fits(members: list[Any]) -> bool:
+    """Whether a group's Gram matrix (``in x in`` float64) is no larger than its weights
+    in float32 twice over (``in <= sum(out)``): ``q/k/v``, ``o_proj`` and ``gate/up`` of
+    a transformer layer, not ``down_proj`` (``in`` = the intermediate size), which keeps
+    the forward-by-forward scoring. So the matrices held during a search stay about the
+    size of the model's bf16 weights."""
+    cols = int(members[0].weight.shape[-1])
+    return cols <= sum(int(m.weight.shape[0]) for m in members)
 
 
-def candidate_delta(quantized: torch.Tensor, weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """``Q(W * s) / s - W`` in float64: the candidate's effective weight minus the weight.
+def candidate_loss(
+    quantized: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, gram: torch.Tensor
+) -> float:
+    """``sum((D @ gram) * D)`` of ``D = Q(W * s) / s - W``, float64, a slice of rows at a time.
 
     ``s`` is the scale as the forward applies it (in the weight's dtype): the input is
-    divided by it, so ``(x / s) @ Q^T = x @ (Q / s)^T``.
+    divided by it, so ``(x / s) @ Q^T = x @ (Q / s)^T``. No float64 copy of the whole
+    weight exists at once.
     """
-    return quantized.double() / s.double()[None, :] - weight.double()
+    rows, cols = weight.shape
+    step = max(1, _tensor.CHUNK_ELEMENTS // max(cols, 1))
+    scale = s.double()[None, :]
+    total = 0.0
+    for start in range(0, rows, step):
+        d = quantized[start : start + step].double() / scale
+        d -= weight[start : start + step].double()
+        total += float(((d @ gram) * d).sum())
+    return total

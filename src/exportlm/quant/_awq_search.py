@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from exportlm.quant import _tensor
 from exportlm.quant._awq_fake import fake_quant_fresh
-from exportlm.quant._awq_gram import GramLoss, candidate_delta, quadratic
+from exportlm.quant._awq_gram import GramLoss, candidate_loss
 from exportlm.quant._quantizer import TensorQuantizer, row_chunks
 
 __all__ = [
@@ -273,9 +273,8 @@ class ScaleSearch:
         for i, alpha in enumerate(AWQ_ALPHAS):
             s = awq_scale(self.act, wscale, alpha).to(torch.float32).to(weight.dtype)
             q = _fake_quant_scaled(self.quantizers[member], weight, s, quantized)
-            delta = candidate_delta(q, weight, s)
             for k, g in enumerate(grams):
-                losses[k, i] = quadratic(delta, g.to(delta.device))
+                losses[k, i] = candidate_loss(q, weight, s, g.to(weight.device))
         return losses
 
     def _joint(self, alpha: float) -> torch.Tensor:
