@@ -382,5 +382,6 @@ def test_the_gram_losses_are_the_forward_by_forward_losses(lengths: tuple[int, .
     gram.settle()
     assert gram.count == direct.count
     torch.testing.assert_close(gram.sse, direct.sse, rtol=1e-5, atol=0.0)
-    assert gram.own_loss is not None and direct.own_loss is not None
+    assert gram.own_loss is not None
+    assert direct.own_loss is not None
     torch.testing.assert_close(gram.own_loss, direct.own_loss, rtol=1e-5, atol=0.0)
