@@ -346,3 +346,42 @@ def test_updating_goldens_refuses_an_awq_case_decided_within_float_noise(
     assert "golden case int4_awq is not portable" in result.message
     assert "change the case's seed or calibration data" in result.message
     assert not list((tmp_path / "goldens").rglob("*.json"))
+
+
+@pytest.mark.parametrize("lengths", [(16, 16, 16), (16, 7, 30)], ids=["equal", "unequal"])
+def test_the_gram_losses_are_the_forward_by_forward_losses(lengths: tuple[int, ...]) -> None:
+    """A group's losses taken from ``X^T X`` equal the losses scored forward by forward, the
+    joint sums and ModelOpt's sum of per-forward means alike (forwards of unequal length
+    need ``sum X^T X / tokens``); float32 inputs, so the two agree to float32 rounding."""
+    from exportlm.quant._awq_gram import GramLoss
+    from exportlm.quant._awq_search import ScaleSearch, awq_weight_scale
+    from exportlm.quant._quantizer import TensorQuantizer
+    from exportlm.quant._tensor import QuantFormat
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out, 64, generator=gen) for out in (64, 32)]
+    inputs = [torch.randn(n, 64, generator=gen) * torch.linspace(0.1, 4, 64) for n in lengths]
+    act = torch.stack([x.abs().mean(dim=0) for x in inputs]).mean(dim=0)
+
+    def search(gram: GramLoss | None) -> ScaleSearch:
+        return ScaleSearch(
+            [lambda w=w: w for w in weights],
+            [TensorQuantizer(QuantFormat.INT4, block_size=32) for _ in weights],
+            act,
+            awq_weight_scale(weights, 32),
+            True,
+            own_wscales=[awq_weight_scale([w], 32) for w in weights],
+            gram=gram,
+        )
+
+    direct, gram = search(None), search(GramLoss())
+    for x in inputs:
+        for member in range(len(weights)):
+            direct.score(x, member)
+            gram.score(x, member)
+    gram.settle()
+    assert gram.count == direct.count
+    torch.testing.assert_close(gram.sse, direct.sse, rtol=1e-5, atol=0.0)
+    assert gram.own_loss is not None
+    assert direct.own_loss is not None
+    torch.testing.assert_close(gram.own_loss, direct.own_loss, rtol=1e-5, atol=0.0)

@@ -4,6 +4,9 @@ weight-only recipes without calibration, and the seconds of each step reported a
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +154,67 @@ def test_a_weight_only_recipe_runs_no_calibration(
     assert "synthetic" not in captured.err
     assert "quantization (calibration)" in captured.out
     assert "export " in captured.out
+
+
+_REFUSE_IN_CHILD = """
+import json, sys
+from exportlm.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "modules": sorted(m for m in sys.modules if m.startswith(("transformers", "safetensors")))}))
+"""
+
+
+def test_a_shape_refusal_reads_no_weight_and_builds_no_modeling_code(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The int4 shape refusal of a dense Llama-style directory comes from ``config.json``
+    alone: the weights file (garbage here) is never read, and neither transformers nor
+    safetensors is imported (the meta skeleton's modeling code cost 2.5 s of the refusal)."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "config.json").write_bytes((model_dir / "config.json").read_bytes())
+    (directory / "model.safetensors").write_bytes(b"not a safetensors file")
+    argv = _export(directory, tmp_path / "out", "--quantize", "int4_awq")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _REFUSE_IN_CHILD, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["rc"] != 0
+    assert "module 'model.layers.0.self_attn.q_proj' (Linear)" in done.stderr
+    assert "group_size=64 or group_size=32 divides 192" in done.stderr
+    assert result["modules"] == []
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_config_skeleton_has_the_modules_transformers_builds(model_type: str) -> None:
+    """Same names, types, shapes and order of every embedding and linear as the meta model
+    transformers builds from the same config (head_dim given or derived, GQA ratio 3)."""
+    import transformers
+
+    from exportlm.cli._config_skeleton import config_skeleton
+
+    sizes = {"hidden_size": 192, "intermediate_size": 320, "num_hidden_layers": 2}
+    heads = {"num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 96}
+    extra = {"head_dim": 48} if model_type == "qwen3" else {}
+    config = transformers.AutoConfig.for_model(model_type, **sizes, **heads, **extra)
+
+    def modules(model: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:
+        return [
+            (name, type(m).__name__, tuple(m.weight.shape))
+            for name, m in model.named_modules()
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
+        ]
+
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(config)
+    skeleton = config_skeleton(config.to_dict())
+    assert skeleton is not None
+    assert modules(skeleton) == modules(reference)
+    assert all(p.device.type == "meta" for p in skeleton.parameters())

@@ -1,10 +1,13 @@
 """Data-parallel calibration: ``torchrun --nproc-per-node 2 -m exportlm export`` on CPU (gloo).
 
-Each rank calibrates on every second batch, the activation amax are all-reduced with
-MAX and rank 0 writes: the checkpoint's tensors are byte-identical to a single-process
-export on the same data. The comparison is exact on purpose: a maximum is exact in any
-order, and every process runs one thread (``OMP_NUM_THREADS=1``, what torchrun sets) so
-each batch's forward computes the same values in either run.
+Each rank calibrates on every second batch, the statistics are combined over the ranks
+(amax: MAX; AWQ's sums and Gram matrices: float64 SUM in rank order; SmoothQuant's
+ranges: MIN / MAX) and rank 0 writes: the checkpoint's tensors are byte-identical to a
+single-process export on the same data. The comparison is exact on purpose: a maximum is
+exact in any order, a float64 sum of float32 values is exact, and the AWQ search's
+decisions are far from the Gram sums' ~1e-16 rounding; every process runs one thread
+(``OMP_NUM_THREADS=1``, what torchrun sets) so each batch's forward computes the same
+values in either run.
 """
 
 from __future__ import annotations
@@ -37,14 +40,16 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _export(out: Path, calib: Path, recipe: str, ranks: int) -> subprocess.CompletedProcess[str]:
+def _export(
+    out: Path, calib: Path, recipe: str, ranks: int, *extra: str
+) -> subprocess.CompletedProcess[str]:
     launcher: list[str] = []
     if ranks > 1:
         launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
         launcher += ["--master-addr=127.0.0.1", f"--master-port={_free_port()}"]
     argv = [sys.executable, *launcher, "-m", "exportlm", "export", "--target", "hf_checkpoint"]
     argv += ["--model", "llama", "--quantize", recipe, "--calib-data", str(calib)]
-    argv += ["--calib-seq-len", "16", "--calib-batch-size", "2", "--out", str(out)]
+    argv += ["--calib-seq-len", "16", "--calib-batch-size", "2", "--out", str(out), *extra]
     return subprocess.run(
         argv, env=_env(), capture_output=True, text=True, timeout=240, check=False
     )
@@ -62,10 +67,7 @@ def calib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_two_ranks_write_the_single_process_fp8_checkpoint_byte_for_byte(
-    tmp_path: Path, calib: Path
-) -> None:
-    recipe = "fp8+fp8_kv"
+def _single_and_parallel(tmp_path: Path, calib: Path, recipe: str) -> tuple[Path, Path, str]:
     single = _export(tmp_path / "single", calib, recipe, 1)
     assert single.returncode == 0, single.stderr
     parallel = _export(tmp_path / "dp", calib, recipe, 2)
@@ -73,19 +75,49 @@ def test_two_ranks_write_the_single_process_fp8_checkpoint_byte_for_byte(
     # Each rank calibrated its share, and only rank 0 wrote.
     assert "rank 1: calibrated; rank 0 writes" in parallel.stderr
     assert parallel.stdout.count("exported llama") == 1
-    tensors = sorted(p.name for p in (tmp_path / "single").glob("*.safetensors"))
+    return tmp_path / "single", tmp_path / "dp", parallel.stderr
+
+
+def _assert_same_files(single: Path, dp: Path, configs: tuple[str, ...]) -> None:
+    tensors = sorted(p.name for p in single.glob("*.safetensors"))
     assert tensors
-    assert sorted(p.name for p in (tmp_path / "dp").glob("*.safetensors")) == tensors
-    for name in [*tensors, "hf_quant_config.json", "config.json"]:
-        assert (tmp_path / "dp" / name).read_bytes() == (tmp_path / "single" / name).read_bytes()
+    assert sorted(p.name for p in dp.glob("*.safetensors")) == tensors
+    for name in [*tensors, *configs]:
+        assert (dp / name).read_bytes() == (single / name).read_bytes(), name
 
 
-def test_awq_is_refused_under_two_ranks_naming_what_runs(tmp_path: Path, calib: Path) -> None:
-    result = _export(tmp_path / "dp", calib, "int4_awq:group_size=32", 2)
-    assert result.returncode != 0
-    assert "cannot calibrate under a torch.distributed process group of 2 ranks" in result.stderr
-    assert "Supported there: max-calibrated recipes (fp8" in result.stderr
-    assert not (tmp_path / "dp").exists()
+def test_two_ranks_write_the_single_process_fp8_checkpoint_byte_for_byte(
+    tmp_path: Path, calib: Path
+) -> None:
+    single, dp, _ = _single_and_parallel(tmp_path, calib, "fp8+fp8_kv")
+    _assert_same_files(single, dp, ("hf_quant_config.json", "config.json"))
+
+
+def test_two_ranks_write_the_single_process_awq_checkpoint_byte_for_byte(
+    tmp_path: Path, calib: Path
+) -> None:
+    """AWQ under two ranks: the ``mean(|x|)`` sums (float64, exact), the search's Gram
+    matrices (float64, ~1e-16 relative apart from one process's) and losses are summed
+    over the ranks, so every rank picks one process's scales; the bytes are the same
+    (every decision of this search is decided by far more than the sums' rounding)."""
+    single, dp, _ = _single_and_parallel(tmp_path, calib, "int4_awq:group_size=32")
+    _assert_same_files(single, dp, ("hf_quant_config.json", "config.json"))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "layout"), [("int8_sq", "modelopt"), ("w8a8", "compressed-tensors")]
+)
+def test_two_ranks_write_the_single_process_smoothquant_checkpoint_byte_for_byte(
+    tmp_path: Path, calib: Path, recipe: str, layout: str
+) -> None:
+    """SmoothQuant's statistics are maxima and minima (per-channel amax, input ranges):
+    exact in any order, so the two ranks' checkpoint is one process's, bit for bit."""
+    single = _export(tmp_path / "single", calib, recipe, 1, "-o", f"format={layout}")
+    assert single.returncode == 0, single.stderr
+    parallel = _export(tmp_path / "dp", calib, recipe, 2, "-o", f"format={layout}")
+    assert parallel.returncode == 0, parallel.stderr
+    assert "rank 1: calibrated; rank 0 writes" in parallel.stderr
+    _assert_same_files(tmp_path / "single", tmp_path / "dp", ("config.json",))
 
 
 _LIBRARY_RUN = """

@@ -4,8 +4,9 @@ The recipe's names and options, the checkpoint layout it is written in and the s
 of the model's modules are checked before the model is loaded, the calibration data is
 read or a forward runs: a refusal costs the CLI's start-up, not a calibration. The
 shapes come from a skeleton of a model directory on the ``meta`` device (built from its
-``config.json``, no weights read); a toy family or spec file is checked once built,
-still before calibration.
+``config.json``, no weights read; for dense Llama-style configs first from the config's
+numbers alone, without importing transformers: :mod:`exportlm.cli._config_skeleton`); a
+toy family or spec file is checked once built, still before calibration.
 """
 
 from __future__ import annotations
@@ -81,9 +82,24 @@ def check_model_recipe(source: ModelSource, recipe: Any) -> None:
         return
     from exportlm.quant import check_recipe
 
+    fast = _config_skeleton(source.path)
+    if fast is not None:  # refuses without importing transformers; a pass is checked again
+        check_recipe(fast, recipe)
     skeleton = _skeleton(source.path)
     if skeleton is not None:
         check_recipe(skeleton, recipe)
+
+
+def _config_skeleton(path: Path) -> Any:
+    """The linears of a dense Llama-style directory from ``config.json`` alone, else ``None``."""
+    from exportlm.cli._config_skeleton import config_skeleton
+    from exportlm.hfdir import read_config
+
+    try:
+        config = read_config(path)
+    except (OSError, ValueError):  # the full skeleton (then loading) reports it
+        return None
+    return config_skeleton(config)
 
 
 def _skeleton(path: Path) -> Any:

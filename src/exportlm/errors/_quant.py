@@ -21,8 +21,8 @@ class QuantizationError(ExportLMError):
 
 
 class DistributedCalibrationError(QuantizationError):
-    """A recipe whose calibration statistics cannot (yet) be combined across the ranks of a
-    ``torch.distributed`` process group (AWQ, SmoothQuant), or a collective that failed."""
+    """The ranks of a ``torch.distributed`` process group calibrated different models or
+    recipes (their statistics cannot be combined), or a collective that failed."""
 
 
 class UnsupportedFormatError(QuantizationError, ValueError):

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from exportlm.quant._awq_gram import GramLoss, gram_fits
 from exportlm.quant._awq_search import (
     AWQ_ALPHA,
     PORTABLE_MARGIN,
@@ -53,6 +54,7 @@ from exportlm.quant._awq_search import (
     awq_weight_scale,
 )
 from exportlm.quant._calibrate import run_transparent_forwards
+from exportlm.quant._distributed import reduce_searches
 from exportlm.quant._modules import QuantExperts, QuantLinear
 from exportlm.quant._quantizer import TensorQuantizer
 
@@ -116,6 +118,7 @@ def plan_awq(model: nn.Module, groups: list[list[QuantLinear]]) -> AWQPlan:
                     real,
                     own_wscales=[awq_weight_scale([m.weight], block) for m in members],
                     name="/".join(names[id(m)] for m in members),
+                    gram=GramLoss() if gram_fits(members) else None,
                 )
             plan.linears.append((members, search))
         elif isinstance(module, QuantExperts):
@@ -208,6 +211,7 @@ def search_awq(
         searches = {p: per for m, p, per in plan.experts if m is module}
         handles.append(module.register_forward_pre_hook(_experts_hook(searches), with_kwargs=True))
     run_transparent_forwards(model, calibrate, handles)
+    reduce_searches(plan.searched)  # data-parallel ranks: every rank's share (else a no-op)
     missed = [s for s in plan.searched if s.count == 0]
     if missed:
         logger.warning(

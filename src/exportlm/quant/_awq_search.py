@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from exportlm.quant import _tensor
-from exportlm.quant._formats import dequantize
+from exportlm.quant._awq_fake import fake_quant_fresh
+from exportlm.quant._awq_gram import GramLoss, candidate_loss
 from exportlm.quant._quantizer import TensorQuantizer, row_chunks
 
 __all__ = [
@@ -141,18 +142,6 @@ def awq_scale(act: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Te
     return s / (s.max() * s.min()).sqrt()
 
 
-def fake_quant_fresh(
-    quantizer: TensorQuantizer, weight: torch.Tensor, amax: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``weight`` fake-quantized by ``quantizer``'s format; a calibrated format's per-tensor
-    amax is ``amax`` when given, else taken from ``weight``."""
-    if quantizer.spec.calibrated and amax is None:
-        amax = weight.detach().abs().float().amax()
-    elif not quantizer.spec.calibrated:
-        amax = None
-    return dequantize(quantizer.quantize(weight, amax=amax), weight.dtype)
-
-
 def _chunks(weight: torch.Tensor, quantizer: TensorQuantizer) -> list[slice]:
     """The slices of rows to fake-quantize ``weight`` in: one (the whole) unless it is
     contiguous, so every result has the layout the whole tensor's computation gives."""
@@ -196,8 +185,13 @@ class ScaleSearch:
     wscale: torch.Tensor
     from_data: bool
     own_wscales: list[torch.Tensor] | None = None
-    sse: torch.Tensor = field(default_factory=lambda: torch.zeros(len(AWQ_ALPHAS)))
+    sse: torch.Tensor = field(
+        default_factory=lambda: torch.zeros(len(AWQ_ALPHAS), dtype=torch.float64)
+    )
     own_loss: torch.Tensor | None = None  # [members, alphas]: ModelOpt's loss per member
+    #: The inputs as a Gram matrix (linear groups): the losses are taken from it once,
+    #: by :meth:`settle`, instead of per forward (:mod:`exportlm.quant._awq_gram`).
+    gram: GramLoss | None = None
     count: int = 0
     name: str = ""
     margins: list[tuple[str, float]] = field(default_factory=list)
@@ -210,7 +204,7 @@ class ScaleSearch:
 
     def __post_init__(self) -> None:
         if self.own_wscales is not None:
-            self.own_loss = torch.zeros(len(self.own_wscales), len(AWQ_ALPHAS))
+            self.own_loss = torch.zeros(len(self.own_wscales), len(AWQ_ALPHAS), dtype=torch.float64)
 
     def _scores(
         self, x: torch.Tensor, weight: torch.Tensor, member: int, wscale: torch.Tensor
@@ -229,8 +223,13 @@ class ScaleSearch:
         return sse, reference.numel()
 
     def score(self, x: torch.Tensor, member: int) -> None:
-        """Add the losses of every candidate on input ``x`` of one member (one forward)."""
+        """Add the losses of every candidate on input ``x`` of one member (one forward);
+        a Gram search adds ``x`` to its Gram matrix (once for the group's members)."""
         weight = self.weights[member]().detach()
+        if self.gram is not None:
+            self.gram.add(x)
+            self.count += (x.numel() // max(int(x.shape[-1]), 1)) * int(weight.shape[0])
+            return
         x = x.detach().reshape(-1, x.shape[-1])
         if x.numel() == 0:
             return
@@ -242,6 +241,41 @@ class ScaleSearch:
             if len(self.weights) > 1:  # a single member's own candidates are the joint ones
                 own, _ = self._scores(x, weight, member, self.own_wscales[member])
             self.own_loss[member] += own / numel  # ModelOpt: the mean, summed over forwards
+
+    def settle(self) -> None:
+        """A Gram search's losses from its Gram matrices (once; then they are freed)."""
+        gram = self.gram
+        if gram is None or gram.gram is None:
+            return
+        mean = gram.per_forward_mean() if self.own_loss is not None else None
+        for member, weight_of in enumerate(self.weights):
+            weight = weight_of().detach()
+            alone = len(self.weights) == 1
+            grams = [gram.gram] + ([mean] if alone and mean is not None else [])
+            losses = self._form_losses(weight, member, self.wscale, grams)
+            self.sse += losses[0]
+            if mean is None or self.own_loss is None or self.own_wscales is None:
+                continue
+            own = losses[1] if alone else None  # one member's own candidates are the joint ones
+            if own is None:
+                own = self._form_losses(weight, member, self.own_wscales[member], [mean])[0]
+            self.own_loss[member] += own / int(weight.shape[0])  # ModelOpt: the mean
+        gram.release()
+
+    def _form_losses(
+        self, weight: torch.Tensor, member: int, wscale: torch.Tensor, grams: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """``[len(grams), alphas]``: each candidate's squared output error under each Gram."""
+        losses = torch.zeros(len(grams), len(AWQ_ALPHAS), dtype=torch.float64)
+        quantized = None  # the candidates' fake-quantized weight, when made in slices
+        if len(_chunks(weight, self.quantizers[member])) > 1:
+            quantized = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        for i, alpha in enumerate(AWQ_ALPHAS):
+            s = awq_scale(self.act, wscale, alpha).to(torch.float32).to(weight.dtype)
+            q = _fake_quant_scaled(self.quantizers[member], weight, s, quantized)
+            for k, g in enumerate(grams):
+                losses[k, i] = candidate_loss(q, weight, s, g.to(weight.device))
+        return losses
 
     def _joint(self, alpha: float) -> torch.Tensor:
         return (1.0 / awq_scale(self.act, self.wscale, alpha)).to(torch.float32)
@@ -304,6 +338,7 @@ class ScaleSearch:
         weight-error comparison that decided a candidate (``|e - b| / b``).
         """
         self.margins = []
+        self.settle()
         if not (self.from_data and self.count > 0):
             return self._joint(AWQ_ALPHA), Choice.FIXED
         order = torch.argsort(self.sse, stable=True).tolist()

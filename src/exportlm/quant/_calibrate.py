@@ -17,7 +17,11 @@ from torch import nn
 
 from exportlm.errors import QuantizationError
 from exportlm.inputs import infer_vocab_size, make_input_ids
-from exportlm.quant._distributed import reduce_max_statistics
+from exportlm.quant._distributed import (
+    reduce_channel_statistics,
+    reduce_groups,
+    reduce_max_statistics,
+)
 from exportlm.quant._modules import QuantLinear, QuantModule, QuantMoELinear
 from exportlm.quant._quantizer import TensorQuantizer
 
@@ -105,7 +109,9 @@ def run_calibration(
     # Data-parallel calibration: each rank saw its share of the batches (a no-op alone).
     device = next((p.device for p in model.parameters()), None)
     reduce_max_statistics(quantizers, device)
-    return readers.groups()
+    reduce_channel_statistics(quantizers, device)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    return reduce_groups(linears, readers.groups())
 
 
 class _SharedInputs:

@@ -1,32 +1,48 @@
-"""Data-parallel calibration: the max statistics of every rank combined into one.
+"""Data-parallel calibration: every rank's statistics combined into one process's.
 
 Under an initialised ``torch.distributed`` process group of more than one rank, each
 rank runs the calibration forwards on its share of the data
-(:func:`exportlm.calibration.calibrate_with` takes batches ``rank, rank + N, ...``);
-:func:`reduce_max_statistics` then gives every activation quantizer (inputs, the
-KV-cache outputs) the maximum of its amax over the ranks, so every rank holds the
-calibrated model a single process would have computed from all the data. A maximum does
-not depend on the order it is taken in: the scales are bit-identical to one process's.
+(:func:`exportlm.calibration.calibrate_with` takes batches ``rank, rank + N, ...``).
+Afterwards every statistic a calibration keeps is combined over the ranks, in rank
+order, so that every rank holds the calibrated model one process computes from all
+the data:
 
-AWQ (a mean of ``|x|`` and a search over losses) and SmoothQuant (per-channel ranges and
-norm traces) keep statistics this module does not combine; :func:`refuse_unreduced`
-refuses them under a group rather than calibrate each rank on its own share.
+* :func:`reduce_max_statistics`: each activation quantizer's amax, the maximum;
+* :func:`reduce_channel_statistics` (AWQ, SmoothQuant): the per-channel sums of
+  ``mean(|x|)`` and their forward counts (summed), the per-channel amax (maximum);
+* :func:`reduce_groups`: which linears read one input (the union: a rank that ran no
+  forward saw none);
+* :func:`reduce_searches` (AWQ's second pass): each search's Gram matrices and losses
+  (summed) and its counts;
+* SmoothQuant's per-channel input ranges: :func:`reduce_ranges` (minimum, maximum).
+
+A maximum is exact in any order. The sums are float64 sums of float32 values (the
+per-forward means and losses), exact while a channel's values lie within 2**29 of each
+other, so they too equal one process's bit for bit. The Gram matrices are float64 sums of
+float64 products; their order moves them by ~1e-16 relative, and the search's losses by
+as much: a decision decided by more than that (every decision beyond the search's
+``PORTABLE_MARGIN`` of 1e-4) is the same, and the checkpoint's bytes with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from exportlm.errors import DistributedCalibrationError
+from exportlm.quant._awq_search import ScaleSearch
 from exportlm.quant._quantizer import TensorQuantizer
-from exportlm.quant._recipe import Algorithm
 
-__all__ = ["data_parallel_world", "reduce_max_statistics", "refuse_unreduced"]
-
-#: What runs under a multi-process group, for the refusal's message.
-SUPPORTED = "max-calibrated recipes (fp8, nvfp4, fp8_kv) and weight-only recipes (int8_wo)"
+__all__ = [
+    "data_parallel_world",
+    "reduce_channel_statistics",
+    "reduce_groups",
+    "reduce_max_statistics",
+    "reduce_ranges",
+    "reduce_searches",
+]
 
 
 def data_parallel_world() -> tuple[int, int] | None:
@@ -39,26 +55,53 @@ def data_parallel_world() -> tuple[int, int] | None:
     return (dist.get_rank(), world) if world > 1 else None
 
 
-def refuse_unreduced(algorithms: Sequence[Algorithm]) -> None:
-    """Refuse AWQ and SmoothQuant recipes under a multi-process group (before any work).
+def _gather(world: tuple[int, int], local: list[Any], what: str) -> list[list[Any]]:
+    """Every rank's ``local`` list, in rank order; each must be as long as this rank's."""
+    import torch.distributed as dist
 
-    Raises:
-        DistributedCalibrationError: an algorithm whose statistics are not all-reduced.
-    """
-    world = data_parallel_world()
-    if world is None:
-        return
-    names = sorted(
-        {a.spelled or a.quant_algo for a in algorithms if a.awq or a.smoothquant_alpha is not None}
-    )
-    if names:
+    gathered: list[list[Any] | None] = [None] * world[1]
+    try:
+        dist.all_gather_object(gathered, local)
+    except (RuntimeError, ValueError) as err:
         raise DistributedCalibrationError(
-            f"{', '.join(names)} cannot calibrate under a torch.distributed process group of "
-            f"{world[1]} ranks: its AWQ / SmoothQuant statistics (mean |x|, search losses, "
-            "channel ranges) are not combined across ranks, and each rank's own share would "
-            f"give a different checkpoint. Supported there: {SUPPORTED}. Run this recipe in "
-            "one process (without torchrun)."
+            f"rank {world[0]}: gathering the {what} of {len(local)} modules failed: {err}; "
+            "every rank must run the same export"
+        ) from err
+    for rank, values in enumerate(gathered):
+        if values is None or len(values) != len(local):
+            raise DistributedCalibrationError(
+                f"rank {rank} calibrated {0 if values is None else len(values)} modules' "
+                f"{what}, rank {world[0]} {len(local)}: every rank must quantize the same "
+                "model with the same recipe"
+            )
+    return [v for v in gathered if v is not None]
+
+
+def _cpu(value: torch.Tensor | None) -> torch.Tensor | None:
+    return None if value is None else value.detach().cpu()
+
+
+def _combine(
+    values: list[torch.Tensor | None], op: str, where: torch.device | None
+) -> torch.Tensor | None:
+    """The ranks' values (``None``: a rank that has none) combined in rank order."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    combined = present[0]
+    for value in present[1:]:
+        combined = (
+            torch.maximum(combined, value)
+            if op == "max"
+            else torch.minimum(combined, value)
+            if op == "min"
+            else combined + value
         )
+    return combined if where is None else combined.to(where)
+
+
+def _device(value: torch.Tensor | None, default: torch.device | None) -> torch.device | None:
+    return value.device if value is not None else default
 
 
 def reduce_max_statistics(
@@ -68,8 +111,9 @@ def reduce_max_statistics(
 
     A quantizer a rank never reached (no batch of its share routed a token to an expert)
     contributes nothing; one no rank reached keeps ``None`` (the final calibration check
-    names it; one only other ranks reached gets it on ``device``). Every rank must pass the same quantizers in the same order (the modules of
-    one model, walked in order). Nothing happens in a single process.
+    names it; one only other ranks reached gets it on ``device``). Every rank must pass
+    the same quantizers in the same order (the modules of one model, walked in order).
+    Nothing happens in a single process.
 
     Raises:
         DistributedCalibrationError: the ranks hold different quantizers, or the collective failed.
@@ -77,31 +121,115 @@ def reduce_max_statistics(
     world = data_parallel_world()
     if world is None:
         return
+    gathered = _gather(world, [_cpu(q.amax) for q in quantizers], "calibration amax")
+    for index, quantizer in enumerate(quantizers):
+        where = _device(quantizer.amax, device)
+        combined = _combine([g[index] for g in gathered], "max", where)
+        if combined is not None:
+            quantizer.amax = combined
+
+
+def reduce_channel_statistics(
+    quantizers: Sequence[TensorQuantizer], device: torch.device | None = None
+) -> None:
+    """AWQ's ``mean(|x|)`` sums and forward counts (summed) and the per-channel amax
+    (maximum) of every quantizer that tracks channels, over the ranks."""
+    world = data_parallel_world()
+    if world is None:
+        return
+    tracked = [q for q in quantizers if q.track_channels]
+    local = [[_cpu(q.channel_sum), _cpu(q.channel_steps), _cpu(q.channel_amax)] for q in tracked]
+    gathered = _gather(world, local, "per-channel statistics")
+    for index, quantizer in enumerate(tracked):
+        parts = [g[index] for g in gathered]
+        where = _device(quantizer.channel_amax, device)
+        quantizer.channel_sum = _combine([p[0] for p in parts], "sum", where)
+        quantizer.channel_steps = _combine([p[1] for p in parts], "sum", where)
+        quantizer.channel_amax = _combine([p[2] for p in parts], "max", where)
+
+
+def reduce_groups(linears: Sequence[Any], groups: list[list[Any]]) -> list[list[Any]]:
+    """The union over the ranks of the groups of linears that read one input.
+
+    ``linears``: every quantized linear of the model in module order (the same on every
+    rank). A group keeps the order its members were called in.
+    """
+    world = data_parallel_world()
+    if world is None:
+        return groups
+    index = {id(m): i for i, m in enumerate(linears)}
+    local = [[index[id(m)] for m in group] for group in groups]
+    seen: dict[tuple[int, ...], list[int]] = {}
+    for rank_groups in _gather(world, [local], "groups of shared inputs"):
+        for group in rank_groups[0]:
+            seen.setdefault(tuple(sorted(group)), group)
+    return [[linears[i] for i in group] for group in seen.values()]
+
+
+def reduce_ranges(ranges: list[list[torch.Tensor] | None]) -> list[list[torch.Tensor] | None]:
+    """SmoothQuant's per-channel ``[min, max]`` of each linear's input, over the ranks."""
+    world = data_parallel_world()
+    if world is None:
+        return ranges
+    local = [None if r is None else [_cpu(r[0]), _cpu(r[1])] for r in ranges]
+    out: list[list[torch.Tensor] | None] = []
+    for index, parts in enumerate(zip(*_gather(world, local, "input ranges"), strict=True)):
+        mine = ranges[index]
+        where = _device(None if mine is None else mine[0], None)
+        low = _combine([None if p is None else p[0] for p in parts], "min", where)
+        high = _combine([None if p is None else p[1] for p in parts], "max", where)
+        out.append(None if low is None or high is None else [low, high])
+    return out
+
+
+def reduce_searches(searches: Sequence[ScaleSearch]) -> None:
+    """Every AWQ search's losses, counts and Gram matrices summed over the ranks."""
+    world = data_parallel_world()
+    if world is None:
+        return
+    local = [_search_state(s) for s in searches]
+    gathered = _gather(world, local, "AWQ search losses")
+    for index, search in enumerate(searches):
+        states = [g[index] for g in gathered]
+        search.count = sum(int(s["count"]) for s in states)
+        sse = _combine([s["sse"] for s in states], "sum", search.sse.device)
+        search.sse = search.sse if sse is None else sse
+        if search.own_loss is not None:
+            search.own_loss = _combine([s["own"] for s in states], "sum", search.own_loss.device)
+        if search.gram is not None:
+            _reduce_gram(search, states)
+
+
+def _search_state(search: ScaleSearch) -> dict[str, Any]:
+    gram = search.gram
+    state: dict[str, Any] = {"count": search.count, "sse": _cpu(search.sse)}
+    state["own"] = _cpu(search.own_loss)
+    if gram is not None:
+        uniform = gram.mean_gram is None
+        state["tokens"] = gram.tokens if uniform else -1
+        state["forwards"] = gram.forwards
+    return state
+
+
+def _reduce_gram(search: ScaleSearch, states: list[dict[str, Any]]) -> None:
+    """``G`` (and ``H`` where the forwards' token counts differ) summed in rank order."""
     import torch.distributed as dist
 
-    local = [None if q.amax is None else q.amax.detach().cpu() for q in quantizers]
-    gathered: list[list[torch.Tensor | None] | None] = [None] * world[1]
-    try:
-        dist.all_gather_object(gathered, local)
-    except (RuntimeError, ValueError) as err:
-        raise DistributedCalibrationError(
-            f"rank {world[0]}: gathering the calibration amax of {len(quantizers)} quantizers "
-            f"failed: {err}; every rank must run the same export"
-        ) from err
-    for rank, values in enumerate(gathered):
-        if values is None or len(values) != len(quantizers):
-            raise DistributedCalibrationError(
-                f"rank {rank} calibrated {0 if values is None else len(values)} activation "
-                f"quantizers, rank {world[0]} {len(quantizers)}: every rank must quantize the "
-                "same model with the same recipe"
-            )
-    for index, quantizer in enumerate(quantizers):
-        present = [t for v in gathered if v is not None and (t := v[index]) is not None]
-        if not present:
-            continue
-        where = quantizer.amax.device if quantizer.amax is not None else device
-        # torch.maximum in rank order: exact, as a maximum is whatever order it is taken in.
-        combined = present[0]
-        for value in present[1:]:
-            combined = torch.maximum(combined, value)
-        quantizer.amax = combined if where is None else combined.to(where)
+    gram = search.gram
+    assert gram is not None  # pragma: no cover - checked by the caller
+    if not any(s["forwards"] for s in states):
+        return
+    size = int(search.act.shape[-1])
+    counts = {s["tokens"] for s in states if s["forwards"]}
+    uniform = len(counts) == 1 and -1 not in counts
+    mine = [gram.gram] + ([] if uniform else [gram.per_forward_mean()])
+    combined = []
+    for matrix in mine:
+        local = torch.zeros(size, size, dtype=torch.float64) if matrix is None else matrix.cpu()
+        parts = [torch.empty_like(local) for _ in states]
+        dist.all_gather(parts, local.contiguous())
+        combined.append(_combine(list(parts), "sum", None))
+    gram.gram = combined[0]
+    gram.mean_gram = None if uniform else combined[1]
+    gram.tokens = next(iter(counts)) if uniform else None
+    gram.forwards = sum(int(s["forwards"]) for s in states)

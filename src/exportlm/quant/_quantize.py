@@ -21,7 +21,6 @@ from exportlm.quant._calibrate import (
     unify_groups,
 )
 from exportlm.quant._conventions import apply_convention
-from exportlm.quant._distributed import refuse_unreduced
 from exportlm.quant._experts import experts_base, quant_experts_class
 from exportlm.quant._fold import fold_into_norms, trace_norms
 from exportlm.quant._kv import route_kv_cache_to_attention
@@ -173,7 +172,6 @@ def check_recipe(
 def _checked_plan(model: nn.Module, plan: QuantRecipe) -> list[_Conversion]:
     conversions = list(_plan(model, plan))
     refuse_unplaceable_kv_cache(model, plan, conversions)
-    refuse_unreduced([c.algo for c in conversions if c.algo is not None])
     for c in conversions:
         refuse_shapes(c.name, c.module, c.kind, c.algo)
     return conversions

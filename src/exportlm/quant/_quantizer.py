@@ -132,7 +132,13 @@ class TensorQuantizer(nn.Module):
                 self.add_channel_mean(x.reshape(-1, x.shape[-1]).mean(dim=0))
 
     def add_channel_mean(self, mean: torch.Tensor, expert: int | None = None) -> None:
-        """Add one forward's per-channel ``mean(|x|)`` to :attr:`channel_sum` (of ``expert``)."""
+        """Add one forward's per-channel ``mean(|x|)`` to :attr:`channel_sum` (of ``expert``).
+
+        The sum is float64: a float64 sum of float32 means is exact (while a channel's
+        means lie within 2**29 of each other), so it does not depend on the order of
+        the forwards, and data-parallel ranks' sums add up to one process's bit for bit.
+        """
+        mean = mean.double()
         total, steps = self.channel_sum, self.channel_steps
         if total is None or steps is None:
             rows = () if expert is None else (self.channel_experts or expert + 1,)

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from exportlm.quant._distributed import reduce_ranges
 from exportlm.quant._fold import NormTrace, fold_into_norms
 from exportlm.quant._modules import QuantLinear
 
@@ -132,6 +133,7 @@ def apply_smoothquant(
     grouped = {id(m): g for g in groups for m in g}
     for handle in plan.hooks:
         handle.remove()
+    _reduce_ranges(plan)
     with torch.no_grad():
         for module, alpha in plan.linears:
             quantizer = module.input_quantizer
@@ -160,6 +162,13 @@ def apply_smoothquant(
             smoothed -= _unsmooth_unfolded(model, plan)
     logger.info("SmoothQuant: smoothed %d linear(s)", len(smoothed))
     return len(smoothed)
+
+
+def _reduce_ranges(plan: SmoothQuantPlan) -> None:
+    """Data-parallel ranks: every folding linear's input range over all ranks' data."""
+    folding = [id(m) for m, _ in plan.linears if id(m) in plan.folding]
+    reduced = reduce_ranges([plan.ranges.get(key) for key in folding])
+    plan.ranges = {key: r for key, r in zip(folding, reduced, strict=True) if r is not None}
 
 
 def _tracked_range(
