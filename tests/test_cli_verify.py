@@ -164,3 +164,18 @@ def test_quantize_without_a_model_is_a_usage_error(
 ) -> None:
     assert main(["verify", str(quantized), "--engine", "transformers", "--quantize", "fp8"]) == 2
     assert "--quantize fp8: give the model to quantize with --model" in capsys.readouterr().err
+
+
+def test_the_runtime_computes_a_bf16_checkpoint_in_the_dtype_asked(tmp_path: Path) -> None:
+    """verify's reference of a bf16 checkpoint: its stored values, computed in float32."""
+    import torch
+
+    from exportlm.errors import InvalidInputError
+
+    out = tmp_path / "bf16"
+    exportlm.export_model("hf_checkpoint", build_model("llama", seed=0), out, dtype="bfloat16")
+    ids = torch.tensor([[3, 4, 5]])
+    assert exportlm.load_exported("hf_checkpoint", out)(ids).dtype == torch.bfloat16
+    assert exportlm.load_exported("hf_checkpoint", out, dtype="float32")(ids).dtype == torch.float32
+    with pytest.raises(InvalidInputError, match="not a torch floating-point dtype"):
+        exportlm.load_exported("hf_checkpoint", out, dtype="int8")
