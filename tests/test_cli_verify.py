@@ -82,3 +82,100 @@ def test_a_quantized_or_onnx_artifact_needs_its_eager_reference(
     graph = exportlm.export_model("onnx", build_model("llama"), tmp_path / "model.onnx")
     assert main(["verify", str(graph), "--engine", "transformers"]) == 2
     assert "give its eager reference with --model" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The toy llama fake-quantized with FP8 (calibrated on its synthetic default), written
+    in the compressed-tensors layout, which the transformers engine reads."""
+    from exportlm.quant import quantize
+
+    model = quantize(build_model("llama", seed=0), "fp8")
+    out = tmp_path_factory.mktemp("verify_quantized") / "ck"
+    return exportlm.export_model("hf_checkpoint", model, out, format="compressed-tensors")
+
+
+def test_a_quantized_checkpoint_of_ours_is_its_own_reference_without_calibrating(
+    quantized: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --model: the checkpoint as exportlm's loader reads it (the stored scales) is the
+    eager reference; nothing is calibrated or quantized again."""
+    import exportlm.cli._calib as calib
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("verify calibrated again")
+
+    monkeypatch.setattr(calib, "quantize_model", never)
+    monkeypatch.delenv("EXPORTLM_ENGINE_TRANSFORMERS", raising=False)
+    code = main(["verify", str(quantized), "--engine", "transformers", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert (row["layout"], row["scheme"]) == ("compressed-tensors", "FP8")
+    assert code == 0, row
+    assert (row["outcome"], row["tokens_equal"]) == ("passed", True)
+    assert row["max_gap"] <= row["atol"]
+
+
+def test_the_checkpoint_read_back_is_the_fake_quantized_model_as_a_reference(
+    quantized: Path,
+) -> None:
+    """What verify compares with: the loaded runtime (no parameters of its own) gives the
+    fake-quantized model's greedy tokens and logprobs (float32: within 1e-4)."""
+    from exportlm.engines import choose_prompts, eager_reference
+    from exportlm.quant import quantize
+
+    fake = quantize(build_model("llama", seed=0), "fp8").eval()
+    prompts = choose_prompts(fake)
+    got = eager_reference(exportlm.load_exported("hf_checkpoint", quantized), prompts)
+    want = eager_reference(fake, prompts)
+    assert got.tokens == want.tokens
+    gaps = [abs(a - b) for r, s in zip(got.logprobs, want.logprobs) for a, b in zip(r, s)]
+    assert max(gaps) <= 1e-4
+
+
+def test_a_quantized_checkpoint_without_a_manifest_needs_its_reference(
+    quantized: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    copy = tmp_path / "ck"
+    shutil.copytree(quantized, copy)
+    (copy / "exportlm-manifest.json").unlink()
+    assert main(["verify", str(copy), "--engine", "transformers"]) == 2
+    err = capsys.readouterr().err
+    assert "has no exportlm manifest" in err
+    assert "--model DIR --quantize RECIPE" in err
+
+
+def test_a_changed_quantized_checkpoint_is_refused_before_it_is_read(
+    quantized: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    copy = tmp_path / "ck"
+    shutil.copytree(quantized, copy)
+    config = copy / "config.json"
+    config.write_text(config.read_text() + "\n")
+    assert main(["verify", str(copy), "--engine", "transformers"]) == 1
+    assert "exportlm-manifest.json" in capsys.readouterr().err
+
+
+def test_quantize_without_a_model_is_a_usage_error(
+    quantized: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", str(quantized), "--engine", "transformers", "--quantize", "fp8"]) == 2
+    assert "--quantize fp8: give the model to quantize with --model" in capsys.readouterr().err
+
+
+def test_the_runtime_computes_a_bf16_checkpoint_in_the_dtype_asked(tmp_path: Path) -> None:
+    """verify's reference of a bf16 checkpoint: its stored values, computed in float32."""
+    import torch
+
+    from exportlm.errors import InvalidInputError
+
+    out = tmp_path / "bf16"
+    exportlm.export_model("hf_checkpoint", build_model("llama", seed=0), out, dtype="bfloat16")
+    ids = torch.tensor([[3, 4, 5]])
+    assert exportlm.load_exported("hf_checkpoint", out)(ids).dtype == torch.bfloat16
+    assert exportlm.load_exported("hf_checkpoint", out, dtype="float32")(ids).dtype == torch.float32
+    with pytest.raises(InvalidInputError, match="not a torch floating-point dtype"):
+        exportlm.load_exported("hf_checkpoint", out, dtype="int8")

@@ -4,7 +4,10 @@ comparison).
 
 The eager reference is ``--model`` (a toy family with ``--seed``, a model spec or a
 local Hugging Face directory), fake-quantized with ``--quantize`` for a quantized
-artifact; for an unquantized checkpoint directory it defaults to the directory itself.
+artifact. Without ``--model`` a checkpoint directory is its own reference: an
+unquantized one as transformers loads it, a quantized one exportlm wrote (its manifest
+verified first) as exportlm's own loader reads it (``load_exported("hf_checkpoint",
+PATH)``: the fake-quantized model with the stored scales), with no calibration.
 The engine's interpreter is ``--python``, else ``EXPORTLM_ENGINE_<NAME>``, else this one
 where the engine imports.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,8 @@ from exportlm.cli._list import print_table
 from exportlm.errors import EngineInterpreterError, InvalidConfigError, InvalidInputError
 
 __all__ = ["add_verify_arguments", "cmd_verify"]
+
+logger = logging.getLogger("exportlm.cli")
 
 
 def add_verify_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +44,8 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         help="the eager reference: a toy family, a model spec FILE.json or a local Hugging Face "
-        "directory (default: PATH itself, for an unquantized checkpoint directory)",
+        "directory (default: PATH itself for a checkpoint directory; a quantized one "
+        "exportlm wrote as exportlm's loader reads it, with its stored scales)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of a toy family's weights (default 0)")
     p.add_argument("--dtype", help="compute dtype to ask the engine for (default: the artifact's)")
@@ -120,11 +127,17 @@ def _reference(args: argparse.Namespace, path: Path, kind: Any) -> Any:
     from exportlm.cli._model import resolve_model
 
     if args.model is None:
-        if kind.target != "hf_checkpoint" or kind.layout is not None or args.quantize:
+        if args.quantize:
+            raise UsageError(
+                f"--quantize {args.quantize}: give the model to quantize with --model FAMILY|DIR"
+            )
+        if kind.target == "hf_checkpoint" and kind.layout is not None:
+            return _stored_reference(path, kind)
+        if kind.target != "hf_checkpoint":
             raise UsageError(
                 f"{path} ({kind.target}, {kind.layout or 'plain'}): give its eager reference "
                 "with --model FAMILY|DIR [--seed N] [--quantize RECIPE] (the model it was "
-                "exported from; only an unquantized checkpoint is its own reference)"
+                "exported from; a checkpoint directory is its own reference)"
             )
         source = resolve_model(str(path))
     else:
@@ -134,6 +147,30 @@ def _reference(args: argparse.Namespace, path: Path, kind: Any) -> Any:
     if args.quantize is not None and calibration is not None:
         model, _ = quantize_model(model, args.quantize, calibration, source)
     return model.eval()
+
+
+def _stored_reference(path: Path, kind: Any) -> Any:
+    """A quantized checkpoint exportlm wrote, read back by exportlm's own loader: the
+    fake-quantized model with the stored scales (what its calibration computed), so the
+    reference costs no calibration; computed in float32, as the engines' tolerances are
+    stated against (a bfloat16 checkpoint's stored values, its activations not rounded).
+    Only with a manifest: without one the checkpoint is not known to be ours, and its
+    reading is no reference."""
+    from exportlm import load_exported
+    from exportlm.export.manifest import read_manifest
+
+    if read_manifest(path) is None:
+        raise UsageError(
+            f"{path} ({kind.layout} {kind.scheme or ''}) has no exportlm manifest, so it is "
+            "not known to be exportlm's: give its eager reference with --model DIR "
+            "--quantize RECIPE [--calib-data ...] (the model and recipe it was exported with)"
+        )
+    logger.info(
+        "eager reference: %s as exportlm's hf_checkpoint runtime reads it, in float32 (its "
+        "stored scales; no calibration)",
+        path,
+    )
+    return load_exported("hf_checkpoint", path, dtype="float32")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

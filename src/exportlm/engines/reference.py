@@ -62,6 +62,17 @@ class Reference:
         return min((m for row in self.margins for m in row), default=float("inf"))
 
 
+def _device(model: Any) -> Any:
+    """Where ``model`` takes its ids: its parameters' device, else its ``device`` (a loaded
+    runtime such as :func:`exportlm.load_exported`'s), else the CPU."""
+    import torch
+
+    parameters = getattr(model, "parameters", None)
+    if callable(parameters):
+        return next((p.device for p in parameters()), torch.device("cpu"))
+    return torch.device(getattr(model, "device", None) or "cpu")
+
+
 def _logits(model: Any, ids: Any) -> Any:
     out = model(ids)
     logits = getattr(out, "logits", out)
@@ -76,12 +87,13 @@ def eager_reference(
     """The eager model's greedy tokens, teacher-forced logprobs and top-2 margins.
 
     ``model(ids)`` must return logits ``[1, seq, vocab]`` (or an object with
-    ``.logits``, as a transformers model does). Each prompt runs alone and unpadded,
+    ``.logits``, as a transformers model does): a module, or a loaded runtime
+    (``exportlm.load_exported``: a quantized checkpoint read back with its stored scales). Each prompt runs alone and unpadded,
     recomputing the whole row at each step (no cache): the plainest reference there is.
     """
     import torch
 
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = _device(model)
     tokens, logprobs, margins, top2 = [], [], [], []
     with torch.no_grad():
         for prompt in prompts:
@@ -110,7 +122,7 @@ def _vocab(model: Any) -> int:
         return size
     import torch
 
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = _device(model)
     with torch.no_grad():
         return int(_logits(model, torch.tensor([[FIRST_ID]], device=device)).shape[-1])
 
@@ -123,7 +135,7 @@ def _greedy_margin(model: Any, prompt: Sequence[int], new_tokens: int, floor: fl
     fake-quantized forward is slow (W8A8's 2.0 margin took minutes of draws)."""
     import torch
 
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = _device(model)
     row = [int(t) for t in prompt]
     smallest = float("inf")
     with torch.no_grad():

@@ -40,7 +40,9 @@ from exportlm.export.runtime import TorchModuleRuntime, resolve_device
 __all__ = ["KVRoundtrip", "kv_cache_roundtrip", "load_hf_checkpoint"]
 
 
-def load_hf_checkpoint(artifact: Path, *, device: str | torch.device = "cpu") -> TorchModuleRuntime:
+def load_hf_checkpoint(
+    artifact: Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None
+) -> TorchModuleRuntime:
     """Runtime of ``hf_checkpoint``: rebuild, dequantize, and return ``input_ids -> logits``.
 
     The model class comes from ``config.json``'s ``architectures``; quantized
@@ -49,6 +51,9 @@ def load_hf_checkpoint(artifact: Path, *, device: str | torch.device = "cpu") ->
     and KV-cache scales are re-applied by :mod:`exportlm.quant`'s own quantized
     modules, loaded with the stored scales, as a serving engine applies them.
     Attention runs ``eager`` (the reference implementation) and ``use_cache=False``.
+    ``dtype`` is the compute dtype (default: ``config.json``'s, else float32):
+    ``dtype="float32"`` computes a bfloat16 checkpoint's stored values without rounding
+    its activations, as the served comparison's eager reference does.
     The returned runtime refuses non-integer, empty and out-of-vocabulary ``input_ids``
     (the vocabulary is ``config.json``'s ``vocab_size``) with
     :class:`~exportlm.errors.InvalidInputError`, as the other runtimes do.
@@ -74,7 +79,7 @@ def load_hf_checkpoint(artifact: Path, *, device: str | torch.device = "cpu") ->
     """
     directory = Path(artifact)
     model_device = resolve_device(device, "hf_checkpoint")
-    model = _rebuild_model(directory, model_device)
+    model = _rebuild_model(directory, model_device, _compute_dtype(dtype))
     vocab = getattr(model.config.get_text_config(), "vocab_size", None)
     return TorchModuleRuntime(
         functools.partial(model, use_cache=False),
@@ -125,7 +130,19 @@ def kv_cache_roundtrip(
     )
 
 
-def _rebuild_model(directory: Path, device: torch.device) -> Any:
+def _compute_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype), None)
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise InvalidInputError(
+            f"dtype={dtype!r} is not a torch floating-point dtype; expected e.g. 'float32' or "
+            "'bfloat16'"
+        )
+    return found
+
+
+def _rebuild_model(directory: Path, device: torch.device, dtype: torch.dtype | None) -> Any:
     import transformers
 
     read_model_config(directory)  # every config check, and no custom code, before transformers
@@ -148,7 +165,7 @@ def _rebuild_model(directory: Path, device: torch.device) -> Any:
         # one, stack them into the experts' own layout, read off the empty model
         weights = fuse_split_experts(weights, skeleton)
     check_shapes(skeleton, weights, stored)
-    model = _from_state_dict(model_cls, config, weights, directory)
+    model = _from_state_dict(model_cls, config, weights, directory, dtype)
     model.eval()
     StaticQuantization(model, activation_scales, set(stored.tensors)).apply(model)
     _quantize_inputs_at_run_time(model, dynamic)
@@ -275,7 +292,11 @@ def _dequantized(directory: Path, stored: StoredTensors) -> DequantizedState:
 
 
 def _from_state_dict(
-    model_cls: Any, config: Any, weights: dict[str, torch.Tensor], directory: Path
+    model_cls: Any,
+    config: Any,
+    weights: dict[str, torch.Tensor],
+    directory: Path,
+    dtype: torch.dtype | None = None,
 ) -> Any:
     """``model_cls`` built from ``weights``; a missing, unexpected or misshapen weight is refused."""
     from transformers.utils import logging as hf_logging
@@ -287,7 +308,7 @@ def _from_state_dict(
             None,
             config=config,
             state_dict=weights,
-            dtype=config.dtype or torch.float32,
+            dtype=dtype or config.dtype or torch.float32,
             attn_implementation="eager",
             trust_remote_code=False,
             output_loading_info=True,
