@@ -63,4 +63,8 @@ def test_the_real_model_exports_with_its_tokenizer(
     assert generation["eos_token_id"] == tokenizer.convert_tokens_to_ids("<|im_end|>")
     report = inspect_checkpoint(out)
     assert report.ok, [f.message for f in report.errors]
-    assert not report.by_severity(Severity.WARNING), report.to_json()["findings"]
+    # The one warning a ModelOpt-layout FP8 checkpoint gets: transformers has no ModelOpt
+    # quantizer and loads it as a float model, silently computing something else.
+    expected = set() if quantize is None else {"loader-misreads"}
+    warned = {finding.rule for finding in report.by_severity(Severity.WARNING)}
+    assert warned == expected, report.to_json()["findings"]
