@@ -152,9 +152,11 @@ def _reference(args: argparse.Namespace, path: Path, kind: Any) -> Any:
 def _stored_reference(path: Path, kind: Any) -> Any:
     """A quantized checkpoint exportlm wrote, read back by exportlm's own loader: the
     fake-quantized model with the stored scales (what its calibration computed), so the
-    reference costs no calibration; computed in float32, as the engines' tolerances are
-    stated against (a bfloat16 checkpoint's stored values, its activations not rounded).
-    Only with a manifest: without one the checkpoint is not known to be ours, and its
+    reference costs no calibration; computed in the checkpoint's own dtype, the one its
+    model was calibrated in: the compressed-tensors convention of a bfloat16 model divides
+    its activations by their scale in bfloat16, so a float32 reading would quantize them to
+    other codes (on the real model 1.4 logprob apart from transformers' reading, where the
+    checkpoint's own dtype is what transformers computes). Only with a manifest: without one the checkpoint is not known to be ours, and its
     reading is no reference."""
     from exportlm import load_exported
     from exportlm.export.manifest import read_manifest
@@ -166,11 +168,11 @@ def _stored_reference(path: Path, kind: Any) -> Any:
             "--quantize RECIPE [--calib-data ...] (the model and recipe it was exported with)"
         )
     logger.info(
-        "eager reference: %s as exportlm's hf_checkpoint runtime reads it, in float32 (its "
-        "stored scales; no calibration)",
+        "eager reference: %s as exportlm's hf_checkpoint runtime reads it, in its own dtype "
+        "(its stored scales; no calibration)",
         path,
     )
-    return load_exported("hf_checkpoint", path, dtype="float32")
+    return load_exported("hf_checkpoint", path)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
