@@ -213,7 +213,7 @@ engines: $(ENGINE_STAMPS)
 # its venv, a missing or off-version engine failing (--export-require-engines).
 ENGINE_TESTS ?= tests/test_engines*.py tests/test_served*.py tests/test_generation_padded.py \
 	tests/test_interop_ct.py tests/test_ct_scales.py tests/test_peer_checkpoints.py
-test-engines: $(STAMP) engines
+test-engines: $(INTEROP_STAMP) engines
 	env $(ENGINE_ENV) $(BIN)/python -m pytest -n 0 -m engines $(ENGINE_TESTS) -rs --durations=10
 	env $(ENGINE_ENV) $(BIN)/python -m pytest -n 0 --export-targets=all --export-only \
 		--export-checks=served --export-require-engines -rs --durations=10

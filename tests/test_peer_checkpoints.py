@@ -159,6 +159,7 @@ def _worst_linear(ours: Any, reference: Any, ids: torch.Tensor) -> float:
 @contextlib.contextmanager
 def _as_vllm_computes(monkeypatch: pytest.MonkeyPatch, directory: Path) -> Iterator[str]:
     """transformers' compressed-tensors path, adjusted where it differs by design (docstring)."""
+    pytest.importorskip("compressed_tensors", reason="the interop extra (make test installs it)")
     from compressed_tensors.compressors.nvfp4 import base as nvfp4
     from compressed_tensors.quantization.lifecycle import forward
 
