@@ -12,8 +12,6 @@ The ModelOpt scale convention (``fp8``, ``nvfp4``) against ``scales=compressed-t
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -21,25 +19,6 @@ from pathlib import Path
 import torch
 
 RECIPES = ("fp8", "fp8:scales=compressed-tensors", "nvfp4", "nvfp4:scales=compressed-tensors")
-_LOGITS = """
-import json, sys, torch
-from transformers import AutoModelForCausalLM
-directory, ids, out = sys.argv[1:4]
-model = AutoModelForCausalLM.from_pretrained(
-    directory, dtype=torch.bfloat16, attn_implementation="eager"
-).eval()
-with torch.no_grad():
-    logits = model(torch.tensor(json.loads(open(ids).read())), use_cache=False).logits
-torch.save(logits.float(), out)
-"""
-
-
-def _transformers_logits(python: str, out: Path, ids: torch.Tensor, work: Path) -> torch.Tensor:
-    (work / "ids.json").write_text(json.dumps(ids.tolist()))
-    (work / "logits.py").write_text(_LOGITS)
-    argv = [python, str(work / "logits.py"), str(out), str(work / "ids.json"), str(work / "l.pt")]
-    subprocess.run(argv, check=True, capture_output=True)
-    return torch.load(work / "l.pt", weights_only=True)
 
 
 def main(recipes: list[str]) -> None:
@@ -48,6 +27,7 @@ def main(recipes: list[str]) -> None:
     import exportlm
     from exportlm.engines import find_interpreter
     from exportlm.quant import quantize
+    from tests._peers import transformers_logits
     from tests._real_model import real_model_dir
 
     python = find_interpreter("transformers").path
@@ -67,7 +47,7 @@ def main(recipes: list[str]) -> None:
             ours = exportlm.load_exported("hf_checkpoint", out)(ids).float()
         line = f"{recipe}: our loader {float((ours - want).abs().max()):.4g}"
         if python is not None:
-            theirs = _transformers_logits(str(python), out, ids, work)
+            theirs = transformers_logits(python, out, ids, work)
             agree = float((theirs.argmax(-1) == want.argmax(-1)).float().mean())
             line += f", transformers {float((theirs - want).abs().max()):.4g} (argmax {agree:.1%})"
         print(line, flush=True)

@@ -21,10 +21,12 @@ alike. ``python tests/_peers.py [RECIPE ...]`` builds them and prints their dire
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -134,3 +136,30 @@ def _build(
 if __name__ == "__main__":
     for name in sys.argv[1:] or LLMC_RECIPES:
         print(llmcompressor_checkpoint(name))
+
+
+# transformers' logits of a checkpoint, computed by another interpreter (an engine venv):
+# bf16 and eager attention, as the fake-quantized model computes.
+_TRANSFORMERS_LOGITS = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+directory, ids, out = sys.argv[1:4]
+model = AutoModelForCausalLM.from_pretrained(
+    directory, dtype=torch.bfloat16, attn_implementation="eager"
+).eval()
+with torch.no_grad():
+    logits = model(torch.tensor(json.loads(open(ids).read())), use_cache=False).logits
+torch.save(logits.float(), out)
+"""
+
+
+def transformers_logits(python: Path, directory: Path, ids: Any, work: Path) -> Any:
+    """The float32 logits transformers in ``python`` computes for ``ids`` (a torch tensor) on
+    the checkpoint ``directory`` (bf16, eager attention); ``work`` holds the exchange files."""
+    import torch
+
+    (work / "ids.json").write_text(json.dumps(ids.tolist()))
+    (work / "logits.py").write_text(_TRANSFORMERS_LOGITS)
+    argv = [str(python), str(work / "logits.py"), str(directory), str(work / "ids.json")]
+    subprocess.run([*argv, str(work / "l.pt")], check=True, capture_output=True, timeout=600)
+    return torch.load(work / "l.pt", weights_only=True)

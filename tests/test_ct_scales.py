@@ -266,18 +266,6 @@ def test_real_model_compressed_tensors_nvfp4_reads_back_as_the_model(
 
 # ---------------------------------------------------------------- transformers (engines)
 
-_LOGITS_SCRIPT = """
-import json, sys, torch
-from transformers import AutoModelForCausalLM
-directory, ids, out = sys.argv[1:4]
-model = AutoModelForCausalLM.from_pretrained(
-    directory, dtype=torch.bfloat16, attn_implementation="eager"
-).eval()
-with torch.no_grad():
-    logits = model(torch.tensor(json.loads(open(ids).read())), use_cache=False).logits
-torch.save(logits.float(), out)
-"""
-
 
 @pytest.mark.engines
 @pytest.mark.parametrize("recipe", [FP8_CT, NVFP4_CT])
@@ -292,9 +280,8 @@ def test_engines_transformers_computes_the_bf16_checkpoint_as_the_model(
     compressed-tensors convention. On SmolLM2-135M (bf16): FP8 6.05 -> 0.0, NVFP4 23.9 -> 0.0
     (docs/checkpoint-format.md).
     """
-    import subprocess
-
     from exportlm.engines import find_interpreter
+    from tests._peers import transformers_logits
 
     python = find_interpreter("transformers").path
     if python is None:
@@ -308,11 +295,7 @@ def test_engines_transformers_computes_the_bf16_checkpoint_as_the_model(
     out = exportlm.export_model(
         "hf_checkpoint", model, tmp_path / "ct", format="compressed-tensors"
     )
-    (tmp_path / "ids.json").write_text(json.dumps(ids.tolist()))
-    (tmp_path / "logits.py").write_text(_LOGITS_SCRIPT)
-    argv = [str(python), str(tmp_path / "logits.py"), str(out), str(tmp_path / "ids.json")]
-    subprocess.run([*argv, str(tmp_path / "l.pt")], check=True, capture_output=True, timeout=600)
-    theirs = torch.load(tmp_path / "l.pt", weights_only=True)
+    theirs = transformers_logits(python, out, ids, tmp_path)
     with torch.no_grad():
         want = model(ids).logits.float()
     gap = float((theirs - want).abs().max())
