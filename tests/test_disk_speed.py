@@ -15,6 +15,7 @@ import functools
 import importlib.metadata
 import json
 import threading
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,10 @@ def test_shards_written_by_threads_keep_their_order_names_and_bytes(tmp_path: Pa
     assert index["weight_map"]["t00"] == "model-00001-of-00006.safetensors"
 
 
+def _shard_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("exportlm-shard")]
+
+
 def test_a_failed_background_write_surfaces_at_finish_as_our_error(tmp_path: Path) -> None:
     writer = ShardedSafetensorsWriter(tmp_path / "gone", max_shard_size=10)
     writer.add("a", torch.ones(4))
@@ -132,6 +137,31 @@ def test_a_failed_background_write_surfaces_at_finish_as_our_error(tmp_path: Pat
     with pytest.raises(ExportFailedError, match=r"shard \.shard-00001.*FileNotFoundError") as e:
         writer.finish()
     assert isinstance(e.value.__cause__, FileNotFoundError)
+
+
+def test_a_write_failing_while_finish_waits_for_it_leaves_no_writer_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started = threading.Event()
+
+    def slow_failure(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Any:
+        started.set()
+        time.sleep(0.3)  # still running when finish's last shard waits for a free thread
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(sink_module, "write_safetensors", slow_failure)
+    writer = ShardedSafetensorsWriter(tmp_path, max_shard_size=10)  # one writer thread
+    writer.add("a", torch.ones(4))
+    writer.add("b", torch.ones(4))  # the first shard goes to the writer thread
+    assert started.wait(10)
+    with pytest.raises(ExportFailedError, match=r"shard \.shard-00001.*OSError"):
+        writer.finish()
+    # The error came from finish's wait for the first shard, before finish's own cleanup:
+    # the writer's threads are shut down with it (they once outlived the writer, and a
+    # later test found them).
+    assert not _shard_threads()
+    with pytest.raises(ExportFailedError, match="already finished"):
+        writer.add("c", torch.ones(4))
 
 
 def _disk_full_at_shard(monkeypatch: pytest.MonkeyPatch, failing: int) -> None:
@@ -154,7 +184,6 @@ def test_a_full_disk_in_a_shard_writer_publishes_nothing_and_raises_our_error(
     model = _fp8_model()
     out = exportlm.export_model("hf_checkpoint", model, tmp_path / "ckpt", max_shard_size="64KB")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    alive = set(threading.enumerate())  # another test's writer is not this export's
     _disk_full_at_shard(monkeypatch, failing=2)
     monkeypatch.setattr(  # shards written by parallel threads too
         target_module,
@@ -166,8 +195,7 @@ def test_a_full_disk_in_a_shard_writer_publishes_nothing_and_raises_our_error(
     assert list(tmp_path.iterdir()) == [out]  # no staged directory, no half-written shard
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert exportlm.load_exported("hf_checkpoint", out) is not None  # still verifies
-    left = set(threading.enumerate()) - alive
-    assert not [t for t in left if t.name.startswith("exportlm-shard")]
+    assert not _shard_threads()
 
 
 def test_a_failed_shard_among_parallel_writers_is_our_error_and_stops_every_writer(
@@ -186,7 +214,7 @@ def test_a_failed_shard_among_parallel_writers_is_our_error_and_stops_every_writ
     writer.abort()  # what the target does after any failure: wait for the writes in flight
     assert isinstance(e.value.__cause__, OSError)
     assert e.value.__cause__.errno == errno.ENOSPC
-    assert not [t for t in threading.enumerate() if t.name.startswith("exportlm-shard")]
+    assert not _shard_threads()
 
 
 def test_model_hash_is_the_same_on_any_number_of_threads() -> None:

@@ -139,9 +139,10 @@ class ShardedSafetensorsWriter:
     are written at once, and so how many shards' tensors are held beyond the one
     filling (``add`` waits for the oldest). A failed write raises
     :class:`~exportlm.errors.ExportFailedError` (the thread's error chained) from the
-    ``add`` that waits for it or from ``finish``, which then waits for the other writes.
-    After a failure elsewhere, call :meth:`abort` before the directory is removed: it
-    waits for those writes.
+    ``add`` that waits for it or from ``finish``; either then waits for the other writes
+    and shuts the writer threads down (the writer is finished). After a failure
+    elsewhere, call :meth:`abort` before the directory is removed: it waits for those
+    writes.
     """
 
     def __init__(
@@ -213,7 +214,7 @@ class ShardedSafetensorsWriter:
         if self._finished:
             raise ExportFailedError("the checkpoint writer is already finished")
         if self._current.tensors or not self._written:
-            self._flush()
+            self._flush()  # a failed earlier write raises here, its pool already shut down
         self._finished = True
         digests = self._wait_all()
         count = len(self._written)
@@ -265,7 +266,11 @@ class ShardedSafetensorsWriter:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="exportlm-shard")
         running = [(p, future) for p, _, future in self._written if not future.done()]
         if len(running) >= self._threads:  # backpressure: hold at most that many shards
-            _digest_of(*running[0])
+            try:
+                _digest_of(*running[0])
+            except BaseException:
+                self.abort()  # a failed writer writes nothing more and leaves no thread behind
+                raise
         future = self._pool.submit(write_safetensors, path, shard.tensors, self.metadata)
         future.add_done_callback(lambda _: logger.debug("wrote %s", path.name))
         self._written.append((path, list(shard.tensors), future))
