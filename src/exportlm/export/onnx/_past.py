@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -84,6 +85,7 @@ def torch_onnx_export(
     args: tuple[torch.Tensor, ...],
     options: dict[str, Any],
     recorded: dict[str, Any],
+    tokenizer: Mapping[str, bytes] | None = None,
 ) -> None:
     """``torch.onnx.export`` of the logits-only ``wrapper`` on ``args``, or, when the target's
     ``recorded`` options say ``kv_cache``, of the past-key-values graph
@@ -103,6 +105,7 @@ def torch_onnx_export(
                 graph,
                 optimum=recorded.get("layout") == "optimum",
                 genai=bool(recorded.get("genai_config")),
+                tokenizer=tokenizer,
             )
         else:
             torch.onnx.export(wrapper, args, str(job.staged), **options)

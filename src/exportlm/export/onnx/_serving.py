@@ -17,6 +17,7 @@ anything is written.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +26,14 @@ from torch import nn
 from exportlm._transformers_model import is_transformers_model
 from exportlm.errors import InvalidInputError, InvalidModelError
 from exportlm.export._past import PastLayout, flat_past_names
+from exportlm.export.onnx._folder import genai_pad_token_id
 
 __all__ = [
     "GENAI_CONFIG",
     "LAYOUTS",
     "SERVING_FILES",
     "check_serving_options",
+    "serving_files",
     "write_serving_files",
 ]
 
@@ -75,10 +78,22 @@ def check_serving_options(model: Any, *, layout: str, genai_config: bool, kv_cac
         )
 
 
+def serving_files(layout: str, genai_config: bool) -> list[str]:
+    """The files :func:`write_serving_files` writes for these options."""
+    return [*(SERVING_FILES[:2] if layout == "optimum" else ()), *([GENAI_CONFIG] * genai_config)]
+
+
 def write_serving_files(
-    model: nn.Module, graph: Path, layout: PastLayout, *, optimum: bool, genai: bool
+    model: nn.Module,
+    graph: Path,
+    layout: PastLayout,
+    *,
+    optimum: bool,
+    genai: bool,
+    tokenizer: Mapping[str, bytes] | None = None,
 ) -> None:
-    """Write the requested files beside ``graph`` (the staged ``.onnx``)."""
+    """Write the requested files beside ``graph`` (the staged ``.onnx``); ``tokenizer`` (its
+    files, as the folder carries them) chooses genai's pad id."""
     config = _config(model)
     if config is None:
         return
@@ -94,7 +109,8 @@ def write_serving_files(
             generation = GenerationConfig.from_model_config(config)
         generation.to_json_file(str(folder / "generation_config.json"))
     if genai:
-        text = json.dumps(genai_config_for(config, graph.name, layout), indent=2, sort_keys=True)
+        genai_json = genai_config_for(config, graph.name, layout, tokenizer=tokenizer or {})
+        text = json.dumps(genai_json, indent=2, sort_keys=True)
         (folder / GENAI_CONFIG).write_text(text + "\n", encoding="utf-8")
 
 
@@ -102,17 +118,18 @@ def _first(value: Any) -> Any:
     return value[0] if isinstance(value, (list, tuple)) and value else value
 
 
-def genai_config_for(config: Any, filename: str, layout: PastLayout) -> dict[str, Any]:
+def genai_config_for(
+    config: Any, filename: str, layout: PastLayout, *, tokenizer: Mapping[str, bytes]
+) -> dict[str, Any]:
     """onnxruntime-genai's ``genai_config.json`` for the past-key-values graph ``filename``.
 
-    ``pad_token_id`` is the config's, else its end-of-sequence id (as transformers'
-    ``generate`` falls back), else 0: onnxruntime-genai finds padding by that id in
-    ``input_ids``, and pads a batch on the right. Token ids the config leaves unset are
+    ``pad_token_id`` is an id no prompt holds (:func:`._folder.genai_pad_token_id`, from
+    the config and the ``tokenizer``'s files): onnxruntime-genai finds padding by that id
+    in ``input_ids``, and pads a batch on the right. Token ids the config leaves unset are
     left out (onnxruntime-genai reads a JSON null as an error).
     """
     kv_heads, head_size = layout.heads[0]
     eos = _first(getattr(config, "eos_token_id", None))
-    pad = getattr(config, "pad_token_id", None)
     past = flat_past_names(1, "past_key_values")
     present = flat_past_names(1, "present")
     context = int(getattr(config, "max_position_embeddings", 2048))
@@ -143,7 +160,7 @@ def genai_config_for(config: Any, filename: str, layout: PastLayout) -> dict[str
                 "num_hidden_layers": layout.num_layers,
                 "num_key_value_heads": kv_heads,
             },
-            "pad_token_id": next((v for v in (pad, eos) if v is not None), 0),
+            "pad_token_id": genai_pad_token_id(config, tokenizer),
             "type": _GENAI_TYPE,
             "vocab_size": int(config.vocab_size),
         },

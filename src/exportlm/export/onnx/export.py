@@ -26,11 +26,9 @@ Design notes (measured with torch 2.13 CPU, transformers 5.24, onnxruntime 1.32)
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +36,15 @@ import torch
 from torch import nn
 
 from exportlm._transformers_model import is_transformers_model
-from exportlm.errors import InvalidInputError, InvalidModelError, UnsupportedDtypeError
-from exportlm.export._cast import cast_copy
+from exportlm.errors import InvalidInputError, InvalidModelError
 from exportlm.export._optional import require_modules
 from exportlm.export._wrapper import ExportCacheWrapper, accepts_attention_mask
 from exportlm.export.declaration import TargetInfo
+from exportlm.export.hf_checkpoint.tokenizer import describe_tokenizer, write_payload
 from exportlm.export.job import ExportJob, ExportRequest, export_job, job_target
+from exportlm.export.onnx._dtypes import in_dtype
 from exportlm.export.onnx._external import name_external_data_by_content
+from exportlm.export.onnx._folder import owned_companions, tokenizer_beside_graph
 from exportlm.export.onnx._io import AXES, INPUT_NAMES, OUTPUT_NAMES
 from exportlm.export.onnx._legacy import (
     consolidate_external_data,
@@ -53,8 +53,7 @@ from exportlm.export.onnx._legacy import (
 )
 from exportlm.export.onnx._past import check_kv_cache_options, torch_onnx_export
 from exportlm.export.onnx._qdq import check_quantized_export, qdq_refusal, quantized_graph
-from exportlm.export.onnx._serving import SERVING_FILES, check_serving_options
-from exportlm.export.options import resolve_dtype
+from exportlm.export.onnx._serving import check_serving_options, serving_files
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -79,6 +78,12 @@ _MAX_TESTED_OPSET = 22
 # still failing any real graph error (those are >= 1e-2 on logits of magnitude ~1).
 ONNX_ATOL = 1e-4
 ONNX_RTOL = 1e-4
+
+#: What to try when the exporter fails, by ``dynamo``.
+_HINTS = {
+    False: "Try dynamo=True (the default).",
+    True: "Try dynamo=False (legacy exporter) or another opset in 18-22.",
+}
 
 #: Above this many bytes of weights, protobuf cannot hold the model: use external data.
 _PROTOBUF_LIMIT = 2**31
@@ -124,52 +129,6 @@ def _check_opset(opset: Any) -> None:
             UserWarning,
             stacklevel=3,
         )
-
-
-#: The floating dtypes onnxruntime's CPU kernels run a graph in (measured: float32, float16).
-_SUPPORTED_DTYPES = (torch.float32, torch.float16)
-#: Dtypes that export but that onnxruntime's CPU kernels cannot run (see :func:`_check_dtypes`).
-_REFUSED_DTYPES = frozenset({torch.bfloat16})
-
-
-def _check_dtypes(model: Any) -> None:
-    """Refuse a model holding tensors of a dtype onnxruntime cannot run, before anything is written.
-
-    Measured (torch 2.13, onnxruntime 1.32 CPU): a bfloat16 model exports with both
-    exporters, then onnxruntime refuses the graph when the session is created:
-    ``NOT_IMPLEMENTED : Could not find an implementation for Add(14) node with name
-    'node_add_12'`` (dynamo, toy decoder) and ``... for Where(16) node with name
-    '/model/model/Where_1'`` (legacy, tiny Llama): its CPU kernels have no bfloat16
-    arithmetic. float16 runs (max |logits diff| 7.6e-4 vs the float32 model on the toy
-    decoder). FP8 initializers of quantized graphs are dequantized by ``DequantizeLinear``
-    and are not affected.
-    """
-    if not isinstance(model, nn.Module):
-        return  # export_job says what a model must be
-    named = itertools.chain(model.named_parameters(), model.named_buffers())
-    for name, tensor in named:
-        if tensor.dtype in _REFUSED_DTYPES:
-            supported = ", ".join(str(d).removeprefix("torch.") for d in _SUPPORTED_DTYPES)
-            raise UnsupportedDtypeError(
-                f"onnx export: {type(model).__name__} holds {tensor.dtype} tensors (first: "
-                f"{name!r}); onnxruntime's CPU kernels cannot run a "
-                f"{str(tensor.dtype).removeprefix('torch.')} graph (the session fails with "
-                f"NOT_IMPLEMENTED). Supported dtypes: {supported}. Pass "
-                "dtype=torch.float32 (CLI: -o dtype=fp32), export a float copy "
-                "(model.float()), or load the model with dtype=torch.float32; the "
-                "hf_checkpoint target keeps bfloat16 weights"
-            )
-
-
-def _in_dtype(request: ExportRequest, dtype: Any) -> tuple[ExportRequest, torch.dtype | None]:
-    """The request with its model cast to ``dtype`` (a copy; see ``cast_copy``), and the dtype;
-    a model holding a dtype onnxruntime cannot run is refused (:func:`_check_dtypes`)."""
-    cast_to = None
-    if dtype is not None:
-        cast_to = resolve_dtype(dtype, where="onnx dtype", supported=_SUPPORTED_DTYPES)
-        request = replace(request, model=cast_copy(request.model, cast_to))
-    _check_dtypes(request.model)
-    return request, cast_to
 
 
 def _require_exporter(dynamo: bool) -> None:
@@ -260,6 +219,7 @@ def export_onnx_target(
     layout: str = "file",
     genai_config: bool = False,
     dtype: torch.dtype | str | None = None,
+    tokenizer: Any = None,
 ) -> Path:
     """Export ``model`` to an ONNX file at ``output_path``; returns the path.
 
@@ -294,6 +254,11 @@ def export_onnx_target(
             dtype (``torch.float32`` or ``torch.float16``, or its name), e.g. a bfloat16
             checkpoint as onnxruntime's CPU kernels can run it; the model is not changed.
             Quantized (FP8, integer) tensors stay as they are. Default: the model's own.
+        tokenizer: a tokenizer object (its ``save_pretrained``) or a model directory: its
+            ``tokenizer.json``, ``tokenizer_config.json``, chat template, ... are written
+            beside the graph and listed in the manifest (what a runtime's tokenizer reads
+            from the folder); with ``genai_config`` they choose a pad id no prompt holds
+            (:mod:`._folder`). ``exportlm export --model DIR`` passes the directory.
 
     Raises:
         InvalidModelError / InvalidInputError: the model or inputs do not fit.
@@ -304,17 +269,12 @@ def export_onnx_target(
         ExportFailedError: ``torch.onnx.export`` failed (the cause is chained).
     """
     _check_opset(opset)
-    request, cast_to = _in_dtype(request, dtype)
+    request, cast_to = in_dtype(request, dtype)
     model = request.model
     check_kv_cache_options(kv_cache, dynamo=dynamo, dynamic=dynamic, attention_mask=attention_mask)
     check_serving_options(model, layout=layout, genai_config=genai_config, kv_cache=kv_cache)
     check_quantized_export(model, opset=opset, dynamo=dynamo)
     _require_exporter(dynamo)
-    hint = (
-        "Try dynamo=True (the default)."
-        if not dynamo
-        else "Try dynamo=False (legacy exporter) or another opset in 18-22."
-    )
     recorded: dict[str, Any] = {
         "opset": opset,
         "dynamo": dynamo,
@@ -327,14 +287,18 @@ def export_onnx_target(
     }
     if layout != "file" or genai_config:  # recorded only when asked: older manifests stay equal
         recorded.update(layout=layout, genai_config=genai_config)
-    name = request.output_path.name
+    carried = tokenizer_beside_graph(tokenizer)  # read (or refused) before any work
+    if tokenizer is not None:
+        recorded["tokenizer"] = describe_tokenizer(tokenizer)
+    writes = [*serving_files(layout, genai_config), *carried]
     with export_job(
         request,
         example_inputs,
-        hint=hint,
+        hint=_HINTS[dynamo],
         options=recorded,
-        companions=(f"{name}.data", f"{name}.*.data", *SERVING_FILES),
+        companions=owned_companions(request.output_path, writes),
     ) as job:
+        write_payload(job.staged.parent, carried)
         wrapper, args, names = _export_args(job, attention_mask)
         use_external = (
             external_data if external_data is not None else _weight_bytes(model) > _PROTOBUF_LIMIT
@@ -355,7 +319,7 @@ def export_onnx_target(
         ):
             if translations:
                 options["custom_translation_table"] = translations
-            torch_onnx_export(job, wrapper, args, options, recorded)  # see _past.py
+            torch_onnx_export(job, wrapper, args, options, recorded, carried)  # see _past.py
         if not dynamo:
             if use_external:
                 consolidate_external_data(job.staged)
