@@ -147,7 +147,7 @@ def build_case_model(case: TargetCase, name: str) -> nn.Module:
     """
     built = attempt(f"building toy model {name!r}", case.services.model, name, case.seed)
     model: nn.Module = built.eval().to(case.device)
-    reason = accepts_reason(case.target, model)
+    reason = family_refusal(case, name)
     if reason:
         raise CheckAbort(
             CheckResult.skipped(f"target {case.target_id!r} does not take {name!r}: {reason}")
@@ -181,8 +181,12 @@ def one_layer_model(case: TargetCase, name: str) -> nn.Module | None:
     family = attempt(f"building toy model {name!r}", case.services.pristine_model, name, case.seed)
     if built is None or type(built) is not type(family):
         return None
+    accepts = get_target_info(case.target).accepts
+    key = ("one_layer_accepts", case.target, accepts, name, case.seed)
+    if case.services.memo(key, lambda: accepts_reason(case.target, built)):
+        return None
     model: nn.Module = copy.deepcopy(built).to(case.device)
-    return None if accepts_reason(case.target, model) else model
+    return model
 
 
 def _one_layer(name: str, seed: int) -> nn.Module | None:
@@ -195,6 +199,13 @@ def _one_layer(name: str, seed: int) -> nn.Module | None:
             continue
         return model.eval()
     return None
+
+
+def family_refusal(case: TargetCase, name: str) -> str | None:
+    """Why the case's target refuses toy family ``name``, or ``None``: its ``accepts`` asked
+    once per process and target (``case.services``; the runner's gate asked the same)."""
+    accepts = get_target_info(case.target).accepts
+    return case.services.refusal(case.target, accepts, name, case.seed)
 
 
 def accepts_reason(target: str, model: nn.Module) -> str | None:
@@ -213,10 +224,10 @@ def default_model_name(case: TargetCase) -> str:
     ]
     for name in candidates:
         try:
-            model = case.services.pristine_model(name, case.seed)
+            case.services.pristine_model(name, case.seed)
         except Exception:  # a broken third-party family must not hide the others
             continue
-        if not accepts_reason(case.target, model):
+        if not family_refusal(case, name):
             return name
     raise CheckAbort(
         CheckResult.skipped(f"target {case.target_id!r} accepts none of the toy models {available}")
