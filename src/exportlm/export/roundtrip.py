@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from exportlm.errors import RuntimeOutputError
+from exportlm.errors import InvalidInputError, RuntimeOutputError
 from exportlm.export._compare import LogitsComparison, compare_logits
 from exportlm.export._wrapper import ExportCacheWrapper
 from exportlm.inputs import VERIFY_IDS_SEED, infer_vocab_size, make_input_ids
@@ -152,10 +152,14 @@ def verify_roundtrip(
 
     Raises:
         RuntimeOutputError: the runtime returned something other than one logits tensor.
+        InvalidInputError: neither ``model`` nor ``expected`` was given.
     """
     if expected is None:
         if model is None:
-            raise TypeError("verify_roundtrip needs the eager model or the expected logits")
+            raise InvalidInputError(
+                "verify_roundtrip got neither the eager model nor the expected logits; "
+                "pass the model the artifact was exported from, or expected=<its logits>"
+            )
         expected = eager_logits(model, ids, call=call)
     actual = runtime_logits(runtime, ids, call=call)
     return compare_within(actual, expected, tolerance)
