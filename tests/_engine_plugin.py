@@ -14,7 +14,13 @@ from pathlib import Path
 
 from tests._distinfo import make_distribution
 
-__all__ = ["BROKEN", "ENGINE", "make_broken_engine_plugin", "make_engine_plugin"]
+__all__ = [
+    "BROKEN",
+    "ENGINE",
+    "engine_worker",
+    "make_broken_engine_plugin",
+    "make_engine_plugin",
+]
 
 #: The plugin's engine name (its ``served`` items: ``served[<target>-toy-engine-<family>-cpu]``).
 ENGINE = "toy-engine"
@@ -123,6 +129,12 @@ else:
 """
 
 
+def engine_worker(*, drop_mask: bool = False) -> str:
+    """The toy engine's worker script (also the worker of docs/architecture.md's
+    "How to add an engine"); ``drop_mask=True`` plants the attention-mask bug."""
+    return _WORKER.replace("{drop_mask}", repr(drop_mask)).replace("{{", "{").replace("}}", "}")
+
+
 def make_engine_plugin(
     root: Path, *, drop_mask: bool = False, extra_rows: str = "", extra_tolerances: str = ""
 ) -> Path:
@@ -138,9 +150,7 @@ def make_engine_plugin(
         {"exportlm.engines": {ENGINE: "toy_engine:ENGINE"}},
         {
             "toy_engine.py": record,
-            "toy_engine_worker.py": _WORKER.replace("{drop_mask}", repr(drop_mask))
-            .replace("{{", "{")
-            .replace("}}", "}"),
+            "toy_engine_worker.py": engine_worker(drop_mask=drop_mask),
         },
     )
     return root

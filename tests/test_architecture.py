@@ -476,3 +476,61 @@ def test_no_side_table_keyed_by_an_engine_name_or_a_file_suffix() -> None:
                 if isinstance(node, ast.Dict) and (keys := _keys_naming(node, names)):
                     offenders.setdefault(str(path.relative_to(ROOT)), []).extend(keys)
     assert not offenders, f"side tables keyed by engine name or suffix: {offenders}"
+
+
+#: The one verifier of logits roundtrips (docs/architecture.md, "Rules the tree keeps").
+VERIFIER = "exportlm.export.roundtrip"
+
+
+def _verifier_calls(tree: ast.AST) -> list[str]:
+    """What in ``tree`` only the verifier does: calling the comparison primitive
+    (``compare_logits``) or running the eager reference (``ExportCacheWrapper(model)(ids)``,
+    through any ``.eval()`` / ``.to()`` chain)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if (isinstance(func, ast.Name) and func.id == "compare_logits") or (
+            isinstance(func, ast.Attribute) and func.attr == "compare_logits"
+        ):
+            found.append(f"line {node.lineno}: {ast.unparse(node)[:80]}")
+            continue
+        while (
+            isinstance(func, ast.Call)
+            and isinstance(func.func, ast.Attribute)
+            and func.func.attr in {"eval", "to"}
+        ):
+            func = func.func.value
+        if (
+            isinstance(func, ast.Call)
+            and isinstance(func.func, ast.Name | ast.Attribute)
+            and ast.unparse(func.func).endswith("ExportCacheWrapper")
+        ):
+            found.append(f"line {node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_the_verifier_scan_finds_a_comparison_and_an_eager_run() -> None:
+    planted = ast.parse(
+        "r = compare_logits(a, b, 1e-4, 1e-4)\n"
+        "r = exportlm.export.compare_logits(a, b, 0, 0)\n"
+        "e = ExportCacheWrapper(model).eval()(ids)\n"
+        "e = ExportCacheWrapper(model)(ids)\n"
+        "w = ExportCacheWrapper(model).eval()\n"  # building the wrapper to trace is fine
+    )
+    assert len(_verifier_calls(planted)) == 4
+
+
+def test_one_roundtrip_verifier() -> None:
+    """Only ``exportlm.export.roundtrip`` compares logits or runs the eager reference: the
+    CLI's ``--verify``, ``verify_onnx`` and every check call it, so a fourth verifier fails."""
+    offenders = {
+        _module_name(path): calls
+        for path in _python_files()
+        if _module_name(path) != VERIFIER
+        and (calls := _verifier_calls(ast.parse(path.read_text(encoding="utf-8"))))
+    }
+    assert not offenders, (
+        f"logits compared outside {VERIFIER} (call verify_roundtrip / compare_within): {offenders}"
+    )

@@ -9,8 +9,9 @@ itself gets a fresh one per case (nothing shared, nothing cached).
 It holds:
 
 * the toy models: each ``(family, seed)`` is built once (:meth:`pristine_model`,
-  for read-only uses such as a target's ``accepts``) and every caller that may
-  change or export the model gets its own deep copy (:meth:`model`);
+  for read-only uses such as a target's ``accepts``, asked once per target and family:
+  :meth:`refusal`) and every caller that may change or export the model gets its own
+  deep copy (:meth:`model`);
 * the runtimes of shared (read-only, cached) artifacts, the last few kept
   (:meth:`shared_runtime`);
 * what the checks compute once per process and read many times (the quantization
@@ -157,6 +158,21 @@ class CheckServices:
         from exportlm.models import build_model
 
         return build_model(name, seed=seed).eval()
+
+    def refusal(
+        self, target: str, accepts: Callable[[Any], Any] | None, name: str, seed: int
+    ) -> str | None:
+        """Why ``target``'s ``accepts`` refuses family ``name`` (its :meth:`pristine_model`),
+        or ``None``: asked once per process, so the runner's gate and the check that builds
+        the model share one call."""
+        if accepts is None:
+            return None
+
+        def ask() -> str | None:
+            reason = accepts(self.pristine_model(name, seed))
+            return str(reason) if reason else None
+
+        return self.memo(("accepts", target, accepts, name, seed), ask)
 
     # -- values computed once per process ---------------------------------------
     def memo(self, key: Hashable, compute: Callable[[], _T]) -> _T:

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
+from exportlm.errors import RuntimeOutputError
 from exportlm.export import (
-    ExportCacheWrapper,
+    LogitsComparison,
     TargetInfo,
     accepted_kwargs,
-    compare_logits,
     ensure_exporters_registered,
     export_model,
     get_target_info,
@@ -33,7 +32,7 @@ from exportlm.export import (
     make_input_ids,
     runtime_loader,
 )
-from exportlm.inputs import VERIFY_IDS_SEED
+from exportlm.export import roundtrip as verifier
 from exportlm.models import model_names, model_tolerance_scale
 from pytest_exportcheck.checks._api import CheckResult, TargetCase
 from pytest_exportcheck.checks._common import CheckAbort, attempt
@@ -62,14 +61,15 @@ __all__ = [
     "run_runtime",
     "shared_artifact",
     "target_info",
+    "verify",
 ]
 
 #: Families tried, in order, for checks that need one model and are not per model.
 DEFAULT_MODELS = ("decoder", "llama")
-#: ``(batch, seq)`` of the example inputs every built-in target traces with.
-TRACED_SHAPE = (2, 8)
+#: ``(batch, seq)`` of the example inputs every built-in target traces with (the verifier's).
+TRACED_SHAPE = verifier.TRACED_SHAPE
 #: Seed of the input ids of roundtrips (not the traced ids, which use seed 0).
-IDS_SEED = VERIFY_IDS_SEED
+IDS_SEED = verifier.IDS_SEED
 
 
 def target_info(case: TargetCase) -> TargetInfo:
@@ -147,7 +147,7 @@ def build_case_model(case: TargetCase, name: str) -> nn.Module:
     """
     built = attempt(f"building toy model {name!r}", case.services.model, name, case.seed)
     model: nn.Module = built.eval().to(case.device)
-    reason = accepts_reason(case.target, model)
+    reason = family_refusal(case, name)
     if reason:
         raise CheckAbort(
             CheckResult.skipped(f"target {case.target_id!r} does not take {name!r}: {reason}")
@@ -181,8 +181,12 @@ def one_layer_model(case: TargetCase, name: str) -> nn.Module | None:
     family = attempt(f"building toy model {name!r}", case.services.pristine_model, name, case.seed)
     if built is None or type(built) is not type(family):
         return None
+    accepts = get_target_info(case.target).accepts
+    key = ("one_layer_accepts", case.target, accepts, name, case.seed)
+    if case.services.memo(key, lambda: accepts_reason(case.target, built)):
+        return None
     model: nn.Module = copy.deepcopy(built).to(case.device)
-    return None if accepts_reason(case.target, model) else model
+    return model
 
 
 def _one_layer(name: str, seed: int) -> nn.Module | None:
@@ -195,6 +199,13 @@ def _one_layer(name: str, seed: int) -> nn.Module | None:
             continue
         return model.eval()
     return None
+
+
+def family_refusal(case: TargetCase, name: str) -> str | None:
+    """Why the case's target refuses toy family ``name``, or ``None``: its ``accepts`` asked
+    once per process and target (``case.services``; the runner's gate asked the same)."""
+    accepts = get_target_info(case.target).accepts
+    return case.services.refusal(case.target, accepts, name, case.seed)
 
 
 def accepts_reason(target: str, model: nn.Module) -> str | None:
@@ -213,10 +224,10 @@ def default_model_name(case: TargetCase) -> str:
     ]
     for name in candidates:
         try:
-            model = case.services.pristine_model(name, case.seed)
+            case.services.pristine_model(name, case.seed)
         except Exception:  # a broken third-party family must not hide the others
             continue
-        if not accepts_reason(case.target, model):
+        if not family_refusal(case, name):
             return name
     raise CheckAbort(
         CheckResult.skipped(f"target {case.target_id!r} accepts none of the toy models {available}")
@@ -230,11 +241,7 @@ def input_ids_for(model: nn.Module, batch: int, seq: int, seed: int, device: str
 
 def eager_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """The reference: the model under :class:`ExportCacheWrapper` (``use_cache=False``, logits)."""
-    with torch.no_grad():
-        logits: torch.Tensor = attempt(
-            "running the eager model", ExportCacheWrapper(model), input_ids
-        )
-    return logits.detach()
+    return verifier.eager_logits(model, input_ids, call=attempt)
 
 
 def artifact_name(info: TargetInfo) -> str:
@@ -319,17 +326,27 @@ def load_shared_runtime(case: TargetCase, artifact: Path) -> Callable[[torch.Ten
 
 def run_runtime(runtime: Callable[[torch.Tensor], Any], input_ids: torch.Tensor) -> torch.Tensor:
     """Call the runtime; it must return one logits tensor (torch or numpy), nothing else."""
-    out = attempt(f"running the runtime on input_ids {list(input_ids.shape)}", runtime, input_ids)
-    if isinstance(out, np.ndarray):
-        return torch.from_numpy(out)
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    raise CheckAbort(
-        CheckResult.failed(
-            f"the runtime returned {_describe(out)}; expected one logits tensor "
-            "[batch, seq, vocab] (did the export trace the model without ExportCacheWrapper?)"
+    try:
+        return verifier.runtime_logits(runtime, input_ids, call=attempt)
+    except RuntimeOutputError as err:  # the message says what it returned and what is expected
+        raise CheckAbort(CheckResult.failed(str(err))) from err
+
+
+def verify(
+    model: nn.Module | None,
+    runtime: Callable[[torch.Tensor], Any],
+    ids: torch.Tensor,
+    tolerance: verifier.Tolerance,
+    expected: torch.Tensor | None = None,
+) -> LogitsComparison:
+    """:func:`exportlm.export.roundtrip.verify_roundtrip`, a failure of the code under test
+    (the eager model, the runtime, its output) stopping the check with what failed."""
+    try:
+        return verifier.verify_roundtrip(
+            model, runtime, ids, tolerance, call=attempt, expected=expected
         )
-    )
+    except RuntimeOutputError as err:
+        raise CheckAbort(CheckResult.failed(str(err))) from err
 
 
 def roundtrip(
@@ -341,14 +358,13 @@ def roundtrip(
 ) -> CheckResult:
     """Runtime vs eager logits on deterministic ids of ``shape``, within the target's tolerance.
 
-    ``|actual - expected| <= atol + rtol * |expected|`` elementwise with the
-    target's declared ``atol`` / ``rtol``; NaN / inf anywhere fails.
+    :func:`exportlm.export.roundtrip.verify_roundtrip` with the target's declared
+    ``atol`` / ``rtol``: ``|actual - expected| <= atol + rtol * |expected|`` elementwise;
+    NaN / inf anywhere fails.
     """
-    ids = input_ids_for(model, shape[0], shape[1], seed=case.seed + IDS_SEED, device=case.device)
+    ids = verifier.roundtrip_ids(model, shape, seed=case.seed, device=case.device)
     with case.services.phase("compare"):
-        expected = eager_logits(model, ids)
-        actual = run_runtime(runtime, ids)
-        result = compare_logits(actual, expected, info.atol, info.rtol)
+        result = verify(model, runtime, ids, verifier.Tolerance.of(info))
     where = f"input_ids {list(shape)}"
     if not result.passed:
         return CheckResult.failed(
@@ -356,11 +372,3 @@ def roundtrip(
             **result.details(),
         )
     return CheckResult.passed(f"{where}: {result.summary()}", **result.details())
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)} items"
-    if isinstance(value, Mapping):
-        return f"a mapping with keys {sorted(map(str, value))}"
-    return f"a {type(value).__name__}"

@@ -216,6 +216,7 @@ class ArtifactCache:
         device: str = "cpu",
         suffix: str = "",
         directory: bool = False,
+        key: str | None = None,
     ) -> Path:
         """The artifact of ``model`` exported with ``target`` and ``kwargs``.
 
@@ -224,11 +225,14 @@ class ArtifactCache:
         is shared between checks and runs and read-only.
 
         A failed export is remembered for the session and raised again, so a broken
-        target costs one export attempt per key, not one per check.
+        target costs one export attempt per key, not one per check. ``key``: this
+        export's :meth:`key`, when the caller computed it already (it fingerprints the
+        model's weights: once per export, not twice).
         """
-        from exportlm.export import EXPORT_REGISTRY
+        if key is None:
+            from exportlm.export import EXPORT_REGISTRY
 
-        key = self.key(target, EXPORT_REGISTRY.get(target), kwargs, model, seed, device)
+            key = self.key(target, EXPORT_REGISTRY.get(target), kwargs, model, seed, device)
         with self._lock:
             known = self._memo.get(key)
         if isinstance(known, BaseException):

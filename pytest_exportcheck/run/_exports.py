@@ -85,7 +85,8 @@ class CachedExports:
         cache, profile = self.cache, self.services.profile
         kwargs, device = {**spec.export_kwargs, **extra}, spec.device or "cpu"
         misses = cache.misses
-        key = self._failure_key(spec.target, kwargs, model, device)
+        artifact_key = self._key(spec.target, kwargs, model, device)  # once per export
+        key = artifact_key if self.failures.root is not None else None  # failures remembered
         exclusive = self.failures.exclusive(key) if key else contextlib.nullcontext()
         with self.services.phase("export") as phase, exclusive:
             remembered = None if key is None else self.failures.recall(key)
@@ -102,6 +103,7 @@ class CachedExports:
                     device=device,
                     suffix=info.suffix,
                     directory=info.artifact == "directory",
+                    key=artifact_key,
                 )
             except Exception as err:
                 if key is not None:
@@ -113,10 +115,8 @@ class CachedExports:
                 profile.count("exports", cache.misses - misses)
                 phase.name = "export" if exported else "cache"
 
-    def _failure_key(self, target: str, kwargs: Any, model: Any, device: str) -> str | None:
-        """The artifact cache's key of this export, when failures are remembered across runs."""
-        if self.failures.root is None:
-            return None
+    def _key(self, target: str, kwargs: Any, model: Any, device: str) -> str:
+        """The artifact cache's key of this export (also the failure memo's)."""
         from exportlm.export import EXPORT_REGISTRY
 
         return self.cache.key(target, EXPORT_REGISTRY.get(target), kwargs, model, self.seed, device)

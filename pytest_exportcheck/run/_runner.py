@@ -65,17 +65,12 @@ class RunServices:
     checks: CheckServices = field(default_factory=lambda: CheckServices(build_toy_model))
     exports: CachedExports | None = None
     seed: int = SEED
-    _accepts: dict[tuple[str, str], str | None] = field(default_factory=dict, repr=False)
 
     def refusal(self, target: str, model: str) -> str | None:
-        """Why ``target`` does not accept toy family ``model`` (its ``accepts``), or ``None``."""
+        """Why ``target`` does not accept toy family ``model`` (its ``accepts``), or ``None``;
+        asked once per process (:meth:`CheckServices.refusal`, shared with the checks)."""
         accepts = self.discovery.targets[target].accepts
-        if accepts is None:
-            return None
-        if (target, model) not in self._accepts:
-            reason = accepts(self.checks.pristine_model(model, self.seed))
-            self._accepts[(target, model)] = str(reason) if reason else None
-        return self._accepts[(target, model)]
+        return self.checks.refusal(target, accepts, model, self.seed)
 
 
 def run_item(spec: ItemSpec, services: RunServices, options: CaseOptions) -> CheckResult:

@@ -16,10 +16,10 @@ from exportlm.export import (
     GenerationResult,
     GenerationRuntime,
     TargetInfo,
-    compare_logits,
     greedy_generate,
     kv_cache_refusal,
 )
+from exportlm.export.roundtrip import Tolerance, compare_within
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import aborts_to_result, attempt
 from pytest_exportcheck.checks._support import (
@@ -136,7 +136,7 @@ def _compare(
     eager = prompt.eager
     worst = 0.0
     for step, (actual, expected) in enumerate(zip(got.step_logits, eager.step_logits, strict=True)):
-        result = compare_logits(actual, expected, info.atol, info.rtol)
+        result = compare_within(actual, expected, Tolerance.of(info))
         where = f"step {step} ({'prefill' if step == 0 else 'decode'})"
         if not result.passed:
             return CheckResult.failed(

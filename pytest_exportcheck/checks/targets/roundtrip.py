@@ -16,12 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from exportlm.export import compare_logits
+from exportlm.export.roundtrip import EXACT, roundtrip_ids
 from exportlm.models import DecoderModel, seeded_init_
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import aborts_to_result
 from pytest_exportcheck.checks._support import (
-    IDS_SEED,
     TRACED_SHAPE,
     accepts_reason,
     build_case_model,
@@ -37,6 +36,7 @@ from pytest_exportcheck.checks._support import (
     run_runtime,
     shared_artifact,
     target_info,
+    verify,
 )
 
 __all__ = [
@@ -174,11 +174,10 @@ def deterministic(case: TargetCase) -> CheckResult:
         first = export_instance(case, model, case.workdir / "deterministic-first")
         reference = load_runtime(case, first)
     second = export_fresh(case, model, case.workdir / "deterministic")
-    ids = input_ids_for(model, *TRACED_SHAPE, seed=case.seed + IDS_SEED, device=case.device)
-    runtimes = reference, load_runtime(case, second)
+    ids = roundtrip_ids(model, TRACED_SHAPE, seed=case.seed, device=case.device)
+    again = load_runtime(case, second)
     with case.services.phase("compare"):
-        a, b = (run_runtime(runtime, ids) for runtime in runtimes)
-        result = compare_logits(b, a, 0.0, 0.0)
+        result = verify(None, again, ids, EXACT, expected=run_runtime(reference, ids))
     same_bytes = _digest(first) == _digest(second)
     if not result.passed:
         return CheckResult.failed(

@@ -23,6 +23,7 @@ from exportlm.cli._errors import EXIT_FAILURE, EXIT_OK, UsageError
 from exportlm.cli._model import ModelSource, resolve_model
 from exportlm.cli._options import parse_target_options
 from exportlm.cli._recipe import check_model_recipe, checked_recipe
+from exportlm.cli._roundtrip import verify_export
 
 __all__ = ["ExportPlan", "cmd_export", "plan_export"]
 
@@ -43,7 +44,7 @@ class ExportPlan:
     calibration: CalibrationRequest | None
     verify: bool
     as_json: bool
-    verify_shapes: tuple[tuple[int, int], ...] = ((2, 8),)
+    verify_shapes: tuple[tuple[int, int], ...] = ()  # none given: the traced shape
     trust: bool = False
     stream: bool = False  # layer by layer (exportlm.stream), see cli/_stream.py
     max_memory: str | None = None
@@ -90,7 +91,7 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
         calibration=calibration_request(args, recipe),
         verify=args.verify,
         as_json=args.json,
-        verify_shapes=tuple(getattr(args, "verify_shape", None) or ((2, 8),)),
+        verify_shapes=tuple(getattr(args, "verify_shape", None) or ()),
         trust=getattr(args, "trust", False),
         quant_recipe=recipe,
     )
@@ -215,7 +216,7 @@ def _export_in_memory(plan: ExportPlan) -> int:
     result.calibration, result.timings = calibration, timings
     if plan.verify:
         start = time.perf_counter()
-        result.verification = _verify(plan, model, result.path)
+        result.verification = verify_export(plan, model, result.path)
         timings["verify"] = time.perf_counter() - start
     _print_result(plan, result)
     if result.verification is not None and not result.verification.passed:
@@ -289,59 +290,6 @@ def _artifact_files(path: Path, before: dict[str, tuple[int, int]]) -> list[tupl
         if sibling != path and before.get(name) != stat and name.startswith(path.stem):
             files.append((sibling, stat[0]))
     return files
-
-
-def _verify(plan: ExportPlan, model: Any, path: Path) -> Any:
-    """The artifact's logits against the eager model's at each ``--verify-shape``.
-
-    The first shape that differs decides (a failing comparison); else the last. The ids
-    are drawn as the conformance checks draw them (seed ``--seed`` + ``VERIFY_IDS_SEED``),
-    so a check's printed command reproduces its comparison.
-    """
-    import torch
-
-    from exportlm.export import (
-        ExportCacheWrapper,
-        compare_logits,
-        get_target_info,
-        infer_vocab_size,
-        load_exported,
-        make_input_ids,
-    )
-    from exportlm.inputs import VERIFY_IDS_SEED
-
-    info = get_target_info(plan.target)
-    model = _reference(plan, model)
-    result = None
-    with phase(f"verifying in the {info.runtime} runtime"):
-        runtime = load_exported(plan.target, path, trust=plan.trust)
-        for batch, seq in plan.verify_shapes:
-            ids = make_input_ids(
-                infer_vocab_size(model), batch=batch, seq=seq, seed=plan.seed + VERIFY_IDS_SEED
-            )
-            with torch.no_grad():
-                # The same eager view every target exports: use_cache=False, logits only.
-                expected = ExportCacheWrapper(model).eval()(ids).float()
-                actual = torch.as_tensor(runtime(ids)).float()
-            result = compare_logits(actual, expected, info.atol, info.rtol)
-            if not result.passed:
-                break
-    return result
-
-
-def _reference(plan: ExportPlan, model: Any) -> Any:
-    """The eager model as the artifact computes: in the dtype a ``dtype`` option cast it to.
-
-    ``-o dtype=fp32`` of a bfloat16 directory writes a float32 artifact; against the
-    bfloat16 model its logits differ by bfloat16's rounding, not by a fault.
-    """
-    wanted = plan.options.get("dtype")
-    if wanted is None:
-        return model
-    from exportlm.export._cast import cast_copy
-    from exportlm.export.options import resolve_dtype
-
-    return cast_copy(model, resolve_dtype(wanted, where=f"{plan.target} dtype"))
 
 
 def _print_result(plan: ExportPlan, result: _Result) -> None:

@@ -12,6 +12,7 @@ __all__ = [
     "InvalidModelError",
     "LayerTooLargeError",
     "OutputExistsError",
+    "RuntimeOutputError",
     "RuntimeUnavailableError",
     "StreamIntegrityError",
     "StreamingError",
@@ -60,6 +61,10 @@ class StreamIntegrityError(StreamingError):
 
 class RuntimeUnavailableError(ExportLMError, RuntimeError):
     """The requested runtime device (e.g. ``cuda``) is not available on this machine."""
+
+
+class RuntimeOutputError(ExportError, TypeError):
+    """A runtime returned something other than one logits tensor ``[batch, seq, vocab]``."""
 
 
 class InvalidModelError(ExportError, TypeError):

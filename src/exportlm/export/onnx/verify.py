@@ -12,15 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from exportlm.export._compare import compare_logits
 from exportlm.export._moe import traceable_model
 from exportlm.export._optional import require_modules
-from exportlm.export._wrapper import ExportCacheWrapper
 from exportlm.export.onnx.export import ONNX_ATOL, ONNX_RTOL
 from exportlm.export.onnx.runtime import load_onnx
+from exportlm.export.roundtrip import Tolerance, eager_logits, verify_roundtrip
 from exportlm.inputs import resolve_example_inputs
 from exportlm.inspection import check_onnx_size
 
@@ -91,8 +89,8 @@ def verify_onnx(
 
     file = Path(path)
     ids = resolve_example_inputs(model, example_inputs)[0]
-    with traceable_model(model, experts=None), torch.no_grad():
-        expected = ExportCacheWrapper(model)(ids).float().cpu()
+    with traceable_model(model, experts=None):
+        expected = eager_logits(model, ids).float().cpu()
     shape = tuple(expected.shape)
 
     def failed(
@@ -111,12 +109,12 @@ def verify_onnx(
     except Exception as err:  # the checker raises ValidationError and friends
         return failed(False, f"onnx.checker: {type(err).__name__}: {err}")
     try:
-        actual = load_onnx(file, device=device)(ids).float()
+        runtime = load_onnx(file, device=device)
+        comparison = verify_roundtrip(model, runtime, ids, Tolerance(atol, rtol), expected=expected)
     except Exception as err:  # MalformedOnnxError (what onnxruntime would refuse), or its own
         return failed(True, f"onnxruntime: {type(err).__name__}: {err}")
-    if actual.shape != expected.shape:
-        return failed(True, "shape mismatch", tuple(actual.shape), mismatch=1.0)
-    comparison = compare_logits(actual, expected, atol, rtol)
+    if comparison.shape_mismatch:
+        return failed(True, "shape mismatch", comparison.actual_shape, mismatch=1.0)
     return OnnxVerification(
         file,
         True,
@@ -124,7 +122,7 @@ def verify_onnx(
         comparison.max_rel,
         comparison.mismatch_pct / 100.0,
         shape,
-        tuple(actual.shape),
+        comparison.actual_shape,
         atol,
         rtol,
         passed=comparison.passed,
