@@ -135,16 +135,16 @@ def _engines() -> list[dict[str, Any]]:
 
 
 def _quant() -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """The quantization formats, and the recipes (weight and KV cache) they provide."""
+    """The quantization formats, and the recipes (weight and KV cache) on them."""
+    from exportlm.quant import Recipe, recipes
+    from exportlm.quant._tensor import format_name
     from exportlm.quant.formats import QUANT_FORMATS
 
-    formats: list[dict[str, Any]] = []
-    recipes: list[dict[str, str]] = []
-    for entry in QUANT_FORMATS.entries():
-        spec = entry.obj
-        formats.append({"name": entry.name, "provider": entry.provider})
-        if spec.recipe is not None:
-            recipes.append({"name": spec.recipe.name, "format": entry.name, "kind": "weights"})
-        if spec.kv_cache is not None:
-            recipes.append({"name": spec.kv_cache.recipe, "format": entry.name, "kind": "kv_cache"})
-    return formats, sorted(recipes, key=lambda r: r["name"])
+    formats = [{"name": e.name, "provider": e.provider} for e in QUANT_FORMATS.entries()]
+    rows: list[dict[str, str]] = []
+    for name, record in recipes().items():
+        if isinstance(record, Recipe):
+            rows.append({"name": name, "format": format_name(record.weight), "kind": "weights"})
+        else:
+            rows.append({"name": name, "format": format_name(record.format), "kind": "kv_cache"})
+    return formats, rows
