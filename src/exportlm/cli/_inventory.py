@@ -136,15 +136,17 @@ def _engines() -> list[dict[str, Any]]:
 
 def _quant() -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """The quantization formats, and the recipes (weight and KV cache) on them."""
-    from exportlm.quant import Recipe, recipes
+    from exportlm.quant import RECIPE_REGISTRY, Recipe, recipes
     from exportlm.quant._tensor import format_name
     from exportlm.quant.formats import QUANT_FORMATS
 
     formats = [{"name": e.name, "provider": e.provider} for e in QUANT_FORMATS.entries()]
     rows: list[dict[str, str]] = []
     for name, record in recipes().items():
-        if isinstance(record, Recipe):
-            rows.append({"name": name, "format": format_name(record.weight), "kind": "weights"})
-        else:
-            rows.append({"name": name, "format": format_name(record.format), "kind": "kv_cache"})
+        fmt = format_name(record.weight if isinstance(record, Recipe) else record.format)
+        # a recipe a format still declares itself is provided by that format's provider
+        owner = RECIPE_REGISTRY if name in RECIPE_REGISTRY else None
+        provider = (owner.entry(name) if owner else QUANT_FORMATS.entry(fmt)).provider
+        kind = "weights" if isinstance(record, Recipe) else "kv_cache"
+        rows.append({"name": name, "format": fmt, "kind": kind, "provider": provider})
     return formats, rows

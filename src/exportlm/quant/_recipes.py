@@ -171,7 +171,7 @@ def _weight_problems(recipe: Recipe, spec: FormatSpec) -> Iterator[str]:
     if (alpha is not None or recipe.awq) and "pre_quant_scale" not in leaves:
         yield f"AWQ and SmoothQuant write 'pre_quant_scale', and format {spec.name!r} has no such leaf"
     if not recipe.symmetric:
-        yield "no layout exportlm writes has a zero point: a recipe is symmetric"
+        yield "no layout exportlm writes has a zero point, so a recipe is symmetric=True"
 
 
 def legacy_recipe(spec: FormatSpec) -> Recipe | None:
