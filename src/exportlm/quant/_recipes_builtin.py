@@ -6,18 +6,18 @@
 groups of 128 (or 32 / 64) and AWQ; ``int8_wo`` W8A16 with per-row scales; ``int8_sq``
 ModelOpt's ``INT8_SMOOTHQUANT_CFG`` (alpha 1.0); ``w8a8`` llm-compressor's W8A8 with
 its ``SmoothQuantModifier`` (alpha 0.5, folded into the norms). The KV-cache recipe
-``fp8_kv`` is the one FP8's ``kv_cache`` scheme names.
+``fp8_kv`` quantizes the KV cache to FP8 (whose ``kv_cache`` scheme holds its config fields).
 """
 
 from __future__ import annotations
 
-from exportlm.quant._recipes import Recipe
+from exportlm.quant._recipes import KVCacheRecipe, Recipe
 from exportlm.quant._tensor import QuantFormat
 from exportlm.quant.formats._int8_sq import LLMC_SMOOTHING_STRENGTH, SMOOTHQUANT_ALPHA
 
 __all__ = ["BUILTIN_RECIPES"]
 
-BUILTIN_RECIPES: tuple[Recipe, ...] = (
+BUILTIN_RECIPES: tuple[Recipe | KVCacheRecipe, ...] = (
     Recipe("fp8", QuantFormat.FP8, QuantFormat.FP8),
     Recipe("nvfp4", QuantFormat.NVFP4, QuantFormat.NVFP4),
     Recipe("int4_awq", QuantFormat.INT4, awq=True, group_sizes=(32, 64, 128)),
@@ -32,4 +32,5 @@ BUILTIN_RECIPES: tuple[Recipe, ...] = (
         smoothquant_fold=True,
     ),
     Recipe("fp8_dynamic", "fp8_dynamic", "fp8_dynamic", weight_axis=0),
+    KVCacheRecipe("fp8_kv", QuantFormat.FP8),
 )
