@@ -28,6 +28,7 @@ from exportlm.quant import (
     RECIPE_REGISTRY,
     QuantFormat,
     Recipe,
+    is_quantized_module,
     quantize,
     recipe_names,
     register_recipe,
@@ -169,3 +170,21 @@ def test_an_unsound_recipe_is_refused_when_registered(record: Recipe, match: str
 def test_a_taken_recipe_name_is_a_conflict() -> None:
     with pytest.raises(RegistryConflictError, match="'int4_awq' is already registered"):
         register_recipe(Recipe("int4_awq", QuantFormat.INT4))
+
+
+def test_a_recipe_states_the_modules_it_leaves_unquantized(tmp_path: Path) -> None:
+    record = Recipe("int8_no_o", QuantFormat.INT8, weight_axis=0, default_exclude=("*o_proj",))
+    register_recipe(record)
+    try:
+        model = tiny_hf_model("llama", seed=0)
+        quantize(model, "int8_no_o")
+        layer = model.model.layers[0]
+        assert not is_quantized_module(layer.self_attn.o_proj)  # the recipe's own exclusion
+        assert is_quantized_module(layer.self_attn.q_proj)
+        assert is_quantized_module(model.lm_head)  # not in this recipe's default_exclude
+        # an override still beats the recipe's exclusions, as it beats the default ones
+        again = tiny_hf_model("llama", seed=0)
+        quantize(again, {"*": "int8_no_o", "*.o_proj": "int8_wo"})
+        assert is_quantized_module(again.model.layers[0].self_attn.o_proj)
+    finally:
+        RECIPE_REGISTRY.unregister("int8_no_o")
