@@ -188,3 +188,35 @@ def test_a_recipe_states_the_modules_it_leaves_unquantized(tmp_path: Path) -> No
         assert is_quantized_module(again.model.layers[0].self_attn.o_proj)
     finally:
         RECIPE_REGISTRY.unregister("int8_no_o")
+
+
+def test_a_broken_recipe_plugin_is_a_failed_line_and_hides_nothing(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    make_distribution(
+        site,
+        "exportlm-bad-recipe",
+        {"exportlm.recipes": {"int8_g64": "bad_recipe:INT8_G64"}},
+        {
+            "bad_recipe.py": """
+            from exportlm.quant import QuantFormat, Recipe
+
+            INT8_G64 = Recipe("int8_g64", QuantFormat.INT8, group_size=64)
+            """
+        },
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-m", "exportlm", "list", "--json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    listed = json.loads(done.stdout)
+    (failed,) = [f for f in listed["failed_plugins"] if f["registry"] == "quantization recipe"]
+    assert (failed["name"], failed["status"]) == ("int8_g64", "failed")
+    assert failed["distribution"] == "exportlm-bad-recipe 1.0"
+    assert "group_size is for block formats" in failed["error"]
+    assert {"fp8", "int4_awq", "w8a8"} <= {r["name"] for r in listed["recipes"]}
