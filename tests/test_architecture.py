@@ -534,3 +534,81 @@ def test_one_roundtrip_verifier() -> None:
     assert not offenders, (
         f"logits compared outside {VERIFIER} (call verify_roundtrip / compare_within): {offenders}"
     )
+#: The files that may read a format's deprecated ``recipe`` field (``WeightRecipe``): where
+#: it is declared and checked, and the one reader that turns it into a ``Recipe`` record.
+FORMAT_RECIPE_READERS = {
+    "src/exportlm/quant/formats/__init__.py",
+    "src/exportlm/quant/formats/_parts.py",
+    "src/exportlm/quant/formats/_registry.py",
+    "src/exportlm/quant/formats/_spec.py",
+    "src/exportlm/quant/_recipes.py",
+}
+_WEIGHT_RECIPE_FIELDS = {
+    "block_size",
+    "axis",
+    "quantize_inputs",
+    "awq",
+    "input_format",
+    "smoothquant_alpha",
+    "smoothquant_fold",
+    "group_sizes",
+}
+_FORMAT_LOOKUPS = {"get_format", "format_for_quant_algo", "format_for_kv_cache_algo"}
+
+
+def _reads_a_format_recipe(node: ast.AST) -> bool:
+    """``WeightRecipe``, ``<...spec>.recipe``, ``get_format(...).recipe`` or ``<x>.recipe.<field>``."""
+    if isinstance(node, ast.Name | ast.alias):
+        return (node.id if isinstance(node, ast.Name) else node.name) == "WeightRecipe"
+    if not isinstance(node, ast.Attribute):
+        return False
+    if node.attr == "WeightRecipe":
+        return True
+    value = node.value
+    if node.attr in _WEIGHT_RECIPE_FIELDS and isinstance(value, ast.Attribute):
+        return value.attr == "recipe"
+    if node.attr != "recipe":
+        return False
+    if isinstance(value, ast.Call):
+        func = value.func
+        return (func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")) in (
+            _FORMAT_LOOKUPS
+        )
+    last = value.id if isinstance(value, ast.Name) else getattr(value, "attr", "")
+    return "spec" in last.lower()
+
+
+def _format_recipe_readers() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for path in _python_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in FORMAT_RECIPE_READERS:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if _reads_a_format_recipe(node):
+                line = getattr(node, "lineno", 0)
+                found.setdefault(rel, []).append(f"{line}: {ast.unparse(node)[:60]}")
+    return found
+
+
+def test_the_recipe_scan_finds_a_recipe_read_off_a_format() -> None:
+    sources = [
+        "spec.recipe.name",
+        "module.weight_quantizer.spec.recipe",
+        "get_format(fmt).recipe",
+        "x.recipe.quantize_inputs",
+        "from exportlm.quant.formats import WeightRecipe",
+    ]
+    for source in sources:
+        assert any(_reads_a_format_recipe(n) for n in ast.walk(ast.parse(source))), source
+    for source in ("plan.recipe", "scheme.recipe", "job.recipe.algo", "recipe.weight_block"):
+        assert not any(_reads_a_format_recipe(n) for n in ast.walk(ast.parse(source))), source
+
+
+def test_recipe_facts_are_read_off_recipe_records_not_formats() -> None:
+    """Recipes are records of their own (issue 40): quantization, the exporters, the
+    checkpoint writer and loader, the inspector and the CLI read a ``Recipe`` from the
+    recipe registry, or a format's numerics and layouts, never a format's recipe."""
+    offenders = _format_recipe_readers()
+    assert not offenders, f"a recipe read off a FormatSpec outside quant/_recipes.py: {offenders}"

@@ -219,7 +219,10 @@ def test_registering_the_same_spec_twice_is_a_no_op(int6: FormatSpec) -> None:
     [
         ({"format": "fp8"}, r"quantization format name 'fp8' is already registered"),
         ({"maxbound": 15.0}, r"quantization format name 'int6' is already registered"),
-        ({"format": "int6b", "recipe": WeightRecipe("fp8")}, r"recipe name 'fp8'.*format 'fp8'"),
+        (
+            {"format": "int6b", "recipe": WeightRecipe("fp8")},
+            r"recipe name 'fp8'.*recipe 'fp8' \(exportlm \(built in\)\); format 'int6b'",
+        ),
         (
             {
                 "format": "int6b",

@@ -2,7 +2,7 @@
 
 One list of :class:`~exportlm.registry.PluginRecord` built from the registries
 (export targets, runtimes, module exporters, model families, serving engines,
-quantization formats) after loading their entry points. It is the single source read by ``exportlm list``
+quantization formats, quantization recipes) after loading their entry points. It is the single source read by ``exportlm list``
 and ``exportlm env``, by the pytest plugin's header and by its ``plugin_loads``
 check, so they can never disagree about which plugin is broken.
 
@@ -39,6 +39,7 @@ def registries() -> list[Registry[Any]]:
         EXPORT_MODULE_REGISTRY,
         ensure_module_exporters_registered,
     )
+    from exportlm.quant import RECIPE_REGISTRY, ensure_recipes_registered
     from exportlm.quant.formats import QUANT_FORMATS
 
     with warnings.catch_warnings():
@@ -47,10 +48,20 @@ def registries() -> list[Registry[Any]]:
         ensure_module_exporters_registered()
         ensure_models_registered()
         ensure_engines_registered()
+        ensure_recipes_registered()
     module_registry: Registry[Any] = EXPORT_MODULE_REGISTRY
     engines: Registry[Any] = ENGINE_REGISTRY
     formats: Registry[Any] = QUANT_FORMATS
-    return [EXPORT_REGISTRY, RUNTIME_REGISTRY, module_registry, MODEL_REGISTRY, engines, formats]
+    recipes: Registry[Any] = RECIPE_REGISTRY
+    return [
+        EXPORT_REGISTRY,
+        RUNTIME_REGISTRY,
+        module_registry,
+        MODEL_REGISTRY,
+        engines,
+        formats,
+        recipes,
+    ]
 
 
 def plugin_inventory() -> list[PluginRecord]:

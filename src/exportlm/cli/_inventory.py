@@ -135,16 +135,18 @@ def _engines() -> list[dict[str, Any]]:
 
 
 def _quant() -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """The quantization formats, and the recipes (weight and KV cache) they provide."""
+    """The quantization formats, and the recipes (weight and KV cache) on them."""
+    from exportlm.quant import RECIPE_REGISTRY, Recipe, recipes
+    from exportlm.quant._tensor import format_name
     from exportlm.quant.formats import QUANT_FORMATS
 
-    formats: list[dict[str, Any]] = []
-    recipes: list[dict[str, str]] = []
-    for entry in QUANT_FORMATS.entries():
-        spec = entry.obj
-        formats.append({"name": entry.name, "provider": entry.provider})
-        if spec.recipe is not None:
-            recipes.append({"name": spec.recipe.name, "format": entry.name, "kind": "weights"})
-        if spec.kv_cache is not None:
-            recipes.append({"name": spec.kv_cache.recipe, "format": entry.name, "kind": "kv_cache"})
-    return formats, sorted(recipes, key=lambda r: r["name"])
+    formats = [{"name": e.name, "provider": e.provider} for e in QUANT_FORMATS.entries()]
+    rows: list[dict[str, str]] = []
+    for name, record in recipes().items():
+        fmt = format_name(record.weight if isinstance(record, Recipe) else record.format)
+        # a recipe a format still declares itself is provided by that format's provider
+        owner = RECIPE_REGISTRY if name in RECIPE_REGISTRY else None
+        provider = (owner.entry(name) if owner else QUANT_FORMATS.entry(fmt)).provider
+        kind = "weights" if isinstance(record, Recipe) else "kv_cache"
+        rows.append({"name": name, "format": fmt, "kind": kind, "provider": provider})
+    return formats, rows

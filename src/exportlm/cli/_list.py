@@ -75,7 +75,8 @@ def _print_engines_and_quant(
     if recipes:
         print("\nRecipes:")
         print_table(
-            ("name", "format", "kind"), [(r["name"], r["format"], r["kind"]) for r in recipes]
+            ("name", "format", "kind", "provided by"),
+            [(r["name"], r["format"], r["kind"], r["provider"]) for r in recipes],
         )
 
 

@@ -47,11 +47,10 @@ class LayerScheme:
 
     @property
     def block_size(self) -> int | None:
-        """The block size scales are checked against: declared, else the format's recipe's."""
+        """The block size scales are checked against: declared, else the format's own."""
         if self.group_size:
             return self.group_size
-        recipe = self.spec.recipe if self.spec is not None else None
-        return recipe.block_size if recipe is not None else None
+        return self.spec.block_size if self.spec is not None else None
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,7 @@ def _modelopt_scheme(algo: Any, group_size: Any) -> LayerScheme:
         spec: FormatSpec | None = format_for_quant_algo(str(algo))
     except UnknownNameError:
         spec = None
-    static = bool(spec is not None and spec.recipe is not None and spec.recipe.quantize_inputs)
+    static = bool(spec is not None and spec.activations is not None)
     return LayerScheme(spec, str(algo), static, _group_size(group_size))
 
 

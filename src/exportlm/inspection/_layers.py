@@ -280,7 +280,7 @@ def _block_shape(
     layer: QuantizedLayer, spec: FormatSpec, info: TensorInfo, logical: tuple[int, ...]
 ) -> Iterator[Finding]:
     block = layer.scheme.block_size if layer.scheme is not None else None
-    block = block or (spec.recipe.block_size if spec.recipe is not None else None)
+    block = block or spec.block_size
     if not block:
         return
     want = (*logical[:-1], logical[-1] // block)

@@ -23,6 +23,7 @@ from exportlm.quant import (
     TensorQuantizer,
     get_format,
     is_quantized_module,
+    recipe_for_format,
     unify_expert_input_amax,
 )
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, HALF_FLOATS, FormatSpec, formats
@@ -94,7 +95,7 @@ def _warn_convention(ctx: ExportContext, name: str, spec: FormatSpec, q: Quantiz
         "recipe option '%s' (e.g. '%s:%s') to make it exact (docs/checkpoint-format.md)",
         why,
         fix,
-        spec.recipe.name if spec.recipe else spec.name,
+        recipe_for_format(spec.format),
         fix,
     )
 

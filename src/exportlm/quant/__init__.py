@@ -7,8 +7,10 @@ quantized tensors; for every format the fake-quantized weight equals the
 dequantized exported weight bit for bit.
 
 Formats are data (:mod:`exportlm.quant.formats`): one :class:`FormatSpec` per
-format in :data:`QUANT_FORMATS`; :func:`register_format` adds one, with its
-recipe, to everything above.
+format in :data:`QUANT_FORMATS`; :func:`register_format` adds one to everything
+above. Recipes are records of their own (:class:`Recipe`: weight format, activation
+format, calibration algorithm and options) in :data:`RECIPE_REGISTRY`;
+:func:`register_recipe` (or the ``exportlm.recipes`` entry-point group) adds one.
 """
 
 from exportlm.quant._awq import awq_margin
@@ -40,9 +42,18 @@ from exportlm.quant._recipe import (
     KV_CACHE_FORMATS,
     Algorithm,
     QuantRecipe,
+    recipe_for_format,
     recipe_names,
     resolve_algorithm,
 )
+from exportlm.quant._recipe_registry import (
+    RECIPE_REGISTRY,
+    RECIPES_GROUP,
+    ensure_recipes_registered,
+    recipes,
+    register_recipe,
+)
+from exportlm.quant._recipes import KVCacheRecipe, Recipe
 from exportlm.quant._refusals import check_layout
 from exportlm.quant._synthetic import synthetic_calibration
 from exportlm.quant._tensor import (
@@ -74,9 +85,12 @@ __all__ = [
     "KV_CACHE_FORMATS",
     "PORTABLE_MARGIN",
     "QUANT_FORMATS",
+    "RECIPES_GROUP",
+    "RECIPE_REGISTRY",
     "Algorithm",
     "FormatId",
     "FormatSpec",
+    "KVCacheRecipe",
     "Leaf",
     "QuantBMMExperts",
     "QuantEmbedding",
@@ -88,11 +102,13 @@ __all__ = [
     "QuantModule",
     "QuantRecipe",
     "QuantizedTensor",
+    "Recipe",
     "TensorQuantizer",
     "awq_margin",
     "check_layout",
     "check_recipe",
     "dequantize",
+    "ensure_recipes_registered",
     "experts_base",
     "get_format",
     "is_fused_experts",
@@ -100,10 +116,13 @@ __all__ = [
     "iterable_expert_lists",
     "quantize",
     "quantize_tensor",
+    "recipe_for_format",
     "recipe_names",
+    "recipes",
     "resolve_algorithm",
     "route_kv_cache_to_attention",
     "register_format",
+    "register_recipe",
     "safe_scale",
     "scale_leaf_names",
     "synthetic_calibration",

@@ -43,11 +43,14 @@ class QuantModule(nn.Module):
         group_size: NVFP4 block / AWQ group size, else ``None``.
         smoothquant_alpha: the SmoothQuant strength of the module's recipe (its
             ``alpha`` option applied), ``None`` for a recipe without smoothing.
+        smoothquant_fold: the recipe smooths only linears whose scale folds into the
+            norm feeding them (``w8a8``).
     """
 
     quant_algo: str | None = None
     group_size: int | None = None
     smoothquant_alpha: float | None = None
+    smoothquant_fold: bool = False
 
     def quantizers(self) -> Iterator[tuple[str, TensorQuantizer]]:
         """``(attribute name, quantizer)`` of this module's own quantizers."""

@@ -1,7 +1,7 @@
 """Recipe options: ``int4_awq:group_size=64`` and ``quantize(model, "int4_awq", group_size=64)``.
 
 A recipe part is spelled ``NAME[:KEY=VALUE[,KEY=VALUE...]]``; the options a recipe takes
-are what its :class:`~exportlm.quant.Algorithm` record declares:
+are what its :class:`~exportlm.quant.Recipe` record declares:
 
 ==============  ==========================================  ===============================
 option          recipes                                     values
@@ -30,13 +30,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from exportlm.errors import UnknownOptionError
+from exportlm.quant._recipes import Recipe
 from exportlm.quant.formats import get_format
-
-if TYPE_CHECKING:
-    from exportlm.quant._recipe import Algorithm
 
 __all__ = [
     "SCALE_CONVENTIONS",
@@ -92,11 +89,11 @@ def _spelled(value: OptionValue) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def known_options(algo: Algorithm) -> dict[str, str]:
+def known_options(algo: Recipe) -> dict[str, str]:
     """``{option: the values it takes}`` of the recipe ``algo``."""
     known: dict[str, str] = {}
-    if len(algo.group_sizes) > 1:
-        known["group_size"] = " / ".join(map(str, algo.group_sizes))
+    if len(algo.allowed_group_sizes) > 1:
+        known["group_size"] = " / ".join(map(str, algo.allowed_group_sizes))
     if algo.smoothquant_alpha is not None:
         known["alpha"] = "a number in [0, 1]"
     if get_format(algo.weight).calibrated:
@@ -104,7 +101,7 @@ def known_options(algo: Algorithm) -> dict[str, str]:
     return known
 
 
-def apply_options(algo: Algorithm, options: Mapping[str, OptionValue]) -> Algorithm:
+def apply_options(algo: Recipe, options: Mapping[str, OptionValue]) -> Recipe:
     """``algo`` with ``options`` applied (see the module docstring).
 
     Raises:
@@ -118,12 +115,12 @@ def apply_options(algo: Algorithm, options: Mapping[str, OptionValue]) -> Algori
     changes: dict[str, object] = {}
     if "group_size" in options:
         size = options["group_size"]
-        if isinstance(size, bool) or size not in algo.group_sizes:
+        if isinstance(size, bool) or size not in algo.allowed_group_sizes:
             raise ValueError(
                 f"recipe {algo.name!r}: group_size={size!r} is not one it takes "
                 f"({known['group_size']})"
             )
-        changes["weight_block"] = int(size)
+        changes["group_size"] = int(size)
     if "alpha" in options:
         alpha = options["alpha"]
         if isinstance(alpha, bool) or not isinstance(alpha, int | float):

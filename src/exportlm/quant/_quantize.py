@@ -363,9 +363,10 @@ def _convert_kind(c: _Conversion) -> None:
         output.kv_role = _kv_role(c.name) if c.kv is not None else None
         module.output_quantizer = output
     module.quant_algo = algo.quant_algo if algo else None
-    module.group_size = algo.group_size if algo else None
+    module.group_size = algo.weight_block if algo else None
     if algo is not None and algo.smoothquant_alpha is not None:
         module.smoothquant_alpha = algo.smoothquant_alpha  # the recipe's, options applied
+        module.smoothquant_fold = algo.smoothquant_fold
 
 
 def _weights(module: QuantModule) -> Iterator[tuple[TensorQuantizer, torch.Tensor]]:

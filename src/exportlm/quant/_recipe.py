@@ -22,8 +22,9 @@ from exportlm.quant._options import (
     spell,
     split_options,
 )
-from exportlm.quant._tensor import FormatId, ScaleConvention
-from exportlm.quant.formats import FormatSpec, formats, get_format
+from exportlm.quant._recipe_registry import recipes
+from exportlm.quant._recipes import DEFAULT_EXCLUDE, KVCacheRecipe, Recipe
+from exportlm.quant._tensor import FormatId, format_name
 
 __all__ = [
     "ALGORITHMS",
@@ -32,6 +33,7 @@ __all__ = [
     "Algorithm",
     "QuantRecipe",
     "RecipeLike",
+    "recipe_for_format",
     "recipe_names",
     "resolve_algorithm",
 ]
@@ -39,87 +41,13 @@ __all__ = [
 _V = TypeVar("_V")
 
 
-@dataclass(frozen=True)
-class Algorithm:
-    """How one weight algorithm quantizes a linear-like module.
-
-    Attributes:
-        name: the recipe name (``"fp8"``).
-        quant_algo: the ModelOpt ``quant_algo`` written to ``hf_quant_config.json`` (the
-            recipe name for a format without a ModelOpt scheme).
-        weight: the weight format.
-        weight_block: NVFP4 block / INT4 group size, ``None`` for per-tensor / per-row.
-        weight_axis: ``0`` for per-row weight scales (INT8), ``None`` otherwise.
-        input: the activation format, or ``None`` for weight-only.
-        awq: compute an AWQ ``pre_quant_scale`` from calibration activations.
-        smoothquant_alpha: SmoothQuant's migration strength, ``None`` without smoothing.
-        group_sizes: the group sizes the ``group_size`` option takes (block recipes).
-        scales: how the calibrated scales are computed and stored (the ``scales``
-            option): ``"modelopt"`` (default) or ``"compressed-tensors"`` (NVFP4's global
-            scale as compressed-tensors computes it, the other float scales in the weight's
-            dtype), exact in the layout of that name.
-        spelled: the recipe as spelled with its options (``"int4_awq:group_size=64"``);
-            empty for the recipe's defaults.
-
-    A recipe with options is this record with the options applied
-    (:func:`resolve_algorithm`, :mod:`exportlm.quant._options`).
-    """
-
-    name: str
-    quant_algo: str
-    weight: FormatId
-    weight_block: int | None = None
-    weight_axis: int | None = None
-    input: FormatId | None = None
-    awq: bool = False
-    smoothquant_alpha: float | None = None
-    group_sizes: tuple[int, ...] = ()
-    spelled: str = ""
-    scales: ScaleConvention = "modelopt"
-
-    @property
-    def spelling(self) -> str:
-        """The recipe as spelled (``"int4_awq:group_size=64"``, or the name)."""
-        return self.spelled or self.name
-
-    @property
-    def calibrates(self) -> bool:
-        """Its statistics need calibration forwards: activations quantized with a static
-        (calibrated) scale, AWQ or SmoothQuant.
-
-        ``False`` for weight-only round-to-nearest (``int8_wo``) and for inputs quantized
-        at run time (``fp8_dynamic``): every stored scale comes from the weights, so
-        :func:`~exportlm.quant.quantize` runs no forward for it.
-        """
-        static_inputs = self.input is not None and get_format(self.input).calibrated
-        return static_inputs or self.awq or self.smoothquant_alpha is not None
-
-    @property
-    def group_size(self) -> int | None:
-        """The ``group_size`` of ``hf_quant_config.json`` (block-quantized formats only)."""
-        return self.weight_block
-
-    @classmethod
-    def of(cls, spec: FormatSpec) -> Algorithm:
-        """The algorithm of ``spec``'s weight recipe (``ValueError`` when it has none)."""
-        recipe, modelopt = spec.recipe, spec.modelopt
-        if recipe is None:
-            raise ValueError(f"format {spec.name!r} has no weight recipe")
-        return cls(
-            recipe.name,
-            recipe.name if modelopt is None else modelopt.quant_algo,
-            spec.format,
-            recipe.block_size,
-            recipe.axis,
-            (recipe.input_format or spec.format) if recipe.quantize_inputs else None,
-            recipe.awq,
-            recipe.smoothquant_alpha,
-            recipe.group_sizes or ((recipe.block_size,) if recipe.block_size else ()),
-        )
+#: The record of one weight recipe (the name the API had before recipes were records of
+#: their own; :class:`~exportlm.quant.Recipe`).
+Algorithm = Recipe
 
 
 class _RecipeTable(Mapping[str, _V]):
-    """A read-only ``{recipe name: value}`` view, rebuilt from the registered formats."""
+    """A read-only ``{recipe name: value}`` view, rebuilt from the recipe registry."""
 
     def __init__(self, build: Callable[[], dict[str, _V]]) -> None:
         self._build = build
@@ -137,59 +65,50 @@ class _RecipeTable(Mapping[str, _V]):
         return repr(self._build())
 
 
-def _algorithms() -> dict[str, Algorithm]:
-    return {s.recipe.name: Algorithm.of(s) for s in formats() if s.recipe is not None}
+def _algorithms() -> dict[str, Recipe]:
+    return {name: r for name, r in recipes().items() if isinstance(r, Recipe)}
 
 
 def _kv_cache_formats() -> dict[str, FormatId]:
-    return {s.kv_cache.recipe: s.format for s in formats() if s.kv_cache is not None}
+    return {name: r.format for name, r in recipes().items() if isinstance(r, KVCacheRecipe)}
 
 
-#: Weight algorithms by recipe name, read from the registered formats
-#: (:mod:`exportlm.quant.formats`): ``fp8`` matches ModelOpt's ``FP8_DEFAULT_CFG``
-#: (weights and inputs per-tensor E4M3); ``nvfp4`` its ``NVFP4_DEFAULT_CFG`` (E2M1
-#: blocks of 16, weights and inputs); ``int4_awq`` is W4A16 with groups of 128;
-#: ``int8_wo`` is W8A16 with per-row scales; plus the recipes of registered formats.
-ALGORITHMS: Mapping[str, Algorithm] = _RecipeTable(_algorithms)
+#: Weight recipes by name, read from the recipe registry
+#: (:mod:`exportlm.quant._recipes_builtin` lists the built-ins).
+ALGORITHMS: Mapping[str, Recipe] = _RecipeTable(_algorithms)
 
 #: KV-cache recipes: name -> format of the ``k_proj`` / ``v_proj`` output quantizers
-#: (``fp8_kv`` -> fp8), read from the registered formats.
+#: (``fp8_kv`` -> fp8), read from the recipe registry.
 KV_CACHE_FORMATS: Mapping[str, FormatId] = _RecipeTable(_kv_cache_formats)
-
-#: Left in full precision unless an override names them: ``lm_head``, MoE routers
-#: (``*.gate``, ``*.router``, Qwen's ``shared_expert_gate``) and LoRA adapters.
-#: Embeddings are never quantized unless an override pattern names them.
-DEFAULT_EXCLUDE: tuple[str, ...] = (
-    "*lm_head*",
-    "*.gate",
-    "gate",
-    "*.router",
-    "router",
-    "*.router.*",  # a router's own linear (DBRX: ffn.router.layer)
-    "*shared_expert_gate*",
-    "*lora_*",
-)
 
 RecipeLike = Any  # str | Sequence[str] | Mapping[str, str | None] | QuantRecipe
 
 
-def resolve_algorithm(spelled: str) -> Algorithm:
-    """The :class:`Algorithm` of a recipe part as spelled, options applied (``"int4_awq:group_size=64"``).
+def resolve_algorithm(spelled: str) -> Recipe:
+    """The :class:`~exportlm.quant.Recipe` of a recipe part as spelled, options applied (``"int4_awq:group_size=64"``).
 
     Raises :class:`~exportlm.errors.UnknownNameError` (unknown recipe),
     :class:`~exportlm.errors.UnknownOptionError` or ``ValueError`` (see
     :func:`~exportlm.quant._options.apply_options`).
     """
     name, options = split_options(spelled)
-    if name not in ALGORITHMS:
+    algo = recipes().get(name)
+    if not isinstance(algo, Recipe):
         raise UnknownNameError("quantization recipe", name, recipe_names())
-    algo = ALGORITHMS[name]
     return apply_options(algo, options) if options else algo
 
 
 def recipe_names() -> list[str]:
     """Every recipe name accepted by :func:`~exportlm.quant.quantize`, sorted."""
-    return sorted([*ALGORITHMS, *KV_CACHE_FORMATS])
+    return list(recipes())
+
+
+def recipe_for_format(fmt: FormatId) -> str:
+    """The name of a weight recipe writing format ``fmt`` (the first by name), else the
+    format's own name: what an error message tells a user to quantize with."""
+    name = format_name(fmt)
+    mine = [r.name for r in _algorithms().values() if format_name(r.weight) == name]
+    return mine[0] if mine else name
 
 
 @dataclass(frozen=True)
@@ -252,7 +171,7 @@ class QuantRecipe:
             base = cls._from_mapping(recipe)
         else:
             algo, kv = _split_parts(recipe)
-            base = cls(algo=algo, kv_cache=kv)
+            base = cls(algo=algo, kv_cache=kv, default_exclude=_default_exclude(algo))
         if options:
             base = base.with_options(options)
         if extra:
@@ -295,7 +214,7 @@ class QuantRecipe:
             overrides=tuple((pattern, convert(a)) for pattern, a in self.overrides),
         )
 
-    def algorithms(self) -> list[Algorithm]:
+    def algorithms(self) -> list[Recipe]:
         """Every weight recipe this recipe applies (the default and the overrides), once each."""
         spelled = {a: None for a in (self.algo, *(a for _, a in self.overrides)) if a is not None}
         return [resolve_algorithm(a) for a in spelled]
@@ -319,7 +238,12 @@ class QuantRecipe:
                     "whole model; put them under the '*' key, e.g. {'*': 'fp8+fp8_kv'}"
                 )
             overrides.append((pattern, sub_algo))
-        return cls(algo=algo, kv_cache=kv, overrides=tuple(overrides))
+        return cls(
+            algo=algo,
+            kv_cache=kv,
+            overrides=tuple(overrides),
+            default_exclude=_default_exclude(algo),
+        )
 
     def algo_for(self, name: str, *, default_applies: bool = True) -> str | None:
         """The weight algorithm of module ``name``, or ``None`` to leave it unquantized.
@@ -340,6 +264,11 @@ class QuantRecipe:
         if self.kv_cache is None or _matches(name, self.exclude):
             return None
         return KV_CACHE_FORMATS[self.kv_cache]
+
+
+def _default_exclude(algo: str | None) -> tuple[str, ...]:
+    """The modules the default weight recipe ``algo`` leaves unquantized by default."""
+    return DEFAULT_EXCLUDE if algo is None else resolve_algorithm(algo).default_exclude
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:

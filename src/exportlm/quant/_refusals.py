@@ -127,7 +127,7 @@ def _fitting_group_sizes(algo: Algorithm, rows: int, cols: int) -> str:
     spec = get_format(algo.weight)
     fits = [
         size
-        for size in sorted(algo.group_sizes, reverse=True)
+        for size in sorted(algo.allowed_group_sizes, reverse=True)
         if size != algo.weight_block and spec.shape_problem(rows, cols, size) is None
     ]
     if not fits:

@@ -86,14 +86,11 @@ def plan_smoothquant(model: nn.Module) -> SmoothQuantPlan:
     for module in model.modules():
         if not isinstance(module, QuantLinear) or not module.input_quantizer.enabled:
             continue
-        recipe = module.weight_quantizer.spec.recipe
-        alpha = None if recipe is None else recipe.smoothquant_alpha
-        if module.smoothquant_alpha is not None:  # the recipe's, its ``alpha`` option applied
-            alpha = module.smoothquant_alpha
+        alpha = module.smoothquant_alpha  # the recipe's, its ``alpha`` option applied
         if alpha is not None and module.weight_quantizer.enabled:
             module.input_quantizer.track_channels = True
             plan.linears.append((module, alpha))
-            if recipe is not None and recipe.smoothquant_fold:
+            if module.smoothquant_fold:
                 plan.folding.add(id(module))
                 plan.hooks.append(_track_range(module, plan.ranges))
     return plan

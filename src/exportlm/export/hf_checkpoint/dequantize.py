@@ -224,7 +224,7 @@ def dequantize_state(
         if runtime_input is not None and input_scale not in tensors:
             dynamic[slot.layer] = runtime_input
         elif input_scale in tensors:
-            if spec.recipe is None or not spec.recipe.quantize_inputs:
+            if spec.activations is None:
                 raise UnsupportedFormatError(
                     f"{input_scale}: the checkpoint stores a static input scale, but "
                     f"{slot.data} is in format {spec.name!r}, which quantizes no activations"
@@ -241,7 +241,7 @@ def dequantize_state(
             smoothing = tensors[pre_quant_scale].float() if pre_quant_scale in tensors else None
             # keyed by the format's own leaf name, which the static quantization looks up
             scales[slot.name(_INPUT_SCALE, leaves.data)] = ActivationScale(
-                spec.recipe.input_format or spec.format, value, block, smoothing, divides
+                spec.activations, value, block, smoothing, divides
             )
             used.add(input_scale)
     for name, tensor in tensors.items():
@@ -265,14 +265,13 @@ def dequantize_state(
 def _runtime_input_format(spec: FormatSpec) -> Any | None:
     """The format ``spec``'s inputs are quantized in at run time (no stored scale), or ``None``.
 
-    A recipe that quantizes inputs in a format that is not ``calibrated`` derives each
-    scale from the activation itself (W8A8's ``int8``: one scale per token), as the
+    A format whose layouts quantize inputs in a format that is not ``calibrated`` derives
+    each scale from the activation itself (W8A8's ``int8``: one scale per token), as the
     config declares (compressed-tensors ``input_activations``: ``dynamic: true``).
     """
-    recipe = spec.recipe
-    if recipe is None or not recipe.quantize_inputs:
+    if spec.activations is None:
         return None
-    inputs = get_format(recipe.input_format or spec.format)
+    inputs = get_format(spec.activations)
     return None if inputs.calibrated else inputs.format
 
 

@@ -34,7 +34,13 @@ from torch import nn
 
 from exportlm.errors import InvalidInputError, QuantizationError, UnsupportedFormatError
 from exportlm.export.onnx._qdq_ops import QDQ_SCHEMES, qdq_ops, translation_table
-from exportlm.quant import QuantLinear, TensorQuantizer, get_format, is_quantized_module
+from exportlm.quant import (
+    QuantLinear,
+    TensorQuantizer,
+    get_format,
+    is_quantized_module,
+    recipe_for_format,
+)
 
 __all__ = ["check_quantized_export", "qdq_refusal", "quantized_graph", "quantized_linears"]
 
@@ -45,8 +51,7 @@ def _supported() -> str:
 
 def _recipe_of(quantizer: TensorQuantizer) -> str:
     """The recipe name that produces ``quantizer``'s format (the format name if none)."""
-    spec = get_format(quantizer.format)
-    return spec.recipe.name if spec.recipe is not None else spec.name
+    return recipe_for_format(quantizer.format)
 
 
 def _module_refusal(name: str, module: nn.Module) -> str | None:

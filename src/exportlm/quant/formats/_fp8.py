@@ -15,7 +15,6 @@ from exportlm.quant.formats._parts import (
     KVCacheScheme,
     Leaf,
     ModelOptScheme,
-    WeightRecipe,
 )
 from exportlm.quant.formats._spec import FormatSpec
 
@@ -106,7 +105,7 @@ FP8 = FormatSpec(
         Leaf("v_scale", torch.float32, role="kv_cache"),
     ),
     calibrated=True,
-    recipe=WeightRecipe("fp8", quantize_inputs=True),
+    activations=QuantFormat.FP8,
     modelopt=ModelOptScheme("FP8", weights=_MODELOPT_ARGS, input_activations=_MODELOPT_ARGS),
     compressed_tensors=CompressedTensorsScheme(
         "float-quantized",

@@ -24,7 +24,6 @@ from exportlm.quant.formats._parts import (
     LeafCodec,
     ModelOptScheme,
     StoredLeaf,
-    WeightRecipe,
 )
 from exportlm.quant.formats._spec import FormatSpec
 
@@ -91,7 +90,7 @@ FP8_DYNAMIC = FormatSpec(
         Leaf("weight_scale", torch.float32, source="scale"),
     ),
     # inputs in this very format: its per-row kernel on each token, at run time
-    recipe=WeightRecipe(_NAME, axis=0, quantize_inputs=True, input_format=_NAME),
+    activations=_NAME,
     modelopt=ModelOptScheme(
         "FP8_PER_CHANNEL_PER_TOKEN",
         weights=_MODELOPT_WEIGHTS,

@@ -21,7 +21,6 @@ from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
     Leaf,
     ModelOptScheme,
-    WeightRecipe,
 )
 from exportlm.quant.formats._spec import FormatSpec
 
@@ -109,7 +108,7 @@ INT4 = FormatSpec(
     packed_dim=-2,
     # group_size=64 / 32 (recipe options) for input features not divisible by 128
     # (SmolLM2's 576, 960), as AutoAWQ, ModelOpt and llm-compressor take them
-    recipe=WeightRecipe("int4_awq", block_size=128, awq=True, group_sizes=(32, 64, 128)),
+    block_size=128,
     modelopt=ModelOptScheme(
         "W4A16_AWQ",
         weights={"dynamic": False, "num_bits": 4, "type": "int"},

@@ -18,7 +18,6 @@ from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
     Leaf,
     ModelOptScheme,
-    WeightRecipe,
 )
 from exportlm.quant.formats._spec import FormatSpec
 
@@ -68,7 +67,6 @@ INT8 = FormatSpec(
         Leaf("weight", torch.int8, source="data"),
         Leaf("weight_scale", torch.float32, source="scale"),
     ),
-    recipe=WeightRecipe("int8_wo", axis=0),
     # ModelOpt 0.47 writes no config_groups for W8A16 (only quant_algo, ignore, producer)
     modelopt=ModelOptScheme("W8A16", weights=MODELOPT_INT8_ARGS, config_groups=False),
     compressed_tensors=CompressedTensorsScheme(

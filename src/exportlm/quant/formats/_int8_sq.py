@@ -10,7 +10,9 @@ W8A8_SQ_PER_CHANNEL``, read by TensorRT-LLM): ``weight`` int8 ``[out, in]`` with
 
 Two specs: the weight format ``int8_sq`` (its scales derived from each row, as
 INT8 weight-only) and the activation format ``int8_tensor`` (one calibrated
-per-tensor scale), which the recipe names as its ``input_format``.
+per-tensor scale), which the weight format names as its ``activations``. The
+recipes ``int8_sq`` and ``w8a8`` (SmoothQuant's alpha, folding) are records of
+their own (:mod:`exportlm.quant._recipes_builtin`).
 
 ``w8a8`` is llm-compressor's ``W8A8`` scheme behind its ``SmoothQuantModifier``
 (``smoothing_strength = 0.5``, its default): per-row int8 weights with
@@ -45,7 +47,6 @@ from exportlm.quant.formats._parts import (
     LeafCodec,
     ModelOptScheme,
     StoredLeaf,
-    WeightRecipe,
 )
 from exportlm.quant.formats._spec import FormatSpec, QuantizeFn
 
@@ -97,7 +98,7 @@ def _rows_kernel(name: str, divisor: float) -> QuantizeFn:
 def _rows_spec(
     name: str,
     leaves: tuple[Leaf, ...],
-    recipe: WeightRecipe,
+    activations: str,
     divisor: float = INT8_MAX,
     **schemes: Any,
 ) -> FormatSpec:
@@ -114,7 +115,7 @@ def _rows_spec(
             Leaf("weight_scale", torch.float32, source="scale"),
             *leaves,
         ),
-        recipe=recipe,
+        activations=activations,
         **schemes,
     )
 
@@ -161,13 +162,7 @@ INT8_SQ = _rows_spec(
         Leaf("input_scale", torch.float32, role="activation"),
         Leaf("pre_quant_scale", torch.float32, role="activation"),
     ),
-    WeightRecipe(
-        "int8_sq",
-        axis=0,
-        quantize_inputs=True,
-        input_format="int8_tensor",
-        smoothquant_alpha=SMOOTHQUANT_ALPHA,
-    ),
+    "int8_tensor",
     # ModelOpt 0.47 writes no config_groups for W8A8_SQ_PER_CHANNEL (quant_algo, ignore,
     # producer only), as for W8A16.
     modelopt=ModelOptScheme(
@@ -196,14 +191,7 @@ INT8_TENSOR = FormatSpec(
 W8A8 = _rows_spec(
     "w8a8",
     (Leaf("pre_quant_scale", torch.float32, role="activation"),),
-    WeightRecipe(
-        "w8a8",
-        axis=0,
-        quantize_inputs=True,
-        input_format="int8",  # per row of the last dimension: per token, at run time
-        smoothquant_alpha=LLMC_SMOOTHING_STRENGTH,
-        smoothquant_fold=True,
-    ),
+    "int8",  # per row of the last dimension: per token, at run time
     divisor=CT_INT8_DIVISOR,
     compressed_tensors=CompressedTensorsScheme(
         "int-quantized",

@@ -21,7 +21,6 @@ from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
     Leaf,
     ModelOptScheme,
-    WeightRecipe,
 )
 from exportlm.quant.formats._spec import FormatSpec
 
@@ -179,7 +178,8 @@ NVFP4 = FormatSpec(
     calibrated=True,
     packing=2,
     packed_dim=-1,
-    recipe=WeightRecipe("nvfp4", block_size=16, quantize_inputs=True),
+    block_size=16,
+    activations=QuantFormat.NVFP4,
     modelopt=ModelOptScheme("NVFP4", weights=_MODELOPT_ARGS, input_activations=_MODELOPT_ARGS),
     compressed_tensors=CompressedTensorsScheme(
         "nvfp4-pack-quantized",

@@ -1,9 +1,9 @@
 """The parts a :class:`~exportlm.quant.formats.FormatSpec` is made of.
 
-The checkpoint leaves a format writes (:class:`Leaf`), the recipe it gives
-:func:`~exportlm.quant.quantize` (:class:`WeightRecipe`, :class:`KVCacheScheme`)
-and its config fields in each checkpoint layout (:class:`ModelOptScheme`,
-:class:`CompressedTensorsScheme`). All frozen; mappings are read-only.
+The checkpoint leaves a format writes (:class:`Leaf`), its config fields in each
+checkpoint layout (:class:`ModelOptScheme`, :class:`CompressedTensorsScheme`,
+:class:`KVCacheScheme`) and the deprecated :class:`WeightRecipe` (a recipe is a
+record of its own, :class:`exportlm.quant.Recipe`). All frozen; mappings are read-only.
 """
 
 from __future__ import annotations
@@ -77,7 +77,11 @@ class Leaf:
 
 @dataclass(frozen=True)
 class WeightRecipe:
-    """The :func:`~exportlm.quant.quantize` recipe a format provides.
+    """Deprecated: the :func:`~exportlm.quant.quantize` recipe a format declares itself.
+
+    A recipe is a record of its own (:class:`exportlm.quant.Recipe`,
+    :func:`exportlm.quant.register_recipe`); a spec that still sets ``recipe=`` has it
+    registered as one by :func:`~exportlm.quant.register_format`.
 
     Attributes:
         name: the recipe name (``"int4_awq"``).
@@ -270,10 +274,11 @@ def _sized(args: Mapping[str, Any], group_size: int | None) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class KVCacheScheme:
-    """A KV-cache recipe of the format (scales written as ``k_scale`` / ``v_scale``).
+    """The format's KV-cache fields in each layout (scales written as ``k_scale`` / ``v_scale``).
 
     Attributes:
-        recipe: the recipe name (``"fp8_kv"``).
+        recipe: the KV-cache recipe's name (``"fp8_kv"``): registered as a
+            :class:`~exportlm.quant.KVCacheRecipe` unless a record of that name is.
         quant_algo: ``hf_quant_config.json``'s ``kv_cache_quant_algo``.
         modelopt: ModelOpt's ``config.json`` ``kv_cache_scheme``.
         compressed_tensors: compressed-tensors' ``kv_cache_scheme``, ``None`` if unsupported.

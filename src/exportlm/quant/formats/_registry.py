@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from exportlm.errors import RegistryConflictError, UnknownNameError
 from exportlm.quant._tensor import FormatId, format_name, install_format_lookup
@@ -25,6 +25,7 @@ __all__ = [
     "format_for_quant_algo",
     "formats",
     "get_format",
+    "install_recipe_claims",
     "register_format",
     "scale_leaf_names",
 ]
@@ -54,6 +55,17 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
     FP8_DYNAMIC,
 )
 _LOCK = threading.Lock()
+#: ``{recipe name: owner}`` of the records in the recipe registry (installed by it), which a
+#: format's deprecated ``recipe`` field may not claim.
+_RECIPE_CLAIMS: list[Callable[[], Mapping[str, str]]] = []
+
+
+def install_recipe_claims(claims: Callable[[], Mapping[str, str]]) -> None:
+    """Let :func:`register_format` refuse a format whose own recipe takes a registered name.
+
+    Installed by :mod:`exportlm.quant._recipe_registry`, which sits above this package.
+    """
+    _RECIPE_CLAIMS[:] = [claims]
 
 
 def formats() -> list[FormatSpec]:
@@ -74,9 +86,10 @@ def register_format(spec: FormatSpec, *, builtin: bool = False) -> FormatSpec:
     """Add a quantization format; returns ``spec``.
 
     After this, ``TensorQuantizer(spec.name)``, :func:`~exportlm.quant.quantize_tensor`,
-    :func:`~exportlm.quant.dequantize`, ``quantize(model, spec.recipe.name)`` (when the
-    spec has a recipe; ``spec.kv_cache.recipe`` likewise) and the built-in module
-    exporters all handle the format.
+    :func:`~exportlm.quant.dequantize`, the checkpoint writer and loader and the built-in
+    module exporters all handle the format; a recipe on it
+    (:func:`~exportlm.quant.register_recipe`) makes ``quantize(model, recipe.name)`` use it.
+    A spec's deprecated ``recipe`` field (and ``spec.kv_cache.recipe``) is such a recipe too.
 
     Registering the very same spec again is a no-op. Raises
     :class:`~exportlm.errors.RegistryConflictError` when another spec already owns
@@ -87,13 +100,13 @@ def register_format(spec: FormatSpec, *, builtin: bool = False) -> FormatSpec:
     with _LOCK:
         if spec.name in QUANT_FORMATS:  # the same spec: a no-op; another one: a conflict
             return QUANT_FORMATS.register(spec.name, spec, builtin=builtin)
-        owners = {claim: other.name for other in formats() for claim in _claims(other)}
+        owners = {claim: f"format {o.name!r}" for o in formats() for claim in _claims(o)}
+        for claims in _RECIPE_CLAIMS:
+            owners.update((("quantization recipe", n), who) for n, who in claims().items())
         for kind, claimed in _claims(spec):
             owner = owners.get((kind, claimed))
-            if owner is not None and owner != spec.name:
-                raise RegistryConflictError(
-                    kind, claimed, f"format {owner!r}", f"format {spec.name!r}"
-                )
+            if owner is not None:
+                raise RegistryConflictError(kind, claimed, owner, f"format {spec.name!r}")
         return QUANT_FORMATS.register(spec.name, spec, builtin=builtin)
 
 

@@ -75,8 +75,20 @@ class FormatSpec:
             every scale is derived from the tensor itself (weight-only).
         packing: codes per stored element (2 for 4-bit formats), along ``packed_dim``.
         packed_dim: ``-1`` (pairs of columns, NVFP4) or ``-2`` (pairs of rows, INT4).
-        recipe: the weight recipe of :func:`~exportlm.quant.quantize`, or ``None``.
-        modelopt: the ModelOpt config fields (needed when ``recipe`` is set).
+        block_size: the block / group size of a block format's scales when a
+            checkpoint declares none (NVFP4: 16, INT4: 128); ``None`` for other formats.
+            A recipe may pick another of its group sizes (``int4_awq:group_size=64``).
+        activations: the format a layer of this weight format quantizes its inputs to
+            in its checkpoint layouts (the format itself for FP8 / NVFP4, ``int8_tensor``
+            for ``int8_sq``), ``None`` for a weight-only format. A layout fact the
+            writer and the loader read; whether a model's inputs are quantized is the
+            recipe's choice (:class:`exportlm.quant.Recipe`).
+        recipe: deprecated (a recipe is a record of its own,
+            :func:`exportlm.quant.register_recipe`): a weight recipe the format still
+            declares itself; :func:`register_format` registers it as a
+            :class:`~exportlm.quant.Recipe`, and it fills ``block_size`` and
+            ``activations`` when they are not given.
+        modelopt: the ModelOpt config fields.
         compressed_tensors: the compressed-tensors fields, ``None`` if that layout
             cannot hold the format.
         kv_cache: the KV-cache recipe of the format, or ``None``.
@@ -101,6 +113,8 @@ class FormatSpec:
     calibrated: bool = False
     packing: int = 1
     packed_dim: int = -1
+    block_size: int | None = None
+    activations: FormatId | None = None
     recipe: WeightRecipe | None = None
     modelopt: ModelOptScheme | None = None
     compressed_tensors: CompressedTensorsScheme | None = None
@@ -110,6 +124,11 @@ class FormatSpec:
     global_scale: bool = False
 
     def __post_init__(self) -> None:
+        legacy = self.recipe
+        if legacy is not None and self.block_size is None:
+            object.__setattr__(self, "block_size", legacy.block_size)
+        if legacy is not None and legacy.quantize_inputs and self.activations is None:
+            object.__setattr__(self, "activations", legacy.input_format or self.format)
         problems = list(self._problems())
         if problems:
             raise ValueError(f"invalid FormatSpec {self.name!r}: " + "; ".join(problems))
@@ -126,6 +145,11 @@ class FormatSpec:
         sources = [leaf.source for leaf in self.weight_leaves]
         if sources.count("data") != 1 or sources.count("scale") != 1:
             yield "exactly one weight leaf has source 'data' and exactly one 'scale'"
+        if self.needs_block != bool(self.block_size):
+            yield "block_size is required by block formats and only by them"
+        own_inputs = self.activations is not None and format_name(self.activations) == self.name
+        if own_inputs and self.calibrated and "input_scale" not in self._names("activation"):
+            yield "a format that quantizes its own inputs writes the activation leaf 'input_scale'"
         if self.recipe is not None:
             yield from self._recipe_problems(self.recipe)
         if (self.share_fused_weight_amax or self.share_expert_gate_up_amax) and not self.calibrated:
@@ -138,12 +162,13 @@ class FormatSpec:
             yield "a KV-cache recipe writes the kv_cache leaves 'k_scale' and 'v_scale'"
 
     def _recipe_problems(self, recipe: WeightRecipe) -> Iterator[str]:
+        """The deprecated ``recipe`` field's rules (a :class:`~exportlm.quant.Recipe` checks its own)."""
         if not is_token(recipe.name) or "+" in recipe.name:
             yield f"recipe names have no spaces and no '+' (it combines recipes), got {recipe.name!r}"
         if self.modelopt is None and self.compressed_tensors is None:
             yield "a format with a recipe declares a checkpoint scheme (ModelOpt or compressed-tensors)"
-        if self.needs_block != bool(recipe.block_size):
-            yield "recipe.block_size is required by block formats and only by them"
+        if self.block_size != recipe.block_size:
+            yield "recipe.block_size is the format's block_size"
         if recipe.group_sizes and recipe.block_size not in recipe.group_sizes:
             yield "recipe.group_sizes (the group_size option's values) include its block_size"
         own_inputs = recipe.quantize_inputs and recipe.input_format is None
@@ -307,7 +332,7 @@ class FormatSpec:
         Block formats give each entry ``group_size`` (``group_size`` or the recipe's).
         """
         scheme = self._require_modelopt()
-        block = (group_size or (self.recipe.block_size if self.recipe else None)) or None
+        block = group_size or self.block_size
         group: dict[str, Any] = {}
         for key, args in (
             ("input_activations", scheme.input_activations),

@@ -1,0 +1,36 @@
+"""exportlm's own recipes, as records (registered in code, like every built-in).
+
+``fp8`` matches ModelOpt's ``FP8_DEFAULT_CFG`` (weights and inputs per-tensor E4M3);
+``fp8_dynamic`` per-row FP8 weights, inputs per token at run time; ``nvfp4`` ModelOpt's
+``NVFP4_DEFAULT_CFG`` (E2M1 blocks of 16, weights and inputs); ``int4_awq`` W4A16 with
+groups of 128 (or 32 / 64) and AWQ; ``int8_wo`` W8A16 with per-row scales; ``int8_sq``
+ModelOpt's ``INT8_SMOOTHQUANT_CFG`` (alpha 1.0); ``w8a8`` llm-compressor's W8A8 with
+its ``SmoothQuantModifier`` (alpha 0.5, folded into the norms). The KV-cache recipe
+``fp8_kv`` quantizes the KV cache to FP8 (whose ``kv_cache`` scheme holds its config fields).
+"""
+
+from __future__ import annotations
+
+from exportlm.quant._recipes import KVCacheRecipe, Recipe
+from exportlm.quant._tensor import QuantFormat
+from exportlm.quant.formats._int8_sq import LLMC_SMOOTHING_STRENGTH, SMOOTHQUANT_ALPHA
+
+__all__ = ["BUILTIN_RECIPES"]
+
+BUILTIN_RECIPES: tuple[Recipe | KVCacheRecipe, ...] = (
+    Recipe("fp8", QuantFormat.FP8, QuantFormat.FP8),
+    Recipe("nvfp4", QuantFormat.NVFP4, QuantFormat.NVFP4),
+    Recipe("int4_awq", QuantFormat.INT4, awq=True, group_sizes=(32, 64, 128)),
+    Recipe("int8_wo", QuantFormat.INT8, weight_axis=0),
+    Recipe("int8_sq", "int8_sq", "int8_tensor", weight_axis=0, smoothquant_alpha=SMOOTHQUANT_ALPHA),
+    Recipe(
+        "w8a8",
+        "w8a8",
+        "int8",  # the int8 format per row of the last dimension: per token, at run time
+        weight_axis=0,
+        smoothquant_alpha=LLMC_SMOOTHING_STRENGTH,
+        smoothquant_fold=True,
+    ),
+    Recipe("fp8_dynamic", "fp8_dynamic", "fp8_dynamic", weight_axis=0),
+    KVCacheRecipe("fp8_kv", QuantFormat.FP8),
+)
