@@ -534,6 +534,8 @@ def test_one_roundtrip_verifier() -> None:
     assert not offenders, (
         f"logits compared outside {VERIFIER} (call verify_roundtrip / compare_within): {offenders}"
     )
+
+
 #: The files that may read a format's deprecated ``recipe`` field (``WeightRecipe``): where
 #: it is declared and checked, and the one reader that turns it into a ``Recipe`` record.
 FORMAT_RECIPE_READERS = {
