@@ -207,3 +207,27 @@ def test_the_loader_refuses_a_kv_cache_scheme_that_is_not_args_by_name(tmp_path:
         warnings.simplefilter("ignore")  # no manifest: loaded unverified
         with pytest.raises(UnsupportedFormatError, match="kv_cache_scheme 'fp8'"):
             exportlm.load_exported("hf_checkpoint", out)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "layout", "source"),
+    [
+        ("modelopt", "modelopt", "hf_quant_config.json"),
+        ("compressed-tensors", "compressed-tensors", "config.json quantization_config"),
+    ],
+)
+def test_what_the_writer_writes_reads_back_as_its_scheme(
+    tmp_path: Path, fmt: str, layout: str, source: str
+) -> None:
+    model = tiny_hf_model("llama", seed=0).eval()
+    batch = torch.randint(0, model.config.vocab_size, (1, 4), generator=torch.Generator())
+    quantize(model, "fp8+fp8_kv", calibrate=lambda m: m(batch), exclude=["lm_head"])
+    out = exportlm.export_model("hf_checkpoint", model, tmp_path / "out", format=fmt)
+    declared = read_declaration(out)
+    section = declared.primary
+    assert section is not None
+    assert (section.layout, section.source, section.scheme) == (layout, source, "FP8")
+    assert declared.quant_method == fmt
+    assert [i.entry for i in declared.listed if i.excluded][:1] == ["lm_head"]
+    kv = section.kv_cache_quant_algo if fmt == "modelopt" else section.kv_cache_scheme
+    assert kv
