@@ -97,13 +97,13 @@ def _layers(value: Any) -> tuple[ModelOptLayer, ...]:
 def _listed(
     section: Mapping[str, Any], where: str, groups: tuple[ConfigGroup, ...] | None
 ) -> tuple[Listed, ...]:
-    """The names listed: ``hf_quant_config.json``'s ``exclude_modules`` and
-    ``quantized_layers``; ``config.json``'s ``ignore`` too, and its groups' ``targets``."""
-    hf_quant = where.startswith(HF_QUANT_CONFIG_NAME)
-    listed = () if hf_quant else _names(section.get("ignore"), f"{where}.ignore", True)
+    """The names listed: ``exclude_modules`` and ``quantized_layers``; in ``config.json``
+    also ``ignore`` and the groups' ``targets`` (``groups``: ``None`` in ``hf_quant_config.json``)."""
+    in_config = groups is not None
+    listed = _names(section.get("ignore"), f"{where}.ignore", True) if in_config else ()
     listed += _names(section.get("exclude_modules"), f"{where}.exclude_modules", True)
     listed += _names(section.get("quantized_layers"), f"{where}.quantized_layers", False)
-    for group in () if hf_quant else groups or ():
+    for group in groups or ():
         at = f"{where}.config_groups.{group.name}.targets"
         listed += tuple(Listed(t, at, False, target=True) for t in group.targets)
     return listed
@@ -135,7 +135,7 @@ def _section(section: Mapping[str, Any], file: str, source: str, where: str) -> 
         kv_cache_quant_algo=section.get("kv_cache_quant_algo"),
         kv_cache_scheme=quant_args(kv_scheme) if kv_scheme else None,
         kv_cache_scheme_invalid=None if isinstance(kv_scheme, dict) else kv_scheme,
-        listed=_listed(section, where, parsed),
+        listed=_listed(section, where, (parsed or ()) if file == CONFIG_NAME else None),
     )
 
 

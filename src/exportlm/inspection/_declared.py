@@ -4,6 +4,9 @@ Unlike the ``hf_checkpoint`` runtime, which refuses what it cannot load, the
 inspector reads any producer's configs (ours, NVIDIA ModelOpt's, llm-compressor's)
 and turns what it cannot map to a registered
 :class:`~exportlm.quant.formats.FormatSpec` into a finding, not an exception.
+The configs are read by the checkpoint room's one reader
+(:attr:`Checkpoint.declaration`, :func:`exportlm.checkpoint.declaration_of`); this
+module maps that declaration to formats.
 
 * ModelOpt layout: ``hf_quant_config.json``'s ``quantization`` (or ``config.json``'s
   ``quantization_config`` with ``quant_method: "modelopt"``): ``quant_algo``, or

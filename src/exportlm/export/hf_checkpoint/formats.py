@@ -8,8 +8,11 @@
 * compressed-tensors: ``config.json``'s ``quantization_config`` holds
   ``config_groups`` and a ``kv_cache_scheme``.
 
-Each name maps to a registered :class:`~exportlm.quant.formats.FormatSpec`
-(``format_for_quant_algo``, or the spec whose scheme equals the stored one), so a
+The configs are read by the checkpoint room's one reader
+(:func:`exportlm.checkpoint.read_declaration`); this module maps its declaration to
+formats, strictly (an unknown name is an error). Each name maps to a registered
+:class:`~exportlm.quant.formats.FormatSpec` (``format_for_quant_algo``, or the spec
+whose scheme means what the stored one does), so a
 format registered with :func:`~exportlm.quant.register_format` is read like a
 built-in one. Where a checkpoint declares nothing for a layer, the format is the
 one registered spec whose stored dtype and weight leaves match what is stored.
