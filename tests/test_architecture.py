@@ -30,6 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "exportlm._transformers_model": set(),  # is this a transformers model? stdlib only
     "exportlm.safeio": {"exportlm.errors"},
     "exportlm.hfdir": {"exportlm.errors", "exportlm.safeio"},
+    # the one reader of a checkpoint's quantization configs: standard library + the floor
+    "exportlm.checkpoint": {"exportlm.errors", "exportlm.hfdir"},
     "exportlm.calibration": {
         "exportlm.errors",
         "exportlm._progress",
@@ -58,14 +60,21 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.hfdir",  # the hf_checkpoint loader reads untrusted configs through it
         "exportlm.inspection",  # ... and validates headers with the inspector's own rules
         "exportlm._transformers_model",
+        "exportlm.checkpoint",  # the loader reads the quantization configs through it
     },
     "exportlm.inspection": {
         "exportlm.errors",
         "exportlm.quant",
         "exportlm.safeio",
         "exportlm.hfdir",
+        "exportlm.checkpoint",  # inspect's rules judge the declaration the reader builds
     },
-    "exportlm.engines": {"exportlm.errors", "exportlm.registry", "exportlm.hfdir"},
+    "exportlm.engines": {
+        "exportlm.errors",
+        "exportlm.registry",
+        "exportlm.hfdir",
+        "exportlm.checkpoint",  # a checkpoint's layout and scheme, for the support tables
+    },
     "exportlm.stream": {  # layer-by-layer export: the export core's public pieces, driven per layer
         "exportlm._progress",
         "exportlm._version",
@@ -614,3 +623,81 @@ def test_recipe_facts_are_read_off_recipe_records_not_formats() -> None:
     recipe registry, or a format's numerics and layouts, never a format's recipe."""
     offenders = _format_recipe_readers()
     assert not offenders, f"a recipe read off a FormatSpec outside quant/_recipes.py: {offenders}"
+
+
+#: The keys of a checkpoint's quantization configs (``config.json``'s ``quantization_config``,
+#: ``hf_quant_config.json``): reading one is parsing the declaration.
+QUANT_CONFIG_KEYS = frozenset(
+    {
+        "quantization_config", "quantization", "quant_method", "quant_algo",
+        "quantized_layers", "kv_cache_quant_algo", "kv_cache_scheme", "config_groups",
+        "exclude_modules", "ignore", "input_activations", "output_activations", "actorder",
+        "producer", "hf_quant_config.json",
+    }
+)  # fmt: skip
+#: Where those keys may be read: the one reader, and what may not go through it (with why).
+QUANT_CONFIG_READERS = {
+    "exportlm.checkpoint": "the checkpoint room: the one reader and its declaration model",
+    "exportlm.export.hf_checkpoint.configs": "the writer, reading back the sections it builds",
+    "pytest_exportcheck.checks.exporters.golden": "records the written JSON verbatim as a golden",
+}
+
+
+def _config_key_reads(tree: ast.AST, file_name: bool = True) -> Iterator[tuple[int, str]]:
+    """``(line, key)`` of every read of a quantization-config key: ``x.get(KEY)``,
+    ``x.pop(KEY)``, ``x[KEY]``, ``KEY in x``, and (``file_name``) the
+    ``hf_quant_config.json`` file name."""
+    for node in ast.walk(tree):
+        key: object = None
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("get", "pop", "setdefault")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            key = node.args[0].value
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            key = node.slice.value if isinstance(node.slice, ast.Constant) else None
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant):
+            key = node.left.value if isinstance(node.ops[0], (ast.In, ast.NotIn)) else None
+        elif file_name and isinstance(node, ast.Constant) and node.value == "hf_quant_config.json":
+            key = node.value
+        if isinstance(key, str) and key in QUANT_CONFIG_KEYS:
+            yield node.lineno, key
+
+
+def test_the_config_key_scan_finds_a_parser() -> None:
+    parser = ast.parse(
+        'quant = config.get("quantization_config") or {}\n'
+        'algo = quant["quant_algo"]\n'
+        'mixed = "quantized_layers" in quant\n'
+        'path = directory / "hf_quant_config.json"\n'
+        'quant["quant_algo"] = "FP8"\n'  # a write: the writer builds configs
+    )
+    found = sorted(key for _, key in _config_key_reads(parser))
+    assert found == [
+        "hf_quant_config.json",
+        "quant_algo",
+        "quantization_config",
+        "quantized_layers",
+    ]
+
+
+def test_one_reader_parses_the_quantization_configs() -> None:
+    """Only the checkpoint room reads a checkpoint's quantization configs (issue 40): the
+    loader, ``exportlm inspect`` and the engines read its declaration model."""
+    offenders: dict[str, list[str]] = {}
+    for path in _python_files():
+        module = _module_name(path)
+        if any(module == m or module.startswith(m + ".") for m in QUANT_CONFIG_READERS):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        # the library names the file by exportlm.checkpoint.HF_QUANT_CONFIG_NAME; the
+        # plugin's checks may name it in their messages
+        for line, key in _config_key_reads(tree, file_name=module.startswith("exportlm")):
+            offenders.setdefault(str(path.relative_to(ROOT)), []).append(f"{line}: {key}")
+    assert not offenders, (
+        "quantization-config keys read outside exportlm.checkpoint (read the declaration "
+        f"from exportlm.checkpoint.read_declaration / declaration_of instead): {offenders}"
+    )

@@ -1,7 +1,8 @@
 """What kind of artifact a path is, in the terms of the engines' support tables.
 
 :func:`artifact_kind` reads only configs (never weights, never code): a checkpoint
-directory's ``config.json`` (its ``quantization_config``), or an ONNX file's name.
+directory's ``config.json`` (its ``quantization_config``, through the checkpoint room's
+one reader, :func:`exportlm.checkpoint.declaration_of`), or an ONNX file's name.
 The result is what :meth:`Engine.support` takes.
 """
 
@@ -13,21 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exportlm.checkpoint import declaration_of
 from exportlm.hfdir import read_config, read_json_object
 
 __all__ = ["ArtifactKind", "artifact_kind"]
-
-#: compressed-tensors' scheme names by (weight type, weight bits, activation type and
-#: bits or None): the preset names of compressed_tensors.quantization.quant_scheme.
-_CT_SCHEMES: Mapping[tuple[str, int, tuple[str, int] | None], str] = {
-    ("float", 8, ("float", 8)): "FP8",
-    ("float", 8, None): "FP8_WEIGHT_ONLY",
-    ("int", 8, ("int", 8)): "W8A8",
-    ("int", 8, None): "W8A16",
-    ("int", 4, None): "W4A16",
-    ("float", 4, ("float", 4)): "NVFP4",
-    ("float", 4, None): "NVFP4A16",
-}
 
 
 @dataclass(frozen=True)
@@ -42,30 +32,14 @@ class ArtifactKind:
     model_type: str | None = None
 
 
-def _ct_scheme(quant: Mapping[str, Any]) -> str | None:
-    groups = quant.get("config_groups") or {}
-    schemes = set()
-    for group in groups.values():
-        weights = group.get("weights") or {}
-        acts = group.get("input_activations")
-        act = (str(acts.get("type")), int(acts.get("num_bits", 0))) if acts else None
-        key = (str(weights.get("type")), int(weights.get("num_bits", 0)), act)
-        schemes.add(_CT_SCHEMES.get(key, f"unknown {key}"))
-    return "MIXED_PRECISION" if len(schemes) > 1 else next(iter(schemes), None)
-
-
 def _checkpoint_kind(config: Mapping[str, Any]) -> ArtifactKind:
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     model_type = config.get("model_type")
     arch = str(model_type) if model_type is not None else None
-    quant = config.get("quantization_config")
-    if not quant:
+    declared = declaration_of(config).config  # config.json's own: what engines dispatch on
+    if declared is None or declared.empty:
         return ArtifactKind("hf_checkpoint", None, None, dtype, arch)
-    method = str(quant.get("quant_method"))
-    if method == "compressed-tensors":
-        return ArtifactKind("hf_checkpoint", method, _ct_scheme(quant), dtype, arch)
-    algo = quant.get("quant_algo")
-    return ArtifactKind("hf_checkpoint", method, None if algo is None else str(algo), dtype, arch)
+    return ArtifactKind("hf_checkpoint", str(declared.quant_method), declared.scheme, dtype, arch)
 
 
 #: What the ONNX target writes beside a graph ``model.onnx``: ``model.onnx.manifest.json``.

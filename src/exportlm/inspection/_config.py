@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from exportlm.checkpoint import HF_QUANT_CONFIG_NAME, ConfigGroup, QuantizationDeclaration, Section
 from exportlm.inspection._loaders import compressed_tensors_formats, modelopt_quant_algos
 
 __all__ = ["SIZE_FIELDS", "config_field_problems", "quant_config_problems", "sub_config_problems"]
@@ -37,7 +38,7 @@ SIZE_FIELDS = (
     "n_routed_experts", "n_layer", "n_head", "n_embd",
 )  # fmt: skip
 _CONFIG = "config.json"
-_HF_QUANT = "hf_quant_config.json"
+_HF_QUANT = HF_QUANT_CONFIG_NAME
 _CT_TYPES = ("int", "float")
 
 
@@ -230,85 +231,87 @@ def _algo_problem(algo: Any, where: str, subject: str) -> tuple[str, str, str] |
     )
 
 
-def _modelopt_problems(section: Mapping[str, Any], where: str, subject: str) -> list[Any]:
-    found = [_algo_problem(section.get("quant_algo"), where, subject)]
-    layers = section.get("quantized_layers")
-    if isinstance(layers, dict):
-        for layer, cfg in sorted(layers.items()):
-            algo = cfg.get("quant_algo") if isinstance(cfg, dict) else cfg
-            found.append(_algo_problem(algo, f"{where} quantized_layers[{layer!r}]", subject))
-    elif layers is not None:
+def _modelopt_problems(section: Section, where: str) -> list[Any]:
+    subject = section.file
+    found = [_algo_problem(section.quant_algo, where, subject)]
+    for layer in sorted(section.quantized_layers, key=lambda layer: layer.name):
+        found.append(
+            _algo_problem(layer.quant_algo, f"{where} quantized_layers[{layer.name!r}]", subject)
+        )
+    if section.quantized_layers_invalid is not None:
         found.append(
             (
                 "quant-algo-unknown",
                 subject,
-                f"{where} quantized_layers is {type(layers).__name__}, expected an object "
-                "{layer: {quant_algo}}",
+                f"{where} quantized_layers is {type(section.quantized_layers_invalid).__name__}, "
+                "expected an object {layer: {quant_algo}}",
             )
         )
     return [p for p in found if p is not None]
 
 
-def _ct_problems(section: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+def _group_problem(group: ConfigGroup, known: frozenset[str]) -> str | None:
+    weights = group.weights
+    if weights is None:
+        return f"weights is {group.weights_invalid!r}, expected quantization args"
+    if not _positive_int(weights.num_bits) or weights.type not in _CT_TYPES:
+        return (
+            f"weights num_bits={weights.num_bits!r} type={weights.type!r}, "
+            "expected a positive num_bits and type 'int' or 'float'"
+        )
+    if group.format is not None and group.format not in known:
+        return (
+            f"format {group.format!r} is no compressed-tensors format ({', '.join(sorted(known))})"
+        )
+    return None
+
+
+def _ct_problems(section: Section) -> list[tuple[str, str, str]]:
     where = f"{_CONFIG} quantization_config"
-    groups = section.get("config_groups")
-    if not isinstance(groups, dict):
+    if section.config_groups is None:
         return [
             (
                 "quant-algo-unknown",
                 _CONFIG,
-                f"{where}: config_groups is {groups!r}, expected an object {{group: scheme}}",
+                f"{where}: config_groups is {section.config_groups_invalid!r}, expected an object "
+                "{group: scheme}",
             )
         ]
     known = compressed_tensors_formats()
     problems: list[tuple[str, str, str]] = []
-    for name, group in sorted(groups.items()):
-        weights = group.get("weights") if isinstance(group, dict) else None
-        fmt = (group.get("format") if isinstance(group, dict) else None) or section.get("format")
-        why = None
-        if not isinstance(weights, dict):
-            why = f"weights is {weights!r}, expected quantization args"
-        elif not _positive_int(weights.get("num_bits")) or weights.get("type") not in _CT_TYPES:
-            why = (
-                f"weights num_bits={weights.get('num_bits')!r} type={weights.get('type')!r}, "
-                "expected a positive num_bits and type 'int' or 'float'"
-            )
-        elif fmt is not None and fmt not in known:
-            why = f"format {fmt!r} is no compressed-tensors format ({', '.join(sorted(known))})"
+    for group in sorted(section.config_groups, key=lambda group: group.name):
+        why = _group_problem(group, known)
         if why:
             problems.append(
                 (
                     "quant-algo-unknown",
                     _CONFIG,
-                    f"{where}.config_groups[{name!r}]: {why}; compressed-tensors cannot "
+                    f"{where}.config_groups[{group.name!r}]: {why}; compressed-tensors cannot "
                     "decompress the layers",
                 )
             )
     return problems
 
 
-def quant_config_problems(
-    hf_quant_config: Mapping[str, Any], config: Mapping[str, Any]
-) -> list[tuple[str, str, str]]:
+def quant_config_problems(declaration: QuantizationDeclaration) -> list[tuple[str, str, str]]:
     """``(rule, subject, message)`` of every unknown ``quant_algo`` or compressed-tensors scheme."""
     problems: list[tuple[str, str, str]] = []
-    if hf_quant_config:
-        section = hf_quant_config.get("quantization")
-        if isinstance(section, dict):
-            problems += _modelopt_problems(section, f"{_HF_QUANT} quantization", _HF_QUANT)
-        else:
-            problems.append(
-                (
-                    "quant-algo-unknown",
-                    _HF_QUANT,
-                    f"{_HF_QUANT}: quantization is {section!r}, expected an object with quant_algo",
-                )
+    if declaration.hf_quant is not None:
+        problems += _modelopt_problems(declaration.hf_quant, f"{_HF_QUANT} quantization")
+    elif declaration.hf_quant_present:
+        problems.append(
+            (
+                "quant-algo-unknown",
+                _HF_QUANT,
+                f"{_HF_QUANT}: quantization is {declaration.hf_quant_invalid!r}, expected an "
+                "object with quant_algo",
             )
-    section = config.get("quantization_config")
-    if section is None:
+        )
+    section = declaration.config
+    if section is None and declaration.config_invalid is None:
         return problems
-    if not isinstance(section, dict) or not isinstance(section.get("quant_method"), str):
-        method = section.get("quant_method") if isinstance(section, dict) else section
+    if section is None or not isinstance(section.quant_method, str):
+        method = declaration.config_invalid if section is None else section.quant_method
         problems.append(
             (
                 "config-field-invalid",
@@ -317,8 +320,8 @@ def quant_config_problems(
                 f"got {method!r}",
             )
         )
-    elif section["quant_method"] == "modelopt":
-        problems += _modelopt_problems(section, f"{_CONFIG} quantization_config", _CONFIG)
-    elif section["quant_method"] == "compressed-tensors":
+    elif section.layout == "modelopt":
+        problems += _modelopt_problems(section, f"{_CONFIG} quantization_config")
+    elif section.layout == "compressed-tensors":
         problems += _ct_problems(section)
     return problems

@@ -4,6 +4,9 @@ Unlike the ``hf_checkpoint`` runtime, which refuses what it cannot load, the
 inspector reads any producer's configs (ours, NVIDIA ModelOpt's, llm-compressor's)
 and turns what it cannot map to a registered
 :class:`~exportlm.quant.formats.FormatSpec` into a finding, not an exception.
+The configs are read by the checkpoint room's one reader
+(:attr:`Checkpoint.declaration`, :func:`exportlm.checkpoint.declaration_of`); this
+module maps that declaration to formats.
 
 * ModelOpt layout: ``hf_quant_config.json``'s ``quantization`` (or ``config.json``'s
   ``quantization_config`` with ``quant_method: "modelopt"``): ``quant_algo``, or
@@ -18,14 +21,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from exportlm.checkpoint import ConfigGroup, QuantArgs, Section, quant_args
 from exportlm.errors import UnknownNameError
-from exportlm.inspection._files import HF_QUANT_CONFIG, Checkpoint
+from exportlm.inspection._files import Checkpoint
 from exportlm.quant.formats import MIXED_PRECISION, FormatSpec, format_for_quant_algo, formats
 
 __all__ = ["MIXED_PRECISION", "Declared", "LayerScheme", "read_declared"]
 
-#: compressed-tensors quantization-args keys that decide the stored layout.
-_CT_LAYOUT_KEYS = ("num_bits", "type", "strategy")
+_CONFIG_WHERE = "config.json quantization_config"
 
 
 @dataclass(frozen=True)
@@ -87,33 +90,30 @@ class Declared:
 
 def read_declared(checkpoint: Checkpoint) -> Declared:
     """The quantization ``checkpoint``'s configs declare (see the module docstring)."""
-    section = checkpoint.hf_quant_config.get("quantization")
-    config = checkpoint.quantization_config
-    method = config.get("quant_method")
-    method = str(method) if method is not None else None
-    if isinstance(section, dict):
-        return _modelopt(section, method, HF_QUANT_CONFIG)
-    if method == "modelopt":
-        return _modelopt(config, method, "config.json quantization_config")
-    if method == "compressed-tensors":
-        return _compressed_tensors(config)
-    return Declared("other" if method else "none", method, "config.json quantization_config")
+    declaration = checkpoint.declaration
+    method = declaration.quant_method
+    section = declaration.primary
+    if section is None:
+        return Declared("none", method, _CONFIG_WHERE)
+    if section.layout == "modelopt":
+        return _modelopt(section, method)
+    if section.layout == "compressed-tensors":
+        return _compressed_tensors(section)
+    return Declared(section.layout, method, section.source)
 
 
-def _modelopt(section: Mapping[str, Any], method: str | None, source: str) -> Declared:
-    kv = section.get("kv_cache_quant_algo")
-    algo = section.get("quant_algo")
-    group = section.get("group_size")
-    if algo == MIXED_PRECISION:
-        listed = section.get("quantized_layers")
+def _modelopt(section: Section, method: str | None) -> Declared:
+    kv = bool(section.kv_cache_quant_algo)
+    if section.mixed:
         layers = {
-            str(layer): _modelopt_scheme(cfg.get("quant_algo"), cfg.get("group_size"))
-            for layer, cfg in (listed.items() if isinstance(listed, dict) else ())
-            if isinstance(cfg, dict)
+            layer.name: _modelopt_scheme(layer.quant_algo, layer.group_size)
+            for layer in section.quantized_layers
+            if layer.is_object
         }
-        return Declared("modelopt", method, source, layers=layers, kv_cache=bool(kv))
-    default = _modelopt_scheme(algo, group) if algo else None
-    return Declared("modelopt", method, source, default=default, kv_cache=bool(kv))
+        return Declared("modelopt", method, section.source, layers=layers, kv_cache=kv)
+    algo = section.quant_algo
+    default = _modelopt_scheme(algo, section.group_size) if algo else None
+    return Declared("modelopt", method, section.source, default=default, kv_cache=kv)
 
 
 def _modelopt_scheme(algo: Any, group_size: Any) -> LayerScheme:
@@ -132,35 +132,35 @@ def _group_size(value: Any) -> int | None:
     return None
 
 
-def _compressed_tensors(config: Mapping[str, Any]) -> Declared:
-    listed = config.get("config_groups")
-    groups = [
-        g for g in (listed.values() if isinstance(listed, dict) else ()) if isinstance(g, dict)
-    ]
-    schemes = [_ct_scheme(group, config.get("format")) for group in groups]
-    default = schemes[0] if len(schemes) == 1 else None
-    source = "config.json quantization_config"
+def _compressed_tensors(section: Section) -> Declared:
+    schemes = [_ct_scheme(group) for group in section.config_groups or () if group.is_object]
     return Declared(
         "compressed-tensors",
         "compressed-tensors",
-        source,
-        default=default,
-        kv_cache=bool(config.get("kv_cache_scheme")),
+        section.source,
+        default=schemes[0] if len(schemes) == 1 else None,
+        kv_cache=section.kv_cache_scheme is not None or bool(section.kv_cache_scheme_invalid),
     )
 
 
-def _ct_scheme(group: Mapping[str, Any], default_format: Any) -> LayerScheme:
+def _ct_scheme(group: ConfigGroup) -> LayerScheme:
     """The registered format whose compressed-tensors scheme stores ``group``'s layout."""
-    weights = group.get("weights")
-    weights = weights if isinstance(weights, dict) else {}
-    inputs = group.get("input_activations")
-    fmt = str(group.get("format") or default_format or "?")
-    static = isinstance(inputs, dict) and not inputs.get("dynamic", False)
+    weights = group.weights or QuantArgs()
+    inputs = group.input_activations
+    fmt = str(group.format or "?")
+    static = inputs is not None and not (inputs.dynamic or False)
+    layout = _layout(weights)
+    size = _group_size(weights.group_size)
     for spec in formats():
         scheme = spec.compressed_tensors
         if scheme is None or scheme.format != fmt:
             continue
-        if all(weights.get(key) == scheme.weights.get(key) for key in _CT_LAYOUT_KEYS):
-            return LayerScheme(spec, fmt, static, _group_size(weights.get("group_size")))
-    label = f"{fmt} ({', '.join(f'{k}={weights.get(k)}' for k in _CT_LAYOUT_KEYS)})"
-    return LayerScheme(None, label, static, _group_size(weights.get("group_size")))
+        if layout == _layout(quant_args(scheme.weights) or QuantArgs()):
+            return LayerScheme(spec, fmt, static, size)
+    label = f"{fmt} (num_bits={weights.num_bits}, type={weights.type}, strategy={weights.strategy})"
+    return LayerScheme(None, label, static, size)
+
+
+def _layout(args: QuantArgs) -> tuple[Any, ...]:
+    """The args that decide the stored layout: ``num_bits``, ``type``, ``strategy``."""
+    return args.num_bits, args.type, args.strategy

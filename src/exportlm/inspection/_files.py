@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from exportlm.checkpoint import HF_QUANT_CONFIG_NAME, QuantizationDeclaration, declaration_of
 from exportlm.errors import InvalidInputError, MalformedCheckpointError
 from exportlm.hfdir import read_json_object
 from exportlm.inspection._header import HeaderProblem, TensorInfo, parse_safetensors_header
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 INDEX = "model.safetensors.index.json"
-HF_QUANT_CONFIG = "hf_quant_config.json"
+HF_QUANT_CONFIG = HF_QUANT_CONFIG_NAME
 CONFIG = "config.json"
 
 _TORCH_TO_SAFETENSORS = {
@@ -151,10 +152,10 @@ class Checkpoint:
             yield from loaded
 
     @property
-    def quantization_config(self) -> dict[str, Any]:
-        """``config.json``'s ``quantization_config`` (``{}`` when absent)."""
-        section = self.config.get("quantization_config")
-        return section if isinstance(section, dict) else {}
+    def declaration(self) -> QuantizationDeclaration:
+        """What ``config.json`` and ``hf_quant_config.json`` declare about the quantization
+        (:func:`exportlm.checkpoint.declaration_of`)."""
+        return declaration_of(self.config, self.hf_quant_config)
 
 
 def read_checkpoint(directory: Path) -> Checkpoint:

@@ -17,11 +17,12 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
+from exportlm.checkpoint import HF_QUANT_CONFIG_NAME, QuantizationDeclaration, declaration_of
 from exportlm.errors import MalformedCheckpointError
 from exportlm.hfdir import read_json_object
-from exportlm.inspection._files import HF_QUANT_CONFIG, INDEX, read_json
+from exportlm.inspection._files import INDEX, read_json
 from exportlm.inspection._header import read_safetensors_header
 
 __all__ = [
@@ -95,47 +96,25 @@ def saved_tensor_names(directory: Path) -> list[str]:
 
 def listed_names(directory: Path) -> list[ListedName]:
     """The module names the checkpoint's quantization configs list (see the module docstring)."""
-    return listed_in(read_json(directory / HF_QUANT_CONFIG), read_json(directory / "config.json"))
+    config = read_json(directory / "config.json")
+    declaration = declaration_of(config, read_json(directory / HF_QUANT_CONFIG_NAME))
+    return listed_in(declaration, bool(config.get("tie_word_embeddings")))
 
 
-def listed_in(hf_quant_config: dict[str, Any], config: dict[str, Any]) -> list[ListedName]:
-    """:func:`listed_names` of already-read ``hf_quant_config.json`` and ``config.json``."""
-    listed: list[ListedName] = []
-    quantization = _object(hf_quant_config.get("quantization"))
-    where = f"{HF_QUANT_CONFIG}: quantization"
-    listed += _entries(quantization.get("exclude_modules"), f"{where}.exclude_modules", True)
-    listed += _entries(quantization.get("quantized_layers"), f"{where}.quantized_layers", False)
-    section = _object(config.get("quantization_config"))
-    where = "config.json: quantization_config"
-    listed += _entries(section.get("ignore"), f"{where}.ignore", True)
-    listed += _entries(section.get("exclude_modules"), f"{where}.exclude_modules", True)
-    listed += _entries(section.get("quantized_layers"), f"{where}.quantized_layers", False)
-    for group_name, group in _object(section.get("config_groups")).items():
-        group_targets = group.get("targets") if isinstance(group, dict) else None
-        if not isinstance(group_targets, list):
-            continue
-        # module paths only: class names ("Linear") and regexes over classes are not names
-        modules = [t for t in group_targets if isinstance(t, str) and _is_module_path(t)]
-        listed += _entries(modules, f"{where}.config_groups.{group_name}.targets", False)
-    if config.get("tie_word_embeddings"):
+def listed_in(declaration: QuantizationDeclaration, tied: bool) -> list[ListedName]:
+    """:func:`listed_names` of a declaration (``tied``: ``config.json`` ties the embeddings)."""
+    listed = [
+        ListedName(item.entry, item.where, item.excluded)
+        for item in declaration.listed
+        # of a group's targets, module paths only: class names ("Linear") and regexes over
+        # classes are not names
+        if not item.target or _is_module_path(item.entry)
+    ]
+    if tied:
         # A tied lm_head saves no tensor of its own (its weight is the saved input
         # embedding); ModelOpt lists it as excluded all the same, so that entry is valid.
         listed = [i for i in listed if not (i.excluded and i.entry.split(".")[-1] == "lm_head")]
     return listed
-
-
-def _object(value: Any) -> dict[str, Any]:
-    """``value`` if it is a JSON object, else ``{}`` (a malformed section is its own finding)."""
-    return value if isinstance(value, dict) else {}
-
-
-def _entries(value: Any, where: str, excluded: bool) -> list[ListedName]:
-    """A JSON list (or a mapping's keys) of names as :class:`ListedName`."""
-    if isinstance(value, dict):
-        value = list(value)
-    if not isinstance(value, list):
-        return []
-    return [ListedName(str(entry), where, excluded) for entry in value]
 
 
 def _is_module_path(target: str) -> bool:

@@ -139,20 +139,11 @@ def _tied(checkpoint: Checkpoint) -> Iterator[Finding]:
             )
 
 
-def _producer(checkpoint: Checkpoint) -> str | None:
-    """The producer's name the configs record (ModelOpt's ``producer.name``), if any."""
-    for section in (checkpoint.hf_quant_config, checkpoint.quantization_config):
-        producer = section.get("producer")
-        if isinstance(producer, dict) and isinstance(producer.get("name"), str):
-            return str(producer["name"])
-    return None
-
-
 def _refusals(checkpoint: Checkpoint, declared: Declared) -> list[Finding]:
     """``engine-refuses-scheme``: engines whose support table refuses the declared scheme."""
     labels = [MIXED_PRECISION] if declared.layers else [s.label for s in declared.schemes]
     found = []
-    for refusal in engine_refusals(_producer(checkpoint), declared.quant_method, labels):
+    for refusal in engine_refusals(checkpoint.declaration.producer, declared.quant_method, labels):
         row = refusal.row
         found.append(
             RULES["engine-refuses-scheme"].finding(
@@ -249,7 +240,7 @@ def config_findings(
             "loads the codes as full-precision weights. Add quantization_config "
             "(quant_method 'modelopt') to config.json",
         )
-    listed = listed_in(checkpoint.hf_quant_config, checkpoint.config)
+    listed = listed_in(checkpoint.declaration, bool(checkpoint.config.get("tie_word_embeddings")))
     for problem in name_problems(checkpoint.tensors, listed):
         if problem.kind == "excludes-quantized":
             rule = RULES["excluded-but-quantized"]
@@ -310,9 +301,7 @@ def config_file_findings(checkpoint: Checkpoint) -> Iterator[Finding]:
             "(trust_remote_code), and exportlm's loader refuses it. Use an architecture "
             "transformers ships, or load the model with code you have reviewed",
         )
-    for rule, subject, message in quant_config_problems(
-        checkpoint.hf_quant_config, checkpoint.config
-    ):
+    for rule, subject, message in quant_config_problems(checkpoint.declaration):
         yield RULES[rule].finding(subject, message)
     yield from _tokenizer(checkpoint)
 

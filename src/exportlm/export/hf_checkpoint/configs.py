@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from exportlm._version import __version__
+from exportlm.checkpoint import HF_QUANT_CONFIG_NAME
 from exportlm.errors import UnsupportedFormatError
 from exportlm.module_exporters import LayerFacts, QuantExportSummary
 from exportlm.quant.formats import (
@@ -58,7 +59,6 @@ __all__ = [
     "write_configs",
 ]
 
-HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
 #: ``format=`` values: the ModelOpt layout, or compressed-tensors'.
 CHECKPOINT_FORMATS = tuple(CHECKPOINT_LAYOUTS)
 

@@ -8,8 +8,11 @@
 * compressed-tensors: ``config.json``'s ``quantization_config`` holds
   ``config_groups`` and a ``kv_cache_scheme``.
 
-Each name maps to a registered :class:`~exportlm.quant.formats.FormatSpec`
-(``format_for_quant_algo``, or the spec whose scheme equals the stored one), so a
+The configs are read by the checkpoint room's one reader
+(:func:`exportlm.checkpoint.read_declaration`); this module maps its declaration to
+formats, strictly (an unknown name is an error). Each name maps to a registered
+:class:`~exportlm.quant.formats.FormatSpec` (``format_for_quant_algo``, or the spec
+whose scheme means what the stored one does), so a
 format registered with :func:`~exportlm.quant.register_format` is read like a
 built-in one. Where a checkpoint declares nothing for a layer, the format is the
 one registered spec whose stored dtype and weight leaves match what is stored.
@@ -17,16 +20,22 @@ one registered spec whose stored dtype and weight leaves match what is stored.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from exportlm.checkpoint import (
+    HF_QUANT_CONFIG_NAME,
+    ConfigGroup,
+    QuantArgs,
+    Section,
+    config_group,
+    quant_args,
+    read_declaration,
+)
 from exportlm.errors import UnknownNameError, UnsupportedFormatError
-from exportlm.export.hf_checkpoint.configs import HF_QUANT_CONFIG_NAME, MIXED_PRECISION
 from exportlm.quant.formats import (
     CHECKPOINT_LAYOUTS,
     CheckpointLayout,
@@ -37,6 +46,8 @@ from exportlm.quant.formats import (
 )
 
 __all__ = ["StoredFormats"]
+
+_CONFIG_WHERE = "config.json quantization_config"
 
 
 @dataclass(frozen=True)
@@ -60,52 +71,47 @@ class StoredFormats:
 
     @classmethod
     def read(cls, directory: Path) -> StoredFormats:
-        """What ``directory``'s ``hf_quant_config.json`` / ``config.json`` declare."""
-        hf_quant = directory / HF_QUANT_CONFIG_NAME
-        if hf_quant.is_file():
-            section = json.loads(hf_quant.read_text()).get("quantization") or {}
-            kv = section.get("kv_cache_quant_algo")
-            return cls._modelopt(section, _kv_by_algo(kv) if kv else None, hf_quant.name)
-        config_path = directory / "config.json"
-        config = json.loads(config_path.read_text()).get("quantization_config") or {}
-        method = config.get("quant_method")
-        where = f"{config_path.name} quantization_config"
-        if method is None:
-            return cls(source=where)
-        if method == "modelopt":
-            return cls._modelopt(config, _kv_by_scheme(config, "modelopt"), where)
-        if method == "compressed-tensors":
-            return cls._compressed_tensors(config, where)
+        """What ``directory``'s ``hf_quant_config.json`` / ``config.json`` declare
+        (read by :func:`exportlm.checkpoint.read_declaration`)."""
+        declared = read_declaration(directory)
+        if declared.hf_quant is not None:
+            section = declared.hf_quant
+            kv = section.kv_cache_quant_algo
+            return cls._modelopt(section, _kv_by_algo(str(kv)) if kv else None)
+        config = declared.config
+        if config is None or config.quant_method is None:
+            return cls(source=_CONFIG_WHERE)
+        if config.layout == "modelopt":
+            return cls._modelopt(config, _kv_by_scheme(config, "modelopt"))
+        if config.layout == "compressed-tensors":
+            return cls._compressed_tensors(config)
         raise UnsupportedFormatError(
-            f"{config_path}: quant_method {method!r} cannot be read; the hf_checkpoint runtime "
-            "reads 'modelopt' and 'compressed-tensors' checkpoints"
+            f"{directory / 'config.json'}: quant_method {config.quant_method!r} cannot be read; "
+            "the hf_checkpoint runtime reads 'modelopt' and 'compressed-tensors' checkpoints"
         )
 
     @classmethod
-    def _modelopt(
-        cls, section: Mapping[str, Any], kv_cache: FormatSpec | None, source: str
-    ) -> StoredFormats:
-        algo = section.get("quant_algo")
-        if algo == MIXED_PRECISION:
+    def _modelopt(cls, section: Section, kv_cache: FormatSpec | None) -> StoredFormats:
+        source = section.source
+        if section.mixed:
             layers = {
-                layer: _by_algo(str(cfg["quant_algo"]), source)
-                for layer, cfg in (section.get("quantized_layers") or {}).items()
+                layer.name: _by_algo(str(layer.quant_algo), source)
+                for layer in section.quantized_layers
             }
             return cls(layers=layers, kv_cache=kv_cache, source=source)
+        algo = section.quant_algo
         weights = _by_algo(str(algo), source) if algo else None
         return cls(weights=weights, kv_cache=kv_cache, source=source)
 
     @classmethod
-    def _compressed_tensors(cls, config: Mapping[str, Any], source: str) -> StoredFormats:
-        groups = list((config.get("config_groups") or {}).values())
-        default = config.get("format")  # a group without its own format has the config's
-        specs = [_by_group(group, source, default) for group in groups]
+    def _compressed_tensors(cls, config: Section) -> StoredFormats:
+        specs = [_by_group(group, config.source) for group in config.config_groups or ()]
         # one group: every quantized layer is in its format; several: read by stored leaves
         weights = specs[0] if len(specs) == 1 else None
         return cls(
             weights=weights,
             kv_cache=_kv_by_scheme(config, "compressed_tensors"),
-            source=source,
+            source=config.source,
             layout=CHECKPOINT_LAYOUTS["compressed-tensors"],
         )
 
@@ -178,81 +184,52 @@ def _kv_by_algo(kv_cache_quant_algo: str) -> FormatSpec:
         ) from err
 
 
-def _kv_by_scheme(config: Mapping[str, Any], layout: str) -> FormatSpec | None:
-    """The format whose ``kv_cache.<layout>`` scheme means ``config["kv_cache_scheme"]``."""
-    scheme = config.get("kv_cache_scheme")
-    if not scheme:
+def _kv_by_scheme(config: Section, layout: str) -> FormatSpec | None:
+    """The format whose ``kv_cache.<layout>`` scheme means what ``kv_cache_scheme`` does."""
+    scheme = config.kv_cache_scheme
+    if scheme is None and not config.kv_cache_scheme_invalid:
         return None
     for spec in formats():
         own = getattr(spec.kv_cache, layout, None) if spec.kv_cache else None
-        if own is not None and _meaning(own) == _meaning(scheme):
+        args = quant_args(own)
+        if scheme is not None and args is not None and args.meaning() == scheme.meaning():
             return spec
+    written = scheme.written if scheme is not None else config.kv_cache_scheme_invalid
     raise UnsupportedFormatError(
-        f"kv_cache_scheme {scheme!r} is no registered format's KV-cache scheme; register "
-        "its FormatSpec (with a KVCacheScheme) before loading"
+        f"{config.source}: kv_cache_scheme {written!r} is no registered format's KV-cache "
+        "scheme; register its FormatSpec (with a KVCacheScheme) before loading"
     )
 
 
-#: What a compressed-tensors ``QuantizationArgs`` means for the stored tensors, with
-#: compressed-tensors' defaults for a key left out. The rest (``observer``,
-#: ``observer_kwargs``, ``scale_dtype``, ``zp_dtype``, ``block_structure`` of a
-#: non-block strategy...) says how the producer calibrated or stores what the tensors'
-#: own dtypes say: llm-compressor writes them, and they do not change what is read.
-_MEANINGFUL = {
-    "num_bits": 8,
-    "type": "int",
-    "symmetric": True,
-    "strategy": None,
-    "group_size": None,
-    "dynamic": False,
-}
-_GROUPED = frozenset({"group", "tensor_group"})
 #: ``actorder`` values under which the codes are stored in column order (no ``g_idx``).
 _PLAIN_ORDER = frozenset({None, False, "static"})
 
 
-def _meaning(args: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """``args`` reduced to :data:`_MEANINGFUL` (defaults filled in), ``None`` for none."""
-    if args is None:
-        return None
-    out = {k: default if args.get(k) is None else args[k] for k, default in _MEANINGFUL.items()}
-    if out["strategy"] not in _GROUPED:
-        out["group_size"] = None
-    return out
-
-
-def _group_meaning(group: Mapping[str, Any], default_format: Any) -> tuple[Any, ...]:
-    return (
-        group.get("format") or default_format,
-        _meaning(group.get("weights")),
-        _meaning(group.get("input_activations")),
-        _meaning(group.get("output_activations")),
-    )
-
-
-def _by_group(group: Mapping[str, Any], source: str, default_format: Any = None) -> FormatSpec:
+def _by_group(group: ConfigGroup, source: str) -> FormatSpec:
     """The format whose compressed-tensors scheme writes what ``group`` means.
 
-    Compared by meaning (:data:`_MEANINGFUL` of the weights, input and output args, and
-    the group's format, else the config's), so another producer's defaults
-    (llm-compressor's ``observer``, ``scale_dtype``...) read as ours do. An ``actorder``
-    that stores a ``g_idx`` permutation is refused: the codes would be read out of order.
+    Compared by meaning (:meth:`ConfigGroup.meaning`: the weight, input and output
+    args with compressed-tensors' defaults, and the group's format, else the config's),
+    so another producer's defaults (llm-compressor's ``observer``, ``scale_dtype``...)
+    read as ours do. An ``actorder`` that stores a ``g_idx`` permutation is refused:
+    the codes would be read out of order.
     """
-    order = (group.get("weights") or {}).get("actorder")
-    if order not in _PLAIN_ORDER:
+    weights = group.weights or QuantArgs()
+    if weights.actorder not in _PLAIN_ORDER:
         raise UnsupportedFormatError(
-            f"{source}: config group {dict(group)!r} stores its weights with "
-            f"actorder={order!r} (a weight_g_idx permutation), which the hf_checkpoint "
-            "runtime does not read; export with actorder='static' or None"
+            f"{source}: config group {group.written!r} stores its weights with "
+            f"actorder={weights.actorder!r} (a weight_g_idx permutation), which the "
+            "hf_checkpoint runtime does not read; export with actorder='static' or None"
         )
-    targets = list(group.get("targets") or [])
-    size = (group.get("weights") or {}).get("group_size")
-    wanted = _group_meaning(group, default_format)
+    wanted = group.meaning()
     for spec in formats():
         scheme = spec.compressed_tensors
-        if scheme is not None and _group_meaning(scheme.group(targets, size), None) == wanted:
+        if scheme is None:
+            continue
+        own = config_group(group.name, scheme.group(list(group.targets), weights.group_size))
+        if own.meaning() == wanted:
             return spec
     raise UnsupportedFormatError(
-        f"{source}: config group {dict(group)!r} is no registered format's compressed-tensors "
+        f"{source}: config group {group.written!r} is no registered format's compressed-tensors "
         "scheme; register its FormatSpec (with a CompressedTensorsScheme) before loading"
     )

@@ -18,13 +18,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from exportlm.checkpoint import HF_QUANT_CONFIG_NAME
 from exportlm.errors import InvalidInputError
 from exportlm.hfdir import tokenizer_files
 
 __all__ = ["describe_tokenizer", "tokenizer_payload"]
 
 #: What the export writes itself: a tokenizer's file never replaces one of these.
-_CHECKPOINT_OWN = ("config.json", "generation_config.json", "hf_quant_config.json")
+_CHECKPOINT_OWN = ("config.json", "generation_config.json", HF_QUANT_CONFIG_NAME)
 
 
 def tokenizer_payload(tokenizer: Any, scratch: Path | None = None) -> dict[str, bytes]:

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from exportlm.checkpoint import read_declaration
 from exportlm.errors import MalformedCheckpointError, UnknownQuantAlgoError
-from exportlm.export.hf_checkpoint.configs import HF_QUANT_CONFIG_NAME
 from exportlm.export.hf_checkpoint.sink import INDEX_NAME, SINGLE_FILE_NAME
 from exportlm.hfdir import (
     CONFIG_NAME,
@@ -81,11 +81,7 @@ def read_model_config(directory: Path) -> dict[str, Any]:
             f"{message}. Fix {config_path} or export the model again", path=config_path, field=field
         )
     refuse_custom_code(directory, config)
-    hf_quant: dict[str, Any] = {}
-    hf_quant_path = directory / HF_QUANT_CONFIG_NAME
-    if os.path.lexists(hf_quant_path):
-        hf_quant = read_json_object(hf_quant_path, what="ModelOpt quantization config")
-    quant_problems = quant_config_problems(hf_quant, config)
+    quant_problems = quant_config_problems(read_declaration(directory, config))
     if quant_problems:
         rule, subject, message = quant_problems[0]
         if rule == "quant-algo-unknown":
