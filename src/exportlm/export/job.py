@@ -18,6 +18,11 @@ declared with :func:`job_target`; it runs inside :func:`export_job`, which, once
    the cause, except that an ``InvalidModelError`` / ``InvalidInputError`` raised from
    inside the traced forward surfaces as itself.
 
+The ``hf_checkpoint`` target's two sources of weights, the model in memory and a model
+directory streamed layer by layer (``streamed=True``: a ``meta`` skeleton, no weight
+check, no model hash), both publish through :func:`export_job`: one manifest, one
+atomic publish.
+
 A factory exportlm does not run (a third-party target) gets the same checks around it,
 and its manifest after it returns (:meth:`~exportlm.export.guard.PendingManifest.finish`).
 """
