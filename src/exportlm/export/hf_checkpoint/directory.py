@@ -18,11 +18,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from exportlm.errors import InvalidConfigError, InvalidInputError
+from exportlm.atomic import check_output_path
+from exportlm.errors import InvalidConfigError, InvalidInputError, OutputExistsError
 from exportlm.export.hf_checkpoint._write import CheckpointOptions, export_in_memory
 from exportlm.export.job import ExportRequest
 
@@ -57,14 +58,14 @@ def without_source_options(request: ExportRequest) -> ExportRequest:
 class DirectorySource:
     """How a model directory is read and quantized (the target's source options)."""
 
-    stream: bool | str = "auto"
+    stream: bool | Literal["auto"] = "auto"
     max_memory: int | str | None = None
     recipe: Any = None
     calibration: Sequence[torch.Tensor] | None = None
     calibration_inputs: str = "quantized"
 
     def __post_init__(self) -> None:
-        if not any(self.stream is v or self.stream == v for v in _STREAM_VALUES):
+        if self.stream not in _STREAM_VALUES:
             raise InvalidInputError(f"stream must be True, False or 'auto', got {self.stream!r}")
         if self.calibration_inputs not in _INPUTS:
             raise InvalidInputError(
@@ -116,7 +117,10 @@ def export_directory(
     """
     from exportlm.hfdir import tokenizer_files
 
-    directory = Path(request.model)
+    directory, out = Path(request.model), request.output_path
+    check_output_path(out)
+    if not options.overwrite and out.is_dir() and any(out.iterdir()):  # before any weight is read
+        raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     files = tokenizer if tokenizer is not None else tokenizer_files(directory)
     options = dataclasses.replace(options, tokenizer_files=files)
     if source.streams(directory):

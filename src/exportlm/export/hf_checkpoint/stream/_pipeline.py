@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from exportlm._progress import progress
-from exportlm.atomic import check_output_path
-from exportlm.errors import OutputExistsError, StreamIntegrityError
+from exportlm.errors import StreamIntegrityError
 from exportlm.export.hf_checkpoint._write import (
     CheckpointOptions,
     finish_checkpoint,
@@ -113,10 +112,7 @@ def stream_checkpoint(
     ``dtype`` as given (recorded in the manifest and the resume key as it was given).
     Raises as :func:`exportlm.stream.export_streaming` documents.
     """
-    out = request.output_path
-    check_output_path(out)
-    if not options.overwrite and out.is_dir() and any(out.iterdir()):
-        raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+    out = request.output_path  # checked by export_directory before anything is read
     # the layout's scale convention: a compressed-tensors checkpoint is the calibrated model
     recipe = how.recipe
     plan = QuantRecipe.parse(recipe).for_layout(options.format) if recipe is not None else None
