@@ -433,8 +433,8 @@ def peak(directory: Path, budget: str, shard: str, recipe: str, inputs: str) -> 
     import threading
     import traceback
 
+    from exportlm.export.hf_checkpoint.stream._memory import resident_bytes
     from exportlm.stream import export_streaming
-    from exportlm.stream._memory import resident_bytes
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("exportlm.quant").setLevel(logging.ERROR)  # AWQ's per-group lines

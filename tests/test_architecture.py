@@ -701,3 +701,43 @@ def test_one_reader_parses_the_quantization_configs() -> None:
         "quantization-config keys read outside exportlm.checkpoint (read the declaration "
         f"from exportlm.checkpoint.read_declaration / declaration_of instead): {offenders}"
     )
+
+
+def _calls_by_file(folders: list[Path], names: set[str]) -> dict[str, set[str]]:
+    """``{called name: files}`` of the calls to ``names`` (a bare name or an attribute)."""
+    found: dict[str, set[str]] = {}
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+                if name in names:
+                    found.setdefault(name, set()).add(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_one_export_pipeline_for_hf_checkpoint() -> None:
+    """One manifest, one atomic publish, one shard writer (issue 40): the stream is a source
+    of the hf_checkpoint target, published by the export job like every other export."""
+    export = ROOT / "src" / "exportlm" / "export"
+    folders = [export, ROOT / "src" / "exportlm" / "stream"]
+    names = {"PendingManifest", "atomic_output", "_write_manifest", "write_safetensors"}
+    calls = _calls_by_file(folders, names)
+    job, shards = "src/exportlm/export/job.py", "src/exportlm/export/hf_checkpoint/shards.py"
+    assert calls["PendingManifest"] == {job}, "only the export job makes a manifest"
+    assert calls["atomic_output"] == {job}, "only the export job publishes"
+    assert calls["_write_manifest"] == {"src/exportlm/export/guard.py"}
+    # the stream's activations between layers are work files, never checkpoint files
+    activations = "src/exportlm/export/hf_checkpoint/stream/_work.py"
+    assert calls["write_safetensors"] == {shards, activations}, "one shard writer"
+    writers = [
+        f"{path.relative_to(ROOT).as_posix()}:{node.name}"
+        for folder in folders
+        for path in sorted(folder.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ClassDef)
+        and {"add", "finish"} <= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+    ]
+    assert writers == [f"{shards}:ShardedSafetensorsWriter"]

@@ -30,8 +30,8 @@ import exportlm.export.guard
 import exportlm.export.manifest
 from exportlm.errors import ExportFailedError
 from exportlm.export import _manifest_data
-from exportlm.export.hf_checkpoint import sink as sink_module
-from exportlm.export.hf_checkpoint import target as target_module
+from exportlm.export.hf_checkpoint import _write as target_module  # the in-memory source
+from exportlm.export.hf_checkpoint import shards as sink_module  # the one shard writer
 from exportlm.export.hf_checkpoint.sink import ShardedSafetensorsWriter, write_safetensors
 from exportlm.export.manifest import model_hash, read_manifest
 from exportlm.models import tiny_hf_model

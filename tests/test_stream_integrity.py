@@ -267,7 +267,7 @@ def test_a_record_listing_a_model_shard_as_pending_never_deletes_it(site: Path) 
 def test_a_signed_record_that_skips_a_layer_is_refused_before_publishing(site: Path) -> None:
     # Defence in depth: the record verifies (re-signed here as only exportlm could), its
     # files too, yet the checkpoint lacks layer 1: nothing may be published.
-    from exportlm.stream._record import save_record
+    from exportlm.export.hf_checkpoint.stream._record import save_record
 
     work = _the_work_dir(site / "out")
     record = json.loads((work / "progress.json").read_text())["record"]

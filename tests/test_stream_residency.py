@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from exportlm.stream import _sizing as sizing
+from exportlm.export.hf_checkpoint.stream import _sizing as sizing
+from exportlm.export.hf_checkpoint.stream._source import CheckpointSource
 from exportlm.stream import export_streaming
-from exportlm.stream._source import CheckpointSource
 from tests._stream_models import family_directory, llama_directory
 
 

@@ -46,7 +46,7 @@ class ExportPlan:
     as_json: bool
     verify_shapes: tuple[tuple[int, int], ...] = ()  # none given: the traced shape
     trust: bool = False
-    stream: bool = False  # layer by layer (exportlm.stream), see cli/_stream.py
+    stream: bool = False  # the model directory layer by layer (stream=True), cli/_stream.py
     max_memory: str | None = None
     stream_inputs: str = "quantized"
     quant_recipe: Any = None  # the checked QuantRecipe (--quantize with --exclude)
@@ -241,21 +241,14 @@ def _export(plan: ExportPlan, model: Any) -> _Result:
 
 
 def _export_streamed(plan: ExportPlan) -> _Result:
-    from exportlm.cli._stream import stream_batches
-    from exportlm.stream import export_streaming
+    from exportlm.cli._stream import source_options
+    from exportlm.export import export_model
 
     before = _snapshot(plan.out.parent)
     start = time.perf_counter()
     with phase(f"exporting {plan.model_argument} layer by layer to {plan.target}"):
-        path = export_streaming(
-            plan.model_argument,
-            plan.out,
-            recipe=plan.quant_recipe,
-            calibration=stream_batches(plan.calibration, plan.source),
-            max_memory=plan.max_memory,
-            calibration_inputs="float" if plan.stream_inputs == "float" else "quantized",
-            **plan.options,
-        )
+        # the target's streamed source: the model directory, layer by layer (stream=True)
+        path = export_model(plan.target, plan.source.path, plan.out, **source_options(plan))
     seconds = time.perf_counter() - start
     result = _Result(path=path, files=_artifact_files(path, before), seconds=seconds)
     result.calibration = {

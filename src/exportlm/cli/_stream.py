@@ -3,7 +3,10 @@
 ``exportlm export --target hf_checkpoint --model DIR`` streams by itself when the model
 would not fit the memory it may use (:func:`exportlm.stream.should_stream`: the cgroup
 limit, else the available memory, or the ``--max-memory`` budget); ``--stream`` forces it.
-Only a local model directory and the ``hf_checkpoint`` target stream.
+Only a local model directory and the ``hf_checkpoint`` target stream. The command decides
+before it loads anything, by the rule ``export_model(..., stream="auto")`` applies, and
+then calls ``export_model("hf_checkpoint", DIR, out, stream=True, ...)``
+(:func:`source_options`), as a library user would.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from exportlm.cli._errors import UsageError
 
-__all__ = ["STREAM_OPTIONS", "stream_batches", "wants_streaming"]
+__all__ = ["STREAM_OPTIONS", "source_options", "stream_batches", "wants_streaming"]
 
 logger = logging.getLogger("exportlm.cli")
 
@@ -67,6 +70,19 @@ def wants_streaming(
             "holds; verify the checkpoint with `exportlm verify` on a machine where it fits"
         )
     return stream
+
+
+def source_options(plan: Any) -> dict[str, Any]:
+    """``export_model``'s options for a streamed ``plan``: the source options (the model
+    directory read with ``stream=True``, its recipe and calibration) and the ``-o`` ones."""
+    return {
+        "stream": True,
+        "recipe": plan.quant_recipe,
+        "calibration": stream_batches(plan.calibration, plan.source),
+        "max_memory": plan.max_memory,
+        "calibration_inputs": "float" if plan.stream_inputs == "float" else "quantized",
+        **plan.options,
+    }
 
 
 def stream_batches(request: Any, source: Any) -> list[Any] | None:

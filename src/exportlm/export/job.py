@@ -18,6 +18,11 @@ declared with :func:`job_target`; it runs inside :func:`export_job`, which, once
    the cause, except that an ``InvalidModelError`` / ``InvalidInputError`` raised from
    inside the traced forward surfaces as itself.
 
+The ``hf_checkpoint`` target's two sources of weights, the model in memory and a model
+directory streamed layer by layer (``streamed=True``: a ``meta`` skeleton, no weight
+check, no model hash), both publish through :func:`export_job`: one manifest, one
+atomic publish.
+
 A factory exportlm does not run (a third-party target) gets the same checks around it,
 and its manifest after it returns (:meth:`~exportlm.export.guard.PendingManifest.finish`).
 """
@@ -144,12 +149,19 @@ def _vocab_size(model: Any) -> int | None:
         return None
 
 
-def _pending(request: ExportRequest, options: Mapping[str, Any]) -> PendingManifest:
-    """The checks every export makes once, and the manifest they end in."""
-    check_real_weights(request.model, request.info.name)
+def _pending(
+    request: ExportRequest, options: Mapping[str, Any], streamed: bool = False
+) -> PendingManifest:
+    """The checks every export makes once, and the manifest they end in.
+
+    ``streamed``: the model is a ``meta``-device skeleton whose weights are read part by
+    part (the ``hf_checkpoint`` stream): nothing to check, and it is never whole to hash.
+    """
+    if not streamed:
+        check_real_weights(request.model, request.info.name)
     return PendingManifest(
         info=request.info,
-        model=request.model,
+        model=None if streamed else request.model,
         options=dict(options if request.recorded is None else request.recorded),
         vocab_size=_vocab_size(request.model),
         destination=Path(os.path.abspath(request.output_path)),
@@ -215,6 +227,7 @@ def export_job(
     hint: str = "",
     companions: Sequence[str] = (),
     overwrite: bool = True,
+    streamed: bool = False,
 ) -> Iterator[ExportJob]:
     """Run one export of ``request``; see the module docstring.
 
@@ -231,6 +244,9 @@ def export_job(
         companions: glob patterns of sibling files that belong to the artifact
             (see :func:`~exportlm.atomic.atomic_output`).
         overwrite: replace an existing non-empty directory (directory artifacts).
+        streamed: ``request.model`` is the ``meta``-device skeleton of a checkpoint the
+            target reads layer by layer (``hf_checkpoint``'s stream source): no weight
+            check, and the manifest records no model hash (``model_blake3: null``).
     """
     info, model = request.info, request.model
     if not request.accepted:
@@ -241,7 +257,7 @@ def export_job(
             f"returns logits, got {type(model).__name__}"
         )
     recorded = {"example_inputs": example_inputs, **options} if traced else options
-    manifest = _pending(request, recorded)
+    manifest = _pending(request, recorded, streamed)
     staging = atomic_output(
         request.output_path,
         directory=info.artifact == "directory",

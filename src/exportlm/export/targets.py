@@ -138,7 +138,9 @@ def export_model(name: str, model: Any, output_path: str | os.PathLike[str], **k
     Args:
         name: a registered export target (``exportlm list``), e.g. ``"onnx"``.
         model: any ``nn.Module`` whose ``forward(input_ids)`` returns logits,
-            ``(logits, cache)`` or an object with ``.logits``.
+            ``(logits, cache)`` or an object with ``.logits``; for ``hf_checkpoint``, also
+            a local model directory, streamed layer by layer when it does not fit memory
+            (its ``stream`` / ``max_memory`` / ``recipe`` options, ``docs/streaming.md``).
         output_path: file (or directory, for directory targets) to write. The
             write is atomic: a failed export leaves no partial artifact and an
             existing artifact untouched.

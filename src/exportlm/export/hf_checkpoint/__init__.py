@@ -6,7 +6,11 @@ A built-in target, registered in code (:mod:`~exportlm.export.builtins`):
 One concern per module:
 
 * :mod:`~exportlm.export.hf_checkpoint.target`: the declared target, :func:`export_hf_checkpoint`;
-* :mod:`~exportlm.export.hf_checkpoint.sink`: the driver's sink and the streaming safetensors shard writer;
+* :mod:`~exportlm.export.hf_checkpoint._write`: the in-memory source, and what every source ends in;
+* :mod:`~exportlm.export.hf_checkpoint.directory`: a model directory as the source (streamed or loaded);
+* :mod:`~exportlm.export.hf_checkpoint.stream`: the streamed source, one decoder layer at a time;
+* :mod:`~exportlm.export.hf_checkpoint.sink`: the driver's sink (names, the layout's tensor rules);
+* :mod:`~exportlm.export.hf_checkpoint.shards`: the one safetensors shard writer (threaded or resumable);
 * :mod:`~exportlm.export.hf_checkpoint.naming`: checkpoint tensor and module names (``save_pretrained``'s);
 * :mod:`~exportlm.export.hf_checkpoint.configs`: ``config.json`` / ``hf_quant_config.json``, ModelOpt and compressed-tensors;
 * :mod:`~exportlm.export.hf_checkpoint.runtime`: :func:`load_hf_checkpoint`;

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
+from exportlm.errors import ExportFailedError
 from exportlm.export._digest import DIGEST, new_hasher
 
-__all__ = ["SAFETENSORS_DTYPES", "FileDigest", "write_safetensors"]
+__all__ = ["SAFETENSORS_DTYPES", "FileDigest", "read_safetensors", "write_safetensors"]
 
 #: torch dtype -> safetensors dtype tag.
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -105,3 +106,31 @@ def _pieces(prefix: bytes, tensors: Iterable[torch.Tensor]) -> Iterable[memoryvi
         view = t.reshape(-1).view(torch.uint8).numpy().data
         for start in range(0, len(view), _PIECE):
             yield view[start : start + _PIECE]
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a file :func:`write_safetensors` wrote (a streamed export's spill
+    file), read with ``readinto`` into fresh tensors.
+
+    Not ``safe_open``: its mapping counts in the RSS until it is closed, on top of the
+    copies it hands out.
+    """
+    from exportlm.inspection import read_safetensors_header
+
+    dtypes = {tag: dtype for dtype, tag in SAFETENSORS_DTYPES.items()}
+    infos = read_safetensors_header(path)
+    tensors: dict[str, torch.Tensor] = {}
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        for name, info in infos.items():
+            begin, end = info.offsets
+            tensor = torch.empty(tuple(info.shape), dtype=dtypes[info.dtype])
+            view = tensor.reshape(-1).view(torch.uint8).numpy().data
+            f.seek(8 + length + begin)
+            if (f.readinto(view) if len(view) else 0) != end - begin:
+                raise ExportFailedError(
+                    f"{path}: spilled tensor {name!r} is truncated; the work area was changed "
+                    "outside this export. Delete it to start afresh"
+                )
+            tensors[name] = tensor
+    return tensors

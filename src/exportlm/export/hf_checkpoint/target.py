@@ -22,15 +22,19 @@ or the new one at every instant on Linux).
 Only transformers ``PreTrainedModel`` instances are accepted: the checkpoint's
 ``config.json`` must name a model class that the runtime (and vLLM, TensorRT-LLM,
 SGLang, transformers) can rebuild. A plain torch decoder gets a clear reason.
+
+The weights come from one of two sources, written by the same shard writer and
+published by the same job: the model in memory (:mod:`._write`), or a local model
+directory (:mod:`.directory`), read layer by layer when it does not fit the memory it
+may use (:mod:`.stream`, ``docs/streaming.md``) and loaded whole otherwise.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import tempfile
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,16 +42,16 @@ import torch
 
 from exportlm.errors import InvalidInputError
 from exportlm.export.declaration import TargetInfo
-from exportlm.export.hf_checkpoint.configs import (
-    CHECKPOINT_FORMATS,
-    CheckpointQuantization,
-    quantization_section,
-    write_configs,
+from exportlm.export.hf_checkpoint._write import CheckpointOptions, export_in_memory
+from exportlm.export.hf_checkpoint.configs import CHECKPOINT_FORMATS
+from exportlm.export.hf_checkpoint.directory import (
+    DirectorySource,
+    export_directory,
+    is_model_directory,
+    without_source_options,
 )
-from exportlm.export.hf_checkpoint.naming import CheckpointNamer, module_namer
-from exportlm.export.hf_checkpoint.sink import CheckpointSink, ShardedSafetensorsWriter
 from exportlm.export.hf_checkpoint.tokenizer import describe_tokenizer, tokenizer_payload
-from exportlm.export.job import ExportRequest, export_job, job_target
+from exportlm.export.job import ExportRequest, job_target
 from exportlm.export.options import resolve_dtype
 
 __all__ = ["HF_CHECKPOINT_TARGET", "build_hf_checkpoint_exporter", "export_hf_checkpoint"]
@@ -59,7 +63,11 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _hf_accepts(model: Any) -> str | None:
-    """Why this target cannot take ``model``, or ``None``."""
+    """Why this target cannot take ``model``, or ``None`` (a model directory is taken)."""
+    if isinstance(model, (str, os.PathLike)):
+        if is_model_directory(model):
+            return None
+        return f"{os.fspath(model)!r} is not a model directory (a directory of safetensors shards)"
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover - transformers is a dependency
@@ -103,6 +111,11 @@ def export_hf_checkpoint(
     example_inputs: Any = None,
     safe_serialization: bool = True,
     tokenizer: Any = None,
+    stream: bool | Literal["auto"] = "auto",
+    max_memory: int | str | None = None,
+    recipe: Any = None,
+    calibration: Sequence[torch.Tensor] | None = None,
+    calibration_inputs: Literal["quantized", "float"] = "quantized",
 ) -> Path:
     """Write ``model`` (quantized with :func:`exportlm.quant.quantize`, or not) as an HF checkpoint.
 
@@ -110,7 +123,8 @@ def export_hf_checkpoint(
     the :class:`~exportlm.export.job.ExportRequest` (:func:`~exportlm.export.job.job_target`).
 
     Args:
-        model: a transformers ``PreTrainedModel``; never modified.
+        model: a transformers ``PreTrainedModel`` (never modified), or a local Hugging Face
+            model directory (safetensors shards), quantized here with ``recipe``.
         output_path: the checkpoint directory. An existing non-empty directory is
             refused unless ``overwrite=True``, which replaces it atomically.
         format: ``"modelopt"`` (vLLM / TensorRT-LLM / SGLang) or
@@ -126,7 +140,13 @@ def export_hf_checkpoint(
         tokenizer: the tokenizer files to carry (``docs/checkpoint-format.md``): a
             tokenizer object (its ``save_pretrained``) or a model directory (its
             ``tokenizer.json``, ``tokenizer_config.json``, chat template, ...); read before
-            anything else is done. ``None``: weights and configs only.
+            anything else is done. ``None``: weights and configs only (a model
+            directory: its own tokenizer files).
+        stream, max_memory, recipe, calibration, calibration_inputs: a model directory
+            only (the source options, :class:`~.directory.DirectorySource`; never in the
+            manifest). ``stream="auto"`` reads it layer by layer when an in-memory export
+            would not fit ``max_memory`` (``docs/streaming.md``), ``True`` always, ``False``
+            never; ``recipe`` and ``calibration`` quantize it.
 
     Returns:
         ``output_path``.
@@ -144,85 +164,21 @@ def export_hf_checkpoint(
     cast_to: torch.dtype | None = None
     if dtype is not None:
         cast_to = resolve_dtype(dtype, where="hf_checkpoint dtype", supported=_FLOAT_DTYPES)
-    from exportlm.module_exporters import export_quantized_state
-
-    tokenizer_files = tokenizer_payload(tokenizer)
+    source = DirectorySource(stream, max_memory, recipe, calibration, calibration_inputs)
+    request = without_source_options(request)
     if request.recorded is not None and "tokenizer" in request.recorded:
         recorded = {**request.recorded, "tokenizer": describe_tokenizer(tokenizer)}
         request = dataclasses.replace(request, recorded=recorded)
-    options = {"format": format, "max_shard_size": max_shard_size, "dtype": cast_to}
-    options |= {"overwrite": overwrite, "is_qlora": is_qlora}
+    files = tokenizer_payload(tokenizer) if tokenizer is not None else None
+    options = CheckpointOptions(format, max_shard_size, cast_to, overwrite, is_qlora, files or {})
+    if is_model_directory(request.model):
+        return export_directory(request, source, options, given_dtype=dtype, tokenizer=files)
+    source.refuse_for_model()
+    recorded = {"format": format, "max_shard_size": max_shard_size, "dtype": cast_to}
+    recorded |= {"overwrite": overwrite, "is_qlora": is_qlora}
     if tokenizer is not None:
-        options["tokenizer"] = describe_tokenizer(tokenizer)
-    with export_job(request, options=options, traced=False, overwrite=overwrite) as job:
-        model, staging = job.model, job.staged
-        job.manifest.hash_model_in_background()  # on worker threads while the export runs
-        writer = ShardedSafetensorsWriter(staging, max_shard_size=max_shard_size)
-        sink = CheckpointSink(CheckpointNamer(model), writer, format)
-        try:
-            with _one_torch_thread():
-                summary = export_quantized_state(
-                    model, sink, format=format, dtype=cast_to, is_qlora=is_qlora
-                )
-            quant = quantization_section(summary, module_namer(model, sink.namer, is_qlora))
-            _write_configs(writer, model, cast_to, quant, format)
-            for name, data in tokenizer_files.items():
-                writer.write_file(name, data)
-            written = writer.finish()
-        except BaseException:
-            writer.abort()  # no shard is being written into the directory about to be removed
-            job.manifest.cancel_model_hash()
-            raise
-        finally:
-            sink.close()
-        job.manifest.record_files({name: d.entry() for name, d in written.digests.items()})
-        logger.info(
-            "hf_checkpoint: wrote %d tensors (%d bytes) in %d file(s) to %s",
-            len(written.weight_map),
-            written.total_size,
-            len(written.files),
-            request.output_path,
-        )
-    return request.output_path
-
-
-@contextlib.contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """Torch's intra-op threads set to one while the exporters convert, then restored.
-
-    The conversion runs elementwise kernels on small chunks (``quant/formats``), where
-    an OpenMP team costs more than it gives, and on a busy machine far more: measured
-    on 2 shared cores, FP8 of a 2816x1024 weight took 0.42 s with 2 threads and 0.015 s
-    with 1, and the 170M benchmark export 4.0 CPU-s against 1.3. The parallelism comes
-    from the threads that write and hash while the conversion goes on. The setting is
-    the process's: torch work in other threads during the export runs on one thread too.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _write_configs(
-    writer: ShardedSafetensorsWriter,
-    model: Any,
-    dtype: torch.dtype | None,
-    quant: CheckpointQuantization | None,
-    format: str,
-) -> None:
-    """The configs through ``writer``, so that it hashes them as it writes them.
-
-    transformers' ``save_pretrained`` (its validation, a custom config's code) writes
-    them into a scratch directory beside the staged one; their bytes (a few KB) are
-    then written into the checkpoint, and hashed, from memory.
-    """
-    with tempfile.TemporaryDirectory(dir=writer.directory.parent, prefix=".configs-") as tmp:
-        scratch = Path(tmp)
-        write_configs(model, scratch, dtype, quant, format)
-        for path in sorted(p for p in scratch.rglob("*") if p.is_file()):
-            writer.write_file(path.relative_to(scratch).as_posix(), path.read_bytes())
+        recorded["tokenizer"] = describe_tokenizer(tokenizer)
+    return export_in_memory(request, options, recorded)
 
 
 def build_hf_checkpoint_exporter() -> Callable[..., Path]:

@@ -12,7 +12,7 @@ Tensors are read under the names transformers loads them from. Mixtral and Qwen2
 Qwen3-MoE checkpoints hold their experts one tensor per expert
 (``block_sparse_moe.experts.3.w1.weight``, ``mlp.experts.3.gate_proj.weight``) that
 transformers fuses on load into ``experts.gate_up_proj [E, 2I, H]`` and
-``experts.down_proj [E, H, I]``: :class:`~exportlm.stream._names.CheckpointNames` reads each expert's tensor into
+``experts.down_proj [E, H, I]``: :class:`~exportlm.export.hf_checkpoint.stream._names.CheckpointNames` reads each expert's tensor into
 its region of the fused parameter (see there).
 """
 
@@ -30,8 +30,8 @@ from torch import nn
 
 from exportlm.errors import InvalidConfigError, MalformedCheckpointError
 from exportlm.export.hf_checkpoint.sink import SAFETENSORS_DTYPES
+from exportlm.export.hf_checkpoint.stream._names import CheckpointNames
 from exportlm.hfdir import CONFIG_NAME, tokenizer_files, vet_model_directory
-from exportlm.stream._names import CheckpointNames
 
 __all__ = ["CheckpointSource", "DecoderLayout"]
 

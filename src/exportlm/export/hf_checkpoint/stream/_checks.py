@@ -8,8 +8,8 @@ from __future__ import annotations
 from torch import nn
 
 from exportlm.errors import LayerTooLargeError, StreamingUnsupportedError
+from exportlm.export.hf_checkpoint.stream._memory import MemoryBound
 from exportlm.quant import QuantRecipe
-from exportlm.stream._memory import MemoryBound
 
 __all__ = ["check_fits", "check_streamable"]
 
@@ -67,7 +67,7 @@ def _quantized_outside(model: nn.Module, recipe: QuantRecipe, inside: str) -> li
 
 def check_fits(budget: int | None, bound: MemoryBound, what: str) -> None:
     """Refuse a budget below what the stream holds beyond the process itself, its output
-    shard sized to the budget (:func:`~exportlm.stream._budget.shard_size_within`).
+    shard sized to the budget (:func:`~exportlm.export.hf_checkpoint.stream._budget.shard_size_within`).
 
     That is the bound's terms but the baseline: the largest set of modules loaded at
     once (``what`` names it), one output shard and, with a recipe, quantizing one

@@ -1,12 +1,12 @@
 """The streaming export's work area: progress after every layer, and the activations between layers.
 
 A streaming export of ``out/`` works in a private directory of its own beside it
-(``.out.stream-XXXXXXXX/``, see :mod:`exportlm.stream._workdir`: made by this run, mode
+(``.out.stream-XXXXXXXX/``, see :mod:`exportlm.export.hf_checkpoint.stream._workdir`: made by this run, mode
 ``0700``, locked while the run lives). After each layer it holds the shards written so
 far, the open shard's tensors (spill files), the activations that enter the next layer
-and ``progress.json``, the signed record of all that (:mod:`exportlm.stream._record`).
+and ``progress.json``, the signed record of all that (:mod:`exportlm.export.hf_checkpoint.stream._record`).
 The record names each of those files by a plain name with the digest the writer
-recorded when it wrote the file, and the :class:`~exportlm.stream._key.ResumeKey` of the
+recorded when it wrote the file, and the :class:`~exportlm.export.hf_checkpoint.stream._key.ResumeKey` of the
 run: the options digest and the digests of the model's files.
 
 A new run continues a dead run's directory only when its record verifies, its key is
@@ -29,12 +29,12 @@ from typing import Any, overload
 import torch
 
 from exportlm.errors import NotRegularFileError
-from exportlm.export.hf_checkpoint.sink import write_safetensors
-from exportlm.stream._digest import file_digest
-from exportlm.stream._key import ResumeKey
-from exportlm.stream._record import load_record, save_record
-from exportlm.stream._workdir import WorkDirectory, create, leftovers
-from exportlm.stream._writer import WriterState
+from exportlm.export.hf_checkpoint.safetensors_file import write_safetensors
+from exportlm.export.hf_checkpoint.shards import WriterState
+from exportlm.export.hf_checkpoint.stream._digest import file_digest
+from exportlm.export.hf_checkpoint.stream._key import ResumeKey
+from exportlm.export.hf_checkpoint.stream._record import load_record, save_record
+from exportlm.export.hf_checkpoint.stream._workdir import WorkDirectory, create, leftovers
 
 __all__ = ["ActivationStore", "Progress", "WorkArea", "activations_name"]
 
@@ -105,6 +105,7 @@ class WorkArea:
         """Hard-link the work files ``names`` into ``staged`` (same filesystem: free), else
         copy them; the work area keeps its own, so a kill before publishing loses nothing."""
         for name in names:
+            (staged / name).parent.mkdir(parents=True, exist_ok=True)  # a chat template's folder
             try:
                 os.link(self.directory / name, staged / name)
             except OSError:

@@ -1,10 +1,20 @@
-"""``export_streaming``: quantize and export a checkpoint directory one decoder layer at a time."""
+"""The streamed source of the ``hf_checkpoint`` target: a checkpoint directory one decoder layer at a time.
+
+:func:`stream_checkpoint` is what ``export_model("hf_checkpoint", DIR, out, ...)`` runs
+when the directory streams (:mod:`~exportlm.export.hf_checkpoint.directory`; the public
+face is :mod:`exportlm.stream`, see ``docs/streaming.md``). It reads each decoder layer
+from the safetensors shards into a ``meta``-device model, quantizes it on the calibration
+activations, exports it through the module exporters into the target's one shard writer
+(resumable: its progress is recorded after every layer in a private work area) and
+publishes through the export job, as the in-memory source does: one manifest, one
+atomic publish.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -14,37 +24,47 @@ import torch
 from torch import nn
 
 from exportlm._progress import progress
-from exportlm.atomic import atomic_output, check_output_path
-from exportlm.errors import OutputExistsError, StreamIntegrityError
-from exportlm.export.guard import PendingManifest
-from exportlm.export.hf_checkpoint.configs import quantization_section, write_configs
+from exportlm.errors import StreamIntegrityError
+from exportlm.export.hf_checkpoint._write import (
+    CheckpointOptions,
+    finish_checkpoint,
+    one_torch_thread,
+)
+from exportlm.export.hf_checkpoint.configs import quantization_section
 from exportlm.export.hf_checkpoint.naming import module_namer
+from exportlm.export.hf_checkpoint.shards import ShardedSafetensorsWriter, WriterState
 from exportlm.export.hf_checkpoint.sink import CheckpointSink
-from exportlm.export.hf_checkpoint.target import HF_CHECKPOINT_TARGET
-from exportlm.export.hf_checkpoint.target import _one_torch_thread as one_torch_thread
-from exportlm.export.hf_checkpoint.tokenizer import write_payload
-from exportlm.inputs import make_input_ids
-from exportlm.module_exporters import ExportFormat, export_quantized_state
-from exportlm.quant import QuantRecipe
-from exportlm.stream._budget import memory_limit, parse_memory
-from exportlm.stream._checks import check_fits, check_streamable
-from exportlm.stream._complete import check_complete
-from exportlm.stream._key import resume_key
-from exportlm.stream._layers import CalibrationInputs, capture_layer_inputs, quantize_layer
-from exportlm.stream._memory import (
+from exportlm.export.hf_checkpoint.stream._budget import memory_limit, parse_memory
+from exportlm.export.hf_checkpoint.stream._checks import check_fits, check_streamable
+from exportlm.export.hf_checkpoint.stream._complete import check_complete
+from exportlm.export.hf_checkpoint.stream._key import resume_key
+from exportlm.export.hf_checkpoint.stream._layers import (
+    CalibrationInputs,
+    capture_layer_inputs,
+    quantize_layer,
+)
+from exportlm.export.hf_checkpoint.stream._memory import (
     map_large_allocations,
     release_freed,
     resident_bytes,
 )
-from exportlm.stream._sizing import fit_bound
-from exportlm.stream._source import CheckpointSource
-from exportlm.stream._summary import PhaseSink, PrefixSink, SummaryPart, merge_summaries
-from exportlm.stream._work import ActivationStore, WorkArea
-from exportlm.stream._writer import ResumableShardWriter, WriterState
+from exportlm.export.hf_checkpoint.stream._sizing import fit_bound
+from exportlm.export.hf_checkpoint.stream._source import CheckpointSource
+from exportlm.export.hf_checkpoint.stream._summary import (
+    PhaseSink,
+    PrefixSink,
+    SummaryPart,
+    merge_summaries,
+)
+from exportlm.export.hf_checkpoint.stream._work import ActivationStore, WorkArea
+from exportlm.export.job import ExportRequest, export_job
+from exportlm.inputs import make_input_ids
+from exportlm.module_exporters import ExportFormat, export_quantized_state
+from exportlm.quant import QuantRecipe
 
-__all__ = ["export_streaming"]
+__all__ = ["stream_checkpoint"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("exportlm.stream")  # the documented logger of the streaming export
 
 
 class _Run:
@@ -59,8 +79,10 @@ class _Run:
         shells: tuple[set[str], set[str]],
     ) -> None:
         self.source, self.work, self.format = source, work, format
-        self.writer = ResumableShardWriter(work.directory, max_shard_size=max_shard_size)
-        self.sink = CheckpointSink(source.namer, self.writer, format)  # type: ignore[arg-type]
+        self.writer = ShardedSafetensorsWriter(
+            work.directory, max_shard_size=max_shard_size, resumable=True
+        )
+        self.sink = CheckpointSink(source.namer, self.writer, format)
         self.head_names, self.tail_names = shells
         self.stored = source.stored_names()  # before a layer is quantized (check_complete)
 
@@ -80,100 +102,52 @@ def _shell_names(source: CheckpointSource) -> tuple[set[str], set[str]]:
     return set(names[:first]), {n for n in names[first:] if not n.startswith(inside)}
 
 
-def export_streaming(
-    model_dir: str | os.PathLike[str],
-    output_path: str | os.PathLike[str],
-    *,
-    recipe: Any = None,
-    calibration: Sequence[torch.Tensor] | None = None,
-    max_memory: int | str | None = None,
-    calibration_inputs: CalibrationInputs = "quantized",
-    format: ExportFormat = "modelopt",
-    max_shard_size: int | str = "5GB",
-    dtype: torch.dtype | None = None,
-    overwrite: bool = False,
+def stream_checkpoint(
+    request: ExportRequest, how: Any, options: CheckpointOptions, given_dtype: Any
 ) -> Path:
-    """Quantize and export the checkpoint in ``model_dir`` layer by layer (see ``docs/streaming.md``).
+    """Stream the model directory ``request.model`` into ``request.output_path``.
 
-    The model is built on the ``meta`` device from ``config.json``; each decoder layer is
-    read from the safetensors shards, quantized with ``recipe`` on the calibration
-    activations, exported through the module exporters and the ``hf_checkpoint`` sink,
-    and freed before the next. The result is the ``hf_checkpoint`` target's directory
-    (same files, same bytes where the calibration is the same, see
-    ``calibration_inputs``), published all at once with its manifest.
-
-    A killed run leaves its progress in a private ``.NAME.stream-XXXXXXXX/`` beside
-    ``output_path``; the same call again, on the same model files (by digest), continues
-    after the last finished layer and writes the same bytes (see ``docs/streaming.md``).
-
-    Args:
-        model_dir: a local Hugging Face model directory (safetensors shards).
-        output_path: the checkpoint directory to publish.
-        recipe: a quantization recipe as :func:`~exportlm.quant.quantize` takes it, of
-            any registered weight format (``"fp8"``, ``"int8_wo"``, ``"int4_awq"``,
-            ``"nvfp4"``, ``"int8_sq"``, ``"w8a8"``, or a plugin's), with or
-            without ``"+fp8_kv"``, or a mapping of module-name
-            patterns to them (mixed precision) that leaves the modules outside the
-            decoder layers unquantized; ``None`` for an unquantized re-export. It takes
-            the scale convention of ``format`` (:meth:`QuantRecipe.for_layout
-            <exportlm.quant.QuantRecipe.for_layout>`) unless it spells ``scales=``.
-        calibration: ``input_ids`` batches; default: one batch of
-            :func:`~exportlm.inputs.make_input_ids`, what ``quantize`` uses by default.
-        max_memory: the memory the export may use beyond the process itself (bytes or
-            ``"8GB"``); default: the cgroup limit less what the process holds, else the
-            available memory. It must hold the largest module set, one output shard and
-            one linear in float32 (else :class:`~exportlm.errors.LayerTooLargeError`);
-            the calibration activations are kept in what it leaves, else on disk.
-        calibration_inputs: ``"quantized"`` (each layer calibrated on the outputs of the
-            already fake-quantized previous layers, as llm-compressor does) or ``"float"``
-            (on the unquantized outputs, as whole-model calibration: the in-memory bytes).
-        format, max_shard_size, dtype, overwrite: as for the ``hf_checkpoint`` target.
-
-    Raises:
-        StreamingUnsupportedError: a family or recipe that does not stream yet.
-        LayerTooLargeError: one layer does not fit ``max_memory``.
-        OutputExistsError: ``output_path`` is a non-empty directory and not ``overwrite``.
-        StreamIntegrityError: what was written is not the whole model (nothing is published).
+    ``how``: the :class:`~exportlm.export.hf_checkpoint.directory.DirectorySource`
+    (recipe, calibration, ``max_memory``, ``calibration_inputs``); ``given_dtype``: the
+    ``dtype`` as given (recorded in the manifest and the resume key as it was given).
+    Raises as :func:`exportlm.stream.export_streaming` documents.
     """
-    out = Path(output_path)
-    check_output_path(out)
-    if not overwrite and out.is_dir() and any(out.iterdir()):
-        raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+    out = request.output_path  # checked by export_directory before anything is read
     # the layout's scale convention: a compressed-tensors checkpoint is the calibrated model
-    plan = QuantRecipe.parse(recipe).for_layout(format) if recipe is not None else None
+    recipe = how.recipe
+    plan = QuantRecipe.parse(recipe).for_layout(options.format) if recipe is not None else None
     map_large_allocations()  # freed tensors go straight back to the system (see _memory.py)
-    source = CheckpointSource(Path(model_dir))
+    source = CheckpointSource(Path(request.model))
     baseline = resident_bytes()  # before any weight: interpreter, torch, the meta model
     check_streamable(source.model, plan, source.reads_names, source.layout.layers)
-    batches = list(calibration) if calibration is not None else [_default_ids(source.model)]
-    budget = parse_memory(max_memory) if max_memory is not None else memory_limit()
+    batches = list(how.calibration) if how.calibration is not None else [_default_ids(source)]
+    budget = parse_memory(how.max_memory) if how.max_memory is not None else memory_limit()
     layers = [source.tensor_bytes(source.layer(i)) for i in range(source.layout.count)]
-    acts = _activation_bytes(source.model, batches)
     shells = _shell_names(source)
     bound, largest, max_shard_size = fit_bound(
-        source, shells, budget, max_shard_size, baseline, layers, acts, quantized=plan is not None
+        source,
+        shells,
+        budget,
+        options.max_shard_size,
+        baseline,
+        layers,
+        _activation_bytes(source.model, batches),
+        quantized=plan is not None,
     )
     check_fits(budget, bound, largest)  # before anything is written
-    options = _given(
-        {"format": format, "max_shard_size": max_shard_size, "dtype": dtype, "overwrite": overwrite}
-    )
-    key = resume_key(
-        source.directory,
-        list(source.shard_of.values()),
-        recipe,
-        batches,
-        calibration_inputs,
-        options,
-    )
+    given = {"format": options.format, "max_shard_size": max_shard_size}
+    given = _given(given | {"dtype": given_dtype, "overwrite": options.overwrite})
+    shards = list(source.shard_of.values())
+    key = resume_key(source.directory, shards, how.recipe, batches, how.calibration_inputs, given)
     work = WorkArea(out, key)
     try:
-        run = _Run(source, work, format, max_shard_size, shells)
+        run = _Run(source, work, options.format, max_shard_size, shells)
         logger.info("streaming within a memory bound of %s", bound.describe())
         # the activations are held in what the budget leaves, else read back from the work area
         store = ActivationStore(work.directory, budget - bound.held if budget else 1 << 30)
-        with one_torch_thread():  # as the hf_checkpoint target converts (see its docstring)
-            summary = _export_parts(run, store, plan, batches, calibration_inputs, dtype)
-        _publish(run, summary, out, options, dtype, overwrite)
+        with one_torch_thread():  # as the in-memory source converts (see its docstring)
+            summary = _export_parts(run, store, plan, batches, how.calibration_inputs, options)
+        _publish(run, summary, request, given, options)
     finally:
         work.release()  # kept for a later run to continue, unless published (removed)
     source.close()
@@ -184,14 +158,15 @@ def export_streaming(
 def _publish(
     run: _Run,
     summary: Any,
-    out: Path,
-    options: dict[str, Any],
-    dtype: torch.dtype | None,
-    overwrite: bool,
+    request: ExportRequest,
+    given: dict[str, Any],
+    options: CheckpointOptions,
 ) -> None:
-    """Finish the shards, check the checkpoint is the whole model, publish it with its manifest."""
+    """Finish the checkpoint in the work area, check it is the whole model, publish it
+    through the export job with its manifest (the files' digests as they were written)."""
     source, work = run.source, run.work
-    written = run.writer.finish()
+    quant = quantization_section(summary, module_namer(source.model, run.sink.namer, False))
+    written = finish_checkpoint(run.writer, source.model, quant, options)
     logger.info(
         "streamed %d tensors (%d bytes) in %d file(s)",
         len(written.weight_map),
@@ -203,20 +178,14 @@ def _publish(
     except StreamIntegrityError:
         work.remove()  # its record led here: the next run must not continue it
         raise
-    quant = quantization_section(summary, module_namer(source.model, run.sink.namer, False))
-    manifest = PendingManifest(
-        info=HF_CHECKPOINT_TARGET,
-        model=None,  # never whole in memory: no model hash (see docs/streaming.md)
-        options=options,  # as export_model records them: the options given
-        vocab_size=getattr(source.model.config, "vocab_size", None),
-        destination=Path(os.path.abspath(out)),
-    )
-    with atomic_output(
-        out, directory=True, overwrite=overwrite, before_publish=manifest.hook
-    ) as staged:
-        work.link_into(staged, [*written.files, *filter(None, [written.index_file])])
-        write_payload(staged, run.source.tokenizer_files)
-        write_configs(source.model, staged, dtype, quant, run.format)
+    # never whole in memory: no weight check, no model hash (see docs/streaming.md); the
+    # manifest records the options given, as export_model does
+    streamed = dataclasses.replace(request, model=source.model, recorded=None)
+    with export_job(
+        streamed, options=given, traced=False, overwrite=options.overwrite, streamed=True
+    ) as job:
+        work.link_into(job.staged, sorted(written.digests))
+        job.manifest.record_files({name: d.entry() for name, d in written.digests.items()})
     work.remove()
 
 
@@ -226,10 +195,10 @@ def _export_parts(
     plan: QuantRecipe | None,
     batches: list[torch.Tensor],
     mode: CalibrationInputs,
-    dtype: torch.dtype | None,
+    options: CheckpointOptions,
 ) -> Any:
     """The head, every layer, then the tail, each exported and checkpointed; the merged summary."""
-    source, progress_state = run.source, run.work.progress
+    source, progress_state, dtype = run.source, run.work.progress, options.dtype
     if progress_state.writer is not None:
         run.writer.resume(WriterState.from_json(progress_state.writer))
     inputs = _first_inputs(run, batches)
@@ -337,8 +306,8 @@ def _given(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v != _DEFAULTS[k]}
 
 
-def _default_ids(model: Any) -> torch.Tensor:
-    return make_input_ids(int(model.config.vocab_size))
+def _default_ids(source: CheckpointSource) -> torch.Tensor:
+    return make_input_ids(int(source.model.config.vocab_size))
 
 
 def _activation_bytes(model: nn.Module, batches: Sequence[torch.Tensor]) -> int:

@@ -1,7 +1,7 @@
 """How much memory an export may use, and whether a model fits it in one piece.
 
 :func:`memory_limit` is what the process's own cgroups leave (every level from its
-cgroup up to the mount's root, v1 and v2: :mod:`~exportlm.stream._cgroup`), capped at
+cgroup up to the mount's root, v1 and v2: :mod:`~exportlm.export.hf_checkpoint.stream._cgroup`), capped at
 ``MemAvailable`` from ``/proc/meminfo``. :func:`shard_size_within` picks the output
 shard size a streamed export can afford under a budget. :func:`needs_streaming`
 compares a model directory with a budget the way the in-memory export uses memory:
@@ -12,18 +12,21 @@ issue's measurements show (2.06 GB RSS for 0.98 GB of bf16 shards).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from exportlm.errors import InvalidInputError
-from exportlm.stream._cgroup import cgroup_headroom
-from exportlm.stream._memory import MemoryBound
+from exportlm.export.hf_checkpoint.stream._cgroup import cgroup_headroom
+from exportlm.export.hf_checkpoint.stream._memory import MemoryBound
 
 __all__ = [
     "IN_MEMORY_FACTOR",
     "memory_limit",
+    "model_bytes",
     "needs_streaming",
     "parse_memory",
     "shard_size_within",
+    "should_stream",
 ]
 
 logger = logging.getLogger("exportlm.stream")
@@ -86,6 +89,18 @@ def needs_streaming(model_bytes: int, budget: int | None) -> bool:
     return budget is not None and model_bytes * IN_MEMORY_FACTOR > budget
 
 
+def model_bytes(model_dir: str | os.PathLike[str]) -> int:
+    """Bytes of the safetensors files of ``model_dir`` (the weights on disk)."""
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
+def should_stream(model_dir: str | os.PathLike[str], max_memory: int | str | None = None) -> bool:
+    """Whether an in-memory export of ``model_dir`` would not fit ``max_memory``
+    (default: the cgroup limit, else the available memory)."""
+    budget = parse_memory(max_memory) if max_memory is not None else memory_limit()
+    return needs_streaming(model_bytes(model_dir), budget)
+
+
 def shard_size_within(budget: int | None, cap: int, floor: MemoryBound) -> int:
     """The output shard size a streamed export can afford: ``cap`` where it fits, else less.
 
@@ -93,10 +108,10 @@ def shard_size_within(budget: int | None, cap: int, floor: MemoryBound) -> int:
     alone). What the budget leaves beside the modules loaded at once and quantizing one
     linear goes to one shard and the calibration activations; the activations keep their
     share where the shard still holds the largest tensor beside them, else they go to
-    disk (:class:`~exportlm.stream._work.ActivationStore`). Below ``cap`` the size is a
+    disk (:class:`~exportlm.export.hf_checkpoint.stream._work.ActivationStore`). Below ``cap`` the size is a
     power of two (bytes), so a resumed run under a slightly different budget picks the
     same one. Without a budget, ``cap``. A budget too small even for the floor is not
-    this function's to refuse (:func:`~exportlm.stream._checks.check_fits` does).
+    this function's to refuse (:func:`~exportlm.export.hf_checkpoint.stream._checks.check_fits` does).
     """
     if budget is None:
         return cap

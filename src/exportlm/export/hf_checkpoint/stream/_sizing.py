@@ -1,9 +1,9 @@
 """The streamed export's memory bound, its output shard sized to the budget.
 
 :func:`bound_of` states what one streamed export should peak at, term by term
-(:class:`~exportlm.stream._memory.MemoryBound`); :func:`fit_bound` first picks the
+(:class:`~exportlm.export.hf_checkpoint.stream._memory.MemoryBound`); :func:`fit_bound` first picks the
 largest output shard that fits the budget beside one layer
-(:func:`~exportlm.stream._budget.shard_size_within`) and says so when it is smaller
+(:func:`~exportlm.export.hf_checkpoint.stream._budget.shard_size_within`) and says so when it is smaller
 than ``max_shard_size``.
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 
 from exportlm.export.hf_checkpoint.sink import parse_size
-from exportlm.stream._budget import shard_size_within
-from exportlm.stream._memory import MemoryBound
-from exportlm.stream._source import CheckpointSource
+from exportlm.export.hf_checkpoint.stream._budget import shard_size_within
+from exportlm.export.hf_checkpoint.stream._memory import MemoryBound
+from exportlm.export.hf_checkpoint.stream._source import CheckpointSource
 
 __all__ = ["bound_of", "fit_bound"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("exportlm.stream")  # the documented logger of the streaming export
 
 
 def fit_bound(

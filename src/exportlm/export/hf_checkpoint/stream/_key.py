@@ -6,7 +6,7 @@ key has two parts:
 * ``options``: a sha256 over the exportlm version, the recipe, the calibration mode and
   batches (dtype, shape and bytes), the target's options, and the names and sizes of the
   model's files. Cheap; a run whose ``options`` differ never looks further;
-* ``sources``: the digest (:func:`~exportlm.stream._digest.file_digest`) of every file of
+* ``sources``: the digest (:func:`~exportlm.export.hf_checkpoint.stream._digest.file_digest`) of every file of
   the model directory the export reads (``config.json``, ``generation_config.json``, the
   index and every shard), not their sizes or mtimes: a model replaced by another with the
   same sizes and mtimes has other digests.
@@ -31,7 +31,7 @@ import torch
 
 from exportlm._version import __version__
 from exportlm.errors import ExportLMError, MalformedCheckpointError
-from exportlm.stream._digest import file_digest
+from exportlm.export.hf_checkpoint.stream._digest import file_digest
 
 __all__ = ["ResumeKey", "SourceDigests", "resume_key"]
 

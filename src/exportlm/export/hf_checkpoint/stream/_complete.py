@@ -15,7 +15,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from exportlm.errors import StreamIntegrityError
-from exportlm.stream._source import CheckpointSource
+from exportlm.export.hf_checkpoint.stream._source import CheckpointSource
 
 __all__ = ["check_complete"]
 

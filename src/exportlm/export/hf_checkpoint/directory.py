@@ -1,0 +1,175 @@
+"""A local model directory as the ``hf_checkpoint`` target's source: streamed, or loaded whole.
+
+``export_model("hf_checkpoint", DIR, out, recipe=..., stream="auto", max_memory=...)``
+quantizes and exports the model saved in ``DIR``. :class:`DirectorySource` holds how
+(the *source options*, which the manifest does not record: they say how the weights
+were read, not what the checkpoint is). ``stream="auto"`` streams when an in-memory
+export would not fit the memory bound (:func:`~.stream._budget.should_stream`); the
+stream (:func:`~.stream._pipeline.stream_checkpoint`) reads one decoder layer at a
+time, the in-memory source loads the model whole (as ``exportlm export --model DIR``
+does), quantizes it and writes it as any model in memory. Both publish
+through the export job with the one shard writer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from exportlm.atomic import check_output_path
+from exportlm.errors import InvalidConfigError, InvalidInputError, OutputExistsError
+from exportlm.export.hf_checkpoint._write import CheckpointOptions, export_in_memory
+from exportlm.export.job import ExportRequest
+
+__all__ = [
+    "SOURCE_OPTIONS",
+    "DirectorySource",
+    "export_directory",
+    "is_model_directory",
+    "without_source_options",
+]
+
+#: The options that say how a model directory is read; never recorded in the manifest.
+SOURCE_OPTIONS = ("stream", "max_memory", "recipe", "calibration", "calibration_inputs")
+_STREAM_VALUES = (True, False, "auto")
+_INPUTS = ("quantized", "float")
+
+
+def is_model_directory(model: Any) -> bool:
+    """Whether ``model`` names a directory (a path, not a model object)."""
+    return isinstance(model, (str, os.PathLike)) and Path(model).is_dir()
+
+
+def without_source_options(request: ExportRequest) -> ExportRequest:
+    """``request`` recording the checkpoint's options only (see the module docstring)."""
+    if request.recorded is None or not set(SOURCE_OPTIONS) & set(request.recorded):
+        return request
+    kept = {k: v for k, v in request.recorded.items() if k not in SOURCE_OPTIONS}
+    return dataclasses.replace(request, recorded=kept)
+
+
+@dataclass(frozen=True)
+class DirectorySource:
+    """How a model directory is read and quantized (the target's source options)."""
+
+    stream: bool | Literal["auto"] = "auto"
+    max_memory: int | str | None = None
+    recipe: Any = None
+    calibration: Sequence[torch.Tensor] | None = None
+    calibration_inputs: str = "quantized"
+
+    def __post_init__(self) -> None:
+        if self.stream not in _STREAM_VALUES:
+            raise InvalidInputError(f"stream must be True, False or 'auto', got {self.stream!r}")
+        if self.calibration_inputs not in _INPUTS:
+            raise InvalidInputError(
+                f"calibration_inputs must be 'quantized' or 'float', got {self.calibration_inputs!r}"
+            )
+
+    def streams(self, directory: Path) -> bool:
+        """Whether ``directory`` is read layer by layer."""
+        if self.stream != "auto":
+            return bool(self.stream)
+        from exportlm.export.hf_checkpoint.stream._budget import parse_memory, should_stream
+
+        if self.max_memory is not None:
+            parse_memory(self.max_memory)  # a malformed budget is an error either way
+        return should_stream(directory, self.max_memory)
+
+    def refuse_for_model(self) -> None:
+        """A model in memory takes none of the source options (it is written as it is)."""
+        given = [name for name, value in self._given().items() if value]
+        if given:
+            raise InvalidInputError(
+                f"{', '.join(given)}: only a model directory takes these (it is read, "
+                "quantized and, when it does not fit memory, streamed here); a model in "
+                "memory is written as it is: quantize it with exportlm.quant.quantize "
+                "first, or pass the path of its directory"
+            )
+
+    def _given(self) -> dict[str, bool]:
+        return {
+            "stream=True": self.stream is True,
+            "max_memory": self.max_memory is not None,
+            "recipe": self.recipe is not None,
+            "calibration": self.calibration is not None,
+            "calibration_inputs": self.calibration_inputs != "quantized",
+        }
+
+
+def export_directory(
+    request: ExportRequest,
+    source: DirectorySource,
+    options: CheckpointOptions,
+    *,
+    given_dtype: Any,
+    tokenizer: Mapping[str, bytes] | None,
+) -> Path:
+    """Export the model directory ``request.model`` (see the module docstring).
+
+    ``tokenizer``: the tokenizer files given, else (``None``) the directory's own.
+    """
+    from exportlm.hfdir import tokenizer_files
+
+    directory, out = Path(request.model), request.output_path
+    check_output_path(out)
+    if not options.overwrite and out.is_dir() and any(out.iterdir()):  # before any weight is read
+        raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+    files = tokenizer if tokenizer is not None else tokenizer_files(directory)
+    options = dataclasses.replace(options, tokenizer_files=files)
+    if source.streams(directory):
+        from exportlm.export.hf_checkpoint.stream._pipeline import stream_checkpoint
+
+        if options.is_qlora:
+            raise InvalidInputError(
+                "is_qlora: a streamed export writes the directory's modules as they are "
+                "saved; export a model with LoRA adapters in memory (stream=False)"
+            )
+        return stream_checkpoint(request, source, options, given_dtype)
+    model = _loaded(directory, source, options.format)
+    request = dataclasses.replace(request, model=model, accepted=False)
+    return export_in_memory(request, options, _recorded(options, given_dtype))
+
+
+def _recorded(options: CheckpointOptions, given_dtype: Any) -> dict[str, Any]:
+    """The options a direct call records: those given that differ from the target's defaults."""
+    values = {"format": options.format, "max_shard_size": options.max_shard_size}
+    values |= {"dtype": given_dtype, "overwrite": options.overwrite}
+    defaults = {"format": "modelopt", "max_shard_size": "5GB", "dtype": None, "overwrite": False}
+    return {k: v for k, v in values.items() if v != defaults[k]}
+
+
+def _loaded(directory: Path, source: DirectorySource, format: str) -> Any:
+    """The directory's model in memory (as saved, eager attention, eval), quantized by
+    ``source.recipe`` (as ``exportlm export --model DIR`` loads it)."""
+    from transformers import AutoModelForCausalLM
+
+    from exportlm.hfdir import vet_model_directory
+    from exportlm.quant import QuantRecipe, quantize
+
+    vet_model_directory(directory)  # no code of its own, shards confined, before transformers
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, local_files_only=True, trust_remote_code=False, attn_implementation="eager"
+        ).eval()
+    except (OSError, ValueError, KeyError) as err:
+        raise InvalidConfigError(
+            f"{directory}: transformers cannot load a causal LM from this directory: {err}"
+        ) from err
+    if source.recipe is None:
+        return model
+    plan = QuantRecipe.parse(source.recipe).for_layout(format)
+    batches = source.calibration
+
+    def calibrate(module: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for ids in batches or ():
+                module(ids)
+
+    return quantize(model, plan, calibrate if batches is not None else None)
