@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 from pytest_exportcheck.checks._spec_fields import (
     ARTIFACT_KINDS,
     CatalogueError,
+    check_fields,
     names,
     resolve,
     split_reference,
@@ -92,6 +93,10 @@ class CheckSpec:
         since: the catalogue version that added a built-in check; ``None`` for a
             check outside the catalogue (registered by a test suite or a plugin),
             planned under any pinned version.
+        value: a *value check*: it compares what an export produced (logits through
+            the runtime, written tensors and configs, goldens). A row whose value
+            checks all skipped is *unchecked*, not passed (``--export-strict``); a
+            plugin's own check declares ``value=True`` to count the same way.
     """
 
     id: str
@@ -107,6 +112,7 @@ class CheckSpec:
     artifacts: frozenset[str] = frozenset()
     devices: frozenset[str] = frozenset()
     models: frozenset[str] = frozenset()
+    value: bool = False
 
     def __post_init__(self) -> None:
         # Accept any iterable of names (a tuple in a declaration), store a frozenset.
@@ -117,33 +123,7 @@ class CheckSpec:
                 f"check {self.id!r}: artifacts {sorted(self.artifacts)} are not among "
                 f"{sorted(ARTIFACT_KINDS)}"
             )
-        if not self.id.isidentifier():
-            raise CatalogueError(
-                f"check id {self.id!r} is not a Python identifier; ids appear in item ids "
-                "and --export-checks, so use lowercase words joined by '_'"
-            )
-        if self.scope not in SCOPES:
-            raise CatalogueError(
-                f"check {self.id!r}: scope {self.scope!r} is not one of {list(SCOPES)}"
-            )
-        if self.per_model and self.scope != "target":
-            raise CatalogueError(f"check {self.id!r}: per_model=True needs scope='target'")
-        if self.per_engine and not self.per_model:
-            raise CatalogueError(f"check {self.id!r}: per_engine=True needs per_model=True")
-        if self.per_device and self.scope != "exporter":
-            raise CatalogueError(
-                f"check {self.id!r}: per_device=True is for scope='exporter' "
-                "(target checks always run on every --export-device)"
-            )
-        if self.models and not self.per_model:
-            raise CatalogueError(f"check {self.id!r}: models=... needs per_model=True")
-        if (self.devices and self.scope != "exporter") or (
-            self.artifacts and self.scope != "target"
-        ):
-            raise CatalogueError(
-                f"check {self.id!r}: devices=... is for scope='exporter', artifacts=... for "
-                "scope='target' (a target declares its devices through the 'cuda' capability)"
-            )
+        check_fields(self, SCOPES)
         if isinstance(self.impl, str):
             split_reference(self.id, self.impl)
         elif not callable(self.impl):
@@ -201,6 +181,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_T}.roundtrip:roundtrip_logits",
         per_model=True,
         summary="The artifact, run in the target's own runtime, gives the eager model's logits.",
+        value=True,
     ),
     CheckSpec(
         "dynamic_shapes",
@@ -210,18 +191,21 @@ _DECLARED: tuple[CheckSpec, ...] = (
         needs=frozenset({"dynamic_shapes"}),
         summary="The same artifact runs at other batch sizes and sequence lengths than it "
         "was traced with.",
+        value=True,
     ),
     CheckSpec(
         "cache_wrapper",
         "target",
         f"{_T}.roundtrip:cache_wrapper",
         summary="A model returning ``(logits, kv_cache)`` exports as logits only.",
+        value=True,
     ),
     CheckSpec(
         "deterministic",
         "target",
         f"{_T}.roundtrip:deterministic",
         summary="Two exports of the same model give bit-identical runtime outputs.",
+        value=True,
     ),
     CheckSpec(
         "generation_parity",
@@ -231,6 +215,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         needs=frozenset({"kv_cache"}),
         summary="Greedy decoding through the artifact's KV cache gives the eager model's "
         "tokens and logits.",
+        value=True,
     ),
     CheckSpec(
         "atomic_failure",
@@ -257,6 +242,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_G}.roundtrip:roundtrip_generated",
         markers=_HYPOTHESIS,
         summary="Generated structures roundtrip through the target within its declared tolerance.",
+        value=True,
     ),
     CheckSpec(
         "checkpoint_names",
@@ -267,6 +253,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         artifacts=frozenset({"directory"}),
         summary="Names in a quantized checkpoint's configs are the names its tensors are "
         "saved under.",
+        value=True,
     ),
     CheckSpec(
         "loadable",
@@ -277,6 +264,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         artifacts=frozenset({"directory"}),
         summary="Quantized checkpoints (FP8 + FP8 KV, NVFP4, INT4 AWQ, INT8) pass every "
         "error-level rule of ``exportlm inspect``.",
+        value=True,
     ),
     CheckSpec(
         "roundtrip_quantized",
@@ -285,6 +273,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         needs=frozenset({"quantized"}),
         summary="A quantized model's artifact, in the target's runtime, gives the fake-quant "
         "model's logits.",
+        value=True,
     ),
     CheckSpec(
         "served",
@@ -295,6 +284,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         models=SERVED_FAMILIES,
         summary="The artifact, loaded by the real serving engines that take it, gives the eager "
         "tokens.",
+        value=True,
     ),
     # ------------------------------------------------------------------ module-exporter checks
     CheckSpec(
@@ -341,6 +331,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_E}.contract:export_contract",
         summary="Exports write only under the module's prefix, leave it unchanged, and emit "
         "sane tensors.",
+        value=True,
     ),
     CheckSpec(
         "moe_inputs",
@@ -348,6 +339,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_E}.layout:moe_inputs",
         summary="Experts of one block share ``input_scale``; gate and up of one expert share "
         "``weight_scale``.",
+        value=True,
     ),
     CheckSpec(
         "tied_weights",
@@ -355,6 +347,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_E}.layout:tied_weights",
         summary="Tied weights are written once, by name; no real weight is dropped; "
         "differing ties raise.",
+        value=True,
     ),
     CheckSpec(
         "quantized_generated",
@@ -362,6 +355,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_G}.quantized:quantized_generated",
         markers=_HYPOTHESIS,
         summary="Generated structures, quantized, are exported completely and exactly.",
+        value=True,
     ),
     CheckSpec(
         "golden_checkpoint",
@@ -369,6 +363,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_E}.golden:golden_checkpoint",
         summary="What the exporter writes for every golden case equals its golden, byte for byte.",
         per_device=True,
+        value=True,
     ),
     CheckSpec(
         "golden_calibration",
@@ -378,6 +373,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         "golden's within ``rtol=1e-4, atol=1e-12`` "
         "(``|obtained - golden| <= atol + rtol * |golden|``).",
         per_device=True,
+        value=True,
     ),
     CheckSpec(
         "fp8_gemm",
@@ -389,6 +385,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         "linears run through ``torch._scaled_mm`` match the fake-quant forward within "
         "``|gemm - fake_quant| <= 1e-3 * (|x_q| @ |w_q|^T) + 1e-6``.",
         per_device=True,
+        value=True,
     ),
 )
 

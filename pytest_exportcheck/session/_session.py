@@ -37,7 +37,7 @@ from pytest_exportcheck.plan._nodeids import ROOT, SuiteArgs
 from pytest_exportcheck.plan._xfails import load_xfails_file
 from pytest_exportcheck.run._hypothesis import register_profiles
 from pytest_exportcheck.session._catalogue import catalogue_lines, catalogue_record
-from pytest_exportcheck.session._coverage import declared_rows, planned_value_items
+from pytest_exportcheck.session._coverage import declared_rows, planned_value_items, value_checks
 from pytest_exportcheck.session._failure_files import keep_failure
 from pytest_exportcheck.session._float32 import Float32Precision
 from pytest_exportcheck.session._golden_setup import goldens_dir
@@ -102,15 +102,16 @@ class ExportCheckSession:
         # every check's value-check items per row, whatever narrowed this run (-k, -m,
         # --export-checks, node ids, --lf): a row missing some of them was narrowed
         every = planner.items(options.request(NameSelection(all=True)))
-        planned, declared = planned_value_items(every), declared_rows(self.discovery)
+        value = value_checks(CHECKS.values())  # each check says whether it is one
+        planned, declared = planned_value_items(every, value), declared_rows(self.discovery)
         # the (row, check) cells of the request that cannot apply: no items, listed with why
         inapplicable = [c.as_json() for c in planner.not_applicable(options.request())]
         #: strict, lockfile and shard: the coverage part of the verdict (:mod:`._verdict`).
         self.coverage = CoverageVerdict(
-            config.rootpath, options, self.specs, planned, declared, inapplicable
+            config.rootpath, options, self.specs, planned, declared, inapplicable, value
         )
         self.report = ReportBuilder(
-            planned, declared, self.coverage.judged_rows(), not_applicable=inapplicable
+            planned, declared, self.coverage.judged_rows(), inapplicable, value
         )
         if not _is_worker(config):
             self.coverage.load()  # a bad lockfile is a usage error before anything runs
