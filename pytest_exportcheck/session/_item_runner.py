@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from pytest_exportcheck._outcome import raise_outcome
 from pytest_exportcheck.checks import CheckResult
 from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.plan import CaseOptions, Discovery, case_options
@@ -109,22 +110,13 @@ class SuiteRunner:
 
 
 def _outcome(item: ExportCheckItem, result: CheckResult) -> None:
-    """Record ``result`` on the item; skip or fail the item as it says."""
+    """Record ``result`` on the item; skip or fail the item as it says (as the API does)."""
     item.result = {
         "status": result.status,
         "message": result.message,
         "details": jsonable(dict(result.details)),
     }
-    if result.status == "skip":
-        pytest.skip(result.message or f"check {item.spec.check!r} skipped without a reason")
-    if result.status == "fail":
-        failure = CheckFailed(result)
-        cause = result.exception
-        if cause is None:
-            raise failure
-        # Carry the traceback of what the code under test raised: a post-mortem
-        # debugger (--pdb) then starts in that frame, not in this one.
-        raise failure.with_traceback(cause.__traceback__) from cause
+    raise_outcome(result, item.spec.check, CheckFailed)
 
 
 def _xfail_reason(item: pytest.Item) -> str | None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from pytest_exportcheck._outcome import expected_failure, item_marks
 from pytest_exportcheck._warnings import ExportCheckWarning
 from pytest_exportcheck.checks import CHECKS
 from pytest_exportcheck.plan import (
@@ -167,18 +168,10 @@ class ExportCheckSession:
 
     def decorate(self, item: ExportCheckItem) -> None:
         """Mark an item: ``exportcheck``, its check's markers, warning filters, skip, xfail."""
-        spec = item.spec
-        item.add_marker(pytest.mark.exportcheck)
-        for name in sorted(spec.markers):
-            item.add_marker(name)
+        for mark in item_marks(item.spec, expected_failure(item.spec, self.xfails)):
+            item.add_marker(mark)  # as parametrize_with_checks marks its parameters
         for expected in EXPECTED_WARNINGS:
             item.add_marker(pytest.mark.filterwarnings(expected))
-        if spec.skip:
-            item.add_marker(pytest.mark.skip(reason=spec.skip))
-        rules = self.xfails.match(spec.name, spec.check, spec.column)
-        if rules:
-            reason = "; ".join(f"{r.reason} [{r.source}]" for r in rules)
-            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
 
     @pytest.hookimpl(optionalhook=True, tryfirst=True)
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
