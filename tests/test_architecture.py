@@ -539,3 +539,23 @@ def test_no_side_table_keyed_by_a_target_or_check_name() -> None:
             if keyed or listed:
                 offenders.setdefault(where, []).append(f"line {node.lineno}: {found[:4]}")
     assert not offenders, f"side tables naming targets or checks: {offenders}"
+
+
+def test_the_plugin_declares_its_options_in_one_table() -> None:
+    """``addoption`` / ``addini`` are called in one place only: the loop over the option table
+    (``add_options``); every option, its help and its ini twin are rows of that table."""
+    calls: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "pytest_exportcheck").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("addoption", "addini")
+                ):
+                    calls.setdefault(fn.name, []).append(path.relative_to(ROOT).as_posix())
+    assert set(calls) == {"add_options"}, calls
+    assert {len(found) for found in calls.values()} == {2}  # one addoption, one addini
