@@ -559,3 +559,18 @@ def test_the_plugin_declares_its_options_in_one_table() -> None:
                     calls.setdefault(fn.name, []).append(path.relative_to(ROOT).as_posix())
     assert set(calls) == {"add_options"}, calls
     assert {len(found) for found in calls.values()} == {2}  # one addoption, one addini
+
+
+#: The concerns of the plugin's pytest layer, one folder each (docs/architecture.md).
+SESSION_CONCERNS = {"nodes", "options", "coverage", "reporting", "environment"}
+
+
+def test_the_session_room_is_grouped_by_concern() -> None:
+    """Only the session (its hooks) and its runner sit at the top of ``session/``; every
+    other module is in the folder of its concern, so the listing shows the concerns."""
+    room = ROOT / "pytest_exportcheck" / "session"
+    modules = {p.name for p in room.glob("*.py")}
+    folders = {p.name for p in room.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert modules == {"__init__.py", "_session.py", "_item_runner.py"}
+    assert folders == SESSION_CONCERNS
+    assert all((room / folder / "__init__.py").is_file() for folder in folders)

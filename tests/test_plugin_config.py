@@ -214,7 +214,7 @@ def test_a_report_in_a_directory_still_to_create_is_fine(pytester: pytest.Pytest
 def test_every_option_is_in_help_with_its_text_and_its_ini_twin(pytester: pytest.Pytester) -> None:
     """The options are declared once, in the option table, and registered from it in one
     loop: each shows in ``pytest --help`` with its help text, and its ini key with its own."""
-    from pytest_exportcheck.session._option_specs import _SPECS
+    from pytest_exportcheck.session.options._option_specs import _SPECS
 
     help_text = " ".join(pytester.runpytest("--help").stdout.str().split())
     assert len(_SPECS) >= 25

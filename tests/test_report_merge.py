@@ -208,7 +208,7 @@ def test_the_cli_refuses_unreadable_or_unmergeable_reports(
 
 def test_the_built_in_value_checks_are_documented_per_scope() -> None:
     from pytest_exportcheck.checks.catalogue import BUILTIN_CHECKS
-    from pytest_exportcheck.session._coverage import value_checks
+    from pytest_exportcheck.session.coverage._coverage import value_checks
 
     built_in = value_checks(BUILTIN_CHECKS)
     assert set(built_in) == {"target", "exporter"}
@@ -220,7 +220,7 @@ def test_the_built_in_value_checks_are_documented_per_scope() -> None:
 
 def test_a_run_whose_every_selected_cell_cannot_apply_says_so() -> None:
     """``--export-checks=generation_parity --export-targets=hf_checkpoint``: no item, and why."""
-    from pytest_exportcheck.session._report import ReportBuilder
+    from pytest_exportcheck.session.reporting._report import ReportBuilder
 
     lines = ReportBuilder(not_applicable=NOT_APPLICABLE[:1]).summary_lines(100)
     assert lines[:2] == ["check \\ target     lonely", "generation_parity       ·"]

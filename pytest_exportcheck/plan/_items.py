@@ -4,7 +4,7 @@
 registries, check specs, models, devices) to a list of :class:`ItemSpec` with
 string ids only (no reprs), so every xdist worker plans the same items in the
 same order. It imports nothing but the standard library: the pytest nodes built
-from the specs live in :mod:`pytest_exportcheck.session._nodes`, and the code that fills
+from the specs live in :mod:`pytest_exportcheck.session.nodes._nodes`, and the code that fills
 a :class:`Plan` from the registries in :mod:`pytest_exportcheck.plan._planner`.
 """
 

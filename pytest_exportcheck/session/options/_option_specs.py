@@ -1,6 +1,6 @@
 """Every ``--export-*`` option as data: flag, help, kind, metavar, default, ini key.
 
-:func:`pytest_exportcheck.session._options.add_options` registers each, with its ini twin
+:func:`pytest_exportcheck.session.options._options.add_options` registers each, with its ini twin
 (``--export-targets`` / ``export_targets``), in one loop over :data:`_SPECS`, and
 :class:`~._options.Options` (with :mod:`._coverage_options`) reads them back. No option
 is declared anywhere else. Imports nothing but the standard library.

@@ -19,13 +19,13 @@ import pytest
 from exportlm._matrix import Rows, coverage_of
 from pytest_exportcheck.plan import ItemSpec
 from pytest_exportcheck.plan._shard import in_shard
-from pytest_exportcheck.session._coverage import (
+from pytest_exportcheck.session.coverage._coverage import (
     ValueChecks,
     not_selected_lines,
     strict_lines,
     value_checks,
 )
-from pytest_exportcheck.session._lock import (
+from pytest_exportcheck.session.coverage._lock import (
     LOCK_FILE,
     Entries,
     LockError,
@@ -36,9 +36,9 @@ from pytest_exportcheck.session._lock import (
     updated,
     write_lock,
 )
-from pytest_exportcheck.session._nodes import ExportCheckItem
-from pytest_exportcheck.session._options import Options
-from pytest_exportcheck.session._report import ItemRecord
+from pytest_exportcheck.session.nodes._nodes import ExportCheckItem
+from pytest_exportcheck.session.options._options import Options
+from pytest_exportcheck.session.reporting._report import ItemRecord
 
 __all__ = ["CoverageVerdict"]
 

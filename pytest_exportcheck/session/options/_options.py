@@ -14,10 +14,10 @@ import pytest
 
 from pytest_exportcheck.plan._selection import DEVICES, NameSelection, PlanRequest
 from pytest_exportcheck.plan._shard import Shard
-from pytest_exportcheck.session._coverage_options import coverage_options
-from pytest_exportcheck.session._option_paths import check_kind, check_report_path
-from pytest_exportcheck.session._option_specs import _SPECS, _Spec
-from pytest_exportcheck.session._option_values import (
+from pytest_exportcheck.session.options._coverage_options import coverage_options
+from pytest_exportcheck.session.options._option_paths import check_kind, check_report_path
+from pytest_exportcheck.session.options._option_specs import _SPECS, _Spec
+from pytest_exportcheck.session.options._option_values import (
     UPDATE_SCOPES,
     parse_catalogue,
     parse_count,

@@ -36,7 +36,11 @@ from exportlm._matrix import (
 )
 from exportlm._report_html import report_badge, report_html
 from exportlm.atomic import write_text_atomic
-from pytest_exportcheck.session._coverage import ValueChecks, value_checks, value_checks_json
+from pytest_exportcheck.session.coverage._coverage import (
+    ValueChecks,
+    value_checks,
+    value_checks_json,
+)
 
 __all__ = [
     "OUTCOMES",

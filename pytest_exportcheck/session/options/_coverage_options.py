@@ -1,7 +1,7 @@
 """The coverage options read back: ``--export-strict``, ``--export-lock`` and ``--export-shard``.
 
-Declared in the one option table (:mod:`._option_specs`). Each has an ini key of the same name (``export_strict``, ``export_lock``,
-``export_shard``); the command line wins. ``--export-strict`` is on by default
+Declared in the one option table (:mod:`._option_specs`). Each has an ini key of the
+same name (``export_strict``, ``export_lock``, ``export_shard``); the command line wins. ``--export-strict`` is on by default
 when the environment variable ``CI`` is set (to anything but ``0`` / ``false``
 / ``no``). Imports only pytest and the plan package.
 """
