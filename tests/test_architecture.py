@@ -488,8 +488,6 @@ CHECK_ID_LISTS_ALLOWED = {
     # a family's failure declarations name the checks a failure defeats (data on the family)
     "src/exportlm/models/causes.py": "the checks a family's failure cause covers by default",
     "src/exportlm/models/registry.py": "the model-free checks a family's failures extend to",
-    # known, not yet moved onto CheckSpec (issue 40): the shard split's cost per check
-    "pytest_exportcheck/plan/_shard.py": "CHECK_COST, to become a CheckSpec field",
 }
 
 

@@ -41,6 +41,15 @@ def names(check_id: str, what: str, value: Iterable[str]) -> frozenset[str]:
 
 def check_fields(spec: Any, scopes: tuple[str, ...]) -> None:
     """Refuse a spec whose id, scope and scope-bound fields do not go together."""
+    if not spec.artifacts <= ARTIFACT_KINDS:
+        raise CatalogueError(
+            f"check {spec.id!r}: artifacts {sorted(spec.artifacts)} are not among "
+            f"{sorted(ARTIFACT_KINDS)}"
+        )
+    if not isinstance(spec.cost, int) or spec.cost < 1:
+        raise CatalogueError(
+            f"check {spec.id!r}: cost must be a whole number >= 1, not {spec.cost!r}"
+        )
     if not spec.id.isidentifier():
         raise CatalogueError(
             f"check id {spec.id!r} is not a Python identifier; ids appear in item ids "

@@ -1,8 +1,8 @@
 """The check catalogue: every built-in check, in documentation order, as plain data.
 
-This module is the one place where a check's id, scope, ``per_model``, needed
-capabilities and pytest markers are declared, and (from :mod:`.versions`) the
-catalogue version that added it. It imports neither torch nor Hypothesis (nor
+This module is the one place where a check's facts are declared (id, scope,
+``per_model``, needs, markers, whether it is a value check, its cost), and (from
+:mod:`.versions`) the catalogue version that added it. It imports neither torch nor Hypothesis (nor
 anything else of the package but that data), so the planner can read it
 without loading an implementation: each entry names its implementation as a
 ``"module:function"`` reference, imported the first time :attr:`CheckSpec.fn` is
@@ -14,10 +14,8 @@ matrix. An implementation module marks each function with
 ``@check("<id>")`` (:func:`pytest_exportcheck.checks.check`), which only checks
 that this catalogue points at it: the metadata is never repeated there.
 
-Checks that are not built in (a test suite's or, later, a third party's) are
-added to the live mapping :data:`pytest_exportcheck.checks.CHECKS` with
-:func:`pytest_exportcheck.checks.register_check` (or ``@check(id, scope=...)``),
-after the built-in ones.
+Checks that are not built in (a test suite's, a plugin's) are appended to the live
+mapping :data:`pytest_exportcheck.checks.CHECKS` with ``register_check`` or ``@check``.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 from pytest_exportcheck.checks._spec_fields import (
-    ARTIFACT_KINDS,
     CatalogueError,
     check_fields,
     names,
@@ -97,6 +94,8 @@ class CheckSpec:
             the runtime, written tensors and configs, goldens). A row whose value
             checks all skipped is *unchecked*, not passed (``--export-strict``); a
             plugin's own check declares ``value=True`` to count the same way.
+        cost: the relative cost of one item (Hypothesis-driven, decoding, several
+            exports: more than 1), which balances the ``--export-shard`` split.
     """
 
     id: str
@@ -113,16 +112,12 @@ class CheckSpec:
     devices: frozenset[str] = frozenset()
     models: frozenset[str] = frozenset()
     value: bool = False
+    cost: int = 1
 
     def __post_init__(self) -> None:
         # Accept any iterable of names (a tuple in a declaration), store a frozenset.
         for what in ("needs", "markers", "artifacts", "devices", "models"):
             object.__setattr__(self, what, names(self.id, what, getattr(self, what)))
-        if not self.artifacts <= ARTIFACT_KINDS:
-            raise CatalogueError(
-                f"check {self.id!r}: artifacts {sorted(self.artifacts)} are not among "
-                f"{sorted(ARTIFACT_KINDS)}"
-            )
         check_fields(self, SCOPES)
         if isinstance(self.impl, str):
             split_reference(self.id, self.impl)
@@ -206,6 +201,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_T}.roundtrip:deterministic",
         summary="Two exports of the same model give bit-identical runtime outputs.",
         value=True,
+        cost=2,
     ),
     CheckSpec(
         "generation_parity",
@@ -216,6 +212,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         summary="Greedy decoding through the artifact's KV cache gives the eager model's "
         "tokens and logits.",
         value=True,
+        cost=3,
     ),
     CheckSpec(
         "atomic_failure",
@@ -243,6 +240,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         markers=_HYPOTHESIS,
         summary="Generated structures roundtrip through the target within its declared tolerance.",
         value=True,
+        cost=10,
     ),
     CheckSpec(
         "checkpoint_names",
@@ -265,6 +263,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         summary="Quantized checkpoints (FP8 + FP8 KV, NVFP4, INT4 AWQ, INT8) pass every "
         "error-level rule of ``exportlm inspect``.",
         value=True,
+        cost=3,
     ),
     CheckSpec(
         "roundtrip_quantized",
@@ -274,6 +273,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         summary="A quantized model's artifact, in the target's runtime, gives the fake-quant "
         "model's logits.",
         value=True,
+        cost=4,
     ),
     CheckSpec(
         "served",
@@ -356,6 +356,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         markers=_HYPOTHESIS,
         summary="Generated structures, quantized, are exported completely and exactly.",
         value=True,
+        cost=10,
     ),
     CheckSpec(
         "golden_checkpoint",
@@ -364,6 +365,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         summary="What the exporter writes for every golden case equals its golden, byte for byte.",
         per_device=True,
         value=True,
+        cost=3,
     ),
     CheckSpec(
         "golden_calibration",
@@ -374,6 +376,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         "(``|obtained - golden| <= atol + rtol * |golden|``).",
         per_device=True,
         value=True,
+        cost=3,
     ),
     CheckSpec(
         "fp8_gemm",
