@@ -237,3 +237,14 @@ def test_a_bare_optional_flag_and_its_negation_set_the_same_option(
     assert config.getoption("export_update_goldens") == "own"
     assert config.getoption("export_strict") == "off"
     assert pytester.parseconfig("--export-strict").getoption("export_strict") == "on"
+
+
+def test_the_option_table_names_the_values_its_readers_accept() -> None:
+    from pytest_exportcheck.session.options._coverage_options import LOCK_MODES
+    from pytest_exportcheck.session.options._option_specs import _SPECS
+    from pytest_exportcheck.session.options._option_values import UPDATE_SCOPES
+
+    specs = {spec.flag: spec for spec in _SPECS}
+    assert specs["--export-lock"].metavar == "|".join(LOCK_MODES)
+    assert specs["--export-update-goldens"].metavar == "|".join(UPDATE_SCOPES)
+    assert specs["--export-update-goldens"].const == UPDATE_SCOPES[0]
