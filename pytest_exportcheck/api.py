@@ -24,6 +24,7 @@ a decorator is built or a check runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from pytest_exportcheck._outcome import expected_failure, item_marks, raise_outcome
 
 if TYPE_CHECKING:
     from pytest_exportcheck.checks import CheckResult
@@ -122,10 +125,7 @@ class ExportCheck:
         """
         __tracebackhide__ = True
         result = self.result(workdir)
-        if result.status == "skip":
-            pytest.skip(result.message or f"check {self.item.check!r} skipped without a reason")
-        if result.status == "fail":
-            raise CheckFailedError(self.name, result) from result.exception
+        raise_outcome(result, self.item.check, functools.partial(CheckFailedError, self.name))
         return result
 
     def __call__(self, workdir: str | Path | None = None) -> CheckResult:
@@ -192,18 +192,10 @@ def parametrize_with_checks(
     book = expected_failures(planner, selection, expected_failed_checks)
     params = []
     for item in plan(selection.plan):
-        rules = book.match(item.name, item.check, item.column)
-        reason = "; ".join(f"{r.reason} [{r.source}]" for r in rules) or None
+        reason = expected_failure(item, book)
         models = () if selection.models.all else selection.plan.models
         check = ExportCheck(item, seed, models, _path(goldens_dir), reason)
-        marks = [pytest.mark.exportcheck]
-        spec = CHECKS.get(item.check)
-        marks += [getattr(pytest.mark, m) for m in sorted(getattr(spec, "markers", ()))]
-        if item.skip:
-            marks.append(pytest.mark.skip(reason=item.skip))
-        if reason is not None:
-            marks.append(pytest.mark.xfail(reason=reason, strict=True))
-        params.append(pytest.param(check, id=check.id, marks=marks))
+        params.append(pytest.param(check, id=check.id, marks=item_marks(item, reason)))
     return pytest.mark.parametrize("check", params)
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from pytest_exportcheck.plan._nodeids import split_suite_args
-from pytest_exportcheck.session._markers import MARKERS, register_marker
-from pytest_exportcheck.session._options import Options, add_options
+from pytest_exportcheck.session.nodes._markers import MARKERS, register_marker
+from pytest_exportcheck.session.options._options import Options, add_options
 
 __all__ = ["SESSION_PLUGIN", "pytest_addhooks", "pytest_addoption", "pytest_configure"]
 
@@ -43,12 +43,12 @@ def pytest_configure(config: pytest.Config) -> None:
     options = Options.from_config(config)
     suite_args, other_args = split_suite_args(config.args, config.invocation_params.dir)
     if not (options.active or suite_args):
-        from pytest_exportcheck.session._rerun import last_failed_suite_args
+        from pytest_exportcheck.session.nodes._rerun import last_failed_suite_args
 
         suite_args = last_failed_suite_args(config)  # a bare --lf after a failed suite run
         if not suite_args:
             return
-    from pytest_exportcheck.session._requirements import require_suite_modules
+    from pytest_exportcheck.session.environment._requirements import require_suite_modules
 
     require_suite_modules()
     if suite_args:  # pytest collects the rest; the suite's node ids are ours

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,10 @@ def test_a_failure_raised_by_the_code_under_test_is_chained(raising_target: str)
     assert isinstance(info.value.__cause__, RuntimeError)
     assert info.value.result.status == "fail"
     assert check.result().status == "fail"  # the same, without raising
+    # as in the suite (one outcome function for both fronts), the failure carries the
+    # traceback of what the code under test raised: --pdb starts in the exporter's frame
+    frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(info.value.__traceback__)]
+    assert "export_raising" in frames
 
 
 def test_run_check_returns_the_result_and_writes_into_workdir(tmp_path: Path) -> None:

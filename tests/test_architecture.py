@@ -20,6 +20,7 @@ SIZE_WAIVER = "# size:"
 ALLOWED: dict[str, set[str]] = {
     "exportlm.errors": set(),
     "exportlm._version": set(),
+    "exportlm._libraries": set(),  # the libraries whose versions matter: stdlib only
     "exportlm.atomic": {"exportlm.errors"},
     "exportlm.registry": {"exportlm.errors"},
     "exportlm.inputs": {"exportlm.errors"},
@@ -48,6 +49,7 @@ ALLOWED: dict[str, set[str]] = {
     "exportlm.module_exporters": {"exportlm.errors", "exportlm.registry", "exportlm.quant"},
     "exportlm.modules": {"exportlm.module_exporters"},  # deprecated alias, removed in 0.3
     "exportlm.export": {
+        "exportlm._libraries",  # the versions a manifest records
         "exportlm._version",  # __version__ for the producer field of checkpoint configs
         "exportlm.atomic",
         "exportlm.errors",
@@ -741,3 +743,97 @@ def test_one_export_pipeline_for_hf_checkpoint() -> None:
         and {"add", "finish"} <= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
     ]
     assert writers == [f"{shards}:ShardedSafetensorsWriter"]
+
+
+#: Files that may name two or more built-in check ids in one literal, each with why.
+CHECK_ID_LISTS_ALLOWED = {
+    # the catalogue is where checks are declared; versions.py its dated history
+    "pytest_exportcheck/checks/catalogue.py": "the records themselves",
+    "pytest_exportcheck/checks/versions.py": "the catalogue's history: which version added which",
+    # a family's failure declarations name the checks a failure defeats (data on the family)
+    "src/exportlm/models/causes.py": "the checks a family's failure cause covers by default",
+    "src/exportlm/models/registry.py": "the model-free checks a family's failures extend to",
+}
+
+
+def _literal_names(node: ast.AST) -> list[str]:
+    """The string constants a dict literal's keys, or a set / list / tuple literal, hold."""
+    if isinstance(node, ast.Dict):
+        items: list[ast.expr | None] = list(node.keys)
+    elif isinstance(node, (ast.Set, ast.List, ast.Tuple)):
+        items = list(node.elts)
+    else:
+        return []
+    return [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+
+
+def _is_all(tree: ast.AST) -> set[int]:
+    """Ids of the ``__all__ = [...]`` literals (a module's exported names are no table)."""
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+    }
+
+
+def test_no_side_table_keyed_by_a_target_or_check_name() -> None:
+    """Facts of a target (its runtime library) and of a check (whether it is a value check)
+    live on its record, so a third party's counts the same: no literal lists two or more
+    built-in target names, or built-in check ids, outside the records (issue 40)."""
+    from exportlm.export.builtins import BUILTIN_TARGETS
+    from exportlm.export.declaration import declared_info
+    from pytest_exportcheck.checks.catalogue import BUILTIN_CHECKS
+
+    targets = {info.name for factory, _ in BUILTIN_TARGETS if (info := declared_info(factory))}
+    checks = {spec.id for spec in BUILTIN_CHECKS}
+    assert len(targets) == 4
+    offenders: dict[str, list[str]] = {}
+    for path in _python_files():
+        where = path.relative_to(ROOT).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        exported = _is_all(tree)
+        for node in ast.walk(tree):
+            if id(node) in exported:
+                continue
+            found = _literal_names(node)
+            keyed = isinstance(node, ast.Dict) and len(set(found) & targets) >= 2
+            listed = len(set(found) & checks) >= 2 and where not in CHECK_ID_LISTS_ALLOWED
+            if keyed or listed:
+                offenders.setdefault(where, []).append(f"line {node.lineno}: {found[:4]}")
+    assert not offenders, f"side tables naming targets or checks: {offenders}"
+
+
+def test_the_plugin_declares_its_options_in_one_table() -> None:
+    """``addoption`` / ``addini`` are called in one place only: the loop over the option table
+    (``add_options``); every option, its help and its ini twin are rows of that table."""
+    calls: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "pytest_exportcheck").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("addoption", "addini")
+                ):
+                    calls.setdefault(fn.name, []).append(path.relative_to(ROOT).as_posix())
+    assert set(calls) == {"add_options"}, calls
+    assert {len(found) for found in calls.values()} == {2}  # one addoption, one addini
+
+
+#: The concerns of the plugin's pytest layer, one folder each (docs/architecture.md).
+SESSION_CONCERNS = {"nodes", "options", "coverage", "reporting", "environment"}
+
+
+def test_the_session_room_is_grouped_by_concern() -> None:
+    """Only the session (its hooks) and its runner sit at the top of ``session/``; every
+    other module is in the folder of its concern, so the listing shows the concerns."""
+    room = ROOT / "pytest_exportcheck" / "session"
+    modules = {p.name for p in room.glob("*.py")}
+    folders = {p.name for p in room.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert modules == {"__init__.py", "_session.py", "_item_runner.py"}
+    assert folders == SESSION_CONCERNS
+    assert all((room / folder / "__init__.py").is_file() for folder in folders)

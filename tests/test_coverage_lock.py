@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_exportcheck.session._lock import (
+from pytest_exportcheck.session.coverage._lock import (
     LockError,
     Planned,
     compare,

@@ -28,8 +28,8 @@ from safetensors.torch import load_file
 import exportlm
 import exportlm.export.guard
 import exportlm.export.manifest
+from exportlm import _libraries
 from exportlm.errors import ExportFailedError
-from exportlm.export import _manifest_data
 from exportlm.export.hf_checkpoint import _write as target_module  # the in-memory source
 from exportlm.export.hf_checkpoint import shards as sink_module  # the one shard writer
 from exportlm.export.hf_checkpoint.sink import ShardedSafetensorsWriter, write_safetensors
@@ -232,7 +232,7 @@ def test_model_hash_is_the_same_on_any_number_of_threads() -> None:
 def test_a_manifest_reads_each_library_version_once_and_a_missing_one_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_manifest_data, "_VERSIONS", {})  # as in a fresh process
+    monkeypatch.setattr(_libraries, "_FOUND", {})  # as in a fresh process
     real = importlib.metadata.version
     reads: list[str] = []
 
@@ -245,7 +245,7 @@ def test_a_manifest_reads_each_library_version_once_and_a_missing_one_again(
     shim = types.SimpleNamespace(
         version=version, PackageNotFoundError=importlib.metadata.PackageNotFoundError
     )
-    monkeypatch.setattr(_manifest_data, "metadata", shim)  # the manifest's reads only
+    monkeypatch.setattr(_libraries, "metadata", shim)  # the versions manifests read
     model = tiny_hf_model("llama", num_hidden_layers=1)
     first = read_manifest(exportlm.export_model("hf_checkpoint", model, tmp_path / "a"))
     second = read_manifest(exportlm.export_model("hf_checkpoint", model, tmp_path / "b"))

@@ -26,7 +26,7 @@ import exportlm.models
 import exportlm.module_exporters  # noqa: F401
 import pytest_exportcheck.checks  # noqa: F401
 from pytest_exportcheck.checks import CatalogueError, CheckSpec
-from pytest_exportcheck.session._float32 import Float32Precision
+from pytest_exportcheck.session.environment._float32 import Float32Precision
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="these tests check the gating on a machine without CUDA"
@@ -216,7 +216,7 @@ def test_tf32_settings_made_with_torchs_new_api_are_restored_as_they_were() -> N
     code = textwrap.dedent(
         """
         import torch
-        from pytest_exportcheck.session._float32 import Float32Precision
+        from pytest_exportcheck.session.environment._float32 import Float32Precision
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         precision = Float32Precision(("cuda",), cuda_available=lambda: True)
         precision.start()

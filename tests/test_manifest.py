@@ -119,6 +119,45 @@ def test_a_third_party_target_without_atomic_output_gets_a_manifest(tmp_path: Pa
     assert list(manifest.files) == ["x.bin"]
 
 
+def test_a_third_party_target_records_the_runtime_library_it_declares(tmp_path: Path) -> None:
+    """The runtime library is a fact of the target's record: no table keyed by target name."""
+
+    @export_target("h40_bytes", runtime="torchscript", runtime_library="blake3")
+    def declared(model: nn.Module, output_path: Path) -> Path:
+        output_path.write_bytes(b"bytes")
+        return output_path
+
+    @export_target("h40_silent", runtime="torchscript")
+    def silent(model: nn.Module, output_path: Path) -> Path:
+        output_path.write_bytes(b"bytes")
+        return output_path
+
+    for name, factory in (("h40_bytes", declared), ("h40_silent", silent)):
+        EXPORT_REGISTRY.register(name, factory)
+    try:
+        stated = verify_artifact(export_model("h40_bytes", _model(), tmp_path / "a.bin"))
+        unstated = verify_artifact(export_model("h40_silent", _model(), tmp_path / "b.bin"))
+    finally:
+        for name in ("h40_bytes", "h40_silent"):
+            EXPORT_REGISTRY.unregister(name)
+    assert stated.versions["runtime:blake3"] == blake3.__version__
+    assert set(stated.versions) == {"exportlm", "torch", "transformers", "runtime:blake3"}
+    assert set(unstated.versions) == {"exportlm", "torch", "transformers"}
+
+
+@pytest.mark.parametrize(
+    ("target", "library"),
+    [("onnx", "onnxruntime"), ("torchscript", "torch"), ("hf_checkpoint", "safetensors")],
+)
+def test_a_built_in_target_records_its_runtime_library(
+    tmp_path: Path, target: str, library: str
+) -> None:
+    model = tiny_hf_model("llama", num_hidden_layers=1) if target == "hf_checkpoint" else _model()
+    options = {"method": "trace"} if target == "torchscript" else {}
+    manifest = verify_artifact(_export(target, model, tmp_path / f"m-{target}", **options))
+    assert manifest.versions[f"runtime:{library}"] is not None
+
+
 def test_the_manifest_names_the_one_artifact_it_vouches_for(tmp_path: Path) -> None:
     path = _export("torchscript", _model(), tmp_path / "m.pt")
     manifest = verify_artifact(path)

@@ -168,6 +168,23 @@ def test_no_match_is_none_and_explain_says_why() -> None:
     assert "predicate returned False" in str(hit2)
 
 
+def test_match_and_explain_are_the_same_walk_asking_each_predicate_once() -> None:
+    asked: list[str] = []
+    registry = ExportModuleRegistry()
+    registry.register(ExpA(), Base, predicate=lambda m: asked.append("a") is not None)
+    b = registry.register(ExpB(), Child)
+    module = Child()
+    assert registry.match(module) is b  # the type's walk is cached now
+    assert asked == ["a"]
+    why = registry.explain(module)
+    assert asked == ["a", "a"]
+    assert (why.exporter, why.index) == (b, 1)
+    assert len(why.rejected) == 1
+    assert why.rejected[0].endswith(": predicate returned False")
+    assert why.reason.startswith("Child matched entry 1 (")
+    assert why.reason.endswith(") by a key in its MRO")
+
+
 def test_type_cache_is_invalidated_on_register() -> None:
     registry = ExportModuleRegistry()
     a = registry.register(ExpA(), Base)

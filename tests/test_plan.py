@@ -9,7 +9,7 @@ family) and check what the one planner plans for the suite and for the API.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,17 @@ def test_planning_names_every_item_in_a_fixed_order() -> None:
         "logits[alpha-big-cpu]",
         "dynamic[alpha-big-cpu]",
     ]
+
+
+def test_an_item_carries_its_checks_cost_for_the_shard_split() -> None:
+    """The cost is a fact of the check's record (no table of costs keyed by check id)."""
+    checks = {**CHECKS, "logits": replace(CHECKS["logits"], cost=5)}
+    request = PlanRequest(NameSelection.of(["alpha"]), models=NameSelection.of(["big"]))
+    specs = {s.name: s for s in plan(Planner(DISCOVERY, checks).plan(request))}
+    assert specs["logits[alpha-big-cpu]"].cost == 5
+    assert specs["once[alpha-cpu]"].cost == 1
+    with pytest.raises(ValueError, match="cost must be a whole number >= 1"):
+        replace(CHECKS["logits"], cost=0)
 
 
 def test_variants_are_rows_and_a_capability_gap_is_no_item_but_a_cell_with_its_reason() -> None:

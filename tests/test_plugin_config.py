@@ -209,3 +209,42 @@ def test_a_report_in_a_directory_still_to_create_is_fine(pytester: pytest.Pytest
     result.assert_outcomes(passed=6)
     assert json.loads((pytester.path / "out" / "new" / "report.json").read_text())
     assert not [p for p in (pytester.path / "out" / "new").iterdir() if p.name != "report.json"]
+
+
+def test_every_option_is_in_help_with_its_text_and_its_ini_twin(pytester: pytest.Pytester) -> None:
+    """The options are declared once, in the option table, and registered from it in one
+    loop: each shows in ``pytest --help`` with its help text, and its ini key with its own."""
+    from pytest_exportcheck.session.options._option_specs import _SPECS
+
+    help_text = " ".join(pytester.runpytest("--help").stdout.str().split())
+    assert len(_SPECS) >= 25
+    for spec in _SPECS:
+        shown = spec.flag if spec.metavar is None else f"{spec.flag}={spec.metavar}"
+        if spec.kind == "optional":
+            shown = f"{spec.flag}=[{spec.metavar}]"
+        assert shown in help_text, spec.flag
+        assert " ".join(spec.help.split())[:60] in help_text, spec.flag
+        ini = spec.ini_key_args()
+        if ini is not None:
+            assert f"{ini['name']} ({ini['type']}):" in help_text
+            assert ini["help"] in help_text
+
+
+def test_a_bare_optional_flag_and_its_negation_set_the_same_option(
+    pytester: pytest.Pytester,
+) -> None:
+    config = pytester.parseconfig("--export-update-goldens", "--no-export-strict")
+    assert config.getoption("export_update_goldens") == "own"
+    assert config.getoption("export_strict") == "off"
+    assert pytester.parseconfig("--export-strict").getoption("export_strict") == "on"
+
+
+def test_the_option_table_names_the_values_its_readers_accept() -> None:
+    from pytest_exportcheck.session.options._coverage_options import LOCK_MODES
+    from pytest_exportcheck.session.options._option_specs import _SPECS
+    from pytest_exportcheck.session.options._option_values import UPDATE_SCOPES
+
+    specs = {spec.flag: spec for spec in _SPECS}
+    assert specs["--export-lock"].metavar == "|".join(LOCK_MODES)
+    assert specs["--export-update-goldens"].metavar == "|".join(UPDATE_SCOPES)
+    assert specs["--export-update-goldens"].const == UPDATE_SCOPES[0]

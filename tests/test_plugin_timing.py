@@ -19,7 +19,7 @@ import pytest
 from exportlm.errors import ExportFailedError
 from pytest_exportcheck.checks._services import CheckServices, ItemProfile
 from pytest_exportcheck.run._failure_memo import ExportFailureMemo, RememberedExportFailure
-from pytest_exportcheck.session._report import ItemRecord, ReportBuilder
+from pytest_exportcheck.session.reporting._report import ItemRecord, ReportBuilder
 
 COUNTING_FAMILY = '''
 import gc

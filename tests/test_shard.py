@@ -6,8 +6,9 @@ import random
 
 import pytest
 
+from pytest_exportcheck.checks import CHECKS
 from pytest_exportcheck.plan import ItemSpec
-from pytest_exportcheck.plan._shard import CHECK_COST, Shard, assign, group_of, in_shard
+from pytest_exportcheck.plan._shard import Shard, assign, group_of, in_shard
 
 TARGETS = ("onnx", "torch_export", "torchscript:script", "torchscript:trace")
 MODELS = ("llama", "mixtral", "qwen2", "gpt_oss", "dbrx")
@@ -18,17 +19,29 @@ def _specs() -> list[ItemSpec]:
     for column in TARGETS:
         target = column.split(":")[0]
         for check in ("registered", "deterministic", "roundtrip_generated"):
-            specs.append(ItemSpec(check, "target", column, (column, "cpu"), target=target))
+            cost = CHECKS[check].cost
+            specs.append(
+                ItemSpec(check, "target", column, (column, "cpu"), target=target, cost=cost)
+            )
         for model in MODELS:
             for check in ("roundtrip_logits", "dynamic_shapes", "generation_parity"):
                 specs.append(
                     ItemSpec(
-                        check, "target", column, (column, model, "cpu"), target=target, model=model
+                        check,
+                        "target",
+                        column,
+                        (column, model, "cpu"),
+                        target=target,
+                        model=model,
+                        cost=CHECKS[check].cost,
                     )
                 )
     for exporter in ("fp8", "nvfp4", "int4_awq"):
         for check in ("mro_match", "golden_checkpoint", "quantized_generated"):
-            specs.append(ItemSpec(check, "exporter", exporter, (exporter,), exporter=exporter))
+            cost = CHECKS[check].cost
+            specs.append(
+                ItemSpec(check, "exporter", exporter, (exporter,), exporter=exporter, cost=cost)
+            )
     return specs
 
 
@@ -78,14 +91,14 @@ def test_the_shards_are_balanced_by_the_static_weight() -> None:
     specs = _specs()
     weight = {g: 0 for g in assign(specs, 1)}
     for spec in specs:
-        weight[group_of(spec)] += CHECK_COST.get(spec.check, 1)
+        weight[group_of(spec)] += spec.cost
     groups = assign(specs, 2)
     loads = [sum(w for g, w in weight.items() if groups[g] == k) for k in (1, 2)]
     assert abs(loads[0] - loads[1]) <= max(weight.values())
 
 
 def test_an_item_skipped_at_collection_weighs_nothing() -> None:
-    heavy = ItemSpec("roundtrip_generated", "target", "a", ("a", "cpu"), target="a")
+    heavy = ItemSpec("roundtrip_generated", "target", "a", ("a", "cpu"), target="a", cost=10)
     skipped = [
         ItemSpec("roundtrip_generated", "target", "b", ("b", "cpu"), target="b", skip="gap"),
         ItemSpec("roundtrip_generated", "target", "c", ("c", "cpu"), target="c", skip="gap"),

@@ -8,7 +8,7 @@ import pytest
 
 from pytest_exportcheck.plan import ItemSpec
 from pytest_exportcheck.plan._nodeids import item_nodeid
-from pytest_exportcheck.session._xdist import EXPORTER_UNIT, artifact_scheduler, work_units
+from pytest_exportcheck.session.nodes._xdist import EXPORTER_UNIT, artifact_scheduler, work_units
 
 
 def _target(check: str, column: str, model: str | None, device: str = "cpu") -> ItemSpec:

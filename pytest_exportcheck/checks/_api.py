@@ -203,6 +203,7 @@ def check(
     per_model: bool = False,
     needs: tuple[str, ...] = (),
     markers: tuple[str, ...] = (),
+    value: bool = False,
 ) -> Callable[[CheckFn], CheckFn]:
     """Mark a function as the implementation of check ``id``; returns it unchanged.
 
@@ -210,9 +211,10 @@ def check(
     (:mod:`pytest_exportcheck.checks.catalogue`): give nothing but the id, and the
     decorator verifies that the catalogue's reference names this function. For
     any other id, give the metadata: the function is registered with
-    :func:`register_check` (its docstring's first paragraph is the summary).
+    :func:`register_check` (its docstring's first paragraph is the summary);
+    ``value=True`` makes it a value check (:attr:`CheckSpec.value`).
     """
-    metadata = scope is not None or per_model or bool(needs) or bool(markers)
+    metadata = scope is not None or per_model or bool(needs) or bool(markers) or value
 
     def decorate(fn: CheckFn) -> CheckFn:
         reference = f"{fn.__module__}:{fn.__qualname__}"
@@ -221,7 +223,7 @@ def check(
             if metadata:
                 raise CatalogueError(
                     f"@check({id!r}, ...) on {reference}: {id!r} is a built-in check, whose "
-                    "scope, per_model, needs and markers are declared in "
+                    "scope, per_model, needs, markers and value are declared in "
                     "pytest_exportcheck/checks/catalogue.py only; write @check({id!r})"
                 )
             if spec.impl != reference:
@@ -244,6 +246,7 @@ def check(
                 needs=frozenset(needs),
                 markers=frozenset(markers),
                 summary=_first_paragraph(fn.__doc__),
+                value=value,
             )
         )
         return fn

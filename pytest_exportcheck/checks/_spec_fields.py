@@ -13,7 +13,14 @@ import importlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["ARTIFACT_KINDS", "CatalogueError", "names", "resolve", "split_reference"]
+__all__ = [
+    "ARTIFACT_KINDS",
+    "CatalogueError",
+    "check_fields",
+    "names",
+    "resolve",
+    "split_reference",
+]
 
 #: The artifact kinds a check may declare it reads (``TargetInfo.artifact``).
 ARTIFACT_KINDS = frozenset({"file", "directory"})
@@ -30,6 +37,44 @@ def names(check_id: str, what: str, value: Iterable[str]) -> frozenset[str]:
             f"check {check_id!r}: {what} must be a collection of names, not the string {value!r}"
         )
     return frozenset(value)
+
+
+def check_fields(spec: Any, scopes: tuple[str, ...]) -> None:
+    """Refuse a spec whose id, scope and scope-bound fields do not go together."""
+    if not spec.artifacts <= ARTIFACT_KINDS:
+        raise CatalogueError(
+            f"check {spec.id!r}: artifacts {sorted(spec.artifacts)} are not among "
+            f"{sorted(ARTIFACT_KINDS)}"
+        )
+    if not isinstance(spec.cost, int) or spec.cost < 1:
+        raise CatalogueError(
+            f"check {spec.id!r}: cost must be a whole number >= 1, not {spec.cost!r}"
+        )
+    if not spec.id.isidentifier():
+        raise CatalogueError(
+            f"check id {spec.id!r} is not a Python identifier; ids appear in item ids "
+            "and --export-checks, so use lowercase words joined by '_'"
+        )
+    if spec.scope not in scopes:
+        raise CatalogueError(
+            f"check {spec.id!r}: scope {spec.scope!r} is not one of {list(scopes)}"
+        )
+    if spec.per_model and spec.scope != "target":
+        raise CatalogueError(f"check {spec.id!r}: per_model=True needs scope='target'")
+    if spec.per_engine and not spec.per_model:
+        raise CatalogueError(f"check {spec.id!r}: per_engine=True needs per_model=True")
+    if spec.per_device and spec.scope != "exporter":
+        raise CatalogueError(
+            f"check {spec.id!r}: per_device=True is for scope='exporter' "
+            "(target checks always run on every --export-device)"
+        )
+    if spec.models and not spec.per_model:
+        raise CatalogueError(f"check {spec.id!r}: models=... needs per_model=True")
+    if (spec.devices and spec.scope != "exporter") or (spec.artifacts and spec.scope != "target"):
+        raise CatalogueError(
+            f"check {spec.id!r}: devices=... is for scope='exporter', artifacts=... for "
+            "scope='target' (a target declares its devices through the 'cuda' capability)"
+        )
 
 
 def split_reference(check_id: str, reference: str) -> tuple[str, str]:

@@ -1,8 +1,8 @@
 """The check catalogue: every built-in check, in documentation order, as plain data.
 
-This module is the one place where a check's id, scope, ``per_model``, needed
-capabilities and pytest markers are declared, and (from :mod:`.versions`) the
-catalogue version that added it. It imports neither torch nor Hypothesis (nor
+This module is the one place where a check's facts are declared (id, scope,
+``per_model``, needs, markers, whether it is a value check, its cost), and (from
+:mod:`.versions`) the catalogue version that added it. It imports neither torch nor Hypothesis (nor
 anything else of the package but that data), so the planner can read it
 without loading an implementation: each entry names its implementation as a
 ``"module:function"`` reference, imported the first time :attr:`CheckSpec.fn` is
@@ -14,10 +14,8 @@ matrix. An implementation module marks each function with
 ``@check("<id>")`` (:func:`pytest_exportcheck.checks.check`), which only checks
 that this catalogue points at it: the metadata is never repeated there.
 
-Checks that are not built in (a test suite's or, later, a third party's) are
-added to the live mapping :data:`pytest_exportcheck.checks.CHECKS` with
-:func:`pytest_exportcheck.checks.register_check` (or ``@check(id, scope=...)``),
-after the built-in ones.
+Checks that are not built in (a test suite's, a plugin's) are appended to the live
+mapping :data:`pytest_exportcheck.checks.CHECKS` with ``register_check`` or ``@check``.
 """
 
 from __future__ import annotations
@@ -27,8 +25,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 from pytest_exportcheck.checks._spec_fields import (
-    ARTIFACT_KINDS,
     CatalogueError,
+    check_fields,
     names,
     resolve,
     split_reference,
@@ -92,6 +90,12 @@ class CheckSpec:
         since: the catalogue version that added a built-in check; ``None`` for a
             check outside the catalogue (registered by a test suite or a plugin),
             planned under any pinned version.
+        value: a *value check*: it compares what an export produced (logits through
+            the runtime, written tensors and configs, goldens). A row whose value
+            checks all skipped is *unchecked*, not passed (``--export-strict``); a
+            plugin's own check declares ``value=True`` to count the same way.
+        cost: the relative cost of one item (Hypothesis-driven, decoding, several
+            exports: more than 1), which balances the ``--export-shard`` split.
     """
 
     id: str
@@ -107,43 +111,14 @@ class CheckSpec:
     artifacts: frozenset[str] = frozenset()
     devices: frozenset[str] = frozenset()
     models: frozenset[str] = frozenset()
+    value: bool = False
+    cost: int = 1
 
     def __post_init__(self) -> None:
         # Accept any iterable of names (a tuple in a declaration), store a frozenset.
         for what in ("needs", "markers", "artifacts", "devices", "models"):
             object.__setattr__(self, what, names(self.id, what, getattr(self, what)))
-        if not self.artifacts <= ARTIFACT_KINDS:
-            raise CatalogueError(
-                f"check {self.id!r}: artifacts {sorted(self.artifacts)} are not among "
-                f"{sorted(ARTIFACT_KINDS)}"
-            )
-        if not self.id.isidentifier():
-            raise CatalogueError(
-                f"check id {self.id!r} is not a Python identifier; ids appear in item ids "
-                "and --export-checks, so use lowercase words joined by '_'"
-            )
-        if self.scope not in SCOPES:
-            raise CatalogueError(
-                f"check {self.id!r}: scope {self.scope!r} is not one of {list(SCOPES)}"
-            )
-        if self.per_model and self.scope != "target":
-            raise CatalogueError(f"check {self.id!r}: per_model=True needs scope='target'")
-        if self.per_engine and not self.per_model:
-            raise CatalogueError(f"check {self.id!r}: per_engine=True needs per_model=True")
-        if self.per_device and self.scope != "exporter":
-            raise CatalogueError(
-                f"check {self.id!r}: per_device=True is for scope='exporter' "
-                "(target checks always run on every --export-device)"
-            )
-        if self.models and not self.per_model:
-            raise CatalogueError(f"check {self.id!r}: models=... needs per_model=True")
-        if (self.devices and self.scope != "exporter") or (
-            self.artifacts and self.scope != "target"
-        ):
-            raise CatalogueError(
-                f"check {self.id!r}: devices=... is for scope='exporter', artifacts=... for "
-                "scope='target' (a target declares its devices through the 'cuda' capability)"
-            )
+        check_fields(self, SCOPES)
         if isinstance(self.impl, str):
             split_reference(self.id, self.impl)
         elif not callable(self.impl):
@@ -201,6 +176,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_T}.roundtrip:roundtrip_logits",
         per_model=True,
         summary="The artifact, run in the target's own runtime, gives the eager model's logits.",
+        value=True,
     ),
     CheckSpec(
         "dynamic_shapes",
@@ -210,18 +186,22 @@ _DECLARED: tuple[CheckSpec, ...] = (
         needs=frozenset({"dynamic_shapes"}),
         summary="The same artifact runs at other batch sizes and sequence lengths than it "
         "was traced with.",
+        value=True,
     ),
     CheckSpec(
         "cache_wrapper",
         "target",
         f"{_T}.roundtrip:cache_wrapper",
         summary="A model returning ``(logits, kv_cache)`` exports as logits only.",
+        value=True,
     ),
     CheckSpec(
         "deterministic",
         "target",
         f"{_T}.roundtrip:deterministic",
         summary="Two exports of the same model give bit-identical runtime outputs.",
+        value=True,
+        cost=2,
     ),
     CheckSpec(
         "generation_parity",
@@ -231,6 +211,8 @@ _DECLARED: tuple[CheckSpec, ...] = (
         needs=frozenset({"kv_cache"}),
         summary="Greedy decoding through the artifact's KV cache gives the eager model's "
         "tokens and logits.",
+        value=True,
+        cost=3,
     ),
     CheckSpec(
         "atomic_failure",
@@ -257,6 +239,8 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_G}.roundtrip:roundtrip_generated",
         markers=_HYPOTHESIS,
         summary="Generated structures roundtrip through the target within its declared tolerance.",
+        value=True,
+        cost=10,
     ),
     CheckSpec(
         "checkpoint_names",
@@ -267,6 +251,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         artifacts=frozenset({"directory"}),
         summary="Names in a quantized checkpoint's configs are the names its tensors are "
         "saved under.",
+        value=True,
     ),
     CheckSpec(
         "loadable",
@@ -277,6 +262,8 @@ _DECLARED: tuple[CheckSpec, ...] = (
         artifacts=frozenset({"directory"}),
         summary="Quantized checkpoints (FP8 + FP8 KV, NVFP4, INT4 AWQ, INT8) pass every "
         "error-level rule of ``exportlm inspect``.",
+        value=True,
+        cost=3,
     ),
     CheckSpec(
         "roundtrip_quantized",
@@ -285,6 +272,8 @@ _DECLARED: tuple[CheckSpec, ...] = (
         needs=frozenset({"quantized"}),
         summary="A quantized model's artifact, in the target's runtime, gives the fake-quant "
         "model's logits.",
+        value=True,
+        cost=4,
     ),
     CheckSpec(
         "served",
@@ -295,6 +284,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         models=SERVED_FAMILIES,
         summary="The artifact, loaded by the real serving engines that take it, gives the eager "
         "tokens.",
+        value=True,
     ),
     # ------------------------------------------------------------------ module-exporter checks
     CheckSpec(
@@ -341,6 +331,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_E}.contract:export_contract",
         summary="Exports write only under the module's prefix, leave it unchanged, and emit "
         "sane tensors.",
+        value=True,
     ),
     CheckSpec(
         "moe_inputs",
@@ -348,6 +339,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_E}.layout:moe_inputs",
         summary="Experts of one block share ``input_scale``; gate and up of one expert share "
         "``weight_scale``.",
+        value=True,
     ),
     CheckSpec(
         "tied_weights",
@@ -355,6 +347,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_E}.layout:tied_weights",
         summary="Tied weights are written once, by name; no real weight is dropped; "
         "differing ties raise.",
+        value=True,
     ),
     CheckSpec(
         "quantized_generated",
@@ -362,6 +355,8 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_G}.quantized:quantized_generated",
         markers=_HYPOTHESIS,
         summary="Generated structures, quantized, are exported completely and exactly.",
+        value=True,
+        cost=10,
     ),
     CheckSpec(
         "golden_checkpoint",
@@ -369,6 +364,8 @@ _DECLARED: tuple[CheckSpec, ...] = (
         f"{_E}.golden:golden_checkpoint",
         summary="What the exporter writes for every golden case equals its golden, byte for byte.",
         per_device=True,
+        value=True,
+        cost=3,
     ),
     CheckSpec(
         "golden_calibration",
@@ -378,6 +375,8 @@ _DECLARED: tuple[CheckSpec, ...] = (
         "golden's within ``rtol=1e-4, atol=1e-12`` "
         "(``|obtained - golden| <= atol + rtol * |golden|``).",
         per_device=True,
+        value=True,
+        cost=3,
     ),
     CheckSpec(
         "fp8_gemm",
@@ -389,6 +388,7 @@ _DECLARED: tuple[CheckSpec, ...] = (
         "linears run through ``torch._scaled_mm`` match the fake-quant forward within "
         "``|gemm - fake_quant| <= 1e-3 * (|x_q| @ |w_q|^T) + 1e-6``.",
         per_device=True,
+        value=True,
     ),
 )
 

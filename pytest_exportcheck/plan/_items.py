@@ -4,7 +4,7 @@
 registries, check specs, models, devices) to a list of :class:`ItemSpec` with
 string ids only (no reprs), so every xdist worker plans the same items in the
 same order. It imports nothing but the standard library: the pytest nodes built
-from the specs live in :mod:`pytest_exportcheck.session._nodes`, and the code that fills
+from the specs live in :mod:`pytest_exportcheck.session.nodes._nodes`, and the code that fills
 a :class:`Plan` from the registries in :mod:`pytest_exportcheck.plan._planner`.
 """
 
@@ -56,6 +56,8 @@ class ItemSpec:
         failure: for ``plugin_loads``: the load error text, or ``None`` when it loaded.
         check_index: position of the check in the catalogue (matrix row order).
         markers: names of the pytest markers of the check (besides ``exportcheck``).
+        cost: the relative cost of the item, its check's (``CheckSpec.cost``): the
+            ``--export-shard`` split balances on it.
     """
 
     check: str
@@ -73,6 +75,7 @@ class ItemSpec:
     failure: str | None = None
     check_index: int = 0
     markers: frozenset[str] = frozenset()
+    cost: int = 1
 
     @property
     def name(self) -> str:
@@ -162,6 +165,10 @@ def _markers(spec: CheckSpec) -> frozenset[str]:
     return frozenset(getattr(spec, "markers", ()))
 
 
+def _cost(spec: CheckSpec) -> int:
+    return int(getattr(spec, "cost", 1))
+
+
 def _checks(p: Plan, scope: str) -> list[tuple[int, CheckSpec]]:
     """``(catalogue position, spec)`` of the plan's checks of ``scope``, but plugin_loads."""
     return [(i, s) for i, s in enumerate(p.checks) if s.scope == scope and s.id != PLUGIN_LOADS]
@@ -239,6 +246,7 @@ def _row_items(
                 skip=_NOT_APPLICABLE + gap if gap else _capability_gap(target, spec, device),
                 check_index=index,
                 markers=_markers(spec),
+                cost=_cost(spec),
             )
         )
     return items
@@ -291,6 +299,7 @@ def _exporter_items(exporter: ExporterPlan, p: Plan) -> list[ItemSpec]:
                         skip=_NOT_APPLICABLE + gap if gap and device not in runs else None,
                         check_index=index,
                         markers=_markers(spec),
+                        cost=_cost(spec),
                     )
                 )
     return items

@@ -4,35 +4,22 @@ Pure (standard library only). Items are split by *group*, never one by one: a
 target's items of one model family (its per-family checks share one exported
 artifact per family, so a group keeps its cache hits in one job), a target's
 items without a family, and each module exporter's items. Groups are balanced by
-a stable weight, the sum of a static cost per item (:data:`CHECK_COST`, 1 by
-default, 0 for an item skipped at collection), never by measured time, so every
+a stable weight, the sum of a static cost per item (its check's ``CheckSpec.cost``,
+carried as ``ItemSpec.cost``; 0 for an item skipped at collection), never by measured time, so every
 job (and every xdist worker of a job) computes the same split from the plan
 alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pytest_exportcheck.plan._items import ItemSpec
 
-__all__ = ["CHECK_COST", "Group", "Shard", "assign", "group_of", "in_shard"]
-
-#: Relative cost of an item of a check that is known to be slow (Hypothesis-driven,
-#: decoding, several exports); every other item costs 1.
-CHECK_COST: Mapping[str, int] = {
-    "roundtrip_generated": 10,
-    "quantized_generated": 10,
-    "generation_parity": 3,
-    "deterministic": 2,
-    "roundtrip_quantized": 4,
-    "loadable": 3,
-    "golden_checkpoint": 3,
-    "golden_calibration": 3,
-}
+__all__ = ["Group", "Shard", "assign", "group_of", "in_shard"]
 
 #: ``(scope, target or exporter, model family or "")``.
 Group = tuple[str, str, str]
@@ -71,7 +58,7 @@ def group_of(spec: ItemSpec) -> Group:
 
 
 def _cost(spec: ItemSpec) -> int:
-    return 0 if spec.skip else CHECK_COST.get(spec.check, 1)
+    return 0 if spec.skip else spec.cost
 
 
 def assign(specs: Iterable[ItemSpec], count: int) -> dict[Group, int]:

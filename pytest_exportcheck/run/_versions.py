@@ -25,6 +25,8 @@ import importlib.metadata
 import sys
 from functools import cache
 
+from exportlm._libraries import EXPORT_LIBRARIES
+
 __all__ = [
     "VERSIONED",
     "Versions",
@@ -34,8 +36,8 @@ __all__ = [
     "library_versions",
 ]
 
-#: The libraries every artifact depends on, whichever target exports.
-VERSIONED = ("exportlm", "torch", "transformers", "onnx", "onnxruntime", "onnxscript")
+#: The libraries every artifact depends on, whichever target exports (the library's one list).
+VERSIONED = EXPORT_LIBRARIES
 
 #: ``(distribution, version or None when not installed)``, in a stable order.
 Versions = tuple[tuple[str, str | None], ...]

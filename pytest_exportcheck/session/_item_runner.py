@@ -1,11 +1,11 @@
 """The suite's side of running an item: :func:`~pytest_exportcheck.run.run_item` as a pytest outcome.
 
-:class:`SuiteRunner` is what every :class:`~pytest_exportcheck.session._nodes.ExportCheckItem`
+:class:`SuiteRunner` is what every :class:`~pytest_exportcheck.session.nodes._nodes.ExportCheckItem`
 hands off to. It builds the process's :class:`~pytest_exportcheck.run.RunServices`
 (cached exports, the run's golden store, pytest's temporary directories), gives
 each item its typed :class:`~pytest_exportcheck.plan.CaseOptions`, records the
 item's result and time profile, and turns the result into pytest's outcome: a
-skip, or :class:`~pytest_exportcheck.session._nodes.CheckFailed` raised with the
+skip, or :class:`~pytest_exportcheck.session.nodes._nodes.CheckFailed` raised with the
 traceback of the exception the code under test raised (when the check caught
 one), so ``--pdb`` starts in the frame that raised.
 """
@@ -19,15 +19,16 @@ from typing import Any
 
 import pytest
 
+from pytest_exportcheck._outcome import raise_outcome
 from pytest_exportcheck.checks import CheckResult
 from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.plan import CaseOptions, Discovery, case_options
 from pytest_exportcheck.run import SEED, CachedExports, RunServices, build_toy_model, run_item
-from pytest_exportcheck.session._golden_setup import golden_store
-from pytest_exportcheck.session._nodes import CheckFailed, ExportCheckItem
-from pytest_exportcheck.session._options import Options
-from pytest_exportcheck.session._report import jsonable
-from pytest_exportcheck.session._scratch import Scratch
+from pytest_exportcheck.session.environment._golden_setup import golden_store
+from pytest_exportcheck.session.environment._scratch import Scratch
+from pytest_exportcheck.session.nodes._nodes import CheckFailed, ExportCheckItem
+from pytest_exportcheck.session.options._options import Options
+from pytest_exportcheck.session.reporting._report import jsonable
 
 __all__ = ["SuiteRunner"]
 
@@ -109,22 +110,13 @@ class SuiteRunner:
 
 
 def _outcome(item: ExportCheckItem, result: CheckResult) -> None:
-    """Record ``result`` on the item; skip or fail the item as it says."""
+    """Record ``result`` on the item; skip or fail the item as it says (as the API does)."""
     item.result = {
         "status": result.status,
         "message": result.message,
         "details": jsonable(dict(result.details)),
     }
-    if result.status == "skip":
-        pytest.skip(result.message or f"check {item.spec.check!r} skipped without a reason")
-    if result.status == "fail":
-        failure = CheckFailed(result)
-        cause = result.exception
-        if cause is None:
-            raise failure
-        # Carry the traceback of what the code under test raised: a post-mortem
-        # debugger (--pdb) then starts in that frame, not in this one.
-        raise failure.with_traceback(cause.__traceback__) from cause
+    raise_outcome(result, item.spec.check, CheckFailed)
 
 
 def _xfail_reason(item: pytest.Item) -> str | None:

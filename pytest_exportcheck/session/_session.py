@@ -5,9 +5,9 @@ suite is requested, and registered with ``config.pluginmanager`` the way
 pytest-xdist registers its session objects: each hook below is a method, so no
 module hook looks the state up. Everything here may import exportlm (and through
 it torch). It ties together the plan (:mod:`pytest_exportcheck.plan`: which items
-exist), the nodes (:mod:`._nodes`), the runner (:mod:`._item_runner`, on top of
-:func:`pytest_exportcheck.run.run_item`) and the reporting (:mod:`._report`,
-:mod:`._header`, :mod:`._junit`). Runs in every process: the xdist controller
+exist), the nodes (:mod:`.nodes._nodes`), the runner (:mod:`._item_runner`, on top of
+:func:`pytest_exportcheck.run.run_item`) and the reporting (:mod:`.reporting._report`,
+:mod:`.reporting._header`, :mod:`.reporting._junit`). Runs in every process: the xdist controller
 uses it for the header, the warnings about unmatched expected failures, the
 matrix and the reports; workers (and a run without xdist) collect and run the
 items.
@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from pytest_exportcheck._outcome import expected_failure, item_marks
 from pytest_exportcheck._warnings import ExportCheckWarning
 from pytest_exportcheck.checks import CHECKS
 from pytest_exportcheck.plan import (
@@ -36,32 +37,36 @@ from pytest_exportcheck.plan import (
 from pytest_exportcheck.plan._nodeids import ROOT, SuiteArgs
 from pytest_exportcheck.plan._xfails import load_xfails_file
 from pytest_exportcheck.run._hypothesis import register_profiles
-from pytest_exportcheck.session._catalogue import catalogue_lines, catalogue_record
-from pytest_exportcheck.session._coverage import declared_rows, planned_value_items
-from pytest_exportcheck.session._failure_files import keep_failure
-from pytest_exportcheck.session._float32 import Float32Precision
-from pytest_exportcheck.session._golden_setup import goldens_dir
-from pytest_exportcheck.session._header import environment, header_lines
 from pytest_exportcheck.session._item_runner import SuiteRunner
-from pytest_exportcheck.session._junit import (
+from pytest_exportcheck.session.coverage._coverage import (
+    declared_rows,
+    planned_value_items,
+    value_checks,
+)
+from pytest_exportcheck.session.coverage._verdict import CoverageVerdict
+from pytest_exportcheck.session.environment._float32 import Float32Precision
+from pytest_exportcheck.session.environment._golden_setup import goldens_dir
+from pytest_exportcheck.session.environment._model_dirs import check_recipes, register_model_dirs
+from pytest_exportcheck.session.environment._signing_key import RunSigningKey
+from pytest_exportcheck.session.nodes._markers import EXPECTED_WARNINGS, register_marker
+from pytest_exportcheck.session.nodes._nodes import ExportCheckItem, SuiteCollector
+from pytest_exportcheck.session.nodes._xdist import artifact_scheduler, work_units
+from pytest_exportcheck.session.options._options import Options
+from pytest_exportcheck.session.reporting._catalogue import catalogue_lines, catalogue_record
+from pytest_exportcheck.session.reporting._failure_files import keep_failure
+from pytest_exportcheck.session.reporting._header import environment, header_lines
+from pytest_exportcheck.session.reporting._junit import (
     add_suite_properties,
     testcase_properties,
     wants_testcase_properties,
 )
-from pytest_exportcheck.session._markers import EXPECTED_WARNINGS, register_marker
-from pytest_exportcheck.session._model_dirs import check_recipes, register_model_dirs
-from pytest_exportcheck.session._nodes import ExportCheckItem, SuiteCollector
-from pytest_exportcheck.session._options import Options
-from pytest_exportcheck.session._redact import report_paths_redacted
-from pytest_exportcheck.session._report import (
+from pytest_exportcheck.session.reporting._redact import report_paths_redacted
+from pytest_exportcheck.session.reporting._report import (
     REPORT_ATTRIBUTE,
     ReportBuilder,
     write_json_atomic,
     write_report_pages,
 )
-from pytest_exportcheck.session._signing_key import RunSigningKey
-from pytest_exportcheck.session._verdict import CoverageVerdict
-from pytest_exportcheck.session._xdist import artifact_scheduler, work_units
 
 __all__ = ["ExportCheckSession", "Float32Precision"]
 
@@ -85,7 +90,7 @@ class ExportCheckSession:
         self.xfails: XfailBook = _xfail_book(planner, options)
         self.specs: list[ItemSpec] = planner.items(options.request(), args)
         self.catalogue = catalogue_record(planner, options.request())
-        #: This user's signing key, or the run's own when it is unusable (:mod:`._signing_key`).
+        #: This user's signing key, or the run's own when it is unusable (:mod:`.environment._signing_key`).
         self.signing = RunSigningKey(config)
         config.pluginmanager.register(self.signing, "exportcheck-signing-key")
         self.runner = SuiteRunner(
@@ -102,15 +107,16 @@ class ExportCheckSession:
         # every check's value-check items per row, whatever narrowed this run (-k, -m,
         # --export-checks, node ids, --lf): a row missing some of them was narrowed
         every = planner.items(options.request(NameSelection(all=True)))
-        planned, declared = planned_value_items(every), declared_rows(self.discovery)
+        value = value_checks(CHECKS.values())  # each check says whether it is one
+        planned, declared = planned_value_items(every, value), declared_rows(self.discovery)
         # the (row, check) cells of the request that cannot apply: no items, listed with why
         inapplicable = [c.as_json() for c in planner.not_applicable(options.request())]
-        #: strict, lockfile and shard: the coverage part of the verdict (:mod:`._verdict`).
+        #: strict, lockfile and shard: the coverage part of the verdict (:mod:`.coverage._verdict`).
         self.coverage = CoverageVerdict(
-            config.rootpath, options, self.specs, planned, declared, inapplicable
+            config.rootpath, options, self.specs, planned, declared, inapplicable, value
         )
         self.report = ReportBuilder(
-            planned, declared, self.coverage.judged_rows(), not_applicable=inapplicable
+            planned, declared, self.coverage.judged_rows(), inapplicable, value
         )
         if not _is_worker(config):
             self.coverage.load()  # a bad lockfile is a usage error before anything runs
@@ -166,23 +172,15 @@ class ExportCheckSession:
 
     def decorate(self, item: ExportCheckItem) -> None:
         """Mark an item: ``exportcheck``, its check's markers, warning filters, skip, xfail."""
-        spec = item.spec
-        item.add_marker(pytest.mark.exportcheck)
-        for name in sorted(spec.markers):
-            item.add_marker(name)
+        for mark in item_marks(item.spec, expected_failure(item.spec, self.xfails)):
+            item.add_marker(mark)  # as parametrize_with_checks marks its parameters
         for expected in EXPECTED_WARNINGS:
             item.add_marker(pytest.mark.filterwarnings(expected))
-        if spec.skip:
-            item.add_marker(pytest.mark.skip(reason=spec.skip))
-        rules = self.xfails.match(spec.name, spec.check, spec.column)
-        if rules:
-            reason = "; ".join(f"{r.reason} [{r.source}]" for r in rules)
-            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
 
     @pytest.hookimpl(optionalhook=True, tryfirst=True)
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
         """Under ``--dist load``: the items that share an artifact (or the survey) go to one
-        worker together (:mod:`._xdist`); ``None`` lets xdist choose."""
+        worker together (:mod:`.nodes._xdist`); ``None`` lets xdist choose."""
         return artifact_scheduler(config, log, work_units(self.specs))
 
     @pytest.hookimpl(tryfirst=True)  # before -k / -m / --lf / --sw, so they apply to our items

@@ -16,26 +16,13 @@ import sys
 from importlib import metadata
 from typing import Any
 
+from exportlm._libraries import ENVIRONMENT_LIBRARIES
 from exportlm.cli._list import print_table
 
 __all__ = ["PACKAGES", "cmd_env", "collect_env"]
 
 #: Distributions whose versions a bug report needs, in the order shown.
-PACKAGES = (
-    "exportlm",
-    "torch",
-    "transformers",
-    "onnx",
-    "onnxruntime",
-    "onnxscript",
-    "safetensors",
-    "numpy",
-    "tqdm",
-    "datasets",
-    "pytest",
-    "pytest-xdist",
-    "hypothesis",
-)
+PACKAGES = ENVIRONMENT_LIBRARIES
 _ENV_NAMES = ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "CI")
 _NOT_INSTALLED = "not installed"
 

@@ -1,7 +1,8 @@
 """What a manifest records about the model and the environment: JSON-safe facts, no files.
 
 :func:`model_hash` (the model's exact structure and weights), :func:`json_safe` (options
-as JSON data) and :func:`versions` (the libraries an artifact depends on). The manifest
+as JSON data) and :func:`versions` (the libraries an artifact depends on, and the one its
+runtime loads with). The manifest
 itself, and how artifacts are verified against it, live in
 :mod:`~exportlm.export.manifest`.
 """
@@ -11,9 +12,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from importlib import metadata
 from typing import Any
 
+from exportlm._libraries import ARTIFACT_LIBRARIES, installed_version
 from exportlm.export._digest import new_hasher
 
 __all__ = [
@@ -129,40 +130,11 @@ def json_safe(value: Any) -> Any:
     return str(value).removeprefix("torch.")
 
 
-#: Versions already read (:func:`_version`), by distribution name.
-_VERSIONS: dict[str, str] = {}
-
-
-def _version(distribution: str) -> str | None:
-    """The installed version of ``distribution``, read once per process when found.
-
-    Reading a distribution's metadata parses its ``METADATA`` file (about 5 ms each, four
-    per manifest, as much CPU as writing 20 MB); the version of an installed library does
-    not change under a running process that imported it, so a found version is kept. A
-    missing one is looked up again (it may be installed later in a notebook session).
-    """
-    found = _VERSIONS.get(distribution)
-    if found is None:
-        try:
-            found = _VERSIONS[distribution] = metadata.version(distribution)
-        except metadata.PackageNotFoundError:
-            return None
-    return found
-
-
-#: The library each built-in runtime loads with.
-_RUNTIME_LIBRARY = {
-    "onnx": "onnxruntime",
-    "torchscript": "torch",
-    "torch_export": "torch",
-    "hf_checkpoint": "safetensors",
-}
-
-
-def versions(runtime: str | None) -> dict[str, str | None]:
-    """Versions of exportlm, torch, transformers and of ``runtime``'s library."""
-    found = {name: _version(name) for name in ("exportlm", "torch", "transformers")}
-    library = _RUNTIME_LIBRARY.get(runtime or "")
-    if library is not None:
-        found[f"runtime:{library}"] = _version(library)
+def versions(runtime_library: str = "") -> dict[str, str | None]:
+    """Versions of the libraries every artifact depends on
+    (:data:`~exportlm._libraries.ARTIFACT_LIBRARIES`) and of ``runtime_library``, the one
+    the target's runtime loads with (``TargetInfo.runtime_library``; ``""``: none stated)."""
+    found = {name: installed_version(name) for name in ARTIFACT_LIBRARIES}
+    if runtime_library:
+        found[f"runtime:{runtime_library}"] = installed_version(runtime_library)
     return found

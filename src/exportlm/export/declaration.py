@@ -99,6 +99,10 @@ class TargetInfo:
             or (a checkpoint) the one its ``config.json`` states. An engine serves it
             only where its table has a row for that scheme, against that scheme's
             tolerance (``docs/engines.md``).
+        runtime_library: the distribution its runtime loads artifacts with, as pip names
+            it (``"onnxruntime"``); every manifest records it with its installed version
+            (``versions["runtime:<library>"]``). ``""``: none beyond those every artifact
+            records (exportlm, torch, transformers).
     """
 
     name: str
@@ -117,6 +121,7 @@ class TargetInfo:
     unchecked: Mapping[str, str] = field(default_factory=dict)
     artifact_kind: str = ""
     scheme: str | None = None
+    runtime_library: str = ""
 
     def __post_init__(self) -> None:
         unknown = set(self.capabilities) - CAPABILITIES
@@ -198,6 +203,7 @@ def export_target(
     unchecked: Mapping[str, str] | None = None,
     artifact_kind: str = "",
     scheme: str | None = None,
+    runtime_library: str = "",
 ) -> Callable[[F], F]:
     """Decorator declaring an export factory's :class:`TargetInfo`.
 
@@ -205,7 +211,8 @@ def export_target(
     the artifact can run code (a pickle, TorchScript); ``capture`` says how the model is
     captured (``"torch.export"``, ``"torchscript-trace"``, ...); ``unchecked`` the rows the
     conformance suite cannot check on any toy family; ``artifact_kind`` and ``scheme`` say
-    what the artifact is, for the serving engines: see :class:`TargetInfo`. The
+    what the artifact is, for the serving engines; ``runtime_library`` the distribution its
+    runtime loads with, recorded in every manifest: see :class:`TargetInfo`. The
     decorated function is unchanged apart from the attached declaration, so it can be
     registered in code or exposed through the ``exportlm.export_backends`` entry-point group.
     """
@@ -226,6 +233,7 @@ def export_target(
         unchecked=dict(unchecked or {}),
         artifact_kind=artifact_kind,
         scheme=scheme,
+        runtime_library=runtime_library,
     )
 
     def decorate(fn: F) -> F:

@@ -215,7 +215,7 @@ class PendingManifest:
             tolerance={"atol": self.info.atol, "rtol": self.info.rtol},
             model_hash=self._hash_of_model(),
             inputs=_inputs(self.info, self.options, artifact),
-            runtime=self.info.runtime,
+            runtime_library=self.info.runtime_library,
             vocab_size=self.vocab_size,
             companions=companions,
             name=self.destination.name,

@@ -162,7 +162,7 @@ def write_manifest(
     tolerance: Mapping[str, float],
     model_hash: str | None,
     inputs: Sequence[Mapping[str, Any]],
-    runtime: str | None = None,
+    runtime_library: str = "",
     vocab_size: int | None = None,
     companions: Sequence[Path] = (),
     name: str | None = None,
@@ -177,7 +177,8 @@ def write_manifest(
         tolerance: ``{"atol": ..., "rtol": ...}`` the target declares.
         model_hash: :func:`model_hash` of the exported model (``None`` if unknown).
         inputs: ``[{"name", "dtype", "shape"}]``; a dynamic dim is a name (``"batch"``).
-        runtime: the runtime's name, to record its library's version.
+        runtime_library: the distribution the target's runtime loads with
+            (``TargetInfo.runtime_library``), recorded with its version.
         vocab_size: the vocabulary, when known: runtimes refuse ids outside it.
         companions: further files of a file artifact (e.g. ONNX external data).
         name: the name the artifact is published under (default: its own), recorded
@@ -195,7 +196,7 @@ def write_manifest(
         "variant": variant,
         "artifact": {"name": name or path.name, "kind": "directory" if path.is_dir() else "file"},
         "options": json_safe(dict(options)),
-        "versions": versions(runtime),
+        "versions": versions(runtime_library),
         "inputs": json_safe(list(inputs)),
         "tolerance": json_safe(dict(tolerance)),
         "model_blake3": model_hash,

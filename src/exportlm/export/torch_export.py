@@ -82,6 +82,7 @@ TORCH_EXPORT_TARGET = TargetInfo(
     executes_code=True,  # torch.export.load unpickles and runs code
     capture="torch.export",
     description="torch.export ExportedProgram .pt2 (dynamic batch/seq) run via torch.export.load",
+    runtime_library="torch",
 )
 
 

@@ -111,6 +111,7 @@ TORCHSCRIPT_TARGET = TargetInfo(
         "tuple it cannot type; each family declares it); use method='trace'"
     },
     description="TorchScript .pt (torch.jit.trace, or script) run with torch.jit.load",
+    runtime_library="torch",
 )
 
 

@@ -52,6 +52,9 @@ __all__ = [
     "validate_module_exporter",
 ]
 
+#: One step of a match: an entry's index, the entry, and whether its keys match the type.
+_Step = tuple[int, ExporterEntry, bool]
+
 
 def validate_module_exporter(name: str, obj: Any) -> ModuleExporter:
     """What an entry point provides, as a registrable exporter.
@@ -87,7 +90,7 @@ class ExportModuleRegistry(Registry[ModuleExporter]):
 
     def __init__(self) -> None:
         super().__init__("module exporter", validate_module_exporter)
-        self._cache: dict[type, tuple[ExporterEntry, ...]] = {}
+        self._cache: dict[type, tuple[_Step, ...]] = {}
 
     # -- registration -------------------------------------------------------
     @overload
@@ -234,59 +237,66 @@ class ExportModuleRegistry(Registry[ModuleExporter]):
         """The exporters in match order."""
         return [e.obj for e in self.entries()]
 
-    def _candidates(self, module_type: type) -> tuple[ExporterEntry, ...]:
-        """Entries whose keys match ``module_type``, up to the first one without a predicate."""
+    def _steps(self, module_type: type) -> tuple[_Step, ...]:
+        """The entries a module of ``module_type`` is tried against, in order, each with its
+        index and whether its keys match: every entry up to the first whose keys match and
+        that has no predicate (it takes every such module). Cached per type."""
         with self._lock:
             cached = self._cache.get(module_type)
             if cached is not None:
                 return cached
-            candidates: list[ExporterEntry] = []
-            for entry in self.entries():
-                if entry.keys_match(module_type):
-                    candidates.append(entry)
-                    if entry.predicate is None:
-                        break
-            result = tuple(candidates)
+            steps: list[_Step] = []
+            for index, entry in enumerate(self.entries()):
+                keyed = entry.keys_match(module_type)
+                steps.append((index, entry, keyed))
+                if keyed and entry.predicate is None:
+                    break
+            result = tuple(steps)
             self._cache[module_type] = result
             return result
 
+    def _walk(self, module: nn.Module) -> tuple[_Step | None, list[_Step]]:
+        """The one walk of the rules: the step that takes ``module`` (or ``None``) and the
+        steps it passed over, which :meth:`explain` words and :meth:`match` ignores."""
+        passed: list[_Step] = []
+        for step in self._steps(type(module)):
+            _, entry, keyed = step
+            if keyed and (entry.predicate is None or entry.predicate(module)):
+                return step, passed
+            passed.append(step)
+        return None, passed
+
     def match(self, module: nn.Module) -> ModuleExporter | None:
         """The exporter of the first matching entry, or ``None``."""
-        for entry in self._candidates(type(module)):
-            if entry.predicate is None or entry.predicate(module):
-                return entry.obj
-        return None
+        taken, _ = self._walk(module)
+        return None if taken is None else taken[1].obj
 
     def explain(self, module: nn.Module) -> MatchExplanation:
-        """Which entry matches ``module`` and why the earlier ones did not."""
-        module_type = type(module)
-        rejected: list[str] = []
-        for index, entry in enumerate(self.entries()):
-            if not entry.keys_match(module_type):
-                rejected.append(f"{entry.describe()}: no key in the MRO of {module_type.__name__}")
-                continue
-            if entry.predicate is not None and not entry.predicate(module):
-                rejected.append(f"{entry.describe()}: predicate returned False")
-                continue
-            how = "its predicate" if not entry.keys else "a key in its MRO"
-            if entry.keys and entry.predicate is not None:
-                how = "a key in its MRO and its predicate"
-            return MatchExplanation(
-                module_type.__name__,
-                entry.obj,
-                index,
-                f"{module_type.__name__} matched entry {index} ({entry.describe()}) by {how}",
-                tuple(rejected),
-            )
-        return MatchExplanation(
-            module_type.__name__,
-            None,
-            None,
-            f"no exporter matches {module_type.__name__} (MRO: "
-            f"{', '.join(c.__name__ for c in module_type.__mro__)}); "
-            f"{len(rejected)} entr{'y' if len(rejected) == 1 else 'ies'} tried",
-            tuple(rejected),
+        """Which entry matches ``module`` and why the earlier ones did not (the walk of
+        :meth:`match`, worded)."""
+        name = type(module).__name__
+        taken, passed = self._walk(module)
+        rejected = tuple(
+            f"{entry.describe()}: "
+            + (f"no key in the MRO of {name}" if not keyed else "predicate returned False")
+            for _, entry, keyed in passed
         )
+        if taken is None:
+            return MatchExplanation(
+                name,
+                None,
+                None,
+                f"no exporter matches {name} (MRO: "
+                f"{', '.join(c.__name__ for c in type(module).__mro__)}); "
+                f"{len(rejected)} entr{'y' if len(rejected) == 1 else 'ies'} tried",
+                rejected,
+            )
+        index, entry, _ = taken
+        how = "its predicate" if not entry.keys else "a key in its MRO"
+        if entry.keys and entry.predicate is not None:
+            how = "a key in its MRO and its predicate"
+        reason = f"{name} matched entry {index} ({entry.describe()}) by {how}"
+        return MatchExplanation(name, entry.obj, index, reason, rejected)
 
     def __contains__(self, item: object) -> bool:
         """A registered name, or a registered exporter instance."""

@@ -96,6 +96,7 @@ HF_CHECKPOINT_TARGET = TargetInfo(
     capture="weights",  # the runtime rebuilds the model from the saved weights
     accepts=_hf_accepts,
     description="Hugging Face checkpoint directory (safetensors shards; ModelOpt or compressed-tensors quantization)",
+    runtime_library="safetensors",
 )
 
 

@@ -196,11 +196,11 @@ ONNX_TARGET = TargetInfo(
     rtol=ONNX_RTOL,
     capabilities=frozenset(_CAPABILITIES),
     accepts=qdq_refusal,
-    artifact="file",
     suffix=".onnx",
     artifact_kind="onnx",
     capture="torch.export",  # the dynamo exporter runs torch.export first
     description="ONNX graph (torch.onnx dynamo exporter, dynamic batch/seq) run in onnxruntime",
+    runtime_library="onnxruntime",
 )
 
 

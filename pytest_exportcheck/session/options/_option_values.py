@@ -1,7 +1,7 @@
 """Parsers of single option values: each returns the typed value or raises ``pytest.UsageError``.
 
-Kept apart from :mod:`pytest_exportcheck.session._options` (the option table and the
-resolved :class:`~pytest_exportcheck.session._options.Options`) so that module stays a table.
+Kept apart from :mod:`pytest_exportcheck.session.options._options` (the option table and the
+resolved :class:`~pytest_exportcheck.session.options._options.Options`) so that module stays a table.
 """
 
 from __future__ import annotations

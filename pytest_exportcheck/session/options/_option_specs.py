@@ -1,31 +1,81 @@
-"""The ``--export-*`` options as data: flag, help, kind, metavar, default, ini key.
+"""Every ``--export-*`` option as data: flag, help, kind, metavar, default, ini key.
 
-:func:`pytest_exportcheck.session._options.add_options` declares each with its ini twin
-(``--export-targets`` / ``export_targets``) and :class:`~._options.Options` reads them
-back. Imports nothing but the standard library.
+:func:`pytest_exportcheck.session.options._options.add_options` registers each, with its ini twin
+(``--export-targets`` / ``export_targets``), in one loop over :data:`_SPECS`, and
+:class:`~._options.Options` (with :mod:`._coverage_options`) reads them back. No option
+is declared anywhere else. Imports nothing but the standard library.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["_SPECS", "_Spec"]
+
+#: kind -> the ``addoption`` keywords it implies (besides dest, help, metavar, default).
+_ACTIONS: dict[str, dict[str, Any]] = {
+    "str": {"action": "store"},
+    "path": {"action": "store"},
+    "bool": {"action": "store_true"},
+    "append": {"action": "append"},
+    "optional": {"action": "store", "nargs": "?"},  # a bare flag means ``const``
+    "negate": {"action": "store_const"},  # stores ``const`` into its ini twin's option
+}
+#: kind -> ``(addini type, default)``; a kind absent here has no ini key of its own.
+_INI: dict[str, tuple[str, Any]] = {
+    "str": ("string", None),
+    "path": ("string", ""),
+    "bool": ("bool", False),
+    "append": ("linelist", []),
+    "optional": ("string", ""),
+}
 
 
 @dataclass(frozen=True)
 class _Spec:
     flag: str
     help: str
-    # "str" | "bool" | "path" | "choice" (an optional value: bare flag = "own") |
-    # "append" (repeatable; the ini key is a list of lines)
+    # "str" | "path" | "bool" | "append" (repeatable; the ini key is a list of lines) |
+    # "optional" (a value that may be left out: the bare flag means ``const``) |
+    # "negate" (``--no-...``: stores ``const`` into the option of ``ini_key``, no ini key)
     kind: str
     metavar: str | None = None
     default: str = ""
     ini_key: str = ""  # an ini key other than the flag's twin
+    const: str | None = None
+    ini_help: str = ""  # the ini key's help other than "default of --flag"
+
+    def __post_init__(self) -> None:
+        if self.kind not in _ACTIONS:
+            raise ValueError(f"option {self.flag}: unknown kind {self.kind!r}")
+        if (self.const is None) == (self.kind in ("optional", "negate")):
+            raise ValueError(f"option {self.flag}: const goes with kinds optional and negate")
 
     @property
     def ini(self) -> str:
         return self.ini_key or self.flag.removeprefix("--").replace("-", "_")
+
+    def option(self) -> dict[str, Any]:
+        """The keywords of ``addoption``: unset (``None``) unless given, so ini twins apply."""
+        words: dict[str, Any] = {**_ACTIONS[self.kind], "default": None, "dest": self.ini}
+        if self.const is not None:
+            words["const"] = self.const
+        if self.metavar is not None:
+            words["metavar"] = self.metavar
+        return {**words, "help": self.help}
+
+    def ini_key_args(self) -> dict[str, Any] | None:
+        """The keywords of ``addini`` for its ini twin; ``None`` for a kind without one."""
+        if self.kind not in _INI:
+            return None
+        kind, default = _INI[self.kind]
+        return {
+            "name": self.ini,
+            "help": self.ini_help or f"default of {self.flag}",
+            "type": kind,
+            "default": self.default if default is None else default,
+        }
 
 
 _SPECS: tuple[_Spec, ...] = (
@@ -95,8 +145,9 @@ _SPECS: tuple[_Spec, ...] = (
         "rewrite golden files instead of comparing: 'own' (the default when the flag has no "
         "value) writes only goldens of exporters your project's distribution provides; 'all' "
         "also writes local copies of other distributions' goldens (they then shadow the shipped ones)",
-        "choice",
+        "optional",
         "own|all",
+        const="own",
     ),
     _Spec(
         "--export-goldens-dir",
@@ -163,5 +214,43 @@ _SPECS: tuple[_Spec, ...] = (
         "str",
         "N",
         ini_key="exportcheck_catalogue",
+    ),
+    # -- coverage in the verdict (read by _coverage_options) ----------------------------
+    _Spec(
+        "--export-strict",
+        "fail the run when a target or exporter is unchecked (every value check skipped); "
+        "default: on when the environment variable CI is set",
+        "optional",
+        "on|off",
+        const="on",
+        ini_help="default of --export-strict (on|off)",
+    ),
+    _Spec(
+        "--no-export-strict",
+        "same as --export-strict=off",
+        "negate",
+        ini_key="export_strict",
+        const="off",
+    ),
+    _Spec(
+        "--export-lock",
+        "coverage lockfile exportcheck.lock in the rootdir: 'check' (default: compare "
+        "when it exists), 'update' (rewrite it from this run) or 'off'",
+        "str",
+        "check|update|off",
+    ),
+    _Spec(
+        "--export-shard",
+        "run only shard K of N of the suite, split by (target, model family) groups",
+        "str",
+        "K/N",
+    ),
+    _Spec(
+        "--export-strict-allow",
+        "a target or exporter row --export-strict accepts unchecked (repeatable; ini "
+        "export_strict_allow: one 'ROW reason' per line); it is still reported as unchecked",
+        "append",
+        "ROW",
+        ini_help="rows --export-strict accepts unchecked, one 'ROW reason' per line",
     ),
 )

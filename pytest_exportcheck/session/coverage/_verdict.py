@@ -19,8 +19,13 @@ import pytest
 from exportlm._matrix import Rows, coverage_of
 from pytest_exportcheck.plan import ItemSpec
 from pytest_exportcheck.plan._shard import in_shard
-from pytest_exportcheck.session._coverage import VALUE_CHECKS, not_selected_lines, strict_lines
-from pytest_exportcheck.session._lock import (
+from pytest_exportcheck.session.coverage._coverage import (
+    ValueChecks,
+    not_selected_lines,
+    strict_lines,
+    value_checks,
+)
+from pytest_exportcheck.session.coverage._lock import (
     LOCK_FILE,
     Entries,
     LockError,
@@ -31,9 +36,9 @@ from pytest_exportcheck.session._lock import (
     updated,
     write_lock,
 )
-from pytest_exportcheck.session._nodes import ExportCheckItem
-from pytest_exportcheck.session._options import Options
-from pytest_exportcheck.session._report import ItemRecord
+from pytest_exportcheck.session.nodes._nodes import ExportCheckItem
+from pytest_exportcheck.session.options._options import Options
+from pytest_exportcheck.session.reporting._report import ItemRecord
 
 __all__ = ["CoverageVerdict"]
 
@@ -52,8 +57,11 @@ class CoverageVerdict:
         planned: Rows | None = None,
         declared: Rows | None = None,
         not_applicable: list[dict[str, Any]] | None = None,
+        value: ValueChecks | None = None,
     ) -> None:
         self.options = options
+        #: the value checks per scope (default: every registered check's own ``value``)
+        self.value = value_checks() if value is None else value
         self.specs = specs
         #: every row's value-check item ids (all checks) and the rows declared not checkable
         self.planned = planned or {}
@@ -104,7 +112,7 @@ class CoverageVerdict:
             return None
         whole: dict[tuple[str, str], bool] = {}
         for spec in self.specs:
-            if spec.check in VALUE_CHECKS.get(spec.scope, ()):
+            if spec.check in self.value.get(spec.scope, ()):
                 row = (spec.scope, spec.column)
                 whole[row] = whole.get(row, True) and spec.name in self.kept
         return {row for row, inside in whole.items() if inside}
@@ -126,7 +134,7 @@ class CoverageVerdict:
         failed = False
         coverage = coverage_of(
             items,
-            VALUE_CHECKS,
+            self.value,
             self.planned,
             self.declared,
             judged=self.judged_rows(),

@@ -14,10 +14,10 @@ import pytest
 
 from pytest_exportcheck.plan._selection import DEVICES, NameSelection, PlanRequest
 from pytest_exportcheck.plan._shard import Shard
-from pytest_exportcheck.session._coverage_options import add_coverage_options, coverage_options
-from pytest_exportcheck.session._option_paths import check_kind, check_report_path
-from pytest_exportcheck.session._option_specs import _SPECS, _Spec
-from pytest_exportcheck.session._option_values import (
+from pytest_exportcheck.session.options._coverage_options import coverage_options
+from pytest_exportcheck.session.options._option_paths import check_kind, check_report_path
+from pytest_exportcheck.session.options._option_specs import _SPECS, _Spec
+from pytest_exportcheck.session.options._option_values import (
     UPDATE_SCOPES,
     parse_catalogue,
     parse_count,
@@ -39,46 +39,13 @@ GROUP = "exportcheck"
 
 
 def add_options(parser: pytest.Parser) -> None:
-    """Add the ``exportcheck`` option group and the ini twins."""
+    """Add the ``exportcheck`` option group and the ini twins: every option of :data:`_SPECS`."""
     group = parser.getgroup(GROUP, "exportcheck: export conformance suite (exportlm)")
     for spec in _SPECS:
-        dest = spec.ini
-        if spec.kind == "bool":
-            group.addoption(spec.flag, action="store_true", default=None, dest=dest, help=spec.help)
-            parser.addini(spec.ini, f"default of {spec.flag}", type="bool", default=False)
-        elif spec.kind == "append":
-            group.addoption(
-                spec.flag,
-                action="append",
-                default=None,
-                dest=dest,
-                metavar=spec.metavar,
-                help=spec.help,
-            )
-            parser.addini(spec.ini, f"default of {spec.flag}", type="linelist", default=[])
-        elif spec.kind == "choice":
-            group.addoption(
-                spec.flag,
-                action="store",
-                nargs="?",
-                const=UPDATE_SCOPES[0],
-                default=None,
-                dest=dest,
-                metavar=spec.metavar,
-                help=spec.help,
-            )
-            parser.addini(spec.ini, f"default of {spec.flag}", type="string", default="")
-        else:
-            group.addoption(
-                spec.flag,
-                action="store",
-                default=None,
-                dest=dest,
-                metavar=spec.metavar,
-                help=spec.help,
-            )
-            parser.addini(spec.ini, f"default of {spec.flag}", type="string", default=spec.default)
-    add_coverage_options(parser, group)
+        group.addoption(spec.flag, **spec.option())
+        ini = spec.ini_key_args()
+        if ini is not None:
+            parser.addini(**ini)
 
 
 def _value(config: pytest.Config, spec: _Spec) -> Any:

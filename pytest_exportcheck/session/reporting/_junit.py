@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pytest_exportcheck.session._report import ItemRecord
+from pytest_exportcheck.session.reporting._report import ItemRecord
 
 __all__ = ["add_suite_properties", "testcase_properties", "wants_testcase_properties"]
 

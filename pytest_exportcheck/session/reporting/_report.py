@@ -36,7 +36,11 @@ from exportlm._matrix import (
 )
 from exportlm._report_html import report_badge, report_html
 from exportlm.atomic import write_text_atomic
-from pytest_exportcheck.session._coverage import VALUE_CHECKS, value_checks_json
+from pytest_exportcheck.session.coverage._coverage import (
+    ValueChecks,
+    value_checks,
+    value_checks_json,
+)
 
 __all__ = [
     "OUTCOMES",
@@ -112,7 +116,8 @@ class ReportBuilder:
     (``{scope: {column: reason}}``) the rows their target declares it cannot check;
     ``judged`` (a shard's whole rows) limits the coverage lines to those rows;
     ``not_applicable`` lists the (row, check) cells the plan has no item of, with the
-    reason (``·`` in the matrix, the report's ``not_applicable``).
+    reason (``·`` in the matrix, the report's ``not_applicable``); ``value`` the value
+    checks per scope (default: every registered check's own ``value``).
     """
 
     def __init__(
@@ -121,8 +126,10 @@ class ReportBuilder:
         declared: Rows | None = None,
         judged: set[tuple[str, str]] | None = None,
         not_applicable: list[dict[str, Any]] | None = None,
+        value: ValueChecks | None = None,
     ) -> None:
         self.records: dict[str, ItemRecord] = {}
+        self.value = value_checks() if value is None else value
         self.planned = planned or {}
         self.declared = declared or {}
         self.judged = judged
@@ -179,7 +186,7 @@ class ReportBuilder:
         """The rows that checked nothing: unchecked, declared so, not selected."""
         return coverage_of(
             self._plain(),
-            VALUE_CHECKS,
+            self.value,
             self.planned,
             self.declared,
             judged=self.judged,
@@ -221,7 +228,7 @@ class ReportBuilder:
             "interrupted": self.interrupted,
             "matrix": self.matrix(),
             "totals": self.totals(),
-            "value_checks": value_checks_json(),
+            "value_checks": value_checks_json(self.value),
             "planned": {s: {c: list(ids) for c, ids in r.items()} for s, r in self.planned.items()},
             "declared_unchecked": coverage.declared,
             "unchecked": coverage.unchecked,
@@ -238,7 +245,7 @@ class ReportBuilder:
         lines = matrix_lines(
             self._plain(),
             width,
-            VALUE_CHECKS,
+            self.value,
             self.planned,
             self.declared,
             judged=self.judged,

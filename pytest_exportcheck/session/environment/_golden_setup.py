@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from pytest_exportcheck.session._options import Options
+from pytest_exportcheck.session.options._options import Options
 
 __all__ = ["golden_store", "goldens_dir", "read_project_name"]
 

@@ -1,7 +1,7 @@
-"""The coverage options: ``--export-strict``, ``--export-lock`` and ``--export-shard``.
+"""The coverage options read back: ``--export-strict``, ``--export-lock`` and ``--export-shard``.
 
-Each has an ini key of the same name (``export_strict``, ``export_lock``,
-``export_shard``); the command line wins. ``--export-strict`` is on by default
+Declared in the one option table (:mod:`._option_specs`). Each has an ini key of the
+same name (``export_strict``, ``export_lock``, ``export_shard``); the command line wins. ``--export-strict`` is on by default
 when the environment variable ``CI`` is set (to anything but ``0`` / ``false``
 / ``no``). Imports only pytest and the plan package.
 """
@@ -16,66 +16,12 @@ import pytest
 
 from pytest_exportcheck.plan._shard import Shard
 
-__all__ = ["LOCK_MODES", "add_coverage_options", "coverage_options"]
+__all__ = ["LOCK_MODES", "coverage_options"]
 
 #: ``--export-lock``: compare with the lockfile when present, rewrite it, or ignore it.
 LOCK_MODES = ("check", "update", "off")
 _ON = ("on", "true", "1", "yes")
 _OFF = ("off", "false", "0", "no")
-
-
-def add_coverage_options(parser: pytest.Parser, group: Any) -> None:
-    """Add the three options and their ini twins to ``group`` (the exportcheck group)."""
-    group.addoption(
-        "--export-strict",
-        nargs="?",
-        const="on",
-        default=None,
-        dest="export_strict",
-        metavar="on|off",
-        help="fail the run when a target or exporter is unchecked (every value check skipped); "
-        "default: on when the environment variable CI is set",
-    )
-    group.addoption(
-        "--no-export-strict",
-        action="store_const",
-        const="off",
-        dest="export_strict",
-        help="same as --export-strict=off",
-    )
-    group.addoption(
-        "--export-lock",
-        default=None,
-        dest="export_lock",
-        metavar="|".join(LOCK_MODES),
-        help="coverage lockfile exportcheck.lock in the rootdir: 'check' (default: compare "
-        "when it exists), 'update' (rewrite it from this run) or 'off'",
-    )
-    group.addoption(
-        "--export-shard",
-        default=None,
-        dest="export_shard",
-        metavar="K/N",
-        help="run only shard K of N of the suite, split by (target, model family) groups",
-    )
-    group.addoption(
-        "--export-strict-allow",
-        action="append",
-        default=None,
-        dest="export_strict_allow",
-        metavar="ROW",
-        help="a target or exporter row --export-strict accepts unchecked (repeatable; ini "
-        "export_strict_allow: one 'ROW reason' per line); it is still reported as unchecked",
-    )
-    parser.addini("export_strict", "default of --export-strict (on|off)", default="")
-    parser.addini(
-        "export_strict_allow",
-        "rows --export-strict accepts unchecked, one 'ROW reason' per line",
-        type="linelist",
-        default=[],
-    )
-    parser.addini("export_lock", "default of --export-lock", default="")
-    parser.addini("export_shard", "default of --export-shard", default="")
 
 
 def _raw(config: pytest.Config, name: str) -> str:

@@ -2,9 +2,9 @@
 
 A target or module exporter whose value checks all skipped is *unchecked*, not
 passed: the registration and dispatch checks can pass without anything it wrote
-having been compared. :data:`VALUE_CHECKS` names them per scope, as data read
-beside the catalogue (:mod:`pytest_exportcheck.checks.catalogue`); the JSON report
-carries it, with the value-check items every row had planned (:func:`planned_value_items`)
+having been compared. Each check says whether it is one (``CheckSpec.value``, a
+plugin's own check too); :func:`value_checks` gathers them per scope. The JSON report
+carries them, with the value-check items every row had planned (:func:`planned_value_items`)
 and the rows their target declares it cannot check (:func:`declared_rows`), so
 ``exportlm report merge`` judges merged reports the same way.
 """
@@ -14,59 +14,51 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from pytest_exportcheck.checks import CHECKS, CheckSpec
+from pytest_exportcheck.checks.catalogue import SCOPES
+
 if TYPE_CHECKING:
     from pytest_exportcheck.plan import Discovery, ItemSpec
 
 __all__ = [
-    "VALUE_CHECKS",
+    "ValueChecks",
     "declared_rows",
     "not_selected_lines",
     "planned_value_items",
     "strict_lines",
+    "value_checks",
     "value_checks_json",
 ]
 
-#: Per scope, the checks that compare what an export produced: logits through the
-#: target's runtime, written tensors and configs, goldens, fake-quant parity.
-VALUE_CHECKS: Mapping[str, frozenset[str]] = {
-    "target": frozenset(
-        {
-            "roundtrip_logits",
-            "dynamic_shapes",
-            "cache_wrapper",
-            "deterministic",
-            "generation_parity",
-            "roundtrip_generated",
-            "checkpoint_names",
-            "loadable",
-            "roundtrip_quantized",
-            "served",
-        }
-    ),
-    "exporter": frozenset(
-        {
-            "export_contract",
-            "moe_inputs",
-            "tied_weights",
-            "quantized_generated",
-            "golden_checkpoint",
-            "golden_calibration",
-            "fp8_gemm",
-        }
-    ),
-}
+#: ``{scope: value-check ids}``: the checks whose items decide whether a row was checked.
+ValueChecks = Mapping[str, frozenset[str]]
 
 
-def value_checks_json() -> dict[str, list[str]]:
-    """:data:`VALUE_CHECKS` as sorted lists (the JSON report's ``value_checks``)."""
-    return {scope: sorted(checks) for scope, checks in VALUE_CHECKS.items()}
+def value_checks(checks: Iterable[CheckSpec] | None = None) -> ValueChecks:
+    """Per scope, the ids of the checks that declare themselves value checks
+    (:attr:`CheckSpec.value <pytest_exportcheck.checks.CheckSpec.value>`): those that
+    compare what an export produced. ``checks`` defaults to every registered check
+    (:data:`~pytest_exportcheck.checks.CHECKS`: the catalogue and the plugins' own)."""
+    specs = CHECKS.values() if checks is None else checks
+    found: dict[str, set[str]] = {scope: set() for scope in SCOPES}
+    for spec in specs:
+        if spec.value:
+            found.setdefault(spec.scope, set()).add(spec.id)
+    return {scope: frozenset(ids) for scope, ids in found.items()}
 
 
-def planned_value_items(specs: Iterable[ItemSpec]) -> dict[str, dict[str, list[str]]]:
+def value_checks_json(value: ValueChecks) -> dict[str, list[str]]:
+    """``value`` as sorted lists (the JSON report's ``value_checks``)."""
+    return {scope: sorted(checks) for scope, checks in value.items()}
+
+
+def planned_value_items(
+    specs: Iterable[ItemSpec], value: ValueChecks
+) -> dict[str, dict[str, list[str]]]:
     """``{scope: {column: [item id]}}``: the value-check items of each row in ``specs``."""
     out: dict[str, dict[str, set[str]]] = {}
     for spec in specs:
-        if spec.check in VALUE_CHECKS.get(spec.scope, ()):
+        if spec.check in value.get(spec.scope, ()):
             out.setdefault(spec.scope, {}).setdefault(spec.column, set()).add(spec.name)
     return {s: {c: sorted(ids) for c, ids in sorted(r.items())} for s, r in sorted(out.items())}
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest_exportcheck
 from pytest_exportcheck.plan._discovery import Discovery
 from pytest_exportcheck.run._cache import library_versions
-from pytest_exportcheck.session._options import Options
+from pytest_exportcheck.session.options._options import Options
 
 __all__ = ["cuda_status", "environment", "header_lines"]
 
