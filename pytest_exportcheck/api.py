@@ -37,7 +37,7 @@ import pytest
 from pytest_exportcheck._outcome import expected_failure, item_marks, raise_outcome
 
 if TYPE_CHECKING:
-    from pytest_exportcheck.checks import CheckResult
+    from pytest_exportcheck.checks import CheckResult, Registries
     from pytest_exportcheck.plan import CaseOptions
     from pytest_exportcheck.plan._items import ItemSpec
 
@@ -76,6 +76,8 @@ class ExportCheck:
         goldens_dir: directory of the golden files, or ``None`` (the goldens shipped
             with pytest-exportcheck for the built-in exporters).
         expected_failure: the reason the item is marked as an expected failure, or ``None``.
+        registries: the registries its check reads (``case.services.registries``), or
+            ``None``: the process's.
     """
 
     item: ItemSpec
@@ -83,6 +85,7 @@ class ExportCheck:
     models: tuple[str, ...] = ()
     goldens_dir: Path | None = None
     expected_failure: str | None = None
+    registries: Registries | None = None
 
     @property
     def id(self) -> str:
@@ -145,6 +148,7 @@ def parametrize_with_checks(
     expected_failed_checks: ExpectedFailures | None = None,
     goldens_dir: str | Path | None = None,
     catalogue: int | None = None,
+    registries: Registries | None = None,
 ) -> pytest.MarkDecorator:
     """A ``pytest.mark.parametrize`` over the argument ``check``: one :class:`ExportCheck` per item.
 
@@ -176,6 +180,10 @@ def parametrize_with_checks(
         catalogue: the catalogue version the plugin conforms to (as the ini key
             ``exportcheck_catalogue``): only the checks and toy families of that
             version or older are parametrized; ``None``: the current version.
+        registries: the registries to plan from and check against
+            (:class:`~pytest_exportcheck.checks.Registries`), e.g. one whose
+            ``targets`` hold only your own; ``None``: the process's
+            (``Registries.installed()``). Every check reads only these.
 
     Each call of a check exports afresh into its own empty directory: unlike the
     ``pytest --export-*`` suite, no artifact is shared between checks or cached
@@ -187,14 +195,14 @@ def parametrize_with_checks(
     from pytest_exportcheck.plan import discover, plan
     from pytest_exportcheck.plan._api_request import ApiSelection, api_planner, expected_failures
 
-    planner = api_planner(discover(), CHECKS, catalogue)
+    planner = api_planner(discover(registries), CHECKS, catalogue)
     selection = ApiSelection.resolve(planner, targets, exporters, models, checks, device)
     book = expected_failures(planner, selection, expected_failed_checks)
     params = []
     for item in plan(selection.plan):
         reason = expected_failure(item, book)
         models = () if selection.models.all else selection.plan.models
-        check = ExportCheck(item, seed, models, _path(goldens_dir), reason)
+        check = ExportCheck(item, seed, models, _path(goldens_dir), reason, registries)
         params.append(pytest.param(check, id=check.id, marks=item_marks(item, reason)))
     return pytest.mark.parametrize("check", params)
 
@@ -210,6 +218,7 @@ def run_check(
     workdir: str | Path | None = None,
     goldens_dir: str | Path | None = None,
     catalogue: int | None = None,
+    registries: Registries | None = None,
 ) -> CheckResult:
     """Run one check by id against one target or module exporter; return its result.
 
@@ -222,16 +231,18 @@ def run_check(
     in :meth:`ExportCheck.result` and :func:`parametrize_with_checks`; under a pinned
     ``catalogue``, a check or family added after it raises
     :class:`~exportlm.errors.UnknownNameError` naming the version that added it.
+    ``registries`` as in :func:`parametrize_with_checks`.
     """
     from pytest_exportcheck.checks import CHECKS
     from pytest_exportcheck.plan import discover
     from pytest_exportcheck.plan._api_request import api_planner, single_item
 
-    planner = api_planner(discover(), CHECKS, catalogue)
+    planner = api_planner(discover(registries), CHECKS, catalogue)
     item = single_item(
         planner, check_id, target=target, exporter=exporter, model=model, device=device
     )
-    check = ExportCheck(item, seed, (model,) if model else (), _path(goldens_dir))
+    models = (model,) if model else ()
+    check = ExportCheck(item, seed, models, _path(goldens_dir), registries=registries)
     return check.result(workdir)
 
 
@@ -261,7 +272,8 @@ def _execute(check: ExportCheck, workdir: Path) -> CheckResult:
     from pytest_exportcheck.run import RunServices, run_item
 
     goldens = GoldenStore(check.goldens_dir or workdir / "goldens", fallbacks=(BUILTIN_GOLDENS,))
-    services = RunServices(discover(), lambda _name: workdir, goldens, seed=check.seed)
+    discovery = discover(check.registries)
+    services = RunServices(discovery, lambda _name: workdir, goldens, seed=check.seed)
     return run_item(check.item, services, check.options)
 
 

@@ -19,9 +19,6 @@ import pytest
 
 # In-process pytester runs drop the modules they imported when they end; import
 # what the runs load once here, so they reuse it (and its registries).
-import exportlm.export
-import exportlm.models
-import exportlm.module_exporters
 import pytest_exportcheck.checks  # noqa: F401
 import pytest_exportcheck.run._runner as run_runner
 from exportlm.errors import UnknownNameError
@@ -385,14 +382,16 @@ def test_the_suite_and_the_api_hand_a_check_the_same_case(
 
 def test_one_toy_model_build_per_item(monkeypatch: pytest.MonkeyPatch) -> None:
     """The target's ``accepts``, and the export, use the one build of the item's model."""
+    from pytest_exportcheck.checks._registries import Registries
+
     builds: list[str] = []
-    real = exportlm.models.build_model
+    real = Registries.build_model
 
-    def counting(name: str, **kwargs: Any) -> Any:
+    def counting(self: Registries, name: str, *args: Any, **kwargs: Any) -> Any:
         builds.append(name)
-        return real(name, **kwargs)
+        return real(self, name, *args, **kwargs)
 
-    monkeypatch.setattr(exportlm.models, "build_model", counting)
+    monkeypatch.setattr(Registries, "build_model", counting)  # the one way the run builds
     assert get_target_info("onnx").accepts is not None  # the build is shared with accepts
     result = run_check("roundtrip_logits", target="onnx", model="decoder")
     assert result.status == "pass", result.message

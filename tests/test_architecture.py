@@ -837,3 +837,115 @@ def test_the_session_room_is_grouped_by_concern() -> None:
     assert modules == {"__init__.py", "_session.py", "_item_runner.py"}
     assert folders == SESSION_CONCERNS
     assert all((room / folder / "__init__.py").is_file() for folder in folders)
+
+
+# ----------------------------------------------------------------------------- services, not globals
+
+#: exportlm's registries and the functions that look a name up in them (or load them).
+#: Checks and the run read ``case.services.registries`` instead (issue 40, item 5).
+REGISTRY_LOOKUPS = frozenset(
+    {
+        "EXPORT_REGISTRY",
+        "RUNTIME_REGISTRY",
+        "EXPORT_MODULE_REGISTRY",
+        "MODEL_REGISTRY",
+        "ENGINE_REGISTRY",
+        "get_target_info",
+        "runtime_loader",
+        "export_model",
+        "load_exported",
+        "ensure_exporters_registered",
+        "ensure_module_exporters_registered",
+        "ensure_models_registered",
+        "ensure_engines_registered",
+        "model_names",
+        "build_model",
+        "model_tolerance_scale",
+        "model_expected_failures",
+        "model_failure_causes",
+        "model_since",
+        "get_engine",
+        "engine_names",
+        "engines_taking",
+        "plugin_inventory",
+        "registries",
+    }
+)
+#: The parts of the plugin that read services only.
+SERVICE_READERS = ("pytest_exportcheck.run", "pytest_exportcheck.checks")
+#: module -> why it may read exportlm's registries. Keep it to this one.
+REGISTRY_READERS = {
+    "pytest_exportcheck.checks._registries": (
+        "the one reader: Registries.installed() builds the record of the process's "
+        "registries that discovery hands to the run (and a services built without one uses)"
+    ),
+}
+#: Where ``Registries.installed()`` may be called besides its own module: the default of
+#: a services built without registries (a case a script makes itself).
+INSTALLED_CALLERS = frozenset({"pytest_exportcheck.checks._services"})
+
+
+def _registry_lookups(tree: ast.AST) -> Iterator[str]:
+    """Each registry lookup ``tree`` imports from exportlm or reads as an attribute of an
+    exportlm module, and each ``Registries.installed`` it reads."""
+    modules: set[str] = set()  # local names bound to exportlm modules (or their members)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "exportlm":
+                    modules.add(alias.asname or "exportlm")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("exportlm"):
+            for alias in node.names:
+                if alias.name in REGISTRY_LOOKUPS:
+                    yield f"from {node.module} import {alias.name}"
+                modules.add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        root = node.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if not isinstance(root, ast.Name):
+            continue
+        if node.attr in REGISTRY_LOOKUPS and root.id in modules:
+            yield ast.unparse(node)
+        if node.attr == "installed" and root.id == "Registries":
+            yield ast.unparse(node)
+
+
+def test_the_registry_lookup_scan_finds_imports_and_attributes() -> None:
+    source = (
+        "import exportlm.export as ex\n"
+        "import exportlm.models\n"
+        "from exportlm.engines import get_engine, Engine\n"
+        "def f(case):\n"
+        "    from exportlm.export import EXPORT_REGISTRY\n"
+        "    ex.get_target_info('onnx'); exportlm.models.build_model('decoder')\n"
+        "    case.services.registries.build_model('decoder'); Engine.name\n"
+        "    Registries.installed()\n"
+    )
+    found = sorted(_registry_lookups(ast.parse(source)))
+    assert found == [
+        "Registries.installed",
+        "ex.get_target_info",
+        "exportlm.models.build_model",
+        "from exportlm.engines import get_engine",
+        "from exportlm.export import EXPORT_REGISTRY",
+    ]
+
+
+def test_checks_and_the_run_read_services_never_the_global_registries() -> None:
+    """Every lookup of a check or of the run goes to ``case.services.registries`` (the
+    record discovery built once), so a run handed other registries sees only those."""
+    found: dict[str, list[str]] = {}
+    for path in _python_files():
+        module = _module_name(path)
+        if not module.startswith(SERVICE_READERS) or module in REGISTRY_READERS:
+            continue
+        uses = list(_registry_lookups(ast.parse(path.read_text(encoding="utf-8"))))
+        if module in INSTALLED_CALLERS:
+            uses = [u for u in uses if u != "Registries.installed"]
+        if uses:
+            found[module] = uses
+    assert not found, f"read case.services.registries instead: {found}"
+    assert set(REGISTRY_READERS) | INSTALLED_CALLERS <= {_module_name(p) for p in _python_files()}

@@ -21,9 +21,11 @@ import pytest
 import torch
 
 from exportlm.export import load_exported, trustkey
+from exportlm.models import build_model as build_toy_model
 from pytest_exportcheck import ExportCheckWarning
+from pytest_exportcheck.checks._registries import Registries
 from pytest_exportcheck.run._cache import ArtifactCache
-from pytest_exportcheck.run._runner import SEED, build_toy_model
+from pytest_exportcheck.run._runner import SEED
 
 TARGET = "torchscript"
 
@@ -45,7 +47,9 @@ def _own_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _cache(tmp_path: Path) -> ArtifactCache:
-    return ArtifactCache(tmp_path / "session", tmp_path / "root", build_toy_model)
+    return ArtifactCache(
+        tmp_path / "session", tmp_path / "root", build_toy_model, Registries.installed()
+    )
 
 
 def _export(cache: ArtifactCache) -> Path:

@@ -15,6 +15,7 @@ makes that check fail on a deliberately broken target or exporter.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from pathlib import Path
@@ -31,8 +32,7 @@ from exportlm.module_exporters import (
     ModuleExporter,
 )
 from exportlm.quant import QuantModule, TensorQuantizer
-from pytest_exportcheck.checks import CHECKS, CheckResult, ExporterCase
-from pytest_exportcheck.checks import _survey as survey_module
+from pytest_exportcheck.checks import CHECKS, CheckResult, CheckServices, ExporterCase, Registries
 from tests._services import SERVICES
 
 
@@ -57,9 +57,9 @@ class ProbeQuantExporter(ModuleExporter):
         ctx.emit(f"{name}.weight", module.weight.detach())
 
 
-def run_precedence(tmp_path: Path, name: str) -> CheckResult:
+def run_precedence(tmp_path: Path, name: str, services: CheckServices = SERVICES) -> CheckResult:
     # no toy model holds a ProbeQuant: the examples come from conformance_examples()
-    case = ExporterCase(name, tmp_path, options={"models": "decoder"}, services=SERVICES)
+    case = ExporterCase(name, tmp_path, options={"models": "decoder"}, services=services)
     return CHECKS["precedence"].fn(case)
 
 
@@ -108,16 +108,14 @@ class LastMatchWins(ExportModuleRegistry):
         return None
 
 
-def _install(
-    monkeypatch: pytest.MonkeyPatch, registry_class: type[ExportModuleRegistry]
-) -> ExportModuleRegistry:
-    """What the checks see as the global dispatch registry: a ``registry_class`` with its entries."""
+def _services_with(registry_class: type[ExportModuleRegistry]) -> CheckServices:
+    """Services whose dispatch registry is a ``registry_class`` with the global entries."""
     broken = registry_class()
     for entry in EXPORT_MODULE_REGISTRY.entries():
         broken.register(entry.exporter, *entry.keys, predicate=entry.predicate, name=entry.name)
     assert broken.entries() == EXPORT_MODULE_REGISTRY.entries()  # same entries, other rules
-    monkeypatch.setattr(survey_module, "EXPORT_MODULE_REGISTRY", broken)
-    return broken
+    registries = dataclasses.replace(Registries.installed(), module_exporters=broken)
+    return CheckServices(registries=registries)
 
 
 def test_a_correct_exporter_passes_precedence(
@@ -142,14 +140,12 @@ def test_a_correct_exporter_passes_precedence(
 def test_a_registry_with_other_ordering_rules_fails_precedence(
     tmp_path: Path,
     register_exporter: Callable[..., str],
-    monkeypatch: pytest.MonkeyPatch,
     registry_class: type[ExportModuleRegistry],
     expected: str,
 ) -> None:
     # prepended, so that an entry moved to the end has really moved
     name = register_exporter(ProbeQuantExporter(), "ProbeQuant", prepend=True)
-    _install(monkeypatch, registry_class)
-    result = run_precedence(tmp_path, name)
+    result = run_precedence(tmp_path, name, _services_with(registry_class))
     assert result.status == "fail", result.message
     assert f"{name} [ProbeQuant]" in result.message  # names the entry as registered
     assert expected in result.message

@@ -363,15 +363,18 @@ def test_a_path_outside_the_output_directory_fails_artifact_contract_through_the
     tmp_path: Path, fake_target: Callable[..., str]
 ) -> None:
     """The plugin's cache refuses an artifact returned outside its export directory."""
+    from exportlm.models import build_model as build_toy_model
+    from pytest_exportcheck.checks._registries import Registries
     from pytest_exportcheck.run._cache import ArtifactCache
-    from pytest_exportcheck.run._runner import build_toy_model
 
     def elsewhere(model: torch.nn.Module, output_path: Path, *, example_inputs: Any = None) -> Path:
         target = Path(output_path).parent.parent / "elsewhere.pt"
         return good_export(model, target, example_inputs=example_inputs)
 
     target = fake_target(elsewhere)
-    cache = ArtifactCache(tmp_path / "session", tmp_path / "root", build_toy_model)
+    cache = ArtifactCache(
+        tmp_path / "session", tmp_path / "root", build_toy_model, Registries.installed()
+    )
     case = make_case(tmp_path, target, model=None)
     case.export = lambda model, **extra: cache.export(target, extra, model, suffix=".pt")
     result = run("artifact_contract", case)

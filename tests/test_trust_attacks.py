@@ -330,12 +330,16 @@ def test_a_path_swapped_during_load_never_runs_the_payload(
 
 def test_swapped_cache_entries_are_evicted_and_rebuilt(tmp_path: Path) -> None:
     """Two signed entries whose contents were exchanged: each is refused under the other's key."""
+    from exportlm.models import build_model as build_toy_model
     from pytest_exportcheck import ExportCheckWarning
+    from pytest_exportcheck.checks._registries import Registries
     from pytest_exportcheck.run._cache import ArtifactCache
-    from pytest_exportcheck.run._runner import SEED, build_toy_model
+    from pytest_exportcheck.run._runner import SEED
 
     def cache() -> ArtifactCache:
-        return ArtifactCache(tmp_path / "session", tmp_path / "root", build_toy_model)
+        return ArtifactCache(
+            tmp_path / "session", tmp_path / "root", build_toy_model, Registries.installed()
+        )
 
     first = cache()
     a = first.export("torchscript", {}, "decoder", seed=SEED, suffix=".pt").parent.parent

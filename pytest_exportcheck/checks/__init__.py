@@ -41,6 +41,8 @@ from pytest_exportcheck.checks._api import (
     get_check,
     register_check,
 )
+from pytest_exportcheck.checks._registries import Registries
+from pytest_exportcheck.checks._services import CheckServices
 
 if TYPE_CHECKING:
     from exportlm.export import LogitsComparison, compare_logits
@@ -54,9 +56,11 @@ __all__ = [
     "CHECKS",
     "CatalogueError",
     "CheckResult",
+    "CheckServices",
     "CheckSpec",
     "ExporterCase",
     "LogitsComparison",
+    "Registries",
     "TargetCase",
     "UnknownCheckError",
     "check",

@@ -8,6 +8,11 @@ itself gets a fresh one per case (nothing shared, nothing cached).
 
 It holds:
 
+* the registries the checks read (:attr:`CheckServices.registries`, a
+  :class:`~pytest_exportcheck.checks._registries.Registries`): a target's record,
+  factory and runtime, exports and loads through them, the module-exporter
+  registry, the toy families, the serving engines. The plugin hands in the one its
+  discovery built; a services built without one reads the process's registries;
 * the toy models: each ``(family, seed)`` is built once (:meth:`pristine_model`,
   for read-only uses such as a target's ``accepts``, asked once per target and family:
   :meth:`refusal`) and every caller that may change or export the model gets its own
@@ -37,6 +42,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from pytest_exportcheck.checks._registries import Registries
 
 __all__ = ["PHASES", "CheckServices", "ItemProfile"]
 
@@ -112,15 +119,31 @@ class CheckServices:
     """The state the checks of one process share; see the module docstring.
 
     Args:
-        build: ``(family, seed) -> nn.Module``; default: ``exportlm.models.build_model``.
+        build: ``(family, seed) -> nn.Module``; default: the family's factory in
+            :attr:`registries`, in eval mode.
+        registries: what the checks look targets, runtimes, module exporters,
+            families and engines up in; default: the process's registries
+            (:meth:`Registries.installed`, read on first use).
     """
 
-    def __init__(self, build: Callable[[str, int], Any] | None = None) -> None:
+    def __init__(
+        self,
+        build: Callable[[str, int], Any] | None = None,
+        registries: Registries | None = None,
+    ) -> None:
         self._build = build
+        self._registries = registries
         self._models: dict[tuple[str, int], Any] = {}
         self._runtimes: OrderedDict[Hashable, Any] = OrderedDict()
         self._memo: dict[Hashable, Any] = {}
         self.profile = ItemProfile()
+
+    @property
+    def registries(self) -> Registries:
+        """The registries the checks read (see the class docstring)."""
+        if self._registries is None:
+            self._registries = Registries.installed()
+        return self._registries
 
     # -- the current item ---------------------------------------------------
     def begin_item(self) -> ItemProfile:
@@ -155,9 +178,7 @@ class CheckServices:
     def _construct(self, name: str, seed: int) -> Any:
         if self._build is not None:
             return self._build(name, seed)
-        from exportlm.models import build_model
-
-        return build_model(name, seed=seed).eval()
+        return self.registries.build_model(name, seed).eval()
 
     def refusal(
         self, target: str, accepts: Callable[[Any], Any] | None, name: str, seed: int

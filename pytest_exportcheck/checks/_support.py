@@ -24,18 +24,13 @@ from exportlm.export import (
     LogitsComparison,
     TargetInfo,
     accepted_kwargs,
-    ensure_exporters_registered,
-    export_model,
-    get_target_info,
     infer_vocab_size,
-    load_exported,
     make_input_ids,
-    runtime_loader,
 )
 from exportlm.export import roundtrip as verifier
-from exportlm.models import model_names, model_tolerance_scale
 from pytest_exportcheck.checks._api import CheckResult, TargetCase
 from pytest_exportcheck.checks._common import CheckAbort, attempt
+from pytest_exportcheck.checks._registries import Registries
 
 __all__ = [
     "DEFAULT_MODELS",
@@ -78,9 +73,9 @@ def target_info(case: TargetCase) -> TargetInfo:
     For a family that declares a ``tolerance_scale`` (a user's model directory,
     ``--export-model``), ``atol`` / ``rtol`` are the declared ones times that scale.
     """
-    ensure_exporters_registered()
-    info = attempt(f"looking up target {case.target!r}", get_target_info, case.target)
-    scale = model_tolerance_scale(case.model_name) if case.model_name else 1.0
+    registries = case.services.registries
+    info = attempt(f"looking up target {case.target!r}", registries.target_info, case.target)
+    scale = registries.tolerance_scale(case.model_name) if case.model_name else 1.0
     if scale == 1.0:
         return info
     return dataclasses.replace(info, atol=info.atol * scale, rtol=info.rtol * scale)
@@ -177,24 +172,26 @@ def smallest_case_model(case: TargetCase, name: str) -> nn.Module:
 def one_layer_model(case: TargetCase, name: str) -> nn.Module | None:
     """A copy of family ``name`` with one decoder layer, on ``case.device``; ``None`` when
     :func:`smallest_case_model` falls back to the family itself (see there why)."""
-    built = case.services.memo(("one_layer", name, case.seed), lambda: _one_layer(name, case.seed))
+    registries = case.services.registries
+    built = case.services.memo(
+        ("one_layer", name, case.seed, registries.families),
+        lambda: _one_layer(registries, name, case.seed),
+    )
     family = attempt(f"building toy model {name!r}", case.services.pristine_model, name, case.seed)
     if built is None or type(built) is not type(family):
         return None
-    accepts = get_target_info(case.target).accepts
+    accepts = case.services.registries.target_info(case.target).accepts
     key = ("one_layer_accepts", case.target, accepts, name, case.seed)
-    if case.services.memo(key, lambda: accepts_reason(case.target, built)):
+    if case.services.memo(key, lambda: accepts_reason(case, built)):
         return None
     model: nn.Module = copy.deepcopy(built).to(case.device)
     return model
 
 
-def _one_layer(name: str, seed: int) -> nn.Module | None:
-    from exportlm.models import build_model
-
+def _one_layer(registries: Registries, name: str, seed: int) -> nn.Module | None:
     for override in _ONE_LAYER:
         try:
-            model: nn.Module = build_model(name, seed=seed, **override)
+            model: nn.Module = registries.build_model(name, seed, **override)
         except Exception:  # not this family's option name, or not a registered family
             continue
         return model.eval()
@@ -204,13 +201,13 @@ def _one_layer(name: str, seed: int) -> nn.Module | None:
 def family_refusal(case: TargetCase, name: str) -> str | None:
     """Why the case's target refuses toy family ``name``, or ``None``: its ``accepts`` asked
     once per process and target (``case.services``; the runner's gate asked the same)."""
-    accepts = get_target_info(case.target).accepts
+    accepts = case.services.registries.target_info(case.target).accepts
     return case.services.refusal(case.target, accepts, name, case.seed)
 
 
-def accepts_reason(target: str, model: nn.Module) -> str | None:
-    """The target's declared reason for refusing ``model``, or ``None``."""
-    info = get_target_info(target)
+def accepts_reason(case: TargetCase, model: nn.Module) -> str | None:
+    """The declared reason of the case's target for refusing ``model``, or ``None``."""
+    info = case.services.registries.target_info(case.target)
     return info.accepts(model) if info.accepts is not None else None
 
 
@@ -218,7 +215,7 @@ def default_model_name(case: TargetCase) -> str:
     """``case.model_name``, else the first of :data:`DEFAULT_MODELS` (then any family) the target takes."""
     if case.model_name:
         return case.model_name
-    available = model_names()
+    available = case.services.registries.family_names()
     candidates = [n for n in DEFAULT_MODELS if n in available] + [
         n for n in available if n not in DEFAULT_MODELS
     ]
@@ -256,7 +253,7 @@ def listing(directory: Path) -> list[str]:
 
 def export_fresh(case: TargetCase, model: nn.Module, directory: Path, **extra: Any) -> Path:
     """Export ``model`` with the case's target and variant kwargs into ``directory`` (not cached)."""
-    info = get_target_info(case.target)
+    info = case.services.registries.target_info(case.target)
     directory.mkdir(parents=True, exist_ok=True)
     kwargs = {**dict(case.export_kwargs), **extra}
     output = directory / artifact_name(info)
@@ -264,7 +261,7 @@ def export_fresh(case: TargetCase, model: nn.Module, directory: Path, **extra: A
         case.services.profile.count("exports")
         return attempt(
             f"export with target {case.target_id!r}",
-            export_model,
+            case.services.registries.export,
             case.target,
             model,
             output,
@@ -292,7 +289,7 @@ def export_instance(case: TargetCase, model: nn.Module, directory: Path, **extra
 
 def runtime_kwargs(case: TargetCase) -> dict[str, Any]:
     """``device=...`` for the runtime loader when it takes one (always off the CPU)."""
-    names, var_kw = accepted_kwargs(runtime_loader(case.target), skip=1)
+    names, var_kw = accepted_kwargs(case.services.registries.runtime_loader(case.target), skip=1)
     if case.device != "cpu" or "device" in names or var_kw:
         return {"device": case.device}
     return {}
@@ -302,7 +299,9 @@ def load_runtime(case: TargetCase, artifact: Path) -> Callable[[torch.Tensor], A
     """The artifact loaded in the target's own runtime."""
     what = f"loading {artifact.name} in the runtime of {case.target_id!r}"
     with case.services.phase("load"):
-        return attempt(what, load_exported, case.target, artifact, **runtime_kwargs(case))
+        return attempt(
+            what, case.services.registries.load, case.target, artifact, **runtime_kwargs(case)
+        )
 
 
 def load_shared_runtime(case: TargetCase, artifact: Path) -> Callable[[torch.Tensor], Any]:

@@ -5,7 +5,7 @@ that fits it, then exported with ``export_quantized_state`` through a *copy* of
 the dispatch registry whose exporters are wrapped in recorders
 (:mod:`._recording`). A recorder notes, for each ``export`` call, which exporter
 ran on which module, the tensor names it wrote, whether the module's state
-changed and what it raised. The global registry and the models' exporters are
+changed and what it raised. The registry of the case's services and the models' exporters are
 never modified.
 
 The survey is computed once per :class:`~._services.CheckServices` (the plugin
@@ -26,15 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from exportlm.models import ensure_models_registered, model_names
 from exportlm.module_exporters import (
-    EXPORT_MODULE_REGISTRY,
     ExporterEntry,
     ExportFormat,
     ExportModuleRegistry,
     ModuleExporter,
     QuantExportSummary,
-    ensure_module_exporters_registered,
     export_quantized_state,
 )
 from exportlm.quant import is_quantized_module
@@ -122,10 +119,9 @@ class Survey:
         return [c for q in self.quantized for c in q.calls if c.exporter == exporter]
 
 
-def exporter_names() -> dict[int, str]:
-    """``id(exporter) -> name`` for every named exporter (``EXPORT_MODULE_REGISTRY``)."""
-    ensure_module_exporters_registered()
-    return {id(e.obj): e.name for e in EXPORT_MODULE_REGISTRY.entries()}
+def exporter_names(registry: ExportModuleRegistry) -> dict[int, str]:
+    """``id(exporter) -> name`` for every named exporter of the dispatch ``registry``."""
+    return {id(e.obj): e.name for e in registry.entries()}
 
 
 def _name_of(exporter: ModuleExporter, names: Mapping[int, str]) -> str:
@@ -134,14 +130,14 @@ def _name_of(exporter: ModuleExporter, names: Mapping[int, str]) -> str:
 
 def exporter_entry(case: ExporterCase) -> tuple[ModuleExporter, ExporterEntry, int]:
     """The exporter named ``case.name``, its dispatch entry and position; a failed result if absent."""
-    ensure_module_exporters_registered()
+    registry = case.services.registries.module_exporters
     try:
-        exporter = EXPORT_MODULE_REGISTRY.get(case.name)
+        exporter = registry.get(case.name)
     except Exception as err:
         raise CheckAbort(
             CheckResult.failed(f"module exporter {case.name!r}: {error_text(err)}")
         ) from err
-    for index, entry in enumerate(EXPORT_MODULE_REGISTRY.entries()):
+    for index, entry in enumerate(registry.entries()):
         if entry.exporter is exporter:
             return exporter, entry, index
     raise CheckAbort(
@@ -154,23 +150,24 @@ def exporter_entry(case: ExporterCase) -> tuple[ModuleExporter, ExporterEntry, i
 
 
 def copy_registry(
+    registry: ExportModuleRegistry,
     entries: Iterable[ExporterEntry] | None = None,
     wrap: Any = None,
 ) -> ExportModuleRegistry:
-    """A new registry with ``entries`` (default: the global ones) in the same order.
+    """A new registry with ``entries`` (default: those of ``registry``) in the same order.
 
     ``wrap(exporter) -> exporter`` replaces each exporter (e.g. by a recorder).
     """
-    registry = type(EXPORT_MODULE_REGISTRY)()
-    for entry in EXPORT_MODULE_REGISTRY.entries() if entries is None else entries:
+    copy = type(registry)()
+    for entry in registry.entries() if entries is None else entries:
         exporter = entry.exporter if wrap is None else wrap(entry.exporter)
-        registry.register(exporter, *entry.keys, predicate=entry.predicate)
-    return registry
+        copy.register(exporter, *entry.keys, predicate=entry.predicate)
+    return copy
 
 
 def selected_models(case: ExporterCase) -> tuple[str, ...]:
     """The toy families of ``--export-models`` (``case.options["models"]``), else all."""
-    available = model_names()
+    available = case.services.registries.family_names()
     raw = str(case.options.get("models", "all") or "all")
     if raw == "all":
         return tuple(available)
@@ -178,7 +175,9 @@ def selected_models(case: ExporterCase) -> tuple[str, ...]:
     return tuple(m for m in wanted if m in available)
 
 
-def _recording_registry(recorder: Recorder, names: Mapping[int, str]) -> ExportModuleRegistry:
+def _recording_registry(
+    registry: ExportModuleRegistry, recorder: Recorder, names: Mapping[int, str]
+) -> ExportModuleRegistry:
     def wrap(exporter: ModuleExporter) -> ModuleExporter:
         cls = type(
             f"Recording_{type(exporter).__name__}_{id(exporter)}",
@@ -188,7 +187,7 @@ def _recording_registry(recorder: Recorder, names: Mapping[int, str]) -> ExportM
         wrapped: ModuleExporter = cls(exporter, _name_of(exporter, names), recorder)
         return wrapped
 
-    return copy_registry(wrap=wrap)
+    return copy_registry(registry, wrap=wrap)
 
 
 # ----------------------------------------------------------------------------- the survey
@@ -200,15 +199,17 @@ def survey_one(
     model: nn.Module,
     names: Mapping[int, str],
     format: ExportFormat = "modelopt",
+    *,
+    registry: ExportModuleRegistry,
 ) -> QuantizedModel:
     """Claims and recorded export of one quantized ``model`` (labelled ``model_name`` / ``recipe``).
 
-    ``names`` is :func:`exporter_names`; an exception of the driver (or of an
+    ``registry`` is the dispatch registry, ``names`` its :func:`exporter_names`; an exception of the driver (or of an
     exporter) is kept in ``error`` / ``exception``, not raised.
     """
     result = QuantizedModel(model_name, recipe, model)
     for name, module in model.named_modules():
-        exporter = EXPORT_MODULE_REGISTRY.match(module)
+        exporter = registry.match(module)
         quantized = is_quantized_module(module)
         if exporter is not None or quantized:
             label = None if exporter is None else _name_of(exporter, names)
@@ -216,7 +217,7 @@ def survey_one(
     recorder = Recorder(model_name, recipe)
     try:
         result.summary = export_quantized_state(
-            model, recorder, format=format, registry=_recording_registry(recorder, names)
+            model, recorder, format=format, registry=_recording_registry(registry, recorder, names)
         )
     except Exception as err:
         result.error, result.exception = error_text(err), err
@@ -224,18 +225,15 @@ def survey_one(
     return result
 
 
-def registry_state() -> tuple[Any, ...]:
-    """The dispatch registry and the exporter names, as a memo key.
+def registry_state(registry: ExportModuleRegistry) -> tuple[Any, ...]:
+    """The dispatch ``registry`` and the exporter names, as a memo key.
 
     It holds the exporters and predicates themselves (not their ``id()``), so a
     survey is never served to a registry whose objects merely reuse the addresses
     of collected ones.
     """
-    ensure_module_exporters_registered()
-    entries = tuple((e.exporter, e.keys, e.predicate) for e in EXPORT_MODULE_REGISTRY.entries())
-    names = tuple(
-        sorted(((e.name, e.obj) for e in EXPORT_MODULE_REGISTRY.entries()), key=lambda p: p[0])
-    )
+    entries = tuple((e.exporter, e.keys, e.predicate) for e in registry.entries())
+    names = tuple(sorted(((e.name, e.obj) for e in registry.entries()), key=lambda p: p[0]))
     return entries + names
 
 
@@ -248,7 +246,8 @@ def _survey(
     device: str,
     services: CheckServices,
 ) -> Survey:
-    names = exporter_names()
+    registry = services.registries.module_exporters
+    names = exporter_names(registry)
     built = quantized_models(models, recipes, seed, calibration, device, services)
     quantized: list[QuantizedModel] = []
     skipped: dict[str, str] = {}
@@ -259,7 +258,7 @@ def _survey(
             if isinstance(model, str):
                 skipped[f"{model_name}/{label}"] = model
                 continue
-            quantized.append(survey_one(model_name, label, model, names, format))
+            quantized.append(survey_one(model_name, label, model, names, format, registry=registry))
     return Survey(models, quantized, skipped)
 
 
@@ -273,7 +272,7 @@ def survey_of(
     device: str = "cpu",
     services: CheckServices | None = None,
 ) -> Survey:
-    """The survey of ``models`` x ``recipes`` with the current registry.
+    """The survey of ``models`` x ``recipes`` with the dispatch registry of ``services``.
 
     ``calibration="synthetic"`` quantizes with machine-independent statistics
     (for goldens); ``format`` is the checkpoint layout the driver writes;
@@ -282,11 +281,10 @@ def survey_of(
     Computed once per ``services`` (a case's :class:`CheckServices`; default: a
     new one, nothing remembered) and registry state.
     """
-    ensure_module_exporters_registered()
-    ensure_models_registered()
     services = CheckServices() if services is None else services
     models, recipes = tuple(models), tuple(recipes)
-    key = ("survey", models, recipes, seed, registry_state(), calibration, format, device)
+    state = registry_state(services.registries.module_exporters)
+    key = ("survey", models, recipes, seed, state, calibration, format, device)
     return services.memo(
         key, lambda: _survey(models, recipes, seed, calibration, format, device, services)
     )

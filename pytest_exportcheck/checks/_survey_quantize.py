@@ -13,7 +13,6 @@ from typing import Literal
 from torch import nn
 
 from exportlm.errors import UnsupportedFormatError
-from exportlm.models import MODEL_REGISTRY, ensure_models_registered
 from exportlm.quant import quantize, synthetic_calibration
 from pytest_exportcheck.checks._services import CheckServices
 
@@ -51,8 +50,7 @@ def _quantize(
     by tests or plugins re-run only dispatch and export. A recorder restores a
     module an exporter modified, so a remembered model stays as quantized.
     """
-    ensure_models_registered()
-    factory = MODEL_REGISTRY.get(model_name)
+    factory = services.registries.families.get(model_name)
     key = ("quantized", model_name, factory, recipe, seed, calibration, device)
     plan = recipe if isinstance(recipe, str) else dict(recipe)
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from exportlm.export import TargetInfo
+    from pytest_exportcheck.checks._registries import Registries
 
 __all__ = ["Discovery", "InstalledPlugin", "PluginFailure", "TargetRow", "discover"]
 
@@ -82,6 +83,9 @@ class Discovery:
     #: target -> the serving engines whose support table takes what it writes
     #: (``exportlm.engines.engines_taking``): the engine coordinate of ``served`` items.
     target_engines: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: The registries this record was read from, handed to the checks and the run
+    #: (``CheckServices.registries``); ``None``: a record built by hand.
+    registries: Registries | None = field(default=None, compare=False, repr=False)
 
     @property
     def golden_dirs(self) -> tuple[Path, ...]:
@@ -105,24 +109,23 @@ class Discovery:
 _KINDS = {"export target": "target"}
 
 
-def discover() -> Discovery:
+def discover(registries: Registries | None = None) -> Discovery:
     """Load every registry (idempotent) and describe what is there.
 
-    Reads :func:`exportlm.inventory.plugin_inventory`, the one inventory that
-    ``exportlm list`` and the ``plugin_loads`` check read too.
-    """
-    from exportlm.engines import engines_taking
-    from exportlm.export import EXPORT_REGISTRY, get_target_info
-    from exportlm.inventory import plugin_inventory
-    from exportlm.models import (
-        MODEL_REGISTRY,
-        model_expected_failures,
-        model_failure_causes,
-        model_since,
-    )
-    from exportlm.module_exporters import EXPORT_MODULE_REGISTRY
+    ``registries``: the registries to describe (and hand to the run) instead of the
+    process's; the toy families' declared failures are still read by name from the
+    process's family registry.
 
-    records = plugin_inventory()  # loads the registries; broken plugins are recorded
+    Reads the registries once (:meth:`Registries.installed`: the registries of
+    :func:`exportlm.inventory.plugin_inventory`, the one inventory that ``exportlm list``
+    and the ``plugin_loads`` check read too) and carries them for the checks and the run.
+    """
+    from exportlm.models import model_expected_failures, model_failure_causes, model_since
+    from pytest_exportcheck.checks._registries import Registries
+
+    if registries is None:  # loads the registries; broken plugins are recorded
+        registries = Registries.installed()
+    records = registries.records()
     plugins = tuple(
         InstalledPlugin(_KINDS.get(r.kind, r.kind), r.name, r.provider)
         for r in records
@@ -135,19 +138,22 @@ def discover() -> Discovery:
         for r in records
         if r.status != "loaded"
     )
-    models = tuple(MODEL_REGISTRY.names())
-    targets = {name: get_target_info(name) for name in EXPORT_REGISTRY.names()}
+    models = tuple(registries.family_names())
+    targets = {name: registries.target_info(name) for name in registries.target_names()}
     return Discovery(
         targets=targets,
         target_engines={
-            n: tuple(engines_taking(i.artifact_kind, i.scheme)) if i.artifact_kind else ()
+            n: tuple(registries.engines_taking(i.artifact_kind, i.scheme))
+            if i.artifact_kind
+            else ()
             for n, i in targets.items()
         },
         models=models,
-        exporters={e.name: e.obj for e in EXPORT_MODULE_REGISTRY.entries()},
+        exporters={e.name: e.obj for e in registries.module_exporters.entries()},
         plugins=plugins,
         failures=tuple(sorted(failures, key=lambda f: (f.kind, f.name, f.message))),
         model_failures={m: model_expected_failures(m) for m in models},
         model_causes={m: model_failure_causes(m) for m in models},
         model_since={m: model_since(m) for m in models},
+        registries=registries,
     )

@@ -14,7 +14,7 @@ from pytest_exportcheck.run._runner import (
     SEED,
     RunServices,
     build_case,
-    build_toy_model,
+    check_services,
     run_item,
 )
 
@@ -24,6 +24,6 @@ __all__ = [
     "CachedExports",
     "RunServices",
     "build_case",
-    "build_toy_model",
+    "check_services",
     "run_item",
 ]

@@ -46,7 +46,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exportlm.errors import ExportError, UnsafeLockFileError
 from exportlm.safeio import exclusive_lock
@@ -60,6 +60,9 @@ from pytest_exportcheck.run._cache_entry import (
 )
 from pytest_exportcheck.run._versions import VERSIONED, factory_versions, version_of
 from pytest_exportcheck.run._versions import library_versions as library_versions
+
+if TYPE_CHECKING:
+    from pytest_exportcheck.checks._registries import Registries
 
 __all__ = [
     "ArtifactCache",
@@ -159,11 +162,17 @@ class ArtifactCache:
     """
 
     def __init__(
-        self, session_dir: Path, root: Path | None, build_model: Callable[[str, int], Any]
+        self,
+        session_dir: Path,
+        root: Path | None,
+        build_model: Callable[[str, int], Any],
+        registries: Registries,
     ) -> None:
         self.session_dir = session_dir
         self.root = root
         self.build_model = build_model
+        #: where a target's factory and record are looked up, and what exports
+        self.registries = registries
         self._memo: dict[str, Path | BaseException] = {}
         self._fingerprints: dict[tuple[str, int], str] = {}
         self._lock = threading.Lock()
@@ -230,9 +239,8 @@ class ArtifactCache:
         model's weights: once per export, not twice).
         """
         if key is None:
-            from exportlm.export import EXPORT_REGISTRY
-
-            key = self.key(target, EXPORT_REGISTRY.get(target), kwargs, model, seed, device)
+            factory = self.registries.target_factory(target)
+            key = self.key(target, factory, kwargs, model, seed, device)
         with self._lock:
             known = self._memo.get(key)
         if isinstance(known, BaseException):
@@ -261,7 +269,7 @@ class ArtifactCache:
         suffix: str,
         directory: bool,
     ) -> Path:
-        executes_code = _executes_code(target)
+        executes_code = _executes_code(self.registries, target)
         label = model[0] if isinstance(model[0], str) else _class_name(type(model[0]))
         with contextlib.ExitStack() as stack:
             root = self._locked_root(stack, key)
@@ -330,14 +338,12 @@ class ArtifactCache:
     def _export(
         self, target: str, kwargs: Mapping[str, Any], model: tuple[Any, int, str], out: Path
     ) -> Path:
-        from exportlm.export import export_model
-
         name, seed, device = model
         out.parent.mkdir(parents=True, exist_ok=True)
         label = name if isinstance(name, str) else _class_name(type(name))
         logger.info("exporting %s with %s%s", label, target, f" {dict(kwargs)}" if kwargs else "")
         built = self.build_model(name, seed).to(device) if isinstance(name, str) else name
-        returned = Path(export_model(target, built, out, **kwargs))
+        returned = Path(self.registries.export(target, built, out, **kwargs))
         path = returned.resolve()
         if not path.exists():
             raise ArtifactPathError(
@@ -361,11 +367,9 @@ def _fingerprint_of(model: Any) -> str:
     return f"{model_fingerprint(model)}:{code_digest(type(model))}"
 
 
-def _executes_code(target: str) -> bool:
+def _executes_code(registries: Registries, target: str) -> bool:
     """Whether loading ``target``'s artifacts can execute code (its ``TargetInfo``)."""
-    from exportlm.export import get_target_info
-
-    return bool(getattr(get_target_info(target), "executes_code", False))
+    return bool(getattr(registries.target_info(target), "executes_code", False))
 
 
 def _make_read_only(directory: Path) -> None:

@@ -72,7 +72,12 @@ class CachedExports:
     @cached_property
     def cache(self) -> ArtifactCache:
         """Cross-run artifact cache, or in-session only without a cache root."""
-        return ArtifactCache(self.session_dir(), self._dir("artifacts"), self.services.model)
+        return ArtifactCache(
+            self.session_dir(),
+            self._dir("artifacts"),
+            self.services.model,
+            self.services.registries,
+        )
 
     def export(self, spec: ItemSpec, model: Any, **extra: Any) -> Path:
         """``TargetCase.export`` / ``export_instance``: the cached artifact for this target row.
@@ -117,12 +122,9 @@ class CachedExports:
 
     def _key(self, target: str, kwargs: Any, model: Any, device: str) -> str:
         """The artifact cache's key of this export (also the failure memo's)."""
-        from exportlm.export import EXPORT_REGISTRY
-
-        return self.cache.key(target, EXPORT_REGISTRY.get(target), kwargs, model, self.seed, device)
+        factory = self.services.registries.target_factory(target)
+        return self.cache.key(target, factory, kwargs, model, self.seed, device)
 
     def _versions(self, target: str) -> Versions:
         """The library versions in the cache key of ``target``'s exports (the same computation)."""
-        from exportlm.export import EXPORT_REGISTRY
-
-        return factory_versions(EXPORT_REGISTRY.get(target))
+        return factory_versions(self.services.registries.target_factory(target))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ from pytest_exportcheck.run._hypothesis import hypothesis_profile
 if TYPE_CHECKING:
     from pytest_exportcheck.run._exports import CachedExports
 
-__all__ = ["NO_CUDA", "SEED", "RunServices", "build_case", "build_toy_model", "run_item"]
+__all__ = ["NO_CUDA", "SEED", "RunServices", "build_case", "check_services", "run_item"]
 
 #: Seed of every toy model the suite builds.
 SEED = 0
@@ -37,11 +37,13 @@ SEED = 0
 NO_CUDA = "CUDA is not available on this machine (torch.cuda.is_available() is False)"
 
 
-def build_toy_model(name: str, seed: int) -> Any:
-    """A toy model family from ``exportlm.models``, in eval mode."""
-    from exportlm.models import build_model
-
-    return build_model(name, seed=seed)
+def check_services(discovery: Discovery) -> CheckServices:
+    """The checks' services over the registries ``discovery`` read: every lookup of a
+    check and of the run goes to them, and a toy family is built by its factory there."""
+    registries = discovery.registries
+    if registries is None:  # a record built by hand: the process's registries, on first use
+        return CheckServices()
+    return CheckServices(registries.build_model, registries)
 
 
 @dataclass
@@ -52,9 +54,10 @@ class RunServices:
         discovery: the installed targets (their ``accepts``).
         workdir: ``(item name) -> an empty directory`` for the case.
         goldens: the golden store handed to every case.
-        checks: what the checks share (toy models, runtimes, item profiles); a
-            target's ``accepts``, the artifact cache's key and its export all use
-            its one build of each toy model.
+        checks: what the checks share (the registries, toy models, runtimes, item
+            profiles); a target's ``accepts``, the artifact cache's key and its export
+            all use its one build of each toy model. Default: :func:`check_services`
+            of ``discovery``.
         exports: the suite's cached exports, or ``None`` (checks export afresh).
         seed: the toy models' seed.
     """
@@ -62,9 +65,13 @@ class RunServices:
     discovery: Discovery
     workdir: Callable[[str], Path]
     goldens: Any
-    checks: CheckServices = field(default_factory=lambda: CheckServices(build_toy_model))
+    checks: CheckServices = None  # type: ignore[assignment]  # None: set in __post_init__
     exports: CachedExports | None = None
     seed: int = SEED
+
+    def __post_init__(self) -> None:
+        if self.checks is None:
+            self.checks = check_services(self.discovery)
 
     def refusal(self, target: str, model: str) -> str | None:
         """Why ``target`` does not accept toy family ``model`` (its ``accepts``), or ``None``;

@@ -21,9 +21,8 @@ import pytest
 
 from pytest_exportcheck._outcome import raise_outcome
 from pytest_exportcheck.checks import CheckResult
-from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.plan import CaseOptions, Discovery, case_options
-from pytest_exportcheck.run import SEED, CachedExports, RunServices, build_toy_model, run_item
+from pytest_exportcheck.run import SEED, CachedExports, RunServices, check_services, run_item
 from pytest_exportcheck.session.environment._golden_setup import golden_store
 from pytest_exportcheck.session.environment._scratch import Scratch
 from pytest_exportcheck.session.nodes._nodes import CheckFailed, ExportCheckItem
@@ -56,7 +55,7 @@ class SuiteRunner:
     @cached_property
     def services(self) -> RunServices:
         """The process's services (built on first use: pytest's temp dirs exist by then)."""
-        checks = CheckServices(build_toy_model)
+        checks = check_services(self.discovery)  # the registries discovery read, once
         exports = CachedExports(
             self.discovery,
             checks,

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 from torch import nn
 
-from exportlm.module_exporters import ModuleExporter
+from exportlm.module_exporters import ExportModuleRegistry, ModuleExporter
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
 from pytest_exportcheck.checks._common import CheckAbort, error_text
-from pytest_exportcheck.checks._survey import Survey, copy_registry
+from pytest_exportcheck.checks._survey import Survey
 
 __all__ = [
     "EXAMPLES_HOOK",
@@ -91,6 +91,6 @@ def describe_exporter(exporter: ModuleExporter | None) -> str:
     return "no exporter" if exporter is None else repr(exporter)
 
 
-def string_keys() -> set[str]:
-    """Every class-name key of the dispatch registry."""
-    return {k for e in copy_registry().entries() for k in e.keys if isinstance(k, str)}
+def string_keys(registry: ExportModuleRegistry) -> set[str]:
+    """Every class-name key of the dispatch ``registry``."""
+    return {k for e in registry.entries() for k in e.keys if isinstance(k, str)}

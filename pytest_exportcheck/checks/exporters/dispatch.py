@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given
 from torch import nn
 
-from exportlm.module_exporters import ExporterEntry, ModuleExporter
+from exportlm.module_exporters import ExporterEntry, ExportModuleRegistry, ModuleExporter
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import aborts_to_result, listed
 from pytest_exportcheck.checks._survey import Survey, copy_registry, exporter_entry, survey_for
@@ -61,8 +61,8 @@ def mro_match(case: ExporterCase) -> CheckResult:
     examples = claimed_examples(case, exporter, survey)
     if not examples:
         return no_examples(case, survey)
-    registry = copy_registry()
-    avoid = string_keys()
+    registry = copy_registry(case.services.registries.module_exporters)
+    avoid = string_keys(registry)
     for where, module in examples:
         failure = run_property(_subclass_property(registry, exporter, module, where, avoid))
         if failure:
@@ -112,10 +112,10 @@ def name_match(case: ExporterCase) -> CheckResult:
     bases = _neutral_bases(entry)
     if not bases:
         return CheckResult.skipped(f"{entry.describe()} matches every nn.Module by its keys")
-    registry = copy_registry()
+    registry = copy_registry(case.services.registries.module_exporters)
 
     @model_settings(max_examples=2 * _EXAMPLES_PER_TYPE, database=None)
-    @given(module_class_trees(bases, contains=sorted(words), avoid=string_keys() | words))
+    @given(module_class_trees(bases, contains=sorted(words), avoid=string_keys(registry) | words))
     def prop(cls: type) -> None:
         got = registry.match(cls())
         if got is exporter:
@@ -147,10 +147,14 @@ class _PredicateTally:
     """Counts and problems of ``predicate_match``, with the first exception a predicate raised."""
 
     def __init__(
-        self, entry: ExporterEntry, exporter: ModuleExporter, predicate: Callable[[nn.Module], Any]
+        self,
+        registry: ExportModuleRegistry,
+        entry: ExporterEntry,
+        exporter: ModuleExporter,
+        predicate: Callable[[nn.Module], Any],
     ) -> None:
         self.entry, self.exporter, self.predicate = entry, exporter, predicate
-        self.single = copy_registry([entry])
+        self.single = copy_registry(registry, [entry])
         self.counts = {"keys": 0, "predicate": 0, "claimed": 0}
         self.problems: list[str] = []
         self.exception: BaseException | None = None
@@ -198,7 +202,8 @@ def predicate_match(case: ExporterCase) -> CheckResult:
     if entry.predicate is None:
         return CheckResult.skipped(f"{entry.describe()} has no predicate; keys alone decide")
     survey = survey_for(case)
-    tally = _PredicateTally(entry, exporter, entry.predicate)
+    registry = case.services.registries.module_exporters
+    tally = _PredicateTally(registry, entry, exporter, entry.predicate)
     for where, module in _all_modules(survey, claimed_examples(case, exporter, survey)):
         tally.visit(where, module)
     counts = tally.counts

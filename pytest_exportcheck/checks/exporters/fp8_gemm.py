@@ -27,6 +27,7 @@ from torch import nn
 from exportlm.quant import quantize_tensor
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, attempt
+from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.checks._support import require_cuda_capability
 from pytest_exportcheck.checks._survey import exporter_entry, selected_models, survey_of
 
@@ -269,7 +270,10 @@ def fp8_gemm(case: ExporterCase) -> CheckResult:
         what="fp8_gemm (torch._scaled_mm)",
         require=bool(case.options.get("require_device")),
     )
-    survey = survey_of(selected_models(case), case.seed, ("fp8",), device=case.device)
+    fresh = CheckServices(registries=case.services.registries)  # nothing shared, as before
+    survey = survey_of(
+        selected_models(case), case.seed, ("fp8",), device=case.device, services=fresh
+    )
     results: list[Fp8GemmComparison] = []
     skipped: list[str] = []
     for q in survey.quantized:

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exportlm.module_exporters import EXPORT_MODULE_REGISTRY
 from exportlm.quant import PORTABLE_MARGIN, awq_margin
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import (
@@ -44,6 +43,7 @@ from pytest_exportcheck.checks._common import (
     error_text,
     golden_result,
 )
+from pytest_exportcheck.checks._registries import Registries
 from pytest_exportcheck.checks._survey import (
     Calibration,
     QuantizedModel,
@@ -144,10 +144,10 @@ def _store(case: ExporterCase) -> GoldenStore | None:
     return case.goldens if isinstance(case.goldens, GoldenStore) else None
 
 
-def _owner(name: str) -> str | None:
-    """The distribution that provides exporter ``name`` (``exportlm`` for built-ins)."""
+def _owner(case: ExporterCase) -> str | None:
+    """The distribution that provides the case's exporter (``exportlm`` for built-ins)."""
     try:
-        entry = EXPORT_MODULE_REGISTRY.entry(name)
+        entry = case.services.registries.module_exporters.entry(case.name)
     except Exception:
         return None
     if entry.builtin:
@@ -197,20 +197,19 @@ def _written_configs(case: ExporterCase, q: QuantizedModel, golden: GoldenCase) 
     one checkpoint write per quantized model (the key holds it) and ``case.services``."""
     return case.services.memo(
         ("golden configs", q.model, golden.format),
-        lambda: _write_configs(q, golden, case.workdir),
+        lambda: _write_configs(case.services.registries, q, golden, case.workdir),
     )
 
 
-def _write_configs(q: QuantizedModel, golden: GoldenCase, workdir: Path) -> dict[str, Any]:
-    from exportlm.export import ensure_exporters_registered, export_model, get_target_info
-
-    ensure_exporters_registered()
-    info = get_target_info("hf_checkpoint")
+def _write_configs(
+    registries: Registries, q: QuantizedModel, golden: GoldenCase, workdir: Path
+) -> dict[str, Any]:
+    info = registries.target_info("hf_checkpoint")
     if info.accepts is not None and info.accepts(q.model):
         return {}  # not a Hugging Face model: the driver's summary is the config
     workdir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"golden-{golden.id}-", dir=workdir))
-    out = export_model("hf_checkpoint", q.model, scratch / "checkpoint", format=golden.format)
+    out = registries.export("hf_checkpoint", q.model, scratch / "checkpoint", format=golden.format)
     configs: dict[str, Any] = {}
     hf_quant = out / "hf_quant_config.json"
     if hf_quant.exists():
@@ -298,10 +297,10 @@ def golden_checkpoint(case: ExporterCase) -> CheckResult:
             data = _checkpoint_data(case, q, golden, names)
         except Exception as err:
             return CheckResult.failed(f"golden case {golden.id}: {error_text(err)}", exception=err)
-        outcome = store.check(f"checkpoint/{golden.id}/{case.name}", data, owner=_owner(case.name))
+        outcome = store.check(f"checkpoint/{golden.id}/{case.name}", data, owner=_owner(case))
         result = golden_result(outcome)
         results.append((golden.id, result))
-    own = conformance_golden(case, store, owner=_owner(case.name))
+    own = conformance_golden(case, store, owner=_owner(case))
     if own is not None:
         results.append(("conformance", own))
     if not results:
@@ -364,4 +363,4 @@ def golden_calibration(case: ExporterCase) -> CheckResult:
         "tolerance": {"rtol": CALIBRATION_RTOL, "atol": CALIBRATION_ATOL},
         "cases": cases,
     }
-    return golden_result(store.check(f"calibration/{case.name}", data, owner=_owner(case.name)))
+    return golden_result(store.check(f"calibration/{case.name}", data, owner=_owner(case)))

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from exportlm.errors import TiedWeightsError
-from exportlm.models import build_model
 from exportlm.module_exporters import DictSink, export_quantized_state, resolve_tied_weights
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import aborts_to_result, listed
+from pytest_exportcheck.checks._registries import Registries
 from pytest_exportcheck.checks._survey import (
     ExportCall,
     QuantizedModel,
@@ -122,8 +122,10 @@ def _tie_problems(q: QuantizedModel) -> list[str]:
     return problems
 
 
-def _untied_copy(model_name: str, seed: int) -> tuple[nn.Module, str] | None:
-    model = build_model(model_name, seed=seed)
+def _untied_copy(
+    registries: Registries, model_name: str, seed: int
+) -> tuple[nn.Module, str] | None:
+    model: nn.Module = registries.build_model(model_name, seed)
     groups = tie_groups(model)
     if not groups:
         return None
@@ -136,17 +138,19 @@ def _untied_copy(model_name: str, seed: int) -> tuple[nn.Module, str] | None:
     return model, target
 
 
-def _untied_problems(model_name: str, seed: int) -> tuple[list[str], BaseException | None]:
+def _untied_problems(
+    registries: Registries, model_name: str, seed: int
+) -> tuple[list[str], BaseException | None]:
     """Exporting a copy whose declared tie was broken must raise ``TiedWeightsError``.
 
     The problem, and the exception raised instead of ``TiedWeightsError``, if any.
     """
-    untied = _untied_copy(model_name, seed)
-    if untied is None or not resolve_tied_weights(build_model(model_name, seed=seed)):
+    untied = _untied_copy(registries, model_name, seed)
+    if untied is None or not resolve_tied_weights(registries.build_model(model_name, seed)):
         return [], None
     model, target = untied
     try:
-        export_quantized_state(model, DictSink())
+        export_quantized_state(model, DictSink(), registry=registries.module_exporters)
     except TiedWeightsError:
         return [], None
     except Exception as err:
@@ -187,7 +191,7 @@ def tied_weights(case: ExporterCase) -> CheckResult:
     problems = [p for q in relevant for p in _tie_problems(q)]
     causes = [q.exception for q in relevant]
     for model_name in sorted({q.model_name for q in relevant} - {CONFORMANCE_LABEL}):
-        found, raised = _untied_problems(model_name, case.seed)
+        found, raised = _untied_problems(case.services.registries, model_name, case.seed)
         problems += found
         causes.append(raised)
     if problems:

@@ -41,10 +41,11 @@ def precedence(case: ExporterCase) -> CheckResult:
     exporter, entry, index = exporter_entry(case)
     survey = survey_for(case)
     modules = [m for _, m in claimed_examples(case, exporter, survey)]
-    registry = copy_registry()
+    dispatch = case.services.registries.module_exporters
+    registry = copy_registry(dispatch)
     order = registry.exporters()
     problems: list[str] = []
-    if order != copy_registry().exporters():
+    if order != copy_registry(dispatch).exporters():
         problems.append("two copies of the registry list the exporters in different orders")
     registry.register(exporter, *entry.keys, predicate=entry.predicate)
     if registry.exporters() != order:
@@ -59,7 +60,7 @@ def precedence(case: ExporterCase) -> CheckResult:
     stolen = [type(m).__name__ for m in modules if registry.match(m) is not probe]
     if stolen:
         problems.append(f"a prepended entry with the same keys did not win {stolen}")
-    appended = copy_registry()
+    appended = copy_registry(dispatch)
     appended.register(probe, *entry.keys, predicate=entry.predicate)
     if appended.exporters()[-1] is not probe:
         problems.append("a new entry was not appended last")
@@ -100,7 +101,7 @@ def reachable(case: ExporterCase) -> CheckResult:
     claims = survey.claims_of(case.name)
     if claims:
         return CheckResult.passed(f"claims {len(claims)} module(s) of the toy models")
-    earlier = copy_registry().entries()[:index]
+    earlier = copy_registry(case.services.registries.module_exporters).entries()[:index]
     shadows: dict[str, str] = {}
     for key in entry.keys:
         for other in earlier:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from exportlm.module_exporters import ModuleExporter
+from exportlm.module_exporters import ExportModuleRegistry, ModuleExporter
 from exportlm.quant import is_quantized_module
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
 from pytest_exportcheck.checks._common import CheckAbort, error_text, golden_result
@@ -74,11 +74,16 @@ VALUE_ATOL = 1e-6
 def conformance_export(case: ExporterCase, exporter: ModuleExporter) -> QuantizedModel | None:
     """The recorded export of the exporter's ``conformance_model(case.seed)`` (``None``:
     it has none); a failed check when the method raises or returns no module."""
-    key = ("conformance", case.name, exporter, case.seed, case.device, registry_state())
-    return case.services.memo(key, lambda: _export(case.name, exporter, case.seed, case.device))
+    registry = case.services.registries.module_exporters
+    key = ("conformance", case.name, exporter, case.seed, case.device, registry_state(registry))
+    return case.services.memo(
+        key, lambda: _export(case.name, exporter, case.seed, case.device, registry)
+    )
 
 
-def _export(name: str, exporter: ModuleExporter, seed: int, device: str) -> QuantizedModel | None:
+def _export(
+    name: str, exporter: ModuleExporter, seed: int, device: str, registry: ExportModuleRegistry
+) -> QuantizedModel | None:
     try:
         model = exporter.conformance_model(seed)
     except Exception as err:
@@ -96,7 +101,8 @@ def _export(name: str, exporter: ModuleExporter, seed: int, device: str) -> Quan
                 "expected an nn.Module holding the modules it exports"
             )
         )
-    return survey_one(CONFORMANCE_LABEL, "own", model.to(device), exporter_names())
+    names = exporter_names(registry)
+    return survey_one(CONFORMANCE_LABEL, "own", model.to(device), names, registry=registry)
 
 
 def toy_claims(name: str, survey: Survey) -> int:

@@ -70,7 +70,9 @@ def _generated_survey(
         model = _quantize_spec(spec, recipe, case.seed)
         if isinstance(model, str):
             return model
-        return survey_one(f"generated:{spec.family}", recipe, model, exporter_names())
+        registry = case.services.registries.module_exporters
+        label = f"generated:{spec.family}"
+        return survey_one(label, recipe, model, exporter_names(registry), registry=registry)
 
     return case.services.memo(("generated", spec, recipe, case.seed, state), compute)
 
@@ -316,7 +318,7 @@ def quantized_generated(case: ExporterCase) -> CheckResult:
         return CheckResult.failed(
             f"module exporter {case.name!r}: {listed(problems)}", exception=own.exception
         )
-    state = registry_state()
+    state = registry_state(case.services.registries.module_exporters)
     tally = Tally()
     budget = generated_budget()
     start = time.perf_counter()

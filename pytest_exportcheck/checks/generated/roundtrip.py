@@ -98,7 +98,7 @@ def _export_traced(
         model = _build(spec, case.seed, case.device)
     except Exception as err:  # a structure the builder cannot take is a bug of the strategy
         return GeneratedFailure(spec, f"building the model raised {error_text(err)}", exception=err)
-    reason = accepts_reason(case.target, model)
+    reason = accepts_reason(case, model)
     if reason:
         return reason
     try:

@@ -34,11 +34,8 @@ import torch
 from torch import nn
 
 from exportlm.export import (
-    EXPORT_REGISTRY,
     TargetInfo,
     accepted_kwargs,
-    export_model,
-    load_exported,
 )
 from exportlm.export.manifest import DIRECTORY_MANIFEST_NAME, MANIFEST_SUFFIX
 from pytest_exportcheck.checks._api import TargetCase
@@ -132,7 +129,7 @@ def multi_file_problems(
     def build() -> nn.Module:
         return smallest_case_model(case, name)
 
-    names, _ = accepted_kwargs(EXPORT_REGISTRY.get(case.target), skip=2)
+    names, _ = accepted_kwargs(case.services.registries.target_factory(case.target), skip=2)
     external = {"external_data": True} if "external_data" in names else {}
     kwargs = {**kwargs, **external}
     notes: list[str] = []
@@ -148,7 +145,9 @@ def multi_file_problems(
         with fail_nth_publish(output, FAILING_STEP) as seen, case.services.phase("export"):
             case.services.profile.count("exports")
             try:
-                export_model(case.target, _other_weights(build()), output, **kwargs)
+                case.services.registries.export(
+                    case.target, _other_weights(build()), output, **kwargs
+                )
             except Exception as raised:
                 err = raised
         if len(seen) < FAILING_STEP:
@@ -176,7 +175,7 @@ def _existing_artifact(
     if case.export_instance is None:
         with case.services.phase("export"):
             case.services.profile.count("exports")
-            export_model(case.target, model, output, **kwargs)
+            case.services.registries.export(case.target, model, output, **kwargs)
         return
     artifact = Path(case.export_instance(model, **external))
     for source in sorted(artifact.parent.iterdir()):
@@ -204,7 +203,7 @@ def _left_problem(case: TargetCase, output: Path, directory: Path, before: dict[
     if changed:
         return f"files of the old artifact were changed or removed: {changed}"
     try:  # written by this check a moment ago: trusted, with or without its manifest
-        load_exported(case.target, output, trust=True, **runtime_kwargs(case))
+        case.services.registries.load(case.target, output, trust=True, **runtime_kwargs(case))
     except Exception as err:
         return f"the old artifact no longer loads: {type(err).__name__}: {err}".splitlines()[0]
     return ""

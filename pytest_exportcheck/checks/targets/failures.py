@@ -9,11 +9,8 @@ from typing import Any
 from torch import nn
 
 from exportlm.export import (
-    EXPORT_REGISTRY,
     TargetInfo,
     accepted_kwargs,
-    export_model,
-    load_exported,
 )
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import (
@@ -103,7 +100,7 @@ def poison_last_parameter(model: nn.Module) -> str:
 
 def _overwrite_kwargs(case: TargetCase) -> dict[str, Any]:
     """``overwrite=True`` for factories that take it, so the replace path is exercised."""
-    names, _ = accepted_kwargs(EXPORT_REGISTRY.get(case.target), skip=2)
+    names, _ = accepted_kwargs(case.services.registries.target_factory(case.target), skip=2)
     return {"overwrite": True} if "overwrite" in names else {}
 
 
@@ -123,7 +120,7 @@ def _failing_export(case: TargetCase, model: nn.Module, output: Path) -> BaseExc
     with case.services.phase("export"):
         case.services.profile.count("exports")
         try:
-            export_model(case.target, model, output, **kwargs)
+            case.services.registries.export(case.target, model, output, **kwargs)
         except Exception as err:
             return err
     return None
@@ -240,7 +237,9 @@ def unknown_kwargs(case: TargetCase) -> CheckResult:
     problems, cause = _refusal(
         "export",
         "export",
-        lambda: export_model(case.target, model, output, **case.export_kwargs, **bad),
+        lambda: case.services.registries.export(
+            case.target, model, output, **case.export_kwargs, **bad
+        ),
     )
     if listing(directory):
         problems.append(f"the refused export wrote {listing(directory)}")
@@ -254,7 +253,7 @@ def unknown_kwargs(case: TargetCase) -> CheckResult:
         found, raised = _refusal(
             "runtime loader",
             "the runtime loader",
-            lambda: load_exported(case.target, artifact, **bad),
+            lambda: case.services.registries.load(case.target, artifact, **bad),
         )
         problems += found
         cause = cause or raised

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from exportlm.export import EXPORT_REGISTRY, accepted_kwargs
+from exportlm.export import accepted_kwargs
 from exportlm.inspection import InspectionReport, inspect_checkpoint
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result
@@ -58,7 +58,7 @@ def layout_options(case: TargetCase, recipe: str) -> dict[str, Any] | str:
     layout = RECIPE_LAYOUTS.get(recipe)
     if layout is None or target_info(case).artifact != "directory":
         return {}
-    names, var_kw = accepted_kwargs(EXPORT_REGISTRY.get(case.target), skip=2)
+    names, var_kw = accepted_kwargs(case.services.registries.target_factory(case.target), skip=2)
     if "format" in names or var_kw:
         return {"format": layout}
     return (

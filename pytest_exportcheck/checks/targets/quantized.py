@@ -78,7 +78,7 @@ def _quantized(case: TargetCase, name: str, recipe: str) -> nn.Module | str:
                 f"quantizing {name!r} with {recipe} raised {error_text(err)}", exception=err
             )
         ) from err
-    reason = accepts_reason(case.target, quantized)
+    reason = accepts_reason(case, quantized)
     return f"target {case.target_id!r} refuses {recipe}: {reason}" if reason else quantized
 
 

@@ -8,14 +8,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from exportlm.export import (
-    EXPORT_REGISTRY,
-    RUNTIME_REGISTRY,
-    TargetInfo,
-    check_kwargs,
-    ensure_exporters_registered,
-    get_target_info,
-)
+from exportlm.export import TargetInfo, check_kwargs
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import aborts_to_result, attempt
 
@@ -32,14 +25,13 @@ def plugin_loads(case: TargetCase) -> CheckResult:
     claims a name already registered (e.g. ``onnx``). The plugin also reports
     every broken plugin as a failing ``plugin_loads`` item of its own.
     """
-    from exportlm.inventory import plugin_inventory
-
+    registries = case.services.registries
     errors = [
         r
-        for r in plugin_inventory()
+        for r in registries.records()
         if r.status != "loaded"
         and r.name == case.target
-        and r.kind in (EXPORT_REGISTRY.kind, RUNTIME_REGISTRY.kind)
+        and r.kind in (registries.targets.kind, registries.runtimes.kind)
     ]
     if errors:
         texts = [f"{r.kind}: {r.message}" for r in errors]
@@ -67,7 +59,7 @@ def _info_problems(case: TargetCase, info: TargetInfo) -> Iterable[str]:
         yield f"accepts={info.accepts!r} is not callable"
     if case.variant is not None and case.variant not in info.variants:
         yield f"variant {case.variant!r} is not declared; declared: {sorted(info.variants)}"
-    factory = EXPORT_REGISTRY.get(case.target)
+    factory = case.services.registries.target_factory(case.target)
     for variant, kwargs in info.variants.items():
         try:
             check_kwargs(f"variant {variant!r}", factory, kwargs)
@@ -75,7 +67,7 @@ def _info_problems(case: TargetCase, info: TargetInfo) -> Iterable[str]:
             yield f"variant {variant!r} passes options the factory refuses: {err}"
 
 
-def _callable_problems(factory: Any, info: TargetInfo) -> Iterable[str]:
+def _callable_problems(runtimes: Any, factory: Any, info: TargetInfo) -> Iterable[str]:
     """The factory and the declared runtime loader, against the contract's signatures."""
     if not callable(factory):
         yield f"the factory {factory!r} is not callable"
@@ -83,13 +75,13 @@ def _callable_problems(factory: Any, info: TargetInfo) -> Iterable[str]:
         why = _binds(factory, object(), Path("model"))
         if why:
             yield f"the factory cannot be called as (model, output_path): {why}"
-    if info.runtime not in RUNTIME_REGISTRY:
-        failed = RUNTIME_REGISTRY.failed().get(info.runtime)
+    if info.runtime not in runtimes:
+        failed = runtimes.failed().get(info.runtime)
         yield f"runtime {info.runtime!r} is not registered" + (
             f" (its plugin failed: {failed})" if failed else ""
         )
         return
-    loader = RUNTIME_REGISTRY.get(info.runtime)
+    loader = runtimes.get(info.runtime)
     why = _binds(loader, Path("model")) if callable(loader) else "not callable"
     if why:
         yield f"runtime {info.runtime!r} cannot be called as (artifact): {why}"
@@ -106,10 +98,15 @@ def registered(case: TargetCase) -> CheckResult:
     >= 0, a callable ``accepts``, the case's variant declared, and every variant's
     kwargs accepted by the factory).
     """
-    ensure_exporters_registered()
-    factory = attempt(f"EXPORT_REGISTRY.get({case.target!r})", EXPORT_REGISTRY.get, case.target)
-    info = attempt(f"get_target_info({case.target!r})", get_target_info, case.target)
-    problems = [*_callable_problems(factory, info), *_info_problems(case, info)]
+    registries = case.services.registries
+    factory = attempt(
+        f"EXPORT_REGISTRY.get({case.target!r})", registries.target_factory, case.target
+    )
+    info = attempt(f"get_target_info({case.target!r})", registries.target_info, case.target)
+    problems = [
+        *_callable_problems(registries.runtimes, factory, info),
+        *_info_problems(case, info),
+    ]
     if problems:
         return CheckResult.failed(f"target {case.target_id!r}: " + "; ".join(problems))
     return CheckResult.passed(

@@ -132,7 +132,7 @@ def cache_wrapper(case: TargetCase) -> CheckResult:
     decoder = DecoderModel()
     seeded_init_(decoder, case.seed)
     model = CacheByDefaultDecoder(decoder).eval().to(case.device)
-    reason = accepts_reason(case.target, model)
+    reason = accepts_reason(case, model)
     if reason:
         return CheckResult.skipped(
             f"target {case.target_id!r} does not take a plain torch decoder "

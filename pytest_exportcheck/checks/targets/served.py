@@ -39,7 +39,6 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from exportlm.engines import (
-    ENGINE_REGISTRY,
     ArtifactKind,
     Engine,
     Outcome,
@@ -47,9 +46,6 @@ from exportlm.engines import (
     Served,
     Support,
     artifact_kind,
-    engines_taking,
-    ensure_engines_registered,
-    get_engine,
     parse_engine_options,
     resolve_engine,
     serve_and_compare,
@@ -241,8 +237,7 @@ def _kind(target: str, artifact: _Artifact, path: Path, family: str) -> Artifact
 def _overrides(case: TargetCase) -> dict[str, str]:
     """``--export-engine`` paths; those of an engine plugin that failed to load are left
     out (its own failing ``plugin_loads[engine:<name>]`` item carries its error)."""
-    ensure_engines_registered()
-    broken = ENGINE_REGISTRY.failed()
+    broken = case.services.registries.engines.failed()
     given = [
         v for v in case.options.get("engines") or () if v.partition("=")[0].strip() not in broken
     ]
@@ -261,7 +256,7 @@ def _resolve(case: TargetCase, overrides: dict[str, str]) -> list[Resolved]:
     found: list[Resolved] = []
     for engine in _engines(case):
         try:
-            found.append(resolve_engine(engine, overrides))
+            found.append(resolve_engine(case.services.registries.engine(engine), overrides))
         except ExportLMError as err:  # a given path that is no interpreter
             raise CheckAbort(CheckResult.failed(f"{case.target_id}: {error_text(err)}")) from err
     ready = [f for f in found if f.status == "ready"]
@@ -280,7 +275,9 @@ def _engines(case: TargetCase) -> list[str]:
     if case.engine is not None:
         return [case.engine]
     info = target_info(case)
-    return engines_taking(info.artifact_kind, info.scheme) if info.artifact_kind else []
+    if not info.artifact_kind:
+        return []
+    return case.services.registries.engines_taking(info.artifact_kind, info.scheme)
 
 
 @check("served")
@@ -314,7 +311,7 @@ def served(case: TargetCase) -> CheckResult:
     results: list[tuple[str, Served]] = []
     unfit: list[str] = []
     for found in _resolve(case, overrides):
-        engine = get_engine(found.engine)
+        engine = case.services.registries.engine(found.engine)
         for artifact in _artifacts(case, name):
             if not _rows(engine, target, artifact.layout, artifact.scheme):
                 continue

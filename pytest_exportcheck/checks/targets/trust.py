@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from exportlm.errors import UntrustedArtifactError
-from exportlm.export import load_exported
 from exportlm.export.manifest import manifest_path
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import aborts_to_result, error_text
@@ -173,7 +172,7 @@ def trust(case: TargetCase) -> CheckResult:
         return CheckResult.passed("nothing in the artifact executes code when loaded")
     copy = _unsigned_copy(artifact, case.workdir / "trust")
     try:
-        load_exported(case.target, copy, **runtime_kwargs(case))
+        case.services.registries.load(case.target, copy, **runtime_kwargs(case))
     except UntrustedArtifactError as err:
         if copy.name not in str(err):
             return CheckResult.failed(f"the refusal does not name the file {copy.name}: {err}")

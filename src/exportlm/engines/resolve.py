@@ -16,7 +16,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,17 +27,18 @@ from exportlm.engines.spec import Engine
 __all__ = ["Resolved", "engines_taking", "installed_version", "resolve_engine"]
 
 
-def engines_taking(target: str, scheme: str | None = None) -> list[str]:
+def engines_taking(
+    target: str, scheme: str | None = None, *, engines: Iterable[Engine] | None = None
+) -> list[str]:
     """The registered engines whose support table has a row for artifacts of ``target``
     (a target's declared ``TargetInfo.artifact_kind``: ``"hf_checkpoint"``, ``"onnx"``);
-    with ``scheme`` (a target whose every artifact is quantized so), a row for that scheme."""
+    with ``scheme`` (a target whose every artifact is quantized so), a row for that scheme.
+    ``engines``: the records to choose from (default: every registered engine)."""
+    records = [get_engine(n) for n in engine_names()] if engines is None else list(engines)
     return [
-        n
-        for n in engine_names()
-        if any(
-            r.target == target and (scheme is None or r.scheme == scheme)
-            for r in get_engine(n).table
-        )
+        e.name
+        for e in records
+        if any(r.target == target and (scheme is None or r.scheme == scheme) for r in e.table)
     ]
 
 

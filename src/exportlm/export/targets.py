@@ -48,6 +48,8 @@ __all__ = [
     "export_target",
     "get_target_info",
     "load_exported",
+    "load_with",
+    "registered_info",
     "runtime_loader",
 ]
 
@@ -66,10 +68,13 @@ def get_target_info(name_or_factory: str | Callable[..., Any]) -> TargetInfo:
     return info
 
 
-def _registered_info(name: str, factory: Callable[..., Any]) -> TargetInfo:
-    """The declaration of ``factory`` as registered under ``name``."""
+def registered_info(name: str, factory: Callable[..., Any]) -> TargetInfo:
+    """The declaration of ``factory`` as registered under ``name`` (in any registry)."""
     # Registered without a declaration: defaults, runtime named after the target.
     return declared_info(factory, name) or TargetInfo(name=name, runtime=name)
+
+
+_registered_info = registered_info
 
 
 def _validate_factory(name: str, obj: Any) -> Callable[..., Any]:
@@ -200,9 +205,21 @@ def load_exported(
         MissingDependencyError: the runtime needs an optional package that is not
             installed (e.g. onnxruntime for ``onnx``).
     """
-    loader = runtime_loader(name)
-    check_kwargs(f"runtime of target {name!r}", loader, kwargs, skip=1)
-    with verified_load(get_target_info(name), Path(path), trust=trust) as manifest:
+    return load_with(get_target_info(name), runtime_loader(name), path, trust=trust, **kwargs)
+
+
+def load_with(
+    info: TargetInfo,
+    loader: Callable[..., Any],
+    path: str | os.PathLike[str],
+    *,
+    trust: bool = False,
+    **kwargs: Any,
+) -> RuntimeCallable:
+    """:func:`load_exported` with the target's record and runtime loader given, not looked up
+    (the plugin's checks load through the registries they were handed)."""
+    check_kwargs(f"runtime of target {info.name!r}", loader, kwargs, skip=1)
+    with verified_load(info, Path(path), trust=trust) as manifest:
         runtime = loader(Path(path), **kwargs)
     if manifest is not None and manifest.vocab_size and hasattr(runtime, "vocab_size"):
         runtime.vocab_size = manifest.vocab_size  # runtimes refuse ids outside it

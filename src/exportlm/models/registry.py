@@ -46,6 +46,7 @@ __all__ = [
     "model_failure_causes",
     "model_names",
     "model_since",
+    "family_tolerance_scale",
     "model_tolerance_scale",
     "model_traits",
     "register_builtin_models",
@@ -269,7 +270,12 @@ def model_tolerance_scale(name: str) -> float:
     ensure_models_registered()
     if name not in MODEL_REGISTRY:
         return 1.0
-    scale = getattr(MODEL_REGISTRY.get(name), "tolerance_scale", 1.0)
+    return family_tolerance_scale(MODEL_REGISTRY.get(name))
+
+
+def family_tolerance_scale(factory: Any) -> float:
+    """:func:`model_tolerance_scale` of a family's factory (from any registry)."""
+    scale = getattr(factory, "tolerance_scale", 1.0)
     ok = isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
     return max(1.0, float(scale)) if ok else 1.0
 
