@@ -46,6 +46,7 @@ class Registries:
         families: toy model families (name -> factory), as ``MODEL_REGISTRY``.
         engines: serving engines (name -> ``Engine``), as ``ENGINE_REGISTRY``.
         formats: quantization formats, as ``QUANT_FORMATS`` (inventoried only).
+        recipes: quantization recipes, as ``RECIPE_REGISTRY`` (inventoried only).
     """
 
     targets: Registry[Any]
@@ -54,14 +55,15 @@ class Registries:
     families: Registry[Any]
     engines: Registry[Engine]
     formats: Registry[Any]
+    recipes: Registry[Any] | None = None
 
     @classmethod
     def installed(cls) -> Registries:
         """The process's registries, loaded (built-ins and entry points; idempotent)."""
         from exportlm.inventory import registries
 
-        targets, runtimes, exporters, families, engines, formats = registries()
-        return cls(targets, runtimes, exporters, families, engines, formats)  # type: ignore[arg-type]
+        targets, runtimes, exporters, families, engines, formats, recipes = registries()
+        return cls(targets, runtimes, exporters, families, engines, formats, recipes)  # type: ignore[arg-type]
 
     # -- the inventory -----------------------------------------------------------
     def records(self) -> list[PluginRecord]:
@@ -74,6 +76,7 @@ class Registries:
             self.families,
             self.engines,
             self.formats,
+            *([self.recipes] if self.recipes is not None else []),
         )
         return [record for registry in every for record in registry.records()]
 
