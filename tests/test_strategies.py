@@ -136,7 +136,10 @@ def test_model_specs_cover_the_structures_the_toy_models_lack() -> None:
     layers: set[int] = set()
     real: dict[str, set[object]] = {"hidden": set(), "intermediate": set(), "gqa": set()}
 
-    @model_settings(max_examples=80)
+    # Derandomized, and enough draws: Hypothesis does not draw uniformly (it favours the
+    # first elements and repeats simple examples), and at 80 random examples a draw with
+    # no intermediate size of 320 came up in about one run in three.
+    @model_settings(max_examples=250, derandomize=True, database=None)
     @given(model_specs())
     def collect(spec: ModelSpec) -> None:
         seen["family"].add(spec.family)
