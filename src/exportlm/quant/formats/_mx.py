@@ -94,7 +94,7 @@ def quantize_mxfp8(
     x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
 ) -> QuantizedTensor:
     """E4M3 codes with E8M0 block scales, saturated at 448; ``scale`` unused."""
-    blocks, scales, codes8 = _shared_scales(x, "mxfp8", block_size or MX_BLOCK, where)
+    blocks, scales, codes8 = _shared_scales(x, "mxfp8", block_size, where)
     scaled = (blocks / scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).reshape(x.shape)
     codes = scaled.to(torch.float8_e4m3fn)
     return QuantizedTensor("mxfp8", codes, codes8, None, MX_BLOCK, tuple(x.shape), x.dtype)
