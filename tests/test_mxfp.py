@@ -23,6 +23,7 @@ from torch import nn
 
 import exportlm
 from exportlm.cli import main
+from exportlm.engines import Verdict, artifact_kind, get_engine
 from exportlm.errors import (
     InvalidModelError,
     MalformedCheckpointError,
@@ -342,3 +343,26 @@ def test_cli_exports_mxfp4_and_verifies_it(
     assert json.loads(capsys.readouterr().out)["verify"]["passed"]
     assert _config(out)["format"] == "mxfp4-pack-quantized"
     assert inspect_checkpoint(out).errors == []
+
+
+@pytest.mark.parametrize(
+    ("recipe", "layout", "scheme", "verdict"),
+    [
+        ("mxfp8", "modelopt", "MXFP8", Verdict.ENGINE_LIMIT),  # vLLM's modelopt_mxfp8: CUDA
+        ("mxfp4", "modelopt", "mxfp4", Verdict.REFUSED),  # not in vLLM's ModelOpt QUANT_ALGOS
+        ("mxfp4", "compressed-tensors", "MXFP4A16", Verdict.ENGINE_LIMIT),
+        ("mxfp8", "compressed-tensors", "MXFP8", Verdict.ENGINE_LIMIT),
+    ],
+)
+def test_the_checkpoint_room_names_the_scheme_and_vllm_s_row_holds_it(
+    recipe: str, layout: str, scheme: str, verdict: Verdict, root: Path
+) -> None:
+    kind = artifact_kind(_exported(recipe, layout, root))
+    assert (kind.layout, kind.scheme) == (layout, scheme)
+    match = get_engine("vllm").support(
+        "hf_checkpoint", layout, scheme, dtype="bfloat16", device="cpu"
+    )
+    assert match.verdict is verdict
+    assert (
+        ("CUDA" in match.reason) if verdict is Verdict.ENGINE_LIMIT else "MXFP4A16" in match.reason
+    )
