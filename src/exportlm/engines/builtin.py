@@ -20,6 +20,7 @@ in a reduced dtype) has a tolerance of its own (``scheme=``), which takes preced
 
 from __future__ import annotations
 
+from exportlm.engines._mx_rows import vllm_mx_rows
 from exportlm.engines._onnx import ONNXRUNTIME_GENAI, OPENVINO, OPTIMUM_ORT
 from exportlm.engines.spec import F32_ATOL, Engine, Support, Tolerance, Verdict
 
@@ -46,10 +47,6 @@ _VLLM_FP8_CPU = (
 )
 _NVFP4_NO_KERNEL = "Failed to find a kernel that can implement the NVFP4 linear layer"
 _VLLM_NVFP4_CPU = f"measured: ValueError: {_NVFP4_NO_KERNEL}. Reasons: (none listed on CPU)"
-_VLLM_MX_CPU = (
-    "source, not measured: its MX schemes state a CUDA compute capability (75 / 80) and the "
-    "CPU build has no MX GEMM"
-)
 _VLLM_INT_DTYPES = ("float16", "bfloat16")  # no float32 path for integer-weight schemes
 # ModelOpt FP8 / NVFP4: get_supported_act_dtypes() is [bfloat16, half] (NVFP4: + float8),
 # min capability 80 / 75: on a GPU, request bfloat16 (the served check does).
@@ -240,46 +237,7 @@ VLLM = Engine(
             ),
             evidence=f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_wNa16.py",
         ),
-        # OCP microscaling (recipes 'mxfp8', 'mxfp4'): CUDA kernels only
-        Support(
-            _HF,
-            _MO,
-            "MXFP8",
-            devices=_GPU,
-            limit=_VLLM_MX_CPU,
-            evidence=f"{_VLLM_SRC}/modelopt.py ModelOptMxFp8Config (QUANT_ALGOS: modelopt_mxfp8)",
-        ),
-        Support(
-            _HF,
-            _MO,
-            "mxfp4",
-            verdict=Verdict.REFUSED,
-            evidence=_MODELOPT_REFUSAL,
-            message=_MODELOPT_REFUSED,
-            instead="compressed-tensors MXFP4A16 (mxfp4-pack-quantized; GPU)",
-        ),
-        Support(
-            _HF,
-            _CT,
-            "MXFP4A16",
-            devices=_GPU,
-            limit=_VLLM_MX_CPU,
-            evidence=(
-                f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_w4a4_mxfp4.py "
-                "(weight-only too: _is_mxfp4 on the weights; min capability 80)"
-            ),
-        ),
-        Support(
-            _HF,
-            _CT,
-            "MXFP8",
-            devices=_GPU,
-            limit=_VLLM_MX_CPU,
-            evidence=(
-                f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_w8a8_mxfp8.py "
-                "(min capability 75)"
-            ),
-        ),
+        *vllm_mx_rows(_MODELOPT_REFUSAL, _MODELOPT_REFUSED),
     ),
     # One process (no EngineCore subprocess to orphan on a timeout), a small KV cache.
     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
