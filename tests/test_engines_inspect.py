@@ -39,6 +39,10 @@ WRITERS: dict[tuple[str | None, str | None], tuple[str | None, str | None, tuple
     ("compressed-tensors", "W8A16"): ("compressed-tensors", "int8_wo", ()),
     # compressed-tensors has no pre_quant_scale: AWQ's scale must fold into a norm
     ("compressed-tensors", "W4A16"): ("compressed-tensors", "int4_awq", ("*o_proj", "*down_proj")),
+    ("modelopt", "MXFP8"): ("modelopt", "mxfp8", ()),
+    ("modelopt", "mxfp4"): ("modelopt", "mxfp4", ()),
+    ("compressed-tensors", "MXFP4A16"): ("compressed-tensors", "mxfp4", ()),
+    ("compressed-tensors", "MXFP8"): ("compressed-tensors", "mxfp8", ()),
 }
 #: The engines' names in inspect's loader list (it appends the version it read them for).
 INSPECT_NAMES = {"vllm": "vLLM", "transformers": "transformers"}

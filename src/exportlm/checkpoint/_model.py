@@ -52,6 +52,14 @@ _CT_PRESETS: Mapping[tuple[str, int, tuple[str, int] | None], str] = {
     ("float", 4, ("float", 4)): "NVFP4",
     ("float", 4, None): "NVFP4A16",
 }
+#: compressed-tensors' MX presets by the group's ``format`` and whether it quantizes inputs:
+#: their args differ from NVFP4's / FP8's only in ``group_size: 32`` and ``scale_dtype: uint8``.
+_CT_MX_PRESETS: Mapping[tuple[str, bool], str] = {
+    ("mxfp4-pack-quantized", False): "MXFP4A16",
+    ("mxfp4-pack-quantized", True): "MXFP4",
+    ("mxfp8-quantized", False): "MXFP8A16",
+    ("mxfp8-quantized", True): "MXFP8",
+}
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,8 @@ class ConfigGroup:
         weights = (self.weights or QuantArgs()).bits()
         acts = self.input_activations.bits() if self.input_activations is not None else None
         key = (*weights, acts)
-        return _CT_PRESETS.get(key, f"unknown {key}")
+        mx = _CT_MX_PRESETS.get((str(self.format), acts is not None))
+        return mx or _CT_PRESETS.get(key, f"unknown {key}")
 
 
 @dataclass(frozen=True)

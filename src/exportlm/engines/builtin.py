@@ -20,6 +20,7 @@ in a reduced dtype) has a tolerance of its own (``scheme=``), which takes preced
 
 from __future__ import annotations
 
+from exportlm.engines._mx_rows import vllm_mx_rows
 from exportlm.engines._onnx import ONNXRUNTIME_GENAI, OPENVINO, OPTIMUM_ORT
 from exportlm.engines.spec import F32_ATOL, Engine, Support, Tolerance, Verdict
 
@@ -236,6 +237,7 @@ VLLM = Engine(
             ),
             evidence=f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_wNa16.py",
         ),
+        *vllm_mx_rows(_MODELOPT_REFUSAL, _MODELOPT_REFUSED),
     ),
     # One process (no EngineCore subprocess to orphan on a timeout), a small KV cache.
     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},

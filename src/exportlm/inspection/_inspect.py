@@ -11,6 +11,7 @@ from typing import Any
 
 from exportlm.errors import InvalidInputError
 from exportlm.inspection._declared import read_declared
+from exportlm.inspection._e8m0 import e8m0_findings
 from exportlm.inspection._files import read_checkpoint
 from exportlm.inspection._layers import layer_findings, quantized_layers
 from exportlm.inspection._onnx import onnx_findings
@@ -110,6 +111,7 @@ def inspect_checkpoint(path: str | Path) -> InspectionReport:
         *layer_findings(checkpoint, declared),
         *kv_findings(checkpoint, declared),
         *value_findings(checkpoint, layers),
+        *e8m0_findings(checkpoint, layers),
     ]
     formats = Counter(
         layer.spec.name if layer.spec else (layer.scheme.label if layer.scheme else "?")

@@ -7,6 +7,7 @@ groups of 128 (or 32 / 64) and AWQ; ``int8_wo`` W8A16 with per-row scales; ``int
 ModelOpt's ``INT8_SMOOTHQUANT_CFG`` (alpha 1.0); ``w8a8`` llm-compressor's W8A8 with
 its ``SmoothQuantModifier`` (alpha 0.5, folded into the norms). The KV-cache recipe
 ``fp8_kv`` quantizes the KV cache to FP8 (whose ``kv_cache`` scheme holds its config fields).
+``mxfp4`` (weight-only) and ``mxfp8`` (dynamic inputs) are the OCP microscaling formats.
 """
 
 from __future__ import annotations
@@ -33,4 +34,8 @@ BUILTIN_RECIPES: tuple[Recipe | KVCacheRecipe, ...] = (
     ),
     Recipe("fp8_dynamic", "fp8_dynamic", "fp8_dynamic", weight_axis=0),
     KVCacheRecipe("fp8_kv", QuantFormat.FP8),
+    # OCP microscaling, E8M0 scales per block of 32: MXFP4 weight-only (gpt-oss), MXFP8
+    # weights with its inputs quantized per block of 32 at run time
+    Recipe("mxfp4", "mxfp4"),
+    Recipe("mxfp8", "mxfp8", "mxfp8"),
 )

@@ -94,6 +94,17 @@ def check_scale(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def check_e8m0_scale(name: str, tensor: torch.Tensor) -> None:
+    """Refuse an E8M0 scale (uint8 biased exponents, the MX formats) holding 255, its NaN."""
+    bad = int((tensor == 255).sum())
+    if bad:
+        raise MalformedCheckpointError(
+            f"scale {name} holds {bad} E8M0 NaN code(s) (255) of {tensor.numel()}: every value "
+            "it scales would be NaN. The checkpoint is corrupted; export it again",
+            field=name,
+        )
+
+
 class ActivationScale(NamedTuple):
     """A static activation scale of the checkpoint: its format, value and block size."""
 
@@ -298,13 +309,19 @@ def _dequantize(
     layout: CheckpointLayout,
 ) -> tuple[torch.Tensor, int | None, list[str]]:
     """``(float32 weight, block size, tensor names read)`` of one quantized weight."""
-    kinds = {leaf.name: leaf.kind for leaf in layout.weight_leaves(spec)}
+    declared = {leaf.name: leaf for leaf in layout.weight_leaves(spec)}
     stored = {
-        leaf: tensors[name] for leaf in kinds if (name := slot.name(leaf, leaves.data)) in tensors
+        leaf: tensors[name]
+        for leaf in declared
+        if (name := slot.name(leaf, leaves.data)) in tensors
     }
     names = [slot.name(leaf, leaves.data) for leaf in stored]
     for leaf, name in zip(stored, names, strict=True):
-        if kinds[leaf] == "scale":
+        if declared[leaf].kind != "scale":
+            continue
+        if declared[leaf].dtype == torch.uint8 and stored[leaf].dtype == torch.uint8:
+            check_e8m0_scale(name, stored[leaf])
+        else:
             check_scale(name, stored[leaf])
     scale = stored.get(_scale_leaf(spec))
     if spec.granularity == "tensor" and scale is not None and scale.numel() > 1:

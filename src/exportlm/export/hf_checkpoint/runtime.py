@@ -232,8 +232,12 @@ def _quantize_inputs_at_run_time(model: Any, dynamic: dict[str, Any]) -> None:
             if fmt is not None:
                 wrapper = module if isinstance(module, QuantLinear) else wrap_module(module, name)
                 found.append((wrapper.input_quantizer, fmt))
+    from exportlm.quant.formats import get_format
+
     for quantizer, fmt in found:
         quantizer.format, quantizer.axis, quantizer.enabled = fmt, None, True
+        # a block format (MXFP8's inputs) quantizes each token in its blocks
+        quantizer.block_size = get_format(fmt).block_size
 
 
 def _expert_inputs(

@@ -12,6 +12,7 @@ from exportlm.quant.formats._fp8_dynamic import FP8_DYNAMIC
 from exportlm.quant.formats._int4 import INT4
 from exportlm.quant.formats._int8 import INT8
 from exportlm.quant.formats._int8_sq import INT8_SQ, INT8_TENSOR, W8A8
+from exportlm.quant.formats._mx import MXFP4, MXFP8
 from exportlm.quant.formats._nvfp4 import NVFP4
 from exportlm.quant.formats._parts import LeafRole
 from exportlm.quant.formats._spec import FormatSpec
@@ -53,6 +54,8 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
     INT8_TENSOR,
     W8A8,
     FP8_DYNAMIC,
+    MXFP4,
+    MXFP8,
 )
 _LOCK = threading.Lock()
 #: ``{recipe name: owner}`` of the records in the recipe registry (installed by it), which a
