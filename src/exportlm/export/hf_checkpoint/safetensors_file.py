@@ -13,18 +13,28 @@ to a multiple of 8 bytes, then the tensor bytes.
 from __future__ import annotations
 
 import json
+import os
 import struct
-from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from exportlm.errors import ExportFailedError
 from exportlm.export._digest import DIGEST, new_hasher
 
-__all__ = ["SAFETENSORS_DTYPES", "FileDigest", "read_safetensors", "write_safetensors"]
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "RESERVE_STEP",
+    "FileDigest",
+    "SpaceAhead",
+    "read_safetensors",
+    "reserve",
+    "write_safetensors",
+]
 
 #: torch dtype -> safetensors dtype tag.
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -86,14 +96,72 @@ def write_safetensors(
     raw += b" " * (-len(raw) % 8)
     prefix = struct.pack("<Q", len(raw)) + raw
     digest = new_hasher(size=len(prefix) + offset)
-    with open(path, "wb") as f, ThreadPoolExecutor(1) as hasher:
-        hashed: list[Future[object]] = []
-        for piece in _pieces(prefix, (tensors[name] for name in order)):
-            hashed.append(hasher.submit(digest.update, piece))  # in order: one worker
-            f.write(piece)
-        for done in hashed:
-            done.result()
+    # not truncated on open: space the shard writer reserved ahead (``reserve``) is kept
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb") as f:
+        with ThreadPoolExecutor(1) as hasher:
+            hashed: list[Future[object]] = []
+            for piece in _pieces(prefix, (tensors[name] for name in order)):
+                hashed.append(hasher.submit(digest.update, piece))  # in order: one worker
+                f.write(piece)
+            for done in hashed:
+                done.result()
+        f.truncate()  # whatever the file held beyond the bytes just written
     return FileDigest(digest.hexdigest(), len(prefix) + offset)
+
+
+#: :class:`SpaceAhead` allocates an open shard's file this many bytes at a time.
+RESERVE_STEP = 32 << 20
+
+
+class SpaceAhead:
+    """A file allocated (:func:`reserve`) on a writer thread while its tensors are collected,
+    then written (:meth:`then`) into the space allocated: the shard writer's open shard.
+
+    Only whole steps of the bytes collected so far are allocated, so the write (a header,
+    then those bytes) always covers the space and the file ends exactly where it does.
+    """
+
+    def __init__(self) -> None:
+        self._done: list[Future[None]] = []
+        self._bytes = 0
+
+    def grow(self, pool: ThreadPoolExecutor, path: Path, collected: int) -> None:
+        """``collected`` bytes are waiting for ``path``: allocate the whole steps not yet queued."""
+        end = collected // RESERVE_STEP * RESERVE_STEP
+        if end > self._bytes:
+            self._done.append(pool.submit(reserve, path, self._bytes, end - self._bytes))
+            self._bytes = end
+
+    def then(self, write: Callable[..., FileDigest], *args: Any) -> FileDigest:
+        """``write(*args)`` (:func:`write_safetensors`) once the allocations queued before it
+        are done: none allocates in the file while it is being written."""
+        wait(self._done)
+        return write(*args)
+
+
+def reserve(path: Path, start: int, length: int) -> None:
+    """Allocate bytes ``[start, start + length)`` of ``path`` (created if missing) ahead of
+    :func:`write_safetensors`, which then writes into space already allocated.
+
+    On tmpfs, allocating (and zeroing) a page costs about as much as copying into it, so a
+    shard writer that reserves its open shard while the exporter converts takes that part of
+    the write off the conversion-then-write chain. Best effort: a filesystem that cannot
+    allocate ahead, or a full one, is left to the write itself, which reports the error.
+    The caller keeps ``start + length`` within what the write will cover.
+    """
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None or length <= 0:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    except OSError:
+        return
+    try:
+        fallocate(fd, start, length)
+    except OSError:
+        pass  # the write reports a full disk, with the shard's name
+    finally:
+        os.close(fd)
 
 
 def _pieces(prefix: bytes, tensors: Iterable[torch.Tensor]) -> Iterable[memoryview]:
