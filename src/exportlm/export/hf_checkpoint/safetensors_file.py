@@ -12,14 +12,18 @@ to a multiple of 8 bytes, then the tensor bytes.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
 import os
 import struct
+import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -145,11 +149,12 @@ def reserve(path: Path, start: int, length: int) -> None:
 
     On tmpfs, allocating (and zeroing) a page costs about as much as copying into it, so a
     shard writer that reserves its open shard while the exporter converts takes that part of
-    the write off the conversion-then-write chain. Best effort: a filesystem that cannot
+    the write off the conversion-then-write chain. Best effort: Linux's ``fallocate(2)``
+    only (never glibc's emulation, which writes a byte per block); a filesystem that cannot
     allocate ahead, or a full one, is left to the write itself, which reports the error.
     The caller keeps ``start + length`` within what the write will cover.
     """
-    fallocate = getattr(os, "posix_fallocate", None)
+    fallocate = _fallocate()
     if fallocate is None or length <= 0:
         return
     try:
@@ -157,11 +162,23 @@ def reserve(path: Path, start: int, length: int) -> None:
     except OSError:
         return
     try:
-        fallocate(fd, start, length)
-    except OSError:
-        pass  # the write reports a full disk, with the shard's name
+        fallocate(fd, 0, start, length)  # -1 (unsupported, full): the write will tell
     finally:
         os.close(fd)
+
+
+@functools.cache
+def _fallocate() -> Callable[[int, int, int, int], int] | None:
+    """Linux's ``fallocate(2)`` from the C library, or ``None`` elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    function.restype = ctypes.c_int
+    return cast("Callable[[int, int, int, int], int]", function)
 
 
 def _pieces(prefix: bytes, tensors: Iterable[torch.Tensor]) -> Iterable[memoryview]:
