@@ -7,7 +7,8 @@ repeat runs, in turn:
 * ``raw``: ``safetensors.torch.save_file`` of the final tensors (what our export
   writes, read back once before timing), the obvious way to write those bytes;
 * ``exportlm``: ``exportlm.export_model("hf_checkpoint", ...)``, manifest included
-  (schema 3: every file's BLAKE3 digest, the model's BLAKE3 hash, the signature);
+  (schema 3: every file's BLAKE3 digest, the signature; the model's BLAKE3 hash only
+  with ``EXPORTLM_MODEL_HASH=1``, which ``--model-hash`` adds as the step ``exportlm+hash``);
 * ``modelopt``: ModelOpt's ``export_hf_checkpoint`` on the same weights quantized with
   ``mtq.FP8_DEFAULT_CFG`` (skipped, with the reason, when ModelOpt does not import).
 
@@ -15,7 +16,8 @@ Prints the median seconds (wall and CPU of the process, all threads), the peak R
 each step adds (sampled every 2 ms), and the ratios against ``raw`` and ModelOpt.
 Goals: exportlm within 1.25x of ``raw``, at least 2x faster than ModelOpt.
 
-Usage: ``python benchmarks/bench_export_disk.py [--repeat 5] [--dir /dev/shm] [--json out.json]``;
+Usage: ``python benchmarks/bench_export_disk.py [--repeat 5] [--dir /dev/shm] [--json out.json]
+[--model-hash]``;
 ``--parts`` prints instead the CPU seconds of the export's parts, each on its own, and
 the two digests (BLAKE3, sha256 of schema 2) of the same bytes; "conversion, then a plain
 write" is the serial chain of a one-shard checkpoint with no digest at all (its header
@@ -77,7 +79,19 @@ def _timed(step: Step, out: Path) -> dict[str, float]:
     return {"seconds": seconds, "cpu_seconds": cpu, "added_rss_mb": sampler.peak - before}
 
 
-def _steps(skip_modelopt: str | None, tmp: Path) -> dict[str, Step]:
+def _with_model_hash(model: Any, out: Path) -> None:
+    import os
+
+    import exportlm
+
+    os.environ["EXPORTLM_MODEL_HASH"] = "1"
+    try:
+        exportlm.export_model("hf_checkpoint", model, out)
+    finally:
+        del os.environ["EXPORTLM_MODEL_HASH"]
+
+
+def _steps(skip_modelopt: str | None, tmp: Path, model_hash: bool = False) -> dict[str, Step]:
     import copy
 
     from safetensors.torch import save_file
@@ -99,6 +113,8 @@ def _steps(skip_modelopt: str | None, tmp: Path) -> dict[str, Step]:
         "raw": (lambda: None, raw),
         "exportlm": (lambda: ours, lambda m, out: exportlm.export_model("hf_checkpoint", m, out)),
     }
+    if model_hash:
+        steps["exportlm+hash"] = (lambda: ours, _with_model_hash)
     if theirs is not None:
         from modelopt.torch.export import export_hf_checkpoint
 
@@ -182,6 +198,9 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where to write")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--parts", action="store_true", help="CPU seconds of each part instead")
+    parser.add_argument(
+        "--model-hash", action="store_true", help="also time exportlm with EXPORTLM_MODEL_HASH=1"
+    )
     args = parser.parse_args()
     if args.parts:
         with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-export-disk-") as tmp:
@@ -192,7 +211,7 @@ def main() -> int:
         print(f"modelopt: skipped ({skip})")
     runs: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-export-disk-") as tmp:
-        steps = _steps(skip, Path(tmp))
+        steps = _steps(skip, Path(tmp), args.model_hash)
         for i in range(args.repeat):
             for name, step in steps.items():  # interleaved: load drifts hit every step alike
                 runs.setdefault(name, []).append(_timed(step, Path(tmp) / f"{name}-{i}"))
@@ -202,12 +221,15 @@ def main() -> int:
     }
     for name, r in results.items():
         print(
-            f"{name:9s} {r['seconds']:7.3f} s  (cpu {r['cpu_seconds']:6.3f} s)  "
+            f"{name:13s} {r['seconds']:7.3f} s  (cpu {r['cpu_seconds']:6.3f} s)  "
             f"+{r['added_rss_mb']:7.1f} MB RSS   median of {args.repeat}"
         )
     ours = results["exportlm"]["seconds"]
     ratios = {"vs_raw": ours / results["raw"]["seconds"]}
     print(f"exportlm / raw write: {ratios['vs_raw']:.2f}x (goal <= 1.25x)")
+    if "exportlm+hash" in results:
+        ratios["hash_vs_raw"] = results["exportlm+hash"]["seconds"] / results["raw"]["seconds"]
+        print(f"exportlm+hash / raw write: {ratios['hash_vs_raw']:.2f}x")
     if "modelopt" in results:
         ratios["modelopt_over_ours"] = results["modelopt"]["seconds"] / ours
         print(f"modelopt / exportlm: {ratios['modelopt_over_ours']:.2f}x (goal >= 2x)")

@@ -75,7 +75,10 @@ def test_an_export_hashes_every_file_as_it_writes_it_and_reads_none_back(
     assert set(manifest.files) == files  # shards, index and configs, nothing else
 
 
-def test_the_recorded_digests_are_the_blake3_of_the_published_files(tmp_path: Path) -> None:
+def test_the_recorded_digests_are_the_blake3_of_the_published_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXPORTLM_MODEL_HASH", "1")  # the model hash is asked for
     model = _fp8_model()
     out = exportlm.export_model("hf_checkpoint", model, tmp_path / "ckpt", max_shard_size="64KB")
     manifest = read_manifest(out)

@@ -47,7 +47,10 @@ def test_manifest_paths(tmp_path: Path) -> None:
     assert manifest_path(tmp_path / "ckpt") == tmp_path / "ckpt" / "exportlm-manifest.json"
 
 
-def test_the_manifest_records_what_the_artifact_is(tmp_path: Path) -> None:
+def test_the_manifest_records_what_the_artifact_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXPORTLM_MODEL_HASH", "1")  # the model hash is asked for
     model = _model()
     path = _export("torchscript", model, tmp_path / "m.pt", method="trace")
     manifest = verify_artifact(path)

@@ -71,7 +71,10 @@ def _schema_2(data: dict[str, Any], root: Path) -> None:
     }
 
 
-def test_schema_3_lists_the_blake3_of_every_file(tmp_path: Path) -> None:
+def test_schema_3_lists_the_blake3_of_every_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXPORTLM_MODEL_HASH", "1")  # the model hash is asked for
     out = _export("hf_checkpoint", tiny_hf_model("llama", num_hidden_layers=1), tmp_path / "c")
     manifest = verify_artifact(out)
     assert MANIFEST_SCHEMA == 3

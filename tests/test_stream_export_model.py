@@ -23,7 +23,10 @@ def _manifest(directory: Path) -> dict[str, object]:
     return dict(json.loads((directory / MANIFEST).read_text()))
 
 
-def test_a_directory_streamed_and_loaded_whole_writes_the_same_bytes(tmp_path: Path) -> None:
+def test_a_directory_streamed_and_loaded_whole_writes_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXPORTLM_MODEL_HASH", "1")  # a whole model is then hashed
     src = llama_directory(tmp_path, tied=False)
     common = {"recipe": "fp8", "max_shard_size": SHARD, "calibration_inputs": "float"}
     whole = export_model("hf_checkpoint", src, tmp_path / "whole", stream=False, **common)
@@ -36,7 +39,10 @@ def test_a_directory_streamed_and_loaded_whole_writes_the_same_bytes(tmp_path: P
     assert not list(tmp_path.glob(".streamed.stream*"))  # the work area is gone once published
 
 
-def test_auto_streams_only_when_the_model_does_not_fit_the_budget(tmp_path: Path) -> None:
+def test_auto_streams_only_when_the_model_does_not_fit_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXPORTLM_MODEL_HASH", "1")  # a whole model is then hashed
     src = llama_directory(tmp_path, tied=True)
     small = export_model("hf_checkpoint", src, tmp_path / "small", recipe="fp8", max_memory="1MB")
     large = export_model("hf_checkpoint", src, tmp_path / "large", recipe="fp8", max_memory="64GB")

@@ -19,16 +19,30 @@ from exportlm.export._digest import new_hasher
 
 __all__ = [
     "HASH_THREADS",
+    "MODEL_HASH_ENV",
     "ModelHashFuture",
     "json_safe",
     "model_hash",
     "model_hash_future",
+    "model_hash_wanted",
     "versions",
 ]
 
 
 #: Threads that hash a model's tensors (``blake3`` releases the GIL on large buffers).
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+#: Set to ``1`` for manifests that record the model's hash (``model_blake3``); unset, ``null``.
+MODEL_HASH_ENV = "EXPORTLM_MODEL_HASH"
+
+
+def model_hash_wanted() -> bool:
+    """Whether exports hash the model for their manifest (:data:`MODEL_HASH_ENV`; off by default).
+
+    Off by default since issue 44: nothing reads ``model_blake3`` (the trust model is
+    every file's digest; the plugin's cache keys on its own hash of the model), and on a
+    loaded machine its read of every weight lengthened a checkpoint export by half.
+    """
+    return os.environ.get(MODEL_HASH_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def model_hash(model: Any, *, threads: int = 1) -> str:

@@ -31,7 +31,12 @@ from typing import Any
 
 from exportlm.errors import InvalidModelError, ManifestSchemaError, UntrustedArtifactError
 from exportlm.export._digest import DIGEST, file_digest
-from exportlm.export._manifest_data import HASH_THREADS, ModelHashFuture, model_hash_future
+from exportlm.export._manifest_data import (
+    HASH_THREADS,
+    ModelHashFuture,
+    model_hash_future,
+    model_hash_wanted,
+)
 from exportlm.export._verified import VerifiedFile, hold, open_artifact, serving
 from exportlm.export.declaration import TargetInfo
 from exportlm.export.manifest import (
@@ -180,8 +185,9 @@ class PendingManifest:
 
         For a target whose export reads every weight anyway: the hash then runs while it
         converts and writes, instead of after. Call it once the export's checks passed.
+        Nothing is hashed unless :data:`~exportlm.export._manifest_data.MODEL_HASH_ENV` is set.
         """
-        if self._model_hash is None and hasattr(self.model, "state_dict"):
+        if self._model_hash is None and hasattr(self.model, "state_dict") and model_hash_wanted():
             self._model_hash = model_hash_future(self.model, threads=threads)
 
     def cancel_model_hash(self) -> None:
@@ -236,7 +242,7 @@ class PendingManifest:
     def _hash_of_model(self) -> str | None:
         if self._model_hash is not None:
             return self._model_hash()
-        if not hasattr(self.model, "state_dict"):
+        if not hasattr(self.model, "state_dict") or not model_hash_wanted():
             return None
         return model_hash(self.model, threads=HASH_THREADS)
 

@@ -11,7 +11,7 @@ What it holds (schema :data:`MANIFEST_SCHEMA`): the one artifact it was written 
 (JSON-safe), versions of exportlm / torch / transformers / the target's runtime library,
 the input names with their dims (names for dynamic ones), the declared tolerance, a
 BLAKE3 digest of the model's structure and weights (:func:`model_hash`: the exact bytes,
-no float comparison), the BLAKE3 digest (:func:`file_digest`) and size of every file of
+no float comparison; only with ``EXPORTLM_MODEL_HASH=1`` since issue 44, else null), the BLAKE3 digest (:func:`file_digest`) and size of every file of
 the artifact, the vocabulary size where known, and an HMAC-SHA256 under this user's key
 (:mod:`~exportlm.export.trustkey`).
 
@@ -175,7 +175,8 @@ def write_manifest(
         target, variant: the export target's name and the variant exported (or ``None``).
         options: the target options (made JSON-safe with :func:`json_safe`).
         tolerance: ``{"atol": ..., "rtol": ...}`` the target declares.
-        model_hash: :func:`model_hash` of the exported model (``None`` if unknown).
+        model_hash: :func:`model_hash` of the exported model (``None`` if unknown or not
+            asked for: ``EXPORTLM_MODEL_HASH``).
         inputs: ``[{"name", "dtype", "shape"}]``; a dynamic dim is a name (``"batch"``).
         runtime_library: the distribution the target's runtime loads with
             (``TargetInfo.runtime_library``), recorded with its version.

@@ -85,7 +85,7 @@ def export_model_weights(job: ExportJob, options: CheckpointOptions) -> WriteSum
     from exportlm.module_exporters import export_quantized_state
 
     model = job.model
-    job.manifest.hash_model_in_background()  # on worker threads while the export runs
+    job.manifest.hash_model_in_background()  # if asked for: on worker threads meanwhile
     writer = ShardedSafetensorsWriter(job.staged, max_shard_size=options.max_shard_size)
     sink = CheckpointSink(CheckpointNamer(model), writer, options.format)
     try:

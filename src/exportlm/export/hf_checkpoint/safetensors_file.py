@@ -12,19 +12,33 @@ to a multiple of 8 bytes, then the tensor bytes.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
+import os
 import struct
-from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+import sys
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
 from exportlm.errors import ExportFailedError
 from exportlm.export._digest import DIGEST, new_hasher
 
-__all__ = ["SAFETENSORS_DTYPES", "FileDigest", "read_safetensors", "write_safetensors"]
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "RESERVE_STEP",
+    "FileDigest",
+    "SpaceAhead",
+    "read_safetensors",
+    "reserve",
+    "write_safetensors",
+]
 
 #: torch dtype -> safetensors dtype tag.
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -86,14 +100,85 @@ def write_safetensors(
     raw += b" " * (-len(raw) % 8)
     prefix = struct.pack("<Q", len(raw)) + raw
     digest = new_hasher(size=len(prefix) + offset)
-    with open(path, "wb") as f, ThreadPoolExecutor(1) as hasher:
-        hashed: list[Future[object]] = []
-        for piece in _pieces(prefix, (tensors[name] for name in order)):
-            hashed.append(hasher.submit(digest.update, piece))  # in order: one worker
-            f.write(piece)
-        for done in hashed:
-            done.result()
+    # not truncated on open: space the shard writer reserved ahead (``reserve``) is kept
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb") as f:
+        with ThreadPoolExecutor(1) as hasher:
+            hashed: list[Future[object]] = []
+            for piece in _pieces(prefix, (tensors[name] for name in order)):
+                hashed.append(hasher.submit(digest.update, piece))  # in order: one worker
+                f.write(piece)
+            for done in hashed:
+                done.result()
+        f.truncate()  # whatever the file held beyond the bytes just written
     return FileDigest(digest.hexdigest(), len(prefix) + offset)
+
+
+#: :class:`SpaceAhead` allocates an open shard's file this many bytes at a time.
+RESERVE_STEP = 32 << 20
+
+
+class SpaceAhead:
+    """A file allocated (:func:`reserve`) on a writer thread while its tensors are collected,
+    then written (:meth:`then`) into the space allocated: the shard writer's open shard.
+
+    Only whole steps of the bytes collected so far are allocated, so the write (a header,
+    then those bytes) always covers the space and the file ends exactly where it does.
+    """
+
+    def __init__(self) -> None:
+        self._done: list[Future[None]] = []
+        self._bytes = 0
+
+    def grow(self, pool: ThreadPoolExecutor, path: Path, collected: int) -> None:
+        """``collected`` bytes are waiting for ``path``: allocate the whole steps not yet queued."""
+        end = collected // RESERVE_STEP * RESERVE_STEP
+        if end > self._bytes:
+            self._done.append(pool.submit(reserve, path, self._bytes, end - self._bytes))
+            self._bytes = end
+
+    def then(self, write: Callable[..., FileDigest], *args: Any) -> FileDigest:
+        """``write(*args)`` (:func:`write_safetensors`) once the allocations queued before it
+        are done: none allocates in the file while it is being written."""
+        wait(self._done)
+        return write(*args)
+
+
+def reserve(path: Path, start: int, length: int) -> None:
+    """Allocate bytes ``[start, start + length)`` of ``path`` (created if missing) ahead of
+    :func:`write_safetensors`, which then writes into space already allocated.
+
+    On tmpfs, allocating (and zeroing) a page costs about as much as copying into it, so a
+    shard writer that reserves its open shard while the exporter converts takes that part of
+    the write off the conversion-then-write chain. Best effort: Linux's ``fallocate(2)``
+    only (never glibc's emulation, which writes a byte per block); a filesystem that cannot
+    allocate ahead, or a full one, is left to the write itself, which reports the error.
+    The caller keeps ``start + length`` within what the write will cover.
+    """
+    fallocate = _fallocate()
+    if fallocate is None or length <= 0:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    except OSError:
+        return
+    try:
+        fallocate(fd, 0, start, length)  # -1 (unsupported, full): the write will tell
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _fallocate() -> Callable[[int, int, int, int], int] | None:
+    """Linux's ``fallocate(2)`` from the C library, or ``None`` elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    function.restype = ctypes.c_int
+    return cast("Callable[[int, int, int, int], int]", function)
 
 
 def _pieces(prefix: bytes, tensors: Iterable[torch.Tensor]) -> Iterable[memoryview]:

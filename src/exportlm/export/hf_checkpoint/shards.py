@@ -1,15 +1,14 @@
 """The one shard writer of every ``hf_checkpoint`` export: tensors in, shards out as they fill.
 
-``safetensors.torch.save_file`` needs the whole shard as a dict and copies every
-tensor into a ``bytes`` object before writing (two copies of a shard in memory).
-:class:`ShardedSafetensorsWriter` keeps references to the shard filling (plus those
-being written) and writes each with
-:func:`~exportlm.export.hf_checkpoint.safetensors_file.write_safetensors` (tensor storage
-straight to the file, no copy).
+``safetensors.torch.save_file`` copies every tensor into a ``bytes`` object before writing
+(two copies of a shard in memory). :class:`ShardedSafetensorsWriter` keeps references to
+the shard filling (plus those being written) and writes each with
+:func:`~exportlm.export.hf_checkpoint.safetensors_file.write_safetensors` (no copy); while
+a shard fills, its file is allocated ahead on the writer thread (``SpaceAhead``).
 
-Shard names follow the Hugging Face convention ``model-00001-of-00003.safetensors``;
-since the number of shards is unknown while writing, shards are written under
-temporary names and renamed by :meth:`ShardedSafetensorsWriter.finish`.
+Shard names follow the Hugging Face convention ``model-00001-of-00003.safetensors``; as
+the number of shards is unknown while writing, shards are written under temporary names
+and renamed by :meth:`ShardedSafetensorsWriter.finish`.
 
 Every file is hashed (BLAKE3, :mod:`~exportlm.export._digest`) from the bytes as they are
 written, never read back: :attr:`WriteSummary.digests` is what the manifest lists. In
@@ -40,6 +39,7 @@ from exportlm.export._digest import digest_bytes
 from exportlm.export.hf_checkpoint.safetensors_file import (
     SAFETENSORS_DTYPES,
     FileDigest,
+    SpaceAhead,
     read_safetensors,
     write_safetensors,
 )
@@ -58,18 +58,8 @@ logger = logging.getLogger(__name__)
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 #: A work file's name as a resumable writer's state holds it: inside its directory.
 _PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -194,6 +184,7 @@ class ShardedSafetensorsWriter:
         self._threads = write_threads
         self._resumable = resumable
         self._pool: ThreadPoolExecutor | None = None
+        self._ahead = SpaceAhead()  # the open shard's file, allocated while it fills
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue ``tensor`` under ``name``; writes the current shard when it is full."""
@@ -222,6 +213,8 @@ class ShardedSafetensorsWriter:
         self._current_bytes += nbytes
         self._unspilled.append(name)
         self._total_size += nbytes
+        if not self._resumable:  # the header needs every tensor; the space does not
+            self._ahead.grow(self._pool_of_writers(), self._partial(), self._current_bytes)
 
     def write_file(self, name: str, data: bytes) -> FileDigest:
         """Write a further file of the checkpoint (a config) from ``data``; its digest is kept.
@@ -332,9 +325,8 @@ class ShardedSafetensorsWriter:
     def _flush(self) -> None:
         tensors, names = self._open_shard(), list(self._current)
         self._current, self._current_bytes, self._unspilled = {}, 0, []
-        number = len(self._written) + 1
         if self._resumable:  # a plain name: the state names it (see WriterState)
-            path = self.directory / f"shard-{number:05d}.safetensors.partial"
+            path = self.directory / self._partial().name[1:]
             future: Future[FileDigest] = Future()
             try:
                 future.set_result(write_safetensors(path, tensors, self.metadata))
@@ -346,9 +338,7 @@ class ShardedSafetensorsWriter:
             self._obsolete.extend(file for file, _, _ in self._pending)
             self._pending = []
             return
-        path = self.directory / f".shard-{number:05d}.safetensors.partial"
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="exportlm-shard")
+        path, pool = self._partial(), self._pool_of_writers()
         running = [(p, future) for p, _, future in self._written if not future.done()]
         if len(running) >= self._threads:  # backpressure: hold at most that many shards
             try:
@@ -356,9 +346,18 @@ class ShardedSafetensorsWriter:
             except BaseException:
                 self.abort()  # a failed writer writes nothing more and leaves no thread behind
                 raise
-        future = self._pool.submit(write_safetensors, path, tensors, self.metadata)
+        ahead, self._ahead = self._ahead, SpaceAhead()
+        future = pool.submit(ahead.then, write_safetensors, path, tensors, self.metadata)
         future.add_done_callback(lambda _: logger.debug("wrote %s", path.name))
         self._written.append((path, names, future))
+
+    def _partial(self) -> Path:  # the open shard's file: written by a thread unless resumable
+        return self.directory / f".shard-{len(self._written) + 1:05d}.safetensors.partial"
+
+    def _pool_of_writers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="exportlm-shard")
+        return self._pool
 
     def _open_shard(self) -> dict[str, torch.Tensor]:
         """The open shard's tensors in the order they were added, spilled ones read back."""

@@ -84,7 +84,7 @@ def check_fits(budget: int | None, bound: MemoryBound, what: str) -> None:
         raise LayerTooLargeError(
             f"streaming needs about {_size(need)} beyond the process itself ({what} "
             f"{_size(bound.modules)}, one output shard {_size(bound.shard)}, quantizing one "
-            f"linear {_size(bound.working)}), more than the {_size(budget)} budget; expected "
+            f"linear {_size(bound.working)}, calibration matrices {_size(bound.search)}), more than the {_size(budget)} budget; expected "
             f"at least {_size(need)} (the output shard is already its largest tensor alone). "
             "Raise --max-memory"
         )

@@ -109,17 +109,20 @@ class MemoryBound:
     #: quantizing one linear: its largest weight in float32 (the AWQ search's weight error,
     #: a fake-quantized copy and its slices' temporaries); 0 without a recipe
     working: int = 0
+    #: what the calibration algorithm holds while a layer calibrates: AWQ's Gram matrices,
+    #: GPTQ's Hessians (``_sizing.search_bytes``); 0 for the others
+    search: int = 0
 
     @property
     def held(self) -> int:
         """What the stream holds beyond the baseline, the activations aside: what a budget
         must cover (the activations take what it leaves, else go to disk)."""
-        return self.modules + self.shard + self.working
+        return self.modules + self.shard + self.working + self.search
 
     @property
     def total(self) -> int:
         """The bound: the sum of the terms."""
-        return self.baseline + self.modules + self.shard + self.activations + self.working
+        return self.held + self.baseline + self.activations
 
     def describe(self) -> str:
         """The terms and their sum, in MB."""
@@ -128,6 +131,7 @@ class MemoryBound:
             f"+ largest module set {_mb(self.modules)} + one output shard {_mb(self.shard)} "
             f"+ activations {_mb(self.activations)} "
             f"+ quantizing one linear {_mb(self.working)} (its weight in float32)"
+            f" + calibration matrices {_mb(self.search)} (AWQ Gram / GPTQ Hessian)"
         )
 
     def report(self) -> int:

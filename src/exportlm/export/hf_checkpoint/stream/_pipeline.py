@@ -48,7 +48,7 @@ from exportlm.export.hf_checkpoint.stream._memory import (
     release_freed,
     resident_bytes,
 )
-from exportlm.export.hf_checkpoint.stream._sizing import fit_bound
+from exportlm.export.hf_checkpoint.stream._sizing import calibration_algorithms, fit_bound
 from exportlm.export.hf_checkpoint.stream._source import CheckpointSource
 from exportlm.export.hf_checkpoint.stream._summary import (
     PhaseSink,
@@ -60,7 +60,7 @@ from exportlm.export.hf_checkpoint.stream._work import ActivationStore, WorkArea
 from exportlm.export.job import ExportRequest, export_job
 from exportlm.inputs import make_input_ids
 from exportlm.module_exporters import ExportFormat, export_quantized_state
-from exportlm.quant import QuantRecipe
+from exportlm.quant import QuantRecipe, resolve_algorithm
 
 __all__ = ["stream_checkpoint"]
 
@@ -133,6 +133,7 @@ def stream_checkpoint(
         layers,
         _activation_bytes(source.model, batches),
         quantized=plan is not None,
+        search=(_algorithms(plan), [int(b.numel()) for b in batches]),
     )
     check_fits(budget, bound, largest)  # before anything is written
     given = {"format": options.format, "max_shard_size": max_shard_size}
@@ -308,6 +309,12 @@ def _given(options: dict[str, Any]) -> dict[str, Any]:
 
 def _default_ids(source: CheckpointSource) -> torch.Tensor:
     return make_input_ids(int(source.model.config.vocab_size))
+
+
+def _algorithms(plan: QuantRecipe | None) -> frozenset[str]:
+    """The calibration algorithms of the recipes ``plan`` applies (default and overrides)."""
+    spelled = [] if plan is None else [plan.algo, *(a for _, a in plan.overrides)]
+    return calibration_algorithms([resolve_algorithm(a) for a in spelled if a is not None])
 
 
 def _activation_bytes(model: nn.Module, batches: Sequence[torch.Tensor]) -> int:
