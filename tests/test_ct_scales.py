@@ -191,12 +191,15 @@ def test_fp8_codes_of_a_bf16_model_equal_compressed_tensors_compressor(tmp_path:
 # ------------------------------------------------------------------- the recipe option
 
 
-def test_the_scales_option_is_taken_by_calibrated_recipes_only() -> None:
+def test_the_scales_option_is_taken_by_calibrated_and_awq_recipes_only() -> None:
     recipe = QuantRecipe.parse("nvfp4:scales=compressed_tensors+fp8_kv")
     assert recipe.algo == NVFP4_CT
     assert QuantRecipe.parse("nvfp4", options={"scales": "compressed_tensors"}).algo == NVFP4_CT
+    assert QuantRecipe.parse("int4_awq:scales=compressed-tensors").algo == (
+        "int4_awq:scales=compressed-tensors"  # AWQ folds its scales by the convention
+    )
     with pytest.raises(UnknownOptionError, match="scales"):
-        QuantRecipe.parse("int4_awq:scales=compressed-tensors")
+        QuantRecipe.parse("int8_wo:scales=compressed-tensors")
     with pytest.raises(ValueError, match="modelopt / compressed-tensors"):
         QuantRecipe.parse("fp8:scales=llm-compressor")
 
@@ -205,7 +208,10 @@ def test_for_layout_gives_every_calibrated_recipe_the_convention() -> None:
     recipe = QuantRecipe.parse({"*": "fp8", "*.mlp.*": "nvfp4", "*.o_proj": "int4_awq"})
     converted = recipe.for_layout("compressed-tensors")
     assert converted.algo == FP8_CT
-    assert dict(converted.overrides) == {"*.mlp.*": NVFP4_CT, "*.o_proj": "int4_awq"}
+    assert dict(converted.overrides) == {
+        "*.mlp.*": NVFP4_CT,
+        "*.o_proj": "int4_awq:scales=compressed-tensors",
+    }
     assert recipe.for_layout("modelopt") == recipe
     spelled = QuantRecipe.parse("nvfp4:scales=modelopt")  # a spelled choice is kept
     assert spelled.for_layout("compressed-tensors") == spelled

@@ -21,18 +21,19 @@ import torch
 
 import exportlm
 from exportlm.models import tiny_hf_model
-from exportlm.quant import dequantize, quantize
+from exportlm.quant import QuantRecipe, dequantize, quantize
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, get_format
 from tests.test_interop import _calibration_batch as _batch
 from tests.test_interop import _tensors
 
 pytestmark = pytest.mark.interop
 
-#: recipe -> (the format, the modules left unquantized). INT4 AWQ leaves o_proj /
-#: down_proj unquantized: their AWQ scales cannot fold into a norm and
-#: compressed-tensors has no pre_quant_scale tensor (the export refuses them).
+#: recipe -> (the format, the modules left unquantized). INT4 AWQ quantizes every linear:
+#: under the compressed-tensors convention (``QuantRecipe.for_layout``, as the CLI applies
+#: it) down_proj's scale folds into up_proj, and o_proj (grouped-query attention: no
+#: linear before it takes a scale) is round-to-nearest.
 RECIPES: dict[str, tuple[str, list[str] | None]] = {
-    "int4_awq": ("int4", ["*o_proj", "*down_proj"]),
+    "int4_awq": ("int4", None),
     "int8_wo": ("int8", None),
     "nvfp4": ("nvfp4", None),
 }
@@ -43,7 +44,8 @@ LOGITS_ATOL = 1e-4
 def _export(recipe: str, out: Path) -> tuple[torch.nn.Module, Path]:
     model = tiny_hf_model("llama", seed=0).eval()
     batch = _batch(model.config.vocab_size)
-    quantize(model, recipe, calibrate=lambda m: m(batch), exclude=RECIPES[recipe][1])
+    converted = QuantRecipe.parse(recipe).for_layout("compressed-tensors")
+    quantize(model, converted, calibrate=lambda m: m(batch), exclude=RECIPES[recipe][1])
     path: Path = exportlm.export_model("hf_checkpoint", model, out, format="compressed-tensors")
     return model, path
 

@@ -17,8 +17,7 @@ so a comparison in a reduced dtype passes under the served check's near-tie rule
 greedy tokens may part only where the eager top-2 margin is within twice the
 tolerance, and every logprob compared stays within it.
 
-Calibration is small (8 lines of prose x 32 tokens); INT4 AWQ calibrates on the
-synthetic default, where AWQ takes its fixed alpha without a search (see ``EXPORTS``).
+Calibration is small (8 lines of prose x 32 tokens), INT4 AWQ's search included.
 Each engine's interpreter comes from ``EXPORTLM_ENGINE_<NAME>`` (``make test-engines``
 sets it to the venvs ``make engines`` builds); without one the test skips naming
 ``make engines``, so ``make test`` exports nothing here.
@@ -71,21 +70,10 @@ EXPORTS: dict[str, list[str]] = {
     "bf16": ["--target", "hf_checkpoint"],
     "w8a8": ["--target", "hf_checkpoint", "--quantize", "w8a8", *_CT, *_CALIB],
     "fp8": ["--target", "hf_checkpoint", "--quantize", "fp8", *_CT, *_CALIB],
-    # group 64 divides 576. o_proj / down_proj: compressed-tensors has no pre_quant_scale,
-    # and no norm takes their AWQ scale (as the served check). Synthetic calibration: AWQ
-    # takes its fixed alpha (no search), minutes less on 2 cores; what is compared is the
-    # engine against these stored scales, whichever alpha chose them.
-    "w4a16": [
-        "--target",
-        "hf_checkpoint",
-        "--quantize",
-        "int4_awq:group_size=64",
-        "--exclude",
-        "*o_proj",
-        "--exclude",
-        "*down_proj",
-        *_CT,
-    ],
+    # group 64 divides 576. Every linear quantized, as users ask for it: down_proj's AWQ
+    # scale folds into up_proj, o_proj (9 heads / 3 KV heads: v_proj's outputs are not
+    # o_proj's inputs) is round-to-nearest, q/k/v and gate/up fold into the norms.
+    "w4a16": ["--target", "hf_checkpoint", "--quantize", "int4_awq:group_size=64", *_CT, *_CALIB],
     "onnx": [
         "--target",
         "onnx",

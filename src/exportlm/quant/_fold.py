@@ -35,7 +35,7 @@ from torch.func import functional_call
 from exportlm.quant._modules import QuantLinear, QuantModule
 from exportlm.quant._quantizer import TensorQuantizer
 
-__all__ = ["NormTrace", "fold_into_norms", "trace_norms"]
+__all__ = ["NormTrace", "can_fold_norm", "fold_into_norms", "trace_norms"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,11 @@ def fold_into_norms(model: nn.Module, trace: NormTrace) -> int:
                 member.input_quantizer.pre_quant_scale = None
             folded += 1
     return folded
+
+
+def can_fold_norm(model: nn.Module, name: str, scale: torch.Tensor, trace: NormTrace) -> bool:
+    """The norm ``name`` of ``trace`` can absorb ``scale`` (checked as the fold checks it)."""
+    return _can_fold(name, trace.norms[name], scale, trace, _shared_parameters(model))
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:

@@ -10,14 +10,19 @@ option          recipes                                     values
                 group sizes (``int4_awq``: 32, 64, 128)     (INT4: 32, 64, 128; default 128)
 ``alpha``       SmoothQuant recipes (``int8_sq``, ``w8a8``)  a number in [0, 1]
 ``scales``      recipes whose weight scales come from a     ``modelopt`` (default) or
-                calibrated amax (``fp8``, ``nvfp4``)        ``compressed-tensors``
+                calibrated amax (``fp8``, ``nvfp4``), and   ``compressed-tensors``
+                AWQ recipes (``int4_awq``)
 ==============  ==========================================  ===============================
 
 ``scales=compressed-tensors`` computes NVFP4's global scale as compressed-tensors does
 (``6 * 448 / amax``, the block scales divided by it) and keeps the other calibrated
 scales in the dtype of the module's weight (bfloat16 for a bfloat16 model), as
 llm-compressor writes them: the checkpoint of that layout is then the calibrated model
-exactly. ``export --quantize ... -o format=compressed-tensors`` chooses it.
+exactly. ``export --quantize ... -o format=compressed-tensors`` chooses it. Under it AWQ
+folds every scale into the op before its linears, as llm-compressor's mappings do (a norm,
+or ``v_proj`` / ``up_proj`` for ``o_proj`` / ``down_proj``: :mod:`exportlm.quant._fold_linear`),
+and a linear with no such op gets no scale (round-to-nearest), since compressed-tensors
+stores no ``pre_quant_scale``.
 
 No layout exportlm writes for INT4 has a zero point (ModelOpt's ``W4A16_AWQ`` and
 compressed-tensors' symmetric ``pack-quantized``), so no recipe takes ``symmetric``.
@@ -96,7 +101,7 @@ def known_options(algo: Recipe) -> dict[str, str]:
         known["group_size"] = " / ".join(map(str, algo.allowed_group_sizes))
     if algo.smoothquant_alpha is not None:
         known["alpha"] = "a number in [0, 1]"
-    if get_format(algo.weight).calibrated:
+    if get_format(algo.weight).calibrated or algo.awq:
         known["scales"] = " / ".join(SCALE_CONVENTIONS)
     return known
 

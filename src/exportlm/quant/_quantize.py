@@ -23,6 +23,7 @@ from exportlm.quant._calibrate import (
 from exportlm.quant._conventions import apply_convention
 from exportlm.quant._experts import experts_base, quant_experts_class
 from exportlm.quant._fold import fold_into_norms, trace_norms
+from exportlm.quant._fold_linear import fold_into_linears, prune_unfoldable, trace_blocks
 from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
     QuantEmbedding,
@@ -196,18 +197,23 @@ def _calibrate_and_smooth(
     with steps.step("calibration (the calibrate function's forwards)"):
         handles = collect_expert_statistics(model) if awq else []
         try:
-            with trace_norms(model, enabled=awq or bool(smoothquant.folding)) as norms:
+            with (
+                trace_norms(model, enabled=awq or bool(smoothquant.folding)) as norms,
+                trace_blocks(model) as blocks,  # compressed-tensors AWQ: what folds into linears
+            ):
                 groups = run_calibration(model, calibrate)
         finally:
             for handle in handles:
                 handle.remove()
     if awq:
         plan = plan_awq(model, groups)
+        prune_unfoldable(model, plan, norms, blocks)
         with steps.step("the AWQ search (a second pass of the calibrate function's forwards)"):
             search_awq(model, plan, calibrate)
         with steps.step("AWQ smoothing and its fold into norms"):
             apply_awq(plan)
             fold_into_norms(model, norms)
+            fold_into_linears(model, blocks)
     if smoothquant:
         with steps.step("SmoothQuant smoothing"):
             apply_smoothquant(model, smoothquant, groups, norms)

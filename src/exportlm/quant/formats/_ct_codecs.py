@@ -124,8 +124,11 @@ def pack_quantized_codec(bits: int, to_codes: CodesFn, from_codes: CodesFn) -> L
         refusal=(
             "compressed-tensors has no pre_quant_scale tensor (its AWQ smooths the scale into "
             "the preceding layer before quantizing), and this scale could not be folded into "
-            "the norm that feeds the layer; export with format='modelopt', or leave the layer "
-            "unquantized (quantize(..., exclude=[...]))"
+            "the norm that feeds the layer; quantize with the compressed-tensors convention "
+            "('int4_awq:scales=compressed-tensors', which export -o format=compressed-tensors "
+            "chooses: every scale folds into the norm or linear before it, or the layer is "
+            "round-to-nearest), export with format='modelopt', or leave the layer unquantized "
+            "(quantize(..., exclude=[...]))"
         ),
     )
 
