@@ -38,6 +38,7 @@ _MEANINGFUL = {
     "strategy": None,
     "group_size": None,
     "dynamic": False,
+    "block_structure": None,  # the ``[rows, cols]`` tile of the ``block`` strategy only
 }
 _GROUPED = frozenset({"group", "tensor_group"})
 
@@ -69,6 +70,7 @@ class QuantArgs:
     group_size: Any = None
     dynamic: Any = None
     actorder: Any = None
+    block_structure: Any = None
     written: Mapping[str, Any] | None = None
 
     def meaning(self) -> tuple[Any, ...]:
@@ -78,6 +80,8 @@ class QuantArgs:
         out = {k: _MEANINGFUL[k] if v is None else v for k, v in out.items()}
         if out["strategy"] not in _GROUPED:
             out["group_size"] = None
+        tile = out["block_structure"]
+        out["block_structure"] = tuple(tile) if out["strategy"] == "block" and tile else None
         return tuple(out.values())
 
     def bits(self) -> tuple[str, int]:
@@ -130,6 +134,8 @@ class ConfigGroup:
         weights = (self.weights or QuantArgs()).bits()
         acts = self.input_activations.bits() if self.input_activations is not None else None
         key = (*weights, acts)
+        if key == ("float", 8, ("float", 8)) and self.weights and self.weights.strategy == "block":
+            return "FP8_BLOCK"  # weight tiles, inputs per group at run time
         return _CT_PRESETS.get(key, f"unknown {key}")
 
 

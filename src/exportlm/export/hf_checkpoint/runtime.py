@@ -210,7 +210,8 @@ def _auto_config(transformers: Any, directory: Path) -> Any:
 
 
 def _quantize_inputs_at_run_time(model: Any, dynamic: dict[str, Any]) -> None:
-    """Quantize the inputs of the layers in ``dynamic`` (``{layer path: format}``) at run time.
+    """Quantize the inputs of the layers in ``dynamic`` (``{layer path: (format, block)}``)
+    at run time.
 
     The layer's input quantizer is enabled in the declared format with no stored
     scale, so each scale comes from the activation itself, as the fake quantizer
@@ -232,8 +233,9 @@ def _quantize_inputs_at_run_time(model: Any, dynamic: dict[str, Any]) -> None:
             if fmt is not None:
                 wrapper = module if isinstance(module, QuantLinear) else wrap_module(module, name)
                 found.append((wrapper.input_quantizer, fmt))
-    for quantizer, fmt in found:
+    for quantizer, (fmt, block) in found:
         quantizer.format, quantizer.axis, quantizer.enabled = fmt, None, True
+        quantizer.block_size = block
 
 
 def _expert_inputs(
