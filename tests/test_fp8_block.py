@@ -253,3 +253,28 @@ def test_the_real_model_exports_from_its_directory(real_model_dir: Path, tmp_pat
     report = inspect_checkpoint(out)
     assert report.errors == [], [f.message for f in report.errors]
     assert report.summary["quantized_layers"] == {"fp8_block": 30 * 7}
+
+
+def test_the_engine_tables_name_it_fp8_block(tmp_path: Path) -> None:
+    """vLLM's CPU build has no FP8 block GEMM without AMX (a GPU row); transformers runs it."""
+    from exportlm.engines import Verdict, artifact_kind, get_engine
+
+    kind = artifact_kind(_export(tmp_path, "fp8_block:group_size=32"))
+    assert (kind.layout, kind.scheme) == (CT, "FP8_BLOCK")
+    vllm = get_engine("vllm").support(kind.target, kind.layout, kind.scheme, dtype="bfloat16")
+    assert vllm.verdict is Verdict.ENGINE_LIMIT
+    assert "AMX" in vllm.reason
+    assert (
+        get_engine("vllm").support(kind.target, kind.layout, kind.scheme, device="cuda").verdict
+        is Verdict.RUNS
+    )
+    transformers = get_engine("transformers").support(kind.target, kind.layout, kind.scheme)
+    assert transformers.verdict is Verdict.RUNS
+
+
+def test_onnx_refuses_it_naming_the_recipe(tmp_path: Path) -> None:
+    from exportlm.errors import InvalidModelError
+
+    with pytest.raises(InvalidModelError, match=r"'fp8_block'.*cannot express"):
+        exportlm.export_model("onnx", _quantized(), tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
