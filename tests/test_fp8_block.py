@@ -15,6 +15,7 @@ import functools
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -278,3 +279,41 @@ def test_onnx_refuses_it_naming_the_recipe(tmp_path: Path) -> None:
     with pytest.raises(InvalidModelError, match=r"'fp8_block'.*cannot express"):
         exportlm.export_model("onnx", _quantized(), tmp_path / "m.onnx")
     assert not (tmp_path / "m.onnx").exists()
+
+
+def _rewrite_group(out: Path, weights: dict[str, Any], inputs: dict[str, Any]) -> None:
+    config = json.loads((out / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    group["weights"].update(weights)
+    group["input_activations"].update(inputs)
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "exportlm-manifest.json").unlink()  # a foreign checkpoint has none
+
+
+def test_a_group_as_llm_compressor_writes_it_reads_as_fp8_block(tmp_path: Path) -> None:
+    """llm-compressor serializes every args key (``observer``, ``actorder: null``...)."""
+    out = _export(tmp_path, "fp8_block:group_size=32")
+    extra = {"observer": "static_minmax", "actorder": None, "scale_dtype": None}
+    _rewrite_group(out, extra, {**extra, "observer": None, "block_structure": None})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no manifest: unverified
+        loaded = exportlm.load_exported("hf_checkpoint", out)
+    want = _logits(_quantized("fp8_block:group_size=32"))
+    torch.testing.assert_close(_logits(loaded), want, rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.filterwarnings("ignore")  # no manifest: unverified
+@pytest.mark.parametrize(
+    ("weights", "inputs"),
+    [
+        ({"block_structure": [64, 32]}, {}),  # tiles of 64 rows: scales read per 32 would misalign
+        ({}, {"group_size": 64}),  # input groups that are not the tiles' edge
+    ],
+)
+def test_a_tile_shape_the_tensors_do_not_have_is_refused_not_misread(
+    weights: dict[str, Any], inputs: dict[str, Any], tmp_path: Path
+) -> None:
+    out = _export(tmp_path, "fp8_block:group_size=32")
+    _rewrite_group(out, weights, inputs)
+    with pytest.raises(UnsupportedFormatError, match="config group"):
+        exportlm.load_exported("hf_checkpoint", out)
