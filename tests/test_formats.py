@@ -185,7 +185,7 @@ def test_an_unregistered_format_is_gone_everywhere() -> None:
     assert "int6_wo" not in recipe_names()
     with pytest.raises(
         UnknownNameError,
-        match=r"'int6'.*available: fp8, fp8_dynamic, int4, int8, int8_sq, int8_tensor, (\w+, )*nvfp4",
+        match=r"'int6'.*available: fp8, fp8_block, fp8_dynamic, fp8_group, int4, int8, .*nvfp4",
     ):
         TensorQuantizer("int6")
     with pytest.raises(UnknownNameError, match=r"'int6_wo'"):

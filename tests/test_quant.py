@@ -426,7 +426,7 @@ def test_inplace_false_returns_a_converted_copy() -> None:
 
 def test_unknown_recipe_lists_the_known_ones() -> None:
     with pytest.raises(
-        UnknownNameError, match=r"'fp6'.*available: fp8, fp8_dynamic, fp8_kv, int4_awq"
+        UnknownNameError, match=r"'fp6'.*available: fp8, fp8_block, fp8_dynamic, fp8_kv, int4_awq"
     ):
         quantize(DecoderModel(num_layers=1), "fp6")
     with pytest.raises(UnknownNameError):

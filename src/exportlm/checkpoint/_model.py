@@ -38,6 +38,7 @@ _MEANINGFUL = {
     "strategy": None,
     "group_size": None,
     "dynamic": False,
+    "block_structure": None,  # the ``[rows, cols]`` tile of the ``block`` strategy only
 }
 _GROUPED = frozenset({"group", "tensor_group"})
 
@@ -77,6 +78,7 @@ class QuantArgs:
     group_size: Any = None
     dynamic: Any = None
     actorder: Any = None
+    block_structure: Any = None
     written: Mapping[str, Any] | None = None
 
     def meaning(self) -> tuple[Any, ...]:
@@ -86,6 +88,8 @@ class QuantArgs:
         out = {k: _MEANINGFUL[k] if v is None else v for k, v in out.items()}
         if out["strategy"] not in _GROUPED:
             out["group_size"] = None
+        tile = out["block_structure"]
+        out["block_structure"] = tuple(tile) if out["strategy"] == "block" and tile else None
         return tuple(out.values())
 
     def bits(self) -> tuple[str, int]:
@@ -139,7 +143,11 @@ class ConfigGroup:
         acts = self.input_activations.bits() if self.input_activations is not None else None
         key = (*weights, acts)
         mx = _CT_MX_PRESETS.get((str(self.format), acts is not None))
-        return mx or _CT_PRESETS.get(key, f"unknown {key}")
+        if mx is not None:
+            return mx
+        if key == ("float", 8, ("float", 8)) and self.weights and self.weights.strategy == "block":
+            return "FP8_BLOCK"  # weight tiles, inputs per group at run time
+        return _CT_PRESETS.get(key, f"unknown {key}")
 
 
 @dataclass(frozen=True)

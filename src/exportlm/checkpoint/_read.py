@@ -49,7 +49,16 @@ def quant_args(value: Any) -> QuantArgs | None:
     """A ``QuantizationArgs`` object as :class:`QuantArgs` (``None``: not an object)."""
     if not isinstance(value, Mapping):
         return None
-    fields = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic", "actorder")
+    fields = (
+        "num_bits",
+        "type",
+        "symmetric",
+        "strategy",
+        "group_size",
+        "dynamic",
+        "actorder",
+        "block_structure",
+    )
     return QuantArgs(**{name: value.get(name) for name in fields}, written=dict(value))
 
 

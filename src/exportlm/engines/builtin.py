@@ -45,6 +45,7 @@ _VLLM_FP8_CPU = (
     f"{_FP8_STUB} argument(s). Declaration: _C::static_scaled_fp8_quant() -> () (a stub in "
     "the CPU build; its CPU FP8 GEMMs need AMX)"
 )
+_FP8_BLOCK_NO_KERNEL = "Failed to find a kernel that can implement the ScaledMM linear layer"
 _NVFP4_NO_KERNEL = "Failed to find a kernel that can implement the NVFP4 linear layer"
 _VLLM_NVFP4_CPU = f"measured: ValueError: {_NVFP4_NO_KERNEL}. Reasons: (none listed on CPU)"
 _VLLM_INT_DTYPES = ("float16", "bfloat16")  # no float32 path for integer-weight schemes
@@ -238,6 +239,20 @@ VLLM = Engine(
             evidence=f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_wNa16.py",
         ),
         *vllm_mx_rows(_MODELOPT_REFUSAL, _MODELOPT_REFUSED),
+        Support(
+            _HF,
+            _CT,
+            "FP8_BLOCK",
+            devices=_GPU,
+            limit=(
+                "measured on an AMD EPYC (AVX2, no AMX), our fp8_block:group_size=32 checkpoint "
+                f"of the toy llama, bfloat16: ValueError: {_FP8_BLOCK_NO_KERNEL}. Reasons: "
+                "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or "
+                "newer); with AMX not measured"
+            ),
+            message=_FP8_BLOCK_NO_KERNEL,
+            evidence=f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py",
+        ),
     ),
     # One process (no EngineCore subprocess to orphan on a timeout), a small KV cache.
     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
@@ -315,6 +330,19 @@ TRANSFORMERS = Engine(
                 f"{_TF_SRC}): wrong logits"
             ),
             instead="compressed-tensors FP8",
+        ),
+        Support(
+            _HF,
+            _CT,
+            "FP8_BLOCK",
+            dtypes=("float32",),
+            evidence=(
+                "measured with compressed-tensors 0.17.0: our fp8_block:group_size=32 "
+                "checkpoint of the toy llama, float32, logprobs within 1e-6 of the fake-quant "
+                "model (per-group inputs applied), argmax equal. compressed-tensors 0.17 infers "
+                "the tile from the scale's shape when decompressing, so a weight one tile wide "
+                "(scale [n, 1]) reads as per-channel and fails"
+            ),
         ),
     ),
     notes="`make engines` (transformers 5.19.0 + compressed-tensors 0.17.0, vLLM's pins)",

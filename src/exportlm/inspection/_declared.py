@@ -150,7 +150,7 @@ def _ct_scheme(group: ConfigGroup) -> LayerScheme:
     fmt = str(group.format or "?")
     static = inputs is not None and not (inputs.dynamic or False)
     layout = _layout(weights)
-    size = _group_size(weights.group_size)
+    size = _group_size(weights.group_size) or _tile_edge(weights.block_structure)
     for spec in formats():
         scheme = spec.compressed_tensors
         if scheme is None or scheme.format != fmt:
@@ -159,6 +159,14 @@ def _ct_scheme(group: ConfigGroup) -> LayerScheme:
             return LayerScheme(spec, fmt, static, size)
     label = f"{fmt} (num_bits={weights.num_bits}, type={weights.type}, strategy={weights.strategy})"
     return LayerScheme(None, label, static, size)
+
+
+def _tile_edge(block_structure: Any) -> int | None:
+    """The edge of square ``block_structure`` tiles (``[128, 128]``: 128), else ``None``."""
+    if isinstance(block_structure, list) and len(block_structure) == 2:
+        rows, cols = (_group_size(v) for v in block_structure)
+        return rows if rows is not None and rows == cols else None
+    return None
 
 
 def _layout(args: QuantArgs) -> tuple[Any, ...]:

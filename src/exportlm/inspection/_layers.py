@@ -17,6 +17,7 @@ from exportlm.inspection._declared import Declared, LayerScheme
 from exportlm.inspection._files import FLOAT_SCALE_DTYPES, Checkpoint, safetensors_dtype
 from exportlm.inspection._header import TensorInfo
 from exportlm.inspection._rules import RULES, Finding
+from exportlm.inspection._tiles import tile_scale_findings
 from exportlm.quant.formats import (
     CHECKPOINT_LAYOUTS,
     FormatSpec,
@@ -250,6 +251,10 @@ def _shapes(layer: QuantizedLayer, spec: FormatSpec, weight: TensorInfo) -> Iter
             continue
         if leaf.source == "scale" and spec.granularity == "block":
             yield from _block_shape(layer, spec, info, logical)
+            continue
+        if leaf.source == "scale" and spec.granularity == "tile":
+            block = layer.scheme.block_size if layer.scheme is not None else spec.block_size
+            yield from tile_scale_findings(info, spec.name, logical, block or 1)
             continue
         if leaf.source == "scale" and spec.granularity == "row":
             want, ok = logical[:-1], _squeeze(info.shape) == _squeeze(logical[:-1])

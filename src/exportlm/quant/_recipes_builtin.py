@@ -5,7 +5,9 @@
 ``NVFP4_DEFAULT_CFG`` (E2M1 blocks of 16, weights and inputs); ``int4_awq`` W4A16 with
 groups of 128 (or 32 / 64) and AWQ; ``int8_wo`` W8A16 with per-row scales; ``int8_sq``
 ModelOpt's ``INT8_SMOOTHQUANT_CFG`` (alpha 1.0); ``w8a8`` llm-compressor's W8A8 with
-its ``SmoothQuantModifier`` (alpha 0.5, folded into the norms). The KV-cache recipe
+its ``SmoothQuantModifier`` (alpha 0.5, folded into the norms); ``fp8_block``
+compressed-tensors' ``FP8_BLOCK`` (FP8 weights per 128x128 tile, inputs per group of 128
+at run time). The KV-cache recipe
 ``fp8_kv`` quantizes the KV cache to FP8 (whose ``kv_cache`` scheme holds its config fields).
 ``mxfp4`` (weight-only) and ``mxfp8`` (dynamic inputs) are the OCP microscaling formats.
 """
@@ -38,4 +40,6 @@ BUILTIN_RECIPES: tuple[Recipe | KVCacheRecipe, ...] = (
     # weights with its inputs quantized per block of 32 at run time
     Recipe("mxfp4", "mxfp4"),
     Recipe("mxfp8", "mxfp8", "mxfp8"),
+    # FP8 128x128 weight tiles, inputs per token and group of 128 at run time
+    Recipe("fp8_block", "fp8_block", "fp8_group", group_sizes=(32, 64, 128)),
 )

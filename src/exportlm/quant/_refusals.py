@@ -50,7 +50,7 @@ def refuse_unconvertible(name: str, module: nn.Module, recipe: QuantRecipe) -> N
 
 def refuse_experts_algorithm(name: str, module: nn.Module, algo: Algorithm) -> None:
     base = experts_base(module)
-    problem = None if base is None else base.refuses(algo)
+    problem = None if base is None else base.refuses(algo) or _tile_problem(module, base, algo)
     if problem is not None:
         raise UnsupportedFormatError(
             f"module {name!r} ({type(module).__name__}): {problem}. Quantize it with 'fp8' "
@@ -75,6 +75,33 @@ def refuse_unplaceable_kv_cache(
         "supported for KV-cache scales); quantize without the KV-cache recipe, or unfuse "
         "the projection"
     )
+
+
+def _tile_problem(module: nn.Module, base: Any, algo: Algorithm) -> str | None:
+    """Why square weight tiles (``fp8_block``) cannot cover fused gate/up experts, or ``None``.
+
+    The fused ``gate_up_proj`` is quantized whole, but the checkpoint holds gate and up as
+    two weights: their tiles are the fused tensor's only when no tile mixes gate and up rows
+    (gate rows first, the intermediate size a multiple of the block; vLLM's block-FP8 MoE
+    asks the same of its gate/up partitions).
+    """
+    block = algo.weight_block
+    if get_format(algo.weight).granularity != "tile" or not block:
+        return None
+    if not getattr(base, "stores_fused_parameters", False):
+        return None
+    if not getattr(module, "is_concatenated", not base.default_interleaved):
+        return (
+            f"its gate_up_proj interleaves gate and up rows, so {block}x{block} tiles of recipe "
+            f"{algo.spelling!r} would mix the two weights the checkpoint stores apart"
+        )
+    rows = dict((p, out) for p, out, _ in base.weight_dims(module))["gate_up_proj"]
+    if (rows // 2) % block:
+        return (
+            f"its intermediate size {rows // 2} is not a multiple of the tile {block} of recipe "
+            f"{algo.spelling!r}, so a tile would mix gate and up rows"
+        )
+    return None
 
 
 def refuse_shapes(name: str, module: nn.Module, kind: str, algo: Algorithm | None) -> None:

@@ -126,9 +126,10 @@ class DequantizedState(NamedTuple):
     weights: dict[str, torch.Tensor]
     #: The static activation / KV-cache scales, by checkpoint name of the scale.
     scales: dict[str, ActivationScale]
-    #: ``{layer path: input format}`` of the layers whose inputs are quantized at run
-    #: time, with no stored scale (W8A8's per-token int8: a format whose spec is not
-    #: ``calibrated``); the layer path is the one the quantization config lists.
+    #: ``{layer path: (input format, block size or None)}`` of the layers whose inputs are
+    #: quantized at run time, with no stored scale (W8A8's per-token int8: a format whose
+    #: spec is not ``calibrated``; FP8_BLOCK's groups of the weight's block); the layer
+    #: path is the one the quantization config lists.
     dynamic: dict[str, Any]
 
 
@@ -233,7 +234,8 @@ def dequantize_state(
         input_scale = slot.name(stored_input.name, leaves.data)
         runtime_input = _runtime_input_format(spec)
         if runtime_input is not None and input_scale not in tensors:
-            dynamic[slot.layer] = runtime_input
+            # a block input format (FP8_BLOCK's per-group inputs) groups by the weight's block
+            dynamic[slot.layer] = (runtime_input, block if _blocked(runtime_input) else None)
         elif input_scale in tensors:
             if spec.activations is None:
                 raise UnsupportedFormatError(
@@ -284,6 +286,10 @@ def _runtime_input_format(spec: FormatSpec) -> Any | None:
         return None
     inputs = get_format(spec.activations)
     return None if inputs.calibrated else inputs.format
+
+
+def _blocked(fmt: Any) -> bool:
+    return get_format(fmt).needs_block
 
 
 def _is_scale(leaf: str, leaves: _Leaves) -> bool:

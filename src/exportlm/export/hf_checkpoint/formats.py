@@ -226,10 +226,19 @@ def _by_group(group: ConfigGroup, source: str) -> FormatSpec:
         scheme = spec.compressed_tensors
         if scheme is None:
             continue
-        own = config_group(group.name, scheme.group(list(group.targets), weights.group_size))
+        own = config_group(group.name, scheme.group(list(group.targets), _group_size(group)))
         if own.meaning() == wanted:
             return spec
     raise UnsupportedFormatError(
         f"{source}: config group {group.written!r} is no registered format's compressed-tensors "
         "scheme; register its FormatSpec (with a CompressedTensorsScheme) before loading"
     )
+
+
+def _group_size(group: ConfigGroup) -> int | None:
+    """The block a group declares: its weights' group size, else (a ``block`` strategy's
+    tiles, FP8_BLOCK) its inputs' group size, which the tiles' edge must equal."""
+    size = (group.weights or QuantArgs()).group_size
+    if size is None and group.input_activations is not None:
+        size = group.input_activations.group_size
+    return size if isinstance(size, int) and not isinstance(size, bool) else None

@@ -210,7 +210,8 @@ def _auto_config(transformers: Any, directory: Path) -> Any:
 
 
 def _quantize_inputs_at_run_time(model: Any, dynamic: dict[str, Any]) -> None:
-    """Quantize the inputs of the layers in ``dynamic`` (``{layer path: format}``) at run time.
+    """Quantize the inputs of the layers in ``dynamic`` (``{layer path: (format, block)}``)
+    at run time.
 
     The layer's input quantizer is enabled in the declared format with no stored
     scale, so each scale comes from the activation itself, as the fake quantizer
@@ -234,10 +235,11 @@ def _quantize_inputs_at_run_time(model: Any, dynamic: dict[str, Any]) -> None:
                 found.append((wrapper.input_quantizer, fmt))
     from exportlm.quant.formats import get_format
 
-    for quantizer, fmt in found:
+    for quantizer, (fmt, block) in found:
         quantizer.format, quantizer.axis, quantizer.enabled = fmt, None, True
-        # a block format (MXFP8's inputs) quantizes each token in its blocks
-        quantizer.block_size = get_format(fmt).block_size
+        # a block format quantizes each token in its blocks: the layer's declared group
+        # (fp8_block's inputs), else the format's own block (MXFP8's inputs)
+        quantizer.block_size = block if block is not None else get_format(fmt).block_size
 
 
 def _expert_inputs(

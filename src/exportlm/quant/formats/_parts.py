@@ -269,6 +269,9 @@ def _sized(args: Mapping[str, Any], group_size: int | None) -> dict[str, Any]:
     entry = dict(args)
     if group_size and entry.get("group_size") is not None and entry.get("strategy") == "group":
         entry["group_size"] = group_size
+    if entry.get("strategy") == "block" and entry.get("block_structure") is not None:
+        edge = group_size or entry["block_structure"][0]  # square tiles (fp8_block)
+        entry["block_structure"] = [edge, edge]
     return entry
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Mapping
 from exportlm.errors import RegistryConflictError, UnknownNameError
 from exportlm.quant._tensor import FormatId, format_name, install_format_lookup
 from exportlm.quant.formats._fp8 import FP8
+from exportlm.quant.formats._fp8_block import FP8_BLOCK, FP8_GROUP
 from exportlm.quant.formats._fp8_dynamic import FP8_DYNAMIC
 from exportlm.quant.formats._int4 import INT4
 from exportlm.quant.formats._int8 import INT8
@@ -56,6 +57,8 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
     FP8_DYNAMIC,
     MXFP4,
     MXFP8,
+    FP8_GROUP,
+    FP8_BLOCK,
 )
 _LOCK = threading.Lock()
 #: ``{recipe name: owner}`` of the records in the recipe registry (installed by it), which a

@@ -31,8 +31,9 @@ from exportlm.quant.formats._parts import (
 
 __all__ = ["DequantizeFn", "FormatSpec", "Granularity", "QuantizeFn"]
 
-#: How many scales a weight has: one (``tensor``), one per row, one per block of the last dim.
-Granularity = Literal["tensor", "row", "block"]
+#: How many scales a weight has: one (``tensor``), one per row, one per block of the last
+#: dim, one per ``block x block`` tile of the last two (``tile``: FP8 block-wise).
+Granularity = Literal["tensor", "row", "block", "tile"]
 
 
 class QuantizeFn(Protocol):
@@ -67,7 +68,8 @@ class FormatSpec:
         maxbound: the largest representable magnitude the scale maps amax to.
         amax_divisor: ``scale = amax / amax_divisor`` of the quantizer's per-tensor
             (or per-axis) scale: ``maxbound``, or NVFP4's ``6 * 448`` (two levels).
-        granularity: ``"tensor"``, ``"row"`` or ``"block"`` (of the last dimension).
+        granularity: ``"tensor"``, ``"row"``, ``"block"`` (of the last dimension) or
+            ``"tile"`` (square ``block_size`` tiles of the last two).
         leaves: every checkpoint leaf the format writes, weight leaves first, in
             the order they are written.
         calibrated: the per-tensor scale comes from a calibrated amax (so the
@@ -136,8 +138,8 @@ class FormatSpec:
     def _problems(self) -> Iterator[str]:
         if not is_token(self.name):
             yield f"the name must be a non-empty string without spaces, got {self.name!r}"
-        if self.granularity not in ("tensor", "row", "block"):
-            yield f"granularity must be 'tensor', 'row' or 'block', got {self.granularity!r}"
+        if self.granularity not in ("tensor", "row", "block", "tile"):
+            yield f"granularity must be 'tensor', 'row', 'block' or 'tile', got {self.granularity!r}"
         if not (self.maxbound > 0 and self.amax_divisor > 0):
             yield "maxbound and amax_divisor must be positive"
         if self.packing < 1 or self.packed_dim not in (-1, -2):
@@ -197,8 +199,8 @@ class FormatSpec:
 
     @property
     def needs_block(self) -> bool:
-        """Block-granular: quantizing needs a ``block_size``."""
-        return self.granularity == "block"
+        """Block- or tile-granular: quantizing needs a ``block_size``."""
+        return self.granularity in ("block", "tile")
 
     @property
     def weight_leaves(self) -> tuple[Leaf, ...]:
@@ -310,7 +312,7 @@ class FormatSpec:
             scale = scale.reshape(())
         elif self.granularity == "row":
             scale = scale.reshape(shape[:-1])
-        else:
+        else:  # a block of the last dim, or a square tile (its edge, from the same dim)
             block = shape[-1] // scale.shape[-1]
         return QuantizedTensor(
             self.format, data, scale, by_source.get("scale_2"), block, shape, dtype
@@ -348,8 +350,13 @@ class FormatSpec:
 
     def _require_modelopt(self) -> ModelOptScheme:
         if self.modelopt is None:
+            instead = (
+                "export with format='compressed-tensors', which holds it"
+                if self.compressed_tensors is not None
+                else "give its FormatSpec a ModelOptScheme"
+            )
             raise UnsupportedFormatError(
                 f"format {self.name!r} declares no ModelOpt scheme, so it cannot be written "
-                "in the ModelOpt checkpoint layout; give its FormatSpec a ModelOptScheme"
+                f"in the ModelOpt checkpoint layout; {instead}"
             )
         return self.modelopt

@@ -1,0 +1,45 @@
+"""The scale shape of a tile-granular weight (FP8 block-wise, compressed-tensors ``FP8_BLOCK``).
+
+One scale per ``b x b`` tile of the weight's last two dimensions: ``weight_scale``
+``[..., ceil(out / b), in / b]``, the last row tile possibly partial (compressed-tensors
+and vLLM take ``ceil``), the input features a multiple of ``b`` (the inputs are
+quantized in groups of ``b`` at run time, and vLLM's block GEMM asserts it). A finding
+of the ``block-scale-shape`` rule otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from exportlm.inspection._header import TensorInfo
+from exportlm.inspection._rules import RULES, Finding
+
+__all__ = ["tile_scale_findings", "tile_scale_shape"]
+
+
+def tile_scale_shape(logical: tuple[int, ...], block: int) -> tuple[int, ...]:
+    """The tile scales' shape of a weight of ``logical`` shape in tiles of ``block``."""
+    *lead, rows, cols = logical
+    return (*lead, -(-rows // block), -(-cols // block))
+
+
+def tile_scale_findings(
+    info: TensorInfo, fmt: str, weight_shape: tuple[int, ...], block: int
+) -> Iterator[Finding]:
+    """A ``block-scale-shape`` finding when ``info`` is not the tile scales of the weight."""
+    want = tile_scale_shape(weight_shape, block)
+    divisible = weight_shape[-1] % block == 0
+    if divisible and tuple(info.shape) == want:
+        return
+    yield RULES["block-scale-shape"].finding(
+        info.name,
+        f"{info.name} has shape {list(info.shape)}; {fmt} tiles of {block} x {block} over the "
+        f"weight's shape {list(weight_shape)} need {list(want)} (one scale per tile, the last "
+        "row tile may be partial)"
+        + ("" if divisible else f", and {weight_shape[-1]} inputs are not a multiple of {block}")
+        + ". A block-wise FP8 kernel reads the scales tile by tile and would misalign every "
+        "tile after the first wrong one",
+        shape=list(info.shape),
+        expected=list(want),
+        block_size=block,
+    )
