@@ -11,6 +11,8 @@ option          recipes                                     values
 ``alpha``       SmoothQuant recipes (``int8_sq``, ``w8a8``)  a number in [0, 1]
 ``scales``      recipes whose weight scales come from a     ``modelopt`` (default) or
                 calibrated amax (``fp8``, ``nvfp4``)        ``compressed-tensors``
+``actorder``    GPTQ recipes (``int4_gptq``)                ``weight`` (default) or ``none``
+``dampening``   GPTQ recipes (``int4_gptq``)                a number in [0, 1] (default 0.01)
 ==============  ==========================================  ===============================
 
 ``scales=compressed-tensors`` computes NVFP4's global scale as compressed-tensors does
@@ -32,6 +34,7 @@ import math
 from collections.abc import Mapping
 
 from exportlm.errors import UnknownOptionError
+from exportlm.quant._gptq import ACTORDERS as GPTQ_ACTORDERS
 from exportlm.quant._recipes import Recipe
 from exportlm.quant.formats import get_format
 
@@ -98,6 +101,9 @@ def known_options(algo: Recipe) -> dict[str, str]:
         known["alpha"] = "a number in [0, 1]"
     if get_format(algo.weight).calibrated:
         known["scales"] = " / ".join(SCALE_CONVENTIONS)
+    if algo.gptq:
+        known["actorder"] = " / ".join(GPTQ_ACTORDERS)
+        known["dampening"] = "a number in [0, 1]"
     return known
 
 
@@ -137,5 +143,29 @@ def apply_options(algo: Recipe, options: Mapping[str, OptionValue]) -> Recipe:
             )
         changes["scales"] = convention
         options = {**options, "scales": convention}
+    changes.update(_gptq_changes(algo, options, known))
     changes["spelled"] = spell(algo.name, options)
     return dataclasses.replace(algo, **changes)  # type: ignore[arg-type]
+
+
+def _gptq_changes(
+    algo: Recipe, options: Mapping[str, OptionValue], known: Mapping[str, str]
+) -> dict[str, object]:
+    """GPTQ's ``actorder`` and ``dampening`` options as the record's fields."""
+    changes: dict[str, object] = {}
+    if "actorder" in options:
+        order = str(options["actorder"])
+        if order not in GPTQ_ACTORDERS:
+            raise ValueError(
+                f"recipe {algo.name!r}: actorder={options['actorder']!r} is not one it takes "
+                f"({known['actorder']}; 'group' would need a g_idx tensor neither layout writes)"
+            )
+        changes["gptq_actorder"] = order
+    if "dampening" in options:
+        damp = options["dampening"]
+        if isinstance(damp, bool) or not isinstance(damp, int | float):
+            raise ValueError(f"recipe {algo.name!r}: dampening={damp!r} is not a number in [0, 1]")
+        if not (math.isfinite(damp) and 0.0 <= damp <= 1.0):
+            raise ValueError(f"recipe {algo.name!r}: dampening={damp!r} is not in [0, 1]")
+        changes["gptq_dampening"] = float(damp)
+    return changes

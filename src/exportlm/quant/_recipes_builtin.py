@@ -33,4 +33,6 @@ BUILTIN_RECIPES: tuple[Recipe | KVCacheRecipe, ...] = (
     ),
     Recipe("fp8_dynamic", "fp8_dynamic", "fp8_dynamic", weight_axis=0),
     KVCacheRecipe("fp8_kv", QuantFormat.FP8),
+    # GPTQ (llm-compressor's default W4A16 algorithm): INT4 groups, codes from the Hessian
+    Recipe("int4_gptq", QuantFormat.INT4, group_sizes=(32, 64, 128), gptq=True),
 )
