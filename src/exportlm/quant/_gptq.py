@@ -19,9 +19,12 @@ The algorithm of Frantar et al. (arXiv:2210.17323) as llm-compressor 0.14 runs i
    column at once (``E @ U[block, later]``).
 
 The group scales ``s`` are fixed before the first column is visited: the INT4 scales of
-the original weight (``group_amax / 7``, as every INT4 layout exportlm writes), as
-llm-compressor takes its observer's scales of the original weight. GPTQ changes the
-codes only.
+the original weight, as llm-compressor takes its min-max observer's scales of the original
+weight. GPTQ changes the codes only. Under the ``modelopt`` scale convention (the
+default) a scale is ``group_amax / 7`` in float32, as every INT4 recipe of exportlm;
+under ``scales=compressed-tensors`` (what ``format="compressed-tensors"`` picks in the
+CLI) compressed-tensors' ``group_amax / 7.5`` rounded to the weight's dtype, so a
+bfloat16 model's checkpoint holds bfloat16 scales, as llm-compressor writes them.
 
 Precision: the Hessian arrives in float64 (a float64 sum of float64 products of the
 inputs); the factorization and the updates run in float32, as llm-compressor's
@@ -64,14 +67,27 @@ class GPTQResult:
         """``codes * scale`` per group, in ``dtype``."""
         rows, cols = self.codes.shape
         groups = self.codes.float().reshape(rows, self.scales.shape[1], -1)
-        return (groups * self.scales[:, :, None]).reshape(rows, cols).to(dtype)
+        return (groups * self.scales.float()[:, :, None]).reshape(rows, cols).to(dtype)
 
 
-def int4_group_scales(weight: torch.Tensor, group_size: int, where: str) -> torch.Tensor:
-    """``group_amax / 7`` of ``weight`` (``[out, in]``), float32: the INT4 format's scales."""
+def int4_group_scales(
+    weight: torch.Tensor,
+    group_size: int,
+    where: str,
+    *,
+    divisor: float = INT4_MAX,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``group_amax / divisor`` of ``weight`` (``[out, in]``): float32 rounded once to ``dtype``.
+
+    ``divisor`` 7 is the INT4 format's (ModelOpt's ``amax / 7``); 7.5 compressed-tensors'
+    symmetric INT4 (``amax / ((7 - -8) / 2)``), whose scales llm-compressor keeps in the
+    weight's dtype (``dtype``: bfloat16 for a bfloat16 model).
+    """
     rows, cols = weight.shape
     amax = weight.detach().float().reshape(rows, cols // group_size, group_size).abs().amax(-1)
-    return safe_scale(amax, INT4_MAX, where=where)
+    scales = safe_scale(amax, divisor, where=where)
+    return scales if dtype is None else scales.to(dtype)
 
 
 def _inverse_factor(hessian: torch.Tensor, dampening: float) -> tuple[torch.Tensor, bool]:
@@ -96,15 +112,19 @@ def gptq_quantize(
     actorder: str = "weight",
     dampening: float = 0.01,
     block_size: int = GPTQ_BLOCK,
+    scales: torch.Tensor | None = None,
     where: str = "weight",
 ) -> GPTQResult:
     """GPTQ of ``weight`` (``[out, in]``) under ``hessian`` (``[in, in]``, any positive
     multiple of ``X^T X``): symmetric INT4 codes in groups of ``group_size`` (see the module
-    docstring for every step). ``weight`` and ``hessian`` are not modified."""
+    docstring for every step), with the group ``scales`` given (default:
+    :func:`int4_group_scales` of ``weight``; kept in their dtype, used as float32).
+    ``weight`` and ``hessian`` are not modified."""
     if actorder not in ACTORDERS:
         raise ValueError(f"{where}: actorder={actorder!r} is not one of {', '.join(ACTORDERS)}")
     cols = int(weight.shape[1])
-    scales = int4_group_scales(weight, group_size, where)
+    if scales is None:
+        scales = int4_group_scales(weight, group_size, where)
     w = weight.detach().to(_PRECISION).clone()
     h = hessian.detach().to(_PRECISION).clone()
     perm = None
@@ -118,7 +138,7 @@ def gptq_quantize(
     u, fallback = _inverse_factor(h, dampening)
     del h
     group_of = torch.arange(cols, device=w.device) // group_size
-    column_scales = scales[:, group_of if perm is None else group_of[perm]]  # [out, in]
+    column_scales = scales.to(w.device, _PRECISION)[:, group_of if perm is None else group_of[perm]]
     loss = torch.zeros((), dtype=torch.float64)
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
@@ -127,7 +147,7 @@ def gptq_quantize(
         w[:, i2:] -= errors @ u[i1:i2, i2:]
     if perm is not None:
         w = w[:, torch.argsort(perm)]
-    codes = _codes(w, scales, group_size)
+    codes = _codes(w, scales.to(w.device, _PRECISION), group_size)
     if fallback:
         logger.warning(
             "GPTQ: the Hessian of %s is not positive definite even with dampening %s; its "

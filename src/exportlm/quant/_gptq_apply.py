@@ -30,10 +30,10 @@ from torch import nn
 
 from exportlm.errors import QuantizationError, UnsupportedFormatError
 from exportlm.quant._distributed import data_parallel_world
-from exportlm.quant._gptq import gptq_quantize
+from exportlm.quant._gptq import gptq_quantize, int4_group_scales
 from exportlm.quant._modules import QuantLinear
 from exportlm.quant._quantizer import TensorQuantizer
-from exportlm.quant._tensor import QuantFormat, QuantizedTensor
+from exportlm.quant._tensor import INT4_MAX, QuantFormat, QuantizedTensor
 from exportlm.quant.formats._int4 import pack_int4_rows
 
 __all__ = [
@@ -48,6 +48,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+#: compressed-tensors' symmetric INT4 scale divisor: ``(q_max - q_min) / 2`` of [-8, 7].
+CT_INT4_DIVISOR = 7.5
 #: The attribute of a converted linear holding its GPTQ options.
 _MARK = "gptq_options"
 
@@ -175,12 +177,21 @@ def _quantize_linear(name: str, module: QuantLinear, hessian: torch.Tensor) -> N
     if not block:  # pragma: no cover - a GPTQ recipe's format is a block format
         raise QuantizationError(f"{name}: GPTQ needs the INT4 group size")
     weight = module.weight
+    ct = quantizer.scales == "compressed-tensors"
+    scales = int4_group_scales(
+        weight,
+        block,
+        name,
+        divisor=CT_INT4_DIVISOR if ct else INT4_MAX,
+        dtype=quantizer.scale_dtype if ct else None,
+    )
     result = gptq_quantize(
         weight,
         hessian.to(weight.device),
         group_size=block,
         actorder=options.actorder,
         dampening=options.dampening,
+        scales=scales,
         where=name,
     )
     # a new Parameter, never a write into the old one (quantize restores parameters by identity)
@@ -213,8 +224,8 @@ class GPTQWeightQuantizer(TensorQuantizer):
                 f"{self.label or 'quantizer'}: GPTQ's group scales {tuple(scale.shape)} do not "
                 f"fit a tensor of shape {tuple(x.shape)}; quantize the model again"
             )
-        s = scale.to(x.device)
-        groups = x.detach().float().reshape(rows, cols // block, block) / s[:, :, None]
+        s = scale.to(x.device)  # kept in its dtype (bfloat16 under compressed-tensors')
+        groups = x.detach().float().reshape(rows, cols // block, block) / s.float()[:, :, None]
         codes = groups.round_().clamp_(-8, 7).to(torch.int8).reshape(rows, cols)
         return QuantizedTensor(
             QuantFormat.INT4, pack_int4_rows(codes), s, None, block, (rows, cols), x.dtype

@@ -10,7 +10,7 @@ option          recipes                                     values
                 group sizes (``int4_awq``: 32, 64, 128)     (INT4: 32, 64, 128; default 128)
 ``alpha``       SmoothQuant recipes (``int8_sq``, ``w8a8``)  a number in [0, 1]
 ``scales``      recipes whose weight scales come from a     ``modelopt`` (default) or
-                calibrated amax (``fp8``, ``nvfp4``)        ``compressed-tensors``
+                calibrated amax (``fp8``, ``nvfp4``), GPTQ  ``compressed-tensors``
 ``actorder``    GPTQ recipes (``int4_gptq``)                ``weight`` (default) or ``none``
 ``dampening``   GPTQ recipes (``int4_gptq``)                a number in [0, 1] (default 0.01)
 ==============  ==========================================  ===============================
@@ -19,7 +19,8 @@ option          recipes                                     values
 (``6 * 448 / amax``, the block scales divided by it) and keeps the other calibrated
 scales in the dtype of the module's weight (bfloat16 for a bfloat16 model), as
 llm-compressor writes them: the checkpoint of that layout is then the calibrated model
-exactly. ``export --quantize ... -o format=compressed-tensors`` chooses it.
+exactly. For GPTQ (``int4_gptq``) it takes compressed-tensors' INT4 group scales,
+``group_amax / 7.5`` in the weight's dtype, where the default is ``group_amax / 7``. ``export --quantize ... -o format=compressed-tensors`` chooses it.
 
 No layout exportlm writes for INT4 has a zero point (ModelOpt's ``W4A16_AWQ`` and
 compressed-tensors' symmetric ``pack-quantized``), so no recipe takes ``symmetric``.
@@ -99,7 +100,7 @@ def known_options(algo: Recipe) -> dict[str, str]:
         known["group_size"] = " / ".join(map(str, algo.allowed_group_sizes))
     if algo.smoothquant_alpha is not None:
         known["alpha"] = "a number in [0, 1]"
-    if get_format(algo.weight).calibrated:
+    if get_format(algo.weight).calibrated or algo.gptq:
         known["scales"] = " / ".join(SCALE_CONVENTIONS)
     if algo.gptq:
         known["actorder"] = " / ".join(GPTQ_ACTORDERS)
