@@ -154,19 +154,20 @@ def _gptq_changes(
 ) -> dict[str, object]:
     """GPTQ's ``actorder`` and ``dampening`` options as the record's fields."""
     changes: dict[str, object] = {}
-    if "actorder" in options:
-        order = str(options["actorder"])
-        if order not in GPTQ_ACTORDERS:
-            raise ValueError(
-                f"recipe {algo.name!r}: actorder={options['actorder']!r} is not one it takes "
-                f"({known['actorder']}; 'group' would need a g_idx tensor neither layout writes)"
-            )
-        changes["gptq_actorder"] = order
-    if "dampening" in options:
-        damp = options["dampening"]
-        if isinstance(damp, bool) or not isinstance(damp, int | float):
-            raise ValueError(f"recipe {algo.name!r}: dampening={damp!r} is not a number in [0, 1]")
-        if not (math.isfinite(damp) and 0.0 <= damp <= 1.0):
-            raise ValueError(f"recipe {algo.name!r}: dampening={damp!r} is not in [0, 1]")
-        changes["gptq_dampening"] = float(damp)
+    for key, value in options.items():  # a recipe option, not a checkpoint config's key
+        if key == "actorder":
+            if str(value) not in GPTQ_ACTORDERS:
+                raise ValueError(
+                    f"recipe {algo.name!r}: actorder={value!r} is not one it takes ({known[key]}; "
+                    "'group' would need a g_idx tensor neither layout writes)"
+                )
+            changes["gptq_actorder"] = str(value)
+        elif key == "dampening":
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(
+                    f"recipe {algo.name!r}: dampening={value!r} is not a number in [0, 1]"
+                )
+            if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+                raise ValueError(f"recipe {algo.name!r}: dampening={value!r} is not in [0, 1]")
+            changes["gptq_dampening"] = float(value)
     return changes
