@@ -8,6 +8,7 @@ compressed-tensors); run layer by layer in the streamed export; refuse what it c
 
 from __future__ import annotations
 
+import random
 import subprocess
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from exportlm.models import tiny_hf_model
 from exportlm.quant import dequantize, quantize, quantize_tensor
 from tests._peers import llmcompressor_missing_reason, llmcompressor_python
 from tests._stream_models import llama_directory
+from tests.test_distributed_calibration import _export
 from tests.test_interop import _tensors
 
 GROUP = 64
@@ -224,8 +226,45 @@ def test_thread_counts_agree_within_a_few_codes() -> None:
     """GPTQ is not bit-deterministic across thread counts (matmul sums reorder, a code on a
     rounding tie may flip), so this holds the codes to agree, not to be equal."""
     one, two = _toy_codes(1), _toy_codes(2)
-    assert sorted(one) == sorted(two) and len(one) == 14
+    assert sorted(one) == sorted(two)
+    assert len(one) == 14
     differ = sum(int((one[n] != two[n]).sum()) for n in one)
     total = sum(c.numel() for c in one.values())
     print(f"1 vs 2 threads: {differ} of {total} codes differ")
     assert differ <= total // 1000
+
+
+@pytest.fixture
+def calib(tmp_path: Path) -> Path:
+    """12 lines of 40 words (tests/test_distributed_calibration.py's calibration text)."""
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "quick", "brown", "fox", "Zebra!"]
+    path = tmp_path / "calib.txt"
+    lines = (" ".join(rng.choice(words) for _ in range(40)) for _ in range(12))
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def test_two_ranks_quantize_from_the_summed_hessian(tmp_path: Path, calib: Path) -> None:
+    """``torchrun --nproc-per-node 2``: each rank's ``X^T X`` and token count are summed
+    (float64, in rank order), so both ranks run GPTQ on one process's Hessian: the codes
+    agree with the single process's (at most 0.1% of the packed words may differ: the sums'
+    order moves the Hessian by ~1e-16), where half the data alone moves many of them."""
+    recipe = "int4_gptq:group_size=32"
+    single = _export(tmp_path / "single", calib, recipe, 1, "-o", "format=compressed-tensors")
+    assert single.returncode == 0, single.stderr
+    parallel = _export(tmp_path / "dp", calib, recipe, 2, "-o", "format=compressed-tensors")
+    assert parallel.returncode == 0, parallel.stderr
+    assert "rank 1: calibrated; rank 0 writes" in parallel.stderr
+    half = calib.with_name("half.txt")
+    half.write_text("\n".join(calib.read_text().splitlines()[0::2]), encoding="utf-8")
+    alone = _export(tmp_path / "half", half, recipe, 1, "-o", "format=compressed-tensors")
+    assert alone.returncode == 0, alone.stderr
+    ours, dp, halfway = (_tensors(tmp_path / d) for d in ("single", "dp", "half"))
+    packed = [n for n in ours if n.endswith("weight_packed")]
+    assert len(packed) == 14
+    agree = [float((ours[n] == dp[n]).float().mean()) for n in packed]
+    apart = [float((ours[n] == halfway[n]).float().mean()) for n in packed]
+    print(f"packed words equal: two ranks {min(agree):.4f}, half the data {min(apart):.4f}")
+    assert min(agree) >= 0.999
+    assert min(apart) < 0.99
