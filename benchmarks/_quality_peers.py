@@ -25,7 +25,8 @@ recipe                      ModelOpt 0.47                          llm-compresso
 ``int8_wo``                 ``INT8_WEIGHT_ONLY_CFG``               ``W8A16``
 ``int4_awq:group_size=G``   ``INT4_AWQ_CFG``, block size G         ``AWQModifier``, symmetric int4 group G
 ``nvfp4``                   ``NVFP4_DEFAULT_CFG``                  ``NVFP4``
-``int4_gptq:group_size=G``  —                                      ``GPTQModifier``, symmetric int4 group G
+``int4_gptq:group_size=G``  ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``,     ``GPTQModifier``, symmetric int4 group G
+                            block size G, ``algorithm: gptq``
                                                                    (``actorder`` / ``dampening`` as given)
 ==========================  =====================================  ==========================================
 """
@@ -58,6 +59,7 @@ MODELOPT_CONFIGS = {
     "int8_wo": "INT8_WEIGHT_ONLY_CFG",
     "int4_awq": "INT4_AWQ_CFG",
     "nvfp4": "NVFP4_DEFAULT_CFG",
+    "int4_gptq": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",  # with its GPTQ algorithm (below)
 }
 LLMC_SCHEMES = {
     "fp8": "FP8",
@@ -97,12 +99,14 @@ def supports(peer: str, recipe: str) -> bool:
 def modelopt_config(mtq: Any, recipe: str) -> dict[str, Any]:
     name, kv, options = split_recipe(recipe)
     config = copy.deepcopy(getattr(mtq, MODELOPT_CONFIGS[name]))
-    if "group_size" in options:  # INT4_AWQ_CFG's weight block size (128 by default)
+    if "group_size" in options:  # the INT4 weight block size (128 by default)
         for entry in config["quant_cfg"]:
             if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry:
                 entry["cfg"]["block_sizes"][-1] = options["group_size"]
     if kv:
         config["quant_cfg"] = [*config["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]]
+    if name == "int4_gptq":  # ModelOpt 0.47's GPTQCalibConfig (layer by layer, QDQ inputs)
+        config["algorithm"] = {"method": "gptq", "perc_damp": options.get("dampening", 0.01)}
     return config
 
 
