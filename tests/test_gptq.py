@@ -69,7 +69,7 @@ def test_gptq_reconstructs_the_output_better_than_round_to_nearest() -> None:
     error_rtn = float((x @ rtn.T - reference).norm())
     error_gptq = float((x @ gptq.T - reference).norm())
     print(f"||XW^T - XQ^T||: RTN {error_rtn:.4g}, GPTQ {error_gptq:.4g}")
-    assert error_gptq < 0.8 * error_rtn  # measured: 0.46 x RTN's
+    assert error_gptq < 0.8 * error_rtn  # measured: 0.55 x RTN's
     # the fake-quantized model computes with exactly what is exported
     with torch.no_grad():
         torch.testing.assert_close(model(x), x @ gptq.T, atol=1e-4, rtol=1e-5)

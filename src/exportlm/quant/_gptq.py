@@ -28,8 +28,8 @@ bfloat16 model's checkpoint holds bfloat16 scales, as llm-compressor writes them
 
 Precision: the Hessian arrives in float64 (a float64 sum of float64 products of the
 inputs); the factorization and the updates run in float32, as llm-compressor's
-``GPTQ_PRECISION``. The column loop runs on one thread (:func:`_one_thread`), so its
-result does not depend on the thread count; the Hessian's matmuls do, by float rounding.
+``GPTQ_PRECISION``. It runs on one thread (:func:`_one_thread`), so given a Hessian the
+result does not depend on the thread count; the Hessian's own matmuls do, by float rounding.
 """
 
 from __future__ import annotations
@@ -125,9 +125,31 @@ def gptq_quantize(
     ``weight`` and ``hessian`` are not modified."""
     if actorder not in ACTORDERS:
         raise ValueError(f"{where}: actorder={actorder!r} is not one of {', '.join(ACTORDERS)}")
-    cols = int(weight.shape[1])
     if scales is None:
         scales = int4_group_scales(weight, group_size, where)
+    with _one_thread():
+        result = _gptq(weight, hessian, scales, group_size, actorder, dampening, block_size)
+    if result.fallback:
+        logger.warning(
+            "GPTQ: the Hessian of %s is not positive definite even with dampening %s; its "
+            "weight is rounded to nearest. Raise the dampening option or calibrate on more "
+            "data.",
+            where,
+            dampening,
+        )
+    return result
+
+
+def _gptq(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    actorder: str,
+    dampening: float,
+    block_size: int,
+) -> GPTQResult:
+    cols = int(weight.shape[1])
     w = weight.detach().to(_PRECISION).clone()
     h = hessian.detach().to(_PRECISION).clone()
     perm = None
@@ -145,29 +167,22 @@ def gptq_quantize(
     loss = torch.zeros((), dtype=torch.float64)
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
-        with _one_thread():
-            errors = _block(w[:, i1:i2], u[i1:i2, i1:i2], column_scales[:, i1:i2])
+        errors = _block(w[:, i1:i2], u[i1:i2, i1:i2], column_scales[:, i1:i2])
         loss += errors.double().square().sum() / 2
         w[:, i2:] -= errors @ u[i1:i2, i2:]
     if perm is not None:
         w = w[:, torch.argsort(perm)]
     codes = _codes(w, scales.to(w.device, _PRECISION), group_size)
-    if fallback:
-        logger.warning(
-            "GPTQ: the Hessian of %s is not positive definite even with dampening %s; its "
-            "weight is rounded to nearest. Raise the dampening option or calibrate on more "
-            "data.",
-            where,
-            dampening,
-        )
     return GPTQResult(codes, scales, float(loss), fallback)
 
 
 @contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
-    """torch's intra-op threads set to one while a block's columns are quantized: each step
-    is a few thousand elements, too little to share. Two threads took 50x the CPU time on a
-    1536 x 576 weight (3.57 s against 0.07 s, a loaded 2-core machine: the workers spin)."""
+    """torch's intra-op threads set to one while a weight is quantized: each column's step
+    is a few thousand elements, too little to share, and on a loaded machine the waiting
+    workers spin. Two threads took 50x the CPU time of one on a 1536 x 576 weight (3.57 s
+    against 0.07 s, a 2-core machine shared with other jobs), and ``cholesky_inverse`` of a
+    576 x 576 Hessian 2.4 s of wall time each."""
     before = torch.get_num_threads()
     if before == 1:
         yield
