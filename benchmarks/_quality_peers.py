@@ -25,6 +25,9 @@ recipe                      ModelOpt 0.47                          llm-compresso
 ``int8_wo``                 ``INT8_WEIGHT_ONLY_CFG``               ``W8A16``
 ``int4_awq:group_size=G``   ``INT4_AWQ_CFG``, block size G         ``AWQModifier``, symmetric int4 group G
 ``nvfp4``                   ``NVFP4_DEFAULT_CFG``                  ``NVFP4``
+``int4_gptq:group_size=G``  ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``,     ``GPTQModifier``, symmetric int4 group G
+                            block size G, ``algorithm: gptq``
+                                                                   (``actorder`` / ``dampening`` as given)
 ==========================  =====================================  ==========================================
 """
 
@@ -56,6 +59,7 @@ MODELOPT_CONFIGS = {
     "int8_wo": "INT8_WEIGHT_ONLY_CFG",
     "int4_awq": "INT4_AWQ_CFG",
     "nvfp4": "NVFP4_DEFAULT_CFG",
+    "int4_gptq": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",  # with its GPTQ algorithm (below)
 }
 LLMC_SCHEMES = {
     "fp8": "FP8",
@@ -65,14 +69,23 @@ LLMC_SCHEMES = {
 }
 
 
-def split_recipe(recipe: str) -> tuple[str, bool, dict[str, int]]:
+def split_recipe(recipe: str) -> tuple[str, bool, dict[str, Any]]:
     """``("int4_awq", False, {"group_size": 64})`` of ``"int4_awq:group_size=64"``;
     the middle value says whether ``+fp8_kv`` was added."""
     parts = recipe.split("+")
     kv = "fp8_kv" in parts[1:]
     name, _, rest = parts[0].partition(":")
-    options = {k: int(v) for k, _, v in (item.partition("=") for item in rest.split(",") if item)}
-    return name, kv, options
+    items = (item.partition("=") for item in rest.split(",") if item)
+    return name, kv, {k: _option(v) for k, _, v in items}
+
+
+def _option(raw: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            continue
+    return raw
 
 
 def supports(peer: str, recipe: str) -> bool:
@@ -80,18 +93,20 @@ def supports(peer: str, recipe: str) -> bool:
     name, _, _ = split_recipe(recipe)
     if peer == "modelopt":
         return name in MODELOPT_CONFIGS
-    return name in LLMC_SCHEMES or name in ("int8_sq", "w8a8", "int4_awq")
+    return name in LLMC_SCHEMES or name in ("int8_sq", "w8a8", "int4_awq", "int4_gptq")
 
 
 def modelopt_config(mtq: Any, recipe: str) -> dict[str, Any]:
     name, kv, options = split_recipe(recipe)
     config = copy.deepcopy(getattr(mtq, MODELOPT_CONFIGS[name]))
-    if "group_size" in options:  # INT4_AWQ_CFG's weight block size (128 by default)
+    if "group_size" in options:  # the INT4 weight block size (128 by default)
         for entry in config["quant_cfg"]:
             if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry:
                 entry["cfg"]["block_sizes"][-1] = options["group_size"]
     if kv:
         config["quant_cfg"] = [*config["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]]
+    if name == "int4_gptq":  # ModelOpt 0.47's GPTQCalibConfig (layer by layer, QDQ inputs)
+        config["algorithm"] = {"method": "gptq", "perc_damp": options.get("dampening", 0.01)}
     return config
 
 
@@ -162,6 +177,8 @@ def llmc_recipe(recipe: str) -> list[Any]:
         )  # fmt: skip
         groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
         return [AWQModifier(ignore=["lm_head"], config_groups=groups)]
+    if name == "int4_gptq":  # our actorder "weight" is its default "static" (an alias)
+        return [_gptq_modifier(options)]
     if name == "int8_sq":  # ModelOpt's INT8_SQ layout: channel weights, static tensor inputs
         scheme = QuantizationScheme(
             targets=["Linear"],
@@ -182,6 +199,23 @@ def llmc_recipe(recipe: str) -> list[Any]:
             kv_cache_scheme=kv_scheme,
         )
     ]
+
+
+def _gptq_modifier(options: dict[str, Any]) -> Any:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    weights = QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group",
+        group_size=options.get("group_size", 128),
+    )  # fmt: skip
+    actorder = options.get("actorder", "weight")
+    return GPTQModifier(
+        ignore=["lm_head"],
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+        actorder=None if actorder == "none" else actorder,
+        dampening_frac=float(options.get("dampening", 0.01)),
+    )
 
 
 def run_llmcompressor(

@@ -233,6 +233,7 @@ def _add_quantization(p: argparse.ArgumentParser) -> None:
         "--quantize",
         metavar="RECIPE",
         help="fake-quantize first: fp8, nvfp4, int4_awq, int8_wo, int8_sq, w8a8, fp8_dynamic, "
+        "int4_gptq, "
         "optionally +fp8_kv; options after a colon, e.g. int4_awq:group_size=64 or int8_sq:alpha=0.5",
     )
     q.add_argument(

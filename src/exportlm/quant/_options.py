@@ -10,8 +10,10 @@ option          recipes                                     values
                 group sizes (``int4_awq``: 32, 64, 128)     (INT4: 32, 64, 128; default 128)
 ``alpha``       SmoothQuant recipes (``int8_sq``, ``w8a8``)  a number in [0, 1]
 ``scales``      recipes whose weight scales come from a     ``modelopt`` (default) or
-                calibrated amax (``fp8``, ``nvfp4``), and   ``compressed-tensors``
-                AWQ recipes (``int4_awq``)
+                calibrated amax (``fp8``, ``nvfp4``), AWQ   ``compressed-tensors``
+                (``int4_awq``) and GPTQ recipes
+``actorder``    GPTQ recipes (``int4_gptq``)                ``weight`` (default) or ``none``
+``dampening``   GPTQ recipes (``int4_gptq``)                a number in [0, 1] (default 0.01)
 ==============  ==========================================  ===============================
 
 ``scales=compressed-tensors`` computes NVFP4's global scale as compressed-tensors does
@@ -22,7 +24,9 @@ exactly. ``export --quantize ... -o format=compressed-tensors`` chooses it. Unde
 folds every scale into the op before its linears, as llm-compressor's mappings do (a norm,
 or ``v_proj`` / ``up_proj`` for ``o_proj`` / ``down_proj``: :mod:`exportlm.quant._fold_linear`),
 and a linear with no such op gets no scale (round-to-nearest), since compressed-tensors
-stores no ``pre_quant_scale``.
+stores no ``pre_quant_scale``. For GPTQ (``int4_gptq``) it takes compressed-tensors' INT4
+group scales, ``group_amax / 7.5`` in the weight's dtype, where the default is
+``group_amax / 7``.
 
 No layout exportlm writes for INT4 has a zero point (ModelOpt's ``W4A16_AWQ`` and
 compressed-tensors' symmetric ``pack-quantized``), so no recipe takes ``symmetric``.
@@ -37,6 +41,7 @@ import math
 from collections.abc import Mapping
 
 from exportlm.errors import UnknownOptionError
+from exportlm.quant._gptq import ACTORDERS as GPTQ_ACTORDERS
 from exportlm.quant._recipes import Recipe
 from exportlm.quant.formats import get_format
 
@@ -101,8 +106,11 @@ def known_options(algo: Recipe) -> dict[str, str]:
         known["group_size"] = " / ".join(map(str, algo.allowed_group_sizes))
     if algo.smoothquant_alpha is not None:
         known["alpha"] = "a number in [0, 1]"
-    if get_format(algo.weight).calibrated or algo.awq:
+    if get_format(algo.weight).calibrated or algo.awq or algo.gptq:
         known["scales"] = " / ".join(SCALE_CONVENTIONS)
+    if algo.gptq:
+        known["actorder"] = " / ".join(GPTQ_ACTORDERS)
+        known["dampening"] = "a number in [0, 1]"
     return known
 
 
@@ -142,5 +150,30 @@ def apply_options(algo: Recipe, options: Mapping[str, OptionValue]) -> Recipe:
             )
         changes["scales"] = convention
         options = {**options, "scales": convention}
+    changes.update(_gptq_changes(algo, options, known))
     changes["spelled"] = spell(algo.name, options)
     return dataclasses.replace(algo, **changes)  # type: ignore[arg-type]
+
+
+def _gptq_changes(
+    algo: Recipe, options: Mapping[str, OptionValue], known: Mapping[str, str]
+) -> dict[str, object]:
+    """GPTQ's ``actorder`` and ``dampening`` options as the record's fields."""
+    changes: dict[str, object] = {}
+    for key, value in options.items():  # a recipe option, not a checkpoint config's key
+        if key == "actorder":
+            if str(value) not in GPTQ_ACTORDERS:
+                raise ValueError(
+                    f"recipe {algo.name!r}: actorder={value!r} is not one it takes ({known[key]}; "
+                    "'group' would need a g_idx tensor neither layout writes)"
+                )
+            changes["gptq_actorder"] = str(value)
+        elif key == "dampening":
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(
+                    f"recipe {algo.name!r}: dampening={value!r} is not a number in [0, 1]"
+                )
+            if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+                raise ValueError(f"recipe {algo.name!r}: dampening={value!r} is not in [0, 1]")
+            changes["gptq_dampening"] = float(value)
+    return changes

@@ -24,6 +24,7 @@ from exportlm.quant._conventions import apply_convention
 from exportlm.quant._experts import experts_base, quant_experts_class
 from exportlm.quant._fold import fold_into_norms, trace_norms
 from exportlm.quant._fold_linear import fold_into_linears, prune_unfoldable, trace_blocks
+from exportlm.quant._gptq_apply import apply_gptq, collect_hessians, mark_gptq, refuse_gptq
 from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
     QuantEmbedding,
@@ -175,6 +176,7 @@ def _checked_plan(model: nn.Module, plan: QuantRecipe) -> list[_Conversion]:
     refuse_unplaceable_kv_cache(model, plan, conversions)
     for c in conversions:
         refuse_shapes(c.name, c.module, c.kind, c.algo)
+        refuse_gptq(c.name, c.kind, c.algo)
     return conversions
 
 
@@ -189,13 +191,12 @@ def _calibrate_and_smooth(
     steps: QuantizeSteps,
     awq: bool,
 ) -> list[list[QuantLinear]]:
-    """Calibration, then (AWQ recipes) the scale search, smoothing and the fold into norms.
-
-    Returns the groups of linears that read one input.
-    """
+    """Calibration, then the AWQ search, smoothing and folds, SmoothQuant and GPTQ (as the
+    recipes ask); returns the groups of linears that read one input."""
     smoothquant = plan_smoothquant(model)
     with steps.step("calibration (the calibrate function's forwards)"):
         handles = collect_expert_statistics(model) if awq else []
+        hessians = collect_hessians(model, handles)  # GPTQ linears: X^T X of their inputs
         try:
             with (
                 trace_norms(model, enabled=awq or bool(smoothquant.folding)) as norms,
@@ -217,6 +218,9 @@ def _calibrate_and_smooth(
     if smoothquant:
         with steps.step("SmoothQuant smoothing"):
             apply_smoothquant(model, smoothquant, groups, norms)
+    if hessians:
+        with steps.step("GPTQ (each linear's weight quantized column by column)"):
+            apply_gptq(hessians)
     _init_weight_amax(model)  # AWQ changed the weights the quantizers see
     return groups
 
@@ -333,6 +337,7 @@ def _convert(c: _Conversion) -> None:
     algo = c.algo
     _convert_kind(c)
     apply_convention(module, algo)
+    mark_gptq(module, algo)
 
 
 def _convert_kind(c: _Conversion) -> None:

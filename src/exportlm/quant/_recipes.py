@@ -70,6 +70,10 @@ class Recipe:
             ``"compressed-tensors"``.
         default_exclude: the fnmatch patterns left unquantized unless an override
             names them, when this recipe is the model's default.
+        gptq: quantize the weights with GPTQ from the calibration inputs' Hessian
+            (:mod:`exportlm.quant._gptq`; INT4 only); ``gptq_actorder`` (``"none"`` /
+            ``"weight"``) and ``gptq_dampening`` are its ``actorder`` / ``dampening``
+            options.
         spelled: the recipe as spelled with its options (``"int4_awq:group_size=64"``);
             empty for the recipe's defaults.
 
@@ -90,6 +94,9 @@ class Recipe:
     scales: ScaleConvention = "modelopt"
     default_exclude: tuple[str, ...] = DEFAULT_EXCLUDE
     spelled: str = ""
+    gptq: bool = False
+    gptq_actorder: str = "weight"
+    gptq_dampening: float = 0.01
 
     @property
     def spelling(self) -> str:
@@ -118,14 +125,14 @@ class Recipe:
     @property
     def calibrates(self) -> bool:
         """Its statistics need calibration forwards: activations quantized with a static
-        (calibrated) scale, AWQ or SmoothQuant.
+        (calibrated) scale, AWQ, SmoothQuant or GPTQ.
 
         ``False`` for weight-only round-to-nearest (``int8_wo``) and for inputs quantized
         at run time (``fp8_dynamic``): every stored scale comes from the weights, so
         :func:`~exportlm.quant.quantize` runs no forward for it.
         """
         static_inputs = self.input is not None and get_format(self.input).calibrated
-        return static_inputs or self.awq or self.smoothquant_alpha is not None
+        return static_inputs or self.awq or self.smoothquant_alpha is not None or self.gptq
 
 
 @dataclass(frozen=True)
@@ -172,6 +179,8 @@ def _weight_problems(recipe: Recipe, spec: FormatSpec) -> Iterator[str]:
         yield f"AWQ and SmoothQuant write 'pre_quant_scale', and format {spec.name!r} has no such leaf"
     if not recipe.symmetric:
         yield "no layout exportlm writes has a zero point, so a recipe is symmetric=True"
+    if recipe.gptq and (format_name(recipe.weight) != "int4" or recipe.awq):
+        yield "GPTQ quantizes INT4 weights (format 'int4'), without AWQ"
 
 
 def legacy_recipe(spec: FormatSpec) -> Recipe | None:

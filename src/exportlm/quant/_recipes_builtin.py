@@ -42,4 +42,6 @@ BUILTIN_RECIPES: tuple[Recipe | KVCacheRecipe, ...] = (
     Recipe("mxfp8", "mxfp8", "mxfp8"),
     # FP8 128x128 weight tiles, inputs per token and group of 128 at run time
     Recipe("fp8_block", "fp8_block", "fp8_group", group_sizes=(32, 64, 128)),
+    # GPTQ (llm-compressor's default W4A16 algorithm): INT4 groups, codes from the Hessian
+    Recipe("int4_gptq", QuantFormat.INT4, group_sizes=(32, 64, 128), gptq=True),
 )
