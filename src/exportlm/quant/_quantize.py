@@ -41,6 +41,11 @@ from exportlm.quant._refusals import (
     refuse_unplaceable_kv_cache,
 )
 from exportlm.quant._smoothquant import apply_smoothquant, plan_smoothquant
+from exportlm.quant._static_inputs import (
+    keep_channel_amax,
+    search_formats,
+    set_smoothed_input_amax,
+)
 from exportlm.quant._tensor import FormatId, QuantFormat
 from exportlm.quant._transaction import QuantizeSteps, quantize_transaction
 from exportlm.quant.formats import get_format
@@ -203,11 +208,14 @@ def _calibrate_and_smooth(
                 handle.remove()
     if awq:
         plan = plan_awq(model, groups)
-        with steps.step("the AWQ search (a second pass of the calibrate function's forwards)"):
-            search_awq(model, plan, calibrate)
-        with steps.step("AWQ smoothing and its fold into norms"):
-            apply_awq(plan)
-            fold_into_norms(model, norms)
+        with search_formats(model):  # w4a8: the INT4 stage alone, as ModelOpt searches
+            with steps.step("the AWQ search (a second pass of the calibrate function's forwards)"):
+                search_awq(model, plan, calibrate)
+            with steps.step("AWQ smoothing and its fold into norms"):
+                static_inputs = keep_channel_amax(model)  # w4a8_awq: FP8 inputs after the scale
+                apply_awq(plan)
+                fold_into_norms(model, norms)
+                set_smoothed_input_amax(static_inputs)
     if smoothquant:
         with steps.step("SmoothQuant smoothing"):
             apply_smoothquant(model, smoothquant, groups, norms)
@@ -319,7 +327,9 @@ def _input_quantizer(algo: Algorithm | None, label: str) -> TensorQuantizer:
         quantizer.track_channels = bool(algo and algo.awq)
         return quantizer
     block = algo.weight_block if get_format(algo.input).needs_block else None
-    return TensorQuantizer(algo.input, block_size=block, label=label)
+    quantizer = TensorQuantizer(algo.input, block_size=block, label=label)
+    quantizer.track_channels = algo.awq  # w4a8_awq: AWQ statistics of quantized inputs
+    return quantizer
 
 
 def _convert(c: _Conversion) -> None:

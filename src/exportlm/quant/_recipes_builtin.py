@@ -33,4 +33,6 @@ BUILTIN_RECIPES: tuple[Recipe | KVCacheRecipe, ...] = (
     ),
     Recipe("fp8_dynamic", "fp8_dynamic", "fp8_dynamic", weight_axis=0),
     KVCacheRecipe("fp8_kv", QuantFormat.FP8),
+    # ModelOpt's W4A8_AWQ_BETA_CFG: INT4 AWQ weights run as FP8, FP8 static per-tensor inputs
+    Recipe("w4a8_awq", "w4a8", QuantFormat.FP8, awq=True, group_sizes=(32, 64, 128)),
 )

@@ -15,6 +15,7 @@ from exportlm.quant.formats._int8_sq import INT8_SQ, INT8_TENSOR, W8A8
 from exportlm.quant.formats._nvfp4 import NVFP4
 from exportlm.quant.formats._parts import LeafRole
 from exportlm.quant.formats._spec import FormatSpec
+from exportlm.quant.formats._w4a8 import W4A8
 from exportlm.registry import Registry
 
 __all__ = [
@@ -53,6 +54,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
     INT8_TENSOR,
     W8A8,
     FP8_DYNAMIC,
+    W4A8,
 )
 _LOCK = threading.Lock()
 #: ``{recipe name: owner}`` of the records in the recipe registry (installed by it), which a
