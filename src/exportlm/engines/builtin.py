@@ -236,6 +236,20 @@ VLLM = Engine(
             ),
             evidence=f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_wNa16.py",
         ),
+        Support(
+            _HF,
+            _MO,
+            "W4A8_AWQ",
+            verdict=Verdict.REFUSED,
+            evidence=_MODELOPT_REFUSAL,
+            message=_MODELOPT_REFUSED,
+            instead=(
+                "TensorRT-LLM (reads ModelOpt's W4A8_AWQ); vLLM's own W4A8 is compressed-tensors "
+                "W4AFP8 with per-token dynamic FP8 inputs on Hopper GPUs only (compressed_tensors"
+                ".py _is_fp8_w4a8: input strategy token, dynamic; get_min_capability 90), which "
+                "recipe 'w4a8_awq' (static per-tensor inputs) is not"
+            ),
+        ),
     ),
     # One process (no EngineCore subprocess to orphan on a timeout), a small KV cache.
     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},

@@ -22,6 +22,7 @@ from exportlm.inspection._structure import (
     kv_findings,
 )
 from exportlm.inspection._values import value_findings
+from exportlm.inspection._w4a8 import w4a8_findings
 
 __all__ = ["InspectionReport", "inspect_checkpoint"]
 
@@ -110,6 +111,7 @@ def inspect_checkpoint(path: str | Path) -> InspectionReport:
         *layer_findings(checkpoint, declared),
         *kv_findings(checkpoint, declared),
         *value_findings(checkpoint, layers),
+        *w4a8_findings(checkpoint, layers),
     ]
     formats = Counter(
         layer.spec.name if layer.spec else (layer.scheme.label if layer.scheme else "?")
