@@ -24,6 +24,8 @@ from exportlm.errors import InvalidModelError, UnsupportedFormatError
 from exportlm.inspection import Severity, inspect_checkpoint
 from exportlm.models import tiny_hf_model
 from exportlm.quant import quantize
+from exportlm.stream import export_streaming
+from tests._stream_models import assert_same_checkpoint, in_memory_export, llama_directory
 
 FP8_MAX = 448.0
 
@@ -182,6 +184,20 @@ def test_cli_quantize_w4a8_awq(tmp_path: Path) -> None:
     assert main([*argv, "--quantize", "w4a8_awq", "--verify"]) == 0
     declared = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
     assert declared["quant_algo"] == "W4A8_AWQ"
+
+
+def test_the_streamed_export_is_the_in_memory_one_byte_for_byte(tmp_path: Path) -> None:
+    """Layer by layer (a bf16 model directory, float calibration inputs): the same files."""
+    src = llama_directory(tmp_path, tied=False)
+    expected = in_memory_export(src, tmp_path / "memory", "w4a8_awq", shard="100KB")
+    streamed = export_streaming(
+        src,
+        tmp_path / "streamed",
+        recipe="w4a8_awq",
+        max_shard_size="100KB",
+        calibration_inputs="float",
+    )
+    assert_same_checkpoint(expected, streamed)
 
 
 # ------------------------------------------------------------------------------ ModelOpt parity
