@@ -39,6 +39,7 @@ WRITERS: dict[tuple[str | None, str | None], tuple[str | None, str | None, tuple
     ("compressed-tensors", "W8A16"): ("compressed-tensors", "int8_wo", ()),
     # compressed-tensors has no pre_quant_scale: AWQ's scale must fold into a norm
     ("compressed-tensors", "W4A16"): ("compressed-tensors", "int4_awq", ("*o_proj", "*down_proj")),
+    ("modelopt", "W4A8_AWQ"): ("modelopt", "w4a8_awq", ()),
 }
 #: The engines' names in inspect's loader list (it appends the version it read them for).
 INSPECT_NAMES = {"vllm": "vLLM", "transformers": "transformers"}
