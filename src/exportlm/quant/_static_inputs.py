@@ -50,6 +50,8 @@ def set_smoothed_input_amax(kept: dict[TensorQuantizer, torch.Tensor]) -> None:
     scale folded into the norm before it), the max over channels (and experts)."""
     with torch.no_grad():
         for quantizer, channel_amax in kept.items():
+            if quantizer.awq_margin is None:
+                continue  # not in the AWQ plan (SmoothQuant's inputs set their own amax)
             scale = smoothing_of(quantizer)
             amax = channel_amax.to(torch.float32)
             if scale is not None:
