@@ -25,6 +25,7 @@ recipe                      ModelOpt 0.47                          llm-compresso
 ``int8_wo``                 ``INT8_WEIGHT_ONLY_CFG``               ``W8A16``
 ``int4_awq:group_size=G``   ``INT4_AWQ_CFG``, block size G         ``AWQModifier``, symmetric int4 group G
 ``nvfp4``                   ``NVFP4_DEFAULT_CFG``                  ``NVFP4``
+``w4a8_awq:group_size=G``   ``W4A8_AWQ_BETA_CFG``, block size G    — (its ``W4AFP8`` takes per-token dynamic inputs)
 ==========================  =====================================  ==========================================
 """
 
@@ -56,6 +57,7 @@ MODELOPT_CONFIGS = {
     "int8_wo": "INT8_WEIGHT_ONLY_CFG",
     "int4_awq": "INT4_AWQ_CFG",
     "nvfp4": "NVFP4_DEFAULT_CFG",
+    "w4a8_awq": "W4A8_AWQ_BETA_CFG",
 }
 LLMC_SCHEMES = {
     "fp8": "FP8",
@@ -89,7 +91,9 @@ def modelopt_config(mtq: Any, recipe: str) -> dict[str, Any]:
     if "group_size" in options:  # INT4_AWQ_CFG's weight block size (128 by default)
         for entry in config["quant_cfg"]:
             if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry:
-                entry["cfg"]["block_sizes"][-1] = options["group_size"]
+                # W4A8_AWQ_BETA_CFG: a list of two (INT4 in groups, then FP8 per tensor)
+                first = entry["cfg"][0] if isinstance(entry["cfg"], list) else entry["cfg"]
+                first["block_sizes"][-1] = options["group_size"]
     if kv:
         config["quant_cfg"] = [*config["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]]
     return config
