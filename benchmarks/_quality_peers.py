@@ -28,6 +28,7 @@ recipe                      ModelOpt 0.47                          llm-compresso
 ``int4_gptq:group_size=G``  ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``,     ``GPTQModifier``, symmetric int4 group G
                             block size G, ``algorithm: gptq``
                                                                    (``actorder`` / ``dampening`` as given)
+``w4a8_awq:group_size=G``   ``W4A8_AWQ_BETA_CFG``, block size G    — (its ``W4AFP8`` takes per-token dynamic inputs)
 ==========================  =====================================  ==========================================
 """
 
@@ -60,6 +61,7 @@ MODELOPT_CONFIGS = {
     "int4_awq": "INT4_AWQ_CFG",
     "nvfp4": "NVFP4_DEFAULT_CFG",
     "int4_gptq": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",  # with its GPTQ algorithm (below)
+    "w4a8_awq": "W4A8_AWQ_BETA_CFG",
 }
 LLMC_SCHEMES = {
     "fp8": "FP8",
@@ -102,7 +104,9 @@ def modelopt_config(mtq: Any, recipe: str) -> dict[str, Any]:
     if "group_size" in options:  # the INT4 weight block size (128 by default)
         for entry in config["quant_cfg"]:
             if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry:
-                entry["cfg"]["block_sizes"][-1] = options["group_size"]
+                # W4A8_AWQ_BETA_CFG: a list of two (INT4 in groups, then FP8 per tensor)
+                first = entry["cfg"][0] if isinstance(entry["cfg"], list) else entry["cfg"]
+                first["block_sizes"][-1] = options["group_size"]
     if kv:
         config["quant_cfg"] = [*config["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]]
     if name == "int4_gptq":  # ModelOpt 0.47's GPTQCalibConfig (layer by layer, QDQ inputs)

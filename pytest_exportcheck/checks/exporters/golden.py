@@ -125,6 +125,7 @@ GOLDEN_CASES: tuple[GoldenCase, ...] = (
     ),
     GoldenCase("compressed_tensors", "llama", "fp8", "compressed-tensors"),
     GoldenCase("w8a8", "llama", "w8a8", "compressed-tensors"),
+    GoldenCase("w4a8_awq", "llama", "w4a8_awq"),
 )
 
 

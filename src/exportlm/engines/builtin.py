@@ -20,7 +20,7 @@ in a reduced dtype) has a tolerance of its own (``scheme=``), which takes preced
 
 from __future__ import annotations
 
-from exportlm.engines._mx_rows import vllm_mx_rows
+from exportlm.engines._mx_rows import vllm_block_and_w4a8_rows, vllm_mx_rows
 from exportlm.engines._onnx import ONNXRUNTIME_GENAI, OPENVINO, OPTIMUM_ORT
 from exportlm.engines.spec import F32_ATOL, Engine, Support, Tolerance, Verdict
 
@@ -45,7 +45,6 @@ _VLLM_FP8_CPU = (
     f"{_FP8_STUB} argument(s). Declaration: _C::static_scaled_fp8_quant() -> () (a stub in "
     "the CPU build; its CPU FP8 GEMMs need AMX)"
 )
-_FP8_BLOCK_NO_KERNEL = "Failed to find a kernel that can implement the ScaledMM linear layer"
 _NVFP4_NO_KERNEL = "Failed to find a kernel that can implement the NVFP4 linear layer"
 _VLLM_NVFP4_CPU = f"measured: ValueError: {_NVFP4_NO_KERNEL}. Reasons: (none listed on CPU)"
 _VLLM_INT_DTYPES = ("float16", "bfloat16")  # no float32 path for integer-weight schemes
@@ -239,20 +238,7 @@ VLLM = Engine(
             evidence=f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_wNa16.py",
         ),
         *vllm_mx_rows(_MODELOPT_REFUSAL, _MODELOPT_REFUSED),
-        Support(
-            _HF,
-            _CT,
-            "FP8_BLOCK",
-            devices=_GPU,
-            limit=(
-                "measured on an AMD EPYC (AVX2, no AMX), our fp8_block:group_size=32 checkpoint "
-                f"of the toy llama, bfloat16: ValueError: {_FP8_BLOCK_NO_KERNEL}. Reasons: "
-                "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or "
-                "newer); with AMX not measured"
-            ),
-            message=_FP8_BLOCK_NO_KERNEL,
-            evidence=f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py",
-        ),
+        *vllm_block_and_w4a8_rows(_MODELOPT_REFUSAL, _MODELOPT_REFUSED),
     ),
     # One process (no EngineCore subprocess to orphan on a timeout), a small KV cache.
     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},

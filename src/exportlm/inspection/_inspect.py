@@ -23,6 +23,7 @@ from exportlm.inspection._structure import (
     kv_findings,
 )
 from exportlm.inspection._values import value_findings
+from exportlm.inspection._w4a8 import w4a8_findings
 
 __all__ = ["InspectionReport", "inspect_checkpoint"]
 
@@ -112,6 +113,7 @@ def inspect_checkpoint(path: str | Path) -> InspectionReport:
         *kv_findings(checkpoint, declared),
         *value_findings(checkpoint, layers),
         *e8m0_findings(checkpoint, layers),
+        *w4a8_findings(checkpoint, layers),
     ]
     formats = Counter(
         layer.spec.name if layer.spec else (layer.scheme.label if layer.scheme else "?")

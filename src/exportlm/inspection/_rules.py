@@ -1,9 +1,7 @@
 """The rule table: every rule an inspection evaluates, its severity and where it comes from.
 
-A rule is data (:class:`Rule`); the code that evaluates it lives in the module
-named for its concern (``_layers``, ``_structure``, ``_values``, ``_onnx``). Each
-rule has a section in ``docs/checkpoint-rules.md`` whose anchor is the rule id,
-with the loader behaviour it protects against and a source reference.
+Rules are data (:class:`Rule`; new schemes' rows in ``_scheme_rules``), evaluated in the module of
+their concern (``_layers``, ``_values``, ``_w4a8``...); each has its ``docs/checkpoint-rules.md`` section.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from exportlm.errors import UnknownNameError
+from exportlm.inspection._scheme_rules import SCHEME_RULE_ROWS
 
 __all__ = ["RULES", "RULES_DOC", "Finding", "Rule", "Severity", "get_rule"]
 
@@ -389,8 +388,9 @@ _TABLE: tuple[Rule, ...] = (
     ),
 )
 
+_SCHEMES = tuple(Rule(i, Severity(s), ls, text) for i, s, ls, text in SCHEME_RULE_ROWS)
 #: Every rule by id, in the order of ``docs/checkpoint-rules.md``.
-RULES: Mapping[str, Rule] = MappingProxyType({rule.id: rule for rule in _TABLE})
+RULES: Mapping[str, Rule] = MappingProxyType({rule.id: rule for rule in _TABLE + _SCHEMES})
 
 
 def get_rule(rule_id: str) -> Rule:

@@ -8,23 +8,19 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from exportlm.errors import QuantizationError, UnsupportedFormatError
-from exportlm.quant._awq import apply_awq, collect_expert_statistics, plan_awq, search_awq
 from exportlm.quant._calibrate import (
     check_calibrated,
     check_finite,
-    run_calibration,
     unify_expert_input_amax,
     unify_groups,
 )
+from exportlm.quant._calibration_steps import calibrate_and_smooth, init_weight_amax
 from exportlm.quant._conventions import apply_convention
 from exportlm.quant._experts import experts_base, quant_experts_class
-from exportlm.quant._fold import fold_into_norms, trace_norms
-from exportlm.quant._fold_linear import fold_into_linears, prune_unfoldable, trace_blocks
-from exportlm.quant._gptq_apply import apply_gptq, collect_hessians, mark_gptq, refuse_gptq
+from exportlm.quant._gptq_apply import mark_gptq, refuse_gptq
 from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
     QuantEmbedding,
@@ -42,9 +38,8 @@ from exportlm.quant._refusals import (
     refuse_unconvertible,
     refuse_unplaceable_kv_cache,
 )
-from exportlm.quant._smoothquant import apply_smoothquant, plan_smoothquant
 from exportlm.quant._tensor import FormatId, QuantFormat
-from exportlm.quant._transaction import QuantizeSteps, quantize_transaction
+from exportlm.quant._transaction import quantize_transaction
 from exportlm.quant.formats import get_format
 
 __all__ = [
@@ -132,11 +127,11 @@ def quantize(
             for conversion in conversions:
                 _convert(conversion)
             route_kv_cache_to_attention(model)  # K / V quantized where they are cached
-            _init_weight_amax(model)
+            init_weight_amax(model)
         groups: list[list[QuantLinear]] = []
         if _calibrates(conversions):
             awq = any(c.algo is not None and c.algo.awq for c in conversions)
-            groups = _calibrate_and_smooth(model, calibrate, steps, awq)
+            groups = calibrate_and_smooth(model, calibrate, steps, awq)
         else:
             logger.info("weight-only recipe: every scale comes from the weights; no calibration")
         with steps.step("amax unification"):
@@ -183,46 +178,6 @@ def _checked_plan(model: nn.Module, plan: QuantRecipe) -> list[_Conversion]:
 def _calibrates(conversions: Sequence[_Conversion]) -> bool:
     """Some module needs calibration forwards (activations, AWQ, SmoothQuant or KV scales)."""
     return any(c.kv is not None or (c.algo is not None and c.algo.calibrates) for c in conversions)
-
-
-def _calibrate_and_smooth(
-    model: nn.Module,
-    calibrate: Callable[[nn.Module], object] | None,
-    steps: QuantizeSteps,
-    awq: bool,
-) -> list[list[QuantLinear]]:
-    """Calibration, then the AWQ search, smoothing and folds, SmoothQuant and GPTQ (as the
-    recipes ask); returns the groups of linears that read one input."""
-    smoothquant = plan_smoothquant(model)
-    with steps.step("calibration (the calibrate function's forwards)"):
-        handles = collect_expert_statistics(model) if awq else []
-        hessians = collect_hessians(model, handles)  # GPTQ linears: X^T X of their inputs
-        try:
-            with (
-                trace_norms(model, enabled=awq or bool(smoothquant.folding)) as norms,
-                trace_blocks(model) as blocks,  # compressed-tensors AWQ: what folds into linears
-            ):
-                groups = run_calibration(model, calibrate)
-        finally:
-            for handle in handles:
-                handle.remove()
-    if awq:
-        plan = plan_awq(model, groups)
-        prune_unfoldable(model, plan, norms, blocks)
-        with steps.step("the AWQ search (a second pass of the calibrate function's forwards)"):
-            search_awq(model, plan, calibrate)
-        with steps.step("AWQ smoothing and its fold into norms"):
-            apply_awq(plan)
-            fold_into_norms(model, norms)
-            fold_into_linears(model, blocks)
-    if smoothquant:
-        with steps.step("SmoothQuant smoothing"):
-            apply_smoothquant(model, smoothquant, groups, norms)
-    if hessians:
-        with steps.step("GPTQ (each linear's weight quantized column by column)"):
-            apply_gptq(hessians)
-    _init_weight_amax(model)  # AWQ changed the weights the quantizers see
-    return groups
 
 
 def wrap_module(module: nn.Module, name: str = "") -> QuantModule:
@@ -329,7 +284,9 @@ def _input_quantizer(algo: Algorithm | None, label: str) -> TensorQuantizer:
         quantizer.track_channels = bool(algo and algo.awq)
         return quantizer
     block = algo.weight_block if get_format(algo.input).needs_block else None
-    return TensorQuantizer(algo.input, block_size=block, label=label)
+    quantizer = TensorQuantizer(algo.input, block_size=block, label=label)
+    quantizer.track_channels = algo.awq  # w4a8_awq: AWQ statistics of quantized inputs
+    return quantizer
 
 
 def _convert(c: _Conversion) -> None:
@@ -378,23 +335,3 @@ def _convert_kind(c: _Conversion) -> None:
     if algo is not None and algo.smoothquant_alpha is not None:
         module.smoothquant_alpha = algo.smoothquant_alpha  # the recipe's, options applied
         module.smoothquant_fold = algo.smoothquant_fold
-
-
-def _weights(module: QuantModule) -> Iterator[tuple[TensorQuantizer, torch.Tensor]]:
-    if isinstance(module, QuantExperts):
-        for proj in module.PROJECTIONS:
-            yield module.weight_quantizer_of(proj), module.effective_weight(proj)
-    elif isinstance(module, QuantLinear):
-        yield module.weight_quantizer, module.effective_weight()
-    elif isinstance(module, QuantEmbedding):
-        yield module.weight_quantizer, module.weight
-
-
-def _init_weight_amax(model: nn.Module) -> None:
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, QuantModule):
-                for quantizer, weight in _weights(module):
-                    if quantizer.enabled:
-                        quantizer.reset_amax()
-                        quantizer.collect(weight)

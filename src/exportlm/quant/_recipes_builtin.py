@@ -44,4 +44,6 @@ BUILTIN_RECIPES: tuple[Recipe | KVCacheRecipe, ...] = (
     Recipe("fp8_block", "fp8_block", "fp8_group", group_sizes=(32, 64, 128)),
     # GPTQ (llm-compressor's default W4A16 algorithm): INT4 groups, codes from the Hessian
     Recipe("int4_gptq", QuantFormat.INT4, group_sizes=(32, 64, 128), gptq=True),
+    # ModelOpt's W4A8_AWQ_BETA_CFG: INT4 AWQ weights run as FP8, FP8 static per-tensor inputs
+    Recipe("w4a8_awq", "w4a8", QuantFormat.FP8, awq=True, group_sizes=(32, 64, 128)),
 )

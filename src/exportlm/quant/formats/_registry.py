@@ -17,6 +17,7 @@ from exportlm.quant.formats._mx import MXFP4, MXFP8
 from exportlm.quant.formats._nvfp4 import NVFP4
 from exportlm.quant.formats._parts import LeafRole
 from exportlm.quant.formats._spec import FormatSpec
+from exportlm.quant.formats._w4a8 import W4A8
 from exportlm.registry import Registry
 
 __all__ = [
@@ -59,6 +60,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
     MXFP8,
     FP8_GROUP,
     FP8_BLOCK,
+    W4A8,
 )
 _LOCK = threading.Lock()
 #: ``{recipe name: owner}`` of the records in the recipe registry (installed by it), which a

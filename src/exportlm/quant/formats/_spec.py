@@ -103,6 +103,9 @@ class FormatSpec:
             stores as a *global scale* (``amax_divisor / amax``, divided by): the kernels
             take ``divides=True`` for it (NVFP4), so a recipe's ``scales=compressed-tensors``
             quantizes with the stored number itself.
+        search_format: the format the AWQ search scores a candidate scale with, when not
+            this one: W4A8's first stage, ``int4`` (ModelOpt's ``awq_lite`` runs inside
+            ``SequentialQuantizer.convert_to_single_quantizer``: INT4 only, no FP8 step).
     """
 
     format: FormatId
@@ -124,6 +127,7 @@ class FormatSpec:
     share_fused_weight_amax: bool = False
     share_expert_gate_up_amax: bool = False
     global_scale: bool = False
+    search_format: FormatId | None = None
 
     def __post_init__(self) -> None:
         legacy = self.recipe

@@ -1,0 +1,22 @@
+"""Rule rows of this round's quantization schemes, as plain data.
+
+Each row is ``(id, severity, loaders, summary)``; :mod:`exportlm.inspection._rules`
+turns them into :class:`~exportlm.inspection.Rule` records at the end of its table (so
+this module imports nothing of it). The code that evaluates a row lives in the module
+named for its scheme (``_w4a8``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["SCHEME_RULE_ROWS"]
+
+#: ``(id, severity value, loaders, summary)`` per rule, in the order of ``docs/checkpoint-rules.md``.
+SCHEME_RULE_ROWS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    (
+        "w4a8-fp8-range",
+        "error",
+        ("TensorRT-LLM",),
+        "A W4A8_AWQ layer's INT4 values fit FP8 after its second scale: "
+        "7 x max(weight_scale) <= 448 x weight_scale_2.",
+    ),
+)

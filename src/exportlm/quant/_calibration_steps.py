@@ -1,0 +1,94 @@
+"""The calibration steps of :func:`~exportlm.quant.quantize`, in their order.
+
+The forwards (with what the recipes trace during them: expert statistics, GPTQ's
+Hessians, the norms and blocks AWQ folds into), then the AWQ search and its smoothing
+and folds, SmoothQuant, GPTQ, and last the weight quantizers' amax from the weights
+those steps changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from exportlm.quant._awq import apply_awq, collect_expert_statistics, plan_awq, search_awq
+from exportlm.quant._calibrate import run_calibration
+from exportlm.quant._fold import fold_into_norms, trace_norms
+from exportlm.quant._fold_linear import fold_into_linears, prune_unfoldable, trace_blocks
+from exportlm.quant._gptq_apply import apply_gptq, collect_hessians
+from exportlm.quant._modules import QuantEmbedding, QuantExperts, QuantLinear, QuantModule
+from exportlm.quant._quantizer import TensorQuantizer
+from exportlm.quant._smoothquant import apply_smoothquant, plan_smoothquant
+from exportlm.quant._static_inputs import (
+    keep_channel_amax,
+    search_formats,
+    set_smoothed_input_amax,
+)
+from exportlm.quant._transaction import QuantizeSteps
+
+__all__ = ["calibrate_and_smooth", "init_weight_amax"]
+
+
+def calibrate_and_smooth(
+    model: nn.Module,
+    calibrate: Callable[[nn.Module], object] | None,
+    steps: QuantizeSteps,
+    awq: bool,
+) -> list[list[QuantLinear]]:
+    """Calibration, then the AWQ search, smoothing and folds, SmoothQuant and GPTQ (as the
+    recipes ask); returns the groups of linears that read one input."""
+    smoothquant = plan_smoothquant(model)
+    with steps.step("calibration (the calibrate function's forwards)"):
+        handles = collect_expert_statistics(model) if awq else []
+        hessians = collect_hessians(model, handles)  # GPTQ linears: X^T X of their inputs
+        try:
+            with (
+                trace_norms(model, enabled=awq or bool(smoothquant.folding)) as norms,
+                trace_blocks(model) as blocks,  # compressed-tensors AWQ: what folds into linears
+            ):
+                groups = run_calibration(model, calibrate)
+        finally:
+            for handle in handles:
+                handle.remove()
+    if awq:
+        plan = plan_awq(model, groups)
+        prune_unfoldable(model, plan, norms, blocks)
+        with search_formats(model):  # w4a8: the INT4 stage alone, as ModelOpt searches
+            with steps.step("the AWQ search (a second pass of the calibrate function's forwards)"):
+                search_awq(model, plan, calibrate)
+            with steps.step("AWQ smoothing and its fold into norms"):
+                static_inputs = keep_channel_amax(model)  # w4a8_awq: FP8 inputs after the scale
+                apply_awq(plan)
+                fold_into_norms(model, norms)
+                fold_into_linears(model, blocks)
+                set_smoothed_input_amax(static_inputs)
+    if smoothquant:
+        with steps.step("SmoothQuant smoothing"):
+            apply_smoothquant(model, smoothquant, groups, norms)
+    if hessians:
+        with steps.step("GPTQ (each linear's weight quantized column by column)"):
+            apply_gptq(hessians)
+    init_weight_amax(model)  # AWQ changed the weights the quantizers see
+    return groups
+
+
+def _weights(module: QuantModule) -> Iterator[tuple[TensorQuantizer, torch.Tensor]]:
+    if isinstance(module, QuantExperts):
+        for proj in module.PROJECTIONS:
+            yield module.weight_quantizer_of(proj), module.effective_weight(proj)
+    elif isinstance(module, QuantLinear):
+        yield module.weight_quantizer, module.effective_weight()
+    elif isinstance(module, QuantEmbedding):
+        yield module.weight_quantizer, module.weight
+
+
+def init_weight_amax(model: nn.Module) -> None:
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, QuantModule):
+                for quantizer, weight in _weights(module):
+                    if quantizer.enabled:
+                        quantizer.reset_amax()
+                        quantizer.collect(weight)
