@@ -51,7 +51,7 @@ def refuse_unconvertible(name: str, module: nn.Module, recipe: QuantRecipe) -> N
 def refuse_experts_algorithm(name: str, module: nn.Module, algo: Algorithm) -> None:
     base = experts_base(module)
     problem = None if base is None else base.refuses(algo) or _tile_problem(module, base, algo)
-    if problem is None and base is not None and algo.awq and algo.input is not None:  # w4a8_awq
+    if problem is None and algo.awq and algo.input is not None:  # w4a8_awq
         problem = (
             f"recipe {algo.name!r} quantizes the inputs after a per-expert AWQ scale, which "
             "the stacked experts' wrappers do not apply in one order yet (the fake-quantized "
