@@ -37,7 +37,7 @@ from exportlm.module_exporters._default import (
     MODULE_EXPORTERS_GROUP,
     ensure_module_exporters_registered,
 )
-from exportlm.module_exporters._driver import export_quantized_state
+from exportlm.module_exporters._driver import checkpoint_bytes_at_least, export_quantized_state
 from exportlm.module_exporters._experts import DbrxExpertsExporter
 from exportlm.module_exporters._exporters import (
     BMMExpertsExporter,
@@ -88,6 +88,7 @@ __all__ = [
     "TensorSink",
     "TieBook",
     "builtin_module_exporters",
+    "checkpoint_bytes_at_least",
     "ensure_module_exporters_registered",
     "export_quantized_state",
     "library_dequantized_module",

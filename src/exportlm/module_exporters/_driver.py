@@ -23,7 +23,9 @@ from exportlm.module_exporters._ties import tie_book
 from exportlm.quant import TensorQuantizer, is_quantized_module
 from exportlm.quant.formats import DEFAULT_LAYOUT, checkpoint_layout
 
-__all__ = ["export_quantized_state"]
+__all__ = ["checkpoint_bytes_at_least", "export_quantized_state"]
+
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 logger = logging.getLogger(__name__)
 
@@ -143,3 +145,44 @@ def _emit_own_tensors(
     for bname, buf in module.named_buffers(recurse=False, remove_duplicate=False):
         if prefix + bname in persistent and not ctx.ties.drops(prefix + bname):
             ctx.emit_plain(prefix + bname, buf)
+
+
+def checkpoint_bytes_at_least(
+    model: nn.Module, *, dtype: torch.dtype | None = None, is_qlora: bool = False
+) -> int:
+    """About the fewest bytes :func:`export_quantized_state` writes for ``model``: every
+    parameter and persistent buffer outside the quantized modules (the embeddings, the
+    norms, an unquantized ``lm_head``) as it writes them (in ``dtype`` where it casts), each
+    tensor's memory counted once (a tie), and half a byte an element of each quantized module's weight (no
+    built-in format stores fewer than 4 bits an element; scales are not counted).
+
+    A hint for a writer that allocates its file ahead; computed without reading any weight.
+    ``0`` with ``is_qlora`` (the adapters are dropped).
+    """
+    if is_qlora:
+        return 0
+    persistent = set(model.state_dict(keep_vars=True))
+    seen: set[int] = set()
+    tensors: list[torch.Tensor]
+    total, owned = 0, None
+    for name, module in model.named_modules():
+        if (owned is not None and name.startswith(owned)) or isinstance(module, TensorQuantizer):
+            continue
+        prefix = f"{name}." if name else ""
+        if is_quantized_module(module):
+            owned = prefix  # its subtree is its exporter's
+            weight = getattr(module, "weight", None)
+            tensors = [weight] if isinstance(weight, torch.Tensor) else []
+        else:
+            tensors = [t for _, t in module.named_parameters(recurse=False)]
+            tensors += [
+                t for n, t in module.named_buffers(recurse=False) if prefix + n in persistent
+            ]
+        for tensor in tensors:  # plain tensors only (a subclass may not hold its bytes)
+            if type(tensor) not in _PLAIN or tensor.is_meta or tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            cast = dtype is not None and tensor.is_floating_point()
+            size = dtype.itemsize if dtype is not None and cast else tensor.element_size()
+            total += tensor.numel() // 2 if owned == prefix else tensor.numel() * size
+    return total

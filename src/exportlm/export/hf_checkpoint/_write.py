@@ -82,11 +82,15 @@ def export_model_weights(job: ExportJob, options: CheckpointOptions) -> WriteSum
 
     The writer is aborted on every way out but success (its writer thread stopped).
     """
-    from exportlm.module_exporters import export_quantized_state
+    from exportlm.module_exporters import checkpoint_bytes_at_least, export_quantized_state
 
     model = job.model
     job.manifest.hash_model_in_background()  # if asked for: on worker threads meanwhile
-    writer = ShardedSafetensorsWriter(job.staged, max_shard_size=options.max_shard_size)
+    # the shard's file allocated from the start, an lm_head that comes last included
+    expected = checkpoint_bytes_at_least(model, dtype=options.dtype, is_qlora=options.is_qlora)
+    writer = ShardedSafetensorsWriter(
+        job.staged, max_shard_size=options.max_shard_size, expected_bytes=expected
+    )
     sink = CheckpointSink(CheckpointNamer(model), writer, options.format)
     try:
         with one_torch_thread():

@@ -121,17 +121,21 @@ class SpaceAhead:
     """A file allocated (:func:`reserve`) on a writer thread while its tensors are collected,
     then written (:meth:`then`) into the space allocated: the shard writer's open shard.
 
-    Only whole steps of the bytes collected so far are allocated, so the write (a header,
-    then those bytes) always covers the space and the file ends exactly where it does.
+    Only whole steps of the bytes collected so far are allocated, or of ``at_least`` (the
+    bytes the caller expects the file to hold; allocated from the first tensor on, so the
+    space of a tensor that comes last, such as an ``lm_head``, is not left to the end). The
+    write truncates the file at its last byte, so a file ends exactly where its write does,
+    also below an ``at_least`` that overshot.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, at_least: int = 0) -> None:
         self._done: list[Future[None]] = []
         self._bytes = 0
+        self._at_least = at_least
 
     def grow(self, pool: ThreadPoolExecutor, path: Path, collected: int) -> None:
         """``collected`` bytes are waiting for ``path``: allocate the whole steps not yet queued."""
-        end = collected // RESERVE_STEP * RESERVE_STEP
+        end = max(collected, self._at_least) // RESERVE_STEP * RESERVE_STEP
         if end > self._bytes:
             self._done.append(pool.submit(reserve, path, self._bytes, end - self._bytes))
             self._bytes = end
@@ -152,7 +156,8 @@ def reserve(path: Path, start: int, length: int) -> None:
     the write off the conversion-then-write chain. Best effort: Linux's ``fallocate(2)``
     only (never glibc's emulation, which writes a byte per block); a filesystem that cannot
     allocate ahead, or a full one, is left to the write itself, which reports the error.
-    The caller keeps ``start + length`` within what the write will cover.
+    The caller keeps ``start + length`` within what the write will cover, or relies on the
+    write's final truncate to give back the space beyond it.
     """
     fallocate = _fallocate()
     if fallocate is None or length <= 0:

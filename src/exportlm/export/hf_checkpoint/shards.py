@@ -155,6 +155,8 @@ class ShardedSafetensorsWriter:
     error chained) from the ``add`` that waits for it or from ``finish``, which then
     waits for the other writes. After a failure elsewhere, call :meth:`abort` before
     the directory is removed: it waits for those writes and stops the writer thread.
+    ``expected_bytes``: the bytes the caller expects to add (a hint): the first shard's file
+    is allocated up to it (``max_shard_size`` at most) from the first ``add`` on.
     """
 
     def __init__(
@@ -165,6 +167,7 @@ class ShardedSafetensorsWriter:
         metadata: dict[str, str] | None = None,
         write_threads: int = 1,
         resumable: bool = False,
+        expected_bytes: int = 0,
     ) -> None:
         if write_threads < 1:
             raise InvalidInputError(f"write_threads must be at least 1, got {write_threads}")
@@ -184,7 +187,8 @@ class ShardedSafetensorsWriter:
         self._threads = write_threads
         self._resumable = resumable
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead = SpaceAhead()  # the open shard's file, allocated while it fills
+        # the open shard's file, allocated while it fills
+        self._ahead = SpaceAhead(min(expected_bytes, self.max_shard_size))
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue ``tensor`` under ``name``; writes the current shard when it is full."""
