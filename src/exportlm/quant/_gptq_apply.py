@@ -104,8 +104,8 @@ def apply_gptq(hessians: Hessians) -> int:
                     _quantize_linear(name, hessians.linears[name], hessian)
                     done += 1
     for name in hessians.linears:
-        stat = hessians.stat_of.get(name)
-        if stat is None or stat.tokens == 0:
+        seen = hessians.stat_of.get(name)
+        if seen is None or seen.tokens == 0:
             logger.warning(
                 "GPTQ: no calibration token reached %s; its weight is rounded to nearest", name
             )

@@ -215,7 +215,7 @@ def reduce_hessians(hessians: Hessians) -> None:
             ).contiguous(),
         )
         total = parts[0]
-        for part in parts[1:]:
-            total = total + part
+        for piece in parts[1:]:
+            total = total + piece
         stat.gram = total.to(mine.device if mine is not None else torch.device("cpu"))
         stat.tokens = sum(entry[1] for entry in entries)
