@@ -117,18 +117,21 @@ def gptq_quantize(
     block_size: int = GPTQ_BLOCK,
     scales: torch.Tensor | None = None,
     where: str = "weight",
+    bits: int = 4,
 ) -> GPTQResult:
     """GPTQ of ``weight`` (``[out, in]``) under ``hessian`` (``[in, in]``, any positive
     multiple of ``X^T X``): symmetric INT4 codes in groups of ``group_size`` (see the module
     docstring for every step), with the group ``scales`` given (default:
     :func:`int4_group_scales` of ``weight``; kept in their dtype, used as float32).
-    ``weight`` and ``hessian`` are not modified."""
+    ``bits=8``: INT8 codes in [-128, 127] (per row: ``group_size`` the input width, the
+    ``scales`` ``[out, 1]``). ``weight`` and ``hessian`` are not modified."""
     if actorder not in ACTORDERS:
         raise ValueError(f"{where}: actorder={actorder!r} is not one of {', '.join(ACTORDERS)}")
     if scales is None:
         scales = int4_group_scales(weight, group_size, where)
     with _one_thread():
-        result = _gptq(weight, hessian, scales, group_size, actorder, dampening, block_size)
+        bounds = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        result = _gptq(weight, hessian, scales, group_size, actorder, dampening, block_size, bounds)
     if result.fallback:
         logger.warning(
             "GPTQ: the Hessian of %s is not positive definite even with dampening %s; its "
@@ -148,6 +151,7 @@ def _gptq(
     actorder: str,
     dampening: float,
     block_size: int,
+    bounds: tuple[int, int],
 ) -> GPTQResult:
     cols = int(weight.shape[1])
     w = weight.detach().to(_PRECISION).clone()
@@ -167,12 +171,12 @@ def _gptq(
     loss = torch.zeros((), dtype=torch.float64)
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
-        errors = _block(w[:, i1:i2], u[i1:i2, i1:i2], column_scales[:, i1:i2])
+        errors = _block(w[:, i1:i2], u[i1:i2, i1:i2], column_scales[:, i1:i2], bounds)
         loss += errors.double().square().sum() / 2
         w[:, i2:] -= errors @ u[i1:i2, i2:]
     if perm is not None:
         w = w[:, torch.argsort(perm)]
-    codes = _codes(w, scales.to(w.device, _PRECISION), group_size)
+    codes = _codes(w, scales.to(w.device, _PRECISION), group_size, bounds)
     return GPTQResult(codes, scales, float(loss), fallback)
 
 
@@ -194,14 +198,16 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _block(w: torch.Tensor, u: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _block(
+    w: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, bounds: tuple[int, int]
+) -> torch.Tensor:
     """Quantize the columns of one block of ``w`` in place (their dequantized values) and
     return the block's scaled errors ``(w - q) / U_ii``."""
     errors = torch.empty_like(w)
     for i in range(w.shape[1]):
         column = w[:, i]
         s = scales[:, i]
-        q = (column / s).round_().clamp_(-8, 7).mul_(s)
+        q = (column / s).round_().clamp_(*bounds).mul_(s)
         error = (column - q) / u[i, i]
         w[:, i:] -= error[:, None] * u[i, i:][None, :]
         w[:, i] = q
@@ -209,8 +215,10 @@ def _block(w: torch.Tensor, u: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     return errors
 
 
-def _codes(w: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+def _codes(
+    w: torch.Tensor, scales: torch.Tensor, group_size: int, bounds: tuple[int, int]
+) -> torch.Tensor:
     """The int8 codes of the dequantized values ``w`` (exact: ``q * s / s`` rounds to ``q``)."""
     rows, cols = w.shape
     groups = w.reshape(rows, cols // group_size, group_size) / scales[:, :, None]
-    return groups.round_().clamp_(-8, 7).to(torch.int8).reshape(rows, cols)
+    return groups.round_().clamp_(*bounds).to(torch.int8).reshape(rows, cols)

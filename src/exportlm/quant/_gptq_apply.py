@@ -6,7 +6,8 @@ gathered during the calibration forwards, then each linear's weight is quantized
   quantizes; :func:`refuse_gptq` refuses what GPTQ cannot quantize (stacked experts,
   embeddings) before anything is converted.
 * :func:`collect_hessians` hooks every marked linear: each calibration forward adds its
-  input's ``X^T X`` (float64) and its token count. The hooks see the inputs the
+  input's ``X^T X`` (float64) and its token count, once per input tensor however many
+  linears read it (:mod:`exportlm.quant._gptq_hessian`). The hooks see the inputs the
   calibration pass sees (every quantizer transparent), so in memory GPTQ runs on the
   float model's activations; the streamed export calibrates each decoder layer on the
   outputs of the layers already quantized (llm-compressor's sequential pipeline).
@@ -21,7 +22,6 @@ gathered during the calibration forwards, then each linear's weight is quantized
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,16 +29,16 @@ import torch
 from torch import nn
 
 from exportlm.errors import QuantizationError, UnsupportedFormatError
-from exportlm.quant._distributed import data_parallel_world
 from exportlm.quant._gptq import gptq_quantize, int4_group_scales
+from exportlm.quant._gptq_hessian import Hessians, reduce_hessians
+from exportlm.quant._gptq_hessian import collect_hessians as _collect
 from exportlm.quant._modules import QuantLinear
 from exportlm.quant._quantizer import TensorQuantizer
-from exportlm.quant._tensor import INT4_MAX, QuantFormat, QuantizedTensor
+from exportlm.quant._tensor import INT4_MAX, INT8_MAX, QuantFormat, QuantizedTensor
 from exportlm.quant.formats._int4 import pack_int4_rows
 
 __all__ = [
     "GPTQWeightQuantizer",
-    "HessianStat",
     "apply_gptq",
     "collect_hessians",
     "mark_gptq",
@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 #: compressed-tensors' symmetric INT4 scale divisor: ``(q_max - q_min) / 2`` of [-8, 7].
 CT_INT4_DIVISOR = 7.5
+#: The scale divisors ``[int8][compressed-tensors]``: ModelOpt's ``amax / 7`` and
+#: ``amax / 127`` (int8_wo's), compressed-tensors' ``(q_max - q_min) / 2``.
+_DIVISORS = ((INT4_MAX, CT_INT4_DIVISOR), (INT8_MAX, 127.5))
 #: The attribute of a converted linear holding its GPTQ options.
 _MARK = "gptq_options"
 
@@ -76,113 +79,59 @@ def mark_gptq(module: nn.Module, algo: Any) -> None:
         setattr(module, _MARK, _Options(algo.gptq_actorder, algo.gptq_dampening))
 
 
-class HessianStat:
-    """``sum X^T X`` (float64) of one linear's calibration inputs and their token count."""
-
-    def __init__(self) -> None:
-        self.gram: torch.Tensor | None = None
-        self.tokens = 0
-
-    def add(self, x: torch.Tensor) -> None:
-        """Add one forward's input ``x`` (``[..., in]``)."""
-        rows = x.detach().reshape(-1, x.shape[-1]).double()
-        if rows.shape[0] == 0:
-            return
-        g = rows.T @ rows
-        self.gram = g if self.gram is None else self.gram.add_(g)
-        self.tokens += int(rows.shape[0])
-
-    def hessian(self) -> torch.Tensor | None:
-        """``2 X^T X / n``, float64, or ``None`` when no token was seen."""
-        if self.gram is None or self.tokens == 0:
-            return None
-        return self.gram * (2.0 / self.tokens)
-
-
 def collect_hessians(
     model: nn.Module, handles: list[torch.utils.hooks.RemovableHandle]
-) -> dict[str, tuple[QuantLinear, HessianStat]]:
-    """Hook every linear marked by :func:`mark_gptq` (the hooks appended to ``handles``);
-    returns ``{name: (linear, its statistics)}`` (empty without a GPTQ recipe)."""
-    stats: dict[str, tuple[QuantLinear, HessianStat]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, QuantLinear) and getattr(module, _MARK, None):
-            stat = HessianStat()
-            stats[name] = (module, stat)
-            handles.append(module.register_forward_pre_hook(_hook(stat)))
-    return stats
+) -> Hessians:
+    """Hook every linear marked by :func:`mark_gptq` (the hooks appended to ``handles``):
+    one statistic per input (:mod:`exportlm.quant._gptq_hessian`); empty without GPTQ."""
+    return _collect(model, handles, _MARK)
 
 
-def _hook(stat: HessianStat) -> Callable[[nn.Module, tuple[object, ...]], None]:
-    def hook(module: nn.Module, args: tuple[object, ...]) -> None:
-        if args and isinstance(args[0], torch.Tensor):
-            stat.add(args[0])
+def apply_gptq(hessians: Hessians) -> int:
+    """GPTQ every collected linear (see the module docstring); returns how many were.
 
-    return hook
-
-
-def _reduce(stats: list[HessianStat]) -> None:
-    """Each statistic summed over the data-parallel ranks, in rank order (alone: nothing)."""
-    world = data_parallel_world()
-    if world is None:
-        return
-    import torch.distributed as dist
-
-    counts: list[list[int] | None] = [None] * world[1]
-    dist.all_gather_object(counts, [s.tokens for s in stats])
-    for index, stat in enumerate(stats):
-        size = int(stat.gram.shape[0]) if stat.gram is not None else 0
-        sizes: list[int | None] = [None] * world[1]
-        dist.all_gather_object(sizes, size)
-        width = max(int(s or 0) for s in sizes)
-        if width == 0:
-            continue
-        local = torch.zeros(width, width, dtype=torch.float64)
-        if stat.gram is not None:
-            local = stat.gram.cpu()
-        parts = [torch.empty_like(local) for _ in range(world[1])]
-        dist.all_gather(parts, local.contiguous())
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        device = stat.gram.device if stat.gram is not None else torch.device("cpu")
-        stat.gram = total.to(device)
-        stat.tokens = sum(int((c or [0] * len(stats))[index]) for c in counts)
-
-
-def apply_gptq(stats: dict[str, tuple[QuantLinear, HessianStat]]) -> int:
-    """GPTQ every collected linear (see the module docstring); returns how many were."""
-    _reduce([stat for _, stat in stats.values()])
+    One input's Hessian is computed once and serves each linear that reads it, then freed.
+    """
+    hessians.check()
+    reduce_hessians(hessians)
     done = 0
     with torch.no_grad():
-        for name, (module, stat) in stats.items():
+        for stat in hessians.stats:
             hessian = stat.hessian()
             stat.gram = None  # the memory of one Hessian at a time
-            if hessian is None:
-                logger.warning(
-                    "GPTQ: no calibration token reached %s; its weight is rounded to nearest",
-                    name,
-                )
-                continue
-            _quantize_linear(name, module, hessian)
-            done += 1
-    logger.info("GPTQ quantized %d of %d linear(s)", done, len(stats))
+            if hessian is not None:
+                for name in stat.readers:
+                    _quantize_linear(name, hessians.linears[name], hessian)
+                    done += 1
+    for name in hessians.linears:
+        seen = hessians.stat_of.get(name)
+        if seen is None or seen.tokens == 0:
+            logger.warning(
+                "GPTQ: no calibration token reached %s; its weight is rounded to nearest", name
+            )
+    logger.info(
+        "GPTQ quantized %d of %d linear(s) from %d input Hessian(s)",
+        done,
+        len(hessians.linears),
+        len(hessians.stats),
+    )
     return done
 
 
 def _quantize_linear(name: str, module: QuantLinear, hessian: torch.Tensor) -> None:
     options: _Options = getattr(module, _MARK)
     quantizer = module.weight_quantizer
-    block = quantizer.block_size
-    if not block:  # pragma: no cover - a GPTQ recipe's format is a block format
-        raise QuantizationError(f"{name}: GPTQ needs the INT4 group size")
     weight = module.weight
+    int8 = quantizer.format == QuantFormat.INT8
+    block = int(weight.shape[1]) if int8 else quantizer.block_size
+    if not block:  # pragma: no cover - a GPTQ recipe's format is INT4 groups or INT8 rows
+        raise QuantizationError(f"{name}: GPTQ needs the INT4 group size")
     ct = quantizer.scales == "compressed-tensors"
     scales = int4_group_scales(
         weight,
         block,
         name,
-        divisor=CT_INT4_DIVISOR if ct else INT4_MAX,
+        divisor=_DIVISORS[int8][ct],
         dtype=quantizer.scale_dtype if ct else None,
     )
     result = gptq_quantize(
@@ -193,6 +142,7 @@ def _quantize_linear(name: str, module: QuantLinear, hessian: torch.Tensor) -> N
         dampening=options.dampening,
         scales=scales,
         where=name,
+        bits=8 if int8 else 4,
     )
     # a new Parameter, never a write into the old one (quantize restores parameters by identity)
     module.weight = nn.Parameter(
@@ -203,12 +153,13 @@ def _quantize_linear(name: str, module: QuantLinear, hessian: torch.Tensor) -> N
 
 
 class GPTQWeightQuantizer(TensorQuantizer):
-    """An INT4 weight quantizer whose group scales are fixed (GPTQ's, in ``gptq_scale``).
+    """An INT4 / INT8 weight quantizer whose group (INT8: row) scales are fixed (GPTQ's,
+    in ``gptq_scale``).
 
-    Codes are ``clamp(round(x / s), -8, 7)`` with those scales instead of scales from the
-    tensor's group maxima, so the dequantized GPTQ weight gives back GPTQ's codes and
-    scales exactly (its group maxima need not be ``7 s``: a group's largest code may be
-    6 or -8 after the error updates).
+    Codes are ``clamp(round(x / s), -8, 7)`` (INT8: ``-128, 127``) with those scales
+    instead of scales from the tensor's group maxima, so the dequantized GPTQ weight gives
+    back GPTQ's codes and scales exactly (its group maxima need not be ``7 s``: a group's
+    largest code may be 6 or -8 after the error updates).
     """
 
     gptq_scale: torch.Tensor
@@ -217,8 +168,9 @@ class GPTQWeightQuantizer(TensorQuantizer):
         self, x: torch.Tensor, *, index: int | None = None, amax: torch.Tensor | None = None
     ) -> QuantizedTensor:
         """``x`` (the ``[out, in]`` weight) quantized with the fixed group scales."""
-        scale, block = self.gptq_scale, self.block_size or 0
+        int8 = self.format == QuantFormat.INT8
         rows, cols = (int(n) for n in x.shape[-2:]) if x.dim() == 2 else (0, 0)
+        scale, block = self.gptq_scale, (cols if int8 else self.block_size or 0)
         if x.dim() != 2 or block == 0 or tuple(scale.shape) != (rows, cols // max(block, 1)):
             raise QuantizationError(
                 f"{self.label or 'quantizer'}: GPTQ's group scales {tuple(scale.shape)} do not "
@@ -226,7 +178,12 @@ class GPTQWeightQuantizer(TensorQuantizer):
             )
         s = scale.to(x.device)  # kept in its dtype (bfloat16 under compressed-tensors')
         groups = x.detach().float().reshape(rows, cols // block, block) / s.float()[:, :, None]
-        codes = groups.round_().clamp_(-8, 7).to(torch.int8).reshape(rows, cols)
+        low, high = (-128, 127) if int8 else (-8, 7)
+        codes = groups.round_().clamp_(low, high).to(torch.int8).reshape(rows, cols)
+        if int8:  # int8_wo's tensor: the codes as they are, one scale per row
+            return QuantizedTensor(
+                QuantFormat.INT8, codes, s[:, 0], shape=(rows, cols), dtype=x.dtype
+            )
         return QuantizedTensor(
             QuantFormat.INT4, pack_int4_rows(codes), s, None, block, (rows, cols), x.dtype
         )

@@ -12,8 +12,8 @@ option          recipes                                     values
 ``scales``      recipes whose weight scales come from a     ``modelopt`` (default) or
                 calibrated amax (``fp8``, ``nvfp4``), AWQ   ``compressed-tensors``
                 (``int4_awq``) and GPTQ recipes
-``actorder``    GPTQ recipes (``int4_gptq``)                ``weight`` (default) or ``none``
-``dampening``   GPTQ recipes (``int4_gptq``)                a number in [0, 1] (default 0.01)
+``actorder``    GPTQ (``int4_gptq``, ``int8_gptq``)         ``weight`` (default) or ``none``
+``dampening``   GPTQ (``int4_gptq``, ``int8_gptq``)         a number in [0, 1] (default 0.01)
 ==============  ==========================================  ===============================
 
 ``scales=compressed-tensors`` computes NVFP4's global scale as compressed-tensors does
@@ -26,7 +26,7 @@ or ``v_proj`` / ``up_proj`` for ``o_proj`` / ``down_proj``: :mod:`exportlm.quant
 and a linear with no such op gets no scale (round-to-nearest), since compressed-tensors
 stores no ``pre_quant_scale``. For GPTQ (``int4_gptq``) it takes compressed-tensors' INT4
 group scales, ``group_amax / 7.5`` in the weight's dtype, where the default is
-``group_amax / 7``.
+``group_amax / 7`` (``int8_gptq``: row scales, ``row_amax / 127.5`` against ``/ 127``).
 
 No layout exportlm writes for INT4 has a zero point (ModelOpt's ``W4A16_AWQ`` and
 compressed-tensors' symmetric ``pack-quantized``), so no recipe takes ``symmetric``.

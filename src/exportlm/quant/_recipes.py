@@ -71,9 +71,9 @@ class Recipe:
         default_exclude: the fnmatch patterns left unquantized unless an override
             names them, when this recipe is the model's default.
         gptq: quantize the weights with GPTQ from the calibration inputs' Hessian
-            (:mod:`exportlm.quant._gptq`; INT4 only); ``gptq_actorder`` (``"none"`` /
-            ``"weight"``) and ``gptq_dampening`` are its ``actorder`` / ``dampening``
-            options.
+            (:mod:`exportlm.quant._gptq`; INT4 groups or INT8 rows); ``gptq_actorder``
+            (``"none"`` / ``"weight"``) and ``gptq_dampening`` are its ``actorder`` /
+            ``dampening`` options.
         spelled: the recipe as spelled with its options (``"int4_awq:group_size=64"``);
             empty for the recipe's defaults.
 
@@ -179,8 +179,8 @@ def _weight_problems(recipe: Recipe, spec: FormatSpec) -> Iterator[str]:
         yield f"AWQ and SmoothQuant write 'pre_quant_scale', and format {spec.name!r} has no such leaf"
     if not recipe.symmetric:
         yield "no layout exportlm writes has a zero point, so a recipe is symmetric=True"
-    if recipe.gptq and (format_name(recipe.weight) != "int4" or recipe.awq):
-        yield "GPTQ quantizes INT4 weights (format 'int4'), without AWQ"
+    if recipe.gptq and (format_name(recipe.weight) not in ("int4", "int8") or recipe.awq):
+        yield "GPTQ quantizes INT4 or INT8 weights (format 'int4' or 'int8'), without AWQ"
 
 
 def legacy_recipe(spec: FormatSpec) -> Recipe | None:

@@ -10,6 +10,7 @@ compressed-tensors' ``FP8_BLOCK`` (FP8 weights per 128x128 tile, inputs per grou
 at run time). The KV-cache recipe
 ``fp8_kv`` quantizes the KV cache to FP8 (whose ``kv_cache`` scheme holds its config fields).
 ``mxfp4`` (weight-only) and ``mxfp8`` (dynamic inputs) are the OCP microscaling formats.
+``int4_gptq`` / ``int8_gptq``: ``int4_awq``'s / ``int8_wo``'s formats with GPTQ's codes.
 """
 
 from __future__ import annotations
@@ -46,4 +47,6 @@ BUILTIN_RECIPES: tuple[Recipe | KVCacheRecipe, ...] = (
     Recipe("int4_gptq", QuantFormat.INT4, group_sizes=(32, 64, 128), gptq=True),
     # ModelOpt's W4A8_AWQ_BETA_CFG: INT4 AWQ weights run as FP8, FP8 static per-tensor inputs
     Recipe("w4a8_awq", "w4a8", QuantFormat.FP8, awq=True, group_sizes=(32, 64, 128)),
+    # GPTQ on int8_wo's format (W8A16, one scale per output row): only the codes differ
+    Recipe("int8_gptq", QuantFormat.INT8, weight_axis=0, gptq=True),
 )
