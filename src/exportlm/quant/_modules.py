@@ -267,13 +267,15 @@ class QuantExperts(QuantModule):
         alone = pqs is None or weight.is_contiguous()  # else the quotient's layout may differ
         if alone and quantizer.quantizes_experts_alone(weight):
             return lambda expert: quantizer.fake_quant_expert(
-                weight, expert, self._effective_expert(projection, expert)
+                weight, expert, self.effective_expert(projection, expert)
             )
         whole = quantizer(self.effective_weight(projection))
         return lambda expert: whole[expert]
 
-    def _effective_expert(self, projection: str, expert: int) -> torch.Tensor:
-        """``effective_weight(projection)[expert]`` computed for that expert alone."""
+    def effective_expert(self, projection: str, expert: int) -> torch.Tensor:
+        """``effective_weight(projection)[expert]`` computed for that expert alone: the same
+        values (an elementwise quotient) and layout, with one expert's copy alive, not the
+        stack's (what exporting a streamed MoE layer under AWQ peaked on)."""
         weight = self.canonical_weight(projection)[expert]
         pqs = self.input_quantizer_of(projection).pre_quant_scale
         scale = None if pqs is None else pqs[expert] if pqs.dim() == 2 else pqs
