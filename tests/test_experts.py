@@ -357,7 +357,11 @@ def test_awq_experts_are_fake_quantized_one_expert_at_a_time_in_any_layout(
         for projection in experts.PROJECTIONS:
             whole = experts.weight_quantizer_of(projection)(experts.effective_weight(projection))
             alone = experts.expert_weights(projection)
+            divided = experts.effective_weight(projection)
             for expert in range(experts.num_experts):  # elementwise: the same bytes, same layout
+                own = experts.effective_expert(projection, expert)  # what the exporters quantize
+                assert torch.equal(own, divided[expert]), (family, projection, expert)
+                assert own.stride() == divided[expert].stride(), (family, projection, expert)
                 one = alone(expert)
                 assert torch.equal(one, whole[expert]), (family, projection, expert)
                 assert one.stride() == whole[expert].stride(), (family, projection, expert)
