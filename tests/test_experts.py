@@ -340,3 +340,34 @@ def test_stored_weights_put_canonical_weights_back_in_the_families_own_layout(
             canonical = torch.cat(wrapper.split_gate_up(canonical, dim=-2), dim=1)
         for path, tensor in type(wrapper).stored_weights(wrapper, projection, canonical).items():
             assert torch.equal(tensor, stored[path]), (family, path)  # layout moves only
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_awq_experts_are_fake_quantized_one_expert_at_a_time_in_any_layout(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GPT-OSS stores its experts transposed: its forward once divided the whole stack by
+    # the AWQ scales and fake-quantized it (two stack-sized copies beside a streamed layer)
+    # because the quotient's layout was not checked. (Llama4's and DBRX's own forwards take
+    # the whole stack: a batched matmul, and DBRX's split of each expert's rows.)
+    model = quantize(tiny_hf_model(family, num_hidden_layers=1).to(torch.bfloat16), "int4_awq")
+    _, experts = _experts(model)
+    assert isinstance(experts, QuantExperts)
+    with torch.no_grad():
+        for projection in experts.PROJECTIONS:
+            whole = experts.weight_quantizer_of(projection)(experts.effective_weight(projection))
+            alone = experts.expert_weights(projection)
+            divided = experts.effective_weight(projection)
+            for expert in range(experts.num_experts):  # elementwise: the same bytes, same layout
+                own = experts.effective_expert(projection, expert)  # what the exporters quantize
+                assert torch.equal(own, divided[expert]), (family, projection, expert)
+                assert own.stride() == divided[expert].stride(), (family, projection, expert)
+                one = alone(expert)
+                assert torch.equal(one, whole[expert]), (family, projection, expert)
+                assert one.stride() == whole[expert].stride(), (family, projection, expert)
+
+        def whole_stack(projection: str) -> torch.Tensor:
+            raise AssertionError(f"{projection}: the whole stack divided at once")
+
+        monkeypatch.setattr(experts, "effective_weight", whole_stack)
+        assert torch.isfinite(model(_ids()).logits.float()).all()

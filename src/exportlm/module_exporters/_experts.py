@@ -75,16 +75,12 @@ class DbrxExpertsExporter(ModuleExporter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The canonical ``[E, out, in]`` codes of ``projection`` and its ``[E]`` scales."""
         weight_q: TensorQuantizer = module.weight_quantizer_of(projection)
-        weights = module.effective_weight(projection)
         amax = ctx.amax_of(weight_q)
         codes, scales = [], []
-        for expert in range(module.num_experts):
-            q = weight_q.quantize(weights[expert], index=expert, amax=amax)
-            if (
-                q.scale.numel() != 1
-                or q.scale_2 is not None
-                or q.data.shape != weights[expert].shape
-            ):
+        for expert in range(module.num_experts):  # one expert's AWQ-divided weight alive
+            weight = module.effective_expert(projection, expert)
+            q = weight_q.quantize(weight, index=expert, amax=amax)
+            if q.scale.numel() != 1 or q.scale_2 is not None or q.data.shape != weight.shape:
                 raise UnsupportedFormatError(
                     f"{name}.{projection}: DBRX experts hold one per-tensor scale per expert, but "
                     f"the {q.format} weights have scales of shape {tuple(q.scale.shape)}; "

@@ -243,13 +243,12 @@ class FusedExpertsExporter(ModuleExporter):
             weight_q = module.weight_quantizer_of(projection)
             input_q = module.input_quantizer_of(projection)
             _check_format(ctx, name, weight_q)
-            weights = module.effective_weight(projection)
             biases = module.bias_of(projection)
             amax = ctx.amax_of(weight_q)
-            for expert in range(weights.shape[0]):
-                for linear, weight, bias in self._split(
-                    module, projection, weights, biases, expert
-                ):
+            for expert in range(module.canonical_weight(projection).shape[0]):
+                # one expert's AWQ-divided weight alive, not the stack's (docs/streaming.md)
+                whole = module.effective_expert(projection, expert)
+                for linear, weight, bias in self._split(module, projection, whole, biases, expert):
                     prefix = f"{name}.{expert}.{linear}"
                     _emit_weight(ctx, prefix, weight_q.quantize(weight, index=expert, amax=amax))
                     if bias is not None:
@@ -263,11 +262,10 @@ class FusedExpertsExporter(ModuleExporter):
     def _split(
         module: QuantExperts,
         projection: str,
-        weights: torch.Tensor,
+        weight: torch.Tensor,
         biases: torch.Tensor | None,
         expert: int,
     ) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
-        weight = weights[expert]
         bias = None if biases is None else biases[expert]
         if projection == "down_proj":
             return [("down_proj", weight, bias)]

@@ -8,6 +8,7 @@ those steps changed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -26,6 +27,7 @@ from exportlm.quant._static_inputs import (
     search_formats,
     set_smoothed_input_amax,
 )
+from exportlm.quant._tensor import by_expert, experts_abs_max
 from exportlm.quant._transaction import QuantizeSteps
 
 __all__ = ["calibrate_and_smooth", "init_weight_amax"]
@@ -75,10 +77,7 @@ def calibrate_and_smooth(
 
 
 def _weights(module: QuantModule) -> Iterator[tuple[TensorQuantizer, torch.Tensor]]:
-    if isinstance(module, QuantExperts):
-        for proj in module.PROJECTIONS:
-            yield module.weight_quantizer_of(proj), module.effective_weight(proj)
-    elif isinstance(module, QuantLinear):
+    if isinstance(module, QuantLinear):
         yield module.weight_quantizer, module.effective_weight()
     elif isinstance(module, QuantEmbedding):
         yield module.weight_quantizer, module.weight
@@ -87,8 +86,28 @@ def _weights(module: QuantModule) -> Iterator[tuple[TensorQuantizer, torch.Tenso
 def init_weight_amax(model: nn.Module) -> None:
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, QuantModule):
+            if isinstance(module, QuantExperts):
+                for proj in module.PROJECTIONS:
+                    _init_experts_amax(module, proj)
+            elif isinstance(module, QuantModule):
                 for quantizer, weight in _weights(module):
                     if quantizer.enabled:
                         quantizer.reset_amax()
                         quantizer.collect(weight)
+
+
+def _init_experts_amax(module: QuantExperts, proj: str) -> None:
+    """The weight amax of ``proj``'s experts; under AWQ each expert divided by its scale one
+    at a time (``collect(effective_weight(proj))``'s values without the stack's quotient: what
+    a streamed MoE layer's calibration peaked on, docs/streaming.md)."""
+    quantizer = module.weight_quantizer_of(proj)
+    if not quantizer.enabled:
+        return
+    quantizer.reset_amax()
+    weight = module.canonical_weight(proj)
+    awq = module.input_quantizer_of(proj).pre_quant_scale is not None
+    if awq and by_expert(weight, quantizer.axis) and not quantizer.track_channels:
+        divided = functools.partial(module.effective_expert, proj)
+        quantizer.amax = experts_abs_max(divided, weight.shape[0], quantizer.axis)
+    else:
+        quantizer.collect(module.effective_weight(proj))

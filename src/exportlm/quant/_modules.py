@@ -264,16 +264,18 @@ class QuantExperts(QuantModule):
         quantizer = self.weight_quantizer_of(projection)
         weight = self.canonical_weight(projection)
         pqs = self.input_quantizer_of(projection).pre_quant_scale
-        alone = pqs is None or weight.is_contiguous()  # else the quotient's layout may differ
+        alone = pqs is None or _quotient_keeps_layout(weight, pqs)
         if alone and quantizer.quantizes_experts_alone(weight):
             return lambda expert: quantizer.fake_quant_expert(
-                weight, expert, self._effective_expert(projection, expert)
+                weight, expert, self.effective_expert(projection, expert)
             )
         whole = quantizer(self.effective_weight(projection))
         return lambda expert: whole[expert]
 
-    def _effective_expert(self, projection: str, expert: int) -> torch.Tensor:
-        """``effective_weight(projection)[expert]`` computed for that expert alone."""
+    def effective_expert(self, projection: str, expert: int) -> torch.Tensor:
+        """``effective_weight(projection)[expert]`` computed for that expert alone: the same
+        values (an elementwise quotient) and layout, with one expert's copy alive, not the
+        stack's (what exporting a streamed MoE layer under AWQ peaked on)."""
         weight = self.canonical_weight(projection)[expert]
         pqs = self.input_quantizer_of(projection).pre_quant_scale
         scale = None if pqs is None else pqs[expert] if pqs.dim() == 2 else pqs
@@ -368,6 +370,15 @@ class QuantExperts(QuantModule):
             else:
                 out[token_idx, slot] = y.to(out.dtype)
         return out if eager else out.sum(dim=1).to(hidden_states.dtype)
+
+
+def _quotient_keeps_layout(weight: torch.Tensor, pqs: torch.Tensor) -> bool:
+    """Whether :meth:`QuantExperts.effective_weight` (``weight`` divided by the AWQ scale
+    ``pqs``) is laid out as ``weight``: decided on meta tensors, nothing computed."""
+    meta = torch.empty_strided(weight.shape, weight.stride(), dtype=weight.dtype, device="meta")
+    scale = pqs.to("meta", weight.dtype)
+    quotient = meta / (scale[:, None, :] if scale.dim() == 2 else scale)
+    return quotient.stride() == torch.empty_like(meta).stride()
 
 
 def _add_bias(product: torch.Tensor, bias: torch.Tensor | None, expert: int) -> torch.Tensor:

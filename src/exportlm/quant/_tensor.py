@@ -226,11 +226,25 @@ def abs_max(x: torch.Tensor, axis: int | None) -> torch.Tensor:
     the same values (a max is exact in any order) with one expert's ``|x|`` alive, not the
     stack's (what a streamed MoE layer's calibration peaked on, docs/streaming.md).
     """
-    if x.dim() == 3 and 2 <= x.shape[0] <= 512 and (axis is None or axis % 3 == 0):
-        per_expert = torch.stack([x[e].abs().amax() for e in range(x.shape[0])])
-        return (per_expert if axis is not None else per_expert.amax()).to(torch.float32)
+    if by_expert(x, axis):
+        return experts_abs_max(x.__getitem__, x.shape[0], axis)
     x = x.abs()
     if axis is None:
         return x.amax().to(torch.float32)
     dims = [d for d in range(x.dim()) if d != axis % x.dim()]
     return (x.amax(dim=dims) if dims else x).to(torch.float32)
+
+
+def by_expert(x: torch.Tensor, axis: int | None) -> bool:
+    """Whether :func:`abs_max` takes the max of ``x`` one expert at a time: stacked experts
+    ``[E, out, in]`` with one amax or one per expert (``axis`` 0)."""
+    return x.dim() == 3 and 2 <= x.shape[0] <= 512 and (axis is None or axis % 3 == 0)
+
+
+def experts_abs_max(
+    expert: Callable[[int], torch.Tensor], count: int, axis: int | None
+) -> torch.Tensor:
+    """:func:`abs_max` of the stack of ``expert(0) ... expert(count - 1)`` (where
+    :func:`by_expert`), one expert alive at a time: of the whole, or one per expert."""
+    per_expert = torch.stack([expert(e).abs().amax() for e in range(count)])
+    return (per_expert if axis is not None else per_expert.amax()).to(torch.float32)
