@@ -41,7 +41,7 @@ from exportlm.export import TargetInfo
 from exportlm.export.roundtrip import FLIP, Tolerance, roundtrip_ids
 from exportlm.quant import TensorQuantizer, quantize
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
-from pytest_exportcheck.checks._common import aborts_to_result, error_text
+from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, error_text
 from pytest_exportcheck.checks._recipes import conformance_recipes, layout_recipe
 from pytest_exportcheck.checks._support import (
     IDS_SEED,
@@ -121,7 +121,17 @@ def _compare(
 
 
 def _check_recipe(case: TargetCase, info: TargetInfo, name: str, recipe: str) -> CheckResult:
-    """One recipe: passed with its details, skipped with the reason, or failed."""
+    """One recipe: passed with its details, skipped with the reason, or failed (whatever
+    raised while it was quantized, exported, loaded or run is charged to it)."""
+    try:
+        return _roundtrip_recipe(case, info, name, recipe)
+    except CheckAbort as abort:
+        return abort.result
+    except Exception as err:
+        return CheckResult.failed(f"{recipe} raised {error_text(err)}", exception=err)
+
+
+def _roundtrip_recipe(case: TargetCase, info: TargetInfo, name: str, recipe: str) -> CheckResult:
     options = layout_options(case, recipe)
     if isinstance(options, str):
         return CheckResult.skipped(options)
@@ -174,6 +184,7 @@ def roundtrip_quantized(case: TargetCase) -> CheckResult:
             f"capability gap: target {case.target_id!r} does not declare 'quantized'"
         )
     name = default_model_name(case)
+    build_case_model(case, name)  # the target's refusal of the family: one skip, its reason
     results = {recipe: _check_recipe(case, info, name, recipe) for recipe in _recipes(case)}
     passed = {r: res.details for r, res in results.items() if res.status == "pass"}
     skipped = {r: res.message for r, res in results.items() if res.status == "skip"}
