@@ -17,9 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from exportlm.models import tiny_hf_model
+from exportlm.quant import quantize
 from pytest_exportcheck.checks._recipes import conformance_recipes, recipe_layout
 from pytest_exportcheck.checks._registries import Registries
+from pytest_exportcheck.run._cache import model_fingerprint
 from tests._distinfo import make_distribution
 from tests._installed import runpytest_installed
 
@@ -122,3 +126,17 @@ def test_a_recipe_that_raises_fails_the_item_charged_to_that_recipe_only(
     assert "boom8" in item["message"]
     assert "exploded" in item["message"]
     assert set(details["recipes"]) == {"fp8", "int8_wo"}  # the others still checked, passed
+
+
+def test_the_artifact_cache_tells_apart_recipes_with_equal_state_dicts() -> None:
+    """``fp8_dynamic`` and ``int8_wo`` store the same per-row amaxes of the same weights:
+    keyed on the state dict alone, the cache served one's artifact for the other, and
+    ``roundtrip_quantized`` failed ``int8_wo`` on hf_checkpoint (max abs 0.049)."""
+    fp8 = quantize(tiny_hf_model("llama", seed=0), "fp8_dynamic")
+    int8 = quantize(tiny_hf_model("llama", seed=0), "int8_wo")
+    fp8_state, int8_state = fp8.state_dict(), int8.state_dict()
+    assert fp8_state.keys() == int8_state.keys()
+    assert all(torch.equal(fp8_state[k], int8_state[k]) for k in fp8_state)  # the premise
+    assert model_fingerprint(fp8) != model_fingerprint(int8)
+    plain = tiny_hf_model("llama", seed=0)
+    assert model_fingerprint(plain) == model_fingerprint(tiny_hf_model("llama", seed=0))
