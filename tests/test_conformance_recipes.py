@@ -21,8 +21,10 @@ import torch
 
 from exportlm.models import tiny_hf_model
 from exportlm.quant import quantize
+from pytest_exportcheck.checks import CHECKS, ExporterCase
 from pytest_exportcheck.checks._recipes import conformance_recipes, recipe_layout
 from pytest_exportcheck.checks._registries import Registries
+from pytest_exportcheck.checks._survey import survey_for
 from pytest_exportcheck.run._cache import model_fingerprint
 from tests._distinfo import make_distribution
 from tests._installed import runpytest_installed
@@ -140,3 +142,14 @@ def test_the_artifact_cache_tells_apart_recipes_with_equal_state_dicts() -> None
     assert model_fingerprint(fp8) != model_fingerprint(int8)
     plain = tiny_hf_model("llama", seed=0)
     assert model_fingerprint(plain) == model_fingerprint(tiny_hf_model("llama", seed=0))
+
+
+def test_a_block_format_on_small_experts_passes_moe_inputs(tmp_path: Path) -> None:
+    """fp8_block's one 128x128 tile on a toy expert is a one-element ``weight_scale``;
+    gate and up need not share it (they must for per-tensor FP8). Before moe_inputs read
+    the format's granularity, the survey's fp8_block failed it for every MoE exporter."""
+    case = ExporterCase("quant_moe_linear", tmp_path, options={"models": "iterable_moe"})
+    result = CHECKS["moe_inputs"].fn(case)
+    assert result.status == "pass", result.message
+    surveyed = {q.recipe for q in survey_for(case).quantized}
+    assert {"fp8", "fp8_block"} <= surveyed
