@@ -41,6 +41,9 @@ from exportlm.engines import registry as engines
 from exportlm.export import EXPORT_REGISTRY, RUNTIME_REGISTRY, ensure_exporters_registered
 from exportlm.models import MODEL_REGISTRY, ensure_models_registered
 from exportlm.module_exporters import EXPORT_MODULE_REGISTRY, ensure_module_exporters_registered
+from exportlm.quant import RECIPE_REGISTRY
+from exportlm.quant import _recipe_registry as recipes
+from exportlm.quant.formats import QUANT_FORMATS
 from exportlm.registry import Registry
 from pytest_exportcheck.checks import _api as catalogue
 from pytest_exportcheck.checks.catalogue import BUILTIN_CHECKS
@@ -53,12 +56,15 @@ _REGISTRIES: tuple[Registry[Any], ...] = (
     EXPORT_MODULE_REGISTRY,
     MODEL_REGISTRY,
     engines.ENGINE_REGISTRY,
+    RECIPE_REGISTRY,
+    QUANT_FORMATS,  # no entry points: a run's register_format is undone on exit
 )
 _GUARDS = (
     ensure_exporters_registered,
     ensure_module_exporters_registered,
     ensure_models_registered,
     engines._register,
+    recipes._register,
 )
 #: A registry's state, what a fresh process starts without: every attribute a new
 #: registry sets but its kind, validator and lock (so a field added later is kept too).

@@ -45,6 +45,8 @@ from exportlm.export.onnx import ONNX_ATOL, ONNX_RTOL
 from exportlm.models import build_model
 from exportlm.quant import QuantLinear, is_quantized_module, quantize
 from pytest_exportcheck.checks import CHECKS, TargetCase
+from pytest_exportcheck.checks._recipes import conformance_recipes
+from pytest_exportcheck.checks._registries import Registries
 from pytest_exportcheck.checks.targets.quantized import FLIP_ATOL, FLIP_RTOL
 from tests._exports import shared_export
 from tests._faulty_target import faulty_checkpoint_target
@@ -299,10 +301,12 @@ def test_roundtrip_quantized_check_passes_for_the_quantized_targets(
 ) -> None:
     result = CHECKS["roundtrip_quantized"].fn(TargetCase(target, None, {}, None, "cpu", tmp_path))
     assert result.status == "pass", result.message
-    # int8_sq (static int8 inputs behind SmoothQuant) and w8a8 (int8 per token) have no ONNX
-    # QDQ form: onnx skips them
-    expected = {"fp8", "int8_wo"} | ({"int8_sq", "w8a8"} if target == "hf_checkpoint" else set())
+    # every registered recipe; ONNX's QDQ form holds FP8 and INT8 weight-only only (int8_sq's
+    # pre_quant_scale, w8a8's per-token inputs, INT4, MX, NVFP4, the KV cache: skipped)
+    registered = set(conformance_recipes(Registries.installed()))
+    expected = registered if target == "hf_checkpoint" else {"fp8", "int8_wo"}
     assert set(result.details["recipes"]) == expected
+    assert set(result.details["skipped"]) == registered - expected
 
 
 def test_roundtrip_quantized_is_a_capability_gap_for_other_targets(tmp_path: Path) -> None:

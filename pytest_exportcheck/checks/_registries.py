@@ -5,7 +5,7 @@ runtimes, module exporters, toy model families, serving engines, quantization
 formats), not copies, and answers every lookup a check or the run makes: a
 target's record (:meth:`target_info`) and factory, its runtime loader, an export
 and a load through them (:meth:`export`, :meth:`load`), the module-exporter
-registry, a family's factory and model, an engine's record. Checks and the run
+registry, a family's factory and model, an engine's record, the quantization recipes. Checks and the run
 (``pytest_exportcheck/checks``, ``pytest_exportcheck/run``) read only this; none of
 them imports an exportlm registry or its lookup functions (``tests/test_architecture.py``
 holds that).
@@ -116,6 +116,18 @@ class Registries:
 
         info = self.target_info(name)
         return load_with(info, self.runtimes.get(info.runtime), path, trust=trust, **kwargs)
+
+    # -- quantization recipes --------------------------------------------------------
+    def recipe_records(self) -> dict[str, Any]:
+        """Every quantization recipe by name, sorted: the records of :attr:`recipes` (built-in
+        and ``exportlm.recipes`` entry points) and those the formats still declare, as
+        :func:`exportlm.quant.recipes` lists them (``quantize`` reads the same)."""
+        from exportlm.quant import recipes
+
+        found = dict(recipes())
+        if self.recipes is not None:
+            found.update((entry.name, entry.obj) for entry in self.recipes.entries())
+        return dict(sorted(found.items()))
 
     # -- toy model families --------------------------------------------------------
     def family_names(self) -> list[str]:

@@ -1,7 +1,9 @@
 """What the module exporters do with the toy models: claims and recorded export calls.
 
-Every selected toy model is quantized with every recipe of :data:`SURVEY_RECIPES`
-that fits it, then exported with ``export_quantized_state`` through a *copy* of
+Every selected toy model is quantized with every registered recipe that fits it
+(:func:`survey_recipes`: the built-in ones, a plugin's, ``fp8+fp8_kv``), each in a
+layout its formats have (``w8a8``, ``fp8_block``: compressed-tensors), then exported
+with ``export_quantized_state`` through a *copy* of
 the dispatch registry whose exporters are wrapped in recorders
 (:mod:`._recording`). A recorder notes, for each ``export`` call, which exporter
 ran on which module, the tensor names it wrote, whether the module's state
@@ -37,6 +39,7 @@ from exportlm.module_exporters import (
 from exportlm.quant import is_quantized_module
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
 from pytest_exportcheck.checks._common import CheckAbort, error_text
+from pytest_exportcheck.checks._recipes import conformance_recipes
 from pytest_exportcheck.checks._recording import ExportCall, Recorder, RecordingExporter
 from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.checks._survey_quantize import (
@@ -44,11 +47,11 @@ from pytest_exportcheck.checks._survey_quantize import (
     RecipeKey,
     quantized_models,
     recipe_label,
+    survey_layout,
 )
 
 __all__ = [
     "SCALE_LEAVES",
-    "SURVEY_RECIPES",
     "Claim",
     "ExportCall",
     "QuantizedModel",
@@ -64,13 +67,12 @@ __all__ = [
     "survey_for",
     "survey_of",
     "survey_one",
+    "survey_recipes",
     "tie_groups",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Recipes every toy model is quantized with (combinations that do not fit a model are skipped).
-SURVEY_RECIPES = ("fp8", "nvfp4", "int4_awq", "int8_wo", "fp8+fp8_kv")
 #: Tensor-name leaves that are scales: never zero, never NaN/inf.
 SCALE_LEAVES = ("weight_scale", "weight_scale_2", "input_scale", "k_scale", "v_scale")
 
@@ -237,18 +239,24 @@ def registry_state(registry: ExportModuleRegistry) -> tuple[Any, ...]:
     return entries + names
 
 
+def survey_recipes(services: CheckServices) -> tuple[RecipeKey, ...]:
+    """The recipes the survey quantizes with: every registered one
+    (:func:`~._recipes.conformance_recipes` of ``services.registries``)."""
+    return conformance_recipes(services.registries)
+
+
 def _survey(
     models: tuple[str, ...],
     recipes: tuple[RecipeKey, ...],
     seed: int,
     calibration: Calibration,
-    format: ExportFormat,
+    format: ExportFormat | None,
     device: str,
     services: CheckServices,
 ) -> Survey:
     registry = services.registries.module_exporters
     names = exporter_names(registry)
-    built = quantized_models(models, recipes, seed, calibration, device, services)
+    built = quantized_models(models, recipes, seed, calibration, device, services, format)
     quantized: list[QuantizedModel] = []
     skipped: dict[str, str] = {}
     for model_name in models:
@@ -258,31 +266,34 @@ def _survey(
             if isinstance(model, str):
                 skipped[f"{model_name}/{label}"] = model
                 continue
-            quantized.append(survey_one(model_name, label, model, names, format, registry=registry))
+            layout = survey_layout(recipe, format)  # it quantized: a layout holds it
+            quantized.append(survey_one(model_name, label, model, names, layout, registry=registry))
     return Survey(models, quantized, skipped)
 
 
 def survey_of(
     models: tuple[str, ...],
     seed: int = 0,
-    recipes: tuple[RecipeKey, ...] = SURVEY_RECIPES,
+    recipes: tuple[RecipeKey, ...] | None = None,
     *,
     calibration: Calibration = "data",
-    format: ExportFormat = "modelopt",
+    format: ExportFormat | None = None,
     device: str = "cpu",
     services: CheckServices | None = None,
 ) -> Survey:
     """The survey of ``models`` x ``recipes`` with the dispatch registry of ``services``.
 
-    ``calibration="synthetic"`` quantizes with machine-independent statistics
-    (for goldens); ``format`` is the checkpoint layout the driver writes;
+    ``recipes=None``: :func:`survey_recipes`. ``calibration="synthetic"`` quantizes with
+    machine-independent statistics (for goldens); ``format`` is the checkpoint layout the
+    driver writes (``None``: each recipe's own, quantized with its scale convention);
     ``device`` is where the models are quantized and exported (the weights are
     seeded on the CPU, then moved, so they are the same bits on every device).
     Computed once per ``services`` (a case's :class:`CheckServices`; default: a
     new one, nothing remembered) and registry state.
     """
     services = CheckServices() if services is None else services
-    models, recipes = tuple(models), tuple(recipes)
+    models = tuple(models)
+    recipes = survey_recipes(services) if recipes is None else tuple(recipes)
     state = registry_state(services.registries.module_exporters)
     key = ("survey", models, recipes, seed, state, calibration, format, device)
     return services.memo(

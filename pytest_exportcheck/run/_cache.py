@@ -3,7 +3,7 @@
 An artifact is keyed by everything that can change it: target, variant and extra
 export kwargs, model family and seed (or, for a model a check built itself, its
 class), a fingerprint of the built model (class, config, state-dict names,
-shapes, dtypes and bytes), the source of the package that provides the target
+shapes, dtypes and bytes, each quantizer's settings: its format), the source of the package that provides the target
 and of the one that defines the model's class (unless a versioned library
 below), and the versions of Python, exportlm, torch, transformers, onnx,
 onnxruntime and onnxscript, and of the target's distribution with everything it
@@ -107,7 +107,8 @@ def source_digest(module_name: str) -> str:
 
 
 def model_fingerprint(model: Any) -> str:
-    """sha256 of a model's class, config and state dict (names, shapes, dtypes, bytes)."""
+    """sha256 of a model's class, config, state dict (names, shapes, dtypes, bytes) and
+    its quantizers' settings (:func:`_settings`)."""
     import torch
 
     digest = hashlib.sha256()
@@ -122,7 +123,23 @@ def model_fingerprint(model: Any) -> str:
         host = tensor.detach().to("cpu").contiguous()
         digest.update(f"{name}:{tuple(host.shape)}:{host.dtype}".encode())
         digest.update(host.reshape(-1).view(torch.uint8).numpy().tobytes())
+    from exportlm.quant import TensorQuantizer
+
+    modules = model.named_modules() if isinstance(model, torch.nn.Module) else ()
+    for name, module in modules:
+        if isinstance(module, TensorQuantizer):  # an unquantized model's key is as it was
+            digest.update(f"{name}:{_settings(module)}".encode())
     return digest.hexdigest()
+
+
+def _settings(quantizer: Any) -> str:
+    """A quantizer's ``extra_repr`` and plain attributes: equal state dicts may hold other
+    formats (``fp8_dynamic`` and ``int8_wo`` store the same per-row amaxes)."""
+    import torch
+
+    plain = (str, int, float, bool, type(None), torch.dtype)
+    own = {k: v for k, v in sorted(vars(quantizer).items()) if k[0] != "_" and isinstance(v, plain)}
+    return f"{quantizer.extra_repr()}{own!r}"
 
 
 def code_digest(cls: type) -> str:

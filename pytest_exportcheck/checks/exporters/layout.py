@@ -10,6 +10,8 @@ from torch import nn
 
 from exportlm.errors import TiedWeightsError
 from exportlm.module_exporters import DictSink, export_quantized_state, resolve_tied_weights
+from exportlm.quant import TensorQuantizer
+from exportlm.quant.formats import get_format
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import aborts_to_result, listed
 from pytest_exportcheck.checks._registries import Registries
@@ -58,6 +60,8 @@ def _moe_problems(q: QuantizedModel, names: set[str]) -> tuple[int, list[str]]:
         for pair in _GATE_UP:
             if gate != pair[0] or leaf not in ("weight_scale", "weight_scale_2"):
                 continue
+            if leaf == "weight_scale" and not _per_tensor_weights(q.model, block):
+                continue  # one block / tile of a small expert is one element, not one tensor
             up = scales.get((block, pair[1], leaf), {})
             for expert, g in per_expert.items():
                 u = up.get(expert)
@@ -66,6 +70,22 @@ def _moe_problems(q: QuantizedModel, names: set[str]) -> tuple[int, list[str]]:
                         f"{where}: {block}.{expert} {pair[0]}/{pair[1]} differ in {leaf}"
                     )
     return len(scales), problems
+
+
+def _per_tensor_weights(model: nn.Module, block: str) -> bool:
+    """Whether every weight quantizer under ``block`` has one scale per tensor (its
+    format's granularity: a block or tile format's one-element scale on a small expert
+    is one block, which gate and up need not share)."""
+    try:
+        root = model.get_submodule(block)
+    except AttributeError:
+        return True
+    formats = [
+        get_format(module.format)
+        for name, module in root.named_modules()
+        if isinstance(module, TensorQuantizer) and "weight" in name.rsplit(".", 1)[-1]
+    ]
+    return all(spec.granularity == "tensor" for spec in formats)
 
 
 @check("moe_inputs")

@@ -32,12 +32,12 @@ from pytest_exportcheck.checks.generated._shared import (
     generated_budget,
     repro_command,
 )
-from pytest_exportcheck.checks.generated.quantized import GENERATED_RECIPES, quantized_generated
+from pytest_exportcheck.checks.generated.quantized import generated_recipes, quantized_generated
 from pytest_exportcheck.checks.generated.roundtrip import roundtrip_generated
 
 __all__ = [
     "GENERATED_EXAMPLES",
-    "GENERATED_RECIPES",
+    "generated_recipes",
     "GeneratedFailure",
     "generated_budget",
     "quantized_generated",

@@ -13,19 +13,22 @@ from torch import nn
 
 from exportlm.errors import UnsupportedFormatError
 from exportlm.models import ModelSpec, build_from_spec
+from exportlm.module_exporters import ExportFormat
 from exportlm.quant import QuantExperts, QuantFormat, QuantLinear, is_quantized_module, quantize
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase, check
 from pytest_exportcheck.checks._common import aborts_to_result, error_text, listed
+from pytest_exportcheck.checks._recipes import layout_recipe
 from pytest_exportcheck.checks._survey import (
-    SURVEY_RECIPES,
     QuantizedModel,
     exporter_entry,
     exporter_names,
     registry_state,
     survey_for,
     survey_one,
+    survey_recipes,
     tie_groups,
 )
+from pytest_exportcheck.checks._survey_quantize import recipe_label, survey_layout
 from pytest_exportcheck.checks.exporters.values import (
     conformance_export,
     conformance_problems,
@@ -44,15 +47,20 @@ from pytest_exportcheck.checks.generated._shared import (
 )
 from pytest_exportcheck.strategies import model_settings, model_specs
 
-__all__ = ["GENERATED_RECIPES", "quantized_generated"]
-
-#: Recipes ``quantized_generated`` tries on each structure (those that do not fit are skipped).
-GENERATED_RECIPES = SURVEY_RECIPES
+__all__ = ["generated_recipes", "quantized_generated"]
 
 
-def _quantize_spec(spec: ModelSpec, recipe: str, seed: int) -> nn.Module | str:
+def generated_recipes(case: ExporterCase) -> tuple[str, ...]:
+    """Recipes ``quantized_generated`` tries on each structure: the survey's, every
+    registered one (those that do not fit a structure are skipped)."""
+    return tuple(recipe_label(r) for r in survey_recipes(case.services))
+
+
+def _quantize_spec(spec: ModelSpec, recipe: str, seed: int) -> tuple[nn.Module, ExportFormat] | str:
+    """``spec`` quantized for ``recipe``'s own layout, and that layout; or why it does not fit."""
     try:
-        return quantize(build_from_spec(spec, seed=seed), recipe)
+        layout = survey_layout(recipe, None)
+        return quantize(build_from_spec(spec, seed=seed), layout_recipe(recipe, layout)), layout
     except UnsupportedFormatError as err:
         return f"{recipe} does not fit: {err}"
 
@@ -67,12 +75,14 @@ def _generated_survey(
     """
 
     def compute() -> QuantizedModel | str:
-        model = _quantize_spec(spec, recipe, case.seed)
-        if isinstance(model, str):
-            return model
+        built = _quantize_spec(spec, recipe, case.seed)
+        if isinstance(built, str):
+            return built
+        model, layout = built
         registry = case.services.registries.module_exporters
         label = f"generated:{spec.family}"
-        return survey_one(label, recipe, model, exporter_names(registry), registry=registry)
+        names = exporter_names(registry)
+        return survey_one(label, recipe, model, names, layout, registry=registry)
 
     return case.services.memo(("generated", spec, recipe, case.seed, state), compute)
 
@@ -241,7 +251,7 @@ def _involves(q: QuantizedModel, exporter: str) -> int:
 
 def _check_spec(case: ExporterCase, spec: ModelSpec, state: tuple[Any, ...], tally: Tally) -> None:
     """Quantize ``spec`` with each recipe and check the export; raises :class:`GeneratedFailure`."""
-    for recipe in GENERATED_RECIPES:
+    for recipe in generated_recipes(case):
         try:
             q = _generated_survey(case, spec, recipe, state)
         except Exception as err:
@@ -283,10 +293,10 @@ def quantized_generated(case: ExporterCase) -> CheckResult:
     Hypothesis draws :data:`~pytest_exportcheck.checks.generated.GENERATED_EXAMPLES` structures (or the ``max_examples``
     of a profile chosen with ``--hypothesis-profile``;
     :func:`~pytest_exportcheck.strategies.model_specs`), each quantized with
-    every recipe of :data:`GENERATED_RECIPES` that fits (``fp8``, ``nvfp4``,
-    ``int4_awq``, ``int8_wo``, ``fp8+fp8_kv``) and exported with
-    ``export_quantized_state`` through a recording copy of the registry (as the
-    survey does). Where this exporter claims a module:
+    every registered recipe that fits (:func:`generated_recipes`: ``fp8``, ``nvfp4``,
+    ``int4_awq``, ``int8_wo``, ``fp8+fp8_kv``, the MX and block formats, a plugin's)
+    and exported with ``export_quantized_state``, in a layout the recipe's formats
+    have, through a recording copy of the registry (as the survey does). Where this exporter claims a module:
 
     - every quantized module is exported exactly once (registry-wide);
     - every parameter reaches the checkpoint: under its own name, or for a module
@@ -335,7 +345,7 @@ def quantized_generated(case: ExporterCase) -> CheckResult:
     if not tally.claimed and own is None:
         what = (
             f"the generated models ({tally.quantized_models} quantized models from {budget} "
-            f"drawn structures x {', '.join(GENERATED_RECIPES)})"
+            f"drawn structures x {', '.join(generated_recipes(case))})"
         )
         claims = toy_claims(case.name, survey_for(case))
         if claims:
@@ -358,6 +368,7 @@ def quantized_generated(case: ExporterCase) -> CheckResult:
         fp8_weights=tally.fp8_weights,
         seconds=seconds,
         not_fitting=dict(tally.not_fitting),
+        recipes=list(generated_recipes(case)),
     )
 
 

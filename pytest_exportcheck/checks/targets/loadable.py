@@ -12,19 +12,23 @@ counted in the details; when FP8 with the KV cache does not fit, plain FP8
 (:data:`FALLBACK_RECIPE`) is tried in its place. The check skips when none fits. Every recipe on every toy family costs about 0.05 s per export.
 
 A recipe whose format has no ModelOpt scheme is exported in the layout that holds it
-(:data:`RECIPE_LAYOUTS`: ``w8a8`` is compressed-tensors' ``int-quantized`` W8A8, the
-scheme vLLM serves), passed to the target as its ``format=`` option.
+(:func:`~pytest_exportcheck.checks._recipes.recipe_layout`, read off its formats:
+``w8a8`` is compressed-tensors' ``int-quantized`` W8A8, the scheme vLLM serves), passed
+to the target as its ``format=`` option.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
+from exportlm.errors import UnsupportedFormatError
 from exportlm.export import accepted_kwargs
 from exportlm.inspection import InspectionReport, inspect_checkpoint
+from exportlm.quant.formats import DEFAULT_LAYOUT
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result
+from pytest_exportcheck.checks._recipes import recipe_layout
 from pytest_exportcheck.checks._support import (
     build_case_model,
     default_model_name,
@@ -33,13 +37,10 @@ from pytest_exportcheck.checks._support import (
 )
 from pytest_exportcheck.checks.targets.checkpoint import quantized_toy, require_checkpoint_target
 
-__all__ = ["FALLBACK_RECIPE", "LOADABLE_RECIPES", "RECIPE_LAYOUTS", "layout_options", "loadable"]
+__all__ = ["FALLBACK_RECIPE", "LOADABLE_RECIPES", "layout_options", "loadable"]
 
 #: The recipes each toy model is exported with: one per built-in format (+ the FP8 KV cache).
 LOADABLE_RECIPES = ("fp8+fp8_kv", "nvfp4", "int4_awq", "int8_wo", "int8_sq", "w8a8")
-#: The checkpoint layout (``format=``) of the recipes the default layout (ModelOpt) has
-#: no scheme for: W8A8 with dynamic per-token inputs is compressed-tensors' only.
-RECIPE_LAYOUTS: Mapping[str, str] = {"w8a8": "compressed-tensors"}
 #: Tried when ``fp8+fp8_kv`` does not fit the model (a fused QKV projection).
 FALLBACK_RECIPE = "fp8"
 _SHOWN = 5
@@ -50,13 +51,19 @@ def _errors_text(report: InspectionReport) -> list[str]:
 
 
 def layout_options(case: TargetCase, recipe: str) -> dict[str, Any] | str:
-    """The export options that put ``recipe`` in its checkpoint layout (:data:`RECIPE_LAYOUTS`),
-    or why the case's target cannot write it (a checkpoint target without ``format=``).
+    """The export options that put ``recipe`` in its checkpoint layout (``recipe_layout``:
+    ``format=`` when that is not the default one), or why the case's target cannot write
+    it (a checkpoint target without ``format=``; no layout holds the recipe).
 
     A layout is a checkpoint directory's: a file target (ONNX) gets no option.
     """
-    layout = RECIPE_LAYOUTS.get(recipe)
-    if layout is None or target_info(case).artifact != "directory":
+    if target_info(case).artifact != "directory":
+        return {}
+    try:
+        layout = recipe_layout(recipe)
+    except UnsupportedFormatError as err:
+        return str(err)
+    if layout == DEFAULT_LAYOUT:
         return {}
     names, var_kw = accepted_kwargs(case.services.registries.target_factory(case.target), skip=2)
     if "format" in names or var_kw:

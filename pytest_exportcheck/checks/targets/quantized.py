@@ -1,11 +1,15 @@
 """``roundtrip_quantized``: a fake-quantized model's artifact computes what the fake-quant model does.
 
-For targets declaring ``quantized``. The toy model is quantized with each recipe of
-:data:`QUANTIZED_RECIPES` (FP8 weights and static FP8 activations; INT8 weight-only;
-INT8 SmoothQuant with static inputs; W8A8 with per-token int8 inputs quantized at run
-time, exported in compressed-tensors' layout: :data:`~pytest_exportcheck.checks.targets.
-loadable.RECIPE_LAYOUTS`), exported, run in the target's runtime and compared with the fake-quantized eager
-model on :data:`INPUT_SETS` deterministic input sets.
+For targets declaring ``quantized``. The toy model is quantized with every registered
+recipe (:func:`~pytest_exportcheck.checks._recipes.conformance_recipes`: the built-in
+ones, a plugin's, and each KV-cache recipe combined with its weight recipe; or
+``--export-quantize``'s), a checkpoint target writing each in a layout its formats have
+(``w8a8`` and ``fp8_block`` in compressed-tensors'), exported, run in the target's
+runtime and compared with the fake-quantized eager model on :data:`INPUT_SETS`
+deterministic input sets. A recipe that does not fit the toy model, or that the target
+refuses, is skipped with its own reason; one whose quantization raises anything else
+fails the item, charged to that recipe (``details["failed"]``), the other recipes
+checked all the same.
 
 Tolerance. Weight-only quantization is deterministic bytes times a scale, so every
 input set must be within the target's declared ``atol`` / ``rtol``. Quantizing
@@ -38,6 +42,7 @@ from exportlm.export.roundtrip import FLIP, Tolerance, roundtrip_ids
 from exportlm.quant import TensorQuantizer, quantize
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, error_text
+from pytest_exportcheck.checks._recipes import conformance_recipes, layout_recipe
 from pytest_exportcheck.checks._support import (
     IDS_SEED,
     TRACED_SHAPE,
@@ -52,11 +57,8 @@ from pytest_exportcheck.checks._support import (
 )
 from pytest_exportcheck.checks.targets.loadable import layout_options
 
-__all__ = ["FLIP_ATOL", "FLIP_RTOL", "INPUT_SETS", "QUANTIZED_RECIPES", "roundtrip_quantized"]
+__all__ = ["FLIP_ATOL", "FLIP_RTOL", "INPUT_SETS", "roundtrip_quantized"]
 
-#: The recipes the toy model is quantized with: static FP8 (W8A8), INT8 weight-only,
-#: INT8 SmoothQuant (static inputs) and W8A8 (dynamic per-token int8 inputs).
-QUANTIZED_RECIPES = ("fp8", "int8_wo", "int8_sq", "w8a8")
 #: Deterministic input sets each artifact is compared on.
 INPUT_SETS = 5
 #: Per-input-set bound when activations are quantized (one FP8 rounding flip; see above),
@@ -65,21 +67,24 @@ FLIP_ATOL = FLIP.atol
 FLIP_RTOL = FLIP.rtol
 
 
-def _quantized(case: TargetCase, name: str, recipe: str) -> nn.Module | str:
-    """The toy model ``name`` quantized with ``recipe``, or why the target skips it."""
+def _quantized(
+    case: TargetCase, name: str, recipe: str, layout: str | None
+) -> nn.Module | CheckResult:
+    """The toy model ``name`` quantized with ``recipe`` for ``layout``, or the recipe's
+    skip (it does not fit, the target refuses it) or failure (its quantization raised)."""
     model = build_case_model(case, name)
     try:
-        quantized: nn.Module = quantize(model, recipe)
+        quantized: nn.Module = quantize(model, layout_recipe(recipe, layout))
     except UnsupportedFormatError as err:
-        return f"{recipe} does not fit toy model {name!r}: {err}"
+        return CheckResult.skipped(f"{recipe} does not fit toy model {name!r}: {err}")
     except Exception as err:
-        raise CheckAbort(
-            CheckResult.failed(
-                f"quantizing {name!r} with {recipe} raised {error_text(err)}", exception=err
-            )
-        ) from err
+        return CheckResult.failed(
+            f"quantizing {name!r} with {recipe} raised {error_text(err)}", exception=err
+        )
     reason = accepts_reason(case, quantized)
-    return f"target {case.target_id!r} refuses {recipe}: {reason}" if reason else quantized
+    if reason:
+        return CheckResult.skipped(f"target {case.target_id!r} refuses {recipe}: {reason}")
+    return quantized
 
 
 def _quantizes_activations(model: nn.Module) -> bool:
@@ -115,20 +120,62 @@ def _compare(
     return None, details
 
 
+def _check_recipe(case: TargetCase, info: TargetInfo, name: str, recipe: str) -> CheckResult:
+    """One recipe: passed with its details, skipped with the reason, or failed (whatever
+    raised while it was quantized, exported, loaded or run is charged to it)."""
+    try:
+        return _roundtrip_recipe(case, info, name, recipe)
+    except CheckAbort as abort:
+        return abort.result
+    except Exception as err:
+        return CheckResult.failed(f"{recipe} raised {error_text(err)}", exception=err)
+
+
+def _roundtrip_recipe(case: TargetCase, info: TargetInfo, name: str, recipe: str) -> CheckResult:
+    options = layout_options(case, recipe)
+    if isinstance(options, str):
+        return CheckResult.skipped(options)
+    model = _quantized(case, name, recipe, options.get("format"))
+    if isinstance(model, CheckResult):
+        return model
+    # Cached by the quantized model's class, config, weights, scales and source, like
+    # the quantized exports of checkpoint_names and loadable: a rerun loads it.
+    artifact = export_instance(case, model, case.workdir / recipe, **options)
+    runtime = load_runtime(case, artifact)
+    with torch.no_grad():
+        failure, details = _compare(case, info, model, runtime)
+    if failure:
+        return CheckResult.failed(
+            f"{case.target_id} {recipe} artifact of {name!r} differs from the fake-quantized "
+            f"model at {failure}",
+            **details,
+        )
+    return CheckResult.passed(**details)
+
+
+def _recipes(case: TargetCase) -> tuple[str, ...]:
+    """``--export-quantize``'s recipes, else every registered one."""
+    chosen = tuple(case.options.get("quantize") or ())
+    return chosen or conformance_recipes(case.services.registries)
+
+
 @check("roundtrip_quantized")
 @aborts_to_result
 def roundtrip_quantized(case: TargetCase) -> CheckResult:
     """A quantized model's artifact, in the target's runtime, gives the fake-quant model's logits.
 
-    For targets declaring ``quantized``: the default toy model, quantized with ``fp8``
-    (weights and static activations), ``int8_wo``, ``int8_sq`` and ``w8a8`` (in its
-    compressed-tensors layout), is exported and compared with
-    the fake-quantized eager model on 5 deterministic input sets ``[2, 8]``.
+    For targets declaring ``quantized``: the default toy model, quantized with every
+    registered recipe (``fp8``, ``int8_wo``, ``int8_sq``, ``w8a8``, ``nvfp4``, the
+    MX and block formats, a plugin's; a checkpoint target writes each in a layout it
+    has), is exported and compared with the fake-quantized eager model on 5
+    deterministic input sets ``[2, 8]``.
     Weight-only: every set within the target's ``atol`` / ``rtol``. FP8 activations:
     every set within ``atol = rtol = 2e-2`` (one activation rounding the other way at
     an FP8 midpoint because the runtime's float kernels differ by an ulp) and the
-    median max |diff| within the target's ``atol``. A recipe the target refuses
-    (its ``accepts``) is skipped with the reason; all refused is a counted skip.
+    median max |diff| within the target's ``atol``. A recipe that does not fit the
+    model or that the target refuses (its ``accepts``) is skipped with the reason; all
+    skipped is a counted skip. A recipe that differs, or whose quantization raises,
+    fails the item with that recipe named (``details["failed"]``).
     """
     info = target_info(case)
     require_device(case, info)
@@ -137,31 +184,24 @@ def roundtrip_quantized(case: TargetCase) -> CheckResult:
             f"capability gap: target {case.target_id!r} does not declare 'quantized'"
         )
     name = default_model_name(case)
-    passed: dict[str, Any] = {}
-    skipped: dict[str, str] = {}
-    for recipe in tuple(case.options.get("quantize") or ()) or QUANTIZED_RECIPES:
-        model = _quantized(case, name, recipe)
-        if isinstance(model, str):
-            skipped[recipe] = model
-            continue
-        # Cached by the quantized model's class, config, weights, scales and source, like
-        # the quantized exports of checkpoint_names and loadable: a rerun loads it.
-        options = layout_options(case, recipe)
-        if isinstance(options, str):
-            skipped[recipe] = options
-            continue
-        artifact = export_instance(case, model, case.workdir / recipe, **options)
-        runtime = load_runtime(case, artifact)
-        with torch.no_grad():
-            failure, details = _compare(case, info, model, runtime)
-        if failure:
-            return CheckResult.failed(
-                f"{case.target_id} {recipe} artifact of {name!r} differs from the fake-quantized "
-                f"model at {failure}",
-                recipe=recipe,
-                **details,
-            )
-        passed[recipe] = details
+    build_case_model(case, name)  # the target's refusal of the family: one skip, its reason
+    results = {recipe: _check_recipe(case, info, name, recipe) for recipe in _recipes(case)}
+    passed = {r: res.details for r, res in results.items() if res.status == "pass"}
+    skipped = {r: res.message for r, res in results.items() if res.status == "skip"}
+    failed = {r: res for r, res in results.items() if res.status == "fail"}
+    if failed:
+        first = next(iter(failed))
+        return CheckResult.failed(
+            "; ".join(res.message for res in failed.values()),
+            exception=failed[first].exception,
+            **{
+                **failed[first].details,
+                "recipe": first,
+                "failed": {r: res.message for r, res in failed.items()},
+                "recipes": passed,
+                "skipped": skipped,
+            },
+        )
     if not passed:
         return CheckResult.skipped("; ".join(skipped.values()), skipped=skipped)
     summary = ", ".join(f"{r}: max abs {d['max_abs']:.3g}" for r, d in passed.items())
