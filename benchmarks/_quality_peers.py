@@ -28,7 +28,13 @@ recipe                      ModelOpt 0.47                          llm-compresso
 ``int4_gptq:group_size=G``  ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``,     ``GPTQModifier``, symmetric int4 group G
                             block size G, ``algorithm: gptq``
                                                                    (``actorder`` / ``dampening`` as given)
-``w4a8_awq:group_size=G``   ``W4A8_AWQ_BETA_CFG``, block size G    — (its ``W4AFP8`` takes per-token dynamic inputs)
+``w4a8_awq:group_size=G``   ``W4A8_AWQ_BETA_CFG``, block size G    ``AWQModifier``, symmetric int4 group G,
+                                                                   FP8 static per-tensor inputs (its
+                                                                   ``W4AFP8`` preset's are per token)
+``fp8_block:group_size=G``  — (weight-only ``FP8_2D_BLOCKWISE``)   ``FP8_BLOCK`` with G x G tiles, input
+                                                                   groups of G
+``mxfp8``                   ``MXFP8_DEFAULT_CFG``                  ``MXFP8``
+``mxfp4``                   ``MXFP4_DEFAULT_CFG``, inputs off      ``MXFP4A16``
 ==========================  =====================================  ==========================================
 """
 
@@ -62,12 +68,19 @@ MODELOPT_CONFIGS = {
     "nvfp4": "NVFP4_DEFAULT_CFG",
     "int4_gptq": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",  # with its GPTQ algorithm (below)
     "w4a8_awq": "W4A8_AWQ_BETA_CFG",
+    # no fp8_block: ModelOpt 0.47's FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG leaves the inputs in
+    # bf16, and its dynamic block quantizer takes only E8M0 / E4M3 scales (MX, NVFP4), not
+    # FP8 groups with float32 scales ("scale_bits" asserted in _dynamic_block_quantize_forward)
+    "mxfp8": "MXFP8_DEFAULT_CFG",
+    "mxfp4": "MXFP4_DEFAULT_CFG",  # W4A4 in ModelOpt: its input quantizer is disabled (below)
 }
 LLMC_SCHEMES = {
     "fp8": "FP8",
     "fp8_dynamic": "FP8_DYNAMIC",
     "int8_wo": "W8A16",
     "nvfp4": "NVFP4",
+    "mxfp8": "MXFP8",
+    "mxfp4": "MXFP4A16",
 }
 
 
@@ -95,7 +108,9 @@ def supports(peer: str, recipe: str) -> bool:
     name, _, _ = split_recipe(recipe)
     if peer == "modelopt":
         return name in MODELOPT_CONFIGS
-    return name in LLMC_SCHEMES or name in ("int8_sq", "w8a8", "int4_awq", "int4_gptq")
+    return name in LLMC_SCHEMES or name in (
+        "int8_sq", "w8a8", "int4_awq", "int4_gptq", "fp8_block", "w4a8_awq"
+    )  # fmt: skip
 
 
 def modelopt_config(mtq: Any, recipe: str) -> dict[str, Any]:
@@ -109,9 +124,17 @@ def modelopt_config(mtq: Any, recipe: str) -> dict[str, Any]:
                 first["block_sizes"][-1] = options["group_size"]
     if kv:
         config["quant_cfg"] = [*config["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]]
+    if name == "mxfp4":  # weight-only, as gpt-oss ships it (ModelOpt's preset is W4A4)
+        config["quant_cfg"] = [_weights_only(entry) for entry in config["quant_cfg"]]
     if name == "int4_gptq":  # ModelOpt 0.47's GPTQCalibConfig (layer by layer, QDQ inputs)
         config["algorithm"] = {"method": "gptq", "perc_damp": options.get("dampening", 0.01)}
     return config
+
+
+def _weights_only(entry: dict[str, Any]) -> dict[str, Any]:
+    if entry.get("quantizer_name") == "*input_quantizer":
+        return {"quantizer_name": "*input_quantizer", "enable": False}
+    return entry
 
 
 def _bf16_model(directory: Path) -> Any:
@@ -195,6 +218,8 @@ def llmc_recipe(recipe: str) -> list[Any]:
         return [SmoothQuantModifier(), quant]
     if name == "w8a8":
         return [SmoothQuantModifier(), QuantizationModifier(ignore=["lm_head"], scheme="W8A8")]
+    if name in ("fp8_block", "w4a8_awq"):
+        return _llmc_custom(name, options)
     return [
         QuantizationModifier(
             targets="Linear",
@@ -203,6 +228,37 @@ def llmc_recipe(recipe: str) -> list[Any]:
             kv_cache_scheme=kv_scheme,
         )
     ]
+
+
+def _llmc_custom(name: str, options: dict[str, Any]) -> list[Any]:
+    """``fp8_block`` at a block size G: its ``FP8_BLOCK`` preset with G x G tiles and input
+    groups of G. ``w4a8_awq``: ``AWQModifier`` with its ``W4AFP8`` weights (symmetric int4,
+    group G) and FP8 *static per-tensor* inputs (``W4AFP8``'s are per token, dynamic)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor.modifiers.awq import AWQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    group = options.get("group_size", 128)
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    if name == "fp8_block":
+        scheme = QuantizationScheme(
+            targets=["Linear"],
+            weights=QuantizationArgs(**fp8, strategy="block", block_structure=[group, group]),
+            input_activations=QuantizationArgs(
+                **fp8, strategy="group", group_size=group, dynamic=True
+            ),
+        )
+        return [QuantizationModifier(ignore=["lm_head"], config_groups={"group_0": scheme})]
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(
+            num_bits=4, type="int", symmetric=True, strategy="group", group_size=group
+        ),
+        input_activations=QuantizationArgs(
+            **fp8, strategy="tensor", dynamic=False, observer="static_minmax"
+        ),
+    )
+    return [AWQModifier(ignore=["lm_head"], config_groups={"group_0": scheme})]
 
 
 def _gptq_modifier(options: dict[str, Any]) -> Any:

@@ -76,10 +76,12 @@ PROMPTS = (
 NEW_TOKENS = 32
 #: Export options a recipe needs, as the CLI's refusal tells a user: ``w8a8`` exists in
 #: compressed-tensors' layout only (the default layout is ModelOpt's); ``int4_gptq`` in
-#: that layout takes compressed-tensors' scales (amax / 7.5, bf16), as llm-compressor's GPTQ.
+#: that layout takes compressed-tensors' scales (amax / 7.5, bf16), as llm-compressor's GPTQ;
+#: ``fp8_block`` is written in compressed-tensors' layout only (ModelOpt's export has none).
 RECIPE_OPTIONS = {
     "w8a8": ["-o", "format=compressed-tensors"],
     "int4_gptq": ["-o", "format=compressed-tensors"],
+    "fp8_block": ["-o", "format=compressed-tensors"],
 }
 #: Every child runs with the same threads (the machine's cores are shared).
 CHILD_ENV = {"OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}

@@ -84,3 +84,37 @@ def test_the_markdown_table_shows_absent_failed_and_worse_cells(tmp_path: Path) 
     )
     assert "| exportlm | 30 | 1.50 |  |" in lines
     assert any(line.startswith("- `w8a8`") and "WORSE by more than 1%" in line for line in lines)
+
+
+def test_a_peer_whose_in_memory_model_failed_is_judged_by_its_checkpoint(tmp_path: Path) -> None:
+    """ModelOpt's MX fake quantization needs CUDA, its checkpoint does not: the verdict
+    uses that checkpoint (read by our runtime), named as such; a peer with neither is not
+    a peer of the verdict."""
+    measured = {"ppl": 20.0, "agree": 0.9, "eval_s": 1.0}
+    checkpoint = {**measured, "ppl": 19.0}
+    results = {
+        "meta": {
+            "bf16": {"ppl": 19.0, "agree": 1.0},
+            "calibration": {"rows": 4, "tokens": 2048},
+            "seq_len": 512,
+            "eval_tokens": 1024,
+            "started": "2026-12-05 09:00 UTC",
+            "wall_s": 600.0,
+        },
+        "rows": [
+            _row("mxfp8", "exportlm", ckpt=measured, export_s=10.0, peak_rss=1e9),
+            _row("mxfp8", "modelopt", mem_error="RuntimeError: CUDA", ckpt=checkpoint),
+            _row("mxfp8", "llmcompressor", error="exit 1: ValueError: no scheme"),
+        ],
+    }
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--markdown", str(path)],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    verdict = [line for line in done.stdout.splitlines() if line.startswith("- `mxfp8`")]
+    assert verdict == [
+        "- `mxfp8`: exportlm 20.000, better peer ModelOpt (its checkpoint) 19.000 (+5.3%): "
+        "WORSE by more than 1%"
+    ]
