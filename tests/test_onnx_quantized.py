@@ -301,10 +301,11 @@ def test_roundtrip_quantized_check_passes_for_the_quantized_targets(
 ) -> None:
     result = CHECKS["roundtrip_quantized"].fn(TargetCase(target, None, {}, None, "cpu", tmp_path))
     assert result.status == "pass", result.message
-    # every registered recipe; ONNX's QDQ form holds FP8 and INT8 weight-only only (int8_sq's
-    # pre_quant_scale, w8a8's per-token inputs, INT4, MX, NVFP4, the KV cache: skipped)
+    # every registered recipe; ONNX's QDQ form holds FP8 and INT8 weight-only only, whichever
+    # algorithm chose the codes (int8_gptq: GPTQ's INT8 rows); int8_sq's pre_quant_scale,
+    # w8a8's per-token inputs, INT4, MX, NVFP4, the KV cache: skipped
     registered = set(conformance_recipes(Registries.installed()))
-    expected = registered if target == "hf_checkpoint" else {"fp8", "int8_wo"}
+    expected = registered if target == "hf_checkpoint" else {"fp8", "int8_wo", "int8_gptq"}
     assert set(result.details["recipes"]) == expected
     assert set(result.details["skipped"]) == registered - expected
 
