@@ -276,6 +276,8 @@ def run(args: argparse.Namespace) -> None:
 
     model_dir = Path(real_model_dir())
     started = time.time()
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)  # a fresh path: made, not a traceback
     with tempfile.TemporaryDirectory(prefix="quality-", dir=args.workdir) as tmp:
         work = Path(tmp)
         results: dict[str, Any] = {"meta": _meta(args, model_dir), "rows": []}

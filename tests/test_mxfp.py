@@ -91,27 +91,35 @@ def _one_block(*values: float) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("recipe", "amax", "code"),
     [
-        # scale = 2 ** (floor(log2(amax)) - emax), emax 2 (E2M1) / 8 (E4M3), bias 127
+        # scale = 2 ** (e - emax), emax 2 (E2M1) / 8 (E4M3), bias 127, amax = m * 2**e with
+        # m in [1, 2), e one higher where m >= 1.75
         ("mxfp4", 1.0, 127 + 0 - 2),
-        ("mxfp4", 7.0, 127 + 2 - 2),
-        ("mxfp4", 1.0 - 2.0**-24, 127 - 1 - 2),  # torch.log2 would round this to 0
+        ("mxfp4", 6.5, 127 + 2 - 2),  # m 1.625: kept
+        ("mxfp4", 7.0, 127 + 3 - 2),  # m 1.75: rounded up
+        ("mxfp8", 448.0, 127 + 9 - 8),  # m 1.75: rounded up (ModelOpt's ceil keeps 2**0 here)
+        ("mxfp4", 1.75 - 2.0**-22, 127 + 0 - 2),  # the boundary, exactly: just below 1.75
+        ("mxfp4", 1.75, 127 + 1 - 2),
+        ("mxfp4", 1.0 - 2.0**-24, 127 + 0 - 2),  # m just below 2: rounded up to 2**0
         ("mxfp4", 0.0, 0),  # a zero block: the smallest exponent, -127
         ("mxfp8", 1.0, 127 + 0 - 8),
-        ("mxfp8", 896.0, 127 + 9 - 8),
+        ("mxfp8", 896.0, 127 + 10 - 8),
+        ("mxfp8", 800.0, 127 + 9 - 8),
         ("mxfp8", 2.0**-110, 127 - 110 - 8),
         ("mxfp8", 2.0**-120, 0),  # -128 clamped at -127
     ],
 )
-def test_shared_scale_is_the_ocp_e8m0_exponent(recipe: str, amax: float, code: int) -> None:
+def test_shared_scale_is_the_e8m0_exponent_of_the_rounded_amax(
+    recipe: str, amax: float, code: int
+) -> None:
     q = quantize_tensor(_one_block(amax, -amax / 3), recipe, block_size=32)
     assert (q.scale.dtype, q.scale.shape) == (torch.uint8, (1, 1))
     assert int(q.scale) == code
 
 
 def test_mxfp4_elements_round_to_e2m1_and_saturate() -> None:
-    # amax 7 -> scale 1: 7 saturates to 6 (code 7), 2.5 ties to even 2 (code 4), -0.25 ties
-    # to -0 (code 8), -1.5 is code 8 | 3; two codes per byte, the even column low
-    x = _one_block(7.0, 2.5, -0.25, -1.5, 0.0, 5.5)
+    # amax 6.5 -> scale 1: 6.5 saturates to 6 (code 7), 2.5 ties to even 2 (code 4), -0.25
+    # ties to -0 (code 8), -1.5 is code 8 | 3; two codes per byte, the even column low
+    x = _one_block(6.5, 2.5, -0.25, -1.5, 0.0, 5.5)
     q = quantize_tensor(x, "mxfp4", block_size=32)
     assert (q.data.dtype, q.data.shape) == (torch.uint8, (1, 16))
     assert q.data[0, :3].tolist() == [4 << 4 | 7, 11 << 4 | 8, 7 << 4 | 0]
@@ -122,7 +130,9 @@ def test_mxfp4_elements_round_to_e2m1_and_saturate() -> None:
 def test_mxfp8_elements_are_e4m3_of_the_block_scaled_values() -> None:
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
     q = quantize_tensor(x, "mxfp8", block_size=32)
-    exponent = torch.floor(torch.log2(x.reshape(4, 2, 32).abs().amax(-1))) - 8
+    amax = x.reshape(4, 2, 32).abs().amax(-1)
+    floor = torch.floor(torch.log2(amax))
+    exponent = floor + (amax / 2.0**floor >= 1.75).float() - 8
     assert torch.equal(q.scale.to(torch.int32) - 127, exponent.to(torch.int32))
     scale = (2.0**exponent).repeat_interleave(32, dim=-1)
     want = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -255,9 +265,37 @@ def test_mxfp8_codes_equal_modelopt_s_kernel_with_our_scales() -> None:
     assert torch.equal(theirs.view(torch.uint8), ours.data.view(torch.uint8))
 
 
+@pytest.mark.parametrize(("recipe", "bits"), [("mxfp4", 4), ("mxfp8", 8)])
+def test_shared_scales_equal_compressed_tensors_own_on_a_real_range_of_weights(
+    recipe: str, bits: int
+) -> None:
+    """The E8M0 codes of a weight are compressed-tensors' ``generate_mx_scales`` of its block
+    maxima (what llm-compressor writes), in float32 and bfloat16, over 2**-20 to 2**20."""
+    mx_utils = pytest.importorskip("compressed_tensors.quantization.utils.mxfp_utils")
+    gen = torch.Generator().manual_seed(0)
+    magnitude = 2.0 ** torch.randint(-20, 20, (256, 8, 1), generator=gen).float()
+    for dtype in (torch.float32, torch.bfloat16):
+        w = (torch.randn(256, 8, 32, generator=gen) * magnitude).reshape(256, 256).to(dtype)
+        ours = quantize_tensor(w, recipe, block_size=32)
+        amax = w.reshape(256, 8, 32).abs().amax(-1)
+        theirs = mx_utils.generate_mx_scales(amax, bits)
+        assert torch.equal(ours.scale, theirs.to(torch.uint8)), dtype
+
+
+def test_mxfp8_scales_equal_modelopt_s_own() -> None:
+    """ModelOpt's ``ceil(log2(amax / 448))``: the same exponent but at a mantissa of exactly
+    1.75, which a random weight's block maxima never have."""
+    qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) * 0.02
+    ours = quantize_tensor(w, "mxfp8", block_size=32)
+    theirs = qtensor.MXFP8QTensor.get_weights_scaling_factor(w)
+    assert torch.equal(theirs.reshape(ours.scale.shape).to(torch.uint8), ours.scale)
+
+
 def test_mxfp4_bytes_equal_modelopt_s_where_the_exponent_rules_agree() -> None:
-    """ModelOpt picks ``ceil(log2(amax / 6))``, the spec ``floor(log2(amax)) - 2``: equal for
-    a block amax in ``[4, 6] * 2**k``; there codes and scales are byte for byte ModelOpt's."""
+    """ModelOpt picks ``ceil(log2(amax / 6))``, ours rounds the amax up from a mantissa of
+    1.75: equal for a block amax in ``[4, 6] * 2**k``; there codes and scales are byte for
+    byte ModelOpt's."""
     qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randn(64, 4, 32, generator=gen)
