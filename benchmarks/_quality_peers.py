@@ -22,12 +22,14 @@ recipe                      ModelOpt 0.47                          llm-compresso
 ``int8_sq``                 ``INT8_SMOOTHQUANT_CFG`` (alpha 1.0)   ``SmoothQuantModifier`` (0.5) + int8 channel
                                                                    weights, static per-tensor int8 inputs
 ``w8a8``                    —                                      ``SmoothQuantModifier`` (0.5) + ``W8A8``
-``int8_wo``                 ``INT8_WEIGHT_ONLY_CFG``               ``W8A16``
+``int8_wo``                 ``INT8_WEIGHT_ONLY_CFG``               int8 channel weights (its ``W8A16``
+                                                                   preset is in groups of 128)
 ``int4_awq:group_size=G``   ``INT4_AWQ_CFG``, block size G         ``AWQModifier``, symmetric int4 group G
 ``nvfp4``                   ``NVFP4_DEFAULT_CFG``                  ``NVFP4``
 ``int4_gptq:group_size=G``  ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``,     ``GPTQModifier``, symmetric int4 group G
                             block size G, ``algorithm: gptq``
                                                                    (``actorder`` / ``dampening`` as given)
+``int8_gptq``               ``INT8_WEIGHT_ONLY_CFG``, ``gptq``     ``GPTQModifier``, int8 channel weights
 ``w4a8_awq:group_size=G``   ``W4A8_AWQ_BETA_CFG``, block size G    ``AWQModifier``, symmetric int4 group G,
                                                                    FP8 static per-tensor inputs (its
                                                                    ``W4AFP8`` preset's are per token)
@@ -67,6 +69,7 @@ MODELOPT_CONFIGS = {
     "int4_awq": "INT4_AWQ_CFG",
     "nvfp4": "NVFP4_DEFAULT_CFG",
     "int4_gptq": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",  # with its GPTQ algorithm (below)
+    "int8_gptq": "INT8_WEIGHT_ONLY_CFG",  # with its GPTQ algorithm (below)
     "w4a8_awq": "W4A8_AWQ_BETA_CFG",
     # no fp8_block: ModelOpt 0.47's FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG leaves the inputs in
     # bf16, and its dynamic block quantizer takes only E8M0 / E4M3 scales (MX, NVFP4), not
@@ -77,7 +80,6 @@ MODELOPT_CONFIGS = {
 LLMC_SCHEMES = {
     "fp8": "FP8",
     "fp8_dynamic": "FP8_DYNAMIC",
-    "int8_wo": "W8A16",
     "nvfp4": "NVFP4",
     "mxfp8": "MXFP8",
     "mxfp4": "MXFP4A16",
@@ -109,7 +111,8 @@ def supports(peer: str, recipe: str) -> bool:
     if peer == "modelopt":
         return name in MODELOPT_CONFIGS
     return name in LLMC_SCHEMES or name in (
-        "int8_sq", "w8a8", "int4_awq", "int4_gptq", "fp8_block", "w4a8_awq"
+        "int8_sq", "w8a8", "int8_wo", "int4_awq", "int4_gptq", "int8_gptq", "fp8_block",
+        "w4a8_awq",
     )  # fmt: skip
 
 
@@ -126,7 +129,7 @@ def modelopt_config(mtq: Any, recipe: str) -> dict[str, Any]:
         config["quant_cfg"] = [*config["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]]
     if name == "mxfp4":  # weight-only, as gpt-oss ships it (ModelOpt's preset is W4A4)
         config["quant_cfg"] = [_weights_only(entry) for entry in config["quant_cfg"]]
-    if name == "int4_gptq":  # ModelOpt 0.47's GPTQCalibConfig (layer by layer, QDQ inputs)
+    if name in ("int4_gptq", "int8_gptq"):  # ModelOpt 0.47's GPTQCalibConfig
         config["algorithm"] = {"method": "gptq", "perc_damp": options.get("dampening", 0.01)}
     return config
 
@@ -204,8 +207,13 @@ def llmc_recipe(recipe: str) -> list[Any]:
         )  # fmt: skip
         groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
         return [AWQModifier(ignore=["lm_head"], config_groups=groups)]
-    if name == "int4_gptq":  # our actorder "weight" is its default "static" (an alias)
-        return [_gptq_modifier(options)]
+    if name in ("int4_gptq", "int8_gptq"):  # our actorder "weight" is its "static"
+        return [_gptq_modifier(name, options)]
+    if name == "int8_wo":  # per output channel, as ours and ModelOpt's: its W8A16 preset
+        # quantizes in groups of 128, which 576 input features do not divide
+        weights = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True)
+        scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+        return [QuantizationModifier(ignore=["lm_head"], config_groups={"group_0": scheme})]
     if name == "int8_sq":  # ModelOpt's INT8_SQ layout: channel weights, static tensor inputs
         scheme = QuantizationScheme(
             targets=["Linear"],
@@ -261,14 +269,17 @@ def _llmc_custom(name: str, options: dict[str, Any]) -> list[Any]:
     return [AWQModifier(ignore=["lm_head"], config_groups={"group_0": scheme})]
 
 
-def _gptq_modifier(options: dict[str, Any]) -> Any:
+def _gptq_modifier(name: str, options: dict[str, Any]) -> Any:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor.modifiers.gptq import GPTQModifier
 
-    weights = QuantizationArgs(
-        num_bits=4, type="int", symmetric=True, strategy="group",
-        group_size=options.get("group_size", 128),
-    )  # fmt: skip
+    if name == "int8_gptq":  # int8_wo's per-channel codes
+        weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    else:
+        weights = QuantizationArgs(
+            num_bits=4, type="int", symmetric=True, strategy="group",
+            group_size=options.get("group_size", 128),
+        )  # fmt: skip
     actorder = options.get("actorder", "weight")
     return GPTQModifier(
         ignore=["lm_head"],
@@ -278,6 +289,19 @@ def _gptq_modifier(options: dict[str, Any]) -> Any:
     )
 
 
+def _no_pinning_without_a_device() -> None:
+    """llm-compressor 0.14's AWQ pins its cached activations before each smoothing search
+    (``IntermediatesCache.pin_memory``, "for faster onloading"), and pinning needs an NVIDIA
+    driver: on a CPU-only machine every AWQ recipe fails with "Found no NVIDIA driver".
+    Pinning only speeds host-to-device copies, so without a device it is made a no-op; the
+    search itself is unchanged."""
+    if torch.cuda.is_available():
+        return
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+
+
 def run_llmcompressor(
     args: argparse.Namespace, data: dict[str, Any], result: dict[str, Any]
 ) -> None:
@@ -285,6 +309,7 @@ def run_llmcompressor(
     from llmcompressor import oneshot
     from transformers import AutoTokenizer
 
+    _no_pinning_without_a_device()
     model = _bf16_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows = [row for batch in data["batches"] for row in batch.tolist()]

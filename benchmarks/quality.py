@@ -61,6 +61,12 @@ RECIPES = (
     "int8_wo",
     "int4_awq:group_size=64",
     "nvfp4",
+    "int4_gptq:group_size=64",
+    "int8_gptq",
+    "w4a8_awq:group_size=64",
+    "fp8_block:group_size=64",
+    "mxfp8",
+    "mxfp4",
 )
 PEERS = ("exportlm", "modelopt", "llmcompressor")
 LLMC_PYTHON = Path(
@@ -76,11 +82,13 @@ PROMPTS = (
 NEW_TOKENS = 32
 #: Export options a recipe needs, as the CLI's refusal tells a user: ``w8a8`` exists in
 #: compressed-tensors' layout only (the default layout is ModelOpt's); ``int4_gptq`` in
-#: that layout takes compressed-tensors' scales (amax / 7.5, bf16), as llm-compressor's GPTQ;
+#: that layout takes compressed-tensors' scales (amax / 7.5, bf16), as llm-compressor's GPTQ
+#: (``int8_gptq``: amax / 127.5);
 #: ``fp8_block`` is written in compressed-tensors' layout only (ModelOpt's export has none).
 RECIPE_OPTIONS = {
     "w8a8": ["-o", "format=compressed-tensors"],
     "int4_gptq": ["-o", "format=compressed-tensors"],
+    "int8_gptq": ["-o", "format=compressed-tensors"],
     "fp8_block": ["-o", "format=compressed-tensors"],
 }
 #: Every child runs with the same threads (the machine's cores are shared).
