@@ -75,8 +75,24 @@ def verdicts(results: dict[str, Any]) -> list[str]:
         out.append(
             f"- `{recipe}`: exportlm {ours:.3f}, better peer {NAMES[best]}{how} "
             f"{theirs:.3f} ({excess:+.1%}): {mark}"
+            f"{'' if how else _deployed(results, recipe)}"
         )
     return out
+
+
+def _deployed(results: dict[str, Any], recipe: str) -> str:
+    """Ours against ModelOpt's *checkpoint*, both read by the same runtime: what is deployed,
+    where a producer's in-memory model holds what its export cannot (ModelOpt's AWQ keeps
+    one pre-quantization scale per linear in memory and averages those of q/k/v at export)."""
+    ckpt = {
+        r["producer"]: r["ckpt"]["ppl"]
+        for r in results["rows"]
+        if r["recipe"] == recipe and not r.get("memory_row") and r.get("ckpt")
+    }
+    if "exportlm" not in ckpt or "modelopt" not in ckpt:
+        return ""
+    ours, theirs = ckpt["exportlm"], ckpt["modelopt"]
+    return f"; checkpoints: ours {ours:.3f}, ModelOpt's {theirs:.3f} ({ours / theirs - 1:+.1%})"
 
 
 def markdown(results: dict[str, Any]) -> str:

@@ -118,3 +118,45 @@ def test_a_peer_whose_in_memory_model_failed_is_judged_by_its_checkpoint(tmp_pat
         "- `mxfp8`: exportlm 20.000, better peer ModelOpt (its checkpoint) 19.000 (+5.3%): "
         "WORSE by more than 1%"
     ]
+
+
+def test_the_verdict_adds_ours_against_modelopt_s_checkpoint_where_both_were_read(
+    tmp_path: Path,
+) -> None:
+    """ModelOpt's AWQ model in memory holds per-linear scales its export averages: the
+    verdict line also compares the two checkpoints read by the same runtime."""
+    results = {
+        "meta": {
+            "bf16": {"ppl": 19.0, "agree": 1.0},
+            "calibration": {"rows": 4, "tokens": 2048},
+            "seq_len": 512,
+            "eval_tokens": 1024,
+            "started": "2026-12-05 09:00 UTC",
+            "wall_s": 600.0,
+        },
+        "rows": [
+            _row(
+                "int4_awq",
+                "exportlm",
+                mem={"ppl": 29.4, "agree": 0.7},
+                ckpt={"ppl": 29.3, "agree": 0.7},
+            ),
+            _row(
+                "int4_awq",
+                "modelopt",
+                mem={"ppl": 28.8, "agree": 0.7},
+                ckpt={"ppl": 29.5, "agree": 0.7},
+            ),
+        ],
+    }
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--markdown", str(path)],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    verdict = [line for line in done.stdout.splitlines() if line.startswith("- `int4_awq`")]
+    assert verdict == [
+        "- `int4_awq`: exportlm 29.400, better peer ModelOpt 28.800 (+2.1%): WORSE by more "
+        "than 1%; checkpoints: ours 29.300, ModelOpt's 29.500 (-0.7%)"
+    ]
