@@ -81,9 +81,8 @@ PROMPTS = (
 )
 NEW_TOKENS = 32
 #: Export options a recipe needs, as the CLI's refusal tells a user: ``w8a8`` exists in
-#: compressed-tensors' layout only (the default layout is ModelOpt's); ``int4_gptq`` in
-#: that layout takes compressed-tensors' scales (amax / 7.5, bf16), as llm-compressor's GPTQ
-#: (``int8_gptq``: amax / 127.5);
+#: compressed-tensors' layout only (the default layout is ModelOpt's); ``int4_gptq`` and
+#: ``int8_gptq`` in that layout, the one vLLM loads, keep bf16 scales as llm-compressor's;
 #: ``fp8_block`` is written in compressed-tensors' layout only (ModelOpt's export has none).
 RECIPE_OPTIONS = {
     "w8a8": ["-o", "format=compressed-tensors"],

@@ -190,8 +190,8 @@ def test_cli_streamed_layer_by_layer_matches_the_in_memory_export(tmp_path: Path
         same = (memory[name] == streamed[name]).float().mean()
         assert same >= 0.999, name  # int32 words of 8 codes each
     exportlm.load_exported("hf_checkpoint", tmp_path / "seq")(torch.zeros(1, 4, dtype=torch.long))
-    # -o format=compressed-tensors picks scales=compressed-tensors: llm-compressor's group
-    # scales of the bf16 source weight, amax / 7.5 rounded once to bfloat16 (no matmul: exact)
+    # -o format=compressed-tensors picks scales=compressed-tensors: the group scales of the
+    # bf16 source weight, amax / 7 rounded once to bfloat16 (no matmul: exact)
     from safetensors.torch import load_file
 
     source_weight = {k: v for f in source.glob("*.safetensors") for k, v in load_file(f).items()}
@@ -200,7 +200,7 @@ def test_cli_streamed_layer_by_layer_matches_the_in_memory_export(tmp_path: Path
     amax = source_weight[name].float().reshape(rows, cols // GROUP, GROUP).abs().amax(-1)
     scale = memory[name.replace(".weight", ".weight_scale")]
     assert scale.dtype == torch.bfloat16
-    assert torch.equal(scale, (amax / 7.5).to(torch.bfloat16))
+    assert torch.equal(scale, (amax / 7).to(torch.bfloat16))
 
 
 def _toy_codes(threads: int) -> dict[str, torch.Tensor]:

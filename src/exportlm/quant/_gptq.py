@@ -23,8 +23,10 @@ the original weight, as llm-compressor takes its min-max observer's scales of th
 weight. GPTQ changes the codes only. Under the ``modelopt`` scale convention (the
 default) a scale is ``group_amax / 7`` in float32, as every INT4 recipe of exportlm;
 under ``scales=compressed-tensors`` (what ``format="compressed-tensors"`` picks in the
-CLI) compressed-tensors' ``group_amax / 7.5`` rounded to the weight's dtype, so a
-bfloat16 model's checkpoint holds bfloat16 scales, as llm-compressor writes them.
+CLI) the same ``group_amax / 7`` rounded to the weight's dtype, so a bfloat16 model's
+checkpoint holds bfloat16 scales, as llm-compressor writes them. Not llm-compressor's
+``group_amax / 7.5``: that clips each group's largest positive weight to ``7 s`` and leaves
+GPTQ's error updates no room above it, and measured worse (``_gptq_apply._DIVISORS``).
 
 Precision: the Hessian arrives in float64 (a float64 sum of float64 products of the
 inputs); the factorization and the updates run in float32, as llm-compressor's
@@ -83,9 +85,9 @@ def int4_group_scales(
 ) -> torch.Tensor:
     """``group_amax / divisor`` of ``weight`` (``[out, in]``): float32 rounded once to ``dtype``.
 
-    ``divisor`` 7 is the INT4 format's (ModelOpt's ``amax / 7``); 7.5 compressed-tensors'
-    symmetric INT4 (``amax / ((7 - -8) / 2)``), whose scales llm-compressor keeps in the
-    weight's dtype (``dtype``: bfloat16 for a bfloat16 model).
+    ``divisor`` 7 is the INT4 format's (ModelOpt's ``amax / 7``); ``dtype`` rounds the
+    scales once, as llm-compressor keeps them in the weight's dtype (bfloat16 for a
+    bfloat16 model).
     """
     rows, cols = weight.shape
     amax = weight.detach().float().reshape(rows, cols // group_size, group_size).abs().amax(-1)

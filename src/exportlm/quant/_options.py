@@ -24,9 +24,10 @@ exactly. ``export --quantize ... -o format=compressed-tensors`` chooses it. Unde
 folds every scale into the op before its linears, as llm-compressor's mappings do (a norm,
 or ``v_proj`` / ``up_proj`` for ``o_proj`` / ``down_proj``: :mod:`exportlm.quant._fold_linear`),
 and a linear with no such op gets no scale (round-to-nearest), since compressed-tensors
-stores no ``pre_quant_scale``. For GPTQ (``int4_gptq``) it takes compressed-tensors' INT4
-group scales, ``group_amax / 7.5`` in the weight's dtype, where the default is
-``group_amax / 7`` (``int8_gptq``: row scales, ``row_amax / 127.5`` against ``/ 127``).
+stores no ``pre_quant_scale``. For GPTQ (``int4_gptq``) it keeps the INT4 group scales
+``group_amax / 7`` in the weight's dtype (not compressed-tensors' ``/ 7.5``, which measured
+worse under GPTQ; ``docs/checkpoint-format.md``) where the default keeps them in float32
+(``int8_gptq``: row scales, ``row_amax / 127.5`` in the weight's dtype against ``/ 127``).
 
 No layout exportlm writes for INT4 has a zero point (ModelOpt's ``W4A16_AWQ`` and
 compressed-tensors' symmetric ``pack-quantized``), so no recipe takes ``symmetric``.
