@@ -67,16 +67,23 @@ def _linears(model: nn.Module) -> dict[str, QuantLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
-def _weight_only_logits(model: nn.Module) -> torch.Tensor:
-    """The fake-quant model with its inputs left in float (what a dequantizing loader computes)."""
-    linears = _linears(model).values()
-    for module in linears:
-        module.input_quantizer.enabled = False
+def _weight_only_logits(model: nn.Module, ids: torch.Tensor = IDS) -> torch.Tensor:
+    """The fake-quant model with its inputs left in float (what a dequantizing loader computes):
+    every input quantizer off, the linears' and the experts' projections'."""
+    from exportlm.quant import TensorQuantizer
+
+    inputs = [
+        module
+        for name, module in model.named_modules()
+        if isinstance(module, TensorQuantizer) and "input" in name.rpartition(".")[2]
+    ]
+    for quantizer in inputs:
+        quantizer.enabled = False
     try:
-        return _logits(model)
+        return _logits(model, ids)
     finally:
-        for module in linears:
-            module.input_quantizer.enabled = True
+        for quantizer in inputs:
+            quantizer.enabled = True
 
 
 # ----------------------------------------------------------------------------- the layout
@@ -301,6 +308,9 @@ def test_garbage_and_inconsistent_configs_are_refused(
     with pytest.raises(error, match=match) as info:
         _load_unverified(out)
     assert type(info.value) is error  # not a subclass: the specific refusal
+    if error is MalformedCheckpointError and "weight_scale_inv" not in match:
+        rules = {f.rule for f in inspect_checkpoint(out).errors}
+        assert "config-field-invalid" in rules  # inspect reports what the loader refuses
 
 
 def test_a_scale_of_the_wrong_shape_is_refused_naming_it(tmp_path: Path) -> None:
@@ -336,6 +346,23 @@ def test_transformers_loads_it_on_cpu_by_dequantizing(tmp_path: Path) -> None:
     got = _logits(model)
     # the same dequantized weights, float32: measured 3e-7
     torch.testing.assert_close(got, _weight_only_logits(_quantized()), rtol=0, atol=LOGITS_ATOL)
+
+
+def test_transformers_loads_moe_experts_on_cpu_by_dequantizing(tmp_path: Path) -> None:
+    """Qwen3-MoE: transformers merges the per-expert linears into its fused experts after
+    dequantizing each (``Fp8Dequantize`` runs first in the conversion chain)."""
+    transformers = pytest.importorskip("transformers")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU: transformers would run its FP8 kernels, not the dequantize path")
+    model = _quantized("fp8_block:group_size=32", "qwen3_moe")
+    ids = IDS.remainder(int(model.config.vocab_size))
+    out = exportlm.export_model("hf_checkpoint", model, tmp_path / "moe", format=FG)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    # measured 3.6e-7 (float32)
+    want = _weight_only_logits(model, ids)
+    torch.testing.assert_close(_logits(loaded, ids), want, rtol=0, atol=LOGITS_ATOL)
 
 
 def _vllm_python() -> str:
