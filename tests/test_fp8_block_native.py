@@ -365,6 +365,39 @@ def test_transformers_loads_moe_experts_on_cpu_by_dequantizing(tmp_path: Path) -
     torch.testing.assert_close(_logits(loaded, ids), want, rtol=0, atol=LOGITS_ATOL)
 
 
+def test_a_partial_last_row_tile_is_misread_by_transformers_and_inspect_says_so(
+    tmp_path: Path,
+) -> None:
+    """k_proj / v_proj of 3 heads of 64 (192 rows) in tiles of 128: two scale rows, the second
+    half full. transformers' dequantizing load reads them as tiles of 96 (rows // scale rows);
+    vLLM (``ceil``) and our loader read them right."""
+    transformers = pytest.importorskip("transformers")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU: transformers would run its FP8 kernels, not the dequantize path")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=384,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        max_position_embeddings=64,
+    )
+    model = quantize(transformers.LlamaForCausalLM(config).eval(), "fp8_block")
+    out = exportlm.export_model("hf_checkpoint", model, tmp_path / "partial", format=FG)
+    found = [f for f in inspect_checkpoint(out).findings if f.rule == "loader-misreads"]
+    assert len(found) == 1
+    assert "k_proj.weight" in found[0].message
+    ours = _logits(exportlm.load_exported("hf_checkpoint", out))
+    torch.testing.assert_close(ours, _logits(model), rtol=0, atol=LOGITS_ATOL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = _logits(transformers.AutoModelForCausalLM.from_pretrained(out))
+    # measured 0.080 off the weight-only logits (3e-7 where the tiles are whole)
+    assert (theirs - _weight_only_logits(model)).abs().max() > 1e-2
+
+
 def _vllm_python() -> str:
     import os
 

@@ -17,6 +17,10 @@ would read differently from the other is a ``config-field-invalid`` finding (the
 
 What is valid but not this exporter's format (``scale_fmt: ue8m0``, FP4 experts,
 non-square tiles) is for the reader that maps formats to say.
+
+:func:`transformers_tile_misread` is a ``loader-misreads`` verdict: transformers'
+dequantizing load (its CPU path) takes the tile from the scale grid, so a weight
+whose output rows do not fill the last of several tiles is read with the wrong tile.
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ from __future__ import annotations
 from typing import Any
 
 from exportlm.checkpoint import FineGrainedFP8, Section
+from exportlm.inspection._declared import Declared
+from exportlm.inspection._files import Checkpoint
+from exportlm.inspection._loaders import Misread, _transformers_label, transformers_quant_methods
 
-__all__ = ["finegrained_problems"]
+__all__ = ["finegrained_problems", "transformers_tile_misread"]
 
 _CONFIG = "config.json"
 _SCHEMES = ("static", "dynamic")  # vLLM's ACTIVATION_SCHEMES (quantization/fp8.py)
@@ -82,3 +89,52 @@ def finegrained_problems(section: Section) -> list[tuple[str, str, str]]:
         ("config-field-invalid", _CONFIG, f"{where}: {why}")
         for why in _problems(section.finegrained)
     ]
+
+
+_SCALE_INV = ".weight_scale_inv"
+
+
+def _partial_tiles(checkpoint: Checkpoint, block: int) -> list[str]:
+    """The weights whose output rows span several tiles of ``block``, the last one partial."""
+    found = []
+    for name in sorted(checkpoint.tensors):
+        weight = checkpoint.tensors.get(name.removesuffix(_SCALE_INV) + ".weight")
+        if not name.endswith(_SCALE_INV) or weight is None or len(weight.shape) < 2:
+            continue
+        rows = weight.shape[-2]
+        if rows % block and -(-rows // block) > 1:
+            found.append(weight.name)
+    return found
+
+
+def transformers_tile_misread(checkpoint: Checkpoint, declared: Declared) -> Misread | None:
+    """transformers' misread of a finegrained-fp8 weight with a partial last row tile.
+
+    Without a GPU it dequantizes while loading (``quantizer_finegrained_fp8.py``
+    ``validate_environment``), and ``Fp8Dequantize._dequantize_one`` takes the tile as
+    ``rows // scale_rows``: with ``ceil(rows / b)`` scale rows and ``rows`` not a multiple of
+    ``b`` it raises where that does not divide and reads every tile with the wrong edge
+    where it does (192 rows in tiles of 128: two scale rows read as tiles of 96).
+    """
+    scheme = declared.default
+    block = scheme.group_size if scheme is not None else None
+    label = _transformers_label()
+    methods = transformers_quant_methods() or ()
+    if declared.layout != "finegrained-fp8" or not block or label is None or "fp8" not in methods:
+        return None
+    partial = _partial_tiles(checkpoint, block)
+    if not partial:
+        return None
+    return Misread(
+        "transformers",
+        label.split(" ", 1)[1],
+        "fp8",
+        frozenset(),
+        frozenset(),
+        frozenset(),
+        f"{len(partial)} weight(s) (e.g. {partial[0]}) have output rows that do not fill the "
+        f"last of several {block}-row tiles; its dequantizing load (no GPU) takes the tile "
+        "from the scale grid (integrations/finegrained_fp8.py Fp8Dequantize: rows // scale "
+        "rows) and refuses or misplaces them; vLLM and exportlm.load_exported read them "
+        "right, or quantize with a group_size that divides the rows",
+    )

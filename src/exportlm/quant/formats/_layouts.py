@@ -60,7 +60,7 @@ class CheckpointLayout:
             with: ``()`` (ModelOpt) or ``(1,)`` (compressed-tensors).
         scheme: the :class:`FormatSpec` attribute a format needs for this layout to
             hold it (``"compressed_tensors"``, ``"finegrained_fp8"``), ``None``: every
-            format with a ModelOpt scheme. It also names the layout's config builder
+            format (ModelOpt's). It also names the layout's config builder
             (``CheckpointQuantization``) and which of the format's schemes a loader matches.
         stacked_experts: the layout has names for experts stored stacked in one
             tensor per projection (DBRX's ``mlp.w1``); ``False``: only per-expert
@@ -71,8 +71,6 @@ class CheckpointLayout:
             scale convention of a half-precision model) is stored in that dtype, as
             compressed-tensors stores a scale in its weight's dtype; ``False``: every
             float scale in float32 (exact: float32 holds every half-float value).
-        quant_method: ``config.json``'s ``quantization_config.quant_method`` the layout
-            writes and its loaders dispatch on.
         hf_quant_config: the layout also writes ModelOpt's ``hf_quant_config.json``.
     """
 
@@ -82,7 +80,6 @@ class CheckpointLayout:
     stacked_experts: bool = True
     kv_scales_on_attention: bool = False
     half_scales: bool = False
-    quant_method: str = "modelopt"
     hf_quant_config: bool = False
 
     def holds(self, spec: FormatSpec) -> bool:
@@ -219,13 +216,11 @@ CHECKPOINT_LAYOUTS: Mapping[str, CheckpointLayout] = MappingProxyType(
             stacked_experts=False,
             kv_scales_on_attention=True,
             half_scales=True,
-            quant_method="compressed-tensors",
         ),
         "finegrained-fp8": CheckpointLayout(
             "finegrained-fp8",
             scheme="finegrained_fp8",
             stacked_experts=False,
-            quant_method="fp8",
         ),
     }
 )
