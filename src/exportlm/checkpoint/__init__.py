@@ -15,6 +15,7 @@ checkpoint's quantization through it, and nothing else parses those keys
 from exportlm.checkpoint._model import (
     MIXED_PRECISION,
     ConfigGroup,
+    FineGrainedFP8,
     Listed,
     ModelOptLayer,
     QuantArgs,
@@ -33,6 +34,7 @@ __all__ = [
     "HF_QUANT_CONFIG_NAME",
     "MIXED_PRECISION",
     "ConfigGroup",
+    "FineGrainedFP8",
     "Listed",
     "ModelOptLayer",
     "QuantArgs",

@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "MIXED_PRECISION",
     "ConfigGroup",
+    "FineGrainedFP8",
     "Listed",
     "ModelOptLayer",
     "QuantArgs",
@@ -25,6 +26,14 @@ __all__ = [
 
 #: ModelOpt's ``quant_algo`` of a checkpoint whose layers are in several formats.
 MIXED_PRECISION = "MIXED_PRECISION"
+
+#: The layout each ``config.json`` ``quant_method`` is read as (the ``format=`` names);
+#: ``"fp8"``: DeepSeek-V3's / Qwen3-FP8's (transformers' ``FineGrainedFP8Config``).
+_LAYOUTS: Mapping[str, str] = {
+    "modelopt": "modelopt",
+    "compressed-tensors": "compressed-tensors",
+    "fp8": "finegrained-fp8",
+}
 
 #: What a compressed-tensors ``QuantizationArgs`` means for the stored tensors, with
 #: compressed-tensors' defaults for a key left out. The rest (``observer``,
@@ -165,6 +174,52 @@ class ModelOptLayer:
 
 
 @dataclass(frozen=True)
+class FineGrainedFP8:
+    """``quant_method: "fp8"``'s own fields (transformers' ``FineGrainedFP8Config``, vLLM's
+    ``Fp8Config``), each as written (``None``: absent).
+
+    Attributes:
+        weight_block_size: ``[rows, cols]`` of one weight scale's tile; absent, transformers
+            takes ``(128, 128)`` and vLLM per-tensor scales, so a reader must refuse it.
+        activation_scheme: ``"dynamic"`` (inputs quantized per group at run time) or ``"static"``.
+        scale_fmt: transformers' scale dtype: ``"float"`` (float32) or ``"ue8m0"``.
+        expert_dtype: transformers' experts' format: ``"fp8"`` or ``"fp4"``.
+        store_dtype: vLLM's experts' storage (``"mxfp4"``).
+        modules_to_convert: transformers' extra modules stored in FP8 (embeddings).
+        modules_to_not_convert: the unquantized modules (transformers; vLLM without
+            ``ignored_layers``).
+        ignored_layers: the unquantized modules (vLLM; transformers without
+            ``modules_to_not_convert``).
+        has_block_size: ``weight_block_size`` is a key of the section (``null`` included).
+    """
+
+    weight_block_size: Any = None
+    activation_scheme: Any = None
+    scale_fmt: Any = None
+    expert_dtype: Any = None
+    store_dtype: Any = None
+    modules_to_convert: Any = None
+    modules_to_not_convert: Any = None
+    ignored_layers: Any = None
+    has_block_size: bool = False
+
+    @property
+    def block_size_null(self) -> bool:
+        """``weight_block_size: null``: per-tensor scales (both loaders)."""
+        return self.has_block_size and self.weight_block_size is None
+
+    @property
+    def block(self) -> int | None:
+        """The edge of square tiles (``[128, 128]``: 128); ``None`` when not two equal positive ints."""
+        size = self.weight_block_size
+        if not (isinstance(size, list) and len(size) == 2):
+            return None
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size):
+            return None
+        return int(size[0]) if size[0] == size[1] else None
+
+
+@dataclass(frozen=True)
 class Listed:
     """One module name a section lists.
 
@@ -200,6 +255,7 @@ class Section:
         kv_cache_scheme: the KV cache's args (``None``: none declared or not an object);
             ``kv_cache_scheme_invalid`` the value as written when it is not an object.
         listed: the module names the section lists (excluded ones, quantized layers, targets).
+        finegrained: ``quant_method: "fp8"``'s fields (``None`` for another method).
     """
 
     file: str
@@ -217,15 +273,17 @@ class Section:
     kv_cache_scheme: QuantArgs | None = None
     kv_cache_scheme_invalid: Any = None
     listed: tuple[Listed, ...] = ()
+    finegrained: FineGrainedFP8 | None = None
 
     @property
     def layout(self) -> str:
-        """``"modelopt"``, ``"compressed-tensors"``, ``"other"`` or ``"none"``."""
+        """``"modelopt"``, ``"compressed-tensors"``, ``"finegrained-fp8"`` (``quant_method:
+        "fp8"``), ``"other"`` or ``"none"``."""
         if self.file != "config.json":
             return "modelopt"
         method = None if self.quant_method is None else str(self.quant_method)
-        if method in ("modelopt", "compressed-tensors"):
-            return method
+        if method is not None and method in _LAYOUTS:
+            return _LAYOUTS[method]
         return "other" if method else "none"
 
     @property
@@ -237,6 +295,9 @@ class Section:
     def scheme(self) -> str | None:
         """The scheme the engines' support tables name: ModelOpt's ``quant_algo``, a
         compressed-tensors group's preset, ``MIXED_PRECISION`` for several."""
+        if self.finegrained is not None and self.layout == "finegrained-fp8":
+            # block-wise tiles: the preset compressed-tensors names the same scheme by
+            return "FP8" if self.finegrained.weight_block_size is None else "FP8_BLOCK"
         if self.layout != "compressed-tensors":
             return None if self.quant_algo is None else str(self.quant_algo)
         presets = {group.preset for group in self.config_groups or () if group.is_object}

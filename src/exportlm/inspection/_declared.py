@@ -13,6 +13,8 @@ module maps that declaration to formats.
   ``MIXED_PRECISION`` with ``quantized_layers``; ``kv_cache_quant_algo``.
 * compressed-tensors: ``config.json``'s ``quantization_config`` ``config_groups``
   (``weights`` / ``input_activations`` args, ``format``) and ``kv_cache_scheme``.
+* finegrained-fp8: ``quant_method: "fp8"`` with square ``weight_block_size`` tiles
+  (DeepSeek-V3, Qwen3-FP8): the format whose ``finegrained_fp8`` scheme it is.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ from typing import Any
 from exportlm.checkpoint import ConfigGroup, QuantArgs, Section, quant_args
 from exportlm.errors import UnknownNameError
 from exportlm.inspection._files import Checkpoint
-from exportlm.quant.formats import MIXED_PRECISION, FormatSpec, format_for_quant_algo, formats
+from exportlm.quant.formats import (
+    CHECKPOINT_LAYOUTS,
+    MIXED_PRECISION,
+    FormatSpec,
+    format_for_quant_algo,
+    formats,
+)
 
 __all__ = ["MIXED_PRECISION", "Declared", "LayerScheme", "read_declared"]
 
@@ -61,7 +69,7 @@ class Declared:
     """A checkpoint's quantization declaration.
 
     Attributes:
-        layout: ``"modelopt"``, ``"compressed-tensors"``, ``"other"`` (another
+        layout: ``"modelopt"``, ``"compressed-tensors"``, ``"finegrained-fp8"``, ``"other"`` (another
             ``quant_method``) or ``"none"`` (nothing declared).
         quant_method: ``config.json``'s ``quant_method`` (``None`` when absent).
         source: the file the declaration was read from.
@@ -99,7 +107,21 @@ def read_declared(checkpoint: Checkpoint) -> Declared:
         return _modelopt(section, method)
     if section.layout == "compressed-tensors":
         return _compressed_tensors(section)
+    if section.layout == "finegrained-fp8":
+        return _finegrained(section, method)
     return Declared(section.layout, method, section.source)
+
+
+def _finegrained(section: Section, method: str | None) -> Declared:
+    """``quant_method: "fp8"``: the format with a ``finegrained_fp8`` scheme, square tiles."""
+    layout = CHECKPOINT_LAYOUTS["finegrained-fp8"]
+    fields = section.finegrained
+    block = fields.block if fields is not None else None
+    holders = [spec for spec in formats() if layout.holds(spec)]
+    spec = holders[0] if len(holders) == 1 and block is not None else None
+    size = fields.weight_block_size if fields is not None else None
+    scheme = LayerScheme(spec, f"fp8 (weight_block_size={size!r})", False, block)
+    return Declared("finegrained-fp8", method, section.source, default=scheme)
 
 
 def _modelopt(section: Section, method: str | None) -> Declared:

@@ -177,10 +177,24 @@ def _codec_layer(layer: QuantizedLayer, spec: FormatSpec, codec: LeafCodec) -> I
             )
 
 
+def _renamed_tiles(layer: QuantizedLayer, spec: FormatSpec, codec: LeafCodec) -> Iterator[Finding]:
+    """Tile scales a layout stores under its own name (finegrained-fp8's ``weight_scale_inv``)
+    over codes it keeps as they are: their shape, as :func:`_shapes` checks the format's own."""
+    codes = layer.leaves[codec.codes.name]
+    if spec.granularity != "tile" or codes.dtype != safetensors_dtype(spec.stored_dtype):
+        return
+    block = layer.scheme.block_size if layer.scheme is not None else spec.block_size
+    for leaf in codec.weights:
+        info = layer.leaves.get(leaf.name)
+        if leaf.kind == "scale" and info is not None:
+            yield from tile_scale_findings(info, spec.name, tuple(codes.shape), block or 1)
+
+
 def _layer(layer: QuantizedLayer, spec: FormatSpec, declared: Declared) -> Iterator[Finding]:
     codec = _codec(spec, declared)
     if codec is not None and codec.codes.name in layer.leaves:
         yield from _codec_layer(layer, spec, codec)
+        yield from _renamed_tiles(layer, spec, codec)
         return
     weight = layer.leaves["weight"]
     expected = safetensors_dtype(spec.stored_dtype)

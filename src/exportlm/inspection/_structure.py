@@ -12,6 +12,7 @@ from exportlm.inspection._completeness import layer_count_of, layer_gap
 from exportlm.inspection._config import config_field_problems, quant_config_problems
 from exportlm.inspection._declared import MIXED_PRECISION, Declared
 from exportlm.inspection._files import CONFIG, INDEX, Checkpoint
+from exportlm.inspection._finegrained import transformers_tile_misread
 from exportlm.inspection._loaders import (
     Misread,
     engine_misreads,
@@ -172,7 +173,8 @@ def _misreads(checkpoint: Checkpoint, declared: Declared) -> list[Misread]:
     found = engine_misreads(declared.quant_method, formats, kind, dtype)
     packings = [s.spec.packing for s in schemes if s is not None and s.spec is not None]
     hf = transformers_modelopt_misread(declared.quant_method, packings)
-    return [*found, hf] if hf is not None else found
+    tiles = transformers_tile_misread(checkpoint, declared)
+    return [*found, *(m for m in (hf, tiles) if m is not None)]
 
 
 def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) -> Iterator[Finding]:

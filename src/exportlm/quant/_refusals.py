@@ -11,7 +11,14 @@ from torch import nn
 from exportlm.errors import UnsupportedFormatError
 from exportlm.quant._experts import experts_base, has_stacked_weights
 from exportlm.quant._recipe import KV_CACHE_FORMATS, Algorithm, QuantRecipe
-from exportlm.quant.formats import CHECKPOINT_LAYOUTS, FormatSpec, checkpoint_layout, get_format
+from exportlm.quant.formats import (
+    CHECKPOINT_LAYOUTS,
+    CheckpointLayout,
+    FormatSpec,
+    KVCacheScheme,
+    checkpoint_layout,
+    get_format,
+)
 
 __all__ = [
     "check_layout",
@@ -198,11 +205,16 @@ def check_layout(recipe: QuantRecipe, layout: str) -> None:
                 f"(its format {spec.name!r} declares no scheme there); {_layouts_of(spec)}"
             )
     kv_scheme = None if kv is None else kv.kv_cache
-    if holder.scheme is not None and kv_scheme is not None and kv_scheme.compressed_tensors is None:
+    if holder.scheme is not None and kv_scheme is not None and not _kv_held(kv_scheme, holder):
         raise UnsupportedFormatError(
             f"format={layout!r} cannot hold the KV-cache recipe {recipe.kv_cache!r}; "
             "use format='modelopt'"
         )
+
+
+def _kv_held(kv_scheme: KVCacheScheme, layout: CheckpointLayout) -> bool:
+    """``layout`` (a scheme's) has fields for the KV-cache scheme (compressed-tensors' own)."""
+    return getattr(kv_scheme, str(layout.scheme), None) is not None
 
 
 def _layouts_of(spec: FormatSpec) -> str:

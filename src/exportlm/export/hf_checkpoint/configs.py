@@ -14,6 +14,13 @@ exporters recorded (:class:`~exportlm.module_exporters.LayerFacts`: each layer's
   (:meth:`~CheckpointQuantization.compressed_tensors_config`; of the built-ins FP8
   ``float-quantized``, INT4 group and INT8 channel ``pack-quantized``, NVFP4
   ``nvfp4-pack-quantized``).
+* finegrained-fp8 (``format="finegrained-fp8"``; transformers' ``FineGrainedFP8Config``,
+  vLLM's ``Fp8Config``): ``quant_method: "fp8"`` with ``weight_block_size``
+  (:meth:`~CheckpointQuantization.finegrained_fp8_config`, the spec's
+  ``finegrained_fp8`` fields).
+
+The layout's ``scheme`` picks the builder (:meth:`~CheckpointQuantization.quantization_config`)
+and its ``hf_quant_config`` whether ModelOpt's file is written too.
 
 Every format-specific field comes from the format's spec: a layer's ModelOpt entry
 is :meth:`FormatSpec.modelopt_layer_config`, a ModelOpt ``config_groups`` group
@@ -44,9 +51,11 @@ from exportlm.module_exporters import LayerFacts, QuantExportSummary
 from exportlm.quant.formats import (
     CHECKPOINT_LAYOUTS,
     MIXED_PRECISION,
+    CheckpointLayout,
     CompressedTensorsScheme,
     FormatSpec,
     KVCacheScheme,
+    checkpoint_layout,
 )
 from exportlm.quant.formats import formats as registered_formats
 
@@ -59,7 +68,7 @@ __all__ = [
     "write_configs",
 ]
 
-#: ``format=`` values: the ModelOpt layout, or compressed-tensors'.
+#: ``format=`` values: the ModelOpt layout, compressed-tensors', finegrained-fp8.
 CHECKPOINT_FORMATS = tuple(CHECKPOINT_LAYOUTS)
 
 SavedModule = Callable[[str], "str | None"]
@@ -225,6 +234,38 @@ class CheckpointQuantization:
             "kv_cache_scheme": None if kv_args is None else dict(kv_args),
         }
 
+    def finegrained_fp8_config(self) -> dict[str, Any]:
+        """``config.json``'s ``quantization_config`` in DeepSeek-V3's / Qwen3-FP8's layout.
+
+        ``quant_method: "fp8"``, ``activation_scheme: "dynamic"``, ``weight_block_size``
+        the layers' tiles and ``modules_to_not_convert`` the unquantized linears
+        (:meth:`FineGrainedFP8Scheme.config`). One format with that scheme for every
+        quantized layer (``fp8_block`` of the built-ins), and no KV-cache scales.
+        """
+        layout = CHECKPOINT_LAYOUTS["finegrained-fp8"]
+        spec = self.formats[0].spec if len(self.formats) == 1 else None
+        scheme = spec.finegrained_fp8 if spec is not None else None
+        block = (self.formats[0].group_size or spec.block_size) if spec is not None else None
+        if scheme is None or not block or self.kv_cache is not None:
+            holders = [s.name for s in registered_formats() if layout.holds(s)]
+            what = f"the KV cache as {self.kv_cache.name!r}" if self.kv_cache else None
+            raise UnsupportedFormatError(
+                f"format='finegrained-fp8' (quant_method 'fp8' with weight_block_size) holds "
+                f"one block-wise format for every quantized layer ({' / '.join(holders)}) and no "
+                f"KV-cache scales, but the model quantizes {what or repr(self.quant_algo)}; use "
+                "format='compressed-tensors' or format='modelopt'"
+            )
+        return scheme.config(block, [_transformers_pattern(m) for m in self.exclude_modules])
+
+    def quantization_config(self, layout: CheckpointLayout) -> dict[str, Any]:
+        """``config.json``'s ``quantization_config`` in ``layout`` (by its ``scheme``)."""
+        build = {
+            None: self.modelopt_config,
+            "compressed_tensors": self.compressed_tensors_config,
+            "finegrained_fp8": self.finegrained_fp8_config,
+        }[layout.scheme]
+        return build()
+
     def _compressed_tensors_weights(self) -> CompressedTensorsScheme | None:
         """The weight format's compressed-tensors scheme; refused when the layout cannot hold it."""
         if not self.formats:
@@ -286,6 +327,13 @@ def _ct_ignore_entry(pattern: str) -> str:
     return "re:" + ".*".join(re.escape(part) for part in pattern.split("*")) + "$"
 
 
+def _transformers_pattern(pattern: str) -> str:
+    """A ModelOpt wildcard (``*.mlp.gate``) as the regular expression transformers matches."""
+    if "*" not in pattern:
+        return pattern
+    return ".*".join(re.escape(part) for part in pattern.split("*"))
+
+
 def write_configs(
     model: Any,
     directory: Path,
@@ -300,13 +348,10 @@ def write_configs(
     model_dtype = dtype or _floating_dtype(model)
     config.dtype = str(model_dtype).removeprefix("torch.")
     config.architectures = [type(model).__name__]
+    layout = checkpoint_layout(format)
     if quant is not None:
-        config.quantization_config = (
-            quant.compressed_tensors_config()
-            if format == "compressed-tensors"
-            else quant.modelopt_config()
-        )
-        if format == "modelopt":
+        config.quantization_config = quant.quantization_config(layout)
+        if layout.hf_quant_config:
             hf_quant = {"producer": _producer(), "quantization": quant.hf_quant_config()}
             (directory / HF_QUANT_CONFIG_NAME).write_text(json.dumps(hf_quant, indent=4) + "\n")
     config.save_pretrained(directory)

@@ -226,7 +226,9 @@ def dequantize_state(
     dynamic: dict[str, Any] = {}
     used: set[str] = set()
     for slot in list(_slots(tensors, leaves)):
-        spec = declared.weight_format(slot.layer, _stored_leaves(slot, tensors, leaves))
+        stored_leaves = _stored_leaves(slot, tensors, leaves)
+        spec = declared.weight_format(slot.layer, stored_leaves)
+        declared.check_tiles(slot.data, spec, stored_leaves)
         weight, block, names = _dequantize(slot, spec, tensors, leaves, declared.layout)
         weights[slot.weight(spec)] = weight
         used.update(names)

@@ -7,6 +7,9 @@
   ``kv_cache_scheme``).
 * compressed-tensors: ``config.json``'s ``quantization_config`` holds
   ``config_groups`` and a ``kv_cache_scheme``.
+* finegrained-fp8 (DeepSeek-V3, Qwen3-FP8): ``quant_method: "fp8"`` with square
+  ``weight_block_size`` tiles: the one registered format with a ``finegrained_fp8``
+  scheme, its tile scales checked against that size (:meth:`StoredFormats.check_tiles`).
 
 The configs are read by the checkpoint room's one reader
 (:func:`exportlm.checkpoint.read_declaration`); this module maps its declaration to
@@ -29,13 +32,14 @@ import torch
 from exportlm.checkpoint import (
     HF_QUANT_CONFIG_NAME,
     ConfigGroup,
+    FineGrainedFP8,
     QuantArgs,
     Section,
     config_group,
     quant_args,
     read_declaration,
 )
-from exportlm.errors import UnknownNameError, UnsupportedFormatError
+from exportlm.errors import MalformedCheckpointError, UnknownNameError, UnsupportedFormatError
 from exportlm.quant.formats import (
     CHECKPOINT_LAYOUTS,
     CheckpointLayout,
@@ -61,6 +65,8 @@ class StoredFormats:
         source: the file the declaration was read from, for error messages.
         layout: the checkpoint layout the tensors are stored in (its names for a
             format's leaves: :meth:`CheckpointLayout.weight_leaves`).
+        tile: the tile edge the configs declare for tile-granular scales
+            (``weight_block_size``), ``None``: read from the scales' shape.
     """
 
     weights: FormatSpec | None = None
@@ -68,6 +74,7 @@ class StoredFormats:
     kv_cache: FormatSpec | None = None
     source: str = "the checkpoint"
     layout: CheckpointLayout = CHECKPOINT_LAYOUTS["modelopt"]
+    tile: int | None = None
 
     @classmethod
     def read(cls, directory: Path) -> StoredFormats:
@@ -85,10 +92,82 @@ class StoredFormats:
             return cls._modelopt(config, _kv_by_scheme(config, "modelopt"))
         if config.layout == "compressed-tensors":
             return cls._compressed_tensors(config)
+        if config.layout == "finegrained-fp8" and config.finegrained is not None:
+            return cls._finegrained(config, config.finegrained)
         raise UnsupportedFormatError(
             f"{directory / 'config.json'}: quant_method {config.quant_method!r} cannot be read; "
-            "the hf_checkpoint runtime reads 'modelopt' and 'compressed-tensors' checkpoints"
+            "the hf_checkpoint runtime reads 'modelopt', 'compressed-tensors' and 'fp8' "
+            "(block-wise) checkpoints"
         )
+
+    @classmethod
+    def _finegrained(cls, config: Section, fields: FineGrainedFP8) -> StoredFormats:
+        """``quant_method: "fp8"``: the format whose ``finegrained_fp8`` scheme it is.
+
+        Its fields passed the loaders' rules already (``exportlm.inspection``'s
+        ``config-field-invalid``); what they allow but the format does not store is
+        refused here, naming the field.
+        """
+        layout, source = CHECKPOINT_LAYOUTS["finegrained-fp8"], config.source
+        holders = [spec for spec in formats() if layout.holds(spec)]
+        if len(holders) != 1:
+            raise UnsupportedFormatError(
+                f"{source}: quant_method 'fp8' is stored by {len(holders)} registered formats "
+                f"({', '.join(s.name for s in holders) or 'none'}); exactly one must declare "
+                "a FineGrainedFP8Scheme"
+            )
+        spec = holders[0]
+        scheme = spec.finegrained_fp8
+        unread = {
+            "weight_block_size": "null (per-tensor scales)" if fields.block_size_null else None,
+            "activation_scheme": None
+            if scheme is None or fields.activation_scheme == scheme.activation_scheme
+            else fields.activation_scheme,
+            "scale_fmt": None if fields.scale_fmt in (None, "float") else fields.scale_fmt,
+            "expert_dtype": None if fields.expert_dtype in (None, "fp8") else fields.expert_dtype,
+            "store_dtype": fields.store_dtype,
+            "modules_to_convert": fields.modules_to_convert or None,
+        }
+        for key, value in unread.items():
+            if value is not None:
+                raise UnsupportedFormatError(
+                    f"{source}: quant_method 'fp8' with {key} {value!r} is a checkpoint the "
+                    f"hf_checkpoint runtime does not read (it reads {spec.name}: float32 "
+                    "weight_scale_inv per square tile of FP8 weights, inputs quantized per "
+                    "group at run time)"
+                )
+        if fields.block is None:
+            raise UnsupportedFormatError(
+                f"{source}: weight_block_size {fields.weight_block_size!r} is not square; "
+                f"{spec.name} stores square tiles"
+            )
+        return cls(weights=spec, source=source, layout=layout, tile=fields.block)
+
+    def check_tiles(self, where: str, spec: FormatSpec, leaves: Mapping[str, torch.Tensor]) -> None:
+        """Refuse tile scales that are not ``[ceil(out / b), in / b]`` for the declared edge ``b``.
+
+        ``leaves``: one weight's stored leaves (stored names); ``where``: its codes'
+        tensor name. Read per another tile, every scale would multiply the wrong block.
+        """
+        if self.tile is None or spec.granularity != "tile":
+            return
+        stored = self.layout.weight_leaves(spec)
+        codes = leaves.get(next(leaf.name for leaf in stored if leaf.kind == "codes"))
+        scales = [leaf.name for leaf in stored if leaf.kind == "scale" and leaf.name in leaves]
+        if codes is None or not scales:
+            return  # a missing leaf is the format's own refusal
+        *lead, rows, cols = codes.shape
+        want = (*lead, -(-rows // self.tile), -(-cols // self.tile))
+        got = tuple(leaves[scales[0]].shape)
+        if got != want or cols % self.tile:
+            name = where.rpartition(".")[0] + "." + scales[0]
+            raise MalformedCheckpointError(
+                f"{name} has shape {list(got)}, but {self.source} declares weight_block_size "
+                f"[{self.tile}, {self.tile}], which for a weight of shape {list(codes.shape)} "
+                f"needs {list(want)} (one scale per tile, input features a multiple of "
+                f"{self.tile}); the scales or the config are wrong",
+                field=name,
+            )
 
     @classmethod
     def _modelopt(cls, section: Section, kv_cache: FormatSpec | None) -> StoredFormats:

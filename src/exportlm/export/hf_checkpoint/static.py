@@ -27,7 +27,7 @@ from exportlm.quant import (
     route_kv_cache_to_attention,
     wrap_module,
 )
-from exportlm.quant.formats import scale_leaf_names
+from exportlm.quant.formats import CHECKPOINT_LAYOUTS, formats, scale_leaf_names
 
 __all__ = ["StaticQuantization"]
 
@@ -56,7 +56,15 @@ class StaticQuantization:
         self._placeholder = torch.empty(())  # rename() maps names; the tensor is not used
         self._scales = scales
         self._tensor_names = tensor_names
-        self._scale_leaves = tuple(scale_leaf_names())
+        # the formats' scale leaves, and the names layouts store them under (weight_scale_inv)
+        stored = {
+            leaf.name
+            for spec in formats()
+            for layout in CHECKPOINT_LAYOUTS.values()
+            for leaf in layout.weight_leaves(spec)
+            if leaf.kind == "scale"
+        }
+        self._scale_leaves = tuple(scale_leaf_names()) + tuple(sorted(stored))
         self._used: set[str] = set()
 
     def apply(self, model: nn.Module) -> None:

@@ -95,7 +95,7 @@ HF_CHECKPOINT_TARGET = TargetInfo(
     artifact_kind="hf_checkpoint",
     capture="weights",  # the runtime rebuilds the model from the saved weights
     accepts=_hf_accepts,
-    description="Hugging Face checkpoint directory (safetensors shards; ModelOpt or compressed-tensors quantization)",
+    description="Hugging Face checkpoint directory (safetensors shards; ModelOpt, compressed-tensors or finegrained-fp8 quantization)",
     runtime_library="safetensors",
 )
 
@@ -104,7 +104,7 @@ HF_CHECKPOINT_TARGET = TargetInfo(
 def export_hf_checkpoint(
     request: ExportRequest,
     *,
-    format: Literal["modelopt", "compressed-tensors"] = "modelopt",
+    format: Literal["modelopt", "compressed-tensors", "finegrained-fp8"] = "modelopt",
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | str | None = None,
     overwrite: bool = False,
@@ -128,9 +128,10 @@ def export_hf_checkpoint(
             model directory (safetensors shards), quantized here with ``recipe``.
         output_path: the checkpoint directory. An existing non-empty directory is
             refused unless ``overwrite=True``, which replaces it atomically.
-        format: ``"modelopt"`` (vLLM / TensorRT-LLM / SGLang) or
+        format: ``"modelopt"`` (vLLM / TensorRT-LLM / SGLang),
             ``"compressed-tensors"`` (transformers; formats with a compressed-tensors
-            scheme: of the built-ins, FP8 ``float-quantized``).
+            scheme: of the built-ins, FP8 ``float-quantized``) or ``"finegrained-fp8"``
+            (DeepSeek-V3's / Qwen3-FP8's ``quant_method: "fp8"``; ``fp8_block`` only).
         max_shard_size: bytes per shard, an int or ``"500MB"``-style string.
         dtype: cast unquantized floating tensors to this dtype, a ``torch.dtype`` or its
             name (``"bfloat16"``); float32, float16 or bfloat16 (default: as in the model).

@@ -48,6 +48,7 @@ from exportlm.quant.formats._layouts import (
 from exportlm.quant.formats._nvfp4 import E2M1_VALUES, NVFP4
 from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
+    FineGrainedFP8Scheme,
     KVCacheScheme,
     Leaf,
     LeafCodec,
@@ -86,6 +87,7 @@ __all__ = [
     "CompressedTensorsScheme",
     "DequantizeFn",
     "ExportFormat",
+    "FineGrainedFP8Scheme",
     "FormatSpec",
     "Granularity",
     "KVCacheScheme",

@@ -17,6 +17,11 @@ It is compressed-tensors' / llm-compressor's ``FP8_BLOCK`` preset
 very shape. ModelOpt 0.47 calls its fake-quant form ``FP8_PB_WO`` but its Hugging
 Face export writes no checkpoint vLLM reads for it, so the spec declares no ModelOpt
 scheme and the ModelOpt layout refuses the recipe, naming compressed-tensors.
+
+It is also the layout DeepSeek-V3 / Qwen3-FP8 checkpoints ship (``format="finegrained-fp8"``,
+:class:`~exportlm.quant.formats.FineGrainedFP8Scheme`): ``quant_method: "fp8"`` with
+``weight_block_size: [b, b]``, the same codes, and the same scales stored as
+``weight_scale_inv`` (transformers' and vLLM's name for the dequantization multiplier).
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ from __future__ import annotations
 import torch
 
 from exportlm.quant._tensor import FP8_MAX, QuantizedTensor, safe_scale
-from exportlm.quant.formats._parts import CompressedTensorsScheme, Leaf
+from exportlm.quant.formats._parts import (
+    CompressedTensorsScheme,
+    FineGrainedFP8Scheme,
+    Leaf,
+    LeafCodec,
+    LeafTensors,
+    StoredLeaf,
+)
 from exportlm.quant.formats._spec import FormatSpec
 
 __all__ = ["FP8_BLOCK", "FP8_GROUP"]
@@ -124,6 +136,32 @@ _LEAVES = (
     Leaf("weight_scale", torch.float32, source="scale"),
 )
 
+#: The name transformers (``FP8Linear``) and vLLM (``Fp8LinearMethod.create_weights``: "The
+#: weight_scale_inv name is intentional for deepseekv3") give the tile scales.
+_SCALE_INV = "weight_scale_inv"
+
+
+def _to_scale_inv(leaves: LeafTensors) -> dict[str, torch.Tensor]:
+    return {"weight": leaves["weight"], _SCALE_INV: leaves["weight_scale"]}
+
+
+def _from_scale_inv(leaves: LeafTensors) -> dict[str, torch.Tensor]:
+    return {"weight": leaves["weight"], "weight_scale": leaves[_SCALE_INV]}
+
+
+#: The same tensors under DeepSeek-V3's names: ``weight`` and ``weight_scale_inv`` (float32,
+#: ``[ceil(out / b), in / b]``, multiplied by: the codes times it are the weight).
+_FINEGRAINED = FineGrainedFP8Scheme(
+    LeafCodec(
+        weights=(
+            StoredLeaf("weight", torch.float8_e4m3fn, "codes"),
+            StoredLeaf(_SCALE_INV, torch.float32, "scale"),
+        ),
+        encode=_to_scale_inv,
+        decode=_from_scale_inv,
+    )
+)
+
 #: The inputs' format: FP8 per group of the last dimension, scales from the data. No
 #: layout stores a weight in it (no scheme): ``fp8_block`` layers' inputs only.
 FP8_GROUP = FormatSpec(
@@ -150,4 +188,5 @@ FP8_BLOCK = FormatSpec(
     compressed_tensors=CompressedTensorsScheme(
         "float-quantized", weights=_CT_WEIGHTS, input_activations=_CT_INPUTS
     ),
+    finegrained_fp8=_FINEGRAINED,
 )

@@ -43,7 +43,7 @@ __all__ = [
 HALF_FLOATS = (torch.bfloat16, torch.float16)
 
 #: ``format=`` values of the export (the layout names).
-ExportFormat = Literal["modelopt", "compressed-tensors"]
+ExportFormat = Literal["modelopt", "compressed-tensors", "finegrained-fp8"]
 
 #: ModelOpt's ``quant_algo`` of a checkpoint whose layers use more than one format
 #: (the layers are then listed in ``quantized_layers``). The one definition.
@@ -59,7 +59,9 @@ class CheckpointLayout:
         scalar_scale_shape: the shape a per-tensor (0-d) float32 scale is stored
             with: ``()`` (ModelOpt) or ``(1,)`` (compressed-tensors).
         scheme: the :class:`FormatSpec` attribute a format needs for this layout to
-            hold it (``"compressed_tensors"``), ``None``: every format.
+            hold it (``"compressed_tensors"``, ``"finegrained_fp8"``), ``None``: every
+            format (ModelOpt's). It also names the layout's config builder
+            (``CheckpointQuantization``) and which of the format's schemes a loader matches.
         stacked_experts: the layout has names for experts stored stacked in one
             tensor per projection (DBRX's ``mlp.w1``); ``False``: only per-expert
             linears.
@@ -69,14 +71,16 @@ class CheckpointLayout:
             scale convention of a half-precision model) is stored in that dtype, as
             compressed-tensors stores a scale in its weight's dtype; ``False``: every
             float scale in float32 (exact: float32 holds every half-float value).
+        hf_quant_config: the layout also writes ModelOpt's ``hf_quant_config.json``.
     """
 
     name: str
     scalar_scale_shape: tuple[int, ...] = ()
-    scheme: Literal["compressed_tensors"] | None = None
+    scheme: Literal["compressed_tensors", "finegrained_fp8"] | None = None
     stacked_experts: bool = True
     kv_scales_on_attention: bool = False
     half_scales: bool = False
+    hf_quant_config: bool = False
 
     def holds(self, spec: FormatSpec) -> bool:
         """This layout can store weights in ``spec``'s format."""
@@ -197,11 +201,14 @@ class CheckpointLayout:
         return stored
 
 
-#: The layouts, by ``format=`` name: ModelOpt's (vLLM, TensorRT-LLM, SGLang) and
-#: compressed-tensors' (transformers; FP8 ``float-quantized`` of the built-ins).
+#: The layouts, by ``format=`` name: ModelOpt's (vLLM, TensorRT-LLM, SGLang),
+#: compressed-tensors' (transformers; FP8 ``float-quantized`` of the built-ins), and
+#: DeepSeek-V3's / Qwen3-FP8's ``quant_method: "fp8"`` (transformers'
+#: ``FineGrainedFP8Config``, vLLM's ``Fp8Config``; ``fp8_block`` only), in the order a
+#: recipe's first holding layout is picked (the conformance suite's ``recipe_layout``).
 CHECKPOINT_LAYOUTS: Mapping[str, CheckpointLayout] = MappingProxyType(
     {
-        "modelopt": CheckpointLayout("modelopt"),
+        "modelopt": CheckpointLayout("modelopt", hf_quant_config=True),
         "compressed-tensors": CheckpointLayout(
             "compressed-tensors",
             scalar_scale_shape=(1,),
@@ -209,6 +216,11 @@ CHECKPOINT_LAYOUTS: Mapping[str, CheckpointLayout] = MappingProxyType(
             stacked_experts=False,
             kv_scales_on_attention=True,
             half_scales=True,
+        ),
+        "finegrained-fp8": CheckpointLayout(
+            "finegrained-fp8",
+            scheme="finegrained_fp8",
+            stacked_experts=False,
         ),
     }
 )

@@ -17,6 +17,7 @@ import torch
 
 __all__ = [
     "CompressedTensorsScheme",
+    "FineGrainedFP8Scheme",
     "KVCacheScheme",
     "Leaf",
     "LeafCodec",
@@ -263,6 +264,42 @@ class CompressedTensorsScheme:
             group["input_activations"] = _sized(self.input_activations, group_size)
         group["format"] = self.format
         return group
+
+
+@dataclass(frozen=True)
+class FineGrainedFP8Scheme:
+    """The format in the layout of DeepSeek-V3 / Qwen3-FP8 checkpoints (``format="finegrained-fp8"``).
+
+    ``config.json``'s ``quantization_config`` is ``{"quant_method": "fp8",
+    "activation_scheme": "dynamic", "weight_block_size": [b, b],
+    "modules_to_not_convert": [...]}``: transformers' ``FineGrainedFP8Config`` and
+    vLLM's ``Fp8Config`` read it (``docs/checkpoint-format.md``).
+
+    Attributes:
+        codec: the layout's names for the format's leaves (``weight_scale`` is stored as
+            ``weight_scale_inv``, the same float32 numbers).
+        quant_method: ``quantization_config.quant_method``.
+        activation_scheme: ``quantization_config.activation_scheme`` (inputs quantized
+            per group of ``b`` at run time: ``"dynamic"``).
+    """
+
+    codec: LeafCodec
+    quant_method: str = "fp8"
+    activation_scheme: str = "dynamic"
+
+    def config(self, block: int, not_converted: list[str]) -> dict[str, Any]:
+        """``config.json``'s ``quantization_config`` for square tiles of ``block``.
+
+        ``not_converted``: the unquantized linear modules, under the name both loaders
+        read (transformers' ``modules_to_not_convert``; vLLM's ``Fp8Config.from_config``
+        falls back to it when ``ignored_layers`` is absent).
+        """
+        return {
+            "quant_method": self.quant_method,
+            "activation_scheme": self.activation_scheme,
+            "weight_block_size": [block, block],
+            "modules_to_not_convert": list(not_converted),
+        }
 
 
 def _sized(args: Mapping[str, Any], group_size: int | None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from exportlm.errors import UnsupportedFormatError
 from exportlm.quant._tensor import FormatId, QuantizedTensor, format_name
 from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
+    FineGrainedFP8Scheme,
     KVCacheScheme,
     Leaf,
     LeafRole,
@@ -106,6 +107,8 @@ class FormatSpec:
         search_format: the format the AWQ search scores a candidate scale with, when not
             this one: W4A8's first stage, ``int4`` (ModelOpt's ``awq_lite`` runs inside
             ``SequentialQuantizer.convert_to_single_quantizer``: INT4 only, no FP8 step).
+        finegrained_fp8: the fields of DeepSeek-V3's / Qwen3-FP8's layout (``quant_method:
+            "fp8"`` with ``weight_block_size``), ``None`` if that layout cannot hold the format.
     """
 
     format: FormatId
@@ -128,6 +131,7 @@ class FormatSpec:
     share_expert_gate_up_amax: bool = False
     global_scale: bool = False
     search_format: FormatId | None = None
+    finegrained_fp8: FineGrainedFP8Scheme | None = None
 
     def __post_init__(self) -> None:
         legacy = self.recipe
