@@ -14,9 +14,11 @@ weight is refused with the block sizes that fit instead of padded.
 It is compressed-tensors' / llm-compressor's ``FP8_BLOCK`` preset
 (``float-quantized``; weights ``strategy: block, block_structure: [b, b]``; inputs
 ``strategy: group, group_size: b, dynamic: true``), whose ``weight_scale`` has this
-very shape. ModelOpt 0.47 calls its fake-quant form ``FP8_PB_WO`` but its Hugging
-Face export writes no checkpoint vLLM reads for it, so the spec declares no ModelOpt
-scheme and the ModelOpt layout refuses the recipe, naming compressed-tensors.
+very shape. ModelOpt 0.47 exports its block FP8 quantizer as ``quant_algo: fp8_pb_wo``
+(``export/quant_utils.py``), and vLLM 0.32 reads that (``modelopt.py``: ``FP8_PB_WO``,
+128 x 128 weights with dynamic inputs per 128, ``in % 128 == 0``); exportlm does not write
+that layout yet: the spec declares no ModelOpt scheme and the ModelOpt layout refuses the
+recipe, naming compressed-tensors and finegrained-fp8.
 
 It is also the layout DeepSeek-V3 / Qwen3-FP8 checkpoints ship (``format="finegrained-fp8"``,
 :class:`~exportlm.quant.formats.FineGrainedFP8Scheme`): ``quant_method: "fp8"`` with
