@@ -72,7 +72,8 @@ class GPTQResult:
         """``codes * scale`` per group, in ``dtype``."""
         rows, cols = self.codes.shape
         groups = self.codes.float().reshape(rows, self.scales.shape[1], -1)
-        return (groups * self.scales.float()[:, :, None]).reshape(rows, cols).to(dtype)
+        groups.mul_(self.scales.float()[:, :, None])  # in place: one float32 copy, not two
+        return groups.reshape(rows, cols).to(dtype)
 
 
 def int4_group_scales(
@@ -103,6 +104,7 @@ def _inverse_factor(hessian: torch.Tensor, dampening: float) -> tuple[torch.Tens
     if int(info) != 0:
         return torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device), True
     inverse = torch.cholesky_inverse(factor)
+    del factor  # before the next factor: three [in, in] matrices here at most, not four
     upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
     if int(info) != 0:
         return torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device), True
@@ -156,12 +158,14 @@ def _gptq(
     bounds: tuple[int, int],
 ) -> GPTQResult:
     cols = int(weight.shape[1])
-    w = weight.detach().to(_PRECISION).clone()
-    h = hessian.detach().to(_PRECISION).clone()
+    w = weight.detach().to(_PRECISION, copy=True)
+    h = hessian.detach().to(_PRECISION, copy=True)  # one copy (a float64 H: no float32 twice)
     perm = None
     if actorder == "weight":  # ordered before dead columns are filled, as llm-compressor
         perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
-        w, h = w[:, perm], h[perm][:, perm]
+        w = w[:, perm]
+        h = h[perm]  # rows, then columns: two [in, in] copies at a time, not three
+        h = h[:, perm]
     dead = torch.diagonal(h) == 0
     if bool(dead.any()):
         torch.diagonal(h).masked_fill_(dead, 1.0)
@@ -169,13 +173,17 @@ def _gptq(
     u, fallback = _inverse_factor(h, dampening)
     del h
     group_of = torch.arange(cols, device=w.device) // group_size
-    column_scales = scales.to(w.device, _PRECISION)[:, group_of if perm is None else group_of[perm]]
+    if perm is not None:
+        group_of = group_of[perm]
+    group_scales = scales.to(w.device, _PRECISION)
     loss = torch.zeros((), dtype=torch.float64)
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
-        errors = _block(w[:, i1:i2], u[i1:i2, i1:i2], column_scales[:, i1:i2], bounds)
+        # each column's scale gathered per block: no [out, in] float32 copy of the scales
+        errors = _block(w[:, i1:i2], u[i1:i2, i1:i2], group_scales[:, group_of[i1:i2]], bounds)
         loss += errors.double().square().sum() / 2
         w[:, i2:] -= errors @ u[i1:i2, i2:]
+    del u
     if perm is not None:
         w = w[:, torch.argsort(perm)]
     codes = _codes(w, scales.to(w.device, _PRECISION), group_size, bounds)
@@ -220,7 +228,8 @@ def _block(
 def _codes(
     w: torch.Tensor, scales: torch.Tensor, group_size: int, bounds: tuple[int, int]
 ) -> torch.Tensor:
-    """The int8 codes of the dequantized values ``w`` (exact: ``q * s / s`` rounds to ``q``)."""
+    """The int8 codes of the dequantized values ``w`` (exact: ``q * s / s`` rounds to ``q``),
+    computed in ``w`` (overwritten: no second float32 copy)."""
     rows, cols = w.shape
-    groups = w.reshape(rows, cols // group_size, group_size) / scales[:, :, None]
+    groups = w.reshape(rows, cols // group_size, group_size).div_(scales[:, :, None])
     return groups.round_().clamp_(*bounds).to(torch.int8).reshape(rows, cols)

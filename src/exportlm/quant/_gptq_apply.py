@@ -101,6 +101,8 @@ def apply_gptq(hessians: Hessians) -> int:
         for stat in hessians.stats:
             hessian = stat.hessian()
             stat.gram = None  # the memory of one Hessian at a time
+            if hessian is not None:  # GPTQ factorizes in float32: the same values, half held
+                hessian = hessian.to(torch.float32)
             if hessian is not None:
                 for name in stat.readers:
                     _quantize_linear(name, hessians.linears[name], hessian)

@@ -71,7 +71,7 @@ def check_fits(budget: int | None, bound: MemoryBound, what: str) -> None:
 
     That is the bound's terms but the baseline: the largest set of modules loaded at
     once (``what`` names it), one output shard and, with a recipe, quantizing one
-    linear. The calibration activations are not counted: what does not fit the rest
+    linear and what a calibrating layer's matrices add to that set. The calibration activations are not counted: what does not fit the rest
     of the budget is kept on disk.
 
     Raises:
@@ -84,7 +84,9 @@ def check_fits(budget: int | None, bound: MemoryBound, what: str) -> None:
         raise LayerTooLargeError(
             f"streaming needs about {_size(need)} beyond the process itself ({what} "
             f"{_size(bound.modules)}, one output shard {_size(bound.shard)}, quantizing one "
-            f"linear {_size(bound.working)}, calibration matrices {_size(bound.search)}), more than the {_size(budget)} budget; expected "
+            f"linear {_size(bound.working)}, calibration matrices {_size(bound.search)} "
+            f"held beside a decoder layer: {_size(bound.beside_modules)} more), more than "
+            f"the {_size(budget)} budget; expected "
             f"at least {_size(need)} (the output shard is already its largest tensor alone). "
             "Raise --max-memory"
         )

@@ -112,12 +112,23 @@ class MemoryBound:
     #: what the calibration algorithm holds while a layer calibrates: AWQ's Gram matrices,
     #: GPTQ's Hessians (``_sizing.search_bytes``); 0 for the others
     search: int = 0
+    #: the largest decoder layer: the modules the calibration matrices are held beside
+    #: (``None``: ``modules``). The embedding or ``lm_head`` is loaded only while no layer
+    #: calibrates, so the matrices count beside a layer, not beside those.
+    layer: int | None = None
+
+    @property
+    def beside_modules(self) -> int:
+        """What the calibration matrices add to the largest module set: the part of a
+        calibrating layer and its matrices above it (0 when the head or tail is larger)."""
+        layer = self.modules if self.layer is None else self.layer
+        return max(0, layer + self.search - self.modules)
 
     @property
     def held(self) -> int:
         """What the stream holds beyond the baseline, the activations aside: what a budget
         must cover (the activations take what it leaves, else go to disk)."""
-        return self.modules + self.shard + self.working + self.search
+        return self.modules + self.shard + self.working + self.beside_modules
 
     @property
     def total(self) -> int:
@@ -131,7 +142,9 @@ class MemoryBound:
             f"+ largest module set {_mb(self.modules)} + one output shard {_mb(self.shard)} "
             f"+ activations {_mb(self.activations)} "
             f"+ quantizing one linear {_mb(self.working)} (its weight in float32)"
-            f" + calibration matrices {_mb(self.search)} (AWQ Gram / GPTQ Hessian)"
+            f" + calibration matrices {_mb(self.beside_modules)} beyond the largest module "
+            f"set ({_mb(self.search)} of AWQ Gram / GPTQ Hessian, held beside a decoder layer "
+            f"of {_mb(self.modules if self.layer is None else self.layer)})"
         )
 
     def report(self) -> int:

@@ -12,17 +12,22 @@ Hessians), keyed on the recipe records' algorithms (:func:`calibration_algorithm
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from exportlm.export.hf_checkpoint.sink import parse_size
 from exportlm.export.hf_checkpoint.stream._budget import shard_size_within
 from exportlm.export.hf_checkpoint.stream._memory import MemoryBound
+from exportlm.export.hf_checkpoint.stream._shared_inputs import Groups, shared_inputs
 from exportlm.export.hf_checkpoint.stream._source import CheckpointSource
 
 __all__ = ["bound_of", "calibration_algorithms", "fit_bound", "search_bytes"]
 
 logger = logging.getLogger("exportlm.stream")  # the documented logger of the streaming export
+_GPTQ_BLOCK = 128  # GPTQ's columns per block of updates (exportlm.quant._gptq.GPTQ_BLOCK)
+#: AWQ's loss of a candidate from a Gram matrix: a slice of rows (``quant._tensor``'s
+#: ``CHUNK_ELEMENTS``, 2^17) in float64, its product with the matrix and their product
+_LOSS_SLICE = 3 * 8 * (1 << 17)
 
 
 def fit_bound(
@@ -40,7 +45,10 @@ def fit_bound(
     """:func:`bound_of` with the output shard sized to ``budget`` (``max_shard_size`` at most);
     the shard size chosen (``max_shard_size`` itself where it fits)."""
     terms = (baseline, layers, activations)
-    floor, _ = bound_of(source, shells, 1, *terms, quantized=quantized, search=search)
+    inside = source.layout.layers + "."
+    groups = shared_inputs(source.model, inside) if quantized and search[0] else None
+    kw: dict[str, Any] = {"quantized": quantized, "search": search, "groups": groups}
+    floor, _ = bound_of(source, shells, 1, *terms, **kw)
     chosen = shard_size_within(budget, parse_size(max_shard_size), floor)
     if chosen != parse_size(max_shard_size):
         logger.info(
@@ -50,7 +58,7 @@ def fit_bound(
             chosen / 1e6,
         )
         max_shard_size = chosen
-    bound, largest = bound_of(source, shells, chosen, *terms, quantized=quantized, search=search)
+    bound, largest = bound_of(source, shells, chosen, *terms, **kw)
     return bound, largest, max_shard_size
 
 
@@ -64,6 +72,7 @@ def bound_of(
     *,
     quantized: bool,
     search: tuple[frozenset[str], Sequence[int]] = (frozenset(), ()),
+    groups: Groups | None = None,
 ) -> tuple[MemoryBound, str]:
     """What this export should peak at, and what its largest module set is.
 
@@ -72,8 +81,9 @@ def bound_of(
     capped at the model's size, or a single larger tensor), the calibration activations
     entering and leaving a layer, and, when a recipe quantizes, the largest weight of a
     layer in float32 (quantizing one linear) and what its calibration algorithms hold
-    (``search``: the algorithms and the calibration batches' token counts,
-    :func:`search_bytes`)."""
+    (``search``: the algorithms and the calibration batches' token counts, ``groups``: the
+    linears that read one input, :func:`search_bytes`), held beside a decoder layer: it
+    adds to the largest module set only what a layer and it exceed that set by."""
     state = source.model.state_dict(keep_vars=True)
     sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
     shell_bytes = [sum(sizes[n] for n in source.saved(names)) for names in shells]
@@ -90,7 +100,8 @@ def bound_of(
         shard=max(shard, *sizes.values()),
         activations=2 * activations,
         working=4 * linear if quantized else 0,
-        search=search_bytes(state, inside, *search) if quantized else 0,
+        search=search_bytes(state, inside, *search, groups) if quantized else 0,
+        layer=max(layers, default=0),
     )
     return bound, what
 
@@ -102,37 +113,111 @@ def calibration_algorithms(recipes: Sequence[Any]) -> frozenset[str]:
 
 
 def search_bytes(
-    state: Mapping[str, Any], inside: str, algorithms: frozenset[str], tokens: Sequence[int]
+    state: Mapping[str, Any],
+    inside: str,
+    algorithms: frozenset[str],
+    tokens: Sequence[int],
+    groups: Groups | None = None,
 ) -> int:
     """The most any decoder layer's calibration holds in matrices of its linears' inputs.
 
-    AWQ (:mod:`exportlm.quant._awq_gram`): an ``in x in`` float64 Gram matrix per group of
-    linears reading one input, where it is no larger than the group's float32 weights
-    twice over; the groups are found while calibrating, so each linear is counted with
-    the largest group it could be in (the linears of its parent module with its input
-    width): an upper bound. A second matrix of the same size when the batches' token
-    counts differ, and one forward's transient (its rows in float64 and their product).
-    GPTQ: an ``in x in`` float64 Hessian per linear, and the float32 factorization of one.
+    One matrix per *input*, as the calibration keeps them: ``groups`` says which linears
+    of a layer read one tensor (:func:`~exportlm.export.hf_checkpoint.stream._shared_inputs.
+    shared_inputs`); a layer it does not cover is counted from its weights' shapes, as the
+    most matrices its linears could need (below). Every matrix is ``in x in`` float64.
+
+    AWQ (:mod:`exportlm.quant._awq_gram`): a Gram matrix per group of linears of one parent
+    that read one input, where ``in <= sum(out)`` of the group; a second one (``H``) beside
+    each when the batches' token counts differ. Untraced, a parent's linears of one input
+    width hold at most one per linear with ``out >= in`` and one per ``in`` of the others'
+    ``out`` together. The transient beside them: one forward's rows in float64 and their
+    product (and the product over its token count), or, while the losses are taken, one
+    ``G / tokens``; and a slice of rows' float64 temporaries of a candidate's loss.
+
+    GPTQ (:mod:`exportlm.quant._gptq_hessian`): a Hessian per input (untraced: per linear)
+    and beside them the most of :func:`_gptq_transient`.
+
+    AWQ's and GPTQ's matrices are added when a recipe uses both; their transients are not
+    (one calibration step runs at a time).
     """
     if not algorithms:
         return 0
-    widths: dict[str, dict[tuple[str, int], list[int]]] = {}
+    layers: dict[str, dict[str, tuple[int, int]]] = {}
     for name, t in state.items():
         if name.startswith(inside) and name.endswith(".weight") and t.dim() == 2:
-            layer, _, rest = name[len(inside) :].partition(".")
-            parent = rest.rsplit(".", 2)[0]
-            widths.setdefault(layer, {}).setdefault((parent, int(t.shape[1])), []).append(
-                int(t.shape[0])
-            )
-    most, widest = 0, max((w for c in widths.values() for _, w in c), default=0)
-    for classes in widths.values():
-        held = 0
-        for (_, cols), outs in classes.items():
-            if "awq" in algorithms and cols <= sum(outs):
-                held += len(outs) * 8 * cols * cols * (2 if len(set(tokens)) > 1 else 1)
-            if "gptq" in algorithms:
-                held += len(outs) * 8 * cols * cols
-        most = max(most, held)
-    transient = 8 * widest * (widest + max(tokens, default=0)) if "awq" in algorithms else 0
-    factor = 8 * widest * widest if "gptq" in algorithms else 0
-    return most + max(transient, factor)
+            layer, _, rest = name[len(inside) :].removesuffix(".weight").partition(".")
+            layers.setdefault(layer, {})[rest] = (int(t.shape[0]), int(t.shape[1]))
+    copies = 2 if len(set(tokens)) > 1 else 1  # G and H
+    rows = max(tokens, default=0)
+    most = 0
+    for layer, shapes in layers.items():
+        traced = _groups_of(shapes, (groups or {}).get(layer))
+        awq = _awq_widths(shapes, traced) if "awq" in algorithms else []
+        gptq = _gptq_widths(shapes, traced) if "gptq" in algorithms else []
+        held = copies * sum(8 * w * w for w in awq) + sum(8 * w * w for w in gptq)
+        transient = [8 * w * (rows + copies * w) + _LOSS_SLICE for w in awq]
+        if gptq:
+            transient.append(_gptq_transient(shapes.values(), max(gptq), rows))
+        most = max(most, held + max(transient, default=0))
+    return most
+
+
+def _gptq_transient(shapes: Iterable[tuple[int, int]], widest: int, rows: int) -> int:
+    """What GPTQ holds beyond its Hessians (float64 sums) and one weight in float32 (the
+    bound's ``working``), at its most: one forward's rows and product; or one input's
+    Hessian in float32 (its sum freed) with three float32 ``[in, in]`` matrices of its
+    factorization; or a second float32 weight (an update's product, the column order
+    restored); and a block of columns' errors and LAPACK's panels beside each."""
+    largest = max((out * cols for out, cols in shapes), default=0)
+    outs = max((out for out, _ in shapes), default=0)
+    return max(8 * widest * (rows + widest), 4 * largest) + 8 * (widest + outs) * _GPTQ_BLOCK
+
+
+def _groups_of(
+    shapes: Mapping[str, tuple[int, int]], traced: list[list[str]] | None
+) -> list[list[str]] | None:
+    """The traced groups of a layer's weights, each weight the trace missed alone."""
+    if traced is None:
+        return None
+    found = [[n for n in group if n in shapes] for group in traced]
+    seen = {n for group in found for n in group}
+    return [g for g in found if g] + [[n] for n in shapes if n not in seen]
+
+
+def _awq_widths(shapes: Mapping[str, tuple[int, int]], traced: list[list[str]] | None) -> list[int]:
+    """The input widths of the Gram matrices AWQ may hold for one layer."""
+    classes: dict[tuple[str, int], list[int]] = {}
+    if traced is not None:  # a group of one parent reading one input: one Gram where it fits
+        widths = []
+        for group in traced:
+            for members in _by_parent(group).values():
+                cols = max(shapes[n][1] for n in members)
+                if cols <= sum(shapes[n][0] for n in members):
+                    widths.append(cols)
+        return widths
+    for name, (out, cols) in shapes.items():
+        classes.setdefault((name.rpartition(".")[0], cols), []).append(out)
+    widths = []
+    for (
+        _,
+        cols,
+    ), outs in classes.items():  # each group either holds an out >= in or sums small outs
+        small = sum(o for o in outs if o < cols)
+        widths += [cols] * (sum(1 for o in outs if o >= cols) + small // cols)
+    return widths
+
+
+def _gptq_widths(
+    shapes: Mapping[str, tuple[int, int]], traced: list[list[str]] | None
+) -> list[int]:
+    """The input widths of the Hessians GPTQ may hold for one layer."""
+    if traced is None:
+        return [cols for _, cols in shapes.values()]
+    return [max(shapes[n][1] for n in group) for group in traced]
+
+
+def _by_parent(group: list[str]) -> dict[str, list[str]]:
+    parents: dict[str, list[str]] = {}
+    for name in group:
+        parents.setdefault(name.rpartition(".")[0], []).append(name)
+    return parents
