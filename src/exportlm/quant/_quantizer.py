@@ -44,6 +44,9 @@ class TensorQuantizer(nn.Module):
     pre_quant_scale: torch.Tensor | None
     folded_pre_quant_scale: torch.Tensor | None
     static_scale: torch.Tensor | None
+    #: The recipe the model was quantized with, as spelled (set by ``quantize``; ``None``
+    #: for a quantizer built otherwise, e.g. from a checkpoint): what messages name.
+    recipe: str | None = None
 
     def __init__(
         self,
