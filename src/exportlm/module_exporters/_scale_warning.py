@@ -7,7 +7,7 @@ import logging
 import torch
 
 from exportlm.module_exporters._context import ExportContext
-from exportlm.quant import QuantizedTensor, recipes_for_format
+from exportlm.quant import QuantizedTensor, recipe_options, recipes_for_format
 from exportlm.quant.formats import HALF_FLOATS, FormatSpec
 
 __all__ = ["warn_scale_convention"]
@@ -43,15 +43,28 @@ def warn_scale_convention(
     else:
         return
     ctx.warned.add("scale convention")
-    fix = "scales=compressed-tensors" if layout.half_scales else "scales=modelopt"
-    names = [recipe] if recipe else recipes_for_format(spec.format)
     logger.warning(
-        "%s, so the checkpoint is not exactly the fake-quantized model; quantize with the "
-        "recipe option '%s' (e.g. %s) to make it exact (docs/checkpoint-format.md)",
+        "%s, so the checkpoint is not exactly the fake-quantized model; %s "
+        "(docs/checkpoint-format.md)",
         why,
-        fix,
-        " or ".join(repr(_with_option(n, fix)) for n in names),
+        _fix(
+            spec, recipe, "scales=compressed-tensors" if layout.half_scales else "scales=modelopt"
+        ),
     )
+
+
+def _fix(spec: FormatSpec, recipe: str | None, option: str) -> str:
+    """What makes the checkpoint exact: ``option`` on the recipe used (or on each recipe of
+    ``spec``'s format taking it, when the quantizer records none), else why nothing does."""
+    names = [recipe] if recipe else recipes_for_format(spec.format)
+    takers = [
+        n for n in names if "scales" in recipe_options(n) and option not in n.partition(":")[2]
+    ]
+    if takers:
+        examples = " or ".join(repr(_with_option(n, option)) for n in takers)
+        return f"quantize with the recipe option '{option}' (e.g. {examples}) to make it exact"
+    which = " / ".join(repr(n) for n in names) or f"of format {spec.name!r}"
+    return f"recipe {which} has no scale convention ('{option}') that makes it exact"
 
 
 def _with_option(spelled: str, option: str) -> str:

@@ -44,6 +44,7 @@ from exportlm.quant._recipe import (
     QuantRecipe,
     recipe_for_format,
     recipe_names,
+    recipe_options,
     recipes_for_format,
     resolve_algorithm,
 )
@@ -119,6 +120,7 @@ __all__ = [
     "quantize_tensor",
     "recipe_for_format",
     "recipe_names",
+    "recipe_options",
     "recipes_for_format",
     "recipes",
     "resolve_algorithm",

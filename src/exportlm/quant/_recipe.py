@@ -35,6 +35,7 @@ __all__ = [
     "RecipeLike",
     "recipe_for_format",
     "recipe_names",
+    "recipe_options",
     "recipes_for_format",
     "resolve_algorithm",
 ]
@@ -112,6 +113,12 @@ def recipe_for_format(fmt: FormatId) -> str:
     every recipe (:func:`recipes_for_format`), never this one alone."""
     mine = recipes_for_format(fmt)
     return mine[0] if mine else format_name(fmt)
+
+
+def recipe_options(spelled: str) -> dict[str, str]:
+    """``{option: the values it takes}`` of the recipe ``spelled`` (``"int4_awq:group_size=64"``
+    or a name); :class:`~exportlm.errors.UnknownNameError` for an unknown recipe."""
+    return known_options(resolve_algorithm(spelled))
 
 
 def recipes_for_format(fmt: FormatId) -> list[str]:
