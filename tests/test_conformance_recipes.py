@@ -25,6 +25,7 @@ from pytest_exportcheck.checks import CHECKS, ExporterCase
 from pytest_exportcheck.checks._recipes import conformance_recipes, recipe_layout
 from pytest_exportcheck.checks._registries import Registries
 from pytest_exportcheck.checks._survey import survey_for
+from pytest_exportcheck.checks.generated.quantized import generated_recipes
 from pytest_exportcheck.run._cache import model_fingerprint
 from tests._distinfo import make_distribution
 from tests._installed import runpytest_installed
@@ -153,3 +154,32 @@ def test_a_block_format_on_small_experts_passes_moe_inputs(tmp_path: Path) -> No
     assert result.status == "pass", result.message
     surveyed = {q.recipe for q in survey_for(case).quantized}
     assert {"fp8", "fp8_block"} <= surveyed
+
+
+@pytest.mark.parametrize("xdist", [(), ("-n", "1")], ids=["serial", "xdist"])
+def test_export_quantize_narrows_the_exporter_survey(
+    pytester: pytest.Pytester, xdist: tuple[str, ...]
+) -> None:
+    """The survey quantized the toy with every registered recipe whatever
+    ``--export-quantize`` said: ``claims_all_quantized`` counted 14 models, not 1."""
+    pytester.runpytest(
+        "--export-exporters=quant_linear",
+        "--export-models=llama",
+        "--export-checks=claims_all_quantized",
+        "--export-quantize=fp8",
+        "--export-report=report.json",
+        "-p",
+        "no:cacheprovider",
+        *xdist,
+    )
+    report = json.loads((pytester.path / "report.json").read_text())
+    (item,) = [i for i in report["items"] if i["check"] == "claims_all_quantized"]
+    assert item["outcome"] == "pass", item["message"]
+    assert "in 1 quantized models" in item["message"], item["message"]
+
+
+def test_export_quantize_narrows_quantized_generated(tmp_path: Path) -> None:
+    chosen = ExporterCase("quant_linear", tmp_path, options={"quantize": ("fp8", "int8_wo")})
+    assert generated_recipes(chosen) == ("fp8", "int8_wo")
+    every = generated_recipes(ExporterCase("quant_linear", tmp_path))
+    assert {"fp8", "int8_wo", "nvfp4", "fp8+fp8_kv"} <= set(every)

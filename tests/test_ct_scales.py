@@ -63,13 +63,20 @@ def _tensors(out: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+#: Round-to-nearest row scales under the convention: llm-compressor's (tests/test_ct_llmc_rtn.py).
+RTN_CT = [f"{r}:scales=compressed-tensors" for r in ("int8_wo", "fp8_dynamic", "w8a8")]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("recipe", [NVFP4_CT, FP8_CT])
+@pytest.mark.parametrize("recipe", [NVFP4_CT, FP8_CT, *RTN_CT])
 def test_the_compressed_tensors_checkpoint_reads_back_as_the_model(
     recipe: str, dtype: torch.dtype, tmp_path: Path
 ) -> None:
     model, out = _export(recipe, dtype, tmp_path / "ct", "compressed-tensors")
     assert _gap(model, out) <= LOGITS_ATOL
+    scales = [t for n, t in _tensors(out).items() if n.endswith(".weight_scale")]
+    assert scales
+    assert all(t.dtype == (dtype if recipe != NVFP4_CT else torch.float8_e4m3fn) for t in scales)
 
 
 def test_modelopt_convention_nvfp4_in_compressed_tensors_warns_and_is_not_exact(
@@ -191,15 +198,20 @@ def test_fp8_codes_of_a_bf16_model_equal_compressed_tensors_compressor(tmp_path:
 # ------------------------------------------------------------------- the recipe option
 
 
-def test_the_scales_option_is_taken_by_calibrated_and_awq_recipes_only() -> None:
+def test_the_scales_option_is_taken_where_it_changes_the_scales() -> None:
+    """Calibrated, AWQ and GPTQ recipes, and row / group scales compressed-tensors computes
+    otherwise (``int8_wo``, ``w8a8``, ``fp8_dynamic``); not ``int8_sq`` (no such layout)."""
     recipe = QuantRecipe.parse("nvfp4:scales=compressed_tensors+fp8_kv")
     assert recipe.algo == NVFP4_CT
     assert QuantRecipe.parse("nvfp4", options={"scales": "compressed_tensors"}).algo == NVFP4_CT
     assert QuantRecipe.parse("int4_awq:scales=compressed-tensors").algo == (
         "int4_awq:scales=compressed-tensors"  # AWQ folds its scales by the convention
     )
+    for rtn in ("int8_wo", "w8a8", "fp8_dynamic"):
+        spelled = f"{rtn}:scales=compressed-tensors"
+        assert QuantRecipe.parse(spelled).algo == spelled
     with pytest.raises(UnknownOptionError, match="scales"):
-        QuantRecipe.parse("int8_wo:scales=compressed-tensors")
+        QuantRecipe.parse("int8_sq:scales=compressed-tensors")
     with pytest.raises(ValueError, match="modelopt / compressed-tensors"):
         QuantRecipe.parse("fp8:scales=llm-compressor")
 

@@ -9,6 +9,7 @@ are compared exactly.
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -244,12 +245,46 @@ def test_inexpressible_quantization_is_refused_before_writing(
     assert reason is not None
     assert named in reason
     if recipe in ("nvfp4", "int4_awq"):
-        assert "supported: fp8 (fp8), int8_wo (int8)" in reason
+        assert "supported: fp8 (fp8), int8_gptq / int8_wo (int8)" in reason
     with pytest.raises(InvalidModelError, match="cannot export this model"):
         export_model("onnx", model, tmp_path / "a.onnx")
     with pytest.raises(UnsupportedFormatError, match=named.strip("'")):
         export_to_onnx(model, tmp_path / "b.onnx")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("recipe", "named"),
+    [
+        ("int4_gptq", "recipe 'int4_gptq' (int4)"),
+        ("int4_gptq:group_size=64", "recipe 'int4_gptq:group_size=64' (int4)"),
+        ("int4_awq", "recipe 'int4_awq' (int4)"),
+    ],
+)
+def test_the_refusal_names_the_recipe_the_model_was_quantized_with(
+    tmp_path: Path, recipe: str, named: str
+) -> None:
+    """int4_awq and int4_gptq write one format: the refusal names the one that was used."""
+    model = _build("llama")
+    ids = make_input_ids(infer_vocab_size(model), 2, 8, seed=0)
+    quantize(model, recipe, calibrate=lambda m: m(ids))
+    with pytest.raises(InvalidModelError) as refused:
+        export_model("onnx", model, tmp_path / "a.onnx")
+    assert named in str(refused.value)
+    assert "int4_awq" not in str(refused.value) or recipe.startswith("int4_awq")
+    with pytest.raises(UnsupportedFormatError, match=re.escape(named)):
+        export_to_onnx(model, tmp_path / "b.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_quantizer_without_a_recorded_recipe_names_every_recipe_of_its_format() -> None:
+    model = _quantized("llama", "int4_awq")
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.weight_quantizer.recipe = None  # as built from a checkpoint
+    reason = get_target_info("onnx").accepts(model)  # type: ignore[misc]
+    assert reason is not None
+    assert "format int4 (recipe 'int4_awq' or 'int4_gptq')" in reason
 
 
 def test_fp8_below_opset_19_names_the_opset(tmp_path: Path) -> None:

@@ -49,6 +49,8 @@ def test_unknown_options_and_values_are_refused_naming_the_known_ones() -> None:
     with pytest.raises(UnknownOptionError, match="accepted: group_size"):
         QuantRecipe.parse("int4_awq:group_sze=64")
     with pytest.raises(UnknownOptionError, match=r"accepted: \(none\)"):
+        QuantRecipe.parse("mxfp4:group_size=64")
+    with pytest.raises(UnknownOptionError, match="accepted: scales"):
         QuantRecipe.parse("int8_wo:group_size=64")
     with pytest.raises(ValueError, match=r"group_size=48 is not one it takes \(32 / 64 / 128\)"):
         QuantRecipe.parse("int4_awq:group_size=48")

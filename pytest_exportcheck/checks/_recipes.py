@@ -20,7 +20,8 @@ and the exporter survey read it).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from exportlm.errors import UnsupportedFormatError
 from exportlm.quant import KVCacheRecipe, QuantFormat, QuantRecipe, Recipe, check_layout
@@ -29,7 +30,7 @@ from exportlm.quant.formats import CHECKPOINT_LAYOUTS, DEFAULT_LAYOUT
 if TYPE_CHECKING:
     from pytest_exportcheck.checks._registries import Registries
 
-__all__ = ["conformance_recipes", "layout_recipe", "recipe_layout"]
+__all__ = ["conformance_recipes", "layout_recipe", "recipe_layout", "selected_recipes"]
 
 
 def conformance_recipes(registries: Registries) -> tuple[str, ...]:
@@ -45,6 +46,14 @@ def conformance_recipes(registries: Registries) -> tuple[str, ...]:
         same = [n for n, r in weights.items() if _format_name(r.weight) == kv_format]
         combined.append(f"{(same or list(weights))[0]}+{name}")
     return (*weights, *combined)
+
+
+def selected_recipes(options: Mapping[str, Any], registries: Registries) -> tuple[str, ...]:
+    """``--export-quantize``'s recipes (a case's ``options["quantize"]``), else every
+    registered one (:func:`conformance_recipes`): what ``roundtrip_quantized``, the exporter
+    survey and ``quantized_generated`` quantize with."""
+    chosen = tuple(options.get("quantize") or ())
+    return chosen or conformance_recipes(registries)
 
 
 def _format_name(fmt: QuantFormat | str) -> str:

@@ -1,7 +1,8 @@
 """What the module exporters do with the toy models: claims and recorded export calls.
 
 Every selected toy model is quantized with every registered recipe that fits it
-(:func:`survey_recipes`: the built-in ones, a plugin's, ``fp8+fp8_kv``), each in a
+(:func:`survey_recipes`: the built-in ones, a plugin's, ``fp8+fp8_kv``; only
+``--export-quantize``'s recipes when it names some), each in a
 layout its formats have (``w8a8``, ``fp8_block``: compressed-tensors), then exported
 with ``export_quantized_state`` through a *copy* of
 the dispatch registry whose exporters are wrapped in recorders
@@ -39,7 +40,7 @@ from exportlm.module_exporters import (
 from exportlm.quant import is_quantized_module
 from pytest_exportcheck.checks._api import CheckResult, ExporterCase
 from pytest_exportcheck.checks._common import CheckAbort, error_text
-from pytest_exportcheck.checks._recipes import conformance_recipes
+from pytest_exportcheck.checks._recipes import selected_recipes
 from pytest_exportcheck.checks._recording import ExportCall, Recorder, RecordingExporter
 from pytest_exportcheck.checks._services import CheckServices
 from pytest_exportcheck.checks._survey_quantize import (
@@ -239,10 +240,12 @@ def registry_state(registry: ExportModuleRegistry) -> tuple[Any, ...]:
     return entries + names
 
 
-def survey_recipes(services: CheckServices) -> tuple[RecipeKey, ...]:
-    """The recipes the survey quantizes with: every registered one
-    (:func:`~._recipes.conformance_recipes` of ``services.registries``)."""
-    return conformance_recipes(services.registries)
+def survey_recipes(
+    services: CheckServices, options: Mapping[str, Any] | None = None
+) -> tuple[RecipeKey, ...]:
+    """The recipes the survey quantizes with: ``--export-quantize``'s (a case's ``options``),
+    else every registered one (:func:`~._recipes.selected_recipes` of ``services.registries``)."""
+    return selected_recipes(options or {}, services.registries)
 
 
 def _survey(
@@ -302,8 +305,10 @@ def survey_of(
 
 
 def survey_for(case: ExporterCase) -> Survey:
-    """The survey of the case's selected toy models (``--export-models``)."""
-    return survey_of(selected_models(case), case.seed, services=case.services)
+    """The survey of the case's selected toy models (``--export-models``) with its recipes
+    (``--export-quantize``'s, else every registered one: :func:`survey_recipes`)."""
+    recipes = survey_recipes(case.services, case.options)
+    return survey_of(selected_models(case), case.seed, recipes, services=case.services)
 
 
 def tie_groups(model: nn.Module) -> list[list[str]]:

@@ -28,8 +28,8 @@ class CaseOptions(Mapping[str, Any]):
         expected_failure: the reason the item is an expected failure, or ``None``.
         engines: ``--export-engine`` values (``NAME=PATH``) for the ``served`` check.
         require_engines: fail, instead of skip, when an engine has no interpreter.
-        quantize: ``--export-quantize`` recipes the quantized per-model checks use
-            instead of their own lists (empty: their own).
+        quantize: ``--export-quantize`` recipes the quantized checks (per model, and
+            the module-exporter survey) use instead of their own lists (empty: their own).
     """
 
     models: str = "all"

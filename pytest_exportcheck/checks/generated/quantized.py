@@ -51,9 +51,10 @@ __all__ = ["generated_recipes", "quantized_generated"]
 
 
 def generated_recipes(case: ExporterCase) -> tuple[str, ...]:
-    """Recipes ``quantized_generated`` tries on each structure: the survey's, every
-    registered one (those that do not fit a structure are skipped)."""
-    return tuple(recipe_label(r) for r in survey_recipes(case.services))
+    """Recipes ``quantized_generated`` tries on each structure: the survey's,
+    ``--export-quantize``'s or every registered one (those that do not fit a structure are
+    skipped)."""
+    return tuple(recipe_label(r) for r in survey_recipes(case.services, case.options))
 
 
 def _quantize_spec(spec: ModelSpec, recipe: str, seed: int) -> tuple[nn.Module, ExportFormat] | str:

@@ -42,7 +42,7 @@ from exportlm.export.roundtrip import FLIP, Tolerance, roundtrip_ids
 from exportlm.quant import TensorQuantizer, quantize
 from pytest_exportcheck.checks._api import CheckResult, TargetCase, check
 from pytest_exportcheck.checks._common import CheckAbort, aborts_to_result, error_text
-from pytest_exportcheck.checks._recipes import conformance_recipes, layout_recipe
+from pytest_exportcheck.checks._recipes import layout_recipe, selected_recipes
 from pytest_exportcheck.checks._support import (
     IDS_SEED,
     TRACED_SHAPE,
@@ -155,8 +155,7 @@ def _roundtrip_recipe(case: TargetCase, info: TargetInfo, name: str, recipe: str
 
 def _recipes(case: TargetCase) -> tuple[str, ...]:
     """``--export-quantize``'s recipes, else every registered one."""
-    chosen = tuple(case.options.get("quantize") or ())
-    return chosen or conformance_recipes(case.services.registries)
+    return selected_recipes(case.options, case.services.registries)
 
 
 @check("roundtrip_quantized")

@@ -110,9 +110,9 @@ _SPECS: tuple[_Spec, ...] = (
     ),
     _Spec(
         "--export-quantize",
-        "quantization recipe(s) the quantized per-model checks (loadable, "
-        "roundtrip_quantized) use instead of their own lists: a,b (e.g. fp8 or "
-        "int4_awq,w8a8); default: each check's own",
+        "quantization recipe(s) the quantized checks (loadable, roundtrip_quantized, "
+        "the module-exporter survey, quantized_generated) use instead of their own "
+        "lists: a,b (e.g. fp8 or int4_awq,w8a8); default: each check's own",
         "str",
         "a,b",
     ),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import ClassVar
 
 import torch
@@ -12,6 +11,7 @@ from exportlm.errors import UnsupportedFormatError
 from exportlm.module_exporters._context import ExpertSlice, ExportContext
 from exportlm.module_exporters._experts import DbrxExpertsExporter
 from exportlm.module_exporters._registry import ExportModuleRegistry, MatchKey, ModuleExporter
+from exportlm.module_exporters._scale_warning import warn_scale_convention
 from exportlm.quant import (
     QuantBMMExperts,
     QuantEmbedding,
@@ -23,10 +23,9 @@ from exportlm.quant import (
     TensorQuantizer,
     get_format,
     is_quantized_module,
-    recipe_for_format,
     unify_expert_input_amax,
 )
-from exportlm.quant.formats import CHECKPOINT_LAYOUTS, HALF_FLOATS, FormatSpec, formats
+from exportlm.quant.formats import CHECKPOINT_LAYOUTS, FormatSpec, formats
 
 __all__ = [
     "BMMExpertsExporter",
@@ -39,8 +38,6 @@ __all__ = [
     "builtin_module_exporters",
     "register_builtin_module_exporters",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 def _check_format(ctx: ExportContext, name: str, quantizer: TensorQuantizer) -> None:
@@ -55,49 +52,15 @@ def _check_format(ctx: ExportContext, name: str, quantizer: TensorQuantizer) -> 
         )
 
 
-def _emit_weight(ctx: ExportContext, prefix: str, q: QuantizedTensor) -> None:
-    """The weight leaves of ``q``'s format as the layout stores them, in its order."""
+def _emit_weight(
+    ctx: ExportContext, prefix: str, q: QuantizedTensor, recipe: str | None = None
+) -> None:
+    """The weight leaves of ``q``'s format as the layout stores them, in its order
+    (``recipe``: the one its quantizer records, named by a warning)."""
     spec = get_format(q.format)
-    _warn_convention(ctx, prefix, spec, q)
+    warn_scale_convention(ctx, prefix, spec, q, recipe)
     for leaf, tensor in ctx.layout.weight_tensors(spec, q):
         ctx.emit(f"{prefix}.{leaf}", tensor)
-
-
-def _warn_convention(ctx: ExportContext, name: str, spec: FormatSpec, q: QuantizedTensor) -> None:
-    """Warn once per export when the scales' convention is not the layout's (not exact)."""
-    layout = ctx.layout
-    if "scale convention" in ctx.warned:
-        return
-    if q.scale_2 is not None and q.scale_2_divides != layout.global_scales(spec):
-        has, stores = ("ModelOpt's", "global") if layout.global_scales(spec) else ("global", "")
-        why = (
-            f"{name}: its {spec.name} second-level scales are {has} scales, and "
-            f"format={ctx.format!r} stores {stores or 'ModelOpt'} scales: through a float32 "
-            "reciprocal, one last bit off for some values"
-        )
-    elif layout.half_scales and q.dtype in HALF_FLOATS and q.scale.dtype == torch.float32:
-        why = (
-            f"{name}: its {spec.name} scales are float32 and loaders of format={ctx.format!r} "
-            f"(transformers) read them in the model's {str(q.dtype).removeprefix('torch.')}"
-        )
-    elif not layout.half_scales and q.scale.dtype in HALF_FLOATS:
-        why = (
-            f"{name}: its {spec.name} scales are {str(q.scale.dtype).removeprefix('torch.')}, "
-            f"quantizing in that dtype as compressed-tensors does, and format={ctx.format!r} "
-            "stores float32 scales its loaders quantize with in float32"
-        )
-    else:
-        return
-    ctx.warned.add("scale convention")
-    fix = "scales=compressed-tensors" if layout.half_scales else "scales=modelopt"
-    logger.warning(
-        "%s, so the checkpoint is not exactly the fake-quantized model; quantize with the "
-        "recipe option '%s' (e.g. '%s:%s') to make it exact (docs/checkpoint-format.md)",
-        why,
-        fix,
-        recipe_for_format(spec.format),
-        fix,
-    )
 
 
 def _kv_cache_format(name: str, quantizer: TensorQuantizer) -> FormatSpec:
@@ -158,7 +121,7 @@ class QuantLinearExporter(ModuleExporter):
         if weight_q.enabled and module.quant_algo:
             _check_format(ctx, name, weight_q)
             q = weight_q.quantize(module.effective_weight(), amax=ctx.amax_of(weight_q))
-            _emit_weight(ctx, name, q)
+            _emit_weight(ctx, name, q, weight_q.recipe)
             ctx.quant_config.add_layer(name, weight_q.spec, module.group_size)
             _emit_input(ctx, name, module.input_quantizer, weight_q.spec)
         else:
@@ -197,7 +160,8 @@ class QuantEmbeddingExporter(ModuleExporter):
             raise TypeError(f"{self!r} exports QuantEmbedding modules, got {type(module).__name__}")
         quantizer = module.weight_quantizer
         _check_format(ctx, name, quantizer)
-        _emit_weight(ctx, name, quantizer.quantize(module.weight, amax=ctx.amax_of(quantizer)))
+        q = quantizer.quantize(module.weight, amax=ctx.amax_of(quantizer))
+        _emit_weight(ctx, name, q, quantizer.recipe)
         if module.quant_algo:
             ctx.quant_config.add_layer(name, quantizer.spec, module.group_size)
 
@@ -250,7 +214,8 @@ class FusedExpertsExporter(ModuleExporter):
                 whole = module.effective_expert(projection, expert)
                 for linear, weight, bias in self._split(module, projection, whole, biases, expert):
                     prefix = f"{name}.{expert}.{linear}"
-                    _emit_weight(ctx, prefix, weight_q.quantize(weight, index=expert, amax=amax))
+                    q = weight_q.quantize(weight, index=expert, amax=amax)
+                    _emit_weight(ctx, prefix, q, weight_q.recipe)
                     if bias is not None:
                         ctx.emit_plain(f"{prefix}.bias", bias)
                     _emit_input(ctx, prefix, input_q, weight_q.spec, expert)

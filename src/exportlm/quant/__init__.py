@@ -44,6 +44,8 @@ from exportlm.quant._recipe import (
     QuantRecipe,
     recipe_for_format,
     recipe_names,
+    recipe_options,
+    recipes_for_format,
     resolve_algorithm,
 )
 from exportlm.quant._recipe_registry import (
@@ -118,6 +120,8 @@ __all__ = [
     "quantize_tensor",
     "recipe_for_format",
     "recipe_names",
+    "recipe_options",
+    "recipes_for_format",
     "recipes",
     "resolve_algorithm",
     "route_kv_cache_to_attention",

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from exportlm.quant._formats import dequantize
+from exportlm.quant._formats import convention_scale, dequantize
 from exportlm.quant._quantizer import TensorQuantizer
-from exportlm.quant._tensor import INT4_MAX, QuantFormat, safe_scale, split_blocks
+from exportlm.quant._tensor import INT4_MAX, QuantFormat, safe_scale, scaled_quotient, split_blocks
 
 __all__ = ["fake_quant_fresh"]
 
@@ -50,8 +50,13 @@ def _int4_fake_quant(quantizer: TensorQuantizer, weight: torch.Tensor) -> torch.
         return None
     where = quantizer.label or "quantizer"
     groups = split_blocks(weight, block, "int4", where)  # float32 [..., in / block, block]
-    scale = safe_scale(groups.abs().amax(dim=-1), INT4_MAX, where=where).unsqueeze(-1)
+    given = None  # compressed-tensors' group scales under its convention, in their dtype
+    if quantizer.scales != "modelopt":
+        given = convention_scale(weight, quantizer.spec, block, quantizer.scale_dtype, where)
+    if given is None:
+        given = safe_scale(groups.abs().amax(dim=-1), INT4_MAX, where=where)
+    scale = given.unsqueeze(-1)
     # the codes of quantize_int4 (round, clamp to [-8, 7]) kept as float32 integers: the
     # int8 round trip of pack / unpack is exact for them, so the product is the same
-    values = (groups / scale).round_().clamp_(-8, 7).mul_(scale)  # groups may be weight
+    values = scaled_quotient(groups, scale).round_().clamp_(-8, 7).mul_(scale.float())
     return values.reshape(weight.shape).to(weight.dtype)

@@ -21,6 +21,7 @@ from exportlm.quant._tensor import (
     QuantFormat,
     QuantizedTensor,
     safe_scale,
+    split_blocks,
 )
 from exportlm.quant.formats import E2M1_VALUES, FormatSpec, formats, get_format
 
@@ -32,6 +33,7 @@ __all__ = [
     "INT8_MAX",
     "QuantFormat",
     "QuantizedTensor",
+    "convention_scale",
     "dequantize",
     "quantize_tensor",
     "row_chunks",
@@ -80,6 +82,8 @@ def quantize_tensor(
     per_tensor = None
     if spec.calibrated:
         per_tensor = _per_tensor_scale(x, amax, scale, spec.amax_divisor, where)
+    elif scale is not None:  # a row / group format's scales, given (convention_scale)
+        per_tensor = scale.detach()
     if divides:
         if not spec.global_scale or scale is None:
             raise ValueError(
@@ -104,6 +108,33 @@ def _per_tensor_scale(
     if amax is None:
         amax = x.detach().abs().amax().float()
     return safe_scale(amax, divisor, where=where)
+
+
+def convention_scale(
+    x: torch.Tensor,
+    spec: FormatSpec,
+    block_size: int | None,
+    dtype: torch.dtype | None,
+    where: str,
+) -> torch.Tensor | None:
+    """compressed-tensors' weight scales of ``x`` in ``spec``'s row / group format, or ``None``
+    where its scheme has no :attr:`~exportlm.quant.formats.CompressedTensorsScheme.scale_divisor`.
+
+    ``amax / divisor`` per row (per group of ``block_size`` along the last dimension) in
+    float32, rounded once to ``dtype`` (the half-precision weight's; ``None``: float32), as
+    compressed-tensors' ``calculate_qparams`` computes them from a min-max observer; a zero
+    scale (an all-zero row) is that dtype's ``eps``, as it stores one. The codes are then
+    the rounding of the quotient in that dtype (:func:`~exportlm.quant._tensor.scaled_quotient`).
+    """
+    scheme = spec.compressed_tensors
+    divisor = None if scheme is None else scheme.scale_divisor
+    if divisor is None:
+        return None
+    rows = x.detach()
+    amax = (split_blocks(rows, block_size, spec.name, where) if block_size else rows).abs().amax(-1)
+    scale = safe_scale(amax, divisor, where=where)
+    scale = scale if dtype is None else scale.to(dtype)
+    return torch.where(amax == 0, torch.finfo(scale.dtype).eps, scale)
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:

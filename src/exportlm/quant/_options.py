@@ -11,7 +11,10 @@ option          recipes                                     values
 ``alpha``       SmoothQuant recipes (``int8_sq``, ``w8a8``)  a number in [0, 1]
 ``scales``      recipes whose weight scales come from a     ``modelopt`` (default) or
                 calibrated amax (``fp8``, ``nvfp4``), AWQ   ``compressed-tensors``
-                (``int4_awq``) and GPTQ recipes
+                (``int4_awq``), GPTQ, and row / group
+                scales compressed-tensors computes
+                otherwise (``int8_wo``, ``w8a8``,
+                ``fp8_dynamic``)
 ``actorder``    GPTQ (``int4_gptq``, ``int8_gptq``)         ``weight`` (default) or ``none``
 ``dampening``   GPTQ (``int4_gptq``, ``int8_gptq``)         a number in [0, 1] (default 0.01)
 ==============  ==========================================  ===============================
@@ -28,6 +31,10 @@ stores no ``pre_quant_scale``. For GPTQ (``int4_gptq``) it keeps the INT4 group 
 ``group_amax / 7`` in the weight's dtype (not compressed-tensors' ``/ 7.5``, which measured
 worse under GPTQ; ``docs/checkpoint-format.md``) where the default keeps them in float32
 (``int8_gptq``: row scales, ``row_amax / 127.5`` in the weight's dtype against ``/ 127``).
+Round-to-nearest row and group scales (INT4, ``int8_wo``, ``w8a8``, ``fp8_dynamic``) are
+compressed-tensors' own: ``amax / 7.5``, ``/ 127.5``, ``/ 448`` rounded to the weight's dtype,
+the codes rounded from the quotient in that dtype, as llm-compressor computes them; tensor for
+tensor its checkpoint of the same weights (``docs/checkpoint-format.md``).
 
 No layout exportlm writes for INT4 has a zero point (ModelOpt's ``W4A16_AWQ`` and
 compressed-tensors' symmetric ``pack-quantized``), so no recipe takes ``symmetric``.
@@ -107,12 +114,20 @@ def known_options(algo: Recipe) -> dict[str, str]:
         known["group_size"] = " / ".join(map(str, algo.allowed_group_sizes))
     if algo.smoothquant_alpha is not None:
         known["alpha"] = "a number in [0, 1]"
-    if get_format(algo.weight).calibrated or algo.awq or algo.gptq:
+    if _has_conventions(algo):
         known["scales"] = " / ".join(SCALE_CONVENTIONS)
     if algo.gptq:
         known["actorder"] = " / ".join(GPTQ_ACTORDERS)
         known["dampening"] = "a number in [0, 1]"
     return known
+
+
+def _has_conventions(algo: Recipe) -> bool:
+    """The ``scales`` option changes ``algo``'s scales: calibrated ones, AWQ's and GPTQ's, and
+    row / group scales compressed-tensors computes otherwise (its scheme's ``scale_divisor``)."""
+    spec = get_format(algo.weight)
+    ct = spec.compressed_tensors
+    return spec.calibrated or algo.awq or algo.gptq or (ct is not None and bool(ct.scale_divisor))
 
 
 def apply_options(algo: Recipe, options: Mapping[str, OptionValue]) -> Recipe:

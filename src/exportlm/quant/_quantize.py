@@ -275,7 +275,9 @@ def _weight_quantizer(algo: Algorithm | None, label: str, per_expert: bool) -> T
     if algo is None:
         return TensorQuantizer(QuantFormat.FP8, enabled=False, label=label)
     axis = 0 if per_expert else algo.weight_axis
-    return TensorQuantizer(algo.weight, axis=axis, block_size=algo.weight_block, label=label)
+    quantizer = TensorQuantizer(algo.weight, axis=axis, block_size=algo.weight_block, label=label)
+    quantizer.recipe = algo.spelling  # what a refusal names: its format may have other recipes
+    return quantizer
 
 
 def _input_quantizer(algo: Algorithm | None, label: str) -> TensorQuantizer:

@@ -7,14 +7,21 @@ from torch import nn
 
 from exportlm.errors import QuantizationError
 from exportlm.quant import _tensor
-from exportlm.quant._formats import dequantize, quantize_tensor, row_chunks, static_scale_value
+from exportlm.quant._channel_stats import ChannelStatistics
+from exportlm.quant._formats import (
+    convention_scale,
+    dequantize,
+    quantize_tensor,
+    row_chunks,
+    static_scale_value,
+)
 from exportlm.quant._tensor import FormatId, QuantizedTensor, safe_scale
 from exportlm.quant.formats import FormatSpec, get_format
 
 __all__ = ["TensorQuantizer", "row_chunks"]
 
 
-class TensorQuantizer(nn.Module):
+class TensorQuantizer(ChannelStatistics, nn.Module):
     """Quantizes one tensor (a weight, an activation or a KV-cache output).
 
     Args:
@@ -44,6 +51,9 @@ class TensorQuantizer(nn.Module):
     pre_quant_scale: torch.Tensor | None
     folded_pre_quant_scale: torch.Tensor | None
     static_scale: torch.Tensor | None
+    #: The recipe the model was quantized with, as spelled (set by ``quantize``; ``None``
+    #: for a quantizer built otherwise, e.g. from a checkpoint): what messages name.
+    recipe: str | None = None
 
     def __init__(
         self,
@@ -131,41 +141,6 @@ class TensorQuantizer(nn.Module):
             if self.channel_experts is None:
                 self.add_channel_mean(x.reshape(-1, x.shape[-1]).mean(dim=0))
 
-    def add_channel_mean(self, mean: torch.Tensor, expert: int | None = None) -> None:
-        """Add one forward's per-channel ``mean(|x|)`` to :attr:`channel_sum` (of ``expert``).
-
-        The sum is float64: a float64 sum of float32 means is exact (while a channel's
-        means lie within 2**29 of each other), so it does not depend on the order of
-        the forwards, and data-parallel ranks' sums add up to one process's bit for bit.
-        """
-        mean = mean.double()
-        total, steps = self.channel_sum, self.channel_steps
-        if total is None or steps is None:
-            rows = () if expert is None else (self.channel_experts or expert + 1,)
-            total = mean.new_zeros((*rows, mean.shape[-1]))
-            steps = torch.zeros(rows, dtype=torch.float32, device=mean.device)
-        if expert is None:
-            total, steps = total + mean, steps + 1
-        else:
-            total, steps = total.index_add(0, _at(expert, total), mean[None]), steps.clone()
-            steps[expert] += 1
-        self.channel_sum, self.channel_steps = total, steps
-
-    @property
-    def channel_mean(self) -> torch.Tensor | None:
-        """The per-channel activation statistic of AWQ: the mean over calibration forwards
-        of ``mean(|x|)`` (rows of an expert that saw no token are zero), or ``None``."""
-        if self.channel_sum is None or self.channel_steps is None:
-            return None
-        steps = self.channel_steps.clamp(min=1)
-        return self.channel_sum / (steps if steps.dim() == 0 else steps[:, None])
-
-    def reset_channels(self) -> None:
-        """Forget the per-channel statistics (:attr:`channel_amax`, :attr:`channel_mean`)."""
-        self.channel_amax = None
-        self.channel_sum = None
-        self.channel_steps = None
-
     def reset_amax(self) -> None:
         """Forget the calibrated amax (and a loaded :attr:`static_scale`)."""
         self.amax = None
@@ -207,11 +182,14 @@ class TensorQuantizer(nn.Module):
         :attr:`static_scale` is used as it is unless ``amax`` is given.
         """
         where, block = self.label or "quantizer", self.block_size
+        scale: torch.Tensor | None = None
         if amax is None and self.static_scale is not None:
             scale = self.static_scale
         elif self.scales != "modelopt" and self.spec.calibrated:  # the convention's own scale
             scale = self.scale_from(self._amax_for(x, index, amax))
-        else:
+        elif self.scales != "modelopt":  # a row / group format's, where its scheme has one
+            scale = convention_scale(x, self.spec, block, self.scale_dtype, where)
+        if scale is None:
             amax = self._amax_for(x, index, amax)
             return quantize_tensor(x, self.format, amax=amax, block_size=block, where=where)
         return quantize_tensor(
@@ -391,7 +369,3 @@ class TensorQuantizer(nn.Module):
         if self.calibrating:
             parts.append("calibrating")
         return ", ".join(parts)
-
-
-def _at(index: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([index], device=like.device)

@@ -35,6 +35,8 @@ __all__ = [
     "RecipeLike",
     "recipe_for_format",
     "recipe_names",
+    "recipe_options",
+    "recipes_for_format",
     "resolve_algorithm",
 ]
 
@@ -105,10 +107,24 @@ def recipe_names() -> list[str]:
 
 def recipe_for_format(fmt: FormatId) -> str:
     """The name of a weight recipe writing format ``fmt`` (the first by name), else the
-    format's own name: what an error message tells a user to quantize with."""
+    format's own name. One of several where the format has more (``int4``: ``int4_awq``,
+    ``int4_gptq``): a message about a quantized model names the recipe its quantizer
+    records (:attr:`TensorQuantizer.recipe <exportlm.quant.TensorQuantizer.recipe>`), or
+    every recipe (:func:`recipes_for_format`), never this one alone."""
+    mine = recipes_for_format(fmt)
+    return mine[0] if mine else format_name(fmt)
+
+
+def recipe_options(spelled: str) -> dict[str, str]:
+    """``{option: the values it takes}`` of the recipe ``spelled`` (``"int4_awq:group_size=64"``
+    or a name); :class:`~exportlm.errors.UnknownNameError` for an unknown recipe."""
+    return known_options(resolve_algorithm(spelled))
+
+
+def recipes_for_format(fmt: FormatId) -> list[str]:
+    """The names of every weight recipe writing format ``fmt``, by name (empty: none)."""
     name = format_name(fmt)
-    mine = [r.name for r in _algorithms().values() if format_name(r.weight) == name]
-    return mine[0] if mine else name
+    return sorted(r.name for r in _algorithms().values() if format_name(r.weight) == name)
 
 
 @dataclass(frozen=True)

@@ -39,19 +39,26 @@ from exportlm.quant import (
     TensorQuantizer,
     get_format,
     is_quantized_module,
-    recipe_for_format,
+    recipes_for_format,
 )
 
 __all__ = ["check_quantized_export", "qdq_refusal", "quantized_graph", "quantized_linears"]
 
 
 def _supported() -> str:
-    return ", ".join(f"{s.recipe} ({s.format})" for s in QDQ_SCHEMES.values())
+    return ", ".join(
+        f"{' / '.join(recipes_for_format(s.format) or [s.recipe])} ({s.format})"
+        for s in QDQ_SCHEMES.values()
+    )
 
 
 def _recipe_of(quantizer: TensorQuantizer) -> str:
-    """The recipe name that produces ``quantizer``'s format (the format name if none)."""
-    return recipe_for_format(quantizer.format)
+    """The recipe ``quantizer`` was quantized with (``"recipe 'int4_gptq' (int4)"``), else
+    its format and every recipe that writes it: a format may have several recipes."""
+    if quantizer.recipe:
+        return f"recipe {quantizer.recipe!r} ({quantizer.format})"
+    names = " or ".join(repr(n) for n in recipes_for_format(quantizer.format))
+    return f"format {quantizer.format}" + (f" (recipe {names})" if names else "")
 
 
 def _module_refusal(name: str, module: nn.Module) -> str | None:
@@ -69,13 +76,13 @@ def _module_refusal(name: str, module: nn.Module) -> str | None:
             "target cannot express; quantize without the KV-cache recipe"
         )
     if inputs.pre_quant_scale is not None:
-        return f"{name} carries a pre_quant_scale (recipe {_recipe_of(weight)!r}), which has no QDQ form"
+        return f"{name} carries a pre_quant_scale ({_recipe_of(weight)}), which has no QDQ form"
     if weight.enabled:
         scheme = QDQ_SCHEMES.get(get_format(weight.format).name)
         if scheme is None or weight.block_size:
             return (
-                f"{name} is quantized with recipe {_recipe_of(weight)!r} ({weight.format}), "
-                f"which the onnx target cannot express; supported: {_supported()}"
+                f"{name} is quantized with {_recipe_of(weight)}, which the onnx target "
+                f"cannot express; supported: {_supported()}"
             )
         if (scheme.axis is None) != (weight.axis is None):
             return f"{name}: {weight.format} weights with axis={weight.axis} have no QDQ form"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from exportlm.quant._tensor import FP8_MAX, QuantizedTensor, safe_scale
+from exportlm.quant._tensor import FP8_MAX, QuantizedTensor, safe_scale, scaled_quotient
 from exportlm.quant.formats._ct_codecs import decode_channel_scales, encode_channel_scales
 from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
@@ -53,12 +53,13 @@ def quantize_fp8_rows(
 ) -> QuantizedTensor:
     """``x / (row_amax / 448)`` cast to float8_e4m3fn, per row of the last dimension.
 
-    ``scale`` and ``block_size`` are unused: every scale comes from ``x`` (a weight's
-    output rows, an activation's tokens).
+    Every scale comes from ``x`` (a weight's output rows, an activation's tokens), unless
+    ``scale`` gives the row scales ``[out]`` (compressed-tensors' convention: the quotient
+    in their dtype, :func:`~exportlm.quant._tensor.scaled_quotient`); ``block_size`` is unused.
     """
     x32 = x.detach().to(torch.float32)
-    rows = safe_scale(x32.abs().amax(dim=-1), FP8_MAX, where=where)
-    scaled = (x32 / rows.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+    rows = safe_scale(x32.abs().amax(dim=-1), FP8_MAX, where=where) if scale is None else scale
+    scaled = scaled_quotient(x32, rows.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
     codes = scaled.to(torch.float8_e4m3fn)
     return QuantizedTensor(_NAME, codes, rows, shape=tuple(x.shape), dtype=x.dtype)
 
@@ -102,5 +103,6 @@ FP8_DYNAMIC = FormatSpec(
         weights=_CT_WEIGHTS,
         input_activations=_CT_INPUTS,
         codec=_CHANNEL_SCALES,
+        scale_divisor=FP8_MAX,  # (448 - -448) / 2
     ),
 )

@@ -15,7 +15,14 @@ import torch
 
 from exportlm.errors import UnsupportedFormatError
 from exportlm.quant import _tensor
-from exportlm.quant._tensor import INT4_MAX, QuantFormat, QuantizedTensor, safe_scale, split_blocks
+from exportlm.quant._tensor import (
+    INT4_MAX,
+    QuantFormat,
+    QuantizedTensor,
+    safe_scale,
+    scaled_quotient,
+    split_blocks,
+)
 from exportlm.quant.formats._ct_codecs import pack_quantized_codec
 from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
@@ -30,7 +37,8 @@ __all__ = ["INT4"]
 def quantize_int4(
     x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
 ) -> QuantizedTensor:
-    """Round ``x / (group_amax / 7)`` to int4 (clamped to [-8, 7]); ``scale`` is unused."""
+    """Round ``x / (group_amax / 7)`` to int4 (clamped to [-8, 7]); ``scale``: the group
+    scales ``[out, in / group]`` to use instead (compressed-tensors' convention)."""
     if not block_size:
         raise ValueError(f"{where}: int4 quantization needs a block_size")
     if x.dim() < 2 or x.shape[-2] % 2:
@@ -41,24 +49,35 @@ def quantize_int4(
     if x.dim() == 2 and x.shape[0] > step and x.shape[1] % block_size == 0:
         rows, cols = x.shape  # slices of rows: the same codes, small temporaries
         packed = torch.empty((rows // 2, cols), dtype=torch.uint8, device=x.device)
-        group_scale = torch.empty((rows, cols // block_size), dtype=torch.float32, device=x.device)
+        group_scale = (
+            torch.empty((rows, cols // block_size), dtype=torch.float32, device=x.device)
+            if scale is None
+            else scale
+        )
         for start in range(0, rows, step):
             end = min(start + step, rows)
+            given = None if scale is None else scale[start:end]
             packed[start // 2 : end // 2], group_scale[start:end] = _int4_codes(
-                x[start:end], block_size, where
+                x[start:end], block_size, where, given
             )
     else:
-        packed, group_scale = _int4_codes(x, block_size, where)
+        packed, group_scale = _int4_codes(x, block_size, where, scale)
     return QuantizedTensor(
         QuantFormat.INT4, packed, group_scale, None, block_size, tuple(x.shape), x.dtype
     )
 
 
-def _int4_codes(x: torch.Tensor, block_size: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed codes and the group scales of ``x`` (an even number of rows)."""
+def _int4_codes(
+    x: torch.Tensor, block_size: int, where: str, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed codes and the group scales of ``x`` (an even number of rows); ``scale``:
+    the group scales to use (their dtype's quotient: :func:`scaled_quotient`)."""
     groups = split_blocks(x, block_size, "int4", where)
-    group_scale = safe_scale(groups.abs().amax(dim=-1), INT4_MAX, where=where)
-    codes = (groups / group_scale.unsqueeze(-1)).round_().clamp_(-8, 7).to(torch.int8)
+    if scale is None:
+        scale = safe_scale(groups.abs().amax(dim=-1), INT4_MAX, where=where)
+    group_scale = scale
+    codes = scaled_quotient(groups, group_scale.unsqueeze(-1)).round_().clamp_(-8, 7)
+    codes = codes.to(torch.int8)
     return pack_int4_rows(codes.reshape(x.shape)), group_scale
 
 
@@ -127,5 +146,6 @@ INT4 = FormatSpec(
             "dynamic": False,
         },
         codec=pack_quantized_codec(4, unpack_int4_rows, pack_int4_rows),
+        scale_divisor=7.5,  # (7 - -8) / 2
     ),
 )

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from exportlm.quant._tensor import INT8_MAX, QuantFormat, QuantizedTensor, safe_scale
+from exportlm.quant._tensor import (
+    INT8_MAX,
+    QuantFormat,
+    QuantizedTensor,
+    safe_scale,
+    scaled_quotient,
+)
 from exportlm.quant.formats._ct_codecs import pack_quantized_codec
 from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
@@ -40,10 +46,13 @@ CT_INT8_CHANNEL_ARGS = {
 def quantize_int8(
     x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
 ) -> QuantizedTensor:
-    """Round ``x / (row_amax / 127)`` to int8 (clamped to [-128, 127]); ``scale`` is unused."""
+    """Round ``x / (row_amax / 127)`` to int8 (clamped to [-128, 127]); ``scale``: the row
+    scales ``[out]`` to use instead (compressed-tensors' convention, :func:`scaled_quotient`)."""
     x32 = x.detach().to(torch.float32)
-    row_scale = safe_scale(x32.abs().amax(dim=-1), INT8_MAX, where=where)
-    codes = (x32 / row_scale.unsqueeze(-1)).round().clamp(-128, 127).to(torch.int8)
+    row_scale = (
+        safe_scale(x32.abs().amax(dim=-1), INT8_MAX, where=where) if scale is None else scale
+    )
+    codes = scaled_quotient(x32, row_scale.unsqueeze(-1)).round().clamp(-128, 127).to(torch.int8)
     return QuantizedTensor(QuantFormat.INT8, codes, row_scale, shape=tuple(x.shape), dtype=x.dtype)
 
 
@@ -73,5 +82,6 @@ INT8 = FormatSpec(
         "pack-quantized",
         weights=CT_INT8_CHANNEL_ARGS,
         codec=pack_quantized_codec(8, _same, _same),
+        scale_divisor=127.5,  # (127 - -128) / 2
     ),
 )

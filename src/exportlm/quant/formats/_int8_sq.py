@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from exportlm.quant._tensor import INT8_MAX, QuantizedTensor, safe_scale
+from exportlm.quant._tensor import INT8_MAX, QuantizedTensor, safe_scale, scaled_quotient
 from exportlm.quant.formats._ct_codecs import decode_channel_scales, encode_channel_scales
 from exportlm.quant.formats._int8 import (
     CT_INT8_CHANNEL_ARGS,
@@ -85,11 +85,11 @@ def _rows_kernel(name: str, divisor: float) -> QuantizeFn:
         x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
     ) -> QuantizedTensor:
         if divisor == INT8_MAX:
-            q = quantize_int8(x, scale=None, block_size=None, where=where)
+            q = quantize_int8(x, scale=scale, block_size=None, where=where)
             return dataclasses.replace(q, format=name)
         x32 = x.detach().to(torch.float32)
-        rows = safe_scale(x32.abs().amax(dim=-1), divisor, where=where)
-        codes = (x32 / rows.unsqueeze(-1)).round().clamp(-128, 127).to(torch.int8)
+        rows = safe_scale(x32.abs().amax(dim=-1), divisor, where=where) if scale is None else scale
+        codes = scaled_quotient(x32, rows.unsqueeze(-1)).round().clamp(-128, 127).to(torch.int8)
         return QuantizedTensor(name, codes, rows, shape=tuple(x.shape), dtype=x.dtype)
 
     return quantize
@@ -198,5 +198,6 @@ W8A8 = _rows_spec(
         weights=CT_INT8_CHANNEL_ARGS,
         input_activations=_CT_TOKENS,
         codec=_INT_QUANTIZED,
+        scale_divisor=CT_INT8_DIVISOR,
     ),
 )

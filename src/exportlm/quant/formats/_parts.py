@@ -238,12 +238,18 @@ class CompressedTensorsScheme:
         input_activations: the group's ``input_activations`` args, ``None`` for weight-only.
         codec: how the layout stores the format's tensors when it differs from the
             format's own leaves (INT4 ``weight_packed`` int32...), ``None``: as they are.
+        scale_divisor: compressed-tensors' symmetric divisor of the weight scales it
+            derives from the weight per row or group, ``amax / ((q_max - q_min) / 2)``
+            (INT4 7.5, INT8 127.5, FP8 448), kept in the weight's dtype: what the recipe
+            option ``scales=compressed-tensors`` quantizes with. ``None``: the format's
+            scales are not such (calibrated per-tensor scales, NVFP4's and MX's own dtypes).
     """
 
     format: str
     weights: Mapping[str, Any]
     input_activations: Mapping[str, Any] | None = None
     codec: LeafCodec | None = None
+    scale_divisor: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weights", _frozen(self.weights))
