@@ -106,6 +106,8 @@ class FormatSpec:
         search_format: the format the AWQ search scores a candidate scale with, when not
             this one: W4A8's first stage, ``int4`` (ModelOpt's ``awq_lite`` runs inside
             ``SequentialQuantizer.convert_to_single_quantizer``: INT4 only, no FP8 step).
+        modelopt_instead: for a format without a ModelOpt scheme, what to quantize with
+            for that layout instead (a sentence the refusal ends with), ``""``: nothing.
     """
 
     format: FormatId
@@ -128,6 +130,7 @@ class FormatSpec:
     share_expert_gate_up_amax: bool = False
     global_scale: bool = False
     search_format: FormatId | None = None
+    modelopt_instead: str = ""
 
     def __post_init__(self) -> None:
         legacy = self.recipe
@@ -359,6 +362,8 @@ class FormatSpec:
                 if self.compressed_tensors is not None
                 else "give its FormatSpec a ModelOptScheme"
             )
+            if self.modelopt_instead:
+                instead += f"; {self.modelopt_instead}"
             raise UnsupportedFormatError(
                 f"format {self.name!r} declares no ModelOpt scheme, so it cannot be written "
                 f"in the ModelOpt checkpoint layout; {instead}"
