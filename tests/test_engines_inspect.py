@@ -46,6 +46,7 @@ WRITERS: dict[tuple[str | None, str | None], tuple[str | None, str | None, tuple
     # tiles of 32: compressed-tensors 0.17 reads a weight one 128-tile wide as per-channel
     ("compressed-tensors", "FP8_BLOCK"): ("compressed-tensors", "fp8_block:group_size=32", ()),
     ("modelopt", "W4A8_AWQ"): ("modelopt", "w4a8_awq", ()),
+    ("compressed-tensors", "W4AFP8"): ("compressed-tensors", "w4afp8", ()),
 }
 #: The engines' names in inspect's loader list (it appends the version it read them for).
 INSPECT_NAMES = {"vllm": "vLLM", "transformers": "transformers"}
