@@ -213,6 +213,16 @@ def test_the_modelopt_layout_refuses_it_before_any_work(
     assert not (tmp_path / "cli").exists()
 
 
+def test_the_streamed_export_refuses_the_modelopt_layout_before_it_reads_a_layer(
+    tmp_path: Path,
+) -> None:
+    """Before: the stream calibrated, then the writer refused, leaving its work directory."""
+    src = llama_directory(tmp_path, tied=False)
+    with pytest.raises(UnsupportedFormatError, match=r"compressed-tensors.*'w4a8_awq'"):
+        export_streaming(src, tmp_path / "out", recipe="w4afp8", calibration_inputs="float")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no work dir
+
+
 def test_stacked_experts_are_refused_before_anything_changes() -> None:
     model = tiny_hf_model("qwen3_moe", seed=0).eval()
     with pytest.raises(UnsupportedFormatError, match=r"w4afp8.*per-expert AWQ scale.*Exclude it"):
