@@ -17,9 +17,11 @@ declares no ModelOpt scheme and that layout refuses it, naming both.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from exportlm.quant._tensor import INT4_MAX, QuantFormat
+from exportlm.quant._tensor import INT4_MAX, QuantFormat, QuantizedTensor
 from exportlm.quant.formats._ct_codecs import pack_quantized_codec
 from exportlm.quant.formats._int4 import (
     dequantize_int4,
@@ -53,9 +55,18 @@ _CT_INPUTS = {
     "dynamic": True,
 }
 
+
+def quantize_w4afp8(
+    x: torch.Tensor, *, scale: torch.Tensor | None, block_size: int | None, where: str
+) -> QuantizedTensor:
+    """The codes and group scales of :func:`quantize_int4`, named as this format's."""
+    q = quantize_int4(x, scale=scale, block_size=block_size, where=where)
+    return dataclasses.replace(q, format=_NAME)
+
+
 W4AFP8 = FormatSpec(
     format=_NAME,
-    quantize=quantize_int4,
+    quantize=quantize_w4afp8,
     dequantize=dequantize_int4,
     maxbound=INT4_MAX,
     amax_divisor=INT4_MAX,
