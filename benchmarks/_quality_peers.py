@@ -37,6 +37,9 @@ recipe                      ModelOpt 0.47                          llm-compresso
                                                                    groups of G
 ``mxfp8``                   ``MXFP8_DEFAULT_CFG``                  ``MXFP8``
 ``mxfp4``                   ``MXFP4_DEFAULT_CFG``, inputs off      ``MXFP4A16``
+``w4afp8:group_size=G``     — (no dynamic-input W4A8)              ``AWQModifier`` with ``W4AFP8``'s scheme:
+                                                                   symmetric int4 group G, FP8 inputs per
+                                                                   token at run time
 ==========================  =====================================  ==========================================
 """
 
@@ -112,7 +115,7 @@ def supports(peer: str, recipe: str) -> bool:
         return name in MODELOPT_CONFIGS
     return name in LLMC_SCHEMES or name in (
         "int8_sq", "w8a8", "int8_wo", "int4_awq", "int4_gptq", "int8_gptq", "fp8_block",
-        "w4a8_awq",
+        "w4a8_awq", "w4afp8",
     )  # fmt: skip
 
 
@@ -226,7 +229,7 @@ def llmc_recipe(recipe: str) -> list[Any]:
         return [SmoothQuantModifier(), quant]
     if name == "w8a8":
         return [SmoothQuantModifier(), QuantizationModifier(ignore=["lm_head"], scheme="W8A8")]
-    if name in ("fp8_block", "w4a8_awq"):
+    if name in ("fp8_block", "w4a8_awq", "w4afp8"):
         return _llmc_custom(name, options)
     return [
         QuantizationModifier(
@@ -241,7 +244,8 @@ def llmc_recipe(recipe: str) -> list[Any]:
 def _llmc_custom(name: str, options: dict[str, Any]) -> list[Any]:
     """``fp8_block`` at a block size G: its ``FP8_BLOCK`` preset with G x G tiles and input
     groups of G. ``w4a8_awq``: ``AWQModifier`` with its ``W4AFP8`` weights (symmetric int4,
-    group G) and FP8 *static per-tensor* inputs (``W4AFP8``'s are per token, dynamic)."""
+    group G) and FP8 *static per-tensor* inputs (``W4AFP8``'s are per token, dynamic).
+    ``w4afp8``: ``AWQModifier`` with the ``W4AFP8`` preset's scheme at group G."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor.modifiers.awq import AWQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -257,6 +261,12 @@ def _llmc_custom(name: str, options: dict[str, Any]) -> list[Any]:
             ),
         )
         return [QuantizationModifier(ignore=["lm_head"], config_groups={"group_0": scheme})]
+    if name == "w4afp8":  # the preset itself (quant_scheme.py W4AFP8) at group size G
+        from compressed_tensors.quantization import preset_name_to_scheme
+
+        scheme = preset_name_to_scheme("W4AFP8", ["Linear"])
+        scheme.weights.group_size = group
+        return [AWQModifier(ignore=["lm_head"], config_groups={"group_0": scheme})]
     scheme = QuantizationScheme(
         targets=["Linear"],
         weights=QuantizationArgs(

@@ -85,7 +85,8 @@ def _run(pytester: pytest.Pytester, site: Path, *args: str) -> dict[str, Any]:
 def test_every_recipe_is_written_in_a_layout_its_formats_have() -> None:
     recipes = conformance_recipes(Registries.installed())
     # every built-in recipe, the KV-cache recipe with the weight recipe of its format
-    for name in ("fp8", "fp8_block", "fp8_dynamic", "int4_gptq", "mxfp4", "mxfp8", "w4a8_awq"):
+    builtins = ("fp8", "fp8_block", "fp8_dynamic", "int4_gptq", "mxfp4", "mxfp8", "w4a8_awq")
+    for name in (*builtins, "w4afp8"):
         assert name in recipes
     assert "fp8+fp8_kv" in recipes
     assert "fp8_kv" not in recipes
@@ -93,6 +94,7 @@ def test_every_recipe_is_written_in_a_layout_its_formats_have() -> None:
     assert layouts["fp8_block"] == "compressed-tensors"  # its format has no ModelOpt scheme
     assert layouts["w8a8"] == "compressed-tensors"
     assert layouts["w4a8_awq"] == "modelopt"  # its format has no compressed-tensors scheme
+    assert layouts["w4afp8"] == "compressed-tensors"  # its format has no ModelOpt scheme
     assert layouts["fp8"] == layouts["int8_wo"] == layouts["fp8+fp8_kv"] == "modelopt"
 
 

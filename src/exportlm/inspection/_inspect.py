@@ -24,6 +24,7 @@ from exportlm.inspection._structure import (
 )
 from exportlm.inspection._values import value_findings
 from exportlm.inspection._w4a8 import w4a8_findings
+from exportlm.inspection._w4afp8 import w4afp8_findings
 
 __all__ = ["InspectionReport", "inspect_checkpoint"]
 
@@ -114,6 +115,7 @@ def inspect_checkpoint(path: str | Path) -> InspectionReport:
         *value_findings(checkpoint, layers),
         *e8m0_findings(checkpoint, layers),
         *w4a8_findings(checkpoint, layers),
+        *w4afp8_findings(layers),
     ]
     formats = Counter(
         layer.spec.name if layer.spec else (layer.scheme.label if layer.scheme else "?")

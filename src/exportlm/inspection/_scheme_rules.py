@@ -3,7 +3,7 @@
 Each row is ``(id, severity, loaders, summary)``; :mod:`exportlm.inspection._rules`
 turns them into :class:`~exportlm.inspection.Rule` records at the end of its table (so
 this module imports nothing of it). The code that evaluates a row lives in the module
-named for its scheme (``_w4a8``).
+named for its scheme (``_w4a8``, ``_w4afp8``).
 """
 
 from __future__ import annotations
@@ -18,5 +18,12 @@ SCHEME_RULE_ROWS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         ("TensorRT-LLM",),
         "A W4A8_AWQ layer's INT4 values fit FP8 after its second scale: "
         "7 x max(weight_scale) <= 448 x weight_scale_2.",
+    ),
+    (
+        "w4afp8-group-size",
+        "warning",
+        ("vLLM",),
+        "A compressed-tensors W4AFP8 layer (INT4 groups, FP8 per-token inputs) is in groups "
+        "of 128, the only size vLLM's W4AFP8 kernel takes.",
     ),
 )

@@ -11,6 +11,7 @@ at run time). The KV-cache recipe
 ``fp8_kv`` quantizes the KV cache to FP8 (whose ``kv_cache`` scheme holds its config fields).
 ``mxfp4`` (weight-only) and ``mxfp8`` (dynamic inputs) are the OCP microscaling formats.
 ``int4_gptq`` / ``int8_gptq``: ``int4_awq``'s / ``int8_wo``'s formats with GPTQ's codes.
+``w4afp8``: compressed-tensors' ``W4AFP8`` (``int4_awq``'s codes, FP8 inputs per token).
 """
 
 from __future__ import annotations
@@ -49,4 +50,14 @@ BUILTIN_RECIPES: tuple[Recipe | KVCacheRecipe, ...] = (
     Recipe("w4a8_awq", "w4a8", QuantFormat.FP8, awq=True, group_sizes=(32, 64, 128)),
     # GPTQ on int8_wo's format (W8A16, one scale per output row): only the codes differ
     Recipe("int8_gptq", QuantFormat.INT8, weight_axis=0, gptq=True),
+    # compressed-tensors' W4AFP8 (llm-compressor; vLLM on Hopper): int4_awq's codes and AWQ
+    # folds, FP8 inputs per token at run time; its only layout's scale convention by default
+    Recipe(
+        "w4afp8",
+        "w4afp8",
+        "fp8_dynamic",
+        awq=True,
+        group_sizes=(32, 64, 128),
+        scales="compressed-tensors",
+    ),
 )

@@ -58,16 +58,25 @@ def refuse_unconvertible(name: str, module: nn.Module, recipe: QuantRecipe) -> N
 def refuse_experts_algorithm(name: str, module: nn.Module, algo: Algorithm) -> None:
     base = experts_base(module)
     problem = None if base is None else base.refuses(algo) or _tile_problem(module, base, algo)
-    if problem is None and algo.awq and algo.input is not None:  # w4a8_awq
+    modelopt = get_format(algo.weight).modelopt is not None
+    if problem is None and algo.awq and algo.input is not None:  # w4a8_awq, w4afp8
         problem = (
             f"recipe {algo.name!r} quantizes the inputs after a per-expert AWQ scale, which "
             "the stacked experts' wrappers do not apply in one order yet (the fake-quantized "
             "model would not be what the checkpoint's loader computes)"
         )
+        if not modelopt:  # w4afp8: compressed-tensors only, one format per checkpoint
+            problem += (
+                ", and compressed-tensors, its only layout, has no tensor for a per-expert "
+                "AWQ scale and no second format for the experts"
+            )
     if problem is not None:
+        instead = (
+            f"Quantize it with 'fp8' ({{{name!r}: 'fp8'}}) or exclude" if modelopt else "Exclude"
+        )
         raise UnsupportedFormatError(
-            f"module {name!r} ({type(module).__name__}): {problem}. Quantize it with 'fp8' "
-            f"({{{name!r}: 'fp8'}}) or exclude it (exclude=[{name!r}])."
+            f"module {name!r} ({type(module).__name__}): {problem}. {instead} it "
+            f"(exclude=[{name!r}])."
         )
 
 
@@ -200,9 +209,11 @@ def check_layout(recipe: QuantRecipe, layout: str) -> None:
     for algo in algos:
         spec = get_format(algo.weight)
         if (spec.modelopt if holder.scheme is None else getattr(spec, holder.scheme)) is None:
+            instead = f"; {spec.modelopt_instead}" if spec.modelopt_instead else ""
             raise UnsupportedFormatError(
                 f"recipe {algo.spelling!r} cannot be written in the {layout} checkpoint layout "
                 f"(its format {spec.name!r} declares no scheme there); {_layouts_of(spec)}"
+                + (instead if holder.scheme is None else "")
             )
     kv_scheme = None if kv is None else kv.kv_cache
     if holder.scheme is not None and kv_scheme is not None and not _kv_held(kv_scheme, holder):

@@ -151,8 +151,10 @@ def _loaded(directory: Path, source: DirectorySource, format: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     from exportlm.hfdir import vet_model_directory
-    from exportlm.quant import QuantRecipe, quantize
+    from exportlm.quant import QuantRecipe, check_layout, quantize
 
+    if source.recipe is not None:  # a layout that cannot hold it: before the model loads
+        check_layout(QuantRecipe.parse(source.recipe).for_layout(format), format)
     vet_model_directory(directory)  # no code of its own, shards confined, before transformers
     try:
         model = AutoModelForCausalLM.from_pretrained(

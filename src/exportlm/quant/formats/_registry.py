@@ -18,6 +18,7 @@ from exportlm.quant.formats._nvfp4 import NVFP4
 from exportlm.quant.formats._parts import LeafRole
 from exportlm.quant.formats._spec import FormatSpec
 from exportlm.quant.formats._w4a8 import W4A8
+from exportlm.quant.formats._w4afp8 import W4AFP8
 from exportlm.registry import Registry
 
 __all__ = [
@@ -61,6 +62,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
     FP8_GROUP,
     FP8_BLOCK,
     W4A8,
+    W4AFP8,
 )
 _LOCK = threading.Lock()
 #: ``{recipe name: owner}`` of the records in the recipe registry (installed by it), which a

@@ -109,6 +109,8 @@ class FormatSpec:
             ``SequentialQuantizer.convert_to_single_quantizer``: INT4 only, no FP8 step).
         finegrained_fp8: the fields of DeepSeek-V3's / Qwen3-FP8's layout (``quant_method:
             "fp8"`` with ``weight_block_size``), ``None`` if that layout cannot hold the format.
+        modelopt_instead: for a format without a ModelOpt scheme, what to quantize with
+            for that layout instead (a sentence the refusal ends with), ``""``: nothing.
     """
 
     format: FormatId
@@ -132,6 +134,7 @@ class FormatSpec:
     global_scale: bool = False
     search_format: FormatId | None = None
     finegrained_fp8: FineGrainedFP8Scheme | None = None
+    modelopt_instead: str = ""
 
     def __post_init__(self) -> None:
         legacy = self.recipe
@@ -363,6 +366,8 @@ class FormatSpec:
                 if self.compressed_tensors is not None
                 else "give its FormatSpec a ModelOptScheme"
             )
+            if self.modelopt_instead:
+                instead += f"; {self.modelopt_instead}"
             raise UnsupportedFormatError(
                 f"format {self.name!r} declares no ModelOpt scheme, so it cannot be written "
                 f"in the ModelOpt checkpoint layout; {instead}"

@@ -60,7 +60,7 @@ from exportlm.export.hf_checkpoint.stream._work import ActivationStore, WorkArea
 from exportlm.export.job import ExportRequest, export_job
 from exportlm.inputs import make_input_ids
 from exportlm.module_exporters import ExportFormat, export_quantized_state
-from exportlm.quant import QuantRecipe, resolve_algorithm
+from exportlm.quant import QuantRecipe, check_layout, resolve_algorithm
 
 __all__ = ["stream_checkpoint"]
 
@@ -116,6 +116,8 @@ def stream_checkpoint(
     # the layout's scale convention: a compressed-tensors checkpoint is the calibrated model
     recipe = how.recipe
     plan = QuantRecipe.parse(recipe).for_layout(options.format) if recipe is not None else None
+    if plan is not None:
+        check_layout(plan, options.format)  # a layout that cannot hold it: before any read
     map_large_allocations()  # freed tensors go straight back to the system (see _memory.py)
     source = CheckpointSource(Path(request.model))
     baseline = resident_bytes()  # before any weight: interpreter, torch, the meta model
