@@ -60,8 +60,13 @@ class BlockTrace:
 
 
 def _convention(module: nn.Module) -> bool:
-    q = module.input_quantizer if isinstance(module, QuantLinear) else None
-    return q is not None and q.track_channels and q.scales == "compressed-tensors"
+    """An AWQ linear (its input tracks channels) of the compressed-tensors convention, read
+    on the weight quantizer: an input quantized at run time (``w4afp8``'s FP8 per token)
+    keeps ModelOpt's convention (:func:`~exportlm.quant._conventions.apply_convention`)."""
+    if not isinstance(module, QuantLinear):
+        return False
+    weights = module.weight_quantizer
+    return module.input_quantizer.track_channels and weights.scales == "compressed-tensors"
 
 
 @contextmanager

@@ -87,6 +87,7 @@ W4AFP8 = FormatSpec(
         weights=_CT_WEIGHTS,
         input_activations=_CT_INPUTS,
         codec=pack_quantized_codec(4, unpack_int4_rows, pack_int4_rows),  # int4's
+        scale_divisor=7.5,  # int4's: compressed-tensors' (7 - -8) / 2
     ),
     modelopt_instead=(
         "ModelOpt's W4A8 quantizes the inputs statically per tensor: quantize with recipe "
