@@ -86,9 +86,11 @@ def in_memory_export(
     from exportlm.cli._model import resolve_model
     from exportlm.quant import quantize
 
+    from exportlm.quant import QuantRecipe
+
     model = resolve_model(str(src)).build()
-    if recipe is not None:
-        model = quantize(model, recipe)
+    if recipe is not None:  # with the layout's scale convention, as the stream picks it
+        model = quantize(model, QuantRecipe.parse(recipe).for_layout(format))
     options = {} if format == "modelopt" else {"format": format}  # as the stream records them
     return export_model("hf_checkpoint", model, out, max_shard_size=shard, **options)
 
