@@ -84,9 +84,7 @@ def in_memory_export(
     """The in-memory export of ``src`` (quantized with ``recipe``) the stream must equal."""
     from exportlm import export_model
     from exportlm.cli._model import resolve_model
-    from exportlm.quant import quantize
-
-    from exportlm.quant import QuantRecipe
+    from exportlm.quant import QuantRecipe, quantize
 
     model = resolve_model(str(src)).build()
     if recipe is not None:  # with the layout's scale convention, as the stream picks it
