@@ -67,6 +67,7 @@ RECIPES = (
     "fp8_block:group_size=64",
     "mxfp8",
     "mxfp4",
+    "w4afp8:group_size=64",
 )
 PEERS = ("exportlm", "modelopt", "llmcompressor")
 LLMC_PYTHON = Path(
@@ -89,6 +90,7 @@ RECIPE_OPTIONS = {
     "int4_gptq": ["-o", "format=compressed-tensors"],
     "int8_gptq": ["-o", "format=compressed-tensors"],
     "fp8_block": ["-o", "format=compressed-tensors"],
+    "w4afp8": ["-o", "format=compressed-tensors"],
 }
 #: Every child runs with the same threads (the machine's cores are shared).
 CHILD_ENV = {"OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
