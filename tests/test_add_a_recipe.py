@@ -27,6 +27,7 @@ from exportlm.models import tiny_hf_model
 from exportlm.quant import (
     RECIPE_REGISTRY,
     QuantFormat,
+    QuantRecipe,
     Recipe,
     is_quantized_module,
     quantize,
@@ -110,8 +111,8 @@ def test_the_documented_plugin_recipe_is_listed_and_exported(
     weights = [group["weights"] for group in config["config_groups"].values()]
     assert [(w["num_bits"], w["group_size"], w["symmetric"]) for w in weights] == [(4, 64, True)]
     # the same recipe in this process, on the CLI's toy model: RTN needs no calibration
-    model = tiny_hf_model("llama")
-    quantize(model, "int4_rtn:group_size=64")
+    model = tiny_hf_model("llama")  # with the layout's scale convention, as the CLI picks it
+    quantize(model, QuantRecipe.parse("int4_rtn:group_size=64").for_layout("compressed-tensors"))
     ids = make_input_ids(model.config.vocab_size, 2, 8, seed=3)
     info = get_target_info("hf_checkpoint")
     with torch.no_grad():

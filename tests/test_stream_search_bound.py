@@ -52,8 +52,9 @@ print(json.dumps({"grown": peak / 1e6 - baseline, "held": bound - baseline - act
 #: its four inputs has a matrix (8.4 MB in float64), AWQ's ``down_proj`` included
 _SHAPE = {"hidden_size": 1024, "intermediate_size": 1024, "num_attention_heads": 8}
 #: Memory the process takes once, on its first use, that no term of the bound counts:
-#: LAPACK's buffers at the first factorization (measured: 8 MB) and the like
-_FIRST_USE_MB = 10
+#: LAPACK's buffers at the first factorization and the like (measured: 8 MB at one thread,
+#: 12 MB at two in a CI run)
+_FIRST_USE_MB = 16
 
 
 def _stream(src: Path, out: Path, recipe: str, budget: str) -> dict[str, float]:
