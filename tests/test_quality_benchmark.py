@@ -44,6 +44,28 @@ def test_the_evaluation_text_is_not_the_calibration_text() -> None:
     assert len(calibration.splitlines()) >= 128  # the memory row's 128 samples
 
 
+#: A results file's meta for the report tests (no memory row).
+META = {
+    "bf16": {"ppl": 19.0, "agree": 1.0},
+    "calibration": {"rows": 4, "tokens": 2048},
+    "seq_len": 512,
+    "eval_tokens": 1024,
+    "started": "2026-12-05 09:00 UTC",
+    "wall_s": 600.0,
+}
+
+
+def _markdown(tmp_path: Path, results: dict[str, object]) -> list[str]:
+    """The lines ``quality.py --markdown`` prints for ``results``."""
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--markdown", str(path)],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    return done.stdout.splitlines()
+
+
 def _row(recipe: str, producer: str, **fields: object) -> dict[str, object]:
     return {"recipe": recipe, "producer": producer, "memory_row": False, **fields}
 
@@ -71,13 +93,7 @@ def test_the_markdown_table_shows_absent_failed_and_worse_cells(tmp_path: Path) 
             {**_row("fp8", "exportlm", export_s=30.0, peak_rss=1.5e9), "memory_row": True},
         ],
     }
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps(results))
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--markdown", str(path)],
-        capture_output=True, text=True, check=True, cwd=ROOT,
-    )  # fmt: skip
-    lines = done.stdout.splitlines()
+    lines = _markdown(tmp_path, results)
     assert "| w8a8 | ModelOpt | — | — | — | — | — | — |" in lines
     assert (
         "| nvfp4 | exportlm | error: exit 1: ValueError: no scheme | — | — | — | — | — |" in lines
@@ -93,27 +109,15 @@ def test_a_peer_whose_in_memory_model_failed_is_judged_by_its_checkpoint(tmp_pat
     measured = {"ppl": 20.0, "agree": 0.9, "eval_s": 1.0}
     checkpoint = {**measured, "ppl": 19.0}
     results = {
-        "meta": {
-            "bf16": {"ppl": 19.0, "agree": 1.0},
-            "calibration": {"rows": 4, "tokens": 2048},
-            "seq_len": 512,
-            "eval_tokens": 1024,
-            "started": "2026-12-05 09:00 UTC",
-            "wall_s": 600.0,
-        },
+        "meta": META,
         "rows": [
             _row("mxfp8", "exportlm", ckpt=measured, export_s=10.0, peak_rss=1e9),
             _row("mxfp8", "modelopt", mem_error="RuntimeError: CUDA", ckpt=checkpoint),
             _row("mxfp8", "llmcompressor", error="exit 1: ValueError: no scheme"),
         ],
     }
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps(results))
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--markdown", str(path)],
-        capture_output=True, text=True, check=True, cwd=ROOT,
-    )  # fmt: skip
-    verdict = [line for line in done.stdout.splitlines() if line.startswith("- `mxfp8`")]
+    lines = _markdown(tmp_path, results)
+    verdict = [line for line in lines if line.startswith("- `mxfp8`")]
     assert verdict == [
         "- `mxfp8`: exportlm 20.000, better peer ModelOpt (its checkpoint) 19.000 (+5.3%): "
         "WORSE by more than 1%"
@@ -126,14 +130,7 @@ def test_the_verdict_adds_ours_against_modelopt_s_checkpoint_where_both_were_rea
     """ModelOpt's AWQ model in memory holds per-linear scales its export averages: the
     verdict line also compares the two checkpoints read by the same runtime."""
     results = {
-        "meta": {
-            "bf16": {"ppl": 19.0, "agree": 1.0},
-            "calibration": {"rows": 4, "tokens": 2048},
-            "seq_len": 512,
-            "eval_tokens": 1024,
-            "started": "2026-12-05 09:00 UTC",
-            "wall_s": 600.0,
-        },
+        "meta": META,
         "rows": [
             _row(
                 "int4_awq",
@@ -149,13 +146,8 @@ def test_the_verdict_adds_ours_against_modelopt_s_checkpoint_where_both_were_rea
             ),
         ],
     }
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps(results))
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--markdown", str(path)],
-        capture_output=True, text=True, check=True, cwd=ROOT,
-    )  # fmt: skip
-    verdict = [line for line in done.stdout.splitlines() if line.startswith("- `int4_awq`")]
+    lines = _markdown(tmp_path, results)
+    verdict = [line for line in lines if line.startswith("- `int4_awq`")]
     assert verdict == [
         "- `int4_awq`: exportlm 29.400, better peer ModelOpt 28.800 (+2.1%): WORSE by more "
         "than 1%; checkpoints: ours 29.300, ModelOpt's 29.500 (-0.7%)"
