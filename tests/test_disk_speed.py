@@ -133,6 +133,18 @@ def _shard_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("exportlm-shard")]
 
 
+def test_a_finished_writer_s_threads_end_after_its_last_write(tmp_path: Path) -> None:
+    before = set(_shard_threads())
+    writer = ShardedSafetensorsWriter(tmp_path, max_shard_size=10, write_threads=2)
+    for name in "abc":
+        writer.add(name, torch.ones(4))
+    summary = writer.finish()  # returns once every file is written, not once freed
+    assert len(summary.files) == 3
+    for thread in set(_shard_threads()) - before:
+        thread.join(timeout=30)  # it only drops the tensors it wrote, then exits
+        assert not thread.is_alive()
+
+
 def test_a_failed_background_write_surfaces_at_finish_as_our_error(tmp_path: Path) -> None:
     writer = ShardedSafetensorsWriter(tmp_path / "gone", max_shard_size=10)
     writer.add("a", torch.ones(4))

@@ -153,11 +153,14 @@ def checkpoint_bytes_at_least(
     """About the fewest bytes :func:`export_quantized_state` writes for ``model``: every
     parameter and persistent buffer outside the quantized modules (the embeddings, the
     norms, an unquantized ``lm_head``) as it writes them (in ``dtype`` where it casts), each
-    tensor's memory counted once (a tie), and half a byte an element of each quantized module's weight (no
-    built-in format stores fewer than 4 bits an element; scales are not counted).
+    tensor's memory counted once (a tie), and each quantized module's weight at its format's
+    stored bytes an element (the weight leaf's dtype over the format's packing: FP8 and INT8
+    one byte, INT4 and NVFP4 half a byte; half a byte where the quantizer does not name a
+    registered format); scales are not counted.
 
-    A hint for a writer that allocates its file ahead; computed without reading any weight.
-    ``0`` with ``is_qlora`` (the adapters are dropped).
+    A hint for a writer that allocates its file ahead (the whole shard while the exporter
+    converts, none of it left to after the conversion); computed without reading any
+    weight. ``0`` with ``is_qlora`` (the adapters are dropped).
     """
     if is_qlora:
         return 0
@@ -173,6 +176,7 @@ def checkpoint_bytes_at_least(
             owned = prefix  # its subtree is its exporter's
             weight = getattr(module, "weight", None)
             tensors = [weight] if isinstance(weight, torch.Tensor) else []
+            per_element = _stored_bytes_per_element(module)
         else:
             tensors = [t for _, t in module.named_parameters(recurse=False)]
             tensors += [
@@ -184,5 +188,24 @@ def checkpoint_bytes_at_least(
             seen.add(tensor.data_ptr())
             cast = dtype is not None and tensor.is_floating_point()
             size = dtype.itemsize if dtype is not None and cast else tensor.element_size()
-            total += tensor.numel() // 2 if owned == prefix else tensor.numel() * size
+            total += (
+                int(tensor.numel() * per_element) if owned == prefix else tensor.numel() * size
+            )
     return total
+
+
+def _stored_bytes_per_element(module: nn.Module) -> float:
+    """Bytes an element of ``module``'s quantized weight as its format stores the codes
+    (the weight leaf's dtype over the format's packing); half a byte (no built-in format
+    stores fewer than 4 bits) where the quantizer or its format does not say."""
+    quantizer = getattr(module, "weight_quantizer", None)
+    if not isinstance(quantizer, TensorQuantizer) or not quantizer.enabled:
+        return 0.5
+    try:
+        spec = quantizer.spec
+    except ValueError:  # a format no longer registered: the hint stays at its floor
+        return 0.5
+    data = [leaf for leaf in spec.leaves if leaf.source == "data"]
+    if not data or spec.packing < 1:
+        return 0.5
+    return data[0].dtype.itemsize / spec.packing
