@@ -188,9 +188,7 @@ def checkpoint_bytes_at_least(
             seen.add(tensor.data_ptr())
             cast = dtype is not None and tensor.is_floating_point()
             size = dtype.itemsize if dtype is not None and cast else tensor.element_size()
-            total += (
-                int(tensor.numel() * per_element) if owned == prefix else tensor.numel() * size
-            )
+            total += int(tensor.numel() * per_element) if owned == prefix else tensor.numel() * size
     return total
 
 
