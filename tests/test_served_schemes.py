@@ -8,18 +8,27 @@ prompts chosen as cheaply as the wide W8A8 margin allows.
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import torch
+
+import exportlm
 from exportlm.engines import (
     Verdict,
+    artifact_kind,
     choose_prompts,
     eager_reference,
     get_engine,
 )
 from exportlm.models import tiny_hf_model
+from exportlm.quant import quantize
 from pytest_exportcheck.checks.targets.served import (
+    CUDA_DTYPE,
     QUANTIZED,
+    QUANTIZED_CUDA,
     SERVED_FAMILIES,
+    Quantized,
     served_dtype,
 )
 
@@ -101,3 +110,33 @@ def test_prompts_stopped_early_are_the_prompts_full_references_choose(min_margin
     assert model.config.vocab_size == 256
     got = choose_prompts(model, min_margin=min_margin, tries=3)
     assert got == _chosen_from_full_references(model, min_margin, tries=3)
+
+
+@pytest.mark.parametrize("family", sorted(SERVED_FAMILIES))
+@pytest.mark.parametrize("item", QUANTIZED_CUDA, ids=lambda q: f"{q.layout}-{q.recipe}")
+def test_every_gpu_served_checkpoint_exports_and_its_row_runs_on_cuda_only(
+    item: Quantized, family: str, tmp_path: Path
+) -> None:
+    """What the GPU runner's served item will ask vLLM for, checked without a GPU: the toy
+    exports in the layout, the file reads back as the row's scheme, the row runs on CUDA
+    in bfloat16 with a stated tolerance, and on a CPU it is an engine limit with a reason."""
+    model = tiny_hf_model(family)
+    batch = torch.randint(
+        0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0)
+    )
+    quantize(model, item.recipe, exclude=list(item.exclude) or None, calibrate=lambda m: m(batch))
+    path = Path(exportlm.export_model(_HF, model, tmp_path / "ckpt", format=item.layout))
+    read = artifact_kind(path)
+    assert (read.layout, read.scheme) == (item.layout, item.scheme)
+    vllm = get_engine("vllm")
+    cuda = vllm.support(
+        _HF, item.layout, item.scheme, dtype=CUDA_DTYPE, device="cuda", model_type=family
+    )
+    assert cuda.verdict is Verdict.RUNS, cuda
+    assert vllm.tolerance(CUDA_DTYPE, item.scheme) is not None
+    cpu = vllm.support(
+        _HF, item.layout, item.scheme, dtype=CUDA_DTYPE, device="cpu", model_type=family
+    )
+    assert cpu.verdict is Verdict.ENGINE_LIMIT
+    assert cpu.row is not None
+    assert cpu.row.limit

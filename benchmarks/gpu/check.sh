@@ -12,8 +12,9 @@
 # cuda; DEVICE=cpu runs the same subset on the CPU, a dry run of this script).
 # VLLM_PYTHON (default $EXPORTLM_ENGINE_VLLM): the interpreter of a GPU build of vLLM
 # (`pip install vllm==0.32.0` in a venv of its own); when set, step 3 runs the `served`
-# items of hf_checkpoint on CUDA: ModelOpt FP8, compressed-tensors FP8 and ModelOpt
-# NVFP4 checkpoints in vLLM, in bfloat16 (SERVED_BUDGET_S, default 600; every engine
+# items of hf_checkpoint on CUDA: ModelOpt FP8, compressed-tensors FP8, ModelOpt NVFP4,
+# compressed-tensors FP8_BLOCK (blocks of 32), ModelOpt MXFP8 and compressed-tensors
+# MXFP4A16 checkpoints in vLLM, in bfloat16 (SERVED_BUDGET_S, default 900; every engine
 # run starts vLLM afresh, ~30-60 s). Unset: step 3 is skipped, and says so.
 # Exit status: pytest's (0 all passed; the worse of the two pytest runs), 2 when this
 # python cannot run CUDA, 124 when pytest ran past its budget.
@@ -92,7 +93,7 @@ fi
 # The engine runs in its own interpreter; --export-require-engines makes a VLLM_PYTHON
 # that does not import vLLM a failure, not a skip.
 VLLM_PYTHON="${VLLM_PYTHON:-${EXPORTLM_ENGINE_VLLM:-}}"
-SERVED_BUDGET_S="${SERVED_BUDGET_S:-600}"
+SERVED_BUDGET_S="${SERVED_BUDGET_S:-900}"
 served_rc=0
 if [ -z "$VLLM_PYTHON" ]; then
     say "step 3/4: served on ${DEVICE}: skipped (set VLLM_PYTHON to a GPU build of vLLM's python)"

@@ -16,7 +16,7 @@ cache):
 * a checkpoint directory: the plain export, and for a target declaring ``quantized``
   each of :data:`QUANTIZED` (format, recipe, scheme), exported from the fake-quantized
   model; on ``--export-device=cuda`` :data:`QUANTIZED_CUDA` instead, vLLM's GPU-only
-  FP8 / NVFP4 paths, in bfloat16 (``benchmarks/gpu/check.sh``);
+  FP8 / NVFP4 / FP8-block / MX paths, in bfloat16 (``benchmarks/gpu/check.sh``);
 * an ``.onnx`` file: the plain graph (OpenVINO), and for a target declaring
   ``kv_cache`` the ``kv_cache=True`` graph in Optimum's folder with
   ``genai_config.json`` (``layout="optimum", genai_config=True``: Optimum ONNX Runtime,
@@ -102,13 +102,18 @@ QUANTIZED: tuple[Quantized, ...] = (
     Quantized("compressed-tensors", "w8a8", "W8A8"),
     Quantized("compressed-tensors", "int4_awq", "W4A16", ("*o_proj", "*down_proj")),
 )
-#: On a CUDA device, instead: vLLM's GPU-only FP8 / NVFP4 paths, computed in bfloat16
-#: (vLLM 0.32's ModelOpt configs take bfloat16 / float16 activations only:
-#: vllm/model_executor/layers/quantization/modelopt.py, get_supported_act_dtypes).
+#: On a CUDA device, instead: vLLM's GPU-only FP8 / NVFP4 / FP8-block / MX paths, computed
+#: in bfloat16 (vLLM 0.32's ModelOpt configs take bfloat16 / float16 activations only:
+#: vllm/model_executor/layers/quantization/modelopt.py, get_supported_act_dtypes). FP8
+#: blocks of 32: the toy's k/v projections have 64 outputs, and vLLM checks every merged
+#: partition but the last against the block (fp8_utils.py validate_fp8_block_shape).
 QUANTIZED_CUDA: tuple[Quantized, ...] = (
     Quantized("modelopt", "fp8", "FP8"),
     Quantized("compressed-tensors", "fp8", "FP8"),
     Quantized("modelopt", "nvfp4", "NVFP4"),
+    Quantized("compressed-tensors", "fp8_block:group_size=32", "FP8_BLOCK"),
+    Quantized("modelopt", "mxfp8", "MXFP8"),
+    Quantized("compressed-tensors", "mxfp4", "MXFP4A16"),
 )
 #: The dtype every artifact is exported in (served so where the engine's row takes it).
 OWN_DTYPE = "float32"
@@ -197,7 +202,8 @@ def _quantized(case: TargetCase, name: str) -> Iterator[_Artifact]:
                 model = _sharp(case, name, q.recipe, q.exclude)
             else:
                 model = quantized_toy(case, name, q.recipe, exclude=q.exclude)
-            where = case.workdir / "served" / f"{q.layout}-{q.recipe}{'-sharp' if sharp else ''}"
+            tag = q.recipe.replace(":", "-").replace("=", "")  # fp8_block-group_size32
+            where = case.workdir / "served" / f"{q.layout}-{tag}{'-sharp' if sharp else ''}"
             return _export_quantized(case, model, where, q.layout), model
 
         label = f"{q.layout} {q.recipe}"
