@@ -298,6 +298,8 @@ class Section:
     def scheme(self) -> str | None:
         """The scheme the engines' support tables name: ModelOpt's ``quant_algo``, a
         compressed-tensors group's preset, ``MIXED_PRECISION`` for several."""
+        if self.layout == "gpt-oss-mxfp4":  # gpt-oss's experts, compressed-tensors' MXFP4 codes
+            return "MXFP4"
         if self.finegrained is not None and self.layout == "finegrained-fp8":
             # block-wise tiles: the preset compressed-tensors names the same scheme by
             return "FP8" if self.finegrained.weight_block_size is None else "FP8_BLOCK"

@@ -106,6 +106,29 @@ def check_e8m0_scale(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+def check_native_blocks(
+    slot: Slot, spec: FormatSpec, stored: Mapping[str, torch.Tensor], kinds: Mapping[str, str]
+) -> None:
+    """Refuse the leaves of a parameter stored as its leaves (gpt-oss's ``<p>_blocks`` with
+    ``<p>_scales``) whose shapes disagree: codes ``[..., in / block, block / packing]``, each
+    scale the codes' shape without the last dimension (one per block). ``kinds``: each stored
+    leaf's kind (``codes``, ``scale``)."""
+    codes = next((t for leaf, t in stored.items() if kinds.get(leaf) == "codes"), None)
+    per_block = (spec.block_size or 1) // (spec.packing or 1)
+    if not slot.native or codes is None or spec.block_size is None or codes.dim() < 2:
+        return
+    want = tuple(codes.shape[:-1])
+    scales = {leaf: tuple(t.shape) for leaf, t in stored.items() if kinds.get(leaf) == "scale"}
+    if codes.shape[-1] == per_block and all(shape == want for shape in scales.values()):
+        return
+    raise MalformedCheckpointError(
+        f"{slot.data} has shape {list(codes.shape)} and its scales {scales}: {spec.name} stores "
+        f"{per_block} bytes per block of {spec.block_size} and one scale per block ({list(want)}); "
+        "the checkpoint is corrupted",
+        field=slot.data,
+    )
+
+
 class ActivationScale(NamedTuple):
     """A static activation scale of the checkpoint: its format, value and block size."""
 
@@ -263,6 +286,7 @@ def _dequantize(
             check_e8m0_scale(name, stored[leaf])
         else:
             check_scale(name, stored[leaf])
+    check_native_blocks(slot, spec, stored, {leaf: d.kind for leaf, d in declared.items()})
     scale = stored.get(_scale_leaf(spec))
     if spec.granularity == "tensor" and scale is not None and scale.numel() > 1:
         weight, block = _dequantize_stacked(slot, spec, stored, scale), None
