@@ -222,6 +222,34 @@ def test_inspect_reads_the_layout_and_finds_a_wrong_scale_shape(tmp_path: Path) 
     assert found[0].details["expected"] == [4, 128, 4]
 
 
+def test_a_checkpoint_with_openais_config_reads_the_same(tmp_path: Path) -> None:
+    """openai/gpt-oss-20b's ``quantization_config`` as published (wildcard module names), no
+    manifest: our loader, transformers and inspect read it as ours."""
+    transformers = pytest.importorskip("transformers")
+    out = _export(tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    (out / MANIFEST).unlink()
+    want = _logits(_quantized())
+    torch.testing.assert_close(_logits(_load_unverified(out)), want, rtol=0, atol=LOGITS_ATOL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(_logits(theirs), want, rtol=0, atol=LOGITS_ATOL)
+    report = inspect_checkpoint(out)
+    assert report.errors == []
+    assert report.summary["quantized_layers"] == {"mxfp4": 4}
+
+
 # ----------------------------------------------------------------------------- refusals
 
 
