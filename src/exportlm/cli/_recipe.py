@@ -45,7 +45,7 @@ def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
         return None
     from exportlm.errors import UnknownNameError, UnknownOptionError
     from exportlm.quant import QuantRecipe, check_layout
-    from exportlm.quant.formats import DEFAULT_LAYOUT
+    from exportlm.quant.formats import DEFAULT_LAYOUT, checkpoint_layout
 
     try:
         recipe = QuantRecipe.parse(args.quantize, exclude)
@@ -61,13 +61,8 @@ def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
             # UnsupportedFormatError), or an unknown layout name: both are the command line's
             raise UsageError(f"-o format={layout}: {err}") from err
         converted = recipe.for_layout(layout)
-        only = [
-            pattern
-            for pattern, _ in converted.overrides[
-                : len(converted.overrides) - len(recipe.overrides)
-            ]
-        ]
-        if converted.algo is None and recipe.algo is not None and only:
+        only = checkpoint_layout(layout).quantized_modules  # gpt-oss-mxfp4: the experts
+        if only and recipe.algo is not None:
             logger.info(
                 "--quantize %s: quantizes only %s (what -o format=%s holds; the rest stays float)",
                 args.quantize,
