@@ -48,6 +48,8 @@ WRITERS: dict[tuple[str | None, str | None], tuple[str | None, str | None, tuple
     ("modelopt", "W4A8_AWQ"): ("modelopt", "w4a8_awq", ()),
     ("fp8", "FP8_BLOCK"): ("finegrained-fp8", "fp8_block:group_size=32", ()),
     ("compressed-tensors", "W4AFP8"): ("compressed-tensors", "w4afp8", ()),
+    # gpt-oss's layout quantizes the experts only
+    ("mxfp4", "MXFP4"): ("gpt-oss-mxfp4", "mxfp4", ("*self_attn*",)),
 }
 #: The engines' names in inspect's loader list (it appends the version it read them for).
 INSPECT_NAMES = {"vllm": "vLLM", "transformers": "transformers"}

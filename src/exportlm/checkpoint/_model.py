@@ -28,11 +28,13 @@ __all__ = [
 MIXED_PRECISION = "MIXED_PRECISION"
 
 #: The layout each ``config.json`` ``quant_method`` is read as (the ``format=`` names);
-#: ``"fp8"``: DeepSeek-V3's / Qwen3-FP8's (transformers' ``FineGrainedFP8Config``).
+#: ``"fp8"``: DeepSeek-V3's / Qwen3-FP8's (transformers' ``FineGrainedFP8Config``);
+#: ``"mxfp4"``: openai/gpt-oss's (transformers' ``Mxfp4Config``, vLLM's ``GptOssMxfp4Config``).
 _LAYOUTS: Mapping[str, str] = {
     "modelopt": "modelopt",
     "compressed-tensors": "compressed-tensors",
     "fp8": "finegrained-fp8",
+    "mxfp4": "gpt-oss-mxfp4",
 }
 
 #: What a compressed-tensors ``QuantizationArgs`` means for the stored tensors, with
@@ -279,7 +281,7 @@ class Section:
     @property
     def layout(self) -> str:
         """``"modelopt"``, ``"compressed-tensors"``, ``"finegrained-fp8"`` (``quant_method:
-        "fp8"``), ``"other"`` or ``"none"``."""
+        "fp8"``), ``"gpt-oss-mxfp4"`` (``quant_method: "mxfp4"``), ``"other"`` or ``"none"``."""
         if self.file != "config.json":
             return "modelopt"
         method = None if self.quant_method is None else str(self.quant_method)
@@ -296,6 +298,8 @@ class Section:
     def scheme(self) -> str | None:
         """The scheme the engines' support tables name: ModelOpt's ``quant_algo``, a
         compressed-tensors group's preset, ``MIXED_PRECISION`` for several."""
+        if self.layout == "gpt-oss-mxfp4":  # gpt-oss's experts, compressed-tensors' MXFP4 codes
+            return "MXFP4"
         if self.finegrained is not None and self.layout == "finegrained-fp8":
             # block-wise tiles: the preset compressed-tensors names the same scheme by
             return "FP8" if self.finegrained.weight_block_size is None else "FP8_BLOCK"

@@ -22,7 +22,7 @@ from exportlm.cli._calib import CalibrationRequest, calibration_request, quantiz
 from exportlm.cli._errors import EXIT_FAILURE, EXIT_OK, UsageError
 from exportlm.cli._model import ModelSource, resolve_model
 from exportlm.cli._options import parse_target_options
-from exportlm.cli._recipe import check_model_recipe, checked_recipe
+from exportlm.cli._recipe import check_model_layout, check_model_recipe, checked_recipe
 from exportlm.cli._roundtrip import verify_export
 
 __all__ = ["ExportPlan", "cmd_export", "plan_export"]
@@ -80,6 +80,7 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     source = resolve_model(args.model)
     if recipe is not None:
         check_model_recipe(source, recipe)  # shapes, before loading or reading any data
+    check_model_layout(args.target, options, source, None)  # a directory's model type
     plan = ExportPlan(
         target=args.target,
         options=options,
@@ -199,6 +200,7 @@ def _quantize(
     """The model quantized by the plan's recipe (as it is without one), and its calibration report."""
     if plan.quant_recipe is None or plan.calibration is None:
         return model, None
+    check_model_layout(plan.target, plan.options, plan.source, model)  # before quantizing
     start = time.perf_counter()
     model, calibration = quantize_model(model, plan.quant_recipe, plan.calibration, plan.source)
     timings["quantize"] = time.perf_counter() - start

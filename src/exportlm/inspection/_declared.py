@@ -15,6 +15,8 @@ module maps that declaration to formats.
   (``weights`` / ``input_activations`` args, ``format``) and ``kv_cache_scheme``.
 * finegrained-fp8: ``quant_method: "fp8"`` with square ``weight_block_size`` tiles
   (DeepSeek-V3, Qwen3-FP8): the format whose ``finegrained_fp8`` scheme it is.
+* gpt-oss-mxfp4: ``quant_method: "mxfp4"`` (openai/gpt-oss): the format whose
+  ``gpt_oss_mxfp4`` scheme it is (``mxfp4``), for every quantized layer.
 """
 
 from __future__ import annotations
@@ -109,6 +111,11 @@ def read_declared(checkpoint: Checkpoint) -> Declared:
         return _compressed_tensors(section)
     if section.layout == "finegrained-fp8":
         return _finegrained(section, method)
+    if section.layout == "gpt-oss-mxfp4":  # one format (mxfp4) for every quantized layer
+        held = [spec for spec in formats() if CHECKPOINT_LAYOUTS[section.layout].holds(spec)]
+        spec = held[0] if len(held) == 1 else None
+        scheme = LayerScheme(spec, f"{method} (gpt-oss)", False)
+        return Declared(section.layout, method, section.source, default=scheme)
     return Declared(section.layout, method, section.source)
 
 

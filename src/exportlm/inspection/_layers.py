@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from exportlm.inspection._declared import Declared, LayerScheme
 from exportlm.inspection._files import FLOAT_SCALE_DTYPES, Checkpoint, safetensors_dtype
 from exportlm.inspection._header import TensorInfo
+from exportlm.inspection._native import native_modules, native_shape_findings
 from exportlm.inspection._rules import RULES, Finding
 from exportlm.inspection._tiles import tile_scale_findings
 from exportlm.quant.formats import (
@@ -94,7 +95,8 @@ def quantized_layers(checkpoint: Checkpoint, declared: Declared) -> list[Quantiz
     codes, scales, packed = _code_dtypes(), _weight_scale_names(), _codec_codes()
     packed_names = {name for name, _ in packed}
     found: list[QuantizedLayer] = []
-    for module, leaves in sorted(modules_of(checkpoint).items()):
+    # gpt-oss's experts.gate_up_proj_blocks: the leaves of a module experts.gate_up_proj
+    for module, leaves in sorted(native_modules(modules_of(checkpoint), declared.layout).items()):
         weight = leaves.get("weight")
         # a layout's own codes leaf (compressed-tensors' weight_packed) marks a quantized layer
         native = weight is not None and (weight.dtype in codes or bool(scales & set(leaves)))
@@ -195,6 +197,7 @@ def _layer(layer: QuantizedLayer, spec: FormatSpec, declared: Declared) -> Itera
     if codec is not None and codec.codes.name in layer.leaves:
         yield from _codec_layer(layer, spec, codec)
         yield from _renamed_tiles(layer, spec, codec)
+        yield from native_shape_findings(layer.module, layer.leaves, spec)
         return
     weight = layer.leaves["weight"]
     expected = safetensors_dtype(spec.stored_dtype)

@@ -1,8 +1,10 @@
-"""Exporters of expert layouts that keep their own checkpoint layout: DBRX.
+"""Exporters of expert layouts that keep their own checkpoint layout: DBRX, gpt-oss.
 
 Llama4's experts are split per expert by the BMM-experts exporter (their wrapper
 is a :class:`~exportlm.quant.QuantBMMExperts`); DBRX's are written here in
-DBRX's own fused layout, the only one vLLM's DBRX loader reads.
+DBRX's own fused layout, the only one vLLM's DBRX loader reads. In a layout that stores
+stacked experts as their own parameters (``native_experts``: gpt-oss-mxfp4) the BMM-experts
+exporter writes them with :func:`export_native_experts`.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ from torch import nn
 from exportlm.errors import UnsupportedFormatError
 from exportlm.module_exporters._base import ModuleExporter
 from exportlm.module_exporters._context import ExportContext
-from exportlm.quant import TensorQuantizer
+from exportlm.quant import QuantExperts, TensorQuantizer
 from exportlm.quant._experts import QuantDbrxExperts
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS
 
-__all__ = ["DbrxExpertsExporter"]
+__all__ = ["DbrxExpertsExporter", "export_native_experts"]
 
 #: DBRX's tensor names per canonical projection (``mlp.w1`` gate, ``mlp.v1`` up, ``mlp.w2`` down).
 _DBRX_TENSORS = {"gate_up_proj": ("w1", "v1"), "down_proj": ("w2",)}
@@ -89,3 +91,41 @@ class DbrxExpertsExporter(ModuleExporter):
             codes.append(q.data)
             scales.append(q.scale.reshape(()))
         return torch.stack(codes), torch.stack(scales)
+
+
+def export_native_experts(name: str, module: QuantExperts, ctx: ExportContext) -> None:
+    """Stacked experts as their own parameters, one tensor per stored leaf.
+
+    Per projection ``p``: ``{name}.{p}_{leaf}`` for each leaf the layout stores (gpt-oss:
+    ``gate_up_proj_blocks`` ``[E, out, in / 32, 16]``, ``gate_up_proj_scales`` ``[E, out,
+    in / 32]``), every expert's leaves stacked in expert order, the rows in the order of the
+    model's own parameter (GptOss: gate / up interleaved, as ``gate_up_proj`` stores its
+    columns); ``{name}.{p}_bias`` as the model holds it. The layout stores no input scale.
+    """
+    for projection in module.PROJECTIONS:
+        weight_q = module.weight_quantizer_of(projection)
+        where = f"{name}.{projection}"
+        if not (weight_q.enabled and ctx.layout.holds(weight_q.spec)):
+            raise UnsupportedFormatError(
+                f"{where}: format={ctx.format!r} stores these experts only quantized in a format "
+                f"it holds, but they are {weight_q.format if weight_q.enabled else 'unquantized'}"
+            )
+        if module.input_quantizer_of(projection).enabled:
+            raise UnsupportedFormatError(
+                f"{where}: format={ctx.format!r} stores no input scale, but the experts' inputs "
+                "are quantized; quantize them weight-only"
+            )
+        amax = ctx.amax_of(weight_q)
+        leaves: dict[str, list[torch.Tensor]] = {}
+        for expert in range(module.canonical_weight(projection).shape[0]):
+            weight = module.effective_expert(projection, expert)
+            q = weight_q.quantize(weight, index=expert, amax=amax)
+            for leaf, tensor in ctx.layout.weight_tensors(weight_q.spec, q):
+                leaves.setdefault(leaf, []).append(tensor)
+        for leaf, parts in leaves.items():
+            ctx.emit(f"{where}_{leaf}", torch.stack(parts))
+        bias = module.bias_of(projection)
+        if bias is not None:
+            ctx.emit_plain(f"{where}_bias", bias)
+    spec = module.weight_quantizer_of("gate_up_proj").spec
+    ctx.quant_config.add_layer(name, spec, module.group_size)

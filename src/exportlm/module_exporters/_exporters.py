@@ -9,7 +9,7 @@ from torch import nn
 
 from exportlm.errors import UnsupportedFormatError
 from exportlm.module_exporters._context import ExpertSlice, ExportContext
-from exportlm.module_exporters._experts import DbrxExpertsExporter
+from exportlm.module_exporters._experts import DbrxExpertsExporter, export_native_experts
 from exportlm.module_exporters._registry import ExportModuleRegistry, MatchKey, ModuleExporter
 from exportlm.module_exporters._scale_warning import warn_scale_convention
 from exportlm.quant import (
@@ -245,6 +245,13 @@ class BMMExpertsExporter(FusedExpertsExporter):
 
     name = "bmm_experts"
     keys: ClassVar[tuple[MatchKey, ...]] = (QuantBMMExperts,)
+
+    def export(self, name: str, module: nn.Module, ctx: ExportContext) -> None:
+        """Split per expert; in a layout of native experts, as their own parameters."""
+        if ctx.layout.native_experts and isinstance(module, QuantExperts):
+            export_native_experts(name, module, ctx)
+        else:
+            super().export(name, module, ctx)
 
 
 def _is_expert_list(module: nn.Module) -> bool:

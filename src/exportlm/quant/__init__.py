@@ -56,7 +56,7 @@ from exportlm.quant._recipe_registry import (
     register_recipe,
 )
 from exportlm.quant._recipes import KVCacheRecipe, Recipe
-from exportlm.quant._refusals import check_layout
+from exportlm.quant._refusals import check_layout, check_layout_model, check_layout_model_type
 from exportlm.quant._synthetic import synthetic_calibration
 from exportlm.quant._tensor import (
     FP4_MAX,
@@ -108,6 +108,8 @@ __all__ = [
     "TensorQuantizer",
     "awq_margin",
     "check_layout",
+    "check_layout_model",
+    "check_layout_model_type",
     "check_recipe",
     "dequantize",
     "ensure_recipes_registered",

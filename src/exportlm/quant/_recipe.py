@@ -25,6 +25,7 @@ from exportlm.quant._options import (
 from exportlm.quant._recipe_registry import recipes
 from exportlm.quant._recipes import DEFAULT_EXCLUDE, KVCacheRecipe, Recipe
 from exportlm.quant._tensor import FormatId, format_name
+from exportlm.quant.formats import CHECKPOINT_LAYOUTS
 
 __all__ = [
     "ALGORITHMS",
@@ -210,9 +211,16 @@ class QuantRecipe:
 
         ``"compressed-tensors"``: every weight recipe that takes the ``scales`` option
         and does not spell it gets ``scales=compressed-tensors``, so the checkpoint holds
-        the calibrated model exactly (``docs/checkpoint-format.md``); other layouts: the
-        recipe as it is. The CLI's ``export`` applies it from ``-o format=``.
+        the calibrated model exactly (``docs/checkpoint-format.md``). A layout that
+        quantizes only some modules (``gpt-oss-mxfp4``: the experts,
+        :attr:`~exportlm.quant.formats.CheckpointLayout.quantized_modules`): the default
+        weight recipe applies to those modules only (the overrides kept, after them). Other
+        layouts: the recipe as it is. The CLI's ``export`` applies it from ``-o format=``.
         """
+        holder = CHECKPOINT_LAYOUTS.get(layout)
+        if holder is not None and holder.quantized_modules and self.algo is not None:
+            only = tuple((pattern, self.algo) for pattern in holder.quantized_modules)
+            return dataclasses.replace(self, algo=None, overrides=only + self.overrides)
         if layout != "compressed-tensors":
             return self
 

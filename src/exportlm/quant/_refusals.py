@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from fnmatch import fnmatch
 from typing import Any
 
 from torch import nn
 
 from exportlm.errors import UnsupportedFormatError
 from exportlm.quant._experts import experts_base, has_stacked_weights
+from exportlm.quant._modules import is_quantized_module
 from exportlm.quant._recipe import KV_CACHE_FORMATS, Algorithm, QuantRecipe
 from exportlm.quant.formats import (
     CHECKPOINT_LAYOUTS,
@@ -17,11 +19,14 @@ from exportlm.quant.formats import (
     FormatSpec,
     KVCacheScheme,
     checkpoint_layout,
+    formats,
     get_format,
 )
 
 __all__ = [
     "check_layout",
+    "check_layout_model",
+    "check_layout_model_type",
     "refuse_experts_algorithm",
     "refuse_shapes",
     "refuse_unconvertible",
@@ -234,3 +239,62 @@ def _layouts_of(spec: FormatSpec) -> str:
     if not names:
         return "no checkpoint layout holds it"
     return "export with " + " or ".join(f"-o format={n} (format={n!r})" for n in names)
+
+
+def check_layout_model_type(model_type: object, layout: str, what: str) -> None:
+    """A model whose ``config.json`` ``model_type`` the layout's loaders do not read it for.
+
+    ``what`` names the model in the message (its class, or its directory). Refused before
+    a weight is read: gpt-oss-mxfp4 is read only for ``gpt_oss`` (transformers' Mxfp4
+    quantizer replaces ``GptOssMLP`` only; vLLM's ``GptOssMxfp4Config`` matches that
+    ``model_type`` only, ``docs/checkpoint-format.md``).
+    """
+    holder = checkpoint_layout(layout)
+    if not holder.model_types or model_type in holder.model_types:
+        return
+    held = [spec for spec in formats() if holder.holds(spec)]
+    others = [
+        n
+        for n, other in CHECKPOINT_LAYOUTS.items()
+        if not other.model_types and any(_scheme_of(s, other) is not None for s in held)
+    ]
+    instead = " or ".join(f"-o format={n} (format={n!r})" for n in others) or "another layout"
+    raise UnsupportedFormatError(
+        f"format={layout!r} is the layout of {' / '.join(holder.model_types)} models only "
+        f"(its loaders read it for config.json model_type {' / '.join(holder.model_types)}), "
+        f"but {what} has model_type {model_type!r}; export with {instead}"
+    )
+
+
+def check_layout_model(model: nn.Module, layout: str) -> None:
+    """A model in memory the layout cannot hold, refused before anything is written.
+
+    Its ``model_type`` (:func:`check_layout_model_type`); and where the layout quantizes
+    only some modules (:attr:`CheckpointLayout.quantized_modules`), a quantized model must
+    quantize exactly those: another quantized module (an MXFP4 ``q_proj``) has no tensors
+    in the layout, and one of those left in float would be misread (vLLM's
+    ``Mxfp4Config`` reads every experts module as MXFP4 and no ``modules_to_not_convert``).
+    """
+    holder = checkpoint_layout(layout)
+    config = getattr(model, "config", None)
+    check_layout_model_type(getattr(config, "model_type", None), layout, type(model).__name__)
+    if not holder.quantized_modules:
+        return
+    quantized = {n for n, m in model.named_modules() if is_quantized_module(m)}
+    if not quantized:
+        return  # an unquantized model: a plain checkpoint, no quantization config
+    patterns = holder.quantized_modules
+    held = {n for n, _ in model.named_modules() if any(fnmatch(n, p) for p in patterns)}
+    extra, missing = sorted(quantized - held), sorted(held - quantized)
+    if extra or missing:
+        what = f"quantizes {extra[0]}" if extra else f"leaves {missing[0]} unquantized"
+        raise UnsupportedFormatError(
+            f"format={layout!r} quantizes exactly the modules {list(patterns)}, every one of "
+            f"them, but the model {what}; quantize it with "
+            f"QuantRecipe.parse(recipe).for_layout({layout!r}) (the CLI's --quantize with "
+            f"-o format={layout} does), or export with -o format=modelopt (format='modelopt')"
+        )
+
+
+def _scheme_of(spec: FormatSpec, layout: CheckpointLayout) -> object:
+    return spec.modelopt if layout.scheme is None else getattr(spec, layout.scheme)

@@ -257,12 +257,32 @@ class CheckpointQuantization:
             )
         return scheme.config(block, [_transformers_pattern(m) for m in self.exclude_modules])
 
+    def gpt_oss_mxfp4_config(self) -> dict[str, Any]:
+        """``config.json``'s ``quantization_config`` as openai/gpt-oss ships it.
+
+        ``{"quant_method": "mxfp4", "modules_to_not_convert": [...]}``: one format with a
+        ``gpt_oss_mxfp4`` scheme (``mxfp4``) for every quantized layer, no KV-cache scales.
+        """
+        layout = CHECKPOINT_LAYOUTS["gpt-oss-mxfp4"]
+        spec = self.formats[0].spec if len(self.formats) == 1 else None
+        scheme = spec.gpt_oss_mxfp4 if spec is not None else None
+        if scheme is None or self.kv_cache is not None:
+            holders = [s.name for s in registered_formats() if layout.holds(s)]
+            what = f"the KV cache as {self.kv_cache.name!r}" if self.kv_cache else None
+            raise UnsupportedFormatError(
+                f"format='gpt-oss-mxfp4' (quant_method 'mxfp4') holds the experts in "
+                f"{' / '.join(holders)} and no KV-cache scales, but the model quantizes "
+                f"{what or repr(self.quant_algo)}; use format='modelopt'"
+            )
+        return scheme.config([_transformers_pattern(m) for m in self.exclude_modules])
+
     def quantization_config(self, layout: CheckpointLayout) -> dict[str, Any]:
         """``config.json``'s ``quantization_config`` in ``layout`` (by its ``scheme``)."""
         build = {
             None: self.modelopt_config,
             "compressed_tensors": self.compressed_tensors_config,
             "finegrained_fp8": self.finegrained_fp8_config,
+            "gpt_oss_mxfp4": self.gpt_oss_mxfp4_config,
         }[layout.scheme]
         return build()
 

@@ -22,7 +22,11 @@ the checkpoint layout gives them (compressed-tensors' ``weight_packed``,
 * a bare parameter ``<module>.<param>`` with ``<module>.<param>_weight_scale``,
   ``<module>.<param>_input_scale``... (experts kept in their model's own fused
   layout, DBRX ``ffn.experts.mlp.w1``); a per-tensor format may then hold one
-  scale per expert: the codes are ``E`` stacked slices, each with its own scale.
+  scale per expert: the codes are ``E`` stacked slices, each with its own scale;
+* a parameter stored as its leaves ``<module>.<param>_<leaf>`` (a layout of
+  ``native_experts``: gpt-oss's ``experts.gate_up_proj_blocks`` / ``_scales``): the float
+  weight is ``<module>.<param>``, in the layout's canonical ``[E, out, in]``
+  (:attr:`DequantizedState.native`, laid out as the model's parameter by the runtime).
 
 The leaf names (``weight``, ``weight_scale``, ``input_scale``, ``k_scale``...) and
 what each format stores under them come from the registered format specs.
@@ -35,22 +39,19 @@ corrupted scale is refused instead of turning the logits into NaN.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 
 from exportlm.errors import MalformedCheckpointError, UnsupportedFormatError
+from exportlm.export.hf_checkpoint._leaves import Leaves, Slot, slots
 from exportlm.export.hf_checkpoint.formats import StoredFormats
 from exportlm.quant import dequantize
 from exportlm.quant.formats import (
-    CHECKPOINT_LAYOUTS,
     CheckpointLayout,
     FormatSpec,
-    formats,
     get_format,
-    scale_leaf_names,
 )
 
 __all__ = ["ActivationScale", "DequantizedState", "check_scale", "dequantize_state"]
@@ -105,6 +106,29 @@ def check_e8m0_scale(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+def check_native_blocks(
+    slot: Slot, spec: FormatSpec, stored: Mapping[str, torch.Tensor], kinds: Mapping[str, str]
+) -> None:
+    """Refuse the leaves of a parameter stored as its leaves (gpt-oss's ``<p>_blocks`` with
+    ``<p>_scales``) whose shapes disagree: codes ``[..., in / block, block / packing]``, each
+    scale the codes' shape without the last dimension (one per block). ``kinds``: each stored
+    leaf's kind (``codes``, ``scale``)."""
+    codes = next((t for leaf, t in stored.items() if kinds.get(leaf) == "codes"), None)
+    per_block = (spec.block_size or 1) // (spec.packing or 1)
+    if not slot.native or codes is None or spec.block_size is None or codes.dim() < 2:
+        return
+    want = tuple(codes.shape[:-1])
+    scales = {leaf: tuple(t.shape) for leaf, t in stored.items() if kinds.get(leaf) == "scale"}
+    if codes.shape[-1] == per_block and all(shape == want for shape in scales.values()):
+        return
+    raise MalformedCheckpointError(
+        f"{slot.data} has shape {list(codes.shape)} and its scales {scales}: {spec.name} stores "
+        f"{per_block} bytes per block of {spec.block_size} and one scale per block ({list(want)}); "
+        "the checkpoint is corrupted",
+        field=slot.data,
+    )
+
+
 class ActivationScale(NamedTuple):
     """A static activation scale of the checkpoint: its format, value and block size."""
 
@@ -131,81 +155,9 @@ class DequantizedState(NamedTuple):
     #: spec is not ``calibrated``; FP8_BLOCK's groups of the weight's block); the layer
     #: path is the one the quantization config lists.
     dynamic: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class _Leaves:
-    """The registered formats' leaf names, by what they hold (read once per load)."""
-
-    data: frozenset[str]
-    scale: frozenset[str]
-    weight: frozenset[str]
-    kv_cache: frozenset[str]
-    scales: frozenset[str]
-
-    @classmethod
-    def registered(cls) -> _Leaves:
-        """Over every registered format, as every checkpoint layout stores it."""
-        specs = formats()
-        stored = [
-            leaf
-            for s in specs
-            for layout in CHECKPOINT_LAYOUTS.values()
-            for leaf in layout.weight_leaves(s)
-        ]
-        renamed = {  # activation leaves a layout stores under its own name (input_global_scale)
-            scale.name
-            for s in specs
-            for layout in CHECKPOINT_LAYOUTS.values()
-            if (codec := layout.codec(s)) is not None
-            for scale in codec.activations.values()
-            if scale is not None
-        }
-        scales = {leaf.name for leaf in stored if leaf.kind == "scale"}
-        return cls(
-            data=frozenset(leaf.name for leaf in stored if leaf.kind == "codes"),
-            scale=frozenset(scales),
-            weight=frozenset(leaf.name for leaf in stored),
-            kv_cache=frozenset(
-                leaf.name for s in specs for leaf in s.leaves if leaf.role == "kv_cache"
-            ),
-            scales=frozenset(scale_leaf_names()) | scales | renamed,
-        )
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """Where one quantized weight's leaves are stored.
-
-    ``layer`` is the module path the quantization config lists; ``data`` the codes'
-    tensor name; every other leaf ``l`` is ``stem + l`` (``"<module>."`` for a
-    module's weight, ``"<module>.<param>_"`` for a bare parameter).
-    """
-
-    layer: str
-    data: str
-    stem: str
-
-    def weight(self, spec: FormatSpec) -> str:
-        """The name of the float weight: the format's own codes leaf (``weight``, not
-        a layout's ``weight_packed``), or the bare parameter itself."""
-        return self.data if self.stem.endswith("_") else self.stem + spec.data_leaf.name
-
-    def name(self, leaf: str, data_leaves: frozenset[str]) -> str:
-        """The tensor name of ``leaf`` of this weight."""
-        if self.stem.endswith("_") and leaf in data_leaves:
-            return self.data
-        return self.stem + leaf
-
-
-def _slots(tensors: Mapping[str, torch.Tensor], leaves: _Leaves) -> Iterator[_Slot]:
-    """Every quantized weight: a data leaf beside one of its format's scale leaves."""
-    for name in tensors:
-        prefix, _, leaf = name.rpartition(".")
-        if leaf in leaves.data and any(f"{prefix}.{s}" in tensors for s in leaves.scale):
-            yield _Slot(prefix, name, f"{prefix}.")
-        elif any(f"{name}_{s}" in tensors for s in leaves.scale):
-            yield _Slot(prefix, name, f"{name}_")
+    #: The float weights of parameters stored as their leaves (``<param>_blocks``), as
+    #: ``[E, out, in]``: their model's own layout is the runtime's to restore.
+    native: frozenset[str] = frozenset()
 
 
 def dequantize_state(
@@ -220,18 +172,21 @@ def dequantize_state(
     ``input_scale`` of a format that quantizes no activations, and a scale that
     belongs to no quantized weight.
     """
-    leaves = _Leaves.registered()
+    leaves = Leaves.registered()
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, ActivationScale] = {}
     dynamic: dict[str, Any] = {}
     used: set[str] = set()
-    for slot in list(_slots(tensors, leaves)):
+    native: set[str] = set()
+    for slot in list(slots(tensors, leaves)):
         stored_leaves = _stored_leaves(slot, tensors, leaves)
         spec = declared.weight_format(slot.layer, stored_leaves)
         declared.check_tiles(slot.data, spec, stored_leaves)
         weight, block, names = _dequantize(slot, spec, tensors, leaves, declared.layout)
         weights[slot.weight(spec)] = weight
         used.update(names)
+        if slot.native:
+            native.add(slot.weight(spec))
         stored_input = declared.layout.activation_leaf(spec, _INPUT_SCALE, slot.data)
         input_scale = slot.name(stored_input.name, leaves.data)
         runtime_input = _runtime_input_format(spec)
@@ -274,7 +229,7 @@ def dequantize_state(
             )
         elif name not in weights:
             weights[name] = tensor
-    return DequantizedState(weights, scales, dynamic)
+    return DequantizedState(weights, scales, dynamic, frozenset(native))
 
 
 def _runtime_input_format(spec: FormatSpec) -> Any | None:
@@ -294,7 +249,7 @@ def _blocked(fmt: Any) -> bool:
     return get_format(fmt).needs_block
 
 
-def _is_scale(leaf: str, leaves: _Leaves) -> bool:
+def _is_scale(leaf: str, leaves: Leaves) -> bool:
     """A scale leaf of a module (``weight_scale``) or of a bare parameter (``w1_weight_scale``)."""
     return leaf in leaves.scales or any(
         leaf.endswith(f"_{s}") for s in leaves.scales - leaves.kv_cache
@@ -302,7 +257,7 @@ def _is_scale(leaf: str, leaves: _Leaves) -> bool:
 
 
 def _stored_leaves(
-    slot: _Slot, tensors: Mapping[str, torch.Tensor], leaves: _Leaves
+    slot: Slot, tensors: Mapping[str, torch.Tensor], leaves: Leaves
 ) -> dict[str, torch.Tensor]:
     """``{leaf name: tensor}`` of every registered weight leaf stored for ``slot``."""
     names = {leaf: slot.name(leaf, leaves.data) for leaf in leaves.weight}
@@ -310,10 +265,10 @@ def _stored_leaves(
 
 
 def _dequantize(
-    slot: _Slot,
+    slot: Slot,
     spec: FormatSpec,
     tensors: Mapping[str, torch.Tensor],
-    leaves: _Leaves,
+    leaves: Leaves,
     layout: CheckpointLayout,
 ) -> tuple[torch.Tensor, int | None, list[str]]:
     """``(float32 weight, block size, tensor names read)`` of one quantized weight."""
@@ -331,6 +286,7 @@ def _dequantize(
             check_e8m0_scale(name, stored[leaf])
         else:
             check_scale(name, stored[leaf])
+    check_native_blocks(slot, spec, stored, {leaf: d.kind for leaf, d in declared.items()})
     scale = stored.get(_scale_leaf(spec))
     if spec.granularity == "tensor" and scale is not None and scale.numel() > 1:
         weight, block = _dequantize_stacked(slot, spec, stored, scale), None
@@ -348,7 +304,7 @@ def _dequantize(
 
 
 def _dequantize_stacked(
-    slot: _Slot, spec: FormatSpec, stored: Mapping[str, torch.Tensor], scale: torch.Tensor
+    slot: Slot, spec: FormatSpec, stored: Mapping[str, torch.Tensor], scale: torch.Tensor
 ) -> torch.Tensor:
     """A per-tensor format with one scale per stacked slice (experts ``[E * rows, cols]``)."""
     data = stored[spec.data_leaf.name]

@@ -150,11 +150,12 @@ def _loaded(directory: Path, source: DirectorySource, format: str) -> Any:
     ``source.recipe`` (as ``exportlm export --model DIR`` loads it)."""
     from transformers import AutoModelForCausalLM
 
-    from exportlm.hfdir import vet_model_directory
-    from exportlm.quant import QuantRecipe, check_layout, quantize
+    from exportlm.hfdir import read_config, vet_model_directory
+    from exportlm.quant import QuantRecipe, check_layout, check_layout_model_type, quantize
 
     if source.recipe is not None:  # a layout that cannot hold it: before the model loads
         check_layout(QuantRecipe.parse(source.recipe).for_layout(format), format)
+    check_layout_model_type(read_config(directory).get("model_type"), format, str(directory))
     vet_model_directory(directory)  # no code of its own, shards confined, before transformers
     try:
         model = AutoModelForCausalLM.from_pretrained(

@@ -20,10 +20,10 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from exportlm.errors import UnsupportedFormatError
+from exportlm.errors import MalformedCheckpointError, UnsupportedFormatError
 from exportlm.quant import experts_base
 
-__all__ = ["SPLIT_EXPERT", "fuse_split_experts"]
+__all__ = ["SPLIT_EXPERT", "fuse_split_experts", "native_experts"]
 
 #: A canonical per-expert tensor: ``<experts module>.<e>.<gate|up|down>_proj.<weight|bias>``.
 SPLIT_EXPERT = re.compile(
@@ -106,3 +106,34 @@ def _stack(
             f"{name}: expert {err.args[0][2]} has no {linear}.{leaf}; every expert of a block "
             f"stores {' / '.join(_SPLIT_LINEARS['gate_up_proj'] + ('down_proj',))} {leaf}s"
         ) from err
+
+
+def native_experts(
+    weights: Mapping[str, torch.Tensor], native: frozenset[str], model: nn.Module
+) -> dict[str, torch.Tensor]:
+    """``weights`` with each parameter stored as its leaves (gpt-oss's ``gate_up_proj_blocks``),
+    dequantized as the canonical ``[E, out, in]``, laid out as ``model``'s parameter.
+
+    The rows are already in the parameter's order (GptOss: gate / up interleaved); a
+    transposed experts module (``[E, in, out]``) gets the transpose. ``model`` only gives
+    the module paths and layouts (it may live on the ``meta`` device). A name that is no
+    projection of a stacked experts module of ``model`` is refused.
+    """
+    if not native:
+        return dict(weights)
+    restored = dict(weights)
+    for name in sorted(native):
+        module_path, _, projection = name.rpartition(".")
+        module = model.get_submodule(module_path) if module_path else model
+        base = experts_base(module)
+        if base is None or projection not in base.PROJECTIONS:
+            raise MalformedCheckpointError(
+                f"{name}_*: quantized leaves of a stacked expert projection, but {module_path!r} "
+                f"is a {type(module).__name__}, not a stacked experts module with a "
+                f"{projection!r}; the checkpoint is not this model's",
+                field=name,
+            )
+        transposed = bool(getattr(module, "is_transposed", base.default_transposed))
+        weight = weights[name]
+        restored[name] = weight.transpose(-1, -2).contiguous() if transposed else weight
+    return restored

@@ -94,11 +94,25 @@ class StoredFormats:
             return cls._compressed_tensors(config)
         if config.layout == "finegrained-fp8" and config.finegrained is not None:
             return cls._finegrained(config, config.finegrained)
+        if config.layout == "gpt-oss-mxfp4":
+            return cls._one_holder(config, CHECKPOINT_LAYOUTS["gpt-oss-mxfp4"])
         raise UnsupportedFormatError(
             f"{directory / 'config.json'}: quant_method {config.quant_method!r} cannot be read; "
-            "the hf_checkpoint runtime reads 'modelopt', 'compressed-tensors' and 'fp8' "
-            "(block-wise) checkpoints"
+            "the hf_checkpoint runtime reads 'modelopt', 'compressed-tensors', 'fp8' "
+            "(block-wise) and 'mxfp4' (gpt-oss) checkpoints"
         )
+
+    @classmethod
+    def _one_holder(cls, config: Section, layout: CheckpointLayout) -> StoredFormats:
+        """A layout of one format (gpt-oss-mxfp4's ``mxfp4``): the one registered format it holds."""
+        holders = [spec for spec in formats() if layout.holds(spec)]
+        if len(holders) != 1:
+            raise UnsupportedFormatError(
+                f"{config.source}: quant_method {config.quant_method!r} is stored by "
+                f"{len(holders)} registered formats ({', '.join(s.name for s in holders) or 'none'})"
+                f"; exactly one must declare a {layout.scheme} scheme"
+            )
+        return cls(weights=holders[0], source=config.source, layout=layout)
 
     @classmethod
     def _finegrained(cls, config: Section, fields: FineGrainedFP8) -> StoredFormats:

@@ -24,7 +24,12 @@ import torch
 from exportlm.errors import ExportLMError, InvalidInputError, MalformedCheckpointError
 from exportlm.export._wrapper import extract_logits
 from exportlm.export.hf_checkpoint.dequantize import DequantizedState, dequantize_state
-from exportlm.export.hf_checkpoint.experts import _SPLIT_LINEARS, SPLIT_EXPERT, fuse_split_experts
+from exportlm.export.hf_checkpoint.experts import (
+    _SPLIT_LINEARS,
+    SPLIT_EXPERT,
+    fuse_split_experts,
+    native_experts,
+)
 from exportlm.export.hf_checkpoint.formats import StoredFormats
 from exportlm.export.hf_checkpoint.naming import CheckpointNamer
 from exportlm.export.hf_checkpoint.static import StaticQuantization
@@ -158,8 +163,9 @@ def _rebuild_model(directory: Path, device: torch.device, dtype: torch.dtype | N
         )
     stored = read_stored_tensors(directory)
     check_layer_count(config, stored)  # before any model is built: a huge count would hang
-    weights, activation_scales, dynamic = _dequantized(directory, stored)
+    weights, activation_scales, dynamic, native = _dequantized(directory, stored)
     skeleton = _skeleton(model_cls, config, directory)
+    weights = native_experts(weights, native, skeleton)  # gpt-oss's [E, out, in] blocks
     if not _has_conversion_table(config) and any(SPLIT_EXPERT.match(n) for n in weights):
         # transformers merges split experts only through a conversion table: without
         # one, stack them into the experts' own layout, read off the empty model

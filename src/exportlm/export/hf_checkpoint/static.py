@@ -61,6 +61,7 @@ class StaticQuantization:
             leaf.name
             for spec in formats()
             for layout in CHECKPOINT_LAYOUTS.values()
+            if not layout.native_experts  # stored as <param>_<leaf>, with no input scales
             for leaf in layout.weight_leaves(spec)
             if leaf.kind == "scale"
         }

@@ -53,6 +53,7 @@ from exportlm.export.hf_checkpoint.directory import (
 from exportlm.export.hf_checkpoint.tokenizer import describe_tokenizer, tokenizer_payload
 from exportlm.export.job import ExportRequest, job_target
 from exportlm.export.options import resolve_dtype
+from exportlm.quant import check_layout_model
 
 __all__ = ["HF_CHECKPOINT_TARGET", "build_hf_checkpoint_exporter", "export_hf_checkpoint"]
 
@@ -95,7 +96,7 @@ HF_CHECKPOINT_TARGET = TargetInfo(
     artifact_kind="hf_checkpoint",
     capture="weights",  # the runtime rebuilds the model from the saved weights
     accepts=_hf_accepts,
-    description="Hugging Face checkpoint directory (safetensors shards; ModelOpt, compressed-tensors or finegrained-fp8 quantization)",
+    description="Hugging Face checkpoint directory (safetensors shards; ModelOpt, compressed-tensors, finegrained-fp8 or gpt-oss-mxfp4 quantization)",
     runtime_library="safetensors",
 )
 
@@ -104,7 +105,9 @@ HF_CHECKPOINT_TARGET = TargetInfo(
 def export_hf_checkpoint(
     request: ExportRequest,
     *,
-    format: Literal["modelopt", "compressed-tensors", "finegrained-fp8"] = "modelopt",
+    format: Literal[
+        "modelopt", "compressed-tensors", "finegrained-fp8", "gpt-oss-mxfp4"
+    ] = "modelopt",
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | str | None = None,
     overwrite: bool = False,
@@ -131,7 +134,9 @@ def export_hf_checkpoint(
         format: ``"modelopt"`` (vLLM / TensorRT-LLM / SGLang),
             ``"compressed-tensors"`` (transformers; formats with a compressed-tensors
             scheme: of the built-ins, FP8 ``float-quantized``) or ``"finegrained-fp8"``
-            (DeepSeek-V3's / Qwen3-FP8's ``quant_method: "fp8"``; ``fp8_block`` only).
+            (DeepSeek-V3's / Qwen3-FP8's ``quant_method: "fp8"``; ``fp8_block`` only) or
+            ``"gpt-oss-mxfp4"`` (openai/gpt-oss's ``quant_method: "mxfp4"``: a GptOss model's
+            experts in ``mxfp4``, nothing else quantized).
         max_shard_size: bytes per shard, an int or ``"500MB"``-style string.
         dtype: cast unquantized floating tensors to this dtype, a ``torch.dtype`` or its
             name (``"bfloat16"``); float32, float16 or bfloat16 (default: as in the model).
@@ -176,6 +181,7 @@ def export_hf_checkpoint(
     if is_model_directory(request.model):
         return export_directory(request, source, options, given_dtype=dtype, tokenizer=files)
     source.refuse_for_model()
+    check_layout_model(request.model, format)  # a model the layout cannot hold: nothing written
     recorded = {"format": format, "max_shard_size": max_shard_size, "dtype": cast_to}
     recorded |= {"overwrite": overwrite, "is_qlora": is_qlora}
     if tokenizer is not None:

@@ -244,6 +244,8 @@ def check_shapes(skeleton: Any, weights: dict[str, torch.Tensor], stored: Stored
         if want is None or tuple(want.shape) == tuple(tensor.shape):
             continue
         file = stored.file_of(name) or stored.file_of(f"{name.rpartition('.')[0]}.weight")
+        # a parameter stored as its leaves (gpt-oss's gate_up_proj_blocks)
+        file = file or next((f for n, f in stored.files.items() if n.startswith(f"{name}_")), None)
         raise MalformedCheckpointError(
             f"{file}: tensor {name} has shape {list(tensor.shape)}, but the model config.json "
             f"describes has {list(want.shape)} there; the header or config.json is wrong",

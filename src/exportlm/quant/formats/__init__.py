@@ -49,6 +49,7 @@ from exportlm.quant.formats._nvfp4 import E2M1_VALUES, NVFP4
 from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
     FineGrainedFP8Scheme,
+    GptOssMxfp4Scheme,
     KVCacheScheme,
     Leaf,
     LeafCodec,
@@ -88,6 +89,7 @@ __all__ = [
     "DequantizeFn",
     "ExportFormat",
     "FineGrainedFP8Scheme",
+    "GptOssMxfp4Scheme",
     "FormatSpec",
     "Granularity",
     "KVCacheScheme",

@@ -43,7 +43,7 @@ __all__ = [
 HALF_FLOATS = (torch.bfloat16, torch.float16)
 
 #: ``format=`` values of the export (the layout names).
-ExportFormat = Literal["modelopt", "compressed-tensors", "finegrained-fp8"]
+ExportFormat = Literal["modelopt", "compressed-tensors", "finegrained-fp8", "gpt-oss-mxfp4"]
 
 #: ModelOpt's ``quant_algo`` of a checkpoint whose layers use more than one format
 #: (the layers are then listed in ``quantized_layers``). The one definition.
@@ -72,15 +72,27 @@ class CheckpointLayout:
             compressed-tensors stores a scale in its weight's dtype; ``False``: every
             float scale in float32 (exact: float32 holds every half-float value).
         hf_quant_config: the layout also writes ModelOpt's ``hf_quant_config.json``.
+        model_types: the ``config.json`` ``model_type`` values its loaders read the layout
+            for (gpt-oss-mxfp4: ``gpt_oss``); empty: any model.
+        quantized_modules: fnmatch patterns of the only modules the layout quantizes (gpt-oss:
+            its experts, ``*.mlp.experts``; every other module stays in float); empty: any.
+            A recipe given for the layout quantizes only these
+            (:meth:`~exportlm.quant.QuantRecipe.for_layout`).
+        native_experts: stacked experts are stored as their own parameters, one tensor per
+            stored leaf, ``<experts>.<param>_<leaf>`` (gpt-oss's ``gate_up_proj_blocks``),
+            in the rows' order of the model's parameter; ``False``: split per expert.
     """
 
     name: str
     scalar_scale_shape: tuple[int, ...] = ()
-    scheme: Literal["compressed_tensors", "finegrained_fp8"] | None = None
+    scheme: Literal["compressed_tensors", "finegrained_fp8", "gpt_oss_mxfp4"] | None = None
     stacked_experts: bool = True
     kv_scales_on_attention: bool = False
     half_scales: bool = False
     hf_quant_config: bool = False
+    model_types: tuple[str, ...] = ()
+    quantized_modules: tuple[str, ...] = ()
+    native_experts: bool = False
 
     def holds(self, spec: FormatSpec) -> bool:
         """This layout can store weights in ``spec``'s format."""
@@ -204,7 +216,9 @@ class CheckpointLayout:
 #: The layouts, by ``format=`` name: ModelOpt's (vLLM, TensorRT-LLM, SGLang),
 #: compressed-tensors' (transformers; FP8 ``float-quantized`` of the built-ins), and
 #: DeepSeek-V3's / Qwen3-FP8's ``quant_method: "fp8"`` (transformers'
-#: ``FineGrainedFP8Config``, vLLM's ``Fp8Config``; ``fp8_block`` only), in the order a
+#: ``FineGrainedFP8Config``, vLLM's ``Fp8Config``; ``fp8_block`` only), openai/gpt-oss's
+#: ``quant_method: "mxfp4"`` (transformers' ``Mxfp4Config``, vLLM's ``GptOssMxfp4Config``:
+#: a GptOss model's experts in ``mxfp4``, nothing else quantized), in the order a
 #: recipe's first holding layout is picked (the conformance suite's ``recipe_layout``).
 CHECKPOINT_LAYOUTS: Mapping[str, CheckpointLayout] = MappingProxyType(
     {
@@ -221,6 +235,14 @@ CHECKPOINT_LAYOUTS: Mapping[str, CheckpointLayout] = MappingProxyType(
             "finegrained-fp8",
             scheme="finegrained_fp8",
             stacked_experts=False,
+        ),
+        "gpt-oss-mxfp4": CheckpointLayout(
+            "gpt-oss-mxfp4",
+            scheme="gpt_oss_mxfp4",
+            stacked_experts=False,
+            model_types=("gpt_oss",),
+            quantized_modules=("*.mlp.experts",),
+            native_experts=True,
         ),
     }
 )

@@ -19,7 +19,9 @@ MXFP8 weight error is 0.00094 that way against 0.00071 this way (docs/quality.md
   column in the low nibble), ``weight_scale`` uint8 ``[out, in / 32]``. Weight-only
   (gpt-oss's experts, compressed-tensors' ``MXFP4A16``). ModelOpt's export writes
   ``quant_algo: "mxfp4"`` for it; compressed-tensors ``mxfp4-pack-quantized``
-  (``weight_packed``, a value rounded to zero packed unsigned).
+  (``weight_packed``, a value rounded to zero packed unsigned). gpt-oss's own layout
+  (``format="gpt-oss-mxfp4"``) stores the same bytes for a GptOss experts stack:
+  ``<p>_blocks`` ``[E, out, in / 32, 16]`` and ``<p>_scales`` ``[E, out, in / 32]``.
 * ``mxfp8``: ``weight`` float8_e4m3fn ``[out, in]``, ``weight_scale`` uint8
   ``[out, in / 32]``; the inputs quantized at run time with the same kernel per
   block of 32 of each token (no ``input_scale``). ModelOpt's ``MXFP8``
@@ -35,6 +37,7 @@ from exportlm.quant.formats._ct_codecs import _positive_zeros
 from exportlm.quant.formats._nvfp4 import E2M1_VALUES, _e2m1_codes
 from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
+    GptOssMxfp4Scheme,
     Leaf,
     LeafCodec,
     LeafTensors,
@@ -155,6 +158,35 @@ _CT_MXFP4_CODEC = LeafCodec(
     decode=_ct_mxfp4_decode,
 )
 
+#: gpt-oss's bytes per block of 32 (16 bytes of two E2M1 codes each).
+_BLOCK_BYTES = MX_BLOCK // 2
+
+
+def _gpt_oss_encode(leaves: LeafTensors) -> dict[str, torch.Tensor]:
+    """One expert's ``weight [out, in / 2]`` as ``blocks [out, in / 32, 16]`` (the same bytes:
+    transformers' ``_convert_moe_packed_tensors`` reads the low nibble as the even column)."""
+    codes = leaves["weight"]
+    return {
+        "blocks": codes.reshape(*codes.shape[:-1], -1, _BLOCK_BYTES),
+        "scales": leaves["weight_scale"],
+    }
+
+
+def _gpt_oss_decode(leaves: LeafTensors) -> dict[str, torch.Tensor]:
+    blocks = leaves["blocks"]
+    return {"weight": blocks.flatten(-2), "weight_scale": leaves["scales"]}
+
+
+#: gpt-oss's ``quant_method: "mxfp4"``: ``<p>_blocks`` / ``<p>_scales`` of a GptOss experts
+#: stack (the writer stacks one expert's leaves per row of ``E``; the names take the stem).
+_GPT_OSS = GptOssMxfp4Scheme(
+    LeafCodec(
+        weights=(StoredLeaf("blocks", torch.uint8, "codes"), StoredLeaf("scales", torch.uint8)),
+        encode=_gpt_oss_encode,
+        decode=_gpt_oss_decode,
+    )
+)
+
 #: compressed-tensors' ``MXFP4A16`` / ``MXFP8`` presets as they serialize (``quant_scheme.py``).
 _CT_MX_ARGS = {
     "type": "float",
@@ -189,6 +221,7 @@ MXFP4 = FormatSpec(
     compressed_tensors=CompressedTensorsScheme(
         "mxfp4-pack-quantized", weights={**_CT_MX_ARGS, "num_bits": 4}, codec=_CT_MXFP4_CODEC
     ),
+    gpt_oss_mxfp4=_GPT_OSS,
 )
 
 MXFP8 = FormatSpec(

@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "CompressedTensorsScheme",
     "FineGrainedFP8Scheme",
+    "GptOssMxfp4Scheme",
     "KVCacheScheme",
     "Leaf",
     "LeafCodec",
@@ -306,6 +307,30 @@ class FineGrainedFP8Scheme:
             "weight_block_size": [block, block],
             "modules_to_not_convert": list(not_converted),
         }
+
+
+@dataclass(frozen=True)
+class GptOssMxfp4Scheme:
+    """The format as openai/gpt-oss checkpoints ship it (``format="gpt-oss-mxfp4"``).
+
+    ``config.json``'s ``quantization_config`` is ``{"quant_method": "mxfp4",
+    "modules_to_not_convert": [...]}`` (transformers' ``Mxfp4Config``, vLLM's
+    ``GptOssMxfp4Config``); each GptOss experts module stores its projection ``p``
+    stacked as ``<experts>.<p>_blocks`` / ``<experts>.<p>_scales`` (``docs/checkpoint-format.md``).
+
+    Attributes:
+        codec: the layout's names for one expert's leaves (``blocks``: the packed codes
+            ``[out, in / 32, 16]``; ``scales``: the E8M0 codes ``[out, in / 32]``).
+        quant_method: ``quantization_config.quant_method``.
+    """
+
+    codec: LeafCodec
+    quant_method: str = "mxfp4"
+
+    def config(self, not_converted: list[str]) -> dict[str, Any]:
+        """``config.json``'s ``quantization_config``; ``not_converted``: the unquantized
+        modules (transformers' ``modules_to_not_convert``; vLLM's ``Mxfp4Config`` reads none)."""
+        return {"quant_method": self.quant_method, "modules_to_not_convert": list(not_converted)}
 
 
 def _sized(args: Mapping[str, Any], group_size: int | None) -> dict[str, Any]:

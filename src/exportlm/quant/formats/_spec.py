@@ -22,6 +22,7 @@ from exportlm.quant._tensor import FormatId, QuantizedTensor, format_name
 from exportlm.quant.formats._parts import (
     CompressedTensorsScheme,
     FineGrainedFP8Scheme,
+    GptOssMxfp4Scheme,
     KVCacheScheme,
     Leaf,
     LeafRole,
@@ -109,6 +110,8 @@ class FormatSpec:
             ``SequentialQuantizer.convert_to_single_quantizer``: INT4 only, no FP8 step).
         finegrained_fp8: the fields of DeepSeek-V3's / Qwen3-FP8's layout (``quant_method:
             "fp8"`` with ``weight_block_size``), ``None`` if that layout cannot hold the format.
+        gpt_oss_mxfp4: the fields of gpt-oss's layout (``quant_method: "mxfp4"``, experts'
+            ``<p>_blocks`` / ``<p>_scales``), ``None`` if that layout cannot hold the format.
         modelopt_instead: for a format without a ModelOpt scheme, what to quantize with
             for that layout instead (a sentence the refusal ends with), ``""``: nothing.
     """
@@ -134,6 +137,7 @@ class FormatSpec:
     global_scale: bool = False
     search_format: FormatId | None = None
     finegrained_fp8: FineGrainedFP8Scheme | None = None
+    gpt_oss_mxfp4: GptOssMxfp4Scheme | None = None
     modelopt_instead: str = ""
 
     def __post_init__(self) -> None:

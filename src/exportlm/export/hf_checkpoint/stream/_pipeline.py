@@ -60,7 +60,7 @@ from exportlm.export.hf_checkpoint.stream._work import ActivationStore, WorkArea
 from exportlm.export.job import ExportRequest, export_job
 from exportlm.inputs import make_input_ids
 from exportlm.module_exporters import ExportFormat, export_quantized_state
-from exportlm.quant import QuantRecipe, check_layout, resolve_algorithm
+from exportlm.quant import QuantRecipe, check_layout, check_layout_model, resolve_algorithm
 
 __all__ = ["stream_checkpoint"]
 
@@ -120,6 +120,7 @@ def stream_checkpoint(
         check_layout(plan, options.format)  # a layout that cannot hold it: before any read
     map_large_allocations()  # freed tensors go straight back to the system (see _memory.py)
     source = CheckpointSource(Path(request.model))
+    check_layout_model(source.model, options.format)  # its model type, before a weight is read
     baseline = resident_bytes()  # before any weight: interpreter, torch, the meta model
     check_streamable(source.model, plan, source.reads_names, source.layout.layers)
     batches = list(how.calibration) if how.calibration is not None else [_default_ids(source)]
