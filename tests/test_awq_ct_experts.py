@@ -237,7 +237,7 @@ def record(self, weights, inputs, moe_config):
 wna16.CompressedTensorsWNA16MoEMethod.__init__ = record
 w4a8.CompressedTensorsW4A8Fp8MoEMethod.__init__ = record
 class RoutedExperts:  # vLLM's fused-MoE layer: the CT config matches it by class name
-    ckpt_gate_proj_name, ckpt_up_proj_name, ckpt_down_proj_name = "gate_proj", "up_proj", "down_proj"
+    ckpt_gate_proj_name, ckpt_up_proj_name, ckpt_down_proj_name = sys.argv[3].split(",")
     moe_config = None
 config = CompressedTensorsConfig.from_config(json.load(open(sys.argv[1]))["quantization_config"])
 with set_current_vllm_config(VllmConfig()):
@@ -246,22 +246,33 @@ print(json.dumps(picked))
 """
 
 
+#: family -> (its first experts layer, its checkpoint's gate, up, down names), as vLLM names them
+_VLLM_NAMES = {
+    "mixtral": ("model.layers.0.block_sparse_moe.experts", "w1,w3,w2"),
+    "qwen3_moe": ("model.layers.0.mlp.experts", "gate_proj,up_proj,down_proj"),
+}
+
+
 @pytest.mark.parametrize(
-    ("recipe", "method", "inputs"),
+    ("recipe", "family", "method", "inputs"),
     [
-        ("int4_awq", "CompressedTensorsWNA16MoEMethod", None),
-        ("w4afp8", "CompressedTensorsW4A8Fp8MoEMethod", ["float", "token"]),
+        ("int4_awq", "mixtral", "CompressedTensorsWNA16MoEMethod", None),
+        ("w4afp8", "qwen3_moe", "CompressedTensorsW4A8Fp8MoEMethod", ["float", "token"]),
     ],
 )
 def test_vllm_picks_its_int4_fused_moe_method_for_the_experts(
-    recipe: str, method: str, inputs: Any, tmp_path: Path
+    recipe: str, family: str, method: str, inputs: Any, tmp_path: Path
 ) -> None:
-    """Parsing only (no kernel runs): the experts are quantized, not ignored."""
+    """Parsing only (no kernel runs): the experts are quantized, not ignored, under the names
+    the checkpoint gives them (vLLM's ``ckpt_*_proj_name``: Mixtral's ``w1`` / ``w3`` / ``w2``)."""
     python = _vllm_python()
-    model, _, _ = _quantized("qwen3_moe", recipe)
+    model, _, _ = _quantized(family, recipe)
     out = Path(exportlm.export_model("hf_checkpoint", model, tmp_path / "ckpt", format=CT))
+    tensors = _tensors(out)
+    layer, names = _VLLM_NAMES[family]
+    assert all(f"{layer}.0.{p}.weight_packed" in tensors for p in names.split(","))
     done = subprocess.run(
-        [python, "-c", _VLLM_MOE, str(out / "config.json"), "model.layers.0.mlp.experts"],
+        [python, "-c", _VLLM_MOE, str(out / "config.json"), layer, names],
         capture_output=True,
         text=True,
         timeout=300,
