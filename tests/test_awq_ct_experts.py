@@ -280,3 +280,22 @@ def test_vllm_picks_its_int4_fused_moe_method_for_the_experts(
     assert done.returncode == 0, done.stderr[-2000:]
     picked = json.loads(done.stdout.strip().splitlines()[-1])
     assert picked == {"method": method, "bits": 4, "group": 128, "inputs": inputs}
+
+
+def test_dbrx_experts_in_compressed_tensors_are_refused_naming_an_exclusion_that_works(
+    tmp_path: Path,
+) -> None:
+    """DBRX's own fused layout holds FP8 only and compressed-tensors has no names for it: the
+    refusal (before any calibration) names a pattern for every layer's experts, not the
+    ``fp8`` override the layout cannot write (before: "Quantize it with 'fp8' ... or exclude
+    it (exclude=['transformer.blocks.0.ffn.experts'])", block 0's only)."""
+    model = tiny_hf_model("dbrx", seed=0).eval()
+    recipe = QuantRecipe.parse("int4_awq").for_layout(CT)
+    pattern = r"Exclude it \(exclude=\['\*\.ffn\.experts'\], --exclude '\*\.ffn\.experts'\)"
+    with pytest.raises(UnsupportedFormatError, match=pattern):
+        quantize(model, recipe, calibrate=lambda m: pytest.fail("calibrated before refusing"))
+    assert not any(isinstance(m, TensorQuantizer) for m in model.modules())
+    batch = _batch(model.config.vocab_size)
+    quantize(model, recipe, exclude=["*.ffn.experts"], calibrate=lambda m: m(batch))
+    out = Path(exportlm.export_model("hf_checkpoint", model, tmp_path / "ckpt", format=CT))
+    assert "transformer.blocks.0.norm_attn_norm.attn.Wqkv.weight_packed" in _tensors(out)

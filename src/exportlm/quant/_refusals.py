@@ -72,16 +72,30 @@ def refuse_experts_algorithm(name: str, module: nn.Module, algo: Algorithm) -> N
                 "AWQ scale"
             )
     if problem is not None:
-        instead = (
-            f"Quantize it with 'fp8' ({{{name!r}: 'fp8'}}) or exclude"
-            if modelopt
-            else f"Quantize with '{algo.name}:scales=compressed-tensors' (the convention that "
-            "keeps no per-expert scale, its default) or exclude"
-        )
         raise UnsupportedFormatError(
-            f"module {name!r} ({type(module).__name__}): {problem}. {instead} it "
-            f"(exclude=[{name!r}])."
+            f"module {name!r} ({type(module).__name__}): {problem}. "
+            f"{_experts_instead(name, algo, modelopt, by_scale=keeps_scale)}"
         )
+
+
+def _experts_instead(name: str, algo: Algorithm, modelopt: bool, *, by_scale: bool) -> str:
+    """What to do about refused experts: never the option ``algo`` already has; the exclusion
+    as a pattern for every layer's experts (``*.mlp.experts``), each refused alike."""
+    parts = name.split(".")
+    pattern = "*." + ".".join(parts[-2:]) if len(parts) > 2 else name
+    exclude = f"exclude=[{pattern!r}], --exclude {pattern!r}"
+    fp8 = f"quantize it with 'fp8' ({{{pattern!r}: 'fp8'}})"
+    if by_scale and not modelopt:  # w4afp8 in ModelOpt's convention
+        return (
+            f"Quantize with '{algo.name}:scales=compressed-tensors' (the convention that keeps "
+            f"no per-expert scale, its default) or exclude it ({exclude})."
+        )
+    if algo.scales == "compressed-tensors":  # the compressed-tensors layout's convention
+        tail = f", or, exported with format='modelopt', {fp8}" if modelopt else ""
+        return f"Exclude it ({exclude}){tail}."
+    if modelopt:
+        return f"Quantize it with 'fp8' ({{{pattern!r}: 'fp8'}}) or exclude it ({exclude})."
+    return f"Exclude it ({exclude})."
 
 
 def _experts_keep_no_scale(algo: Algorithm) -> bool:
