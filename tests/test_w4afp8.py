@@ -5,8 +5,9 @@ config group equals the preset and validates with compressed-tensors' own classe
 weight bytes equal its ``pack-quantized`` compressor on our codes (and ``int4_awq``'s under
 the same calibration), the checkpoint loads back through our runtime and through
 transformers + compressed-tensors with the fake-quantized logits, the inputs really are
-quantized, the ModelOpt layout and stacked experts are refused before any work, the group
-sizes, streaming, ``inspect`` and the engine tables; the real model from its directory.
+quantized, the ModelOpt layout is refused before any work, the group sizes, streaming,
+``inspect`` and the engine tables; the real model from its directory. Stacked MoE experts:
+``tests/test_awq_ct_experts.py``.
 """
 
 from __future__ import annotations
@@ -221,14 +222,6 @@ def test_the_streamed_export_refuses_the_modelopt_layout_before_it_reads_a_layer
     with pytest.raises(UnsupportedFormatError, match=r"compressed-tensors.*'w4a8_awq'"):
         export_streaming(src, tmp_path / "out", recipe="w4afp8", calibration_inputs="float")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no work dir
-
-
-def test_stacked_experts_are_refused_before_anything_changes() -> None:
-    model = tiny_hf_model("qwen3_moe", seed=0).eval()
-    with pytest.raises(UnsupportedFormatError, match=r"w4afp8.*per-expert AWQ scale.*Exclude it"):
-        quantize(model, "w4afp8")
-    assert not any(isinstance(m, QuantLinear) for m in model.modules())
-    quantize(model, "w4afp8", exclude=["*.experts"])  # the way out the message names
 
 
 def test_a_group_size_that_does_not_divide_is_refused_naming_those_that_do() -> None:

@@ -17,6 +17,7 @@ from torch import nn
 from exportlm.quant._awq import apply_awq, collect_expert_statistics, plan_awq, search_awq
 from exportlm.quant._calibrate import run_calibration
 from exportlm.quant._fold import fold_into_norms, trace_norms
+from exportlm.quant._fold_experts import fold_experts, prune_expert_searches
 from exportlm.quant._fold_linear import fold_into_linears, prune_unfoldable, trace_blocks
 from exportlm.quant._gptq_apply import apply_gptq, collect_hessians
 from exportlm.quant._modules import QuantEmbedding, QuantExperts, QuantLinear, QuantModule
@@ -57,6 +58,7 @@ def calibrate_and_smooth(
     if awq:
         plan = plan_awq(model, groups)
         prune_unfoldable(model, plan, norms, blocks)
+        prune_expert_searches(plan)
         with search_formats(model):  # w4a8: the INT4 stage alone, as ModelOpt searches
             with steps.step("the AWQ search (a second pass of the calibrate function's forwards)"):
                 search_awq(model, plan, calibrate)
@@ -65,6 +67,7 @@ def calibrate_and_smooth(
                 apply_awq(plan)
                 fold_into_norms(model, norms)
                 fold_into_linears(model, blocks)
+                fold_experts(plan)  # compressed-tensors: experts keep no AWQ scale
                 set_smoothed_input_amax(static_inputs)
     if smoothquant:
         with steps.step("SmoothQuant smoothing"):

@@ -64,25 +64,54 @@ def refuse_experts_algorithm(name: str, module: nn.Module, algo: Algorithm) -> N
     base = experts_base(module)
     problem = None if base is None else base.refuses(algo) or _tile_problem(module, base, algo)
     modelopt = get_format(algo.weight).modelopt is not None
-    if problem is None and algo.awq and algo.input is not None:  # w4a8_awq, w4afp8
+    keeps_scale = algo.awq and algo.input is not None and not _experts_keep_no_scale(algo)
+    if problem is None and keeps_scale:  # w4a8_awq; w4afp8 in ModelOpt's scale convention
         problem = (
-            f"recipe {algo.name!r} quantizes the inputs after a per-expert AWQ scale, which "
+            f"recipe {algo.spelling!r} quantizes the inputs after a per-expert AWQ scale, which "
             "the stacked experts' wrappers do not apply in one order yet (the fake-quantized "
             "model would not be what the checkpoint's loader computes)"
         )
         if not modelopt:  # w4afp8: compressed-tensors only, one format per checkpoint
             problem += (
                 ", and compressed-tensors, its only layout, has no tensor for a per-expert "
-                "AWQ scale and no second format for the experts"
+                "AWQ scale"
             )
     if problem is not None:
-        instead = (
-            f"Quantize it with 'fp8' ({{{name!r}: 'fp8'}}) or exclude" if modelopt else "Exclude"
-        )
         raise UnsupportedFormatError(
-            f"module {name!r} ({type(module).__name__}): {problem}. {instead} it "
-            f"(exclude=[{name!r}])."
+            f"module {name!r} ({type(module).__name__}): {problem}. "
+            f"{_experts_instead(name, algo, modelopt, by_scale=keeps_scale)}"
         )
+
+
+def _experts_instead(name: str, algo: Algorithm, modelopt: bool, *, by_scale: bool) -> str:
+    """What to do about refused experts: never the option ``algo`` already has; the exclusion
+    as a pattern for every layer's experts (``*.mlp.experts``), each refused alike."""
+    parts = name.split(".")
+    pattern = "*." + ".".join(parts[-2:]) if len(parts) > 2 else name
+    exclude = f"exclude=[{pattern!r}], --exclude {pattern!r}"
+    fp8 = f"quantize it with 'fp8' ({{{pattern!r}: 'fp8'}})"
+    if by_scale and not modelopt:  # w4afp8 in ModelOpt's convention
+        return (
+            f"Quantize with '{algo.name}:scales=compressed-tensors' (the convention that keeps "
+            f"no per-expert scale, its default) or exclude it ({exclude})."
+        )
+    if algo.scales == "compressed-tensors":  # the compressed-tensors layout's convention
+        tail = f", or, exported with format='modelopt', {fp8}" if modelopt else ""
+        return f"Exclude it ({exclude}){tail}."
+    if modelopt:
+        return f"Quantize it with 'fp8' ({{{pattern!r}: 'fp8'}}) or exclude it ({exclude})."
+    return f"Exclude it ({exclude})."
+
+
+def _experts_keep_no_scale(algo: Algorithm) -> bool:
+    """Under compressed-tensors' scale convention stacked experts keep no AWQ scale (each
+    expert's ``down_proj`` scale is folded into its ``up`` rows, the rest is round-to-nearest:
+    :mod:`exportlm.quant._fold_experts`), so inputs quantized at run time (``w4afp8``'s FP8
+    per token) see what the checkpoint's loader computes; static input scales (``w4a8_awq``)
+    were calibrated before the fold and are still refused."""
+    return algo.scales == "compressed-tensors" and not (
+        algo.input is not None and get_format(algo.input).calibrated
+    )
 
 
 def refuse_unplaceable_kv_cache(

@@ -18,19 +18,13 @@ declares no ModelOpt scheme and that layout refuses it, naming both.
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import torch
 
-from exportlm.quant._tensor import INT4_MAX, QuantFormat, QuantizedTensor
-from exportlm.quant.formats._ct_codecs import pack_quantized_codec
-from exportlm.quant.formats._int4 import (
-    dequantize_int4,
-    pack_int4_rows,
-    quantize_int4,
-    unpack_int4_rows,
-)
-from exportlm.quant.formats._parts import CompressedTensorsScheme, Leaf
-from exportlm.quant.formats._spec import FormatSpec
+from exportlm.quant._tensor import QuantFormat, QuantizedTensor
+from exportlm.quant.formats._int4 import INT4, quantize_int4
+from exportlm.quant.formats._parts import CompressedTensorsScheme
 
 __all__ = ["VLLM_GROUP_SIZE", "W4AFP8"]
 
@@ -38,15 +32,8 @@ _NAME = "w4afp8"
 #: The one group size vLLM 0.32's ``CompressedTensorsW4A8Fp8`` takes (``__init__`` raises
 #: "W4A8 kernels require group quantization with group size 128" for any other).
 VLLM_GROUP_SIZE = 128
-#: compressed-tensors' ``W4AFP8`` preset's weights (as W4A16's) and inputs, as it serializes them.
-_CT_WEIGHTS = {
-    "num_bits": 4,
-    "type": "int",
-    "symmetric": True,
-    "group_size": 128,
-    "strategy": "group",
-    "dynamic": False,
-}
+#: compressed-tensors' ``W4AFP8`` preset's inputs (its weights are W4A16's: ``INT4``'s), as it
+#: serializes them.
 _CT_INPUTS = {
     "num_bits": 8,
     "type": "float",
@@ -64,30 +51,16 @@ def quantize_w4afp8(
     return dataclasses.replace(q, format=_NAME)
 
 
-W4AFP8 = FormatSpec(
+W4AFP8 = dataclasses.replace(
+    INT4,  # the same kernels, leaves, packing, group size, codec and scale divisor
     format=_NAME,
     quantize=quantize_w4afp8,
-    dequantize=dequantize_int4,
-    maxbound=INT4_MAX,
-    amax_divisor=INT4_MAX,
-    granularity="block",
-    leaves=(
-        Leaf("weight", torch.uint8, source="data"),
-        Leaf("weight_scale", torch.float32, source="scale"),
-        Leaf("pre_quant_scale", torch.float32, role="activation"),
-    ),
-    packing=2,
-    packed_dim=-2,
-    block_size=128,
     # inputs per token at run time: fp8_dynamic's per-row kernel on each token
     activations="fp8_dynamic",
     search_format=QuantFormat.INT4,  # the same kernels: AWQ searches as int4_awq does
-    compressed_tensors=CompressedTensorsScheme(
-        "pack-quantized",
-        weights=_CT_WEIGHTS,
-        input_activations=_CT_INPUTS,
-        codec=pack_quantized_codec(4, unpack_int4_rows, pack_int4_rows),  # int4's
-        scale_divisor=7.5,  # int4's: compressed-tensors' (7 - -8) / 2
+    modelopt=None,
+    compressed_tensors=dataclasses.replace(
+        cast(CompressedTensorsScheme, INT4.compressed_tensors), input_activations=_CT_INPUTS
     ),
     modelopt_instead=(
         "ModelOpt's W4A8 quantizes the inputs statically per tensor: quantize with recipe "
