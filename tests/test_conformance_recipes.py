@@ -91,7 +91,7 @@ def test_every_recipe_is_written_in_a_layout_its_formats_have() -> None:
     assert "fp8+fp8_kv" in recipes
     assert "fp8_kv" not in recipes
     layouts = {name: recipe_layout(name) for name in recipes}
-    assert layouts["fp8_block"] == "compressed-tensors"  # its format has no ModelOpt scheme
+    assert layouts["fp8_block"] == "modelopt"  # FP8_PB_WO at its default block of 128
     assert layouts["w8a8"] == "compressed-tensors"
     assert layouts["w4a8_awq"] == "modelopt"  # its format has no compressed-tensors scheme
     assert layouts["w4afp8"] == "compressed-tensors"  # its format has no ModelOpt scheme

@@ -48,6 +48,7 @@ WRITERS: dict[tuple[str | None, str | None], tuple[str | None, str | None, tuple
     ("modelopt", "W4A8_AWQ"): ("modelopt", "w4a8_awq", ()),
     ("fp8", "FP8_BLOCK"): ("finegrained-fp8", "fp8_block:group_size=32", ()),
     ("compressed-tensors", "W4AFP8"): ("compressed-tensors", "w4afp8", ()),
+    ("modelopt", "fp8_pb_wo"): ("modelopt", "fp8_block", ()),
 }
 #: The engines' names in inspect's loader list (it appends the version it read them for).
 INSPECT_NAMES = {"vllm": "vLLM", "transformers": "transformers"}

@@ -160,6 +160,38 @@ def test_our_loader_reads_modelopts_export(block: int, tmp_path: Path) -> None:
     torch.testing.assert_close(got, _logits(want), rtol=0, atol=LOGITS_ATOL)
 
 
+@pytest.mark.interop
+def test_mixed_precision_with_fp8_attention_equals_modelopts_export(tmp_path: Path) -> None:
+    """``{"*": "fp8", "*.mlp.*": "fp8_block"}``: ``MIXED_PRECISION``, the MLP layers'
+    ``{"quant_algo": "fp8_pb_wo"}`` (no ``group_size``) and their ``config_groups`` group
+    ``{"quant_algo": "fp8_pb_wo", "targets": [...]}`` (ModelOpt 0.47 has no group fields for
+    it), every tensor byte for byte (input scales within 1e-6: two calibration forwards)."""
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    modelopt_export = pytest.importorskip("modelopt.torch.export")
+    model = _model(**WIDE)
+    ids = IDS.remainder(int(model.config.vocab_size))
+    block = copy.deepcopy(mtq.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)["quant_cfg"][1]["cfg"]
+    mlp = [
+        {"quantizer_name": "*mlp*weight_quantizer", "cfg": block},
+        {"quantizer_name": "*mlp*input_quantizer", "enable": False},
+    ]
+    config = {"quant_cfg": [*mtq.FP8_DEFAULT_CFG["quant_cfg"], *mlp], "algorithm": "max"}
+    theirs = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(theirs, config, forward_loop=lambda m: m(ids))
+        modelopt_export.export_hf_checkpoint(theirs, export_dir=tmp_path / "modelopt")
+    ours_model = quantize(model, {"*": "fp8", "*.mlp.*": "fp8_block"}, calibrate=lambda m: m(ids))
+    ours = exportlm.export_model("hf_checkpoint", ours_model, tmp_path / "ours")
+    mine, ref = _tensors(ours), _tensors(tmp_path / "modelopt")
+    assert sorted(mine) == sorted(ref)
+    for name, tensor in ref.items():
+        _assert_same_tensor(name, mine[name], tensor)
+    assert _configs(ours) == _configs(tmp_path / "modelopt")
+    layers = _configs(ours)[0]["quantization"]["quantized_layers"]
+    assert layers["model.layers.0.mlp.up_proj"] == {"quant_algo": "fp8_pb_wo"}
+
+
 # ----------------------------------------------------------------------------- our layout
 
 
