@@ -5,8 +5,8 @@ exporter survey and ``quantized_generated`` with the same list: a recipe a plugi
 (its ``exportlm.recipes`` entry point, as docs/architecture.md "How to add a recipe"
 shows) is checked without a change to the plugin, and a recipe whose quantization
 raises fails the item with the failure charged to that recipe, the others checked as
-before. Each recipe is written in a layout its formats have (``fp8_block`` and ``w8a8``:
-compressed-tensors), read off the record, not a name table.
+before. Each recipe is written in a layout its formats have (``w8a8`` and ``w4afp8``:
+compressed-tensors; ``fp8_block``: ModelOpt's FP8_PB_WO), read off the record, not a name table.
 """
 
 from __future__ import annotations
