@@ -93,25 +93,29 @@ _PB_WO_SOURCE = (
 )
 
 
+#: vLLM's ModelOpt fp8_pb_wo row (measured refused on this CPU, without AMX).
+_VLLM_PB_WO = Support(
+    _HF,
+    "modelopt",
+    "fp8_pb_wo",
+    dtypes=("bfloat16", "float16"),  # ModelOptFp8Config.get_supported_act_dtypes
+    devices=("cuda",),
+    limit=(
+        "measured on an AMD EPYC (AVX-512, no AMX), our fp8_block checkpoint of the toy "
+        f"llama at hidden 256, bfloat16: ValueError: {_FP8_BLOCK_NO_KERNEL}. Reasons: "
+        "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or "
+        "newer); with AMX not measured"
+    ),
+    message=_FP8_BLOCK_NO_KERNEL,
+    evidence=_PB_WO_SOURCE,
+)
+
+
 def vllm_block_and_w4a8_rows(modelopt_refusal: str, refused_message: str) -> tuple[Support, ...]:
     """vLLM's rows for compressed-tensors FP8_BLOCK and ModelOpt fp8_pb_wo (measured refused
     on a CPU without AMX) and ModelOpt W4A8_AWQ (refused)."""
     return (
-        Support(
-            _HF,
-            "modelopt",
-            "fp8_pb_wo",
-            dtypes=("bfloat16", "float16"),  # ModelOptFp8Config.get_supported_act_dtypes
-            devices=("cuda",),
-            limit=(
-                "measured on an AMD EPYC (AVX-512, no AMX), our fp8_block checkpoint of the toy "
-                f"llama at hidden 256, bfloat16: ValueError: {_FP8_BLOCK_NO_KERNEL}. Reasons: "
-                "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or "
-                "newer); with AMX not measured"
-            ),
-            message=_FP8_BLOCK_NO_KERNEL,
-            evidence=_PB_WO_SOURCE,
-        ),
+        _VLLM_PB_WO,
         Support(
             _HF,
             "compressed-tensors",
