@@ -5,8 +5,8 @@ here on CPU): ``hf_quant_config.json`` ``{"quant_algo": "fp8_pb_wo", "kv_cache_q
 null, "exclude_modules": [...]}`` (no ``group_size``), ``config.json``'s ``quantization_config``
 ``{"ignore", "quant_algo", "producer", "quant_method": "modelopt"}`` (no ``config_groups``), per
 quantized linear ``weight`` float8_e4m3fn and ``weight_scale`` float32
-``[ceil(out / 128), 1, in / 128, 1]`` (0-d for a one-tile weight: ``reduce_amax`` squeezes a
-one-element amax). Its config records no block size and vLLM reads 128 x 128 tiles, so the
+``[ceil(out / 128), 1, in / 128, 1]`` (0-d where a weight is one tile: ``reduce_amax`` squeezes a
+one-element amax; we write ``[1, 1, 1, 1]``, which vLLM loads). Its config records no block size and vLLM reads 128 x 128 tiles, so the
 layout holds blocks of 128 only. ModelOpt's model keeps its inputs in float (weight only), but
 vLLM serves the checkpoint with inputs quantized per token and group of 128 at run time
 (``resolve``: ``kFp8Dynamic128Sym``): what ``fp8_block`` computes, and what our loader runs.
@@ -117,36 +117,89 @@ def test_checkpoint_equals_modelopts_export(
     assert (scale.dtype, scale.shape) == (torch.float32, (1, 1, 2, 1))
 
 
+#: Mixtral's hub names (ours, and ModelOpt's FP8 export's) for its in-memory expert names.
+_MIXTRAL_HUB = {
+    ".mlp.experts.": ".block_sparse_moe.experts.",
+    ".mlp.gate.": ".block_sparse_moe.gate.",
+}
+_MIXTRAL_LEAVES = {".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}
+
+
+def _hub_name(name: str) -> str:
+    for old, new in _MIXTRAL_HUB.items():
+        name = name.replace(old, new)
+    if ".block_sparse_moe.experts." in name:
+        for old, new in _MIXTRAL_LEAVES.items():
+            name = name.replace(old, new)
+    return name
+
+
 @pytest.mark.interop
-def test_one_tile_fused_linears_are_the_one_difference_from_modelopt(tmp_path: Path) -> None:
-    """The toy Llama (hidden 128): q / k / v fit one tile each, their amax has one element, and
-    ModelOpt's export takes it for a per-tensor amax and shares the largest over the fused
-    q / k / v (``preprocess_linear_fusion``: ``amax.numel() == 1``), where its own fake-quant
-    model kept each its own. Ours keeps each its own, as both in-memory models compute; every
-    other tensor, and the 0-d shape of a one-tile scale, is ModelOpt's."""
+def test_mixtral_keeps_the_hub_names_modelopts_fp8_pb_wo_export_falls_back_from(
+    tmp_path: Path,
+) -> None:
+    """ModelOpt reverses transformers' load-time renaming (the hub checkpoint's names, its FP8
+    export's), but gives up on a 4-D expert scale ("Quant-aware reverse weight conversion
+    skipped (experts not pre-expanded ...)") and writes the in-memory names. Ours keeps the hub
+    names (``block_sparse_moe.experts.{e}.w1``, which vLLM's Mixtral loads); renamed, every
+    tensor and both configs equal ModelOpt's."""
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    modelopt_export = pytest.importorskip("modelopt.torch.export")
+    model = _model("mixtral", hidden_size=256, intermediate_size=256)  # no one-tile weight
+    theirs = copy.deepcopy(model)
+    ids = IDS.remainder(int(model.config.vocab_size))
+    mtq.quantize(theirs, mtq.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG, forward_loop=lambda m: m(ids))
+    with pytest.warns(UserWarning, match="reverse weight conversion skipped"):
+        modelopt_export.export_hf_checkpoint(theirs, export_dir=tmp_path / "modelopt")
+    ref = {_hub_name(k): v for k, v in _tensors(tmp_path / "modelopt").items()}
+    ours = exportlm.export_model("hf_checkpoint", quantize(model, "fp8_block"), tmp_path / "ours")
+    mine = _tensors(ours)
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight_scale" in mine
+    assert sorted(mine) == sorted(ref)
+    for name, tensor in ref.items():
+        _assert_same_tensor(name, mine[name], tensor)
+    hf_quant = _configs(tmp_path / "modelopt")[0]
+    excluded = [_hub_name(m + ".")[:-1] for m in hf_quant["quantization"]["exclude_modules"]]
+    assert _configs(ours)[0]["quantization"]["exclude_modules"] == sorted(excluded)
+
+
+@pytest.mark.interop
+def test_one_tile_linears_are_the_two_differences_from_modelopt(tmp_path: Path) -> None:
+    """The toy Llama (hidden 128), where every attention weight is one 128 x 128 tile:
+
+    - shape: ModelOpt writes a one-tile scale 0-d where the quantizer's amax is one element
+      (``reduce_amax`` squeezes it; Mixtral's fused gate / up halves stay ``[1, 1, 1, 1]``),
+      which vLLM's loader cannot ``narrow``; ours is ``[1, 1, 1, 1]``, the shape vLLM registers;
+    - value: ModelOpt's export takes a one-element amax for a per-tensor one and gives fused
+      q / k / v the largest (``preprocess_linear_fusion``: ``amax.numel() == 1``), which its own
+      fake-quant model did not use; ours keeps each its own, as both in-memory models compute.
+
+    Everything else (every code, every other scale) is ModelOpt's, byte for byte."""
     model = _model()
     ref = _tensors(_modelopt_export(model, tmp_path / "modelopt"))
-    ours_dir = exportlm.export_model("hf_checkpoint", _quantized(), tmp_path / "ours")
-    ours = _tensors(ours_dir)
+    ours = _tensors(exportlm.export_model("hf_checkpoint", _quantized(), tmp_path / "ours"))
     assert sorted(ours) == sorted(ref)
-    differ = set()
+    differ, squeezed = set(), set()
     for name, tensor in ref.items():
-        assert (ours[name].dtype, ours[name].shape) == (tensor.dtype, tensor.shape), name
+        mine = ours[name]
+        if mine.shape != tensor.shape:
+            assert (tuple(tensor.shape), tuple(mine.shape)) == ((), (1, 1, 1, 1)), name
+            squeezed.add(name)
+        assert mine.dtype == tensor.dtype, name
         if not torch.equal(
-            ours[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)
+            mine.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)
         ):
-            differ.add(name.rpartition(".")[0])
+            differ.add(name)
+    attention = {f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "qkvo"}
+    assert squeezed == {f"{m}.weight_scale" for m in attention}
     for layer in ("model.layers.0", "model.layers.1"):
-        fused = [f"{layer}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
-        shared = max(ours[f"{m}.weight_scale"] for m in fused)
-        assert all(torch.equal(ref[f"{m}.weight_scale"], shared) for m in fused)
-        assert {m for m in fused if not torch.equal(ours[f"{m}.weight_scale"], shared)} == {
-            m for m in fused if m in differ
-        }
-    assert differ
-    assert all(".self_attn." in m for m in differ)
-    assert not any("o_proj" in m for m in differ)
-    assert ours["model.layers.0.self_attn.q_proj.weight_scale"].shape == ()
+        fused = [f"{layer}.self_attn.{p}_proj.weight_scale" for p in "qkv"]
+        shared = max(ours[name].reshape(()) for name in fused)
+        assert all(torch.equal(ref[name], shared) for name in fused)
+        own = {name for name in fused if not torch.equal(ours[name].reshape(()), shared)}
+        assert own <= differ
+    assert differ  # the toy's q / k / v amaxes differ
+    assert all(".self_attn." in n and "o_proj" not in n for n in differ), differ
 
 
 @pytest.mark.interop

@@ -171,12 +171,14 @@ _FINEGRAINED = FineGrainedFP8Scheme(
 
 
 def _modelopt_scale_shapes(native: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """ModelOpt 0.47's shape of tile scales ``[..., ob, ib]``: its block amax keeps the reduced
-    dims (``[..., ob, 1, ib, 1]``), and ``reduce_amax`` squeezes a one-element amax to 0-d;
-    vLLM's ``KFp8Block128.process`` also takes the 2-D form."""
+    """The stored shapes of tile scales ``[..., ob, ib]``, the written one first: ModelOpt
+    0.47's block amax keeps the reduced dims, ``[..., ob, 1, ib, 1]``, which vLLM's
+    ``KFp8Block128`` registers; the 2-D form its ``process`` also takes; and for one tile the
+    0-d scale ModelOpt writes where the quantizer's amax is one element (``reduce_amax``
+    squeezes it), read but not written: vLLM's loader cannot ``narrow`` it."""
     *lead, ob, ib = native
     four = (*lead, ob, 1, ib, 1)
-    return ((), four, native) if math.prod(native) == 1 else (four, native)
+    return (four, native, ()) if math.prod(native) == 1 else (four, native)
 
 
 def _to_modelopt(leaves: LeafTensors) -> dict[str, torch.Tensor]:
@@ -220,7 +222,7 @@ def _grid(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
 
 #: ModelOpt's FP8_PB_WO (``quant_algo: "fp8_pb_wo"``, what ModelOpt 0.47's
 #: ``FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG`` exports): ``weight`` float8_e4m3fn and ``weight_scale``
-#: float32 ``[ceil(out / 128), 1, in / 128, 1]`` (0-d for a one-tile weight). Its config records
+#: float32 ``[ceil(out / 128), 1, in / 128, 1]`` (ModelOpt's own: 0-d for one tile). Its config records
 #: no block size (vLLM reads 128 x 128), so only blocks of 128 are written; vLLM's
 #: ``resolve`` runs the inputs per 128-group at run time (W8A8), which is this format's model.
 _MODELOPT = ModelOptScheme(
