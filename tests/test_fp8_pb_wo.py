@@ -245,7 +245,27 @@ def test_mixed_precision_with_fp8_attention_equals_modelopts_export(tmp_path: Pa
     assert layers["model.layers.0.mlp.up_proj"] == {"quant_algo": "fp8_pb_wo"}
 
 
+@pytest.mark.interop
+def test_inspect_passes_modelopts_export_with_its_0d_one_tile_scales(tmp_path: Path) -> None:
+    ref = _modelopt_export(_model(), tmp_path / "modelopt")
+    assert _tensors(ref)["model.layers.0.self_attn.o_proj.weight_scale"].shape == ()
+    report = inspect_checkpoint(ref)
+    assert report.errors == []
+    assert report.summary["quantized_layers"] == {"fp8_block": 14}
+
+
 # ----------------------------------------------------------------------------- our layout
+
+
+def test_the_cli_writes_it_by_default(tmp_path: Path) -> None:
+    """``exportlm export --target hf_checkpoint --quantize fp8_block``: no ``-o format=``."""
+    cmd = [sys.executable, "-m", "exportlm", "export", "--target", "hf_checkpoint", "--model"]
+    cmd += ["llama", "--out", str(tmp_path / "o"), "--quantize", "fp8_block"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert _configs(tmp_path / "o")[0]["quantization"]["quant_algo"] == "fp8_pb_wo"
+    scale = _tensors(tmp_path / "o")["model.layers.0.mlp.down_proj.weight_scale"]  # [128, 256]
+    assert (scale.dtype, scale.shape) == (torch.float32, (1, 1, 2, 1))
 
 
 def test_our_loader_reads_it_back_with_the_fake_quant_logits(tmp_path: Path) -> None:
