@@ -307,7 +307,8 @@ def test_a_scale_of_the_wrong_shape_is_refused_by_the_loader(tmp_path: Path) -> 
     out = exportlm.export_model("hf_checkpoint", _quantized("fp8_block", wide=True), tmp_path / "o")
     name = "model.layers.1.mlp.up_proj.weight_scale"  # [4, 1, 2, 1]
     _edit_tensors(out, {name: lambda t: t.reshape(2, 1, 4, 1)})
-    with pytest.raises(MalformedCheckpointError, match=r"weight_scale has shape \[2, 1, 4, 1\]"):
+    match = r"up_proj\.weight: weight_scale has shape \[2, 1, 4, 1\].*\[4, 1, 2, 1\] for vLLM"
+    with pytest.raises(MalformedCheckpointError, match=match):
         _load_unverified(out)
 
 

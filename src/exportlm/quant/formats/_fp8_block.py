@@ -205,25 +205,20 @@ def _from_modelopt(leaves: LeafTensors) -> dict[str, torch.Tensor]:
     block = cols // ib if ib and cols % ib == 0 else 0
     want = (*lead, -(-rows // block), ib) if block else None
     if native != want:
+        b = DEFAULT_BLOCK
+        vllm = [*lead, -(-rows // b), 1, -(-cols // b), 1]
         raise ValueError(
             f"weight_scale has shape {list(stored)}, which is no tile grid of the weight "
             f"{list(weight.shape)}: ModelOpt's FP8_PB_WO stores [ceil(out / b), 1, in / b, 1] "
-            "for tiles of b x b (vLLM reads b = 128: "
-            f"{list(_modelopt_scale_shapes(_grid(tuple(weight.shape), DEFAULT_BLOCK))[0])})"
+            f"for tiles of b x b ({vllm} for vLLM's b = {b})"
         )
     return {"weight": weight, "weight_scale": scale.reshape(native)}
 
 
-def _grid(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
-    """The tile scales' shape ``[..., ceil(out / b), ceil(in / b)]`` of a weight of ``shape``."""
-    *lead, rows, cols = shape
-    return (*lead, -(-rows // block), -(-cols // block))
-
-
 #: ModelOpt's FP8_PB_WO (``quant_algo: "fp8_pb_wo"``, what ModelOpt 0.47's
 #: ``FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG`` exports): ``weight`` float8_e4m3fn and ``weight_scale``
-#: float32 ``[ceil(out / 128), 1, in / 128, 1]`` (ModelOpt's own: 0-d for one tile). Its config records
-#: no block size (vLLM reads 128 x 128), so only blocks of 128 are written; vLLM's
+#: float32 ``[ceil(out / 128), 1, in / 128, 1]`` (ModelOpt's own: 0-d for one tile). Its config
+#: records no block size (vLLM reads 128 x 128), so only blocks of 128 are written; vLLM's
 #: ``resolve`` runs the inputs per 128-group at run time (W8A8), which is this format's model.
 _MODELOPT = ModelOptScheme(
     "fp8_pb_wo",
