@@ -84,7 +84,7 @@ NEW_TOKENS = 32
 #: Export options a recipe needs, as the CLI's refusal tells a user: ``w8a8`` exists in
 #: compressed-tensors' layout only (the default layout is ModelOpt's); ``int4_gptq`` and
 #: ``int8_gptq`` in that layout, the one vLLM loads, keep bf16 scales as llm-compressor's;
-#: ``fp8_block`` is written in compressed-tensors' layout only (ModelOpt's export has none).
+#: ``fp8_block`` in compressed-tensors' layout (ModelOpt's FP8_PB_WO holds blocks of 128 only).
 RECIPE_OPTIONS = {
     "w8a8": ["-o", "format=compressed-tensors"],
     "int4_gptq": ["-o", "format=compressed-tensors"],

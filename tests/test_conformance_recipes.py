@@ -5,8 +5,8 @@ exporter survey and ``quantized_generated`` with the same list: a recipe a plugi
 (its ``exportlm.recipes`` entry point, as docs/architecture.md "How to add a recipe"
 shows) is checked without a change to the plugin, and a recipe whose quantization
 raises fails the item with the failure charged to that recipe, the others checked as
-before. Each recipe is written in a layout its formats have (``fp8_block`` and ``w8a8``:
-compressed-tensors), read off the record, not a name table.
+before. Each recipe is written in a layout its formats have (``w8a8`` and ``w4afp8``:
+compressed-tensors; ``fp8_block``: ModelOpt's FP8_PB_WO), read off the record, not a name table.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_every_recipe_is_written_in_a_layout_its_formats_have() -> None:
     assert "fp8+fp8_kv" in recipes
     assert "fp8_kv" not in recipes
     layouts = {name: recipe_layout(name) for name in recipes}
-    assert layouts["fp8_block"] == "compressed-tensors"  # its format has no ModelOpt scheme
+    assert layouts["fp8_block"] == "modelopt"  # FP8_PB_WO at its default block of 128
     assert layouts["w8a8"] == "compressed-tensors"
     assert layouts["w4a8_awq"] == "modelopt"  # its format has no compressed-tensors scheme
     assert layouts["w4afp8"] == "compressed-tensors"  # its format has no ModelOpt scheme

@@ -50,6 +50,7 @@ WRITERS: dict[tuple[str | None, str | None], tuple[str | None, str | None, tuple
     ("compressed-tensors", "W4AFP8"): ("compressed-tensors", "w4afp8", ()),
     # gpt-oss's layout quantizes the experts only
     ("mxfp4", "MXFP4"): ("gpt-oss-mxfp4", "mxfp4", ("*self_attn*",)),
+    ("modelopt", "fp8_pb_wo"): ("modelopt", "fp8_block", ()),
 }
 #: The engines' names in inspect's loader list (it appends the version it read them for).
 INSPECT_NAMES = {"vllm": "vLLM", "transformers": "transformers"}

@@ -5,7 +5,7 @@ Llama (float32; its ``k_proj`` / ``v_proj`` have 64 output rows: one partial row
 the kernels, the recipe (no calibration), the compressed-tensors layout, our loader
 reading it back with the fake-quant logits, compressed-tensors' own preset, classes and
 compressor on our config and codes, ``exportlm inspect``, the CLI, the refusals
-(ModelOpt layout, input features not a multiple of the block, interleaved gate/up
+(ModelOpt layout for blocks other than 128, input features not a multiple of the block, interleaved gate/up
 experts), and a real-model export.
 """
 
@@ -195,9 +195,11 @@ def test_inspect_finds_no_error_and_a_wrong_tile_scale(tmp_path: Path) -> None:
     assert found[0].details["expected"] == [1, 1]
 
 
-def test_the_modelopt_layout_refuses_it_naming_compressed_tensors(tmp_path: Path) -> None:
+def test_the_modelopt_layout_refuses_other_blocks_naming_compressed_tensors(tmp_path: Path) -> None:
+    """ModelOpt's FP8_PB_WO records no block size (vLLM reads 128): tests/test_fp8_pb_wo.py."""
+    model = _quantized("fp8_block:group_size=32")
     with pytest.raises(UnsupportedFormatError, match="compressed-tensors"):
-        exportlm.export_model("hf_checkpoint", _quantized(), tmp_path / "mo", format="modelopt")
+        exportlm.export_model("hf_checkpoint", model, tmp_path / "mo", format="modelopt")
     assert not (tmp_path / "mo").exists()
 
 

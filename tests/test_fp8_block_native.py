@@ -183,8 +183,9 @@ def test_other_recipes_are_refused_before_any_work_naming_the_layouts(recipe: st
 
 
 def test_fp8_block_names_both_layouts_that_hold_it() -> None:
+    """The ModelOpt layout holds blocks of 128 only (FP8_PB_WO: tests/test_fp8_pb_wo.py)."""
     with pytest.raises(UnsupportedFormatError, match=f"format={CT}.*format={FG}"):
-        check_layout(QuantRecipe.parse("fp8_block"), "modelopt")
+        check_layout(QuantRecipe.parse("fp8_block:group_size=64"), "modelopt")
 
 
 def test_a_model_in_another_format_is_refused_and_nothing_is_written(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ own format (``fp8_kv`` with ``fp8``: ``fp8+fp8_kv``).
 
 :func:`recipe_layout` is the checkpoint layout a recipe is written in: the default one
 (ModelOpt) when its formats have a scheme there, else the first layout that holds them
-(``w8a8`` and ``fp8_block``: compressed-tensors), read off the formats by
+(``w8a8``, ``w4afp8``: compressed-tensors), read off the formats by
 :func:`exportlm.quant.check_layout`, the CLI's own refusal. :func:`layout_recipe` is
 the recipe with that layout's scale convention (``QuantRecipe.for_layout``), as
 ``exportlm export -o format=...`` quantizes it.

@@ -3,7 +3,7 @@
 Every selected toy model is quantized with every registered recipe that fits it
 (:func:`survey_recipes`: the built-in ones, a plugin's, ``fp8+fp8_kv``; only
 ``--export-quantize``'s recipes when it names some), each in a
-layout its formats have (``w8a8``, ``fp8_block``: compressed-tensors), then exported
+layout its formats have (``w8a8``, ``w4afp8``: compressed-tensors), then exported
 with ``export_quantized_state`` through a *copy* of
 the dispatch registry whose exporters are wrapped in recorders
 (:mod:`._recording`). A recorder notes, for each ``export`` call, which exporter

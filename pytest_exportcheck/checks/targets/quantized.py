@@ -4,7 +4,7 @@ For targets declaring ``quantized``. The toy model is quantized with every regis
 recipe (:func:`~pytest_exportcheck.checks._recipes.conformance_recipes`: the built-in
 ones, a plugin's, and each KV-cache recipe combined with its weight recipe; or
 ``--export-quantize``'s), a checkpoint target writing each in a layout its formats have
-(``w8a8`` and ``fp8_block`` in compressed-tensors'), exported, run in the target's
+(``w8a8`` and ``w4afp8`` in compressed-tensors'), exported, run in the target's
 runtime and compared with the fake-quantized eager model on :data:`INPUT_SETS`
 deterministic input sets. A recipe that does not fit the toy model, or that the target
 refuses, is skipped with its own reason; one whose quantization raises anything else

@@ -87,9 +87,41 @@ def vllm_mx_rows(modelopt_refusal: str, refused_message: str) -> tuple[Support, 
     )
 
 
+#: vLLM's ModelOpt ``FP8_PB_WO`` (``fp8_block`` in the ModelOpt layout), from its source.
+_PB_WO_SOURCE = (
+    f"{_SRC}/modelopt.py: LINEAR_ALGOS line 145 ('FP8_PB_WO', upper-cased from ModelOpt's "
+    "'fp8_pb_wo' at line 362); resolve line 2693 (QuantSpec weight kFp8Static128BlockSym, "
+    "activation kFp8Dynamic128Sym: inputs per token and group of 128 at run time, W8A8); "
+    "KFp8Block128.create_weights line 2214 (weight_scale [ceil(out / 128), 1, in / 128, 1] "
+    "float32, in % 128 == 0 at line 2232; a 2-D scale taken too); _Fp8PbWoPartialBlock line "
+    "2454 pads a partial last row tile; has_blocked_weights line 431. Parsed here by "
+    "ModelOptFp8Config (tests/test_fp8_pb_wo.py)"
+)
+
+
+#: vLLM's ModelOpt fp8_pb_wo row (measured refused on this CPU, without AMX).
+_VLLM_PB_WO = Support(
+    _HF,
+    "modelopt",
+    "fp8_pb_wo",
+    dtypes=("bfloat16", "float16"),  # ModelOptFp8Config.get_supported_act_dtypes
+    devices=("cuda",),
+    limit=(
+        "measured on an AMD EPYC (AVX-512, no AMX), our fp8_block checkpoint of the toy "
+        f"llama at hidden 256, bfloat16: ValueError: {_FP8_BLOCK_NO_KERNEL}. Reasons: "
+        "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or "
+        "newer); with AMX not measured"
+    ),
+    message=_FP8_BLOCK_NO_KERNEL,
+    evidence=_PB_WO_SOURCE,
+)
+
+
 def vllm_block_and_w4a8_rows(modelopt_refusal: str, refused_message: str) -> tuple[Support, ...]:
-    """vLLM's rows for compressed-tensors FP8_BLOCK (measured) and ModelOpt W4A8_AWQ (refused)."""
+    """vLLM's rows for compressed-tensors FP8_BLOCK and ModelOpt fp8_pb_wo (measured refused
+    on a CPU without AMX) and ModelOpt W4A8_AWQ (refused)."""
     return (
+        _VLLM_PB_WO,
         Support(
             _HF,
             "compressed-tensors",
@@ -152,7 +184,8 @@ _CPU_BLOCK_KERNELS = (
 
 def finegrained_fp8_rows(engine: str) -> tuple[Support, ...]:
     """``quant_method: "fp8"`` with ``weight_block_size`` (``format="finegrained-fp8"``):
-    ``engine`` ``"vllm"`` or ``"transformers"``; source, not measured on a GPU."""
+    ``engine`` ``"vllm"`` or ``"transformers"``; source, not measured on a GPU. transformers'
+    also has its misread of the same tiles in the ModelOpt layout (``fp8_pb_wo``)."""
     if engine == "vllm":
         return (
             Support(
@@ -170,6 +203,18 @@ def finegrained_fp8_rows(engine: str) -> tuple[Support, ...]:
             ),
         )
     return (
+        Support(
+            _HF,
+            "modelopt",
+            "fp8_pb_wo",
+            verdict=Verdict.MISREADS,
+            evidence=(
+                "measured with transformers 5.25.0 (no 'modelopt' quantizer): our fp8_block "
+                "checkpoint in the ModelOpt layout loads with no error, every weight_scale "
+                "UNEXPECTED, and runs the FP8 codes as plain weights: logits 1.6 off"
+            ),
+            instead="finegrained-fp8 (quant_method 'fp8'), which it dequantizes on a CPU",
+        ),
         Support(
             _HF,
             "fp8",

@@ -189,7 +189,8 @@ def _renamed_tiles(layer: QuantizedLayer, spec: FormatSpec, codec: LeafCodec) ->
     for leaf in codec.weights:
         info = layer.leaves.get(leaf.name)
         if leaf.kind == "scale" and info is not None:
-            yield from tile_scale_findings(info, spec.name, tuple(codes.shape), block or 1)
+            shapes = codec.scale_shapes
+            yield from tile_scale_findings(info, spec.name, tuple(codes.shape), block or 1, shapes)
 
 
 def _layer(layer: QuantizedLayer, spec: FormatSpec, declared: Declared) -> Iterator[Finding]:

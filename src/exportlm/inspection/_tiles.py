@@ -9,7 +9,7 @@ of the ``block-scale-shape`` rule otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from exportlm.inspection._header import TensorInfo
 from exportlm.inspection._rules import RULES, Finding
@@ -24,12 +24,22 @@ def tile_scale_shape(logical: tuple[int, ...], block: int) -> tuple[int, ...]:
 
 
 def tile_scale_findings(
-    info: TensorInfo, fmt: str, weight_shape: tuple[int, ...], block: int
+    info: TensorInfo,
+    fmt: str,
+    weight_shape: tuple[int, ...],
+    block: int,
+    stored: Callable[[tuple[int, ...]], tuple[tuple[int, ...], ...]] | None = None,
 ) -> Iterator[Finding]:
-    """A ``block-scale-shape`` finding when ``info`` is not the tile scales of the weight."""
-    want = tile_scale_shape(weight_shape, block)
+    """A ``block-scale-shape`` finding when ``info`` is not the tile scales of the weight.
+
+    ``stored``: the shapes the layout may store tile scales of a shape with (its codec's
+    ``scale_shapes``: ModelOpt's ``[ceil(out / b), 1, in / b, 1]``), the first expected.
+    """
+    grid = tile_scale_shape(weight_shape, block)
+    accepted = stored(grid) if stored is not None else (grid,)
+    want = accepted[0]
     divisible = weight_shape[-1] % block == 0
-    if divisible and tuple(info.shape) == want:
+    if divisible and tuple(info.shape) in accepted:
         return
     yield RULES["block-scale-shape"].finding(
         info.name,

@@ -7,7 +7,7 @@ groups of 128 (or 32 / 64) and AWQ; ``int8_wo`` W8A16 with per-row scales; ``int
 ModelOpt's ``INT8_SMOOTHQUANT_CFG`` (alpha 1.0); ``w8a8`` llm-compressor's W8A8 with
 its ``SmoothQuantModifier`` (alpha 0.5, folded into the norms); ``fp8_block``
 compressed-tensors' ``FP8_BLOCK`` (FP8 weights per 128x128 tile, inputs per group of 128
-at run time). The KV-cache recipe
+at run time; ModelOpt's ``FP8_PB_WO`` in its layout). The KV-cache recipe
 ``fp8_kv`` quantizes the KV cache to FP8 (whose ``kv_cache`` scheme holds its config fields).
 ``mxfp4`` (weight-only) and ``mxfp8`` (dynamic inputs) are the OCP microscaling formats.
 ``int4_gptq`` / ``int8_gptq``: ``int4_awq``'s / ``int8_wo``'s formats with GPTQ's codes.

@@ -216,8 +216,15 @@ def _fitting_group_sizes(algo: Algorithm, rows: int, cols: int) -> str:
     if not fits:
         return ""
     sizes = " or ".join(f"group_size={size}" for size in fits)
+    modelopt = spec.modelopt_block_problem(fits[0])
+    where = (
+        f" in a layout that records the block (the ModelOpt layout holds {algo.name} in blocks "
+        f"of {' or '.join(map(str, spec.modelopt.block_sizes))} only)"
+        if modelopt is not None and spec.modelopt is not None
+        else ""
+    )
     return (
-        f"{sizes} divides {cols}: quantize with {algo.name}:group_size={fits[0]} "
+        f"{sizes} divides {cols}: quantize with {algo.name}:group_size={fits[0]}{where} "
         f"(--quantize {algo.name}:group_size={fits[0]}, or quantize(model, {algo.name!r}, "
         f"group_size={fits[0]})). "
     )
@@ -249,6 +256,9 @@ def check_layout(recipe: QuantRecipe, layout: str) -> None:
                 f"(its format {spec.name!r} declares no scheme there); {_layouts_of(spec)}"
                 + (instead if holder.scheme is None else "")
             )
+        block = spec.modelopt_block_problem(algo.weight_block) if holder.scheme is None else None
+        if block is not None:
+            raise UnsupportedFormatError(f"recipe {algo.spelling!r}: {block}")
     kv_scheme = None if kv is None else kv.kv_cache
     if holder.scheme is not None and kv_scheme is not None and not _kv_held(kv_scheme, holder):
         raise UnsupportedFormatError(

@@ -291,7 +291,12 @@ def _dequantize(
     if spec.granularity == "tensor" and scale is not None and scale.numel() > 1:
         weight, block = _dequantize_stacked(slot, spec, stored, scale), None
     else:
-        q = layout.from_leaves(spec, stored)
+        try:
+            q = layout.from_leaves(spec, stored)
+        except (UnsupportedFormatError, MalformedCheckpointError):
+            raise
+        except ValueError as err:  # a layout's codec: leaves that do not fit together
+            raise MalformedCheckpointError(f"{slot.data}: {err}", field=slot.data) from err
         weight, block = dequantize(q, torch.float32), q.block_size
     pre_quant_scale = slot.name(_PRE_QUANT_SCALE, leaves.data)
     if pre_quant_scale in tensors:  # AWQ: y = (x * s) @ W^T == x @ (W * s)^T

@@ -14,11 +14,13 @@ weight is refused with the block sizes that fit instead of padded.
 It is compressed-tensors' / llm-compressor's ``FP8_BLOCK`` preset
 (``float-quantized``; weights ``strategy: block, block_structure: [b, b]``; inputs
 ``strategy: group, group_size: b, dynamic: true``), whose ``weight_scale`` has this
-very shape. ModelOpt 0.47 exports its block FP8 quantizer as ``quant_algo: fp8_pb_wo``
-(``export/quant_utils.py``), and vLLM 0.32 reads that (``modelopt.py``: ``FP8_PB_WO``,
-128 x 128 weights with dynamic inputs per 128, ``in % 128 == 0``); exportlm does not write
-that layout yet: the spec declares no ModelOpt scheme and the ModelOpt layout refuses the
-recipe, naming compressed-tensors and finegrained-fp8.
+very shape. In the ModelOpt layout it is ModelOpt 0.47's ``FP8_PB_WO`` (``quant_algo:
+"fp8_pb_wo"``, what its ``FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG`` exports: ``export/quant_utils.py``),
+the same codes with the scales ``[ceil(out / b), 1, in / b, 1]``; its config records no block
+size and vLLM 0.32 reads 128 x 128 tiles, so that layout holds blocks of 128 only. ModelOpt's
+own model leaves the inputs in float ("weight only"), but vLLM serves ``FP8_PB_WO`` with
+inputs quantized per token and group of 128 at run time (``modelopt.py`` ``resolve``:
+``kFp8Dynamic128Sym``): this format's model, which our loader runs too.
 
 It is also the layout DeepSeek-V3 / Qwen3-FP8 checkpoints ship (``format="finegrained-fp8"``,
 :class:`~exportlm.quant.formats.FineGrainedFP8Scheme`): ``quant_method: "fp8"`` with
@@ -27,6 +29,8 @@ It is also the layout DeepSeek-V3 / Qwen3-FP8 checkpoints ship (``format="finegr
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -37,6 +41,7 @@ from exportlm.quant.formats._parts import (
     Leaf,
     LeafCodec,
     LeafTensors,
+    ModelOptScheme,
     StoredLeaf,
 )
 from exportlm.quant.formats._spec import FormatSpec
@@ -164,6 +169,75 @@ _FINEGRAINED = FineGrainedFP8Scheme(
     )
 )
 
+
+def _modelopt_scale_shapes(native: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The stored shapes of tile scales ``[..., ob, ib]``, the written one first: ModelOpt
+    0.47's block amax keeps the reduced dims, ``[..., ob, 1, ib, 1]``, which vLLM's
+    ``KFp8Block128`` registers; the 2-D form its ``process`` also takes; and for one tile the
+    0-d scale ModelOpt writes where the quantizer's amax is one element (``reduce_amax``
+    squeezes it), read but not written: vLLM's loader cannot ``narrow`` it."""
+    *lead, ob, ib = native
+    four = (*lead, ob, 1, ib, 1)
+    return (four, native, ()) if math.prod(native) == 1 else (four, native)
+
+
+def _to_modelopt(leaves: LeafTensors) -> dict[str, torch.Tensor]:
+    scale = leaves["weight_scale"]
+    return {
+        "weight": leaves["weight"],
+        "weight_scale": scale.reshape(_modelopt_scale_shapes(tuple(scale.shape))[0]),
+    }
+
+
+def _from_modelopt(leaves: LeafTensors) -> dict[str, torch.Tensor]:
+    """The tile scales ``[..., ob, ib]`` of ModelOpt's ``[..., ob, 1, ib, 1]`` (or 0-d, or 2-D),
+    refused unless they are one per tile of some edge ``b`` (``in / ib``) over the weight."""
+    weight, scale = leaves["weight"], leaves["weight_scale"]
+    *lead, rows, cols = weight.shape
+    stored = tuple(scale.shape)
+    if len(stored) >= 4 and stored[-1] == stored[-3] == 1 and stored[:-4] == tuple(lead):
+        native = (*stored[:-4], stored[-4], stored[-2])
+    elif stored == () and not lead:
+        native = (1, 1)
+    else:
+        native = stored
+    ib = native[-1] if len(native) == len(lead) + 2 else 0
+    block = cols // ib if ib and cols % ib == 0 else 0
+    want = (*lead, -(-rows // block), ib) if block else None
+    if native != want:
+        b = DEFAULT_BLOCK
+        vllm = [*lead, -(-rows // b), 1, -(-cols // b), 1]
+        raise ValueError(
+            f"weight_scale has shape {list(stored)}, which is no tile grid of the weight "
+            f"{list(weight.shape)}: ModelOpt's FP8_PB_WO stores [ceil(out / b), 1, in / b, 1] "
+            f"for tiles of b x b ({vllm} for vLLM's b = {b})"
+        )
+    return {"weight": weight, "weight_scale": scale.reshape(native)}
+
+
+#: ModelOpt's FP8_PB_WO (``quant_algo: "fp8_pb_wo"``, what ModelOpt 0.47's
+#: ``FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG`` exports): ``weight`` float8_e4m3fn and ``weight_scale``
+#: float32 ``[ceil(out / 128), 1, in / 128, 1]`` (ModelOpt's own: 0-d for one tile). Its config
+#: records no block size (vLLM reads 128 x 128), so only blocks of 128 are written; vLLM's
+#: ``resolve`` runs the inputs per 128-group at run time (W8A8), which is this format's model.
+_MODELOPT = ModelOptScheme(
+    "fp8_pb_wo",
+    weights={"dynamic": False, "num_bits": 8, "type": "float"},
+    config_groups=False,
+    codec=LeafCodec(
+        weights=(
+            StoredLeaf("weight", torch.float8_e4m3fn, "codes"),
+            StoredLeaf("weight_scale", torch.float32, "scale"),
+        ),
+        encode=_to_modelopt,
+        decode=_from_modelopt,
+        scale_shapes=_modelopt_scale_shapes,
+    ),
+    block_sizes=(DEFAULT_BLOCK,),
+    group_size_field=False,
+    named_group=True,
+)
+
 #: The inputs' format: FP8 per group of the last dimension, scales from the data. No
 #: layout stores a weight in it (no scheme): ``fp8_block`` layers' inputs only.
 FP8_GROUP = FormatSpec(
@@ -191,4 +265,5 @@ FP8_BLOCK = FormatSpec(
         "float-quantized", weights=_CT_WEIGHTS, input_activations=_CT_INPUTS
     ),
     finegrained_fp8=_FINEGRAINED,
+    modelopt=_MODELOPT,
 )

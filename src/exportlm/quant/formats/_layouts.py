@@ -117,7 +117,7 @@ class CheckpointLayout:
     # -- a format's tensors in this layout ---------------------------------
     def codec(self, spec: FormatSpec) -> LeafCodec | None:
         """The :class:`LeafCodec` this layout stores ``spec`` with, ``None``: its own leaves."""
-        scheme = getattr(spec, self.scheme) if self.scheme is not None else None
+        scheme = getattr(spec, self.scheme) if self.scheme is not None else spec.modelopt
         return getattr(scheme, "codec", None)
 
     def weight_leaves(self, spec: FormatSpec) -> tuple[StoredLeaf, ...]:

@@ -8,7 +8,7 @@ record of its own, :class:`exportlm.quant.Recipe`). All frozen; mappings are rea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
@@ -133,6 +133,16 @@ class ModelOptScheme:
             writes one for FP8, NVFP4, W4A16_NVFP4, NVFP4_SVD only; not for W8A16 or
             W4A16_AWQ, whose specs set ``False``). Mixed precision always has one, a
             group per layer config.
+        codec: how the layout stores the format's tensors when it differs from the
+            format's own leaves (FP8_PB_WO's 4-D tile scales), ``None``: as they are.
+        block_sizes: the only block sizes the layout can hold the format in, ``()``: any.
+            FP8_PB_WO declares no block size (ModelOpt 0.47 writes none) and vLLM reads
+            128 x 128 tiles, so its format writes ``(128,)``.
+        group_size_field: the layer config carries ``group_size`` (ModelOpt writes none
+            for ``fp8_pb_wo``).
+        named_group: ModelOpt's mixed-precision ``config_groups`` group for this
+            ``quant_algo`` is ``{"quant_algo": ...}`` alone (0.47's
+            ``_quant_algo_to_group_config`` has no entry for it and falls back to that).
     """
 
     quant_algo: str
@@ -140,12 +150,33 @@ class ModelOptScheme:
     input_activations: Mapping[str, Any] | None = None
     layer_fields: Mapping[str, Any] = field(default_factory=dict)
     config_groups: bool = True
+    codec: LeafCodec | None = None
+    block_sizes: tuple[int, ...] = ()
+    group_size_field: bool = True
+    named_group: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weights", _frozen(self.weights))
         object.__setattr__(self, "layer_fields", _frozen(self.layer_fields))
         if self.input_activations is not None:
             object.__setattr__(self, "input_activations", _frozen(self.input_activations))
+
+    def block_problem(self, block: int | None, fmt: str, others: Sequence[str]) -> str | None:
+        """Why this layout cannot hold format ``fmt`` in blocks of ``block``, or ``None``.
+
+        ``others``: the other layouts that hold the format (named as the way out).
+        """
+        if not self.block_sizes or block in self.block_sizes:
+            return None
+        sizes = " or ".join(str(b) for b in self.block_sizes)
+        names = " or ".join(f"-o format={name}" for name in others)
+        instead = f", or export with {names}, which record the block" if names else ""
+        return (
+            f"the ModelOpt layout holds format {fmt!r} ({self.quant_algo}) in blocks of {sizes} "
+            f"only: its config declares no block size and vLLM reads {sizes} x {sizes} tiles, "
+            f"so blocks of {block} would be misread; quantize with group_size="
+            f"{self.block_sizes[0]}{instead}"
+        )
 
 
 #: What a stored weight leaf holds: the codes, a scale, or the logical shape (an integer tensor).
@@ -206,6 +237,9 @@ class LeafCodec:
             global scale, its divisor form (compressed-tensors' ``weight_global_scale``):
             ``encode`` gets it and ``decode`` gives it back in that form, and the layout
             converts a ModelOpt ``scale_2`` (the float32 reciprocal: not exact).
+        scale_shapes: the shapes a tile scale of the format's shape (``[..., ceil(out / b),
+            in / b]``) may be stored with in the layout, the writer's first (ModelOpt's
+            4-D FP8_PB_WO scales); ``None``: the format's own shape only.
     """
 
     weights: tuple[StoredLeaf, ...]
@@ -214,6 +248,7 @@ class LeafCodec:
     activations: Mapping[str, StoredScale | None] = field(default_factory=dict)
     refusal: str = ""
     global_scale: bool = False
+    scale_shapes: Callable[[tuple[int, ...]], tuple[tuple[int, ...], ...]] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activations", _frozen(self.activations))

@@ -137,9 +137,13 @@ def format_for_quant_algo(quant_algo: str) -> FormatSpec:
     Raises :class:`~exportlm.errors.UnknownNameError` listing the known ones.
     """
     by_algo = {s.modelopt.quant_algo: s for s in formats() if s.modelopt is not None}
-    if quant_algo not in by_algo:
+    if quant_algo in by_algo:
+        return by_algo[quant_algo]
+    # vLLM upper-cases quant_algo before it dispatches (ModelOpt writes "fp8_pb_wo" lowercase)
+    folded = [s for algo, s in by_algo.items() if algo.upper() == quant_algo.upper()]
+    if len(folded) != 1:
         raise UnknownNameError("ModelOpt quant_algo", quant_algo, list(by_algo))
-    return by_algo[quant_algo]
+    return folded[0]
 
 
 def format_for_kv_cache_algo(kv_cache_quant_algo: str) -> FormatSpec:

@@ -336,9 +336,9 @@ class FormatSpec:
     # -- checkpoint configs ------------------------------------------------
     def modelopt_layer_config(self, group_size: int | None) -> dict[str, Any]:
         """A layer's ``hf_quant_config.json`` entry: ``quant_algo`` (+ ``group_size``, extras)."""
-        scheme = self._require_modelopt()
+        scheme = self._require_modelopt(group_size)
         config: dict[str, Any] = {"quant_algo": scheme.quant_algo}
-        if group_size:
+        if group_size and scheme.group_size_field:
             config["group_size"] = group_size
         config.update(copy.deepcopy(dict(scheme.layer_fields)))
         return config
@@ -348,7 +348,9 @@ class FormatSpec:
 
         Block formats give each entry ``group_size`` (``group_size`` or the recipe's).
         """
-        scheme = self._require_modelopt()
+        scheme = self._require_modelopt(group_size)
+        if scheme.named_group:
+            return {"quant_algo": scheme.quant_algo}
         block = group_size or self.block_size
         group: dict[str, Any] = {}
         for key, args in (
@@ -363,7 +365,21 @@ class FormatSpec:
             group[key] = entry
         return group
 
-    def _require_modelopt(self) -> ModelOptScheme:
+    def modelopt_block_problem(self, group_size: int | None) -> str | None:
+        """Why the ModelOpt layout cannot hold this format in blocks of ``group_size``, or ``None``."""
+        if self.modelopt is None:
+            return None
+        held = (
+            ("compressed-tensors", self.compressed_tensors),
+            ("finegrained-fp8", self.finegrained_fp8),
+        )
+        others = [name for name, scheme in held if scheme is not None]
+        return self.modelopt.block_problem(group_size or self.block_size, self.name, others)
+
+    def _require_modelopt(self, group_size: int | None = None) -> ModelOptScheme:
+        problem = self.modelopt_block_problem(group_size)
+        if problem is not None:
+            raise UnsupportedFormatError(problem)
         if self.modelopt is None:
             instead = (
                 "export with format='compressed-tensors', which holds it"
