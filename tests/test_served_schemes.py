@@ -38,9 +38,9 @@ _HF = "hf_checkpoint"
 def test_served_checkpoints_include_the_ct_integer_layouts() -> None:
     served = {(q.layout, q.recipe, q.scheme) for q in QUANTIZED}
     assert ("compressed-tensors", "w8a8", "W8A8") in served
-    assert ("compressed-tensors", "int4_awq", "W4A16") in served
-    awq = next(q for q in QUANTIZED if q.recipe == "int4_awq")
-    assert set(awq.exclude) == {"*o_proj", "*down_proj"}  # no norm takes their AWQ scale
+    assert ("compressed-tensors", "int4_awq:scales=compressed-tensors", "W4A16") in served
+    awq = next(q for q in QUANTIZED if q.recipe.startswith("int4_awq"))
+    assert not awq.exclude  # every linear: the scales no norm takes fold into the op before
 
 
 def test_each_engine_is_asked_for_its_rows_dtype() -> None:

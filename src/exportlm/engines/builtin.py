@@ -20,7 +20,7 @@ in a reduced dtype) has a tolerance of its own (``scheme=``), which takes preced
 
 from __future__ import annotations
 
-from exportlm.engines._mx_rows import native_layout_rows, vllm_block_and_w4a8_rows, vllm_mx_rows
+from exportlm.engines import _mx_rows as rows
 from exportlm.engines._onnx import ONNXRUNTIME_GENAI, OPENVINO, OPTIMUM_ORT
 from exportlm.engines.spec import F32_ATOL, Engine, Support, Tolerance, Verdict
 
@@ -203,6 +203,7 @@ VLLM = Engine(
                 f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_w8a8_int8.py"
             ),
         ),
+        *rows.vllm_int4_moe_rows(),
         Support(
             _HF,
             _CT,
@@ -237,9 +238,9 @@ VLLM = Engine(
             ),
             evidence=f"{_VLLM_SRC}/compressed_tensors/schemes/compressed_tensors_wNa16.py",
         ),
-        *vllm_mx_rows(_MODELOPT_REFUSAL, _MODELOPT_REFUSED),
-        *vllm_block_and_w4a8_rows(_MODELOPT_REFUSAL, _MODELOPT_REFUSED),
-        *native_layout_rows("vllm"),
+        *rows.vllm_mx_rows(_MODELOPT_REFUSAL, _MODELOPT_REFUSED),
+        *rows.vllm_block_and_w4a8_rows(_MODELOPT_REFUSAL, _MODELOPT_REFUSED),
+        *rows.native_layout_rows("vllm"),
     ),
     # One process (no EngineCore subprocess to orphan on a timeout), a small KV cache.
     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
@@ -331,7 +332,7 @@ TRANSFORMERS = Engine(
                 "(scale [n, 1]) reads as per-channel and fails"
             ),
         ),
-        *native_layout_rows("transformers"),
+        *rows.native_layout_rows("transformers"),
         Support(
             _HF,
             _CT,

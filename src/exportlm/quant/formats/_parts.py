@@ -135,9 +135,8 @@ class ModelOptScheme:
             group per layer config.
         codec: how the layout stores the format's tensors when it differs from the
             format's own leaves (FP8_PB_WO's 4-D tile scales), ``None``: as they are.
-        block_sizes: the only block sizes the layout can hold the format in, ``()``: any.
-            FP8_PB_WO declares no block size (ModelOpt 0.47 writes none) and vLLM reads
-            128 x 128 tiles, so its format writes ``(128,)``.
+        block_sizes: the only block sizes the layout can hold the format in, ``()``: any
+            (FP8_PB_WO: ``(128,)``; ModelOpt 0.47 records none and vLLM reads 128 x 128).
         group_size_field: the layer config carries ``group_size`` (ModelOpt writes none
             for ``fp8_pb_wo``).
         named_group: ModelOpt's mixed-precision ``config_groups`` group for this
