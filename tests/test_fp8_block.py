@@ -29,10 +29,12 @@ from exportlm.inspection import inspect_checkpoint
 from exportlm.models import tiny_hf_model
 from exportlm.quant import QuantLinear, check_recipe, dequantize, quantize, quantize_tensor
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, get_format
+from tests._fake_quant import IDS
+from tests._fake_quant import logits as _logits
+from tests._fake_quant import quant_linears as _linears
 from tests.test_interop import _tensors
 
 LOGITS_ATOL = 1e-4
-IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
 CT = "compressed-tensors"
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,16 +49,6 @@ def _export(tmp_path: Path, recipe: str = "fp8_block") -> Path:
         "hf_checkpoint", _quantized(recipe), tmp_path / "ct", format=CT
     )
     return out
-
-
-def _logits(model: Any) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(IDS)
-    return getattr(out, "logits", out)
-
-
-def _linears(model: nn.Module) -> dict[str, QuantLinear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
 def _group(out: Path) -> dict[str, Any]:

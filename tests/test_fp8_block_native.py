@@ -27,7 +27,10 @@ import exportlm
 from exportlm.errors import MalformedCheckpointError, UnsupportedFormatError
 from exportlm.inspection import inspect_checkpoint
 from exportlm.models import tiny_hf_model
-from exportlm.quant import QuantLinear, QuantRecipe, check_layout, quantize
+from exportlm.quant import QuantRecipe, check_layout, quantize
+from tests._fake_quant import IDS
+from tests._fake_quant import logits as _logits
+from tests._fake_quant import quant_linears as _linears
 from tests.test_interop import _tensors
 
 FG = "finegrained-fp8"
@@ -35,7 +38,6 @@ CT = "compressed-tensors"
 #: Our loader against the fake-quant model: the same dequantized weights and per-group inputs
 #: (measured 0.0 on the toy Llama; the bound leaves room for another BLAS' summation order).
 LOGITS_ATOL = 1e-4
-IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = "exportlm-manifest.json"
 
@@ -55,16 +57,6 @@ def _export(tmp_path: Path, recipe: str = "fp8_block", format: str = FG, name: s
 def _config(out: Path) -> dict[str, Any]:
     config: dict[str, Any] = json.loads((out / "config.json").read_text())["quantization_config"]
     return config
-
-
-def _logits(model: Any, ids: torch.Tensor = IDS) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(ids)
-    return getattr(out, "logits", out)
-
-
-def _linears(model: nn.Module) -> dict[str, QuantLinear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
 def _weight_only_logits(model: nn.Module, ids: torch.Tensor = IDS) -> torch.Tensor:

@@ -21,14 +21,16 @@ from torch import nn
 import exportlm
 from exportlm.inspection import inspect_checkpoint
 from exportlm.models import tiny_hf_model
-from exportlm.quant import QuantLinear, check_recipe, dequantize, quantize, quantize_tensor
+from exportlm.quant import check_recipe, dequantize, quantize, quantize_tensor
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, get_format
+from tests._fake_quant import IDS
+from tests._fake_quant import logits as _logits
+from tests._fake_quant import quant_linears as _linears
 from tests.test_interop import _tensors
 
 LAYOUTS = ("modelopt", "compressed-tensors")
 LOGITS_ATOL = 1e-4
 #: The tokens every forward of this file runs.
-IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
 def _model() -> nn.Module:
@@ -45,16 +47,6 @@ def _export(tmp_path: Path, layout: str) -> Path:
         "hf_checkpoint", _quantized(), tmp_path / layout, format=layout
     )
     return out
-
-
-def _logits(model: Any) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(IDS)
-    return getattr(out, "logits", out)
-
-
-def _linears(model: nn.Module) -> dict[str, QuantLinear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
 def test_weight_codes_are_fp8_with_one_scale_per_output_row() -> None:

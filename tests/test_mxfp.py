@@ -32,8 +32,11 @@ from exportlm.errors import (
 )
 from exportlm.inspection import inspect_checkpoint
 from exportlm.models import tiny_hf_model
-from exportlm.quant import QuantLinear, check_recipe, dequantize, quantize, quantize_tensor
+from exportlm.quant import check_recipe, dequantize, quantize, quantize_tensor
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, get_format
+from tests._fake_quant import IDS
+from tests._fake_quant import logits as _logits
+from tests._fake_quant import quant_linears as _linears
 from tests.test_interop import _tensors
 
 LAYOUTS = ("modelopt", "compressed-tensors")
@@ -41,7 +44,6 @@ RECIPES = ("mxfp4", "mxfp8")
 #: Stated tolerance of the loaded checkpoint's logits against the fake-quant model's: the
 #: weights dequantize bit for bit, only the forward's summation order may differ.
 LOGITS_ATOL = 1e-4
-IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
 #: compressed-tensors' preset of each recipe (``quant_scheme.py``).
 CT_PRESETS = {"mxfp4": "MXFP4A16", "mxfp8": "MXFP8"}
 
@@ -62,16 +64,6 @@ def _exported(recipe: str, layout: str, root: Path) -> Path:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("mxfp")
-
-
-def _logits(model: Any, ids: torch.Tensor = IDS) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(ids)
-    return getattr(out, "logits", out)
-
-
-def _linears(model: nn.Module) -> dict[str, QuantLinear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
 def _config(out: Path) -> dict[str, Any]:

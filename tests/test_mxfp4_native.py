@@ -30,13 +30,13 @@ from exportlm.errors import MalformedCheckpointError, UnsupportedFormatError
 from exportlm.inspection import inspect_checkpoint
 from exportlm.models import tiny_hf_model
 from exportlm.quant import QuantRecipe, check_layout, quantize
+from tests._fake_quant import logits as _logits
 from tests.test_interop import _tensors
 
 GO = "gpt-oss-mxfp4"
 #: The fake-quant model against a loader of the same dequantized weights (float32): measured
 #: 2.4e-7 (transformers) and 2.4e-7 (ours) on the toy gpt_oss; room for another BLAS' order.
 LOGITS_ATOL = 1e-4
-IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = "exportlm-manifest.json"
 LAYERS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
@@ -59,12 +59,6 @@ def _export(tmp_path: Path, format: str = GO) -> Path:
 def _config(out: Path) -> dict[str, Any]:
     config: dict[str, Any] = json.loads((out / "config.json").read_text())["quantization_config"]
     return config
-
-
-def _logits(model: Any, ids: torch.Tensor = IDS) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(ids)
-    return getattr(out, "logits", out)
 
 
 def _load_unverified(out: Path) -> Any:
