@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -148,3 +149,32 @@ def test_the_head_computes_the_last_position_only_unless_it_is_quantized() -> No
     quantize(model, {"*": "fp8", "lm_head": "fp8"}, calibrate=calibrate_with(batches))
     assert rows == [16, 16]  # a quantized head calibrates on every position
     assert torch.equal(model.lm_head.input_quantizer.amax, torch.stack(final_norm_out).amax())
+
+
+def test_calibration_gives_the_freed_heap_back_after_every_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # SmoothQuant keeps per-channel statistics, allocated between a layer's activation-sized
+    # temporaries; glibc kept the freed temporaries in its heap and grew it layer after layer
+    # (SmolLM2-135M, 32 x 512 tokens: 2.5 GB of RSS beside 0.29 GB of live tensors; the
+    # export's peak 2.39 GB before, 1.14 GB with the heap trimmed after each layer). The RSS
+    # of a toy model's calibration varies too much from run to run to assert on, so this
+    # counts the trims: one after each decoder layer and one after each forward.
+    from exportlm.quant import _heap
+
+    model = tiny_hf_model("llama", seed=0).eval()
+    layers = len(model.model.layers)
+    finished: list[str] = []
+    names = {id(m): n for n, m in model.named_modules()}
+    hook = _heap._release_hook
+
+    def recording(module: nn.Module, args: object, output: object) -> None:
+        finished.append(names[id(module)])
+        hook(module, args, output)
+
+    monkeypatch.setattr(_heap, "_release_hook", recording)
+    batches = _batches(2, model.config.vocab_size)
+    quantize(model, "int8_sq", calibrate=calibrate_with(batches))
+    per_forward = [f"model.layers.{i}" for i in range(layers)] + [""]
+    assert finished == per_forward * len(batches)
+    assert [n for n, m in model.named_modules() if m._forward_hooks] == []  # calibration only

@@ -22,6 +22,7 @@ from exportlm.quant._distributed import (
     reduce_groups,
     reduce_max_statistics,
 )
+from exportlm.quant._heap import released_per_block
 from exportlm.quant._modules import QuantLinear, QuantModule, QuantMoELinear
 from exportlm.quant._quantizer import TensorQuantizer
 
@@ -53,9 +54,12 @@ def run_transparent_forwards(
 ) -> None:
     """Run the calibration forwards with every enabled quantizer but ``keep`` switched off.
 
-    The forwards (``calibrate``, else :func:`default_calibrate`) run without autograd;
-    afterwards, even on an exception, the quantizers are re-enabled and the hook
-    ``handles`` (which observe the forwards) removed.
+    The forwards (``calibrate``, else :func:`default_calibrate`) run without autograd,
+    and the heap pages their temporaries freed go back to the system after each decoder
+    layer (:mod:`exportlm.quant._heap`: without it the RSS of SmolLM2-135M's SmoothQuant
+    calibration grew to 2.5 GB beside 0.29 GB of live tensors). Afterwards, even on an
+    exception, the quantizers are re-enabled and the hook ``handles`` (which observe the
+    forwards) removed.
     """
     kept = {id(q) for q in keep}
     paused = [
@@ -66,7 +70,7 @@ def run_transparent_forwards(
     for quantizer in paused:
         quantizer.enabled = False
     try:
-        with torch.no_grad():
+        with torch.no_grad(), released_per_block(model):
             (calibrate or default_calibrate)(model)
     finally:
         for quantizer in paused:

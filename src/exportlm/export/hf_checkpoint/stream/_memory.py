@@ -24,18 +24,18 @@ allocation costs fresh pages, though. The AWQ search used to allocate a weight-s
 temporary per candidate (one 0.98 GB-model layer took 24.5 CPU-s instead of 15.8, half
 of it in page faults); it now fake-quantizes a slice of rows at a time
 (:func:`~exportlm.quant._quantizer.row_chunks`), whose temporaries stay below the
-threshold, so every recipe runs with it. Elsewhere than glibc both do nothing.
+threshold, so every recipe runs with it. Elsewhere than glibc both do nothing. Both live
+in :mod:`exportlm.quant._heap`, whose trim the in-memory calibration uses too.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import resource
 import sys
 from dataclasses import dataclass
-from functools import cache
+
+from exportlm.quant._heap import map_large_allocations, release_freed
 
 __all__ = [
     "MemoryBound",
@@ -62,40 +62,6 @@ def peak_resident_bytes() -> int:
     """The process's peak resident set size so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-@cache
-def _libc(function: str) -> object | None:
-    """``function`` of the C library when it has one (glibc's ``malloc_trim``, ``mallopt``)."""
-    name = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(name), function, None) if name else None
-    except OSError:  # pragma: no cover - no C library to load
-        return None
-
-
-#: glibc's ``mallopt`` parameter for the mmap threshold (``<malloc.h>``).
-_M_MMAP_THRESHOLD = -3
-_MAPPED_FROM = 1 << 20
-
-
-def map_large_allocations() -> None:
-    """Serve allocations of 1 MiB and more with their own mappings (glibc ``mallopt``).
-
-    This fixes glibc's mmap threshold, which otherwise rises up to 32 MB with the
-    sizes freed; it is the process's setting from then on (glibc cannot go back to
-    the rising threshold), which only costs the mapping of each large tensor.
-    """
-    mallopt = _libc("mallopt")
-    if callable(mallopt):
-        mallopt(_M_MMAP_THRESHOLD, _MAPPED_FROM)
-
-
-def release_freed() -> None:
-    """Return the heap pages freed so far to the system (glibc ``malloc_trim(0)``)."""
-    trim = _libc("malloc_trim")
-    if callable(trim):
-        trim(0)
 
 
 @dataclass(frozen=True)
