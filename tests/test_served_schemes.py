@@ -140,3 +140,26 @@ def test_every_gpu_served_checkpoint_exports_and_its_row_runs_on_cuda_only(
     assert cpu.verdict is Verdict.ENGINE_LIMIT
     assert cpu.row is not None
     assert cpu.row.limit
+
+
+def test_a_scheme_the_engine_runs_on_one_gpu_generation_is_skipped_on_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """W4AFP8: vLLM's CUTLASS W4A8 on compute capability 9.0 only; elsewhere a skip naming
+    both, never a failure the GPU cannot help (and nothing asked of CUDA on the CPU)."""
+    from pytest_exportcheck.checks._common import CheckAbort
+    from pytest_exportcheck.checks.targets._served_artifacts import require_capability
+
+    w4afp8 = next(q for q in QUANTIZED_CUDA if q.scheme == "W4AFP8")
+    assert w4afp8.capability == (9, 0)
+    require_capability("cpu", w4afp8)  # the CPU items never serve it: no CUDA call
+    found = {"cap": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device: found["cap"])
+    with pytest.raises(CheckAbort) as skipped:
+        require_capability("cuda:0", w4afp8)
+    assert skipped.value.result.status == "skip"
+    assert "capability 9.0 only; this GPU is 8.0" in str(skipped.value.result.message)
+    found["cap"] = (9, 0)
+    require_capability("cuda:0", w4afp8)  # Hopper: served
+    plain = next(q for q in QUANTIZED_CUDA if q.scheme == "FP8")
+    require_capability("cuda:0", plain)  # no capability stated: any GPU

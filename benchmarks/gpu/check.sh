@@ -13,8 +13,8 @@
 # VLLM_PYTHON (default $EXPORTLM_ENGINE_VLLM): the interpreter of a GPU build of vLLM
 # (`pip install vllm==0.32.0` in a venv of its own); when set, step 3 runs the `served`
 # items of hf_checkpoint on CUDA: ModelOpt FP8, compressed-tensors FP8, ModelOpt NVFP4,
-# compressed-tensors FP8_BLOCK (blocks of 32), ModelOpt MXFP8 and compressed-tensors
-# MXFP4A16 checkpoints in vLLM, in bfloat16 (SERVED_BUDGET_S, default 900; every engine
+# compressed-tensors FP8_BLOCK (blocks of 32), ModelOpt MXFP8, compressed-tensors
+# MXFP4A16 and (Hopper only) W4AFP8 checkpoints in vLLM, in bfloat16 (SERVED_BUDGET_S, default 900; every engine
 # run starts vLLM afresh, ~30-60 s). Unset: step 3 is skipped, and says so.
 # Exit status: pytest's (0 all passed; the worse of the two pytest runs), 2 when this
 # python cannot run CUDA, 124 when pytest ran past its budget.

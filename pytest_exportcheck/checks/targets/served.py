@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from torch import nn
 
@@ -62,6 +62,12 @@ from pytest_exportcheck.checks._support import (
     shared_artifact,
     target_info,
 )
+from pytest_exportcheck.checks.targets._served_artifacts import (
+    QUANTIZED,
+    QUANTIZED_CUDA,
+    Quantized,
+    require_capability,
+)
 from pytest_exportcheck.checks.targets.checkpoint import quantized_toy
 
 __all__ = [
@@ -80,43 +86,6 @@ __all__ = [
 SERVED_FAMILIES: tuple[str, ...] = tuple(sorted(catalogue.SERVED_FAMILIES))
 
 
-class Quantized(NamedTuple):
-    """One quantized checkpoint served besides the plain one."""
-
-    layout: str  # the checkpoint format (the tables' layout)
-    recipe: str
-    scheme: str  # the scheme the tables name it by
-    #: modules left unquantized: compressed-tensors has no ``pre_quant_scale`` tensor, so
-    #: AWQ's scales must fold into the norm feeding the layer (o_proj / down_proj have none)
-    exclude: tuple[str, ...] = ()
-
-
-#: The quantized checkpoints served on the CPU: CT FP8 (transformers; vLLM's CPU build
-#: confirms its engine limit), ModelOpt W8A16 (vLLM confirms its refusal), and the
-#: compressed-tensors integer layouts vLLM's CPU build runs: W8A8 (int8 weights, dynamic
-#: per-token int8 inputs) and W4A16 (AWQ, pack-quantized uint4b8, group 128: the toy
-#: families' Linear in-features, 128 and 256, are multiples of the group), every linear and
-#: expert quantized in compressed-tensors' convention (the AWQ scales no norm takes fold
-#: into the op before: v -> o where the heads allow, up -> down, per expert).
-QUANTIZED: tuple[Quantized, ...] = (
-    Quantized("compressed-tensors", "fp8", "FP8"),
-    Quantized("modelopt", "int8_wo", "W8A16"),
-    Quantized("compressed-tensors", "w8a8", "W8A8"),
-    Quantized("compressed-tensors", "int4_awq:scales=compressed-tensors", "W4A16"),
-)
-#: On a CUDA device, instead: vLLM's GPU-only FP8 / NVFP4 / FP8-block / MX paths, computed
-#: in bfloat16 (vLLM 0.32's ModelOpt configs take bfloat16 / float16 activations only:
-#: vllm/model_executor/layers/quantization/modelopt.py, get_supported_act_dtypes). FP8
-#: blocks of 32: the toy's k/v projections have 64 outputs, and vLLM checks every merged
-#: partition but the last against the block (fp8_utils.py validate_fp8_block_shape).
-QUANTIZED_CUDA: tuple[Quantized, ...] = (
-    Quantized("modelopt", "fp8", "FP8"),
-    Quantized("compressed-tensors", "fp8", "FP8"),
-    Quantized("modelopt", "nvfp4", "NVFP4"),
-    Quantized("compressed-tensors", "fp8_block:group_size=32", "FP8_BLOCK"),
-    Quantized("modelopt", "mxfp8", "MXFP8"),
-    Quantized("compressed-tensors", "mxfp4", "MXFP4A16"),
-)
 #: The dtype every artifact is exported in (served so where the engine's row takes it).
 OWN_DTYPE = "float32"
 #: The compute dtype the quantized checkpoints are served in on a CUDA device.
@@ -198,6 +167,7 @@ def _quantized(case: TargetCase, name: str) -> Iterator[_Artifact]:
     for q in QUANTIZED_CUDA if cuda else QUANTIZED:
 
         def make(dtype: str | None, q: Quantized = q) -> tuple[Path, nn.Module]:
+            require_capability(case.device, q)
             # a reduced-precision engine needs clear top-2 winners (SHARP_INIT)
             sharp = cuda or dtype not in (None, OWN_DTYPE)
             if sharp:
