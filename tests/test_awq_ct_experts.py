@@ -13,7 +13,6 @@ refused them (w4afp8).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from exportlm.quant import QuantRecipe, TensorQuantizer, dequantize, quantize
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, get_format
 from exportlm.stream import export_streaming
 from tests._stream_models import assert_same_checkpoint, family_directory, in_memory_export
+from tests._vllm import vllm_python as _vllm_python
 
 CT = "compressed-tensors"
 LAYOUT = CHECKPOINT_LAYOUTS[CT]
@@ -207,15 +207,6 @@ def test_the_streamed_export_is_the_in_memory_one_byte_for_byte(tmp_path: Path) 
         calibration_inputs="float",
     )
     assert_same_checkpoint(expected, streamed)
-
-
-def _vllm_python() -> str:
-    from exportlm.engines import find_interpreter
-
-    found = os.environ.get("EXPORTLM_ENGINE_VLLM") or find_interpreter("vllm").path
-    if not found:
-        pytest.skip("no vllm interpreter: run `make engines` (EXPORTLM_ENGINE_VLLM)")
-    return str(found)
 
 
 #: vLLM's own selection of the fused-MoE method of a compressed-tensors config

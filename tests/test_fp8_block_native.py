@@ -31,6 +31,7 @@ from exportlm.quant import QuantRecipe, check_layout, quantize
 from tests._fake_quant import IDS
 from tests._fake_quant import logits as _logits
 from tests._fake_quant import quant_linears as _linears
+from tests._vllm import vllm_python as _vllm_python
 from tests.test_interop import _tensors
 
 FG = "finegrained-fp8"
@@ -389,17 +390,6 @@ def test_a_partial_last_row_tile_is_misread_by_transformers_and_inspect_says_so(
         theirs = _logits(transformers.AutoModelForCausalLM.from_pretrained(out))
     # measured 0.080 off the weight-only logits (3e-7 where the tiles are whole)
     assert (theirs - _weight_only_logits(model)).abs().max() > 1e-2
-
-
-def _vllm_python() -> str:
-    import os
-
-    from exportlm.engines import find_interpreter
-
-    found = os.environ.get("EXPORTLM_ENGINE_VLLM") or find_interpreter("vllm").path
-    if not found:
-        pytest.skip("no vllm interpreter: run `make engines` (EXPORTLM_ENGINE_VLLM)")
-    return str(found)
 
 
 _VLLM_PARSE = """

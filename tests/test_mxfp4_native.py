@@ -31,6 +31,7 @@ from exportlm.inspection import inspect_checkpoint
 from exportlm.models import tiny_hf_model
 from exportlm.quant import QuantRecipe, check_layout, quantize
 from tests._fake_quant import logits as _logits
+from tests._vllm import vllm_python as _vllm_python
 from tests.test_interop import _tensors
 
 GO = "gpt-oss-mxfp4"
@@ -348,17 +349,6 @@ def test_blocks_under_a_module_that_is_no_experts_are_refused(tmp_path: Path) ->
 
 
 # ----------------------------------------------------------------------------- the engines
-
-
-def _vllm_python() -> str:
-    import os
-
-    from exportlm.engines import find_interpreter
-
-    found = os.environ.get("EXPORTLM_ENGINE_VLLM") or find_interpreter("vllm").path
-    if not found:
-        pytest.skip("no vllm interpreter: run `make engines` (EXPORTLM_ENGINE_VLLM)")
-    return str(found)
 
 
 _VLLM_PARSE = """
