@@ -38,7 +38,12 @@ WRITERS: dict[tuple[str | None, str | None], tuple[str | None, str | None, tuple
     ("compressed-tensors", "W8A8"): ("compressed-tensors", "w8a8", ()),
     ("compressed-tensors", "W8A16"): ("compressed-tensors", "int8_wo", ()),
     # compressed-tensors has no pre_quant_scale: AWQ's scale must fold into a norm
-    ("compressed-tensors", "W4A16"): ("compressed-tensors", "int4_awq", ("*o_proj", "*down_proj")),
+    # compressed-tensors' convention: every linear and expert (the scales fold into the op before)
+    ("compressed-tensors", "W4A16"): (
+        "compressed-tensors",
+        "int4_awq:scales=compressed-tensors",
+        (),
+    ),
     ("modelopt", "MXFP8"): ("modelopt", "mxfp8", ()),
     ("modelopt", "mxfp4"): ("modelopt", "mxfp4", ()),
     ("compressed-tensors", "MXFP4A16"): ("compressed-tensors", "mxfp4", ()),
