@@ -1,7 +1,10 @@
-"""What the format tests share: fixed token ids, a model's logits, its quantized linears."""
+"""What the format tests share: fixed token ids, a model's logits, its quantized linears, a
+checkpoint's tensors and its compressed-tensors group."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,3 +26,20 @@ def logits(model: Any, ids: torch.Tensor = IDS) -> torch.Tensor:
 def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
     """Every :class:`~exportlm.quant.QuantLinear` of ``model`` by its qualified name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in ``directory``, by name."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def ct_group(out: Path) -> dict[str, Any]:
+    """The first ``config_groups`` entry of a compressed-tensors checkpoint's config."""
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    group: dict[str, Any] = config["config_groups"]["group_0"]
+    return group

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 import exportlm
@@ -29,6 +28,8 @@ from exportlm.models import tiny_hf_model
 from exportlm.quant import QuantRecipe, TensorQuantizer, dequantize, quantize
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, get_format
 from exportlm.stream import export_streaming
+from tests._fake_quant import checkpoint_tensors as _tensors
+from tests._fake_quant import ct_group as _group
 from tests._stream_models import assert_same_checkpoint, family_directory, in_memory_export
 from tests._vllm import vllm_python as _vllm_python
 
@@ -60,19 +61,6 @@ def _quantized(family: str, recipe: str = "int4_awq") -> tuple[Any, Any, torch.T
     batch = _batch(model.config.vocab_size)
     quantize(model, QuantRecipe.parse(recipe).for_layout(CT), calibrate=lambda m: m(batch))
     return model, original, batch
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
-
-
-def _group(out: Path) -> dict[str, Any]:
-    config = json.loads((out / "config.json").read_text())["quantization_config"]
-    group: dict[str, Any] = config["config_groups"]["group_0"]
-    return group
 
 
 def _canonical(experts: Any, stored: torch.Tensor) -> torch.Tensor:

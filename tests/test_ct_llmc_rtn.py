@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import exportlm
 from exportlm.cli import main
 from exportlm.models import tiny_hf_model
 from exportlm.quant import RECIPE_REGISTRY, QuantFormat, Recipe, quantize, register_recipe
+from tests._fake_quant import checkpoint_tensors as _tensors
 from tests._peers import llmcompressor_missing_reason, llmcompressor_python
 from tests._stream_models import llama_directory
 
@@ -37,13 +37,6 @@ CASES = {
     "w8a8": ("W8A8", "unsmoothed"),
 }
 UNSMOOTHED = ("o_proj", "down_proj")
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(shard))
-    return tensors
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

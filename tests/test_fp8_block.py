@@ -30,6 +30,7 @@ from exportlm.models import tiny_hf_model
 from exportlm.quant import QuantLinear, check_recipe, dequantize, quantize, quantize_tensor
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, get_format
 from tests._fake_quant import IDS
+from tests._fake_quant import ct_group as _group
 from tests._fake_quant import logits as _logits
 from tests._fake_quant import quant_linears as _linears
 from tests.test_interop import _tensors
@@ -49,12 +50,6 @@ def _export(tmp_path: Path, recipe: str = "fp8_block") -> Path:
         "hf_checkpoint", _quantized(recipe), tmp_path / "ct", format=CT
     )
     return out
-
-
-def _group(out: Path) -> dict[str, Any]:
-    config = json.loads((out / "config.json").read_text())["quantization_config"]
-    group: dict[str, Any] = config["config_groups"]["group_0"]
-    return group
 
 
 def test_weight_codes_have_one_scale_per_tile_the_last_row_tile_partial() -> None:

@@ -25,6 +25,7 @@ from exportlm.inspection import Severity, inspect_checkpoint
 from exportlm.models import tiny_hf_model
 from exportlm.quant import quantize
 from exportlm.stream import export_streaming
+from tests._fake_quant import checkpoint_tensors as _tensors
 from tests._stream_models import assert_same_checkpoint, in_memory_export, llama_directory
 
 FP8_MAX = 448.0
@@ -46,13 +47,6 @@ def _quantized(family: str = "llama", recipe: str = "w4a8_awq", **overrides: Any
 
     quantize(model, recipe, calibrate=calibrate)
     return model, original, batch, calibrate
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,11 @@ quantized, the ModelOpt layout is refused before any work, the group sizes, stre
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 import exportlm
@@ -29,6 +27,8 @@ from exportlm.models import tiny_hf_model
 from exportlm.quant import QuantLinear, QuantRecipe, check_layout, dequantize, quantize
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, get_format
 from exportlm.stream import export_streaming
+from tests._fake_quant import checkpoint_tensors as _tensors
+from tests._fake_quant import ct_group as _group
 from tests._stream_models import assert_same_checkpoint, in_memory_export, llama_directory
 
 CT = "compressed-tensors"
@@ -51,19 +51,6 @@ def _quantized(recipe: str = "w4afp8", family: str = "llama") -> tuple[Any, torc
     batch = _batch(model.config.vocab_size)
     quantize(model, QuantRecipe.parse(recipe).for_layout(CT), calibrate=lambda m: m(batch))
     return model, batch
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
-
-
-def _group(out: Path) -> dict[str, Any]:
-    config = json.loads((out / "config.json").read_text())["quantization_config"]
-    group: dict[str, Any] = config["config_groups"]["group_0"]
-    return group
 
 
 @pytest.fixture(scope="module")
