@@ -4,6 +4,7 @@ checkpoint's tensors and its compressed-tensors group."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,3 +44,37 @@ def ct_group(out: Path) -> dict[str, Any]:
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     group: dict[str, Any] = config["config_groups"]["group_0"]
     return group
+
+
+def assert_pack_quantized_as_compressed_tensors(
+    tensors: dict[str, torch.Tensor], modules: Iterable[str], out: Path, format: str
+) -> None:
+    """Each module's ``weight_packed`` / ``weight_scale`` / ``weight_shape`` equal, dtype, shape
+    and bytes, what compressed-tensors' own ``pack-quantized`` compressor writes for the
+    weight our leaves stand for, under the scheme of ``out``'s config (its first group)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from exportlm.quant import dequantize
+    from exportlm.quant.formats import CHECKPOINT_LAYOUTS, get_format
+
+    group = ct_group(out)
+    scheme = QuantizationScheme.model_validate({k: v for k, v in group.items() if k != "format"})
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    layout, spec = CHECKPOINT_LAYOUTS["compressed-tensors"], get_format(format)
+    for module in sorted(modules):
+        ours = {
+            leaf: tensors[f"{module}.{leaf}"]
+            for leaf in ("weight_packed", "weight_scale", "weight_shape")
+        }
+        weight = dequantize(layout.from_leaves(spec, ours), torch.float32)
+        theirs = compressor.compress(
+            {"weight": weight, "weight_scale": ours["weight_scale"]}, scheme
+        )
+        assert set(theirs) == set(ours), module
+        for leaf, mine in ours.items():
+            ref = theirs[leaf].contiguous()
+            assert (mine.dtype, mine.shape) == (ref.dtype, ref.shape), f"{module}.{leaf}"
+            assert torch.equal(
+                mine.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)
+            )

@@ -25,9 +25,10 @@ import exportlm
 from exportlm.cli import main
 from exportlm.errors import UnsupportedFormatError
 from exportlm.models import tiny_hf_model
-from exportlm.quant import QuantRecipe, TensorQuantizer, dequantize, quantize
-from exportlm.quant.formats import CHECKPOINT_LAYOUTS, get_format
+from exportlm.quant import QuantRecipe, TensorQuantizer, quantize
+from exportlm.quant.formats import CHECKPOINT_LAYOUTS
 from exportlm.stream import export_streaming
+from tests._fake_quant import assert_pack_quantized_as_compressed_tensors
 from tests._fake_quant import checkpoint_tensors as _tensors
 from tests._fake_quant import ct_group as _group
 from tests._stream_models import assert_same_checkpoint, family_directory, in_memory_export
@@ -78,8 +79,7 @@ def test_the_cli_writes_every_expert_linear_as_compressed_tensors_packs_it(
 ) -> None:
     """Before: exit 1, "cannot store its int4 'pre_quant_scale' ... quantize with
     'int4_awq:scales=compressed-tensors' (which export -o format=compressed-tensors chooses)"."""
-    qs = pytest.importorskip("compressed_tensors.quantization")
-    from compressed_tensors.compressors import BaseCompressor
+    pytest.importorskip("compressed_tensors.quantization")
 
     out = tmp_path / "ckpt"
     argv = ["export", "--target", "hf_checkpoint", "--model", f"hf:{family}", "--out", str(out)]
@@ -95,24 +95,8 @@ def test_the_cli_writes_every_expert_linear_as_compressed_tensors_packs_it(
         for p in ("gate_proj", "up_proj", "down_proj")
     } <= packed
     assert not [n for n in tensors if n.endswith("pre_quant_scale")]
-    group = _group(out)
-    scheme = qs.QuantizationScheme.model_validate({k: v for k, v in group.items() if k != "format"})
-    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
-    spec = get_format("int4")
-    for module in sorted(n for n in packed if ".experts." in n):
-        ours = {leaf: tensors[f"{module}.{leaf}"] for leaf in ("weight_packed", "weight_scale")}
-        ours["weight_shape"] = tensors[f"{module}.weight_shape"]
-        weight = dequantize(LAYOUT.from_leaves(spec, ours), torch.float32)
-        theirs = compressor.compress(
-            {"weight": weight, "weight_scale": ours["weight_scale"]}, scheme
-        )
-        assert set(theirs) == set(ours), module
-        for leaf, mine in ours.items():
-            ref = theirs[leaf].contiguous()
-            assert (mine.dtype, mine.shape) == (ref.dtype, ref.shape), f"{module}.{leaf}"
-            assert torch.equal(
-                mine.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)
-            )
+    experts_ = sorted(n for n in packed if ".experts." in n)
+    assert_pack_quantized_as_compressed_tensors(tensors, experts_, out, "int4")
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "llama4"])

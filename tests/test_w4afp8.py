@@ -24,9 +24,10 @@ from exportlm.cli import main
 from exportlm.errors import UnsupportedFormatError
 from exportlm.inspection import inspect_checkpoint
 from exportlm.models import tiny_hf_model
-from exportlm.quant import QuantLinear, QuantRecipe, check_layout, dequantize, quantize
-from exportlm.quant.formats import CHECKPOINT_LAYOUTS, get_format
+from exportlm.quant import QuantLinear, QuantRecipe, check_layout, quantize
+from exportlm.quant.formats import CHECKPOINT_LAYOUTS
 from exportlm.stream import export_streaming
+from tests._fake_quant import assert_pack_quantized_as_compressed_tensors
 from tests._fake_quant import checkpoint_tensors as _tensors
 from tests._fake_quant import ct_group as _group
 from tests._stream_models import assert_same_checkpoint, in_memory_export, llama_directory
@@ -103,31 +104,12 @@ def test_every_linear_is_quantized_with_no_stored_input_scale(
 def test_weight_bytes_equal_compressed_tensors_pack_quantized_compressor(
     exported: tuple[Any, torch.Tensor, Path],
 ) -> None:
-    qs = pytest.importorskip("compressed_tensors.quantization")
-    from compressed_tensors.compressors import BaseCompressor
+    pytest.importorskip("compressed_tensors.quantization")
 
     _, _, out = exported
-    group = _group(out)
-    scheme = qs.QuantizationScheme.model_validate({k: v for k, v in group.items() if k != "format"})
-    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
-    spec, tensors = get_format("w4afp8"), _tensors(out)
+    tensors = _tensors(out)
     modules = {n.rsplit(".", 1)[0] for n in tensors if n.endswith(".weight_packed")}
-    for module in sorted(modules):
-        ours = {
-            leaf: tensors[f"{module}.{leaf}"]
-            for leaf in ("weight_packed", "weight_scale", "weight_shape")
-        }
-        weight = dequantize(LAYOUT.from_leaves(spec, ours), torch.float32)
-        theirs = compressor.compress(
-            {"weight": weight, "weight_scale": ours["weight_scale"]}, scheme
-        )
-        assert set(theirs) == set(ours), module
-        for leaf, mine in ours.items():
-            ref = theirs[leaf].contiguous()
-            assert (mine.dtype, mine.shape) == (ref.dtype, ref.shape), f"{module}.{leaf}"
-            assert torch.equal(
-                mine.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)
-            )
+    assert_pack_quantized_as_compressed_tensors(tensors, modules, out, "w4afp8")
 
 
 def test_the_codes_are_int4_awqs_under_the_same_calibration(
