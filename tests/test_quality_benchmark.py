@@ -73,16 +73,7 @@ def _row(recipe: str, producer: str, **fields: object) -> dict[str, object]:
 def test_the_markdown_table_shows_absent_failed_and_worse_cells(tmp_path: Path) -> None:
     measured = {"ppl": 20.0, "agree": 0.9, "eval_s": 1.0}
     results = {
-        "meta": {
-            "bf16": {"ppl": 19.0, "agree": 1.0},
-            "calibration": {"rows": 4, "tokens": 2048},
-            "seq_len": 512,
-            "eval_tokens": 1024,
-            "started": "2026-12-05 09:00 UTC",
-            "wall_s": 600.0,
-            "memory_samples": 128,
-            "memory_seq_len": 512,
-        },
+        "meta": {**META, "memory_samples": 128, "memory_seq_len": 512},
         "rows": [
             _row("w8a8", "exportlm", mem=measured, ckpt=measured, export_s=10.0, peak_rss=1e9),
             _row("w8a8", "modelopt", absent=True),
