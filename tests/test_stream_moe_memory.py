@@ -11,8 +11,11 @@ layer's forward held the layer's whole fake-quantized expert stack (and its ``|x
 calibrating) beside the layer: 2.36 layers beyond the baseline, against 1.55 for the dense
 layer (1.57 since). Under INT4 AWQ the MoE layer's calibration and export divided the
 whole stack by the experts' AWQ scales before taking each expert's amax and codes: 2.40
-layers, against 1.75 one expert at a time (and 3.24 for the dense layer, whose 32768-wide
-``down_proj`` the AWQ search holds in float32).
+layers, against 1.75 one expert at a time (and 1.93 or 3.25 for the dense layer, whose
+32768-wide ``down_proj`` the AWQ search holds in float32). CI's machine measured the MoE
+layer at 2.02: the INT4 bound is taken against the same model's FP8 stream on the same
+machine, and ``tests/test_experts.py`` checks without a clock or an allocator that no
+projection's whole stack is divided at once.
 """
 
 from __future__ import annotations
@@ -100,11 +103,18 @@ def test_a_streamed_moe_layer_holds_no_more_than_a_dense_layer_of_its_size(
 def test_a_streamed_moe_layer_under_int4_awq_holds_no_more_than_a_dense_layer(
     tmp_path: Path,
 ) -> None:
-    moe, _ = _held_beyond_baseline(_save(tmp_path, "moe"), tmp_path / "moe-out", "int4_awq")
+    moe_src = _save(tmp_path, "moe")
+    moe, _ = _held_beyond_baseline(moe_src, tmp_path / "moe-out", "int4_awq")
     dense, _ = _held_beyond_baseline(_save(tmp_path, "dense"), tmp_path / "dense-out", "int4_awq")
-    # measured: MoE 1.75 layers (2.40 with each projection's whole stack divided by the AWQ
-    # scales at once, in the weight amax and in the exporter), dense 3.24
+    # measured: MoE 1.70-1.79 layers (2.24-2.40 with each projection's whole stack divided by the
+    # AWQ scales at once, in the weight amax and in the exporter), dense 1.93 or 3.25 (the AWQ
+    # search's float32 copies of the 32768-wide down_proj, held or not by the time the peak
+    # comes); CI's machine measured the MoE at 2.02
     assert moe <= dense + 0.25, f"MoE held {moe:.2f} layers beyond its baseline, dense {dense:.2f}"
-    # the FP8 test's bound of a dense layer: the layer, one linear's float32 working memory,
-    # the shard; a stack-sized copy (0.67 of a layer for gate_up) does not fit beside them
-    assert moe <= 2.0, f"MoE held {moe:.2f} layers beyond its baseline"
+    # beside the same model's FP8 stream, which holds the layer, one linear's float32 working
+    # memory and the shard (1.55 here), the AWQ stream adds its per-expert search and the
+    # packed codes: 0.15-0.24 of a layer here. Dividing a projection's whole stack at once
+    # adds 0.59 (2.24 against 1.65); what a machine adds to both streams (its kernels'
+    # workspaces, its allocator) cancels out
+    fp8, _ = _held_beyond_baseline(moe_src, tmp_path / "moe-fp8-out", "fp8")
+    assert moe <= fp8 + 0.5, f"MoE held {moe:.2f} layers beyond its baseline, {fp8:.2f} under FP8"
