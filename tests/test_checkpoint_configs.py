@@ -78,6 +78,45 @@ def test_compressed_tensors_config_comes_from_the_spec() -> None:
     assert config["ignore"] == ["embed_tokens", "lm_head"]
 
 
+#: (layout, what it says it holds, the layouts named instead) of the one-format layouts.
+_ONE_FORMAT = [
+    (
+        "finegrained-fp8",
+        "(quant_method 'fp8' with weight_block_size) holds one block-wise format for every "
+        "quantized layer (fp8_block)",
+        "format='compressed-tensors' or format='modelopt'",
+    ),
+    (
+        "gpt-oss-mxfp4",
+        "(quant_method 'mxfp4') holds the experts in mxfp4",
+        "format='modelopt'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("layout", "holds", "instead"), _ONE_FORMAT)
+@pytest.mark.parametrize(
+    ("recipe", "what"),
+    [
+        ({"*": "fp8", "*.mlp.*": "nvfp4"}, "'MIXED_PRECISION'"),
+        ("fp8", "'FP8'"),
+        ("fp8_block+fp8_kv", "the KV cache as 'fp8'"),
+    ],
+)
+def test_a_one_format_layout_refuses_what_it_cannot_hold_naming_what_it_holds(
+    layout: str, holds: str, instead: str, recipe: object, what: str
+) -> None:
+    """finegrained-fp8 and gpt-oss-mxfp4 hold one format with their scheme and no KV cache."""
+    quant = _quantization(recipe)
+    message = (
+        f"format={layout!r} {holds} and no KV-cache scales, but the model quantizes {what}; "
+        f"use {instead}"
+    )
+    with pytest.raises(UnsupportedFormatError) as info:
+        quant.quantization_config(checkpoint_layout(layout))
+    assert str(info.value) == message
+
+
 def test_a_layer_recorded_with_the_old_quant_algo_string_is_the_same_fact() -> None:
     collector = QuantConfigCollector()
     collector.add_layer("a", "W4A16_AWQ", 128)

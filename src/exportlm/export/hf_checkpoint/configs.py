@@ -242,20 +242,15 @@ class CheckpointQuantization:
         (:meth:`FineGrainedFP8Scheme.config`). One format with that scheme for every
         quantized layer (``fp8_block`` of the built-ins), and no KV-cache scales.
         """
-        layout = CHECKPOINT_LAYOUTS["finegrained-fp8"]
-        spec = self.formats[0].spec if len(self.formats) == 1 else None
-        scheme = spec.finegrained_fp8 if spec is not None else None
-        block = (self.formats[0].group_size or spec.block_size) if spec is not None else None
-        if scheme is None or not block or self.kv_cache is not None:
-            holders = [s.name for s in registered_formats() if layout.holds(s)]
-            what = f"the KV cache as {self.kv_cache.name!r}" if self.kv_cache else None
-            raise UnsupportedFormatError(
-                f"format='finegrained-fp8' (quant_method 'fp8' with weight_block_size) holds "
-                f"one block-wise format for every quantized layer ({' / '.join(holders)}) and no "
-                f"KV-cache scales, but the model quantizes {what or repr(self.quant_algo)}; use "
-                "format='compressed-tensors' or format='modelopt'"
-            )
-        return scheme.config(block, [_transformers_pattern(m) for m in self.exclude_modules])
+        scheme, block = self._sole_scheme(
+            CHECKPOINT_LAYOUTS["finegrained-fp8"],
+            "(quant_method 'fp8' with weight_block_size) holds one block-wise format for every "
+            "quantized layer ({})",
+            "format='compressed-tensors' or format='modelopt'",
+            needs_block=True,
+        )
+        not_converted = [_transformers_pattern(m) for m in self.exclude_modules]
+        return dict(scheme.config(block, not_converted))
 
     def gpt_oss_mxfp4_config(self) -> dict[str, Any]:
         """``config.json``'s ``quantization_config`` as openai/gpt-oss ships it.
@@ -263,18 +258,31 @@ class CheckpointQuantization:
         ``{"quant_method": "mxfp4", "modules_to_not_convert": [...]}``: one format with a
         ``gpt_oss_mxfp4`` scheme (``mxfp4``) for every quantized layer, no KV-cache scales.
         """
-        layout = CHECKPOINT_LAYOUTS["gpt-oss-mxfp4"]
+        scheme, _ = self._sole_scheme(
+            CHECKPOINT_LAYOUTS["gpt-oss-mxfp4"],
+            "(quant_method 'mxfp4') holds the experts in {}",
+            "format='modelopt'",
+        )
+        return dict(scheme.config([_transformers_pattern(m) for m in self.exclude_modules]))
+
+    def _sole_scheme(
+        self, layout: CheckpointLayout, holds: str, instead: str, needs_block: bool = False
+    ) -> tuple[Any, int | None]:
+        """The ``layout.scheme`` scheme of the one format of every quantized layer and its block
+        (group size, else the format's): a layout of one format and no KV cache. Else refused
+        (also without a block where ``needs_block``), saying what the layout ``holds`` (``{}``:
+        the formats it holds) and the layouts to use ``instead``."""
         spec = self.formats[0].spec if len(self.formats) == 1 else None
-        scheme = spec.gpt_oss_mxfp4 if spec is not None else None
-        if scheme is None or self.kv_cache is not None:
-            holders = [s.name for s in registered_formats() if layout.holds(s)]
+        scheme = getattr(spec, layout.scheme) if spec is not None and layout.scheme else None
+        block = (self.formats[0].group_size or spec.block_size) if spec is not None else None
+        if scheme is None or (needs_block and not block) or self.kv_cache is not None:
+            holders = " / ".join(s.name for s in registered_formats() if layout.holds(s))
             what = f"the KV cache as {self.kv_cache.name!r}" if self.kv_cache else None
             raise UnsupportedFormatError(
-                f"format='gpt-oss-mxfp4' (quant_method 'mxfp4') holds the experts in "
-                f"{' / '.join(holders)} and no KV-cache scales, but the model quantizes "
-                f"{what or repr(self.quant_algo)}; use format='modelopt'"
+                f"format={layout.name!r} {holds.format(holders)} and no KV-cache scales, but the "
+                f"model quantizes {what or repr(self.quant_algo)}; use {instead}"
             )
-        return scheme.config([_transformers_pattern(m) for m in self.exclude_modules])
+        return scheme, block
 
     def quantization_config(self, layout: CheckpointLayout) -> dict[str, Any]:
         """``config.json``'s ``quantization_config`` in ``layout`` (by its ``scheme``)."""
