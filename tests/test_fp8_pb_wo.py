@@ -254,6 +254,27 @@ def test_inspect_passes_modelopts_export_with_its_0d_one_tile_scales(tmp_path: P
     assert report.summary["quantized_layers"] == {"fp8_block": 14}
 
 
+@pytest.mark.interop
+def test_inspect_warns_that_vllm_reads_no_other_tile_of_modelopts_export(tmp_path: Path) -> None:
+    """ModelOpt's export in tiles of 32: its config records no tile, exportlm's loader reads it
+    from the scales' shape (``test_our_loader_reads_modelopts_export``), vLLM reads 128 only:
+    one warning for vLLM, no error (it was a ``block-scale-shape`` error per layer)."""
+    ref = _modelopt_export(_model(**WIDE), tmp_path / "modelopt", 32)
+    report = inspect_checkpoint(ref)
+    assert report.errors == []
+    found = [f for f in report.findings if f.rule == "fp8-pb-wo-tile-size"]
+    assert [(f.severity.value, f.details["tile"], f.details["layers"]) for f in found] == [
+        ("warning", 32, 14)
+    ]
+    assert "vLLM's ModelOpt FP8_PB_WO reads tiles of 128 x 128 only" in found[0].message
+    assert "exportlm's loader (exportlm.load_exported)" in found[0].message
+
+
+def _retile(scale: torch.Tensor, factor: int) -> torch.Tensor:
+    """``[ob, 1, ib, 1]`` tile scales as the same values in tiles ``factor`` times smaller."""
+    return scale.repeat_interleave(factor, dim=0).repeat_interleave(factor, dim=2)
+
+
 # ----------------------------------------------------------------------------- our layout
 
 
@@ -301,6 +322,26 @@ def test_inspect_reads_the_layout_and_finds_a_wrong_tile_scale(tmp_path: Path) -
     found = [f for f in inspect_checkpoint(out).errors if f.subject == name]
     assert [f.rule for f in found] == ["block-scale-shape"]
     assert found[0].details["expected"] == [2, 1, 4, 1]
+
+
+def test_a_hand_written_tile_of_64_is_a_vllm_warning_and_loads_here(tmp_path: Path) -> None:
+    """A scale grid of 64 x 64 tiles in the ModelOpt layout (the same weights: each 128-tile
+    scale repeated): exportlm's loader reads it, inspect warns for vLLM and reports no error."""
+    out = exportlm.export_model("hf_checkpoint", _quantized("fp8_block", wide=True), tmp_path / "o")
+    name = "model.layers.0.mlp.down_proj.weight_scale"  # [256, 512]: [2, 1, 4, 1] in 128s
+    _edit_tensors(out, {name: lambda t: _retile(t, 2)})
+    report = inspect_checkpoint(out)
+    assert report.errors == []
+    found = [f for f in report.findings if f.rule == "fp8-pb-wo-tile-size"]
+    assert [(f.subject, f.details["tile"], f.details["layers"]) for f in found] == [(name, 64, 1)]
+    assert "[4, 1, 8, 1] over the weight [256, 512]" in found[0].message
+    assert "-o format=compressed-tensors or -o format=finegrained-fp8" in found[0].message
+    _load_unverified(out)  # exportlm's loader reads the tile from the scale's shape
+    _edit_tensors(out, {name: lambda t: t[:3].contiguous()})  # no tile grid at all: an error
+    errors = [f for f in inspect_checkpoint(out).errors if f.subject == name]
+    assert [(f.rule, f.details["expected"]) for f in errors] == [
+        ("block-scale-shape", [2, 1, 4, 1])
+    ]
 
 
 def test_a_scale_of_the_wrong_shape_is_refused_by_the_loader(tmp_path: Path) -> None:

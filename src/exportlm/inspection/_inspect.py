@@ -22,6 +22,7 @@ from exportlm.inspection._structure import (
     file_findings,
     kv_findings,
 )
+from exportlm.inspection._tile_sizes import tile_size_findings
 from exportlm.inspection._values import value_findings
 from exportlm.inspection._w4a8 import w4a8_findings
 from exportlm.inspection._w4afp8 import w4afp8_findings
@@ -116,6 +117,7 @@ def inspect_checkpoint(path: str | Path) -> InspectionReport:
         *e8m0_findings(checkpoint, layers),
         *w4a8_findings(checkpoint, layers),
         *w4afp8_findings(layers),
+        *tile_size_findings(layers, declared),
     ]
     formats = Counter(
         layer.spec.name if layer.spec else (layer.scheme.label if layer.scheme else "?")

@@ -18,7 +18,7 @@ from exportlm.inspection._files import FLOAT_SCALE_DTYPES, Checkpoint, safetenso
 from exportlm.inspection._header import TensorInfo
 from exportlm.inspection._native import native_modules, native_shape_findings
 from exportlm.inspection._rules import RULES, Finding
-from exportlm.inspection._tiles import tile_scale_findings
+from exportlm.inspection._tiles import layout_tiles, scale_tile, tile_scale_findings
 from exportlm.quant.formats import (
     CHECKPOINT_LAYOUTS,
     FormatSpec,
@@ -179,25 +179,33 @@ def _codec_layer(layer: QuantizedLayer, spec: FormatSpec, codec: LeafCodec) -> I
             )
 
 
-def _renamed_tiles(layer: QuantizedLayer, spec: FormatSpec, codec: LeafCodec) -> Iterator[Finding]:
+def _renamed_tiles(
+    layer: QuantizedLayer, spec: FormatSpec, codec: LeafCodec, layout: str
+) -> Iterator[Finding]:
     """Tile scales a layout stores under its own name (finegrained-fp8's ``weight_scale_inv``)
-    over codes it keeps as they are: their shape, as :func:`_shapes` checks the format's own."""
+    or shape (ModelOpt's FP8_PB_WO) over codes it keeps as they are: their shape, as
+    :func:`_shapes` checks the format's own; in the tile the scale's shape gives where no
+    config records one (:func:`~exportlm.inspection._tiles.scale_tile`)."""
     codes = layer.leaves[codec.codes.name]
     if spec.granularity != "tile" or codes.dtype != safetensors_dtype(spec.stored_dtype):
         return
-    block = layer.scheme.block_size if layer.scheme is not None else spec.block_size
+    block = (layer.scheme.block_size if layer.scheme is not None else spec.block_size) or 1
+    unrecorded = not layout_tiles(spec, layout)[0] and not (
+        layer.scheme and layer.scheme.group_size
+    )
     for leaf in codec.weights:
         info = layer.leaves.get(leaf.name)
         if leaf.kind == "scale" and info is not None:
-            shapes = codec.scale_shapes
-            yield from tile_scale_findings(info, spec.name, tuple(codes.shape), block or 1, shapes)
+            shapes, weight = codec.scale_shapes, tuple(codes.shape)
+            tile = scale_tile(info.shape, weight, block, shapes) if unrecorded else block
+            yield from tile_scale_findings(info, spec.name, weight, tile, shapes)
 
 
 def _layer(layer: QuantizedLayer, spec: FormatSpec, declared: Declared) -> Iterator[Finding]:
     codec = _codec(spec, declared)
     if codec is not None and codec.codes.name in layer.leaves:
         yield from _codec_layer(layer, spec, codec)
-        yield from _renamed_tiles(layer, spec, codec)
+        yield from _renamed_tiles(layer, spec, codec, declared.layout)
         yield from native_shape_findings(layer.module, layer.leaves, spec)
         return
     weight = layer.leaves["weight"]

@@ -26,4 +26,12 @@ SCHEME_RULE_ROWS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "A compressed-tensors W4AFP8 layer (INT4 groups, FP8 per-token inputs) is in groups "
         "of 128, the only size vLLM's W4AFP8 kernel takes.",
     ),
+    (
+        "fp8-pb-wo-tile-size",
+        "warning",
+        ("vLLM",),
+        "A ModelOpt FP8_PB_WO layer (whose config records no tile) is in 128 x 128 tiles, the "
+        "only size vLLM's ModelOpt FP8_PB_WO reads; exportlm's loader reads any tile from the "
+        "scale's shape.",
+    ),
 )

@@ -5,6 +5,10 @@ One scale per ``b x b`` tile of the weight's last two dimensions: ``weight_scale
 and vLLM take ``ceil``), the input features a multiple of ``b`` (the inputs are
 quantized in groups of ``b`` at run time, and vLLM's block GEMM asserts it). A finding
 of the ``block-scale-shape`` rule otherwise.
+
+A layout whose configs record no block (ModelOpt's ``FP8_PB_WO``: ``group_size_field``
+off) is read as exportlm's loader reads it: the tile edge is the one the scale's shape
+gives (``in / ib``, :func:`scale_tile`), the format's default where that fits.
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ from collections.abc import Callable, Iterator
 
 from exportlm.inspection._header import TensorInfo
 from exportlm.inspection._rules import RULES, Finding
+from exportlm.quant.formats import CHECKPOINT_LAYOUTS, FormatSpec
 
-__all__ = ["tile_scale_findings", "tile_scale_shape"]
+__all__ = ["layout_tiles", "scale_tile", "tile_scale_findings", "tile_scale_shape"]
+
+Shapes = Callable[[tuple[int, ...]], tuple[tuple[int, ...], ...]]
 
 
 def tile_scale_shape(logical: tuple[int, ...], block: int) -> tuple[int, ...]:
@@ -23,12 +30,36 @@ def tile_scale_shape(logical: tuple[int, ...], block: int) -> tuple[int, ...]:
     return (*lead, -(-rows // block), -(-cols // block))
 
 
+def layout_tiles(spec: FormatSpec, layout_name: str) -> tuple[bool, tuple[int, ...]]:
+    """``(records the block, the only blocks it holds)`` of ``spec`` in the layout: ModelOpt's
+    FP8_PB_WO records none and holds 128 (what vLLM reads); ``(True, ())`` for any other."""
+    layout = CHECKPOINT_LAYOUTS.get(layout_name)
+    scheme = None if layout is None else getattr(spec, layout.scheme or "modelopt", None)
+    return getattr(scheme, "group_size_field", True), getattr(scheme, "block_sizes", ())
+
+
+def scale_tile(
+    shape: tuple[int, ...], weight_shape: tuple[int, ...], block: int, stored: Shapes | None
+) -> int:
+    """The tile edge of a scale of ``shape`` over a weight of ``weight_shape`` when no config
+    records it: ``block`` where the shape fits it, else ``in / ib`` where that fits (as
+    exportlm's loader reads it), else ``block`` (the shape is then wrong for any)."""
+    cols = weight_shape[-1]
+    ibs = dict.fromkeys(reversed(shape[-2:]))  # [ob, ib] / [ob, 1, ib, 1]: ib last or next
+    candidates = [block, *(cols // ib for ib in ibs if ib and cols % ib == 0)]
+    for tile in candidates:
+        grid = tile_scale_shape(weight_shape, tile)
+        if cols % tile == 0 and shape in (stored(grid) if stored is not None else (grid,)):
+            return tile
+    return block
+
+
 def tile_scale_findings(
     info: TensorInfo,
     fmt: str,
     weight_shape: tuple[int, ...],
     block: int,
-    stored: Callable[[tuple[int, ...]], tuple[tuple[int, ...], ...]] | None = None,
+    stored: Shapes | None = None,
 ) -> Iterator[Finding]:
     """A ``block-scale-shape`` finding when ``info`` is not the tile scales of the weight.
 
