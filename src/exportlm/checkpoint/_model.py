@@ -259,6 +259,8 @@ class Section:
             ``kv_cache_scheme_invalid`` the value as written when it is not an object.
         listed: the module names the section lists (excluded ones, quantized layers, targets).
         finegrained: ``quant_method: "fp8"``'s fields (``None`` for another method).
+        not_converted: ``quant_method: "mxfp4"``'s ``modules_to_not_convert`` as written
+            (transformers' ``Mxfp4Config``; vLLM's reads none); ``None``: absent or another method.
     """
 
     file: str
@@ -277,6 +279,7 @@ class Section:
     kv_cache_scheme_invalid: Any = None
     listed: tuple[Listed, ...] = ()
     finegrained: FineGrainedFP8 | None = None
+    not_converted: Any = None
 
     @property
     def layout(self) -> str:

@@ -10,6 +10,8 @@
 * finegrained-fp8 (DeepSeek-V3, Qwen3-FP8): ``config.json``'s ``quantization_config``
   with ``quant_method: "fp8"``: ``weight_block_size``, ``activation_scheme``,
   ``scale_fmt``, ``modules_to_not_convert`` / ``ignored_layers`` (:class:`FineGrainedFP8`).
+* gpt-oss-mxfp4 (openai/gpt-oss): ``config.json``'s ``quantization_config`` with
+  ``quant_method: "mxfp4"``: ``modules_to_not_convert`` (``Section.not_converted``).
 
 Both files are read as untrusted input (:func:`exportlm.hfdir.read_json_object`: a
 regular file, bounded, a JSON object, else :class:`~exportlm.errors.MalformedCheckpointError`
@@ -170,6 +172,9 @@ def _section(section: Mapping[str, Any], file: str, source: str, where: str) -> 
         kv_cache_scheme_invalid=None if isinstance(kv_scheme, dict) else kv_scheme,
         listed=_listed(section, where, (parsed or ()) if file == CONFIG_NAME else None),
         finegrained=_finegrained(section, file),
+        not_converted=section.get("modules_to_not_convert")
+        if file == CONFIG_NAME and section.get("quant_method") == "mxfp4"
+        else None,
     )
 
 

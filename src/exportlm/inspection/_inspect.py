@@ -13,6 +13,7 @@ from exportlm.errors import InvalidInputError
 from exportlm.inspection._declared import read_declared
 from exportlm.inspection._e8m0 import e8m0_findings
 from exportlm.inspection._files import read_checkpoint
+from exportlm.inspection._gpt_oss import gpt_oss_findings
 from exportlm.inspection._layers import layer_findings, quantized_layers
 from exportlm.inspection._onnx import onnx_findings
 from exportlm.inspection._rules import RULES, Finding, Severity
@@ -118,6 +119,7 @@ def inspect_checkpoint(path: str | Path) -> InspectionReport:
         *w4a8_findings(checkpoint, layers),
         *w4afp8_findings(layers),
         *tile_size_findings(layers, declared),
+        *gpt_oss_findings(checkpoint, declared),
     ]
     formats = Counter(
         layer.spec.name if layer.spec else (layer.scheme.label if layer.scheme else "?")

@@ -34,4 +34,32 @@ SCHEME_RULE_ROWS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "only size vLLM's ModelOpt FP8_PB_WO reads; exportlm's loader reads any tile from the "
         "scale's shape.",
     ),
+    (
+        "mxfp4-blocks-outside-experts",
+        "error",
+        ("vLLM", "transformers"),
+        "In gpt-oss's MXFP4 layout (quant_method 'mxfp4') only experts modules store "
+        "<p>_blocks / <p>_scales; every other module is float.",
+    ),
+    (
+        "mxfp4-float-experts",
+        "error",
+        ("vLLM", "transformers"),
+        "Every experts module of gpt-oss's MXFP4 layout that modules_to_not_convert does not "
+        "cover stores its projections as <p>_blocks / <p>_scales, not float.",
+    ),
+    (
+        "mxfp4-float-experts-listed",
+        "warning",
+        ("vLLM",),
+        "No experts module of gpt-oss's MXFP4 layout is float even where modules_to_not_convert "
+        "covers it: vLLM reads no modules_to_not_convert and quantizes every experts module.",
+    ),
+    (
+        "mxfp4-excluded-but-quantized",
+        "warning",
+        ("transformers",),
+        "No module that gpt-oss's modules_to_not_convert covers (as transformers matches it) "
+        "stores <p>_blocks / <p>_scales.",
+    ),
 )
