@@ -22,7 +22,9 @@ Both decide per module from ``quant_method`` and ``modules_to_not_convert``, eac
 
 exportlm's loader reads floats and blocks wherever an experts module stores them and refuses
 blocks outside one. A module is an experts module by the layout's ``quantized_modules``
-(``*.mlp.experts``).
+(``*.mlp.experts``). Entries are matched without backtracking (:func:`_prefix_match`: single
+characters with ``*`` / ``+`` / ``?``, what module names and openai's wildcards use), so no
+entry a config holds makes ``inspect`` hang; an entry beyond that is not evaluated.
 """
 
 from __future__ import annotations
