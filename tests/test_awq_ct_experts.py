@@ -5,7 +5,9 @@ parameters; the checkpoint names them per expert (``experts.{e}.gate_proj.weight
 as llm-compressor writes its linearized experts and vLLM's fused-MoE loader reads them.
 compressed-tensors has no tensor for an AWQ scale: each expert's ``down_proj`` scale folds
 into its ``up`` rows (llm-compressor's ``up_proj -> down_proj`` mapping), where the gate is
-linear in ``up``; ``gate/up`` and GPT-OSS's ``down`` are round-to-nearest. Before, the export
+linear in ``up``; GPT-OSS's ``down`` is round-to-nearest; ``gate/up`` takes the one scale the
+MoE block's input norm carries (shared with the router: llm-compressor's norm -> router +
+experts mapping; Llama4, whose experts read the routed input, round-to-nearest). Before, the export
 refused the experts with a hint to use the option already applied (int4_awq), and ``quantize``
 refused them (w4afp8).
 """
