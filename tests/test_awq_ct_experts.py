@@ -5,7 +5,9 @@ parameters; the checkpoint names them per expert (``experts.{e}.gate_proj.weight
 as llm-compressor writes its linearized experts and vLLM's fused-MoE loader reads them.
 compressed-tensors has no tensor for an AWQ scale: each expert's ``down_proj`` scale folds
 into its ``up`` rows (llm-compressor's ``up_proj -> down_proj`` mapping), where the gate is
-linear in ``up``; ``gate/up`` and GPT-OSS's ``down`` are round-to-nearest. Before, the export
+linear in ``up``; GPT-OSS's ``down`` is round-to-nearest; ``gate/up`` takes the one scale the
+MoE block's input norm carries (shared with the router: llm-compressor's norm -> router +
+experts mapping; Llama4, whose experts read the routed input, round-to-nearest). Before, the export
 refused the experts with a hint to use the option already applied (int4_awq), and ``quantize``
 refused them (w4afp8).
 """
@@ -99,22 +101,31 @@ def test_the_cli_writes_every_expert_linear_as_compressed_tensors_packs_it(
     assert_pack_quantized_as_compressed_tensors(tensors, experts_, out, "int4")
 
 
+def _norm_scale(model: nn.Module, original: nn.Module, family: str) -> torch.Tensor:
+    """``s`` of the MoE block's input (the original norm's weight over the folded one): all
+    ones where the block's input was not smoothed (Llama4)."""
+    name = "model.layers.0.post_attention_layernorm.weight"
+    return original.get_parameter(name) / model.get_parameter(name)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "llama4"])
-def test_down_scales_fold_into_up_rows_and_gate_up_is_round_to_nearest(family: str) -> None:
+def test_down_scales_fold_into_up_rows_and_gate_up_takes_the_norms_scale(family: str) -> None:
     model, original, batch = _quantized(family)
     experts, before = _layer_experts(model, family), _layer_experts(original, family)
     for proj in ("gate_up_proj", "down_proj"):
         assert experts.input_quantizer_of(proj).pre_quant_scale is None
+    s = _norm_scale(model, original, family).detach()  # [H]: one scale for every expert
+    assert torch.equal(s, torch.ones_like(s)) == (family == "llama4")
     gate, up = experts.split_gate_up(experts.canonical_weight("gate_up_proj"), dim=-2)
     gate0, up0 = experts.split_gate_up(_canonical(experts, before.gate_up_proj), dim=-2)
-    assert torch.equal(gate, gate0)  # gate rows: no scale (round-to-nearest)
-    ratio = up / up0  # [E, I, H]: one searched scale per expert and intermediate channel
+    torch.testing.assert_close(gate, gate0 * s, rtol=1e-5, atol=1e-8)  # columns: the norm's
+    ratio = up / (up0 * s)  # [E, I, H]: one searched scale per expert and intermediate channel
     scale = ratio[..., :1]
-    torch.testing.assert_close(ratio, scale.expand_as(ratio), rtol=1e-6, atol=0)
+    torch.testing.assert_close(ratio, scale.expand_as(ratio), rtol=1e-5, atol=0)
     assert not torch.equal(scale, torch.ones_like(scale))
     down = experts.canonical_weight("down_proj")
     down0 = _canonical(experts, before.down_proj)
-    torch.testing.assert_close(down * scale.transpose(1, 2), down0, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(down * scale.transpose(1, 2), down0, rtol=1e-5, atol=1e-7)
     for quantizer in model.modules():
         if isinstance(quantizer, TensorQuantizer):
             quantizer.enabled = False
@@ -123,16 +134,21 @@ def test_down_scales_fold_into_up_rows_and_gate_up_is_round_to_nearest(family: s
     torch.testing.assert_close(got, want, atol=FLOAT_ATOL, rtol=0)
 
 
-def test_gpt_oss_keeps_its_experts_unscaled_as_its_gate_is_not_linear_in_up() -> None:
-    """``(clamp(up) + 1) * glu``: no scale folds into ``up``; every expert is round-to-nearest."""
+def test_gpt_oss_keeps_its_down_unscaled_as_its_gate_is_not_linear_in_up() -> None:
+    """``(clamp(up) + 1) * glu``: no scale folds into ``up``, its ``down`` is round-to-nearest;
+    ``gate_up`` takes the norm's scale on its input columns (stored ``[E, H, 2I]``)."""
     model, original, _ = _quantized("gpt_oss")
     experts, before = _layer_experts(model, "gpt_oss"), _layer_experts(original, "gpt_oss")
     for proj in ("gate_up_proj", "down_proj"):
         assert experts.input_quantizer_of(proj).pre_quant_scale is None
-        assert torch.equal(getattr(experts, proj), getattr(before, proj))
+    assert torch.equal(experts.down_proj, before.down_proj)
+    s = _norm_scale(model, original, "gpt_oss").detach()
+    assert not torch.equal(s, torch.ones_like(s))
+    want = before.gate_up_proj * s[:, None]
+    torch.testing.assert_close(experts.gate_up_proj, want, rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_the_checkpoint_loads_back_with_the_fake_quant_logits(family: str, tmp_path: Path) -> None:
     model, _, batch = _quantized(family)
     out = Path(exportlm.export_model("hf_checkpoint", model, tmp_path / "ckpt", format=CT))
@@ -262,3 +278,71 @@ def test_dbrx_experts_in_compressed_tensors_are_refused_naming_an_exclusion_that
     quantize(model, recipe, exclude=["*.ffn.experts"], calibrate=lambda m: m(batch))
     out = Path(exportlm.export_model("hf_checkpoint", model, tmp_path / "ckpt", format=CT))
     assert "transformer.blocks.0.norm_attn_norm.attn.Wqkv.weight_packed" in _tensors(out)
+
+
+#: family -> the modules of its first MoE block that read the block's input besides the
+#: experts: the routers (unquantized), Qwen2-MoE's shared expert and its gate (its
+#: ``up_proj`` too, whose rows also carry its ``down_proj``'s scale: the float-model check
+#: above covers it)
+_READERS = {
+    "mixtral": ["mlp.gate"],
+    "qwen3_moe": ["mlp.gate"],
+    "qwen2_moe": [
+        "mlp.gate",
+        "mlp.shared_expert_gate",
+        "mlp.shared_expert.gate_proj",
+    ],
+    "gpt_oss": ["mlp.router"],
+}
+
+
+@pytest.mark.parametrize("family", sorted(_READERS))
+def test_the_moe_norm_carries_one_scale_the_router_and_shared_expert_absorb(family: str) -> None:
+    """Before: the norm kept its weight and ``gate_up`` was round-to-nearest. Now the norm
+    is divided by one searched scale and every reader of its output multiplies its input
+    columns by it: the router's logits (and a shared expert's float products) are unchanged."""
+    model, original, _ = _quantized(family)
+    norm = "model.layers.0.post_attention_layernorm"
+    s = _norm_scale(model, original, family).detach()
+    assert not torch.equal(s, torch.ones_like(s))
+    x = torch.randn(8, s.shape[0], generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        h, h0 = model.get_submodule(norm)(x), original.get_submodule(norm)(x)
+        for reader in _READERS[family]:
+            name = f"model.layers.0.{reader}"
+            got = nn.functional.linear(h, model.get_parameter(f"{name}.weight"))
+            want = nn.functional.linear(h0, original.get_parameter(f"{name}.weight"))
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if family == "gpt_oss":  # the router's bias is not scaled: ``x W^T + b``
+        bias = "model.layers.0.mlp.router.bias"
+        assert torch.equal(model.get_parameter(bias), original.get_parameter(bias))
+
+
+#: Smoothed ``gate_up`` against round-to-nearest on held-out tokens: the MSE of the logits
+#: against the float model may not grow by more than this factor. Measured (8 x 64
+#: calibration tokens, another 8 x 64 to evaluate): Mixtral 0.9947, Qwen3-MoE 0.9988.
+_NO_WORSE = 1.02
+
+
+def _logits_mse(family: str, monkeypatch: pytest.MonkeyPatch, smooth: bool) -> float:
+    model = tiny_hf_model(family, seed=0).eval()
+    reference = tiny_hf_model(family, seed=0).eval()
+    vocab = model.config.vocab_size
+    calib = torch.randint(0, vocab, (8, 64), generator=torch.Generator().manual_seed(1))
+    held_out = torch.randint(0, vocab, (8, 64), generator=torch.Generator().manual_seed(2))
+    with monkeypatch.context() as patch:
+        if not smooth:  # today's round-to-nearest gate_up, the rest of the recipe the same
+            patch.setattr("exportlm.quant._calibration_steps.smooth_moe_inputs", lambda *a, **k: 0)
+        recipe = QuantRecipe.parse("int4_awq").for_layout(CT)
+        quantize(model, recipe, calibrate=lambda m: m(calib))
+    with torch.no_grad():
+        return float((model(held_out).logits - reference(held_out).logits).pow(2).mean())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_smoothing_gate_up_is_no_worse_than_round_to_nearest(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rtn = _logits_mse(family, monkeypatch, smooth=False)
+    smoothed = _logits_mse(family, monkeypatch, smooth=True)
+    assert smoothed <= rtn * _NO_WORSE, (smoothed, rtn)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from exportlm.quant._awq import apply_awq, collect_expert_statistics, plan_awq, search_awq
+from exportlm.quant._awq_moe import smooth_moe_inputs, trace_moe_inputs
 from exportlm.quant._calibrate import run_calibration
 from exportlm.quant._fold import fold_into_norms, trace_norms
 from exportlm.quant._fold_experts import fold_experts, prune_expert_searches
@@ -50,6 +51,7 @@ def calibrate_and_smooth(
             with (
                 trace_norms(model, enabled=awq or bool(smoothquant.folding)) as norms,
                 trace_blocks(model) as blocks,  # compressed-tensors AWQ: what folds into linears
+                trace_moe_inputs(model, enabled=awq) as moe_inputs,  # and into a MoE's norm
             ):
                 groups = run_calibration(model, calibrate)
         finally:
@@ -69,6 +71,8 @@ def calibrate_and_smooth(
                 fold_into_linears(model, blocks)
                 fold_experts(plan)  # compressed-tensors: experts keep no AWQ scale
                 set_smoothed_input_amax(static_inputs)
+            with steps.step("AWQ: each MoE block's input scale (another pass of the forwards)"):
+                smooth_moe_inputs(model, moe_inputs, norms, calibrate)
     if smoothquant:
         with steps.step("SmoothQuant smoothing"):
             apply_smoothquant(model, smoothquant, groups, norms)

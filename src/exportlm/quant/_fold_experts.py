@@ -12,9 +12,9 @@ and every expert's ``gate_proj`` / ``up_proj``, one scale for all; each expert's
   with a probe scale of powers of two (exact in floating point); GPT-OSS's
   ``(clamp(up) + 1) * glu`` fails it, and its ``down_proj`` is round-to-nearest.
 * ``gate_up_proj``: one scale per expert cannot fold into the norm that feeds every expert
-  and the router, so it is round-to-nearest with its group size, as llm-compressor quantizes a
-  linear no mapping smooths (its single scale shared by the router and all the experts is
-  another search, not made here).
+  and the router; its per-expert scale is dropped here, and the single scale shared by the
+  router and all the experts is searched and folded into the norm by
+  :mod:`exportlm.quant._awq_moe` (round-to-nearest where that cannot fold).
 
 Nothing else changes: a checkpoint of the convention quantizes every expert linear, written
 per expert (``experts.{e}.gate_proj.weight_packed`` ...), with no AWQ scale left to store.
