@@ -18,7 +18,7 @@ import pytest
 
 import exportlm
 from exportlm.cli import main
-from exportlm.errors import UnsupportedFormatError
+from exportlm.errors import InvalidConfigError, MalformedCheckpointError, UnsupportedFormatError
 from exportlm.models import tiny_hf_model
 
 CT = "compressed-tensors"
@@ -163,3 +163,21 @@ def test_the_real_models_fp8_block_refusal_names_the_options_that_export_it(
     assert "group_size=64 or group_size=32 divides 576" in err
     assert f"--quantize fp8_block:group_size=64 -o format={CT}" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+def test_a_garbage_weights_file_a_recipe_passes_is_named_not_safetensors_own_error(
+    saved: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], stream: bool
+) -> None:
+    """Past the recipe's checks the weights are read: a file that is no safetensors is named
+    (before: ``SafetensorError: Error while deserializing header``, safetensors' own)."""
+    garbage = _garbage_weights(saved["hidden-192"], tmp_path / "garbage")
+    out = tmp_path / "out"
+    error = MalformedCheckpointError if stream else InvalidConfigError
+    with pytest.raises(error, match="garbage") as raised:
+        exportlm.export_model("hf_checkpoint", garbage, out, recipe="int8_wo", stream=stream)
+    assert "SafetensorError" not in type(raised.value).__name__
+    assert not out.exists()
+    if not stream:
+        assert main(_export(garbage, out, "int8_wo")) == 2
+        assert "transformers cannot load a causal LM from this directory" in capsys.readouterr().err

@@ -174,6 +174,7 @@ def checked_skeleton(directory: Path, recipe: Any, format: str) -> Any:
 def _loaded(directory: Path, source: DirectorySource, format: str) -> Any:
     """The directory's model in memory (as saved, eager attention, eval), quantized by
     ``source.recipe`` (as ``exportlm export --model DIR`` loads it)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     from exportlm.hfdir import read_config, vet_model_directory
@@ -187,7 +188,7 @@ def _loaded(directory: Path, source: DirectorySource, format: str) -> Any:
         model = AutoModelForCausalLM.from_pretrained(
             directory, local_files_only=True, trust_remote_code=False, attn_implementation="eager"
         ).eval()
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, SafetensorError) as err:  # a garbage weight file too
         raise InvalidConfigError(
             f"{directory}: transformers cannot load a causal LM from this directory: {err}"
         ) from err

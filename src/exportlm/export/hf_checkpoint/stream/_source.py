@@ -313,10 +313,15 @@ def _shard_map(directory: Path) -> dict[str, str]:
         raise MalformedCheckpointError(
             f"{directory}: neither {_INDEX} nor {_SINGLE}; streaming reads safetensors only"
         )
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(single), framework="pt", device="cpu") as handle:
-        return dict.fromkeys(handle.keys(), _SINGLE)
+    try:
+        with safe_open(str(single), framework="pt", device="cpu") as handle:
+            return dict.fromkeys(handle.keys(), _SINGLE)
+    except (SafetensorError, OSError) as err:  # a garbage file: never safetensors' own error
+        raise MalformedCheckpointError(
+            f"{single}: not a readable safetensors file ({err})"
+        ) from err
 
 
 def _rebuild_unsaved_buffers(module: nn.Module, config: Any, recurse: bool) -> None:
