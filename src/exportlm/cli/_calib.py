@@ -95,14 +95,15 @@ def quantize_model(
 ) -> tuple[Any, dict[str, Any]]:
     """Quantize ``model`` with ``recipe`` on the requested calibration data.
 
-    The recipe is checked against the model first (:func:`exportlm.quant.check_recipe`),
+    The recipe is checked against the model first (:func:`exportlm.quant.check_recipe`; exit 2),
     so a shape it cannot take is refused before the data is tokenized or a forward runs;
     a weight-only recipe runs no calibration at all. Returns the quantized model and a
     JSON description of the calibration (``export --json`` prints it).
     """
-    from exportlm.quant import check_recipe, is_quantized_module, quantize
+    from exportlm.cli._recipe import check_recipe_on
+    from exportlm.quant import is_quantized_module, quantize
 
-    if check_recipe(model, recipe):
+    if check_recipe_on(model, recipe):
         calibrate, report = _calibration(model, request, source)
     else:
         calibrate, report = None, {"source": "none: weight-only, every scale from the weights"}

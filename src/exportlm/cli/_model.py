@@ -195,6 +195,7 @@ def _model_from_directory(path: Path) -> Any:
     Vetted again here (a :class:`ModelSource` can be made without :func:`resolve_model`).
     """
     _vet_directory(path, str(path))
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
@@ -205,7 +206,7 @@ def _model_from_directory(path: Path) -> Any:
             model = AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, trust_remote_code=False, attn_implementation="eager"
             )
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, SafetensorError) as err:  # a garbage weight file too
         raise InvalidConfigError(
             f"--model {path}: transformers cannot load a causal LM from this directory: {err}"
         ) from err

@@ -6,7 +6,8 @@ read or a forward runs: a refusal costs the CLI's start-up, not a calibration. T
 shapes come from a skeleton of a model directory on the ``meta`` device (built from its
 ``config.json``, no weights read; for dense Llama-style configs first from the config's
 numbers alone, without importing transformers: :mod:`exportlm.cli._config_skeleton`); a
-toy family or spec file is checked once built, still before calibration.
+toy family or spec file is checked once built, still before calibration. Either refusal
+is a usage error (exit code 2), as a layout that cannot hold the recipe is.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from exportlm.cli._errors import UsageError
 from exportlm.cli._model import ModelSource
 
-__all__ = ["check_model_layout", "check_model_recipe", "checked_recipe"]
+__all__ = ["check_model_layout", "check_model_recipe", "check_recipe_on", "checked_recipe"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +89,27 @@ def check_model_recipe(source: ModelSource, recipe: Any) -> None:
     """
     if source.kind != "directory" or source.path is None:
         return
-    from exportlm.quant import check_recipe
-
     fast = _config_skeleton(source.path)
     if fast is not None:  # refuses without importing transformers; a pass is checked again
-        check_recipe(fast, recipe)
+        check_recipe_on(fast, recipe)
     skeleton = _skeleton(source.path)
     if skeleton is not None:
-        check_recipe(skeleton, recipe)
+        check_recipe_on(skeleton, recipe)
+
+
+def check_recipe_on(model: Any, recipe: Any) -> bool:
+    """:func:`~exportlm.quant.check_recipe`, its refusal the command line's (exit code 2:
+    the same ``--quantize`` fails again on this model until it changes, as the message says).
+
+    Returns whether the recipe runs calibration forwards.
+    """
+    from exportlm.errors import UnsupportedFormatError
+    from exportlm.quant import check_recipe
+
+    try:
+        return check_recipe(model, recipe)
+    except UnsupportedFormatError as err:
+        raise UsageError(f"--quantize: {err}") from err
 
 
 def check_model_layout(

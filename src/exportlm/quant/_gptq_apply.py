@@ -3,8 +3,8 @@ gathered during the calibration forwards, then each linear's weight is quantized
 :func:`~exportlm.quant._gptq.gptq_quantize`.
 
 * :func:`mark_gptq` (at conversion) records a GPTQ recipe's options on each linear it
-  quantizes; :func:`refuse_gptq` refuses what GPTQ cannot quantize (stacked experts,
-  embeddings) before anything is converted.
+  quantizes (:func:`exportlm.quant._refusals.refuse_gptq` has refused what GPTQ cannot
+  quantize, stacked experts and embeddings, before anything is converted).
 * :func:`collect_hessians` hooks every marked linear: each calibration forward adds its
   input's ``X^T X`` (float64) and its token count, once per input tensor however many
   linears read it (:mod:`exportlm.quant._gptq_hessian`). The hooks see the inputs the
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from exportlm.errors import QuantizationError, UnsupportedFormatError
+from exportlm.errors import QuantizationError
 from exportlm.quant._gptq import gptq_quantize, int4_group_scales
 from exportlm.quant._gptq_hessian import Hessians, reduce_hessians
 from exportlm.quant._gptq_hessian import collect_hessians as _collect
@@ -42,7 +42,6 @@ __all__ = [
     "apply_gptq",
     "collect_hessians",
     "mark_gptq",
-    "refuse_gptq",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,16 +62,6 @@ _MARK = "gptq_options"
 class _Options:
     actorder: str
     dampening: float
-
-
-def refuse_gptq(name: str, kind: str, algo: Any) -> None:
-    """Refuse a GPTQ recipe on a module that is not a linear (before any conversion)."""
-    if algo is not None and getattr(algo, "gptq", False) and kind not in ("linear", "moe_linear"):
-        raise UnsupportedFormatError(
-            f"module {name!r}: recipe {algo.spelling!r} runs GPTQ, which quantizes linear "
-            f"layers from their inputs' Hessian; a {kind} module has no such input. Exclude "
-            f"it (exclude=[{name!r}]) or give it another recipe ({{{name!r}: 'int4_awq'}})."
-        )
 
 
 def mark_gptq(module: nn.Module, algo: Any) -> None:

@@ -20,7 +20,7 @@ from exportlm.quant._calibrate import (
 from exportlm.quant._calibration_steps import calibrate_and_smooth, init_weight_amax
 from exportlm.quant._conventions import apply_convention
 from exportlm.quant._experts import experts_base, quant_experts_class
-from exportlm.quant._gptq_apply import mark_gptq, refuse_gptq
+from exportlm.quant._gptq_apply import mark_gptq
 from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
     QuantEmbedding,
@@ -34,6 +34,7 @@ from exportlm.quant._quantizer import TensorQuantizer
 from exportlm.quant._recipe import Algorithm, QuantRecipe, RecipeLike, resolve_algorithm
 from exportlm.quant._refusals import (
     refuse_experts_algorithm,
+    refuse_gptq,
     refuse_shapes,
     refuse_unconvertible,
     refuse_unplaceable_kv_cache,

@@ -28,6 +28,7 @@ __all__ = [
     "check_layout_model",
     "check_layout_model_type",
     "refuse_experts_algorithm",
+    "refuse_gptq",
     "refuse_shapes",
     "refuse_unconvertible",
     "refuse_unplaceable_kv_cache",
@@ -83,11 +84,31 @@ def refuse_experts_algorithm(name: str, module: nn.Module, algo: Algorithm) -> N
         )
 
 
+def refuse_gptq(name: str, kind: str, algo: Algorithm | None) -> None:
+    """Refuse a GPTQ recipe on a module that is not a linear (before any conversion), naming
+    a pattern for that module in every layer (each refused alike) and a recipe that takes it."""
+    if algo is None or not algo.gptq or kind in ("linear", "moe_linear"):
+        return
+    pattern = _every_layer(name)
+    instead = "int8_wo" if get_format(algo.weight).name == "int8" else "int4_awq"
+    raise UnsupportedFormatError(
+        f"module {name!r}: recipe {algo.spelling!r} runs GPTQ, which quantizes linear layers "
+        f"from their inputs' Hessian; {kind} modules have no such input. Exclude them in "
+        f"every layer (exclude=[{pattern!r}], --exclude {pattern!r}) or give them another "
+        f"recipe ({{{pattern!r}: {instead!r}}})."
+    )
+
+
+def _every_layer(name: str) -> str:
+    """A pattern matching module ``name`` in every decoder layer (``*.mlp.experts``)."""
+    parts = name.split(".")
+    return "*." + ".".join(parts[-2:]) if len(parts) > 2 else name
+
+
 def _experts_instead(name: str, algo: Algorithm, modelopt: bool, *, by_scale: bool) -> str:
     """What to do about refused experts: never the option ``algo`` already has; the exclusion
     as a pattern for every layer's experts (``*.mlp.experts``), each refused alike."""
-    parts = name.split(".")
-    pattern = "*." + ".".join(parts[-2:]) if len(parts) > 2 else name
+    pattern = _every_layer(name)
     exclude = f"exclude=[{pattern!r}], --exclude {pattern!r}"
     fp8 = f"quantize it with 'fp8' ({{{pattern!r}: 'fp8'}})"
     if by_scale and not modelopt:  # w4afp8 in ModelOpt's convention
@@ -206,7 +227,13 @@ def _in_dims(module: Any, kind: str) -> list[tuple[str, int, int]]:
 
 
 def _fitting_group_sizes(algo: Algorithm, rows: int, cols: int) -> str:
-    """The sentence naming the ``group_size`` options that fit ``[rows, cols]``, or ``""``."""
+    """The sentence naming the ``group_size`` options that fit ``[rows, cols]``, or ``""``.
+
+    Where the default (ModelOpt) layout cannot hold the size that fits (``fp8_block``: blocks
+    of 128 only), the command named is one that works in one step: it names the layout too
+    (``--quantize fp8_block:group_size=64 -o format=compressed-tensors``), never an option
+    the layout check then refuses.
+    """
     spec = get_format(algo.weight)
     fits = [
         size
@@ -216,18 +243,33 @@ def _fitting_group_sizes(algo: Algorithm, rows: int, cols: int) -> str:
     if not fits:
         return ""
     sizes = " or ".join(f"group_size={size}" for size in fits)
-    modelopt = spec.modelopt_block_problem(fits[0])
-    where = (
-        f" in a layout that records the block (the ModelOpt layout holds {algo.name} in blocks "
-        f"of {' or '.join(map(str, spec.modelopt.block_sizes))} only)"
-        if modelopt is not None and spec.modelopt is not None
-        else ""
-    )
+    spelled, best = f"{algo.name}:group_size={fits[0]}", fits[0]
+    if spec.modelopt is None or spec.modelopt_block_problem(best) is None:
+        return (
+            f"{sizes} divides {cols}: quantize with {spelled} (--quantize {spelled}, or "
+            f"quantize(model, {algo.name!r}, group_size={best})). "
+        )
+    held = f"the ModelOpt layout holds {algo.name} in blocks of "
+    held += " or ".join(map(str, spec.modelopt.block_sizes)) + " only"
+    layouts = _block_layouts(spec)
+    if not layouts:
+        return f"{sizes} divides {cols}, but {held} and no other layout holds {algo.name}. "
+    where = " or ".join(f"-o format={name}" for name in layouts)
     return (
-        f"{sizes} divides {cols}: quantize with {algo.name}:group_size={fits[0]}{where} "
-        f"(--quantize {algo.name}:group_size={fits[0]}, or quantize(model, {algo.name!r}, "
-        f"group_size={fits[0]})). "
+        f"{sizes} divides {cols}: quantize with {spelled} in a layout that records the block "
+        f"({held}; it is the default): --quantize {spelled} {where}, or quantize(model, "
+        f"{algo.name!r}, group_size={best}) then export_model(..., format={layouts[0]!r}). "
     )
+
+
+def _block_layouts(spec: FormatSpec) -> list[str]:
+    """The layouts other than ModelOpt's that hold ``spec`` for every model type (they record
+    the block size)."""
+    return [
+        name
+        for name, layout in CHECKPOINT_LAYOUTS.items()
+        if layout.scheme is not None and not layout.model_types and layout.holds(spec)
+    ]
 
 
 def check_layout(recipe: QuantRecipe, layout: str) -> None:

@@ -30,6 +30,7 @@ from exportlm.export.job import ExportRequest
 __all__ = [
     "SOURCE_OPTIONS",
     "DirectorySource",
+    "checked_skeleton",
     "export_directory",
     "is_model_directory",
     "without_source_options",
@@ -121,6 +122,7 @@ def export_directory(
     check_output_path(out)
     if not options.overwrite and out.is_dir() and any(out.iterdir()):  # before any weight is read
         raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+    skeleton = checked_skeleton(directory, source.recipe, options.format)  # before any read
     files = tokenizer if tokenizer is not None else tokenizer_files(directory)
     options = dataclasses.replace(options, tokenizer_files=files)
     if source.streams(directory):
@@ -131,7 +133,7 @@ def export_directory(
                 "is_qlora: a streamed export writes the directory's modules as they are "
                 "saved; export a model with LoRA adapters in memory (stream=False)"
             )
-        return stream_checkpoint(request, source, options, given_dtype)
+        return stream_checkpoint(request, source, options, given_dtype, skeleton)
     model = _loaded(directory, source, options.format)
     request = dataclasses.replace(request, model=model, accepted=False)
     return export_in_memory(request, options, _recorded(options, given_dtype))
@@ -145,9 +147,34 @@ def _recorded(options: CheckpointOptions, given_dtype: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v != defaults[k]}
 
 
+def checked_skeleton(directory: Path, recipe: Any, format: str) -> Any:
+    """Refuse what :func:`~exportlm.quant.quantize` would refuse on the directory's model
+    (the layout, a module's shape, stacked experts the recipe cannot take), from
+    ``config.json`` alone: its ``meta`` skeleton, before a weight file is opened or a
+    calibration forward runs. Returns the skeleton (the stream reads into it), or ``None``
+    without a recipe or where transformers cannot build it (the load then reports why).
+    """
+    from exportlm.export.hf_checkpoint.stream._source import meta_model
+    from exportlm.hfdir import vet_model_directory
+    from exportlm.quant import QuantRecipe, check_layout, check_recipe
+
+    if recipe is None:
+        return None
+    plan = QuantRecipe.parse(recipe).for_layout(format)
+    check_layout(plan, format)  # a layout that cannot hold it
+    vet_model_directory(directory)  # no code of its own, before transformers reads the config
+    try:
+        skeleton = meta_model(directory)
+    except Exception:  # any failure here is reported by the real load, with its context
+        return None
+    check_recipe(skeleton, plan)
+    return skeleton
+
+
 def _loaded(directory: Path, source: DirectorySource, format: str) -> Any:
     """The directory's model in memory (as saved, eager attention, eval), quantized by
     ``source.recipe`` (as ``exportlm export --model DIR`` loads it)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     from exportlm.hfdir import read_config, vet_model_directory
@@ -161,7 +188,7 @@ def _loaded(directory: Path, source: DirectorySource, format: str) -> Any:
         model = AutoModelForCausalLM.from_pretrained(
             directory, local_files_only=True, trust_remote_code=False, attn_implementation="eager"
         ).eval()
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, SafetensorError) as err:  # a garbage weight file too
         raise InvalidConfigError(
             f"{directory}: transformers cannot load a causal LM from this directory: {err}"
         ) from err

@@ -103,13 +103,19 @@ def _shell_names(source: CheckpointSource) -> tuple[set[str], set[str]]:
 
 
 def stream_checkpoint(
-    request: ExportRequest, how: Any, options: CheckpointOptions, given_dtype: Any
+    request: ExportRequest,
+    how: Any,
+    options: CheckpointOptions,
+    given_dtype: Any,
+    skeleton: nn.Module | None = None,
 ) -> Path:
     """Stream the model directory ``request.model`` into ``request.output_path``.
 
     ``how``: the :class:`~exportlm.export.hf_checkpoint.directory.DirectorySource`
     (recipe, calibration, ``max_memory``, ``calibration_inputs``); ``given_dtype``: the
-    ``dtype`` as given (recorded in the manifest and the resume key as it was given).
+    ``dtype`` as given (recorded in the manifest and the resume key as it was given);
+    ``skeleton``: the directory's ``meta`` model the recipe was already checked on
+    (:func:`~exportlm.export.hf_checkpoint.directory.checked_skeleton`), else built here.
     Raises as :func:`exportlm.stream.export_streaming` documents.
     """
     out = request.output_path  # checked by export_directory before anything is read
@@ -119,7 +125,7 @@ def stream_checkpoint(
     if plan is not None:
         check_layout(plan, options.format)  # a layout that cannot hold it: before any read
     map_large_allocations()  # freed tensors go straight back to the system (see _memory.py)
-    source = CheckpointSource(Path(request.model))
+    source = CheckpointSource(Path(request.model), skeleton)
     check_layout_model(source.model, options.format)  # its model type, before a weight is read
     baseline = resident_bytes()  # before any weight: interpreter, torch, the meta model
     check_streamable(source.model, plan, source.reads_names, source.layout.layers)

@@ -33,7 +33,7 @@ from exportlm.export.hf_checkpoint.sink import SAFETENSORS_DTYPES
 from exportlm.export.hf_checkpoint.stream._names import CheckpointNames
 from exportlm.hfdir import CONFIG_NAME, tokenizer_files, vet_model_directory
 
-__all__ = ["CheckpointSource", "DecoderLayout"]
+__all__ = ["CheckpointSource", "DecoderLayout", "meta_model"]
 
 _INDEX = "model.safetensors.index.json"
 #: safetensors dtype tag -> torch dtype (the writer's table, inverted).
@@ -65,11 +65,12 @@ class CheckpointSource:
             front and written into the checkpoint with its configs.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, model: nn.Module | None = None) -> None:
         self.directory = Path(directory)
         vet_model_directory(self.directory)
         self.tokenizer_files = tokenizer_files(self.directory)
-        self.model: Any = _meta_model(self.directory)
+        # ``model``: this directory's meta_model, already built (and checked against a recipe)
+        self.model: Any = meta_model(self.directory) if model is None else model
         self.layout = _decoder_layout(self.model)
         self.shard_of = _shard_map(self.directory)
         self._names = CheckpointNames(self.model)
@@ -242,7 +243,13 @@ class CheckpointSource:
         }
 
 
-def _meta_model(directory: Path) -> Any:
+def meta_model(directory: Path) -> Any:
+    """The directory's causal LM on the ``meta`` device, from its ``config.json`` alone (no
+    weight read), in eval mode with its generation config.
+
+    Raises:
+        InvalidConfigError: a ``config.json`` transformers cannot read.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -306,10 +313,15 @@ def _shard_map(directory: Path) -> dict[str, str]:
         raise MalformedCheckpointError(
             f"{directory}: neither {_INDEX} nor {_SINGLE}; streaming reads safetensors only"
         )
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(single), framework="pt", device="cpu") as handle:
-        return dict.fromkeys(handle.keys(), _SINGLE)
+    try:
+        with safe_open(str(single), framework="pt", device="cpu") as handle:
+            return dict.fromkeys(handle.keys(), _SINGLE)
+    except (SafetensorError, OSError) as err:  # a garbage file: never safetensors' own error
+        raise MalformedCheckpointError(
+            f"{single}: not a readable safetensors file ({err})"
+        ) from err
 
 
 def _rebuild_unsaved_buffers(module: nn.Module, config: Any, recurse: bool) -> None:
