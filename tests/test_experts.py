@@ -348,8 +348,8 @@ def test_awq_experts_are_fake_quantized_one_expert_at_a_time_in_any_layout(
 ) -> None:
     # GPT-OSS stores its experts transposed: its forward once divided the whole stack by
     # the AWQ scales and fake-quantized it (two stack-sized copies beside a streamed layer)
-    # because the quotient's layout was not checked. (Llama4's and DBRX's own forwards take
-    # the whole stack: a batched matmul, and DBRX's split of each expert's rows.)
+    # because the quotient's layout was not checked. (Llama4's and DBRX's own forwards:
+    # tests/test_stacked_expert_forms_memory.py.)
     model = quantize(tiny_hf_model(family, num_hidden_layers=1).to(torch.bfloat16), "int4_awq")
     _, experts = _experts(model)
     assert isinstance(experts, QuantExperts)

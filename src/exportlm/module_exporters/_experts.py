@@ -57,12 +57,9 @@ class DbrxExpertsExporter(ModuleExporter):
         for projection, tensors in _DBRX_TENSORS.items():
             codes, scales = self._quantize(name, module, projection, ctx)
             input_q = module.input_quantizer_of(projection)
-            parts = codes.split(module.ffn_hidden_size, dim=1) if len(tensors) > 1 else (codes,)
-            for tensor, part in zip(tensors, parts, strict=True):
+            for tensor in tensors:
                 prefix = f"{name}.mlp.{tensor}"
-                if projection == "down_proj":  # canonical [E, H, I] back to DBRX's [E, I, H]
-                    part = part.transpose(1, 2)
-                ctx.emit(prefix, part.contiguous().reshape(-1, module.hidden_size))
+                ctx.emit(prefix, codes[tensor])
                 ctx.emit_scale(f"{prefix}_weight_scale", scales)
                 if input_q.enabled:
                     scale = input_q.scale_from(ctx.amax_of(input_q))
@@ -74,11 +71,16 @@ class DbrxExpertsExporter(ModuleExporter):
     @staticmethod
     def _quantize(
         name: str, module: QuantDbrxExperts, projection: str, ctx: ExportContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The canonical ``[E, out, in]`` codes of ``projection`` and its ``[E]`` scales."""
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The codes of ``projection`` in DBRX's ``[E * I, H]`` tensors (``w1`` and ``v1``, or
+        ``w2``) and its ``[E]`` scales, each expert's codes written in place as it is quantized:
+        no stack of the experts' codes beside the tensors (what a streamed DBRX layer's export
+        peaked on)."""
         weight_q: TensorQuantizer = module.weight_quantizer_of(projection)
         amax = ctx.amax_of(weight_q)
-        codes, scales = [], []
+        rows, tensors = module.ffn_hidden_size, _DBRX_TENSORS[projection]
+        codes: dict[str, torch.Tensor] = {}
+        scales = []
         for expert in range(module.num_experts):  # one expert's AWQ-divided weight alive
             weight = module.effective_expert(projection, expert)
             q = weight_q.quantize(weight, index=expert, amax=amax)
@@ -88,9 +90,14 @@ class DbrxExpertsExporter(ModuleExporter):
                     f"the {q.format} weights have scales of shape {tuple(q.scale.shape)}; "
                     "quantize DBRX experts with 'fp8'"
                 )
-            codes.append(q.data)
+            # gate rows then up rows; down's canonical [H, I] back to DBRX's [I, H] rows
+            parts = q.data.split(rows) if len(tensors) > 1 else (q.data.T,)
+            for tensor, part in zip(tensors, parts, strict=True):
+                if tensor not in codes:
+                    codes[tensor] = part.new_empty((module.num_experts * rows, part.shape[1]))
+                codes[tensor][expert * rows : (expert + 1) * rows] = part
             scales.append(q.scale.reshape(()))
-        return torch.stack(codes), torch.stack(scales)
+        return codes, torch.stack(scales)
 
 
 def export_native_experts(name: str, module: QuantExperts, ctx: ExportContext) -> None:

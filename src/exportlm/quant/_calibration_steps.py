@@ -104,17 +104,16 @@ def init_weight_amax(model: nn.Module) -> None:
 
 
 def _init_experts_amax(module: QuantExperts, proj: str) -> None:
-    """The weight amax of ``proj``'s experts; under AWQ each expert divided by its scale one
-    at a time (``collect(effective_weight(proj))``'s values without the stack's quotient: what
-    a streamed MoE layer's calibration peaked on, docs/streaming.md)."""
+    """The weight amax of ``proj``'s experts, each expert's effective weight one at a time
+    (``collect(effective_weight(proj))``'s values without the stack's copy: the AWQ quotient,
+    DBRX's ``[w1; v1]``; what a streamed MoE layer's calibration peaked on, docs/streaming.md)."""
     quantizer = module.weight_quantizer_of(proj)
     if not quantizer.enabled:
         return
     quantizer.reset_amax()
-    weight = module.canonical_weight(proj)
-    awq = module.input_quantizer_of(proj).pre_quant_scale is not None
-    if awq and by_expert(weight, quantizer.axis) and not quantizer.track_channels:
+    stack = torch.empty((module.num_experts, 1, 1), device="meta")  # the stack's shape alone
+    if by_expert(stack, quantizer.axis) and not quantizer.track_channels:
         divided = functools.partial(module.effective_expert, proj)
-        quantizer.amax = experts_abs_max(divided, weight.shape[0], quantizer.axis)
+        quantizer.amax = experts_abs_max(divided, module.num_experts, quantizer.axis)
     else:
         quantizer.collect(module.effective_weight(proj))

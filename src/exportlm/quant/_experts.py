@@ -24,6 +24,7 @@ silently in full precision.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -85,15 +86,27 @@ class QuantLlama4Experts(QuantBMMExperts):
         return [(expert, x[expert]) for expert in range(self.num_experts)]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """Llama4's batched experts with fake-quantized weights and inputs."""
-        gate_up = self.gate_up_proj_weight_quantizer(self.effective_weight("gate_up_proj"))
-        down = self.down_proj_weight_quantizer(self.effective_weight("down_proj"))
+        """Llama4's batched experts with fake-quantized weights and inputs, each expert's
+        weight fake-quantized alone (:meth:`expert_weights`), not the whole stack."""
         x = hidden_states.view(self.num_experts, -1, self.hidden_size)
         x = self._per_expert("gate_up_proj", self.gate_up_proj_input_quantizer(x))
-        h = self._apply_gate(torch.bmm(x, gate_up.transpose(-1, -2)))
+        h = self._apply_gate(_batched(x, self.expert_weights("gate_up_proj")))
         h = self.down_proj_input_quantizer(self._per_expert("down_proj", h))
-        out = torch.bmm(h, down.transpose(-1, -2))
+        out = _batched(h, self.expert_weights("down_proj"))
         return out.view(-1, self.hidden_size)
+
+
+def _batched(x: torch.Tensor, weights: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """``torch.bmm(x, W.transpose(-1, -2))`` for ``x [E, T, in]`` and the stack ``W`` whose
+    expert ``e`` is ``weights(e) [out, in]``, with one expert's weight alive at a time: a
+    batch-of-one ``bmm`` per expert (the bits of the whole ``bmm`` on the CPUs measured,
+    within float rounding anywhere)."""
+    first = torch.bmm(x[:1], weights(0).T[None])
+    out = first.new_empty((x.shape[0], *first.shape[1:]))
+    out[:1] = first
+    for expert in range(1, x.shape[0]):
+        out[expert : expert + 1] = torch.bmm(x[expert : expert + 1], weights(expert).T[None])
+    return out
 
 
 class QuantDbrxExperts(QuantExperts):
@@ -166,24 +179,59 @@ class QuantDbrxExperts(QuantExperts):
         """DBRX experts have no biases."""
         return None
 
+    def effective_expert(self, projection: str, expert: int) -> torch.Tensor:
+        """``effective_weight(projection)[expert]`` built from that expert's rows alone:
+        ``gate_up_proj``'s canonical stack is a copy (``[w1; v1]`` per expert), which
+        :meth:`QuantExperts.effective_expert` would make whole for each expert."""
+        if projection != "gate_up_proj":
+            return super().effective_expert(projection, expert)
+        weight = torch.cat((self._split("w1")[expert], self._split("v1")[expert]))
+        pqs = self.input_quantizer_of(projection).pre_quant_scale
+        scale = None if pqs is None else pqs[expert] if pqs.dim() == 2 else pqs
+        return weight if scale is None else weight / scale.to(weight.dtype)
+
+    def expert_weights(self, projection: str) -> Callable[[int], torch.Tensor]:
+        """:meth:`QuantExperts.expert_weights` without ``gate_up_proj``'s stack-sized copy:
+        each expert's own weight where the quantizer is the identity (calibration pauses it),
+        each fake-quantized alone where it quantizes experts alone (measured against a
+        zero-byte stand-in of the stack's shape), else the whole stack as there."""
+        quantizer = self.weight_quantizer_of(projection)
+        own = functools.partial(self.effective_expert, projection)
+        if self.input_quantizer_of(projection).pre_quant_scale is not None:
+            return super().expert_weights(projection)
+        if quantizer.pre_quant_scale is None and not (quantizer.enabled or quantizer.calibrating):
+            return own
+        stack = self._stack_like(projection)
+        if quantizer.quantizes_experts_alone(stack):
+            return lambda expert: quantizer.fake_quant_expert(stack, expert, own(expert))
+        return super().expert_weights(projection)
+
+    def _stack_like(self, projection: str) -> torch.Tensor:
+        """The canonical stack of ``projection`` (a view) or, for ``gate_up_proj`` (a copy),
+        a zero-byte stand-in of its shape and dtype that a quantizer's result of it is laid
+        out like (contiguous: ``empty_like`` of an expanded tensor)."""
+        if projection != "gate_up_proj":
+            return self.canonical_weight(projection)
+        w1 = self._split("w1")
+        return w1.new_empty(()).expand(w1.shape[0], 2 * w1.shape[1], w1.shape[2])
+
     def forward(  # type: ignore[override]
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """DBRX's expert loop with fake-quantized weights and inputs (same ops, same order)."""
         batch_size = hidden_states.shape[0]
         x = self.gate_up_proj_input_quantizer(hidden_states.reshape(-1, self.hidden_size))
-        gate_up = self.gate_up_proj_weight_quantizer(self.effective_weight("gate_up_proj"))
-        down = self.down_proj_weight_quantizer(self.effective_weight("down_proj"))
+        gate_up, down = self.expert_weights("gate_up_proj"), self.expert_weights("down_proj")
         activation: Any = self.mlp.get_submodule("activation_fn")
         out = torch.zeros_like(x)
         for expert in range(self.num_experts):
             slot, token_idx = torch.where(top_k_index.transpose(0, 1) == expert)
             if token_idx.numel() == 0:
                 continue
-            w1, v1 = gate_up[expert].split(self.ffn_hidden_size, dim=0)
+            w1, v1 = gate_up(expert).split(self.ffn_hidden_size, dim=0)
             tokens = x[token_idx]
             inner = activation(tokens.matmul(w1.T)) * tokens.matmul(v1.T)
-            states = self.down_proj_input_quantizer(inner).matmul(down[expert].T)
+            states = self.down_proj_input_quantizer(inner).matmul(down(expert).T)
             out.index_add_(0, token_idx, states * top_k_weights[token_idx, slot, None])
         return out.view(batch_size, -1, self.hidden_size)
 
