@@ -21,18 +21,8 @@ import pytest
 
 from exportlm.inspection import RULES, Severity, inspect_checkpoint
 from exportlm.models import tiny_hf_model
-from tests.test_mxfp4_native import LAYERS, MANIFEST, _export
+from tests.test_mxfp4_native import LAYERS, MANIFEST, OPENAI, _export
 
-#: openai/gpt-oss-20b's ``quantization_config`` as published (wildcard module names).
-OPENAI = {
-    "modules_to_not_convert": [
-        "model.layers.*.self_attn",
-        "model.layers.*.mlp.router",
-        "model.embed_tokens",
-        "lm_head",
-    ],
-    "quant_method": "mxfp4",
-}
 RULE_IDS = (
     "mxfp4-blocks-outside-experts",
     "mxfp4-float-experts",

@@ -40,6 +40,17 @@ GO = "gpt-oss-mxfp4"
 LOGITS_ATOL = 1e-4
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = "exportlm-manifest.json"
+
+#: openai/gpt-oss-20b's ``quantization_config`` as published (wildcard module names).
+OPENAI = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
 LAYERS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
 
 
@@ -223,15 +234,7 @@ def test_a_checkpoint_with_openais_config_reads_the_same(tmp_path: Path) -> None
     transformers = pytest.importorskip("transformers")
     out = _export(tmp_path)
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {
-        "modules_to_not_convert": [
-            "model.layers.*.self_attn",
-            "model.layers.*.mlp.router",
-            "model.embed_tokens",
-            "lm_head",
-        ],
-        "quant_method": "mxfp4",
-    }
+    config["quantization_config"] = OPENAI
     (out / "config.json").write_text(json.dumps(config))
     (out / MANIFEST).unlink()
     want = _logits(_quantized())
