@@ -1,9 +1,11 @@
 """What the format tests share: fixed token ids, a model's logits, its quantized linears, a
-checkpoint's tensors and its compressed-tensors group."""
+checkpoint's tensors (read, edited in place) and its compressed-tensors group, and a load of a
+checkpoint without a manifest."""
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import exportlm
 from exportlm.quant import QuantLinear
 
 #: Two rows of 12 token ids below 256 (every toy family's vocabulary), seeded.
@@ -78,3 +81,23 @@ def assert_pack_quantized_as_compressed_tensors(
             assert torch.equal(
                 mine.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)
             )
+
+
+def edit_checkpoint_tensors(out: Path, edits: dict[str, Any]) -> None:
+    """Replace each named tensor of ``out``'s one shard by ``edit(tensor)`` and drop its
+    manifest (the edit would break it): a checkpoint another writer could have written."""
+    from safetensors.torch import load_file, save_file
+
+    shard = next(out.glob("*.safetensors"))
+    tensors = load_file(shard)
+    for name, edit in edits.items():
+        tensors[name] = edit(tensors[name])
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (out / "exportlm-manifest.json").unlink(missing_ok=True)
+
+
+def load_unverified(out: Path) -> Any:
+    """``load_exported`` of a checkpoint with no manifest, its unverified warning silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no manifest: unverified
+        return exportlm.load_exported("hf_checkpoint", out)

@@ -28,7 +28,7 @@ from exportlm.errors import MalformedCheckpointError, UnsupportedFormatError
 from exportlm.inspection import inspect_checkpoint
 from exportlm.models import tiny_hf_model
 from exportlm.quant import QuantRecipe, check_layout, quantize
-from tests._fake_quant import IDS
+from tests._fake_quant import IDS, edit_checkpoint_tensors, load_unverified
 from tests._fake_quant import logits as _logits
 from tests._fake_quant import quant_linears as _linears
 from tests._vllm import vllm_python as _vllm_python
@@ -157,7 +157,7 @@ def test_inspect_reads_the_layout_and_finds_a_wrong_tile_scale(tmp_path: Path) -
     assert report.errors == []
     assert (report.summary["layout"], report.summary["quantized_layers"]) == (FG, {"fp8_block": 14})
     name = "model.layers.0.self_attn.q_proj.weight_scale_inv"
-    _edit_tensors(out, {name: lambda t: torch.cat([t, t])})
+    edit_checkpoint_tensors(out, {name: lambda t: torch.cat([t, t])})
     found = [f for f in inspect_checkpoint(out).errors if f.subject == name]
     assert [f.rule for f in found] == ["block-scale-shape"]
     assert found[0].details["expected"] == [1, 1]
@@ -201,17 +201,6 @@ def test_the_cli_refuses_another_recipe_with_exit_2(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- reading others'
 
 
-def _edit_tensors(out: Path, edits: dict[str, Any]) -> None:
-    from safetensors.torch import load_file, save_file
-
-    shard = next(out.glob("*.safetensors"))
-    tensors = load_file(shard)
-    for name, edit in edits.items():
-        tensors[name] = edit(tensors[name])
-    save_file(tensors, shard, metadata={"format": "pt"})
-    (out / MANIFEST).unlink(missing_ok=True)
-
-
 def _deepseek_style(tmp_path: Path, block: int = 128) -> Path:
     """A checkpoint as DeepSeek-V3 ships one, written without exportlm: transformers' own
     quantizer's math (``scale = 448 / amax`` multiplied, ``weight_scale_inv = 1 / scale``),
@@ -247,16 +236,10 @@ def _deepseek_style(tmp_path: Path, block: int = 128) -> Path:
     return out
 
 
-def _load_unverified(out: Path) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no manifest: unverified
-        return exportlm.load_exported("hf_checkpoint", out)
-
-
 def test_a_deepseek_style_checkpoint_written_elsewhere_loads(tmp_path: Path) -> None:
     """32 output rows per tile edge: the toy's k_proj / v_proj (64 rows) fit tiles of 32 exactly."""
     out = _deepseek_style(tmp_path, block=32)
-    got = _logits(_load_unverified(out))
+    got = _logits(load_unverified(out))
     want = _logits(_quantized("fp8_block:group_size=32"))
     # another quantizer's rounding (it multiplies by 448 / amax where we divide by amax / 448)
     # moved 1 code of the toy by one step: measured 1.7e-5, bound 1e-3
@@ -300,7 +283,7 @@ def test_garbage_and_inconsistent_configs_are_refused(
     (out / "config.json").write_text(json.dumps(config))
     (out / MANIFEST).unlink()
     with pytest.raises(error, match=match) as info:
-        _load_unverified(out)
+        load_unverified(out)
     assert type(info.value) is error  # not a subclass: the specific refusal
     if error is MalformedCheckpointError and "weight_scale_inv" not in match:
         rules = {f.rule for f in inspect_checkpoint(out).errors}
@@ -310,9 +293,9 @@ def test_garbage_and_inconsistent_configs_are_refused(
 def test_a_scale_of_the_wrong_shape_is_refused_naming_it(tmp_path: Path) -> None:
     out = _export(tmp_path, "fp8_block:group_size=32")
     name = "model.layers.1.mlp.up_proj.weight_scale_inv"
-    _edit_tensors(out, {name: lambda t: t.reshape(-1, t.shape[0])})  # [8, 4] -> [4, 8]
+    edit_checkpoint_tensors(out, {name: lambda t: t.reshape(-1, t.shape[0])})  # [8, 4] -> [4, 8]
     with pytest.raises(MalformedCheckpointError, match=rf"{name} has shape \[4, 8\].*\[8, 4\]"):
-        _load_unverified(out)
+        load_unverified(out)
 
 
 # ----------------------------------------------------------------------------- the loaders

@@ -32,7 +32,8 @@ from exportlm.errors import MalformedCheckpointError, UnsupportedFormatError
 from exportlm.inspection import inspect_checkpoint
 from exportlm.models import tiny_hf_model
 from exportlm.quant import QuantRecipe, check_layout, quantize
-from tests.test_fp8_block_native import _edit_tensors, _logits, _vllm_python, _weight_only_logits
+from tests._fake_quant import edit_checkpoint_tensors, load_unverified
+from tests.test_fp8_block_native import _logits, _vllm_python, _weight_only_logits
 from tests.test_interop import _assert_same_tensor, _tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,12 +83,6 @@ def _configs(out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     config.pop("producer")
     return hf_quant, config
-
-
-def _load_unverified(out: Path) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # another tool's checkpoint: no manifest
-        return exportlm.load_exported("hf_checkpoint", out)
 
 
 # ----------------------------------------------------------------------------- ModelOpt's export
@@ -208,7 +203,7 @@ def test_our_loader_reads_modelopts_export(block: int, tmp_path: Path) -> None:
     """ModelOpt writes any block without recording it: the loader takes it from the scales'
     shape (``in / ib``) and runs the inputs per group of that block, as ``fp8_block`` does."""
     ref = _modelopt_export(_model(**WIDE), tmp_path / "modelopt", block)
-    got = _logits(_load_unverified(ref))
+    got = _logits(load_unverified(ref))
     want = _quantized(f"fp8_block:group_size={block}", "llama", wide=True)
     torch.testing.assert_close(got, _logits(want), rtol=0, atol=LOGITS_ATOL)
 
@@ -316,9 +311,9 @@ def test_inspect_reads_the_layout_and_finds_a_wrong_tile_scale(tmp_path: Path) -
     assert report.errors == []
     assert report.summary["quantized_layers"] == {"fp8_block": 14}
     name = "model.layers.0.mlp.down_proj.weight_scale"  # [256, 512] in tiles of 128: [2, 1, 4, 1]
-    _edit_tensors(out, {name: lambda t: t.reshape(2, 4)})  # the 2-D form vLLM takes too
+    edit_checkpoint_tensors(out, {name: lambda t: t.reshape(2, 4)})  # the 2-D form vLLM takes too
     assert inspect_checkpoint(out).errors == []
-    _edit_tensors(out, {name: lambda t: t.reshape(1, 1, 8, 1)})
+    edit_checkpoint_tensors(out, {name: lambda t: t.reshape(1, 1, 8, 1)})
     found = [f for f in inspect_checkpoint(out).errors if f.subject == name]
     assert [f.rule for f in found] == ["block-scale-shape"]
     assert found[0].details["expected"] == [2, 1, 4, 1]
@@ -329,15 +324,17 @@ def test_a_hand_written_tile_of_64_is_a_vllm_warning_and_loads_here(tmp_path: Pa
     scale repeated): exportlm's loader reads it, inspect warns for vLLM and reports no error."""
     out = exportlm.export_model("hf_checkpoint", _quantized("fp8_block", wide=True), tmp_path / "o")
     name = "model.layers.0.mlp.down_proj.weight_scale"  # [256, 512]: [2, 1, 4, 1] in 128s
-    _edit_tensors(out, {name: lambda t: _retile(t, 2)})
+    edit_checkpoint_tensors(out, {name: lambda t: _retile(t, 2)})
     report = inspect_checkpoint(out)
     assert report.errors == []
     found = [f for f in report.findings if f.rule == "fp8-pb-wo-tile-size"]
     assert [(f.subject, f.details["tile"], f.details["layers"]) for f in found] == [(name, 64, 1)]
     assert "[4, 1, 8, 1] over the weight [256, 512]" in found[0].message
     assert "-o format=compressed-tensors or -o format=finegrained-fp8" in found[0].message
-    _load_unverified(out)  # exportlm's loader reads the tile from the scale's shape
-    _edit_tensors(out, {name: lambda t: t[:3].contiguous()})  # no tile grid at all: an error
+    load_unverified(out)  # exportlm's loader reads the tile from the scale's shape
+    edit_checkpoint_tensors(
+        out, {name: lambda t: t[:3].contiguous()}
+    )  # no tile grid at all: an error
     errors = [f for f in inspect_checkpoint(out).errors if f.subject == name]
     assert [(f.rule, f.details["expected"]) for f in errors] == [
         ("block-scale-shape", [2, 1, 4, 1])
@@ -347,10 +344,10 @@ def test_a_hand_written_tile_of_64_is_a_vllm_warning_and_loads_here(tmp_path: Pa
 def test_a_scale_of_the_wrong_shape_is_refused_by_the_loader(tmp_path: Path) -> None:
     out = exportlm.export_model("hf_checkpoint", _quantized("fp8_block", wide=True), tmp_path / "o")
     name = "model.layers.1.mlp.up_proj.weight_scale"  # [4, 1, 2, 1]
-    _edit_tensors(out, {name: lambda t: t.reshape(2, 1, 4, 1)})
+    edit_checkpoint_tensors(out, {name: lambda t: t.reshape(2, 1, 4, 1)})
     match = r"up_proj\.weight: weight_scale has shape \[2, 1, 4, 1\].*\[4, 1, 2, 1\] for vLLM"
     with pytest.raises(MalformedCheckpointError, match=match):
-        _load_unverified(out)
+        load_unverified(out)
 
 
 def test_an_upper_case_quant_algo_reads_as_vllm_reads_it(tmp_path: Path) -> None:
@@ -362,7 +359,7 @@ def test_an_upper_case_quant_algo_reads_as_vllm_reads_it(tmp_path: Path) -> None
     path.write_text(json.dumps(config))
     (out / MANIFEST).unlink()
     torch.testing.assert_close(
-        _logits(_load_unverified(out)), _logits(_quantized()), rtol=0, atol=LOGITS_ATOL
+        _logits(load_unverified(out)), _logits(_quantized()), rtol=0, atol=LOGITS_ATOL
     )
 
 

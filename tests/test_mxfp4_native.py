@@ -30,6 +30,7 @@ from exportlm.errors import MalformedCheckpointError, UnsupportedFormatError
 from exportlm.inspection import inspect_checkpoint
 from exportlm.models import tiny_hf_model
 from exportlm.quant import QuantRecipe, check_layout, quantize
+from tests._fake_quant import edit_checkpoint_tensors, load_unverified
 from tests._fake_quant import logits as _logits
 from tests._vllm import vllm_python as _vllm_python
 from tests.test_interop import _tensors
@@ -71,23 +72,6 @@ def _export(tmp_path: Path, format: str = GO) -> Path:
 def _config(out: Path) -> dict[str, Any]:
     config: dict[str, Any] = json.loads((out / "config.json").read_text())["quantization_config"]
     return config
-
-
-def _load_unverified(out: Path) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no manifest: unverified
-        return exportlm.load_exported("hf_checkpoint", out)
-
-
-def _edit_tensors(out: Path, edits: dict[str, Any]) -> None:
-    from safetensors.torch import load_file, save_file
-
-    shard = next(out.glob("*.safetensors"))
-    tensors = load_file(shard)
-    for name, edit in edits.items():
-        tensors[name] = edit(tensors[name])
-    save_file(tensors, shard, metadata={"format": "pt"})
-    (out / MANIFEST).unlink(missing_ok=True)
 
 
 def _fake_quant_experts(model: nn.Module, layer: str, projection: str) -> torch.Tensor:
@@ -222,7 +206,7 @@ def test_inspect_reads_the_layout_and_finds_a_wrong_scale_shape(tmp_path: Path) 
     assert report.errors == []
     assert (report.summary["layout"], report.summary["quantized_layers"]) == (GO, {"mxfp4": 4})
     name = f"{LAYERS[0]}.down_proj_scales"
-    _edit_tensors(out, {name: lambda t: t[:, :, :2].contiguous()})
+    edit_checkpoint_tensors(out, {name: lambda t: t[:, :, :2].contiguous()})
     found = [f for f in inspect_checkpoint(out).errors if f.subject == name]
     assert [f.rule for f in found] == ["block-scale-shape"]
     assert found[0].details["expected"] == [4, 128, 4]
@@ -238,7 +222,7 @@ def test_a_checkpoint_with_openais_config_reads_the_same(tmp_path: Path) -> None
     (out / "config.json").write_text(json.dumps(config))
     (out / MANIFEST).unlink()
     want = _logits(_quantized())
-    torch.testing.assert_close(_logits(_load_unverified(out)), want, rtol=0, atol=LOGITS_ATOL)
+    torch.testing.assert_close(_logits(load_unverified(out)), want, rtol=0, atol=LOGITS_ATOL)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = transformers.AutoModelForCausalLM.from_pretrained(out)
@@ -323,14 +307,14 @@ def test_the_cli_refuses_another_model_with_exit_2(tmp_path: Path) -> None:
 def test_a_nan_scale_and_misshapen_blocks_are_refused_naming_them(tmp_path: Path) -> None:
     out = _export(tmp_path)
     name = f"{LAYERS[0]}.gate_up_proj_scales"
-    _edit_tensors(out, {name: lambda t: torch.full_like(t, 255)})
+    edit_checkpoint_tensors(out, {name: lambda t: torch.full_like(t, 255)})
     with pytest.raises(MalformedCheckpointError, match=rf"{name} holds .* E8M0 NaN"):
-        _load_unverified(out)
+        load_unverified(out)
     out = _export(tmp_path / "again")
     name = f"{LAYERS[1]}.down_proj_blocks"
-    _edit_tensors(out, {name: lambda t: t[:, :, :3].contiguous()})
+    edit_checkpoint_tensors(out, {name: lambda t: t[:, :, :3].contiguous()})
     with pytest.raises(MalformedCheckpointError, match=rf"{name} has shape \[4, 128, 3, 16\]"):
-        _load_unverified(out)
+        load_unverified(out)
 
 
 def test_blocks_under_a_module_that_is_no_experts_are_refused(tmp_path: Path) -> None:
@@ -348,7 +332,7 @@ def test_blocks_under_a_module_that_is_no_experts_are_refused(tmp_path: Path) ->
         )
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(MalformedCheckpointError, match="not a stacked experts module"):
-        _load_unverified(out)
+        load_unverified(out)
 
 
 # ----------------------------------------------------------------------------- the engines
