@@ -15,14 +15,12 @@ format, calibration algorithm and options) in :data:`RECIPE_REGISTRY`;
 
 from exportlm.quant._awq import awq_margin
 from exportlm.quant._awq_search import PORTABLE_MARGIN
+from exportlm.quant._expert_modules import QuantBMMExperts, QuantExperts, QuantFusedExperts
 from exportlm.quant._experts import experts_base, is_fused_experts
 from exportlm.quant._formats import dequantize, quantize_tensor
 from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
-    QuantBMMExperts,
     QuantEmbedding,
-    QuantExperts,
-    QuantFusedExperts,
     QuantLinear,
     QuantModule,
     QuantMoELinear,

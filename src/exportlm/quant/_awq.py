@@ -55,7 +55,8 @@ from exportlm.quant._awq_search import (
 )
 from exportlm.quant._calibrate import run_transparent_forwards
 from exportlm.quant._distributed import reduce_searches
-from exportlm.quant._modules import QuantExperts, QuantLinear
+from exportlm.quant._expert_modules import QuantExperts
+from exportlm.quant._modules import QuantLinear
 from exportlm.quant._quantizer import TensorQuantizer
 
 __all__ = [

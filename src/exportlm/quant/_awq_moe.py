@@ -38,8 +38,9 @@ from torch import nn
 from exportlm.quant._awq_fake import fake_quant_fresh
 from exportlm.quant._awq_search import AWQ_ALPHAS, awq_scale, awq_weight_scale
 from exportlm.quant._calibrate import run_transparent_forwards
+from exportlm.quant._expert_modules import QuantExperts
 from exportlm.quant._fold import NormTrace, can_fold_norm
-from exportlm.quant._modules import QuantExperts, QuantLinear
+from exportlm.quant._modules import QuantLinear
 from exportlm.quant._quantizer import TensorQuantizer
 
 __all__ = ["MoEInput", "smooth_moe_inputs", "trace_moe_inputs"]

@@ -17,11 +17,12 @@ from torch import nn
 from exportlm.quant._awq import apply_awq, collect_expert_statistics, plan_awq, search_awq
 from exportlm.quant._awq_moe import smooth_moe_inputs, trace_moe_inputs
 from exportlm.quant._calibrate import run_calibration
+from exportlm.quant._expert_modules import QuantExperts
 from exportlm.quant._fold import fold_into_norms, trace_norms
 from exportlm.quant._fold_experts import fold_experts, prune_expert_searches
 from exportlm.quant._fold_linear import fold_into_linears, prune_unfoldable, trace_blocks
 from exportlm.quant._gptq_apply import apply_gptq, collect_hessians
-from exportlm.quant._modules import QuantEmbedding, QuantExperts, QuantLinear, QuantModule
+from exportlm.quant._modules import QuantEmbedding, QuantLinear, QuantModule
 from exportlm.quant._quantizer import TensorQuantizer
 from exportlm.quant._smoothquant import apply_smoothquant, plan_smoothquant
 from exportlm.quant._static_inputs import (

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from exportlm.quant._modules import QuantBMMExperts, QuantExperts, QuantFusedExperts
+from exportlm.quant._expert_modules import QuantBMMExperts, QuantExperts, QuantFusedExperts
 
 if TYPE_CHECKING:
     from exportlm.quant._recipe import Algorithm
@@ -179,16 +179,13 @@ class QuantDbrxExperts(QuantExperts):
         """DBRX experts have no biases."""
         return None
 
-    def effective_expert(self, projection: str, expert: int) -> torch.Tensor:
-        """``effective_weight(projection)[expert]`` built from that expert's rows alone:
+    def expert_weight(self, projection: str, expert: int) -> torch.Tensor:
+        """``canonical_weight(projection)[expert]`` built from that expert's rows alone:
         ``gate_up_proj``'s canonical stack is a copy (``[w1; v1]`` per expert), which
-        :meth:`QuantExperts.effective_expert` would make whole for each expert."""
+        :meth:`QuantExperts.expert_weight` would make whole for each expert."""
         if projection != "gate_up_proj":
-            return super().effective_expert(projection, expert)
-        weight = torch.cat((self._split("w1")[expert], self._split("v1")[expert]))
-        pqs = self.input_quantizer_of(projection).pre_quant_scale
-        scale = None if pqs is None else pqs[expert] if pqs.dim() == 2 else pqs
-        return weight if scale is None else weight / scale.to(weight.dtype)
+            return super().expert_weight(projection, expert)
+        return torch.cat((self._split("w1")[expert], self._split("v1")[expert]))
 
     def expert_weights(self, projection: str) -> Callable[[int], torch.Tensor]:
         """:meth:`QuantExperts.expert_weights` without ``gate_up_proj``'s stack-sized copy:

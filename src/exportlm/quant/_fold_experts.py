@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from exportlm.quant._awq import AWQPlan
-from exportlm.quant._modules import QuantExperts
+from exportlm.quant._expert_modules import QuantExperts
 
 __all__ = ["fold_experts", "gate_is_linear_in_up", "prune_expert_searches"]
 

@@ -19,12 +19,12 @@ from exportlm.quant._calibrate import (
 )
 from exportlm.quant._calibration_steps import calibrate_and_smooth, init_weight_amax
 from exportlm.quant._conventions import apply_convention
+from exportlm.quant._expert_modules import QuantExperts
 from exportlm.quant._experts import experts_base, quant_experts_class
 from exportlm.quant._gptq_apply import mark_gptq
 from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
     QuantEmbedding,
-    QuantExperts,
     QuantLinear,
     QuantModule,
     QuantMoELinear,

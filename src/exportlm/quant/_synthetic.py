@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from exportlm.quant._calibrate import default_calibrate as _default_calibrate
-from exportlm.quant._modules import QuantExperts, QuantLinear, QuantModule
+from exportlm.quant._expert_modules import QuantExperts
+from exportlm.quant._modules import QuantLinear, QuantModule
 from exportlm.quant._quantizer import TensorQuantizer
 
 __all__ = ["AMAX_RANGE", "CHANNEL_AMAX_RANGE", "synthetic_calibration"]
