@@ -55,11 +55,12 @@ class DbrxExpertsExporter(ModuleExporter):
                 "quantization."
             )
         for projection, tensors in _DBRX_TENSORS.items():
-            codes, scales = self._quantize(name, module, projection, ctx)
             input_q = module.input_quantizer_of(projection)
             for tensor in tensors:
+                codes, scales = self._quantize(name, module, projection, tensor, ctx)
                 prefix = f"{name}.mlp.{tensor}"
-                ctx.emit(prefix, codes[tensor])
+                ctx.emit(prefix, codes)
+                del codes  # the writer holds it until its shard is written, no longer
                 ctx.emit_scale(f"{prefix}_weight_scale", scales)
                 if input_q.enabled:
                     scale = input_q.scale_from(ctx.amax_of(input_q))
@@ -70,33 +71,44 @@ class DbrxExpertsExporter(ModuleExporter):
 
     @staticmethod
     def _quantize(
-        name: str, module: QuantDbrxExperts, projection: str, ctx: ExportContext
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The codes of ``projection`` in DBRX's ``[E * I, H]`` tensors (``w1`` and ``v1``, or
-        ``w2``) and its ``[E]`` scales, each expert's codes written in place as it is quantized:
-        no stack of the experts' codes beside the tensors (what a streamed DBRX layer's export
-        peaked on)."""
+        name: str, module: QuantDbrxExperts, projection: str, tensor: str, ctx: ExportContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes of DBRX's ``[E * I, H]`` tensor ``tensor`` (``w1``, ``v1`` or ``w2``) and
+        its ``projection``'s ``[E]`` scales, each expert's codes written in place as it is
+        quantized: no stack of the experts' codes beside the tensor.
+
+        One tensor at a time, so that :meth:`export` writes each and lets it go before the
+        next is filled: ``w1`` and ``v1`` each quantize their own half of every expert's
+        ``[w1; v1]`` rows (:meth:`~QuantDbrxExperts.stored_expert`), on the scale the pair
+        shares, which the calibrated amax of the expert gives, not the half's values. (A
+        streamed DBRX layer's export peaked on ``w1`` and ``v1`` held while ``w2`` was filled,
+        each a sixth of the layer.)
+        """
         weight_q: TensorQuantizer = module.weight_quantizer_of(projection)
         amax = ctx.amax_of(weight_q)
-        rows, tensors = module.ffn_hidden_size, _DBRX_TENSORS[projection]
-        codes: dict[str, torch.Tensor] = {}
+        codes: torch.Tensor | None = None
         scales = []
-        for expert in range(module.num_experts):  # one expert's AWQ-divided weight alive
-            weight = module.effective_expert(projection, expert)
+        for expert in range(module.num_experts):  # one expert's AWQ-divided rows alive
+            weight = module.stored_expert(tensor, expert)
             q = weight_q.quantize(weight, index=expert, amax=amax)
-            if q.scale.numel() != 1 or q.scale_2 is not None or q.data.shape != weight.shape:
+            if (
+                not weight_q.spec.calibrated
+                or q.scale.numel() != 1
+                or q.scale_2 is not None
+                or q.data.shape != weight.shape
+            ):
                 raise UnsupportedFormatError(
-                    f"{name}.{projection}: DBRX experts hold one per-tensor scale per expert, but "
-                    f"the {q.format} weights have scales of shape {tuple(q.scale.shape)}; "
-                    "quantize DBRX experts with 'fp8'"
+                    f"{name}.{projection}: DBRX experts hold one per-tensor scale per expert, "
+                    f"from its calibrated amax, but the {q.format} weights have scales of shape "
+                    f"{tuple(q.scale.shape)}; quantize DBRX experts with 'fp8'"
                 )
-            # gate rows then up rows; down's canonical [H, I] back to DBRX's [I, H] rows
-            parts = q.data.split(rows) if len(tensors) > 1 else (q.data.T,)
-            for tensor, part in zip(tensors, parts, strict=True):
-                if tensor not in codes:
-                    codes[tensor] = part.new_empty((module.num_experts * rows, part.shape[1]))
-                codes[tensor][expert * rows : (expert + 1) * rows] = part
+            part = q.data.T if tensor == "w2" else q.data  # down's [H, I] back to DBRX's rows
+            rows = part.shape[0]
+            if codes is None:
+                codes = part.new_empty((module.num_experts * rows, part.shape[1]))
+            codes[expert * rows : (expert + 1) * rows] = part
             scales.append(q.scale.reshape(()))
+        assert codes is not None  # DBRX has experts
         return codes, torch.stack(scales)
 
 

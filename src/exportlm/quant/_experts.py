@@ -187,6 +187,17 @@ class QuantDbrxExperts(QuantExperts):
             return super().expert_weight(projection, expert)
         return torch.cat((self._split("w1")[expert], self._split("v1")[expert]))
 
+    def stored_expert(self, tensor: str, expert: int) -> torch.Tensor:
+        """``expert``'s part of ``mlp.<tensor>`` as its projection's weight quantizer takes it:
+        ``w1`` / ``v1``: its gate / up rows ``[I, H]`` of :meth:`effective_expert`
+        (``gate_up_proj``, AWQ-divided), without the other half; ``w2``: ``down_proj``'s
+        ``[H, I]`` (the transpose of its rows)."""
+        if tensor == "w2":
+            return self.effective_expert("down_proj", expert)
+        if tensor not in ("w1", "v1"):
+            raise KeyError(f"DBRX experts store mlp.w1, mlp.v1 and mlp.w2, not mlp.{tensor}")
+        return self.awq_divided("gate_up_proj", expert, self._split(tensor)[expert])
+
     def expert_weights(self, projection: str) -> Callable[[int], torch.Tensor]:
         """:meth:`QuantExperts.expert_weights` without ``gate_up_proj``'s stack-sized copy:
         each expert's own weight where the quantizer is the identity (calibration pauses it),
