@@ -51,3 +51,23 @@ def test_a_small_max_memory_sizes_the_shards_instead_of_refusing(
         assert main([*args, "--out", str(tmp_path / "out"), "--max-memory", "0.8MB"]) == 0
     assert "max_shard_size 5GB does not fit the budget beside one layer" in caplog.text
     assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1
+
+
+def test_a_streamed_export_builds_the_directorys_meta_model_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the CLI checks the recipe on the directory's meta model and hands it to the stream,
+    # which reads into it; both built their own before
+    import transformers
+
+    built = []
+    from_config = transformers.AutoModelForCausalLM.from_config
+
+    def counted(*args: object, **kwargs: object) -> object:
+        built.append(1)
+        return from_config(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", counted)
+    src = llama_directory(tmp_path, tied=False, layers=1)
+    assert _export(src, tmp_path / "out", "--stream") == 0
+    assert len(built) == 1

@@ -50,6 +50,7 @@ class ExportPlan:
     max_memory: str | None = None
     stream_inputs: str = "quantized"
     quant_recipe: Any = None  # the checked QuantRecipe (--quantize with --exclude)
+    skeleton: Any = None  # a directory's meta model the recipe was checked on (streamed into)
 
 
 @dataclass
@@ -78,8 +79,8 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
     options = parse_target_options(args.target, factory, args.option)
     recipe = checked_recipe(args, options)
     source = resolve_model(args.model)
-    if recipe is not None:
-        check_model_recipe(source, recipe)  # shapes, before loading or reading any data
+    # shapes, before loading or reading any data
+    skeleton = check_model_recipe(source, recipe) if recipe is not None else None
     check_model_layout(args.target, options, source, None)  # a directory's model type
     plan = ExportPlan(
         target=args.target,
@@ -95,6 +96,7 @@ def plan_export(args: argparse.Namespace) -> ExportPlan:
         verify_shapes=tuple(getattr(args, "verify_shape", None) or ()),
         trust=getattr(args, "trust", False),
         quant_recipe=recipe,
+        skeleton=skeleton,
     )
     _check_output(plan, factory)
     from exportlm.cli._stream import wants_streaming
@@ -245,12 +247,16 @@ def _export(plan: ExportPlan, model: Any) -> _Result:
 def _export_streamed(plan: ExportPlan) -> _Result:
     from exportlm.cli._stream import source_options
     from exportlm.export import export_model
+    from exportlm.export.hf_checkpoint.directory import ModelDirectory
 
     before = _snapshot(plan.out.parent)
     start = time.perf_counter()
+    directory: Any = plan.source.path
+    if directory is not None and plan.skeleton is not None:  # checked already: not built again
+        directory = ModelDirectory(directory, plan.skeleton)
     with phase(f"exporting {plan.model_argument} layer by layer to {plan.target}"):
         # the target's streamed source: the model directory, layer by layer (stream=True)
-        path = export_model(plan.target, plan.source.path, plan.out, **source_options(plan))
+        path = export_model(plan.target, directory, plan.out, **source_options(plan))
     seconds = time.perf_counter() - start
     result = _Result(path=path, files=_artifact_files(path, before), seconds=seconds)
     result.calibration = {

@@ -4,8 +4,9 @@ The recipe's names and options, the checkpoint layout it is written in and the s
 of the model's modules are checked before the model is loaded, the calibration data is
 read or a forward runs: a refusal costs the CLI's start-up, not a calibration. The
 shapes come from a skeleton of a model directory on the ``meta`` device (built from its
-``config.json``, no weights read; for dense Llama-style configs first from the config's
-numbers alone, without importing transformers: :mod:`exportlm.cli._config_skeleton`); a
+``config.json``, no weights read, the one a streamed export then reads into; for dense
+Llama-style configs first from the config's numbers alone, without importing
+transformers: :mod:`exportlm.cli._config_skeleton`); a
 toy family or spec file is checked once built, still before calibration. Either refusal
 is a usage error (exit code 2), as a layout that cannot hold the recipe is.
 """
@@ -82,19 +83,25 @@ def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
     return recipe
 
 
-def check_model_recipe(source: ModelSource, recipe: Any) -> None:
+def check_model_recipe(source: ModelSource, recipe: Any) -> Any:
     """Refuse, from a model directory's ``config.json`` alone, a module the recipe cannot take.
 
-    Other sources are checked by :func:`~exportlm.cli._calib.quantize_model` once built.
+    Returns the directory's ``meta`` model the recipe was checked on (a streamed export
+    reads into it: :class:`~exportlm.export.hf_checkpoint.directory.ModelDirectory`), or
+    ``None``: another source (checked by :func:`~exportlm.cli._calib.quantize_model` once
+    built), or a config transformers cannot build (loading reports why).
     """
     if source.kind != "directory" or source.path is None:
-        return
+        return None
+    from exportlm.export.hf_checkpoint.directory import meta_skeleton
+
     fast = _config_skeleton(source.path)
     if fast is not None:  # refuses without importing transformers; a pass is checked again
         check_recipe_on(fast, recipe)
-    skeleton = _skeleton(source.path)
+    skeleton = meta_skeleton(source.path)  # vetted by resolve_model
     if skeleton is not None:
         check_recipe_on(skeleton, recipe)
+    return skeleton
 
 
 def check_recipe_on(model: Any, recipe: Any) -> bool:
@@ -146,19 +153,3 @@ def _config_skeleton(path: Path) -> Any:
     except (OSError, ValueError):  # the full skeleton (then loading) reports it
         return None
     return config_skeleton(config)
-
-
-def _skeleton(path: Path) -> Any:
-    """The directory's causal LM on the ``meta`` device, or ``None`` where it cannot be built
-    (loading then reports why, as it does without this check)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-    except Exception:  # any failure here is reported by the real load, with its context
-        return None
-    model.tie_weights()
-    return model

@@ -30,9 +30,11 @@ from exportlm.export.job import ExportRequest
 __all__ = [
     "SOURCE_OPTIONS",
     "DirectorySource",
+    "ModelDirectory",
     "checked_skeleton",
     "export_directory",
     "is_model_directory",
+    "meta_skeleton",
     "without_source_options",
 ]
 
@@ -45,6 +47,21 @@ _INPUTS = ("quantized", "float")
 def is_model_directory(model: Any) -> bool:
     """Whether ``model`` names a directory (a path, not a model object)."""
     return isinstance(model, (str, os.PathLike)) and Path(model).is_dir()
+
+
+@dataclass(frozen=True)
+class ModelDirectory:
+    """A model directory with its ``meta`` model already built (:func:`meta_skeleton`), for
+    ``export_model("hf_checkpoint", ModelDirectory(...), ...)`` where a path goes: a caller
+    that checked a recipe on the skeleton (``exportlm export``) hands it on, and the export
+    checks it again without building a second one. An ``os.PathLike`` of the directory.
+    """
+
+    path: Path
+    skeleton: Any
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
 
 
 def without_source_options(request: ExportRequest) -> ExportRequest:
@@ -122,7 +139,8 @@ def export_directory(
     check_output_path(out)
     if not options.overwrite and out.is_dir() and any(out.iterdir()):  # before any weight is read
         raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
-    skeleton = checked_skeleton(directory, source.recipe, options.format)  # before any read
+    built = request.model.skeleton if isinstance(request.model, ModelDirectory) else None
+    skeleton = checked_skeleton(directory, source.recipe, options.format, built)  # before reads
     files = tokenizer if tokenizer is not None else tokenizer_files(directory)
     options = dataclasses.replace(options, tokenizer_files=files)
     if source.streams(directory):
@@ -147,28 +165,40 @@ def _recorded(options: CheckpointOptions, given_dtype: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v != defaults[k]}
 
 
-def checked_skeleton(directory: Path, recipe: Any, format: str) -> Any:
+def checked_skeleton(directory: Path, recipe: Any, format: str, skeleton: Any = None) -> Any:
     """Refuse what :func:`~exportlm.quant.quantize` would refuse on the directory's model
     (the layout, a module's shape, stacked experts the recipe cannot take), from
-    ``config.json`` alone: its ``meta`` skeleton, before a weight file is opened or a
-    calibration forward runs. Returns the skeleton (the stream reads into it), or ``None``
-    without a recipe or where transformers cannot build it (the load then reports why).
+    ``config.json`` alone: its ``meta`` skeleton (``skeleton`` where the caller built it,
+    else :func:`meta_skeleton`), before a weight file is opened or a calibration forward
+    runs. Returns the skeleton (the stream reads into it): ``skeleton`` without a recipe,
+    ``None`` where transformers cannot build it (the load then reports why).
     """
-    from exportlm.export.hf_checkpoint.stream._source import meta_model
     from exportlm.hfdir import vet_model_directory
     from exportlm.quant import QuantRecipe, check_layout, check_recipe
 
     if recipe is None:
-        return None
+        return skeleton
     plan = QuantRecipe.parse(recipe).for_layout(format)
     check_layout(plan, format)  # a layout that cannot hold it
     vet_model_directory(directory)  # no code of its own, before transformers reads the config
-    try:
-        skeleton = meta_model(directory)
-    except Exception:  # any failure here is reported by the real load, with its context
+    if skeleton is None:
+        skeleton = meta_skeleton(directory)
+    if skeleton is None:
         return None
     check_recipe(skeleton, plan)
     return skeleton
+
+
+def meta_skeleton(directory: Path) -> Any:
+    """The directory's causal LM on the ``meta`` device, from ``config.json`` alone
+    (:func:`~.stream._source.meta_model`), or ``None`` where it cannot be built (loading
+    then reports why, with its context). The directory is vetted by the caller."""
+    from exportlm.export.hf_checkpoint.stream._source import meta_model
+
+    try:
+        return meta_model(directory)
+    except Exception:  # any failure here is reported by the real load, with its context
+        return None
 
 
 def _loaded(directory: Path, source: DirectorySource, format: str) -> Any:
