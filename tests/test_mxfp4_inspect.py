@@ -181,6 +181,7 @@ def _rename(out: Path, names: dict[str, str]) -> None:
         ("lm_head", "expected a list of module names"),
         (["lm_head", 3], "expected a list of module names"),
         (["model.layers.[0"], "is no regular expression"),
+        (["(" * 2000 + "x" + ")" * 2000], "is no regular expression"),  # re: RecursionError
     ],
 )
 def test_a_field_transformers_cannot_match_is_invalid(out: Path, value: Any, why: str) -> None:

@@ -225,4 +225,6 @@ def compile_entry(entry: str) -> EntryMatcher | str:
         start = builder.sequence(parsed, 0)
     except _Unsupported as why:
         return str(why)
+    except RecursionError:  # re.compile read it, on a shallower stack
+        return "groups nested too deep"
     return EntryMatcher(entry, tuple(builder.states), start)

@@ -60,7 +60,7 @@ def _entries(value: object) -> tuple[list[str], str | None]:
     for entry in value:
         try:
             re.compile(entry)
-        except re.error as err:
+        except (re.error, RecursionError) as err:  # RecursionError: groups nested too deep
             return [], (
                 f"{_FIELD} entry {entry!r} is no regular expression ({err}): transformers' "
                 "should_convert_module matches every entry with re.match and raises on it"
