@@ -263,6 +263,14 @@ def test_inspect_warns_that_vllm_reads_no_other_tile_of_modelopts_export(tmp_pat
     ]
     assert "vLLM's ModelOpt FP8_PB_WO reads tiles of 128 x 128 only" in found[0].message
     assert "exportlm's loader (exportlm.load_exported)" in found[0].message
+    assert _loaders_line(report) == (["TensorRT-LLM"], ["vLLM"])  # vLLM was listed as loading it
+
+
+def _loaders_line(report: Any) -> tuple[list[str], list[str]]:
+    """``quant-method-loaders``' engines that load the checkpoint, and those that fail on its
+    layers' shapes."""
+    (line,) = [f for f in report.findings if f.rule == "quant-method-loaders"]
+    return line.details["known"], line.details["fails"]
 
 
 def _retile(scale: torch.Tensor, factor: int) -> torch.Tensor:
@@ -310,6 +318,7 @@ def test_inspect_reads_the_layout_and_finds_a_wrong_tile_scale(tmp_path: Path) -
     report = inspect_checkpoint(out)
     assert report.errors == []
     assert report.summary["quantized_layers"] == {"fp8_block": 14}
+    assert _loaders_line(report) == (["vLLM", "TensorRT-LLM"], [])  # tiles of 128: vLLM reads them
     name = "model.layers.0.mlp.down_proj.weight_scale"  # [256, 512] in tiles of 128: [2, 1, 4, 1]
     edit_checkpoint_tensors(out, {name: lambda t: t.reshape(2, 4)})  # the 2-D form vLLM takes too
     assert inspect_checkpoint(out).errors == []
@@ -331,6 +340,10 @@ def test_a_hand_written_tile_of_64_is_a_vllm_warning_and_loads_here(tmp_path: Pa
     assert [(f.subject, f.details["tile"], f.details["layers"]) for f in found] == [(name, 64, 1)]
     assert "[4, 1, 8, 1] over the weight [256, 512]" in found[0].message
     assert "-o format=compressed-tensors or -o format=finegrained-fp8" in found[0].message
+    # the loaders line agrees with the warning (before: "loads in vLLM, TensorRT-LLM")
+    assert _loaders_line(report) == (["TensorRT-LLM"], ["vLLM"])
+    line = next(f for f in report.findings if f.rule == "quant-method-loaders").message
+    assert "fails in vLLM on FP8_PB_WO tiles of 64 x 64, which it does not read" in line
     load_unverified(out)  # exportlm's loader reads the tile from the scale's shape
     edit_checkpoint_tensors(
         out, {name: lambda t: t[:3].contiguous()}

@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,7 @@ def _rename(out: Path, names: dict[str, str]) -> None:
         ("lm_head", "expected a list of module names"),
         (["lm_head", 3], "expected a list of module names"),
         (["model.layers.[0"], "is no regular expression"),
+        (["(" * 2000 + "x" + ")" * 2000], "is no regular expression"),  # re: RecursionError
     ],
 )
 def test_a_field_transformers_cannot_match_is_invalid(out: Path, value: Any, why: str) -> None:
@@ -189,10 +191,63 @@ def test_a_field_transformers_cannot_match_is_invalid(out: Path, value: Any, why
     assert why in errors[0].message
 
 
+#: (entry with groups / alternation, the experts layers it covers). Before: such an entry was
+#: skipped, as if it covered nothing.
+GROUPED = [
+    ("model.layers.(0|1).mlp.experts", (0, 1)),
+    ("model.layers.(?:1|2).mlp.experts", (1,)),
+    (r"model\.layers\.[0-9]+\.mlp\.(experts|router)", (0, 1)),
+    (r"(model|transformer)\.layers\.0", (0,)),
+    (r"(?P<layer>model\.layers\.(1|10))\.mlp\.experts$", (1,)),
+    ("(.*layers.)+(?:0|9).mlp", (0,)),
+    ("model.layers.(0|1).self_attn", ()),
+    (r"model\.layers\.\d{2}", ()),
+]
+
+
+@pytest.mark.parametrize(("entry", "layers"), GROUPED)
+def test_an_entry_with_groups_covers_what_transformers_matches(
+    out: Path, entry: str, layers: tuple[int, ...]
+) -> None:
+    """The experts modules covered are those transformers' own ``should_convert_module``
+    (``re.match``) keeps float."""
+    utils = pytest.importorskip("transformers.quantizers.quantizers_utils")
+    kept = [i for i, m in enumerate(LAYERS) if not utils.should_convert_module(m, [entry])]
+    assert tuple(kept) == layers
+    _set_not_converted(out, [entry])
+    warned = [f"{LAYERS[i]}.down_proj_blocks" for i in layers]
+    assert _found(out) == [("mxfp4-excluded-but-quantized", "warning", s) for s in warned]
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        (r"(model)\.layers\.\1", "a backreference"),
+        ("model.layers.0.mlp.experts(?=$)", "a lookahead / lookbehind"),
+        ("(?i)MODEL.layers.1", "inline flags"),
+        ("model.layers.1" + ".?" * 600, "more than 1000 automaton states"),
+    ],
+)
+def test_an_entry_not_matched_without_backtracking_is_reported(
+    out: Path, entry: str, why: str
+) -> None:
+    """Before: skipped silently, as if it covered nothing; now the user is told."""
+    _set_not_converted(out, [entry])
+    report = inspect_checkpoint(out)
+    found = [f for f in report.findings if f.rule == "mxfp4-entry-not-evaluated"]
+    assert [(f.severity.value, f.subject, f.details["entry"]) for f in found] == [
+        ("warning", "config.json: modules_to_not_convert", entry)
+    ]
+    assert why in found[0].details["why"]
+    assert "transformers' should_convert_module matches it with re.match" in found[0].message
+    assert report.errors == []
+
+
 def test_a_pattern_built_to_backtrack_does_not_hang(out: Path) -> None:
     """``re.match("a*" * 12 + "b", "a" * 40 + ...)`` backtracks for minutes (measured: 1.3 s at
-    8 stars, past 20 s at 10); the entries are matched in time linear in both lengths, and an
-    entry beyond single-character atoms (a group) is not evaluated."""
+    8 stars, past 20 s at 10), and so do ``(a+)+b`` and ``(a|aa)*b``; the entries are matched
+    as a set of automaton states, in time linear in the name and the entry's states, groups
+    included, and an entry past the state limit is reported, not run."""
     experts = "a" * 40 + ".mlp.experts"
     _rename(
         out,
@@ -202,9 +257,16 @@ def test_a_pattern_built_to_backtrack_does_not_hang(out: Path) -> None:
             for leaf in ("blocks", "scales", "bias")
         },
     )
-    _set_not_converted(out, ["a*" * 12 + "b", "(a+)+b", ".*" * 2000 + "!"])
+    _set_not_converted(out, ["a*" * 12 + "b", "(a+)+b", "(a|aa)*b", ".*" * 2000 + "!"])
     code = "from exportlm.inspection import inspect_checkpoint as i; import sys; i(sys.argv[1])"
     done = subprocess.run([sys.executable, "-c", code, str(out)], timeout=120, check=False)
     assert done.returncode == 0
-    _set_not_converted(out, ["a*" * 12 + "."])  # the same matcher: it covers the module
-    assert ("mxfp4-excluded-but-quantized", "warning", f"{experts}.down_proj_blocks") in _found(out)
+    started = time.monotonic()
+    report = inspect_checkpoint(out)
+    assert time.monotonic() - started < 10  # measured 0.06 s at load 6 (re: minutes)
+    skipped = [f.details["entry"] for f in report.findings if f.rule == "mxfp4-entry-not-evaluated"]
+    assert skipped == [".*" * 2000 + "!"]  # over the state limit; the groups are run
+    for entry in ("a*" * 12 + ".", "(a|aa)*\\.mlp"):  # the same matcher: they cover the module
+        _set_not_converted(out, [entry])
+        blocks = f"{experts}.down_proj_blocks"
+        assert ("mxfp4-excluded-but-quantized", "warning", blocks) in _found(out)

@@ -61,7 +61,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         tiny_hf_model(family, seed=0).save_pretrained(root / family)
     small = root / "hidden-192"  # input features 192: no block of 128 divides them
     tiny_hf_model("llama", seed=0, hidden_size=192, intermediate_size=384).save_pretrained(small)
-    return {**{f: root / f for f in families}, "hidden-192": small}
+    # three layers; q / k / v, gate / up take 192 inputs, down 160 (64 does not divide it), o 128
+    uneven = root / "uneven"
+    tiny_hf_model(
+        "llama", seed=0, hidden_size=192, intermediate_size=160, num_hidden_layers=3
+    ).save_pretrained(uneven)
+    return {**{f: root / f for f in families}, "hidden-192": small, "uneven": uneven}
 
 
 def _garbage_weights(model_dir: Path, where: Path) -> Path:
@@ -150,6 +155,41 @@ def test_fp8_block_refusal_names_options_that_export_in_one_step(
         out = tmp_path / layout
         assert main(_export(saved["hidden-192"], out, recipe, "-o", f"format={layout}")) == 0
         assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("recipe", ["int4_awq", "fp8_block"])
+def test_a_shape_refusal_names_every_module_refused_alike_and_its_exclusion_exports(
+    saved: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], recipe: str
+) -> None:
+    """Before: ``--exclude 'model.layers.0.self_attn.q_proj'``, one module of the 18 the group
+    size does not fit, so following it was refused again at the next (k_proj, layer 1...)."""
+    garbage = _garbage_weights(saved["uneven"], tmp_path / "garbage")
+    assert main(_export(garbage, tmp_path / "refused", recipe)) == 2
+    err = capsys.readouterr().err
+    assert "(17 more module(s) are refused alike)" in err  # 6 per layer
+    excludes = re.findall(r"--exclude '([^']+)'", err)
+    # o_proj (128 inputs) fits: not excluded; every MLP projection is refused: one pattern
+    assert excludes == ["*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj", "*.mlp.*"]
+    out = tmp_path / "out"
+    extra = [arg for pattern in excludes for arg in ("--exclude", pattern)]
+    assert main(_export(saved["uneven"], out, recipe, *extra)) == 0
+    declared = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert "model.layers.2.self_attn.o_proj" not in declared["exclude_modules"]  # still quantized
+
+
+def test_a_shape_refusals_group_size_fits_every_module_and_exports(
+    saved: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: ``int4_awq:group_size=64``, which divides the first refused module's 192 inputs
+    but not down_proj's 160: refused again. Now the sizes named divide every weight's inputs."""
+    garbage = _garbage_weights(saved["uneven"], tmp_path / "garbage")
+    assert main(_export(garbage, tmp_path / "refused", "int4_awq")) == 2
+    err = capsys.readouterr().err
+    assert "group_size=32 divides 160 and 192" in err
+    suggested = re.search(r"--quantize ([\w:=]+)", err)
+    assert suggested is not None, err
+    assert suggested[1] == "int4_awq:group_size=32"
+    assert main(_export(saved["uneven"], tmp_path / "out", suggested[1])) == 0
 
 
 @pytest.mark.real_model

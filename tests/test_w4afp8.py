@@ -220,6 +220,10 @@ def test_group_size_64_is_written_and_inspect_warns_that_vllm_takes_128(tmp_path
     assert [(f.subject, f.details["group_size"], f.details["layers"]) for f in found] == [
         ("config.json", 64, 14)
     ]
+    (line,) = [f for f in report.findings if f.rule == "quant-method-loaders"]
+    assert "vLLM" not in line.details["known"]  # the warning's verdict (before: listed)
+    assert line.details["fails"] == ["vLLM"]
+    assert "fails in vLLM on W4AFP8 groups of 64, which it does not read" in line.message
 
 
 def test_inspect_recognises_it(exported: tuple[Any, torch.Tensor, Path]) -> None:
@@ -228,6 +232,8 @@ def test_inspect_recognises_it(exported: tuple[Any, torch.Tensor, Path]) -> None
     assert dict(report.summary["quantized_layers"]) == {"w4afp8": 14}
     assert report.errors == []
     assert not [f for f in report.findings if f.rule == "w4afp8-group-size"]
+    (line,) = [f for f in report.findings if f.rule == "quant-method-loaders"]
+    assert (line.details["fails"], "vLLM" in line.details["known"]) == ([], True)
     assert main(["inspect", str(out)]) == 0
 
 

@@ -22,19 +22,21 @@ Both decide per module from ``quant_method`` and ``modules_to_not_convert``, eac
 
 exportlm's loader reads floats and blocks wherever an experts module stores them and refuses
 blocks outside one. A module is an experts module by the layout's ``quantized_modules``
-(``*.mlp.experts``). Entries are matched without backtracking (:func:`_prefix_match`: single
-characters with ``*`` / ``+`` / ``?``, what module names and openai's wildcards use), so no
-entry a config holds makes ``inspect`` hang; an entry beyond that is not evaluated.
+(``*.mlp.experts``). Entries are matched as ``re.match`` matches them, groups and alternation
+included, but without backtracking (:mod:`~exportlm.inspection._entry_regex`), so no entry a
+config holds makes ``inspect`` hang; an entry it cannot match so (a backreference, a
+lookaround, inline flags, over its state limit) is reported (``mxfp4-entry-not-evaluated``)
+and read as covering the modules it is a suffix of only.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from exportlm.inspection._declared import Declared
+from exportlm.inspection._entry_regex import EntryMatcher, compile_entry
 from exportlm.inspection._files import CONFIG, FLOAT_SCALE_DTYPES, Checkpoint
 from exportlm.inspection._layers import modules_of
 from exportlm.inspection._rules import RULES, Finding
@@ -58,7 +60,7 @@ def _entries(value: object) -> tuple[list[str], str | None]:
     for entry in value:
         try:
             re.compile(entry)
-        except re.error as err:
+        except (re.error, RecursionError) as err:  # RecursionError: groups nested too deep
             return [], (
                 f"{_FIELD} entry {entry!r} is no regular expression ({err}): transformers' "
                 "should_convert_module matches every entry with re.match and raises on it"
@@ -66,59 +68,42 @@ def _entries(value: object) -> tuple[list[str], str | None]:
     return list(value), None
 
 
-def _covering(module: str, entries: list[str]) -> str | None:
+def _covering(module: str, entries: Sequence[EntryMatcher | str]) -> str | None:
     """The entry that leaves ``module`` unconverted in transformers, or ``None``
-    (``should_convert_module``: its ``re.match(entry + "\\.")`` implies ``re.match(entry)``)."""
-    return next((e for e in entries if module.endswith(e) or _prefix_match(e, module)), None)
+    (``should_convert_module``: its ``re.match(entry + "\\.")`` implies ``re.match(entry)``);
+    an entry not compiled (a ``str``) is matched as a suffix only."""
+    for entry in entries:
+        text = entry if isinstance(entry, str) else entry.entry
+        if module.endswith(text) or (isinstance(entry, EntryMatcher) and entry.match(module)):
+            return text
+    return None
 
 
-_Atom = tuple[str | None, str]  # (the character, None for '.'; quantifier '', '*' or '?')
-_SPECIAL = frozenset("()[]{}|^$*+?\\")
-
-
-@functools.lru_cache(maxsize=1024)
-def _atoms(pattern: str) -> tuple[_Atom, ...] | None:
-    """``pattern`` as single-character atoms with ``*`` / ``+`` / ``?``; ``None`` for anything
-    else (groups, alternation, classes, anchors, ``\\d``): those entries are not evaluated."""
-    atoms: list[_Atom] = []
-    i = 0
-    while i < len(pattern):
-        char: str | None = pattern[i]
-        if char == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum():
-            char, i = pattern[i + 1], i + 2
-        elif char in _SPECIAL:
-            return None
-        else:
-            char, i = (None if char == "." else char), i + 1
-        quantifier = pattern[i] if i < len(pattern) and pattern[i] in "*+?" else ""
-        i += len(quantifier)
-        atoms += [(char, "")] if quantifier == "+" else []
-        atoms.append((char, "*" if quantifier == "+" else quantifier))
-    return tuple(atoms)
-
-
-def _prefix_match(pattern: str, text: str) -> bool:
-    """``re.match(pattern, text)`` for :func:`_atoms` patterns, in ``O(len(pattern) x len(text))``
-    (a set of states, no backtracking: no pattern in a config can make ``inspect`` hang)."""
-    atoms = _atoms(pattern)
-    if atoms is None:
-        return False
-    end = len(atoms)
-
-    def closure(states: set[int]) -> set[int]:  # an optional atom may be skipped
-        for j in range(min(states, default=end), end):
-            if j in states and atoms[j][1]:
-                states.add(j + 1)
-        return states
-
-    states = closure({0})
-    for char in text:
-        if end in states or not states:
-            break
-        states = closure(
-            {j + (atoms[j][1] != "*") for j in states if j < end and atoms[j][0] in (None, char)}
+def _compiled(entries: list[str]) -> tuple[list[EntryMatcher | str], list[Finding]]:
+    """Each entry compiled (kept as its text where it cannot be), and a finding for each of those."""
+    compiled: list[EntryMatcher | str] = []
+    findings: list[Finding] = []
+    for entry in entries:
+        matcher = compile_entry(entry)
+        if isinstance(matcher, EntryMatcher):
+            compiled.append(matcher)
+            continue
+        compiled.append(entry)
+        findings.append(
+            RULES["mxfp4-entry-not-evaluated"].finding(
+                f"{CONFIG}: {_FIELD}",
+                f"{_FIELD} entry {entry!r} holds {matcher}, which inspect does not match as a "
+                "regular expression (it matches without backtracking, so that no entry makes "
+                "it hang): the mxfp4 rules read the entry as covering only the modules whose "
+                "names end with it. transformers' should_convert_module matches it with "
+                "re.match, so which experts modules it keeps float is not checked here. Write "
+                "the entry with literals, '.', classes, groups, alternation and repeats, or "
+                "list the modules by name",
+                entry=entry,
+                why=matcher,
+            )
         )
-    return end in states
+    return compiled, findings
 
 
 def gpt_oss_findings(checkpoint: Checkpoint, declared: Declared) -> Iterator[Finding]:
@@ -126,11 +111,13 @@ def gpt_oss_findings(checkpoint: Checkpoint, declared: Declared) -> Iterator[Fin
     if declared.layout != _LAYOUT:
         return
     section = checkpoint.declaration.config
-    entries, invalid = _entries(section.not_converted if section is not None else None)
+    texts, invalid = _entries(section.not_converted if section is not None else None)
     if invalid is not None:
         yield RULES["config-field-invalid"].finding(
             f"{CONFIG}: {_FIELD}", f"{CONFIG} quantization_config: {invalid}", field=_FIELD
         )
+    entries, not_evaluated = _compiled(texts)
+    yield from not_evaluated
     layout = CHECKPOINT_LAYOUTS[_LAYOUT]
     stored = {
         leaf.name for spec in formats() if layout.holds(spec) for leaf in layout.weight_leaves(spec)

@@ -23,10 +23,10 @@ from exportlm.inspection._structure import (
     file_findings,
     kv_findings,
 )
-from exportlm.inspection._tile_sizes import tile_size_findings
+from exportlm.inspection._tile_sizes import tile_size_findings, tile_size_refusals
 from exportlm.inspection._values import value_findings
 from exportlm.inspection._w4a8 import w4a8_findings
-from exportlm.inspection._w4afp8 import w4afp8_findings
+from exportlm.inspection._w4afp8 import w4afp8_findings, w4afp8_refusals
 
 __all__ = ["InspectionReport", "inspect_checkpoint"]
 
@@ -108,10 +108,11 @@ def inspect_checkpoint(path: str | Path) -> InspectionReport:
     checkpoint = read_checkpoint(path)
     declared = read_declared(checkpoint)
     layers = quantized_layers(checkpoint, declared)
+    shapes = [*tile_size_refusals(layers, declared), *w4afp8_refusals(layers)]
     findings = [
         *file_findings(checkpoint),
         *config_file_findings(checkpoint),
-        *config_findings(checkpoint, declared, len(layers)),
+        *config_findings(checkpoint, declared, len(layers), shapes),
         *layer_findings(checkpoint, declared),
         *kv_findings(checkpoint, declared),
         *value_findings(checkpoint, layers),

@@ -16,6 +16,7 @@ from types import MappingProxyType
 __all__ = [
     "LOADER_TABLE",
     "MODELOPT_QUANT_ALGOS",
+    "LayerRefusal",
     "SERVING_QUANT_METHODS",
     "MISREAD_TABLE",
     "LoaderRow",
@@ -159,6 +160,24 @@ def engine_refusals(
         if row.refuses(producer, method, label)
     ]
     return sorted(found, key=lambda r: (r.row.engine, r.label))
+
+
+@dataclass(frozen=True)
+class LayerRefusal:
+    """An engine that takes the checkpoint's algorithm but fails on some of its layers' shapes.
+
+    The verdict of a layer rule's warning (``fp8-pb-wo-tile-size``, ``w4afp8-group-size``),
+    so the loaders line (``quant-method-loaders``) does not list the engine as loading it.
+
+    Attributes:
+        engine: the engine as :data:`SERVING_QUANT_METHODS` names it (``"vLLM"``).
+        rule: the rule whose warning says why.
+        reason: what of the layers it does not take (``"FP8_PB_WO tiles of 32 x 32"``).
+    """
+
+    engine: str
+    rule: str
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,14 @@ SCHEME_RULE_ROWS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "covers it: vLLM reads no modules_to_not_convert and quantizes every experts module.",
     ),
     (
+        "mxfp4-entry-not-evaluated",
+        "warning",
+        ("transformers",),
+        "Every modules_to_not_convert entry of gpt-oss's MXFP4 layout is one inspect matches as "
+        "transformers' re.match does (no backreference, lookaround, atomic group, possessive "
+        "repeat, conditional or inline flag; at most 1000 automaton states).",
+    ),
+    (
         "mxfp4-excluded-but-quantized",
         "warning",
         ("transformers",),

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from exportlm.errors import MalformedCheckpointError
 from exportlm.hfdir import custom_code_reasons
@@ -14,6 +14,7 @@ from exportlm.inspection._declared import MIXED_PRECISION, Declared
 from exportlm.inspection._files import CONFIG, INDEX, Checkpoint
 from exportlm.inspection._finegrained import transformers_tile_misread
 from exportlm.inspection._loaders import (
+    LayerRefusal,
     Misread,
     engine_misreads,
     engine_refusals,
@@ -177,8 +178,11 @@ def _misreads(checkpoint: Checkpoint, declared: Declared) -> list[Misread]:
     return [*found, *(m for m in (hf, tiles) if m is not None)]
 
 
-def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) -> Iterator[Finding]:
-    """``quant-method-unknown``, ``engine-refuses-scheme`` and ``quant-method-loaders``."""
+def _method_findings(
+    checkpoint: Checkpoint, declared: Declared, method: str, shapes: Sequence[LayerRefusal]
+) -> Iterator[Finding]:
+    """``quant-method-unknown``, ``engine-refuses-scheme`` and ``quant-method-loaders``
+    (an engine in ``shapes`` fails on some layers' shapes: not listed as loading it)."""
     known, unknown = loaders_knowing(method)
     if not known:
         yield RULES["quant-method-unknown"].finding(
@@ -193,6 +197,8 @@ def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) ->
     refusing = sorted({str(f.details["engine"]) for f in refused})
     misread = _misreads(checkpoint, declared)
     names = {f.details["engine_name"] for f in refused} | {m.engine for m in misread}
+    failing = [r for r in shapes if r.engine not in names and r.engine in known]
+    names |= {r.engine for r in failing}
     loads = [loader for loader in known if loader.split(" ")[0] not in names]
     unknown = [loader for loader in unknown if loader.split(" ")[0] not in names]
     for m in misread:
@@ -203,10 +209,13 @@ def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) ->
             engine=f"{m.engine} {m.version}",
         )
     dropped = transformers_kv_scales_dropped(method, declared.kv_cache)
-    if unknown or refusing or misread or dropped:
+    if unknown or refusing or misread or dropped or failing:
         said = [f"loads in {', '.join(loads)}" if loads else "loads in no engine checked here"]
         said += [dropped] if dropped and any(n.startswith("transformers") for n in loads) else []
         said += [f"refused by {', '.join(refusing)} (its algorithm)"] if refusing else []
+        said += [
+            f"fails in {r.engine} on {r.reason}, which it does not read ({r.rule})" for r in failing
+        ]
         said += [f"misread by {m.engine} {m.version} ({m.evidence})" for m in misread]
         said += [f"not in {', '.join(unknown)}"] if unknown else []
         yield RULES["quant-method-loaders"].finding(
@@ -214,6 +223,7 @@ def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) ->
             f"quant_method {method!r} {'; '.join(said)}",
             known=loads,
             refused=refusing,
+            fails=[r.engine for r in failing],
             misread=[f"{m.engine} {m.version}" for m in misread],
             unknown=unknown,
             kv_scales_dropped=dropped is not None,
@@ -221,12 +231,16 @@ def _method_findings(checkpoint: Checkpoint, declared: Declared, method: str) ->
 
 
 def config_findings(
-    checkpoint: Checkpoint, declared: Declared, quantized: int
+    checkpoint: Checkpoint,
+    declared: Declared,
+    quantized: int,
+    shapes: Sequence[LayerRefusal] = (),
 ) -> Iterator[Finding]:
-    """``quant-method-*``, ``quant-config-missing`` and the listed-name rules."""
+    """``quant-method-*``, ``quant-config-missing`` and the listed-name rules; ``shapes``:
+    the engines the layer rules find failing on some layers' shapes."""
     method = declared.quant_method
     if method is not None:
-        yield from _method_findings(checkpoint, declared, method)
+        yield from _method_findings(checkpoint, declared, method, shapes)
     elif quantized and declared.layout == "none":
         yield RULES["quant-config-missing"].finding(
             "config.json",

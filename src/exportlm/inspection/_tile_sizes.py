@@ -17,11 +17,12 @@ from collections.abc import Iterator
 from exportlm.inspection._declared import Declared
 from exportlm.inspection._header import TensorInfo
 from exportlm.inspection._layers import QuantizedLayer
+from exportlm.inspection._loaders import LayerRefusal
 from exportlm.inspection._rules import RULES, Finding
 from exportlm.inspection._tiles import layout_tiles, scale_tile
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, FormatSpec
 
-__all__ = ["tile_size_findings"]
+__all__ = ["tile_size_findings", "tile_size_refusals"]
 
 
 _Unheld = tuple[int, TensorInfo, TensorInfo, tuple[int, ...]]
@@ -55,16 +56,37 @@ def _instead(spec: FormatSpec) -> str:
     return " or ".join(f"-o format={name}" for name in names)
 
 
-def tile_size_findings(layers: list[QuantizedLayer], declared: Declared) -> Iterator[Finding]:
-    """One ``fp8-pb-wo-tile-size`` warning per tile size the engines do not read."""
+def _by_tile(
+    layers: list[QuantizedLayer], declared: Declared
+) -> dict[int, list[tuple[QuantizedLayer, _Unheld]]]:
+    """The layers whose tile the engines do not read, by tile edge (smallest first)."""
     by_tile: dict[int, list[tuple[QuantizedLayer, _Unheld]]] = {}
     for layer in layers:
         unheld = _unheld(layer, declared.layout)
         if unheld is not None:
             by_tile.setdefault(unheld[0], []).append((layer, unheld))
-    for tile, found in sorted(by_tile.items()):
+    return dict(sorted(by_tile.items()))
+
+
+def _algo(layer: QuantizedLayer) -> str:
+    return layer.scheme.label.upper() if layer.scheme is not None else "FP8_PB_WO"
+
+
+def tile_size_refusals(layers: list[QuantizedLayer], declared: Declared) -> list[LayerRefusal]:
+    """vLLM, where some layer is in a tile it does not read (the loaders line's verdict)."""
+    by_tile = _by_tile(layers, declared)
+    if not by_tile:
+        return []
+    algo = _algo(next(iter(by_tile.values()))[0][0])
+    tiles = " and ".join(f"{tile} x {tile}" for tile in by_tile)
+    return [LayerRefusal("vLLM", "fp8-pb-wo-tile-size", f"{algo} tiles of {tiles}")]
+
+
+def tile_size_findings(layers: list[QuantizedLayer], declared: Declared) -> Iterator[Finding]:
+    """One ``fp8-pb-wo-tile-size`` warning per tile size the engines do not read."""
+    for tile, found in _by_tile(layers, declared).items():
         layer, (_, scale, codes, held) = found[0]
-        algo = layer.scheme.label.upper() if layer.scheme is not None else "FP8_PB_WO"
+        algo = _algo(layer)
         sizes = " or ".join(f"{b} x {b}" for b in held)
         instead = _instead(layer.spec) if layer.spec is not None else ""
         yield RULES["fp8-pb-wo-tile-size"].finding(

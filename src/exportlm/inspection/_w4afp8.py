@@ -14,22 +14,37 @@ from collections import Counter
 from collections.abc import Iterator
 
 from exportlm.inspection._layers import QuantizedLayer
+from exportlm.inspection._loaders import LayerRefusal
 from exportlm.inspection._rules import RULES, Finding
 from exportlm.quant.formats._w4afp8 import VLLM_GROUP_SIZE, W4AFP8
 
-__all__ = ["w4afp8_findings"]
+__all__ = ["w4afp8_findings", "w4afp8_refusals"]
 
 
-def w4afp8_findings(layers: list[QuantizedLayer]) -> Iterator[Finding]:
-    """``w4afp8-group-size`` for each group size other than 128 of layers read as W4AFP8."""
+def _other_sizes(layers: list[QuantizedLayer]) -> list[tuple[int | None, int]]:
+    """``(group size, layers)`` of the W4AFP8 layers in groups other than 128."""
     sizes = Counter(
         layer.scheme.block_size
         for layer in layers
         if layer.spec is W4AFP8 and layer.scheme is not None
     )
-    for size, count in sorted(sizes.items(), key=lambda item: str(item[0])):
-        if size == VLLM_GROUP_SIZE:
-            continue
+    return [
+        (size, count)
+        for size, count in sorted(sizes.items(), key=lambda item: str(item[0]))
+        if size != VLLM_GROUP_SIZE
+    ]
+
+
+def w4afp8_refusals(layers: list[QuantizedLayer]) -> list[LayerRefusal]:
+    """vLLM, where some W4AFP8 layer is in groups other than 128 (the loaders line's verdict)."""
+    sizes = " and ".join(str(size) for size, _ in _other_sizes(layers))
+    reason = f"W4AFP8 groups of {sizes}"
+    return [LayerRefusal("vLLM", "w4afp8-group-size", reason)] if sizes else []
+
+
+def w4afp8_findings(layers: list[QuantizedLayer]) -> Iterator[Finding]:
+    """``w4afp8-group-size`` for each group size other than 128 of layers read as W4AFP8."""
+    for size, count in _other_sizes(layers):
         yield RULES["w4afp8-group-size"].finding(
             "config.json",
             f"{count} W4AFP8 layer(s) in groups of {size}: vLLM's W4AFP8 kernel "

@@ -35,10 +35,10 @@ from exportlm.quant._recipe import Algorithm, QuantRecipe, RecipeLike, resolve_a
 from exportlm.quant._refusals import (
     refuse_experts_algorithm,
     refuse_gptq,
-    refuse_shapes,
     refuse_unconvertible,
     refuse_unplaceable_kv_cache,
 )
+from exportlm.quant._shape_refusals import refuse_shapes
 from exportlm.quant._tensor import FormatId, QuantFormat
 from exportlm.quant._transaction import quantize_transaction
 from exportlm.quant.formats import get_format
@@ -171,7 +171,7 @@ def _checked_plan(model: nn.Module, plan: QuantRecipe) -> list[_Conversion]:
     conversions = list(_plan(model, plan))
     refuse_unplaceable_kv_cache(model, plan, conversions)
     for c in conversions:
-        refuse_shapes(c.name, c.module, c.kind, c.algo)
+        refuse_shapes(c, conversions)
         refuse_gptq(c.name, c.kind, c.algo)
     return conversions
 

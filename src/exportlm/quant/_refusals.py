@@ -13,6 +13,7 @@ from exportlm.errors import UnsupportedFormatError
 from exportlm.quant._experts import experts_base, has_stacked_weights
 from exportlm.quant._modules import is_quantized_module
 from exportlm.quant._recipe import KV_CACHE_FORMATS, Algorithm, QuantRecipe
+from exportlm.quant._shape_refusals import every_layer
 from exportlm.quant.formats import (
     CHECKPOINT_LAYOUTS,
     CheckpointLayout,
@@ -29,7 +30,6 @@ __all__ = [
     "check_layout_model_type",
     "refuse_experts_algorithm",
     "refuse_gptq",
-    "refuse_shapes",
     "refuse_unconvertible",
     "refuse_unplaceable_kv_cache",
 ]
@@ -89,7 +89,7 @@ def refuse_gptq(name: str, kind: str, algo: Algorithm | None) -> None:
     a pattern for that module in every layer (each refused alike) and a recipe that takes it."""
     if algo is None or not algo.gptq or kind in ("linear", "moe_linear"):
         return
-    pattern = _every_layer(name)
+    pattern = every_layer(name)
     instead = "int8_wo" if get_format(algo.weight).name == "int8" else "int4_awq"
     raise UnsupportedFormatError(
         f"module {name!r}: recipe {algo.spelling!r} runs GPTQ, which quantizes linear layers "
@@ -99,16 +99,10 @@ def refuse_gptq(name: str, kind: str, algo: Algorithm | None) -> None:
     )
 
 
-def _every_layer(name: str) -> str:
-    """A pattern matching module ``name`` in every decoder layer (``*.mlp.experts``)."""
-    parts = name.split(".")
-    return "*." + ".".join(parts[-2:]) if len(parts) > 2 else name
-
-
 def _experts_instead(name: str, algo: Algorithm, modelopt: bool, *, by_scale: bool) -> str:
     """What to do about refused experts: never the option ``algo`` already has; the exclusion
     as a pattern for every layer's experts (``*.mlp.experts``), each refused alike."""
-    pattern = _every_layer(name)
+    pattern = every_layer(name)
     exclude = f"exclude=[{pattern!r}], --exclude {pattern!r}"
     fp8 = f"quantize it with 'fp8' ({{{pattern!r}: 'fp8'}})"
     if by_scale and not modelopt:  # w4afp8 in ModelOpt's convention
@@ -179,97 +173,6 @@ def _tile_problem(module: nn.Module, base: Any, algo: Algorithm) -> str | None:
             f"{algo.spelling!r}, so a tile would mix gate and up rows"
         )
     return None
-
-
-def refuse_shapes(name: str, module: nn.Module, kind: str, algo: Algorithm | None) -> None:
-    """A weight whose shape ``algo``'s format cannot take, named with the options that fit.
-
-    ``kind`` is the conversion's (``"linear"``, ``"experts"``...). For a block recipe
-    whose group size does not divide the input features, the message names the
-    ``group_size`` options that do ("group_size=64 divides 576").
-    """
-    if algo is None:
-        return
-    spec = get_format(algo.weight)
-    for what, rows, cols in _in_dims(module, kind):
-        need = spec.shape_problem(rows, cols, algo.weight_block)
-        if need is not None:
-            raise UnsupportedFormatError(
-                f"module {name!r} ({type(module).__name__}): recipe {algo.spelling!r} needs "
-                f"{need}, but {what} has shape {_weight_shape(module, kind)} ({rows} out x "
-                f"{cols} in). {_fitting_group_sizes(algo, rows, cols)}Exclude it "
-                f"(exclude=[{name!r}]) or give it another recipe ({{{name!r}: 'fp8'}})."
-            )
-    if not algo.weight_block:
-        return  # unchanged behaviour: the experts check below runs for block recipes only
-    if kind == "experts" and (
-        not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False)
-    ):
-        raise UnsupportedFormatError(
-            f"module {name!r} ({type(module).__name__}): only gated experts without a "
-            "post-expert norm can be quantized; exclude it"
-        )
-
-
-def _weight_shape(module: Any, kind: str) -> tuple[int, ...]:
-    if kind == "experts":  # the first stored expert weight
-        return tuple(next(module.parameters()).shape)
-    return tuple(module.weight.shape)
-
-
-def _in_dims(module: Any, kind: str) -> list[tuple[str, int, int]]:
-    """(what, rows, input features) of each weight the algorithm quantizes."""
-    if kind != "experts":
-        rows, cols = module.weight.shape
-        return [("weight", rows, cols)]
-    base = experts_base(module)
-    return [] if base is None else base.weight_dims(module)
-
-
-def _fitting_group_sizes(algo: Algorithm, rows: int, cols: int) -> str:
-    """The sentence naming the ``group_size`` options that fit ``[rows, cols]``, or ``""``.
-
-    Where the default (ModelOpt) layout cannot hold the size that fits (``fp8_block``: blocks
-    of 128 only), the command named is one that works in one step: it names the layout too
-    (``--quantize fp8_block:group_size=64 -o format=compressed-tensors``), never an option
-    the layout check then refuses.
-    """
-    spec = get_format(algo.weight)
-    fits = [
-        size
-        for size in sorted(algo.allowed_group_sizes, reverse=True)
-        if size != algo.weight_block and spec.shape_problem(rows, cols, size) is None
-    ]
-    if not fits:
-        return ""
-    sizes = " or ".join(f"group_size={size}" for size in fits)
-    spelled, best = f"{algo.name}:group_size={fits[0]}", fits[0]
-    if spec.modelopt is None or spec.modelopt_block_problem(best) is None:
-        return (
-            f"{sizes} divides {cols}: quantize with {spelled} (--quantize {spelled}, or "
-            f"quantize(model, {algo.name!r}, group_size={best})). "
-        )
-    held = f"the ModelOpt layout holds {algo.name} in blocks of "
-    held += " or ".join(map(str, spec.modelopt.block_sizes)) + " only"
-    layouts = _block_layouts(spec)
-    if not layouts:
-        return f"{sizes} divides {cols}, but {held} and no other layout holds {algo.name}. "
-    where = " or ".join(f"-o format={name}" for name in layouts)
-    return (
-        f"{sizes} divides {cols}: quantize with {spelled} in a layout that records the block "
-        f"({held}; it is the default): --quantize {spelled} {where}, or quantize(model, "
-        f"{algo.name!r}, group_size={best}) then export_model(..., format={layouts[0]!r}). "
-    )
-
-
-def _block_layouts(spec: FormatSpec) -> list[str]:
-    """The layouts other than ModelOpt's that hold ``spec`` for every model type (they record
-    the block size)."""
-    return [
-        name
-        for name, layout in CHECKPOINT_LAYOUTS.items()
-        if layout.scheme is not None and not layout.model_types and layout.holds(spec)
-    ]
 
 
 def check_layout(recipe: QuantRecipe, layout: str) -> None:
