@@ -23,9 +23,9 @@ search is kept wherever it does so.
 
 **The compressed-tensors convention** (``scales=compressed-tensors``) scores the joint
 candidates alone, on the finer grid :data:`CT_AWQ_ALPHAS`, and takes the lowest loss:
-no ModelOpt export averages its scales, and on SmolLM2-135M the rule above measured no
-gain there (in-memory perplexity 30.83 with it, 30.94 without) at twice the search's time,
-where the finer grid measured 2.8% lower (docs/quality.md).
+no ModelOpt export averages its scales. On SmolLM2-135M (in-memory perplexity, 8 x 512
+calibration tokens) the rule measured no gain there (30.83 with it, 30.94 without) at twice
+the search's time, and the finer grid without it 29.96 (docs/quality.md).
 
 **Portability.** The rule takes discrete decisions from float losses and errors (an
 ordering, per-member argmins, ``<=`` comparisons), and a forward pass's floats differ
@@ -67,8 +67,8 @@ AWQ_ALPHA = 0.5
 AWQ_ALPHAS: tuple[float, ...] = tuple(i / 10 for i in range(11))
 #: The grid of the compressed-tensors convention: llm-compressor's ``n_grid=20`` with
 #: ``duo_scaling`` (ratios ``i / 18``). On SmolLM2-135M its optima lie between ModelOpt's
-#: steps (0.17-0.28 where the 0.1 grid takes 0.2), and the finer grid measured 2.8% lower
-#: perplexity (docs/quality.md, "compressed-tensors AWQ: the search's grid").
+#: steps (0.17-0.28 where the 0.1 grid takes 0.2), and the finer grid measured 3.2% lower
+#: perplexity (docs/quality.md, "compressed-tensors AWQ: the search").
 CT_AWQ_ALPHAS: tuple[float, ...] = tuple(i / 18 for i in range(19))
 #: The relative margin above which a decision of the search cannot flip on another
 #: machine. The losses and reconstruction errors are sums over float32 forward passes
