@@ -21,6 +21,7 @@ import exportlm
 from exportlm.cli import main
 from exportlm.models import tiny_hf_model
 from exportlm.quant import QuantLinear, quantize
+from exportlm.quant._awq_search import CT_AWQ_ALPHAS, awq_scale, awq_weight_scale
 
 CT_AWQ = "int4_awq:scales=compressed-tensors"
 #: The float function of the folded model against the original (weights unquantized):
@@ -122,3 +123,50 @@ _PROJECTIONS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
+
+
+def test_norm_groups_take_a_joint_candidate_of_the_finer_grid() -> None:
+    """The convention's search (llm-compressor's grid, the joint loss alone): the scale a
+    norm absorbs for q/k/v and gate/up is ``1 / s(alpha)`` of the group's fused weight for
+    an ``alpha`` of :data:`CT_AWQ_ALPHAS`, not ModelOpt's average of per-linear scales."""
+    model = tiny_hf_model("llama", seed=0, num_key_value_heads=4).eval()
+    original = tiny_hf_model("llama", seed=0, num_key_value_heads=4).eval()
+    batch = _batch(model.config.vocab_size)
+    inputs: dict[str, torch.Tensor] = {}
+    handles = [
+        original.get_submodule(f"model.layers.{i}.{first}").register_forward_pre_hook(
+            lambda _m, args, key=f"{i}.{first}": inputs.__setitem__(key, args[0])
+        )
+        for i in range(len(original.model.layers))
+        for first in ("self_attn.q_proj", "mlp.gate_proj")
+    ]
+    with torch.no_grad():
+        original(batch)
+    for handle in handles:
+        handle.remove()
+    quantize(model, CT_AWQ, calibrate=lambda m: m(batch))
+    picked = set()
+    for key, x in inputs.items():
+        layer, first = key.split(".", 1)
+        parent = first.rsplit(".", 1)[0]
+        members = (
+            ["q_proj", "k_proj", "v_proj"] if parent == "self_attn" else ["gate_proj", "up_proj"]
+        )
+        linears = [original.get_submodule(f"model.layers.{layer}.{parent}.{m}") for m in members]
+        quantized = model.get_submodule(f"model.layers.{key}")
+        scale = quantized.input_quantizer.folded_pre_quant_scale
+        assert scale is not None
+        act = x.reshape(-1, x.shape[-1]).abs().mean(dim=0)
+        wscale = awq_weight_scale(
+            [m.weight for m in linears], quantized.weight_quantizer.block_size
+        )
+        candidates = [(1.0 / awq_scale(act, wscale, a)).float() for a in CT_AWQ_ALPHAS]
+        hits = [
+            a
+            for a, c in zip(CT_AWQ_ALPHAS, candidates, strict=True)
+            if torch.allclose(scale, c, rtol=1e-5)
+        ]
+        assert hits, f"{key}: the folded scale is none of the grid's candidates"
+        picked.update(hits)
+    # the grid's own steps were taken, not only the values it shares with ModelOpt's
+    assert picked - {0.0, 0.5, 1.0}, picked

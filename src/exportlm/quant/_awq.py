@@ -17,7 +17,9 @@ A group is searched jointly (one loss over the outputs of all its members, so th
 scale finally shared is one that was scored) *and* as ModelOpt does it (each member
 alone, the members' scales averaged). The joint scale is kept only where it
 reconstructs every member's weight at least as well as ModelOpt's average, else the
-average is taken: the rule of :mod:`exportlm.quant._awq_search`. Each expert gets its
+average is taken: the rule of :mod:`exportlm.quant._awq_search`. Under the
+compressed-tensors convention a group takes its joint search's best on the finer grid
+:data:`~exportlm.quant._awq_search.CT_AWQ_ALPHAS` (llm-compressor's). Each expert gets its
 own scale, searched on the tokens routed to it (ModelOpt cannot quantize
 transformers-5 fused experts with AWQ).
 
@@ -48,6 +50,8 @@ from torch import nn
 from exportlm.quant._awq_gram import GramLoss, gram_fits
 from exportlm.quant._awq_search import (
     AWQ_ALPHA,
+    AWQ_ALPHAS,
+    CT_AWQ_ALPHAS,
     PORTABLE_MARGIN,
     Choice,
     ScaleSearch,
@@ -110,6 +114,8 @@ def plan_awq(model: nn.Module, groups: list[list[QuantLinear]]) -> AWQPlan:
             act, real = _statistic(members[0].input_quantizer)
             search = None
             block = members[0].weight_quantizer.block_size
+            # compressed-tensors: the joint search alone, on llm-compressor's finer grid
+            ct = members[0].weight_quantizer.scales == "compressed-tensors"
             if act is not None:
                 search = ScaleSearch(
                     [_getter(m) for m in members],
@@ -117,9 +123,12 @@ def plan_awq(model: nn.Module, groups: list[list[QuantLinear]]) -> AWQPlan:
                     act,
                     awq_weight_scale([m.weight for m in members], block),
                     real,
-                    own_wscales=[awq_weight_scale([m.weight], block) for m in members],
+                    own_wscales=None
+                    if ct
+                    else [awq_weight_scale([m.weight], block) for m in members],
                     name="/".join(names[id(m)] for m in members),
                     gram=GramLoss() if gram_fits(members) else None,
+                    alphas=CT_AWQ_ALPHAS if ct else AWQ_ALPHAS,
                 )
             plan.linears.append((members, search))
         elif isinstance(module, QuantExperts):
