@@ -197,7 +197,7 @@ class ScaleSearch:
     wscale: torch.Tensor
     from_data: bool
     own_wscales: list[torch.Tensor] | None = None
-    sse: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    sse: torch.Tensor = field(init=False)  # [alphas]: the joint loss of each candidate
     own_loss: torch.Tensor | None = None  # [members, alphas]: ModelOpt's loss per member
     #: The inputs as a Gram matrix (linear groups): the losses are taken from it once,
     #: by :meth:`settle`, instead of per forward (:mod:`exportlm.quant._awq_gram`).
@@ -216,8 +216,7 @@ class ScaleSearch:
         return min((m for _, m in self.margins), default=math.inf)
 
     def __post_init__(self) -> None:
-        if self.sse.numel() != len(self.alphas):
-            self.sse = torch.zeros(len(self.alphas), dtype=torch.float64)
+        self.sse = torch.zeros(len(self.alphas), dtype=torch.float64)
         if self.own_wscales is not None:
             self.own_loss = torch.zeros(
                 len(self.own_wscales), len(self.alphas), dtype=torch.float64
