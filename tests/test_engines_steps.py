@@ -1,8 +1,9 @@
 """Each decode step compared with eager (exportlm.engines.steps through compare_result).
 
 Hand-made engine answers against a hand-made reference: a decode step whose logprob is
-off fails even with equal tokens; a token differs only at an eager near-tie, and then
-only to eager's second best with its logprob; a KV cache that does not grow by one a
+off fails even with equal tokens; a token differs only at an eager near-tie: to a token
+eager ranks within twice the tolerance of its own (second best or further down), with
+both tokens' logprobs within the tolerance; a KV cache that does not grow by one a
 step fails; a malformed ``decode`` object is a protocol problem. No engine, no torch.
 """
 
@@ -26,16 +27,17 @@ from exportlm.engines.protocol import parse_result
 TOL = Tolerance(1e-4, "a test's")
 PROMPTS = [[5, 6, 7], [9, 10]]
 TOKENS = [[1, 2], [4, 5]]
-#: eager's two best (token, logprob) at each step; row 1 step 1 is a near-tie (4 vs 8)
-TOP2 = [
+#: eager's best (token, logprob) at each step, as a reference with window 2 * TOL.atol
+#: keeps them; row 1 step 1 is a near-tie (5 vs 8, and vs 9, third by 1.5e-4)
+TOP = [
     [[(1, -0.1), (7, -3.0)], [(2, -0.2), (7, -3.0)]],
-    [[(4, -0.3), (7, -3.0)], [(5, -0.69310), (8, -0.69315)]],
+    [[(4, -0.3), (7, -3.0)], [(5, -0.69310), (8, -0.69315), (9, -0.69325)]],
 ]
 
 
 def _ref() -> Reference:
-    margins = [[a[1] - b[1] for a, b in row] for row in TOP2]
-    return Reference(PROMPTS, TOKENS, [[-1.0, -2.0], [-0.5]], margins, TOP2)
+    margins = [[step[0][1] - step[1][1] for step in row] for row in TOP]
+    return Reference(PROMPTS, TOKENS, [[-1.0, -2.0], [-0.5]], margins, TOP)
 
 
 def _result(
@@ -94,10 +96,40 @@ def test_at_a_near_tie_the_engines_logprob_of_eagers_token_is_checked_too() -> N
     assert "eager's token 5" in got.message
 
 
-def test_a_swap_to_a_token_outside_eagers_top_two_is_never_a_near_tie() -> None:
-    got = _compare(_result([[1, 2], [4, 9]], [[-0.1, -0.2], [-0.3, -0.69312]]))
+def test_a_swap_to_eagers_third_token_within_twice_the_tolerance_is_a_near_tie() -> None:
+    """The swap's margin is eager's from its token to the engine's (1.5e-4 <= 2e-4), not
+    its top-2 margin: bf16 rounding moves every logprob, the third best's too."""
+    top = [
+        [[(1, -0.1), (7, -3)], [(2, -0.2), (7, -3)]],
+        [[(4, -0.3), (7, -3)], [(9, -0.69317), (5, -0.69318)]],
+    ]
+    got = _compare(_result([[1, 2], [4, 9]], [[-0.1, -0.2], [-0.3, -0.69317]], top))
+    assert got.outcome is Outcome.NEAR_TIE, got.message
+    assert "eager margin there to the engine's token 0.00015" in got.message
+    assert got.decode_gap is not None
+    assert got.decode_gap <= TOL.atol
+
+
+def test_a_swap_further_than_twice_the_tolerance_fails_even_with_close_logprobs() -> None:
+    """Eager ranks 9 1.5e-4 below its token 5: with a tolerance of 5e-5 no near-tie
+    reaches it, although each logprob the engine gives is within that tolerance."""
+    top = [
+        [[(1, -0.1), (7, -3)], [(2, -0.2), (7, -3)]],
+        [[(4, -0.3), (7, -3)], [(9, -0.69321), (5, -0.69312)]],
+    ]
+    result = _result([[1, 2], [4, 9]], [[-0.1, -0.2], [-0.3, -0.69321]], top)
+    blank = Served("fake", None, "/a", None, "float32", Outcome.FAILED, Verdict.RUNS, "")
+    got = compare_result(blank, result, _ref(), Tolerance(5e-5, "a test's"))
+    assert got.outcome is Outcome.FAILED, got.message
+    assert got.diverges == (1, 1)
+
+
+def test_a_swap_to_a_token_eager_does_not_rank_near_its_own_is_never_a_near_tie() -> None:
+    got = _compare(_result([[1, 2], [4, 11]], [[-0.1, -0.2], [-0.3, -0.69312]]))
     assert got.outcome is Outcome.FAILED
-    assert "outside eager's top-2" in got.message
+    assert "token 11 not among eager's 3 best [(5, -0.6931), (8, -0.6932), (9, -0.6933)]" in (
+        got.message
+    )
 
 
 @pytest.mark.parametrize(

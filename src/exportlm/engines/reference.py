@@ -3,9 +3,10 @@
 :func:`choose_prompts` draws one prompt per length from a seeded generator and keeps
 the first whose eager greedy decoding has no near-tie; :func:`eager_reference` runs
 each prompt alone and unpadded through the eager model, recomputing the whole row at
-each step (no cache): greedy tokens, teacher-forced log-probabilities, and the top-2
-margin and top-2 log-probabilities at every step (what each decode step of an engine is
-compared with). Torch and numpy are imported by the functions that need them.
+each step (no cache): greedy tokens, teacher-forced log-probabilities, and at every
+step the top-2 margin and the log-probabilities of eager's best tokens (the two best and
+every other token a tolerance could make the engine choose: what each decode step of an
+engine is compared with). Torch and numpy are imported by the functions that need them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "PROMPT_SEED",
     "PROMPT_TRIES",
     "Reference",
+    "TOP_CAP",
     "choose_prompts",
     "eager_reference",
 ]
@@ -36,6 +38,8 @@ PROMPT_LENGTHS = (3, 7, 12)
 #: The seed of the prompt draws, and how many draws one length may take.
 PROMPT_SEED = 19
 PROMPT_TRIES = 100
+#: At most this many candidates a step of :func:`eager_reference` keeps (its ``window``).
+TOP_CAP = 1024
 #: Prompt ids start here: 0-2 are the pad / bos / eos ids the engines and configs use.
 FIRST_ID = 3
 
@@ -46,15 +50,18 @@ class Reference:
 
     ``tokens[r]``: greedy tokens after prompt ``r``; ``logprobs[r][i]``: log p(prompt
     token ``i + 1`` | tokens ``0..i``); ``margins[r][s]``: the eager top-2 logit margin
-    at greedy step ``s``; ``top2[r][s]``: that step's two best ``(token, logprob)``
-    pairs, best first (the greedy token and its logprob first; empty when not computed).
+    at greedy step ``s``; ``top[r][s]``: that step's candidates as ``(token, logprob)``
+    pairs, best first (the greedy token first): the two best, and every other token
+    within the reference's ``window`` of the best (at most :data:`TOP_CAP`); empty when
+    not computed. A token an engine chose that is not among them is further from
+    eager's choice than any near-tie the comparison allows.
     """
 
     prompts: list[list[int]]
     tokens: list[list[int]]
     logprobs: list[list[float]]
     margins: list[list[float]]
-    top2: list[list[list[tuple[int, float]]]] = field(default_factory=list)
+    top: list[list[list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def min_margin(self) -> float:
@@ -82,9 +89,18 @@ def _logits(model: Any, ids: Any) -> Any:
 
 
 def eager_reference(
-    model: Any, prompts: Sequence[Sequence[int]], new_tokens: int = NEW_TOKENS
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int = NEW_TOKENS,
+    *,
+    window: float = 0.0,
 ) -> Reference:
     """The eager model's greedy tokens, teacher-forced logprobs and top-2 margins.
+
+    Each greedy step keeps its two best tokens and every token whose logprob is within
+    ``window`` of the best (at most :data:`TOP_CAP`): the served comparison passes twice
+    its tolerance, the largest eager margin a greedy swap may have and still be a
+    near-tie, so the engine's token at a swap is found there with eager's logprob.
 
     ``model(ids)`` must return logits ``[1, seq, vocab]`` (or an object with
     ``.logits``, as a transformers model does): a module, or a loaded runtime
@@ -94,7 +110,9 @@ def eager_reference(
     import torch
 
     device = _device(model)
-    tokens, logprobs, margins, top2 = [], [], [], []
+    if not window >= 0:
+        raise ValueError(f"eager_reference: window must be a number >= 0, got {window!r}")
+    tokens, logprobs, margins, top = [], [], [], []
     with torch.no_grad():
         for prompt in prompts:
             row = [int(t) for t in prompt]
@@ -105,14 +123,16 @@ def eager_reference(
             best: list[list[tuple[int, float]]] = []
             for _ in range(new_tokens):
                 last = _logits(model, torch.tensor([row], device=device))[0, -1].double()
-                top = torch.topk(torch.log_softmax(last, dim=-1), 2)
-                steps.append(float(top.values[0] - top.values[1]))  # = the logit margin
-                best.append([(int(i), float(v)) for i, v in zip(top.indices, top.values)])
+                ranked = torch.topk(torch.log_softmax(last, dim=-1), min(TOP_CAP, last.numel()))
+                values, order = ranked.values.tolist(), ranked.indices.tolist()
+                steps.append(values[0] - values[1])  # = the logit margin
+                keep = max(2, sum(1 for v in values if v >= values[0] - window))
+                best.append([(int(i), float(v)) for i, v in zip(order[:keep], values[:keep])])
                 row.append(int(last.argmax()))
             tokens.append(row[len(prompt) :])
             margins.append(steps)
-            top2.append(best)
-    return Reference([list(map(int, p)) for p in prompts], tokens, logprobs, margins, top2)
+            top.append(best)
+    return Reference([list(map(int, p)) for p in prompts], tokens, logprobs, margins, top)
 
 
 def _vocab(model: Any) -> int:

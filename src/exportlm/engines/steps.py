@@ -6,6 +6,7 @@ generation step's own log-probability (the engine's decode path on its cache, pa
 rows included) against the eager full recompute at that position: the chosen token's at
 every step up to and including a row's first divergence (after it the contexts differ),
 and, where the engine gives its top-k, the eager token's at a divergence.
+:func:`swap_margin`: how far below eager's token the engine's choice was there.
 :func:`cache_problem`: a KV cache that does not hold the prompt then one entry more per
 step. No torch, no engine.
 """
@@ -24,6 +25,7 @@ __all__ = [
     "describe_gaps",
     "divergence",
     "prompt_gap",
+    "swap_margin",
 ]
 
 Where = tuple[int, int]
@@ -67,12 +69,12 @@ def _step_pairs(
     steps: DecodeSteps, ref: Reference, r: int, s: int, token: int
 ) -> list[tuple[float, float, str]]:
     """(engine, eager, what) logprob pairs of row ``r``'s step ``s``, engine token ``token``."""
-    eager = dict(ref.top2[r][s])
+    eager = dict(ref.top[r][s])
     pairs = []
     if token in eager:
         pairs.append((steps.logprobs[r][s], eager[token], f"token {token}"))
-    else:  # not even eager's second best: no near-tie makes it
-        pairs.append((float("inf"), 0.0, f"token {token} outside eager's top-2 {ref.top2[r][s]}"))
+    else:  # further below eager's best than any near-tie: no tolerance makes it
+        pairs.append((float("inf"), 0.0, f"token {token} not among eager's {_best(ref.top[r][s])}"))
     want = ref.tokens[r][s]
     if token != want and steps.top is not None:
         given = dict(steps.top[r][s])
@@ -81,10 +83,30 @@ def _step_pairs(
     return pairs
 
 
+def _best(top: list[tuple[int, float]]) -> str:
+    """Eager's candidates at a step, as a message names them (the first few)."""
+    shown = ", ".join(f"({t}, {lp:.4g})" for t, lp in top[:4])
+    more = f", ... {len(top) - 4} more" if len(top) > 4 else ""
+    return f"{len(top)} best [{shown}{more}]"
+
+
+def swap_margin(ref: Reference, r: int, s: int, token: int) -> float:
+    """Eager's logprob margin, at row ``r``'s step ``s``, from its greedy token to
+    ``token`` (what an engine chose instead): ``inf`` where ``token`` is not among the
+    step's candidates (further than the reference's window), the top-2 margin where the
+    reference kept none."""
+    if not ref.top:
+        return ref.margins[r][s]
+    eager = dict(ref.top[r][s])
+    if token not in eager:
+        return float("inf")
+    return eager[ref.tokens[r][s]] - eager[token]
+
+
 def decode_gap(result: EngineResult, ref: Reference) -> DecodeGap | None:
     """Each decode step's logprob against eager's (``None``: the engine gives none)."""
     steps = result.decode
-    if steps is None or not ref.top2:
+    if steps is None or not ref.top:
         return None
     worst, where, detail, count = 0.0, None, "", 0
     for r, tokens in enumerate(result.tokens):
