@@ -18,11 +18,21 @@ a measurement anyone can repeat:
   greedy steps (what decides whether a greedy token may swap), and how many greedy steps
   vLLM's own decoding swapped, with the largest eager margin it swapped.
 
+With ``--real-model`` the model is SmolLM2-135M-Instruct (``tests/_real_model.py``),
+exported as ``tests/test_served_real_model.py`` exports it (``--recipe w8a8``: its
+compressed-tensors W8A8, calibrated on that file's lines), and the prompts are that
+file's chat questions; the reference is the checkpoint read back in float32
+(``load_exported``), torch's bf16 the same read back in bfloat16. vLLM then scores the
+top 20 of each position (not the whole vocabulary), so a margin's move is counted
+where both of eager's top-2 are among them.
+
 Nothing is timed; the numbers depend on the CPU's kernels (they are measured, not
 derived), so run it on the machine whose numbers you want::
 
-    EXPORTLM_ENGINE_VLLM=.venv-engines/vllm/bin/python \\
-        python benchmarks/engine_bf16_error.py [--prompts 30] [--json out.json]
+    EXPORTLM_ENGINE_VLLM=$PWD/.venv-engines/vllm/bin/python \\
+        .venv/bin/python benchmarks/engine_bf16_error.py [--prompts 30] [--json out.json]
+    EXPORTLM_ENGINE_VLLM=$PWD/.venv-engines/vllm/bin/python \\
+        .venv/bin/python benchmarks/engine_bf16_error.py --real-model --recipe w8a8
 """
 
 from __future__ import annotations
@@ -76,7 +86,8 @@ def _model() -> torch.nn.Module:
 
 def _log_softmax(model: torch.nn.Module, seq: list[int]) -> np.ndarray:
     with torch.no_grad():
-        logits = model(torch.tensor([seq])).logits[0].double()
+        out = model(torch.tensor([seq]))
+        logits = getattr(out, "logits", out)[0].double()  # a module's output, or a runtime's
     return torch.log_softmax(logits, dim=-1)[:-1].numpy()  # row i: p(token i+1 | ..i)
 
 
@@ -94,8 +105,10 @@ def _stats(
         given.extend(err[:n].tolist())
         for i in range(n, len(tokens)):  # greedy steps: the top-2 margin's move
             a, b = np.argsort(-e[i])[:2]
-            shift.append(abs((e[i, a] - e[i, b]) - (o[i, a] - o[i, b])))
-    g, s = np.array(given), np.array(shift)
+            moved = abs((e[i, a] - e[i, b]) - (o[i, a] - o[i, b]))
+            if moved == moved:  # NaN: one of the two is not among the engine's scored top-k
+                shift.append(moved)
+    g, s = np.array(given), np.array(shift or [float("nan")])
     return {
         "given_max": float(g.max()),
         "given_p99": float(np.percentile(g, 99)),
@@ -115,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         help="quantize first (e.g. w8a8) and export compressed-tensors; the reference is the "
         "fake-quantized model in float32 (no torch bf16 comparison then)",
     )
+    parser.add_argument(
+        "--real-model",
+        action="store_true",
+        help="SmolLM2-135M-Instruct on tests/test_served_real_model.py's chat prompts",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -123,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vLLM not found: {found.reason} (run `make engines`)", file=sys.stderr)
         return 2
 
+    if args.real_model:
+        return _real_model(args, found.path)
     model = _model()
     if args.recipe:
         from exportlm.quant import quantize
@@ -159,27 +179,111 @@ def main(argv: list[str] | None = None) -> int:
             "vocab": vocab,
             "new_tokens": NEW_TOKENS,
         }
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-        env.update(get_engine("vllm").env)  # as the served comparison runs it
-        proc = subprocess.run(
-            [str(found.path), "-E", "-s", "-c", _VLLM],
-            input=json.dumps(request),
-            capture_output=True,
-            text=True,
-            env=env,
-        )
+        got = _run_vllm(found.path, request)
+    if got is None:
+        return 1
+    vllm = _matrices(got, vocab)
+    what = f"{args.recipe} compressed-tensors" if args.recipe else "plain bfloat16 checkpoint"
+    return _report(args, what, ref, got, eager, vllm, torch_bf16, seqs, prompts)
+
+
+def _run_vllm(python: Path, request: dict[str, Any]) -> dict[str, Any] | None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(get_engine("vllm").env)  # as the served comparison runs it
+    proc = subprocess.run(
+        [str(python), "-E", "-s", "-c", _VLLM],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if proc.returncode != 0 or "@@RESULT@@" not in proc.stdout:
         print(proc.stderr[-4000:], file=sys.stderr)
-        return 1
-    got = json.loads(proc.stdout.rsplit("@@RESULT@@", 1)[1])
-    vllm = []
+        return None
+    result: dict[str, Any] = json.loads(proc.stdout.rsplit("@@RESULT@@", 1)[1])
+    return result
+
+
+def _matrices(got: dict[str, Any], vocab: int) -> list[np.ndarray]:
+    out = []
     for rows in got["logprobs"]:
         m = np.full((len(rows), vocab), np.nan)
         for i, step in enumerate(rows):
             for k, v in step.items():
                 m[i, int(k)] = v
-        vllm.append(m)
+        out.append(m)
+    return out
 
+
+def _real_model(args: argparse.Namespace, python: Path) -> int:
+    """SmolLM2 exported as the real-model served tests export it, on their chat prompts."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from exportlm.cli import main as cli
+    from tests._real_model import real_model_dir
+    from tests.test_served_real_model import CALIBRATION, EXPORTS, QUESTIONS
+
+    directory = real_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    prompts = []
+    for question in QUESTIONS:
+        ids: Any = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        )
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        prompts.append([int(i) for i in ids])
+    kind = {None: "bf16", "w8a8": "w8a8"}.get(args.recipe)
+    if kind is None:
+        print(f"--real-model takes --recipe w8a8 or none, not {args.recipe!r}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "calib.txt"
+        data.write_text("\n".join(CALIBRATION) + "\n")
+        argv = ["export", "--model", str(directory), *EXPORTS[kind], "-q"]
+        if "--calib-samples" in argv:
+            argv += ["--calib-data", str(data)]
+        artifact = Path(tmp) / "ckpt"
+        if cli([*argv, "--out", str(artifact)]) != 0:
+            return 1
+        if args.recipe:
+            eager_model = exportlm.load_exported("hf_checkpoint", artifact, dtype="float32")
+            bf16_model = exportlm.load_exported("hf_checkpoint", artifact, dtype="bfloat16")
+        else:
+            load = AutoModelForCausalLM.from_pretrained
+            eager_model = load(directory, dtype=torch.float32, attn_implementation="eager")
+            bf16_model = load(directory, dtype=torch.bfloat16, attn_implementation="eager")
+        ref = eager_reference(eager_model, prompts)
+        seqs = [p + t for p, t in zip(prompts, ref.tokens)]
+        eager = [_log_softmax(eager_model, s) for s in seqs]
+        torch_bf16 = [_log_softmax(bf16_model, s) for s in seqs]
+        request = {
+            "artifact": str(artifact),
+            "seqs": seqs,
+            "prompts": prompts,
+            "vocab": 20,
+            "new_tokens": NEW_TOKENS,
+        }
+        got = _run_vllm(python, request)
+    if got is None:
+        return 1
+    vocab = eager[0].shape[-1]
+    what = f"SmolLM2-135M-Instruct, {args.recipe or 'plain bfloat16'} checkpoint"
+    return _report(args, what, ref, got, eager, _matrices(got, vocab), torch_bf16, seqs, prompts)
+
+
+def _report(
+    args: argparse.Namespace,
+    what: str,
+    ref: Any,
+    got: dict[str, Any],
+    eager: list[np.ndarray],
+    vllm: list[np.ndarray],
+    torch_bf16: list[np.ndarray] | None,
+    seqs: list[list[int]],
+    prompts: list[list[int]],
+) -> int:
     swaps = [
         (ref.margins[r][i], r, i)
         for r, (g, w) in enumerate(zip(got["tokens"], ref.tokens))
@@ -190,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "vllm": got["version"],
-        "prompts": args.prompts,
+        "model": what,
+        "prompts": len(prompts),
         "eager_min_margin": ref.min_margin,
         "vllm_bf16": _stats(eager, vllm, seqs, prompts),
         "recipe": args.recipe,
@@ -198,8 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm_rows_diverged": len(swaps),
         "vllm_largest_swapped_margin": max((s[0] for s in swaps), default=0.0),
     }
-    what = f"{args.recipe} compressed-tensors" if args.recipe else "plain bfloat16 checkpoint"
-    print(f"{what}: {args.prompts} prompts x {NEW_TOKENS} greedy tokens; vLLM {got['version']}")
+    print(f"{what}: {len(prompts)} prompts x {NEW_TOKENS} greedy tokens; vLLM {got['version']}")
     print(f"{'':12} {'given max':>10} {'given p99':>10} {'shift max':>10} {'shift p99':>10}")
     for name in ("vllm_bf16", "torch_bf16"):
         s = result[name]
@@ -210,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['margin_shift_max']:10.3f} {s['margin_shift_p99']:10.3f}"
         )
     print(
-        f"vLLM's greedy rows that diverged: {len(swaps)} of {args.prompts}; largest eager "
+        f"vLLM's greedy rows that diverged: {len(swaps)} of {len(prompts)}; largest eager "
         f"margin swapped {result['vllm_largest_swapped_margin']:.3f}"
     )
     if args.json:

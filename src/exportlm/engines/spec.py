@@ -130,6 +130,10 @@ class Support:
         cpu_otherwise: what the engine does on a CPU without ``cpu_features``:
             :attr:`Verdict.ENGINE_LIMIT` (an error, ``message``) or :attr:`Verdict.MISREADS`
             (it runs and computes something else).
+        computes: the scheme the engine computes the artifact as, where its kernel is not
+            the artifact's own scheme (vLLM CPU's int4 experts quantize their inputs to
+            int8: a ``W4A16`` checkpoint computed as ``W4A8``); the comparison then takes
+            that scheme's stated tolerance. ``None``: the artifact's scheme.
     """
 
     target: str
@@ -146,6 +150,7 @@ class Support:
     model_types: tuple[str, ...] = ()
     cpu_features: tuple[str, ...] = ()
     cpu_otherwise: Verdict = Verdict.ENGINE_LIMIT
+    computes: str | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.cpu_features) - set(CPU_FEATURES))
@@ -194,8 +199,9 @@ class Tolerance:
     """Max |engine - eager| of a teacher-forced log-probability, and where it comes from.
 
     Attributes:
-        atol: the bound. It also bounds which greedy token may swap: an eager top-2
-            margin up to ``2 * atol`` may swap (a near-tie), and prompts are chosen above it.
+        atol: the bound. It also bounds which greedy token may swap: the engine may
+            choose a token eager ranks up to ``2 * atol`` below its own (a near-tie, with
+            both tokens' logprobs within ``atol``), and prompts are chosen above it.
         evidence: the measurement it rests on (what was served, the gap seen, where).
         dtype: the compute dtype it holds for.
         scheme: the quantized scheme it holds for, as the support tables name it
