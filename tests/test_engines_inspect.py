@@ -55,7 +55,9 @@ WRITERS: dict[tuple[str | None, str | None], tuple[str | None, str | None, tuple
     ("compressed-tensors", "W4AFP8"): ("compressed-tensors", "w4afp8", ()),
     # gpt-oss's layout quantizes the experts only
     ("mxfp4", "MXFP4"): ("gpt-oss-mxfp4", "mxfp4", ("*self_attn*",)),
-    ("modelopt", "fp8_pb_wo"): ("modelopt", "fp8_block", ()),
+    # q / k / v left float: the toy's 64-row k_proj would split vLLM's fused qkv_proj in
+    # tiles of 128 (fp8-block-fused-rows: its loader fails)
+    ("modelopt", "fp8_pb_wo"): ("modelopt", "fp8_block", ("*q_proj", "*k_proj", "*v_proj")),
 }
 #: The engines' names in inspect's loader list (it appends the version it read them for).
 INSPECT_NAMES = {"vllm": "vLLM", "transformers": "transformers"}

@@ -41,8 +41,10 @@ MANIFEST = "exportlm-manifest.json"
 IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
 #: Our loader against the fake-quant model (measured 0.0 on the toy Llama; room for another BLAS).
 LOGITS_ATOL = 1e-4
-#: Llama with hidden 256: every q / k / v and gate / up weight spans several 128 x 128 tiles.
-WIDE = {"hidden_size": 256, "intermediate_size": 512}
+#: Llama with hidden 256: every q / k / v and gate / up weight spans whole 128 x 128 tiles;
+#: k_proj / v_proj of 128 rows (2 KV heads of 64): with 64 (heads of 32) vLLM's fused
+#: qkv_proj loader fails on the tile (``fp8-block-fused-rows``, tests/test_inspect_fused_rows.py).
+WIDE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
 #: (family, overrides): Llama, Qwen3-MoE's experts (written per expert, as ModelOpt unfuses them).
 MODELS = [("llama", WIDE), ("qwen3_moe", {"hidden_size": 256, "moe_intermediate_size": 256})]
 

@@ -13,6 +13,7 @@ from exportlm.errors import InvalidInputError
 from exportlm.inspection._declared import read_declared
 from exportlm.inspection._e8m0 import e8m0_findings
 from exportlm.inspection._files import read_checkpoint
+from exportlm.inspection._fused_rows import fused_rows_findings, fused_rows_refusals
 from exportlm.inspection._gpt_oss import gpt_oss_findings
 from exportlm.inspection._layers import layer_findings, quantized_layers
 from exportlm.inspection._onnx import onnx_findings
@@ -108,7 +109,11 @@ def inspect_checkpoint(path: str | Path) -> InspectionReport:
     checkpoint = read_checkpoint(path)
     declared = read_declared(checkpoint)
     layers = quantized_layers(checkpoint, declared)
-    shapes = [*tile_size_refusals(layers, declared), *w4afp8_refusals(layers)]
+    shapes = [
+        *tile_size_refusals(layers, declared),
+        *fused_rows_refusals(layers, declared),
+        *w4afp8_refusals(layers),
+    ]
     findings = [
         *file_findings(checkpoint),
         *config_file_findings(checkpoint),
@@ -120,6 +125,7 @@ def inspect_checkpoint(path: str | Path) -> InspectionReport:
         *w4a8_findings(checkpoint, layers),
         *w4afp8_findings(layers),
         *tile_size_findings(layers, declared),
+        *fused_rows_findings(layers, declared),
         *gpt_oss_findings(checkpoint, declared),
     ]
     formats = Counter(

@@ -35,6 +35,13 @@ SCHEME_RULE_ROWS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "scale's shape.",
     ),
     (
+        "fp8-block-fused-rows",
+        "warning",
+        ("vLLM",),
+        "An FP8 block layer that vLLM fuses with the projection after it (q_proj, k_proj into "
+        "qkv_proj; gate_proj into gate_up_proj) has a whole number of tiles of rows.",
+    ),
+    (
         "mxfp4-blocks-outside-experts",
         "error",
         ("vLLM", "transformers"),

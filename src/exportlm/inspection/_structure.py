@@ -223,7 +223,7 @@ def _method_findings(
             f"quant_method {method!r} {'; '.join(said)}",
             known=loads,
             refused=refusing,
-            fails=[r.engine for r in failing],
+            fails=list(dict.fromkeys(r.engine for r in failing)),
             misread=[f"{m.engine} {m.version}" for m in misread],
             unknown=unknown,
             kv_scales_dropped=dropped is not None,
