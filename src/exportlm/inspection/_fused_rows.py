@@ -22,8 +22,7 @@ from exportlm.inspection._declared import Declared
 from exportlm.inspection._layers import QuantizedLayer
 from exportlm.inspection._loaders import LayerRefusal
 from exportlm.inspection._rules import RULES, Finding
-from exportlm.inspection._tiles import layout_tiles, scale_tile
-from exportlm.quant.formats import CHECKPOINT_LAYOUTS
+from exportlm.inspection._tiles import layout_tiles, scale_tile, tile_leaves
 
 __all__ = ["fused_rows_findings", "fused_rows_refusals"]
 
@@ -44,24 +43,13 @@ class _Split:
 
 def _tile(layer: QuantizedLayer, layout: str) -> tuple[int, int] | None:
     """``(rows, tile edge)`` of a tile-granular layer, as the checkpoint stores it."""
-    spec = layer.spec
-    if spec is None or spec.granularity != "tile" or layout not in CHECKPOINT_LAYOUTS:
+    found = tile_leaves(layer.spec, layer.leaves, layout)
+    if found is None or layer.spec is None or len(found[0].shape) != 2:
         return None
-    codec = CHECKPOINT_LAYOUTS[layout].codec(spec)
-    if codec is not None:  # a layout that stores the leaves under names of its own
-        codes_name, shapes = codec.codes.name, codec.scale_shapes
-        scale_names = [leaf.name for leaf in codec.weights if leaf.kind == "scale"]
-    else:  # the format's own leaves (compressed-tensors)
-        codes_name = next(leaf.name for leaf in spec.weight_leaves if leaf.source == "data")
-        scale_names = [leaf.name for leaf in spec.weight_leaves if leaf.source == "scale"]
-        shapes = None
-    codes = layer.leaves.get(codes_name)
-    scale = next((layer.leaves[n] for n in scale_names if n in layer.leaves), None)
-    if codes is None or scale is None or len(codes.shape) != 2:
-        return None
+    codes, scale, shapes = found
     if layer.scheme is not None and layer.scheme.group_size:  # the config records the tile
         return codes.shape[0], int(layer.scheme.group_size)
-    _, held = layout_tiles(spec, layout)
+    _, held = layout_tiles(layer.spec, layout)
     default = held[0] if held else 128
     return codes.shape[0], scale_tile(scale.shape, tuple(codes.shape), default, shapes)
 

@@ -19,7 +19,7 @@ from exportlm.inspection._header import TensorInfo
 from exportlm.inspection._layers import QuantizedLayer
 from exportlm.inspection._loaders import LayerRefusal
 from exportlm.inspection._rules import RULES, Finding
-from exportlm.inspection._tiles import layout_tiles, scale_tile
+from exportlm.inspection._tiles import layout_tiles, scale_tile, tile_leaves
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, FormatSpec
 
 __all__ = ["tile_size_findings", "tile_size_refusals"]
@@ -31,20 +31,14 @@ _Unheld = tuple[int, TensorInfo, TensorInfo, tuple[int, ...]]
 def _unheld(layer: QuantizedLayer, layout: str) -> _Unheld | None:
     """``(tile, scale, codes, held tiles)`` of a layer whose tile, recorded nowhere, is not
     one the layout holds."""
-    spec, codec = layer.spec, None
-    if spec is not None and layout in CHECKPOINT_LAYOUTS:
-        codec = CHECKPOINT_LAYOUTS[layout].codec(spec)
-    if spec is None or codec is None or spec.granularity != "tile":
+    found = tile_leaves(layer.spec, layer.leaves, layout)
+    if found is None or layer.spec is None:
         return None
-    records, held = layout_tiles(spec, layout)
+    records, held = layout_tiles(layer.spec, layout)
     if records or not held or (layer.scheme is not None and layer.scheme.group_size):
         return None
-    codes = layer.leaves.get(codec.codes.name)
-    scales = [layer.leaves.get(leaf.name) for leaf in codec.weights if leaf.kind == "scale"]
-    scale = next((info for info in scales if info is not None), None)
-    if codes is None or scale is None:
-        return None
-    tile = scale_tile(scale.shape, tuple(codes.shape), held[0], codec.scale_shapes)
+    codes, scale, shapes = found
+    tile = scale_tile(scale.shape, tuple(codes.shape), held[0], shapes)
     return None if tile in held else (tile, scale, codes, held)
 
 

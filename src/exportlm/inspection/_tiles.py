@@ -13,13 +13,13 @@ gives (``in / ib``, :func:`scale_tile`), the format's default where that fits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from exportlm.inspection._header import TensorInfo
 from exportlm.inspection._rules import RULES, Finding
 from exportlm.quant.formats import CHECKPOINT_LAYOUTS, FormatSpec
 
-__all__ = ["layout_tiles", "scale_tile", "tile_scale_findings", "tile_scale_shape"]
+__all__ = ["layout_tiles", "scale_tile", "tile_leaves", "tile_scale_findings", "tile_scale_shape"]
 
 Shapes = Callable[[tuple[int, ...]], tuple[tuple[int, ...], ...]]
 
@@ -36,6 +36,27 @@ def layout_tiles(spec: FormatSpec, layout_name: str) -> tuple[bool, tuple[int, .
     layout = CHECKPOINT_LAYOUTS.get(layout_name)
     scheme = None if layout is None else getattr(spec, layout.scheme or "modelopt", None)
     return getattr(scheme, "group_size_field", True), getattr(scheme, "block_sizes", ())
+
+
+def tile_leaves(
+    spec: FormatSpec | None, leaves: Mapping[str, TensorInfo], layout: str
+) -> tuple[TensorInfo, TensorInfo, Shapes | None] | None:
+    """``(codes, scale, the layout's stored scale shapes)`` of a tile-granular layer's
+    ``leaves`` as ``layout`` stores them: under its codec's names (ModelOpt, finegrained-fp8)
+    or the format's own (compressed-tensors); ``None`` for another layer or a leaf missing."""
+    if spec is None or spec.granularity != "tile" or layout not in CHECKPOINT_LAYOUTS:
+        return None
+    codec = CHECKPOINT_LAYOUTS[layout].codec(spec)
+    if codec is not None:
+        codes_name, shapes = codec.codes.name, codec.scale_shapes
+        scale_names = [leaf.name for leaf in codec.weights if leaf.kind == "scale"]
+    else:
+        codes_name = next(leaf.name for leaf in spec.weight_leaves if leaf.source == "data")
+        scale_names = [leaf.name for leaf in spec.weight_leaves if leaf.source == "scale"]
+        shapes = None
+    codes = leaves.get(codes_name)
+    scale = next((leaves[name] for name in scale_names if name in leaves), None)
+    return None if codes is None or scale is None else (codes, scale, shapes)
 
 
 def scale_tile(
