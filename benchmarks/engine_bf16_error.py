@@ -223,17 +223,11 @@ def _real_model(args: argparse.Namespace, python: Path) -> int:
 
     from exportlm.cli import main as cli
     from tests._real_model import real_model_dir
-    from tests.test_served_real_model import CALIBRATION, EXPORTS, QUESTIONS
+    from tests.test_served_real_model import CALIBRATION, QUESTIONS, chat_ids, export_argv
 
     directory = real_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    prompts = []
-    for question in QUESTIONS:
-        ids: Any = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
-        )
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        prompts.append([int(i) for i in ids])
+    prompts = [chat_ids(tokenizer, question) for question in QUESTIONS]
     kind = {None: "bf16", "w8a8": "w8a8"}.get(args.recipe)
     if kind is None:
         print(f"--real-model takes --recipe w8a8 or none, not {args.recipe!r}", file=sys.stderr)
@@ -241,11 +235,8 @@ def _real_model(args: argparse.Namespace, python: Path) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "calib.txt"
         data.write_text("\n".join(CALIBRATION) + "\n")
-        argv = ["export", "--model", str(directory), *EXPORTS[kind], "-q"]
-        if "--calib-samples" in argv:
-            argv += ["--calib-data", str(data)]
         artifact = Path(tmp) / "ckpt"
-        if cli([*argv, "--out", str(artifact)]) != 0:
+        if cli([*export_argv(kind, directory, data), "--out", str(artifact)]) != 0:
             return 1
         if args.recipe:
             eager_model = exportlm.load_exported("hf_checkpoint", artifact, dtype="float32")

@@ -137,11 +137,17 @@ def test_the_reference_and_the_prompts_come_from_the_eager_model_alone() -> None
 # -- serve_and_compare on fake workers ----------------------------------------------
 
 
-def _engine(tmp_path: Path, *rows: Support) -> Engine:
+def _engine(tmp_path: Path, *rows: Support, tolerances: tuple[Tolerance, ...] = ()) -> Engine:
     worker = tmp_path / "fake_worker.py"
     worker.write_text(FAKE_WORKER.format(module="json"))
     return Engine(
-        "fake", "json", ("pytest",), str(worker), table_version=PYTEST_VERSION, table=rows
+        "fake",
+        "json",
+        ("pytest",),
+        str(worker),
+        table_version=PYTEST_VERSION,
+        table=rows,
+        tolerances=tolerances,
     )
 
 
@@ -297,25 +303,16 @@ def test_a_row_that_computes_another_scheme_is_held_to_that_schemes_tolerance(
     the stated tolerance of what the engine computes, not of the artifact's own scheme."""
     own = Tolerance(1e-4, "the artifact's dtype", "float32")
     kernel = Tolerance(100.0, "what the kernel computes", "float32", "W4A8")
-    worker = tmp_path / "fake_worker.py"
-    worker.write_text(FAKE_WORKER.format(module="json"))
-
-    def engine(row: Support) -> Engine:
-        return Engine(
-            "fake",
-            "json",
-            ("pytest",),
-            str(worker),
-            table_version=PYTEST_VERSION,
-            table=(row,),
-            tolerances=(own, kernel),
-        )
-
-    plain = serve_and_compare(engine(Support("onnx", "plain")), graph, model, prompts=PROMPTS)
+    plain_row = Support("onnx", "plain")
+    plain = serve_and_compare(
+        _engine(tmp_path, plain_row, tolerances=(own, kernel)), graph, model, prompts=PROMPTS
+    )
     assert plain.atol == own.atol
     assert plain.tolerance_evidence == own.evidence
     row = Support("onnx", "plain", computes="W4A8")
-    got = serve_and_compare(engine(row), graph, model, prompts=PROMPTS)
+    got = serve_and_compare(
+        _engine(tmp_path, row, tolerances=(own, kernel)), graph, model, prompts=PROMPTS
+    )
     assert got.atol == kernel.atol
     assert got.tolerance_evidence == kernel.evidence
     assert (

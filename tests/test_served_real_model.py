@@ -106,6 +106,13 @@ def _python(name: str) -> Path:
     return found.path
 
 
+def export_argv(kind: str, model_dir: Path, data: Path) -> list[str]:
+    """The CLI arguments of :data:`EXPORTS`' ``kind`` (``--calib-data data`` where it
+    calibrates), without ``--out``: the benchmarks export the same way."""
+    argv = ["export", "--model", str(model_dir), *EXPORTS[kind], "-q"]
+    return [*argv, "--calib-data", str(data)] if "--calib-samples" in argv else argv
+
+
 @pytest.fixture(scope="module")
 def exported(
     real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -118,11 +125,8 @@ def exported(
 
     def make(kind: str) -> Path:
         if kind not in made:
-            argv = ["export", "--model", str(real_model_dir), *EXPORTS[kind], "-q"]
-            if "--calib-samples" in argv:
-                argv += ["--calib-data", str(data)]
             out = root / kind / ("model.onnx" if kind == "onnx" else "ckpt")
-            assert main([*argv, "--out", str(out)]) == 0, kind
+            assert main([*export_argv(kind, real_model_dir, data), "--out", str(out)]) == 0, kind
             made[kind] = out
         return made[kind]
 
@@ -148,7 +152,8 @@ def float_model(real_model_dir: Path) -> Any:
     return model.eval()
 
 
-def _chat(tokenizer: Any, question: str) -> list[int]:
+def chat_ids(tokenizer: Any, question: str) -> list[int]:
+    """``question`` as one user turn through the model's chat template, as token ids."""
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
     )
@@ -166,7 +171,7 @@ def _serve(
 ) -> Served:
     """``artifact`` served by ``engine`` on the chat questions, against ``reference``."""
     python = _python(engine)
-    prompts = [_chat(tokenizer, question) for question in QUESTIONS]
+    prompts = [chat_ids(tokenizer, question) for question in QUESTIONS]
     got = serve_and_compare(
         engine, artifact, reference, prompts=prompts, dtype=dtype, python=python
     )
