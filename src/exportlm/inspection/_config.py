@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from exportlm.checkpoint import HF_QUANT_CONFIG_NAME, ConfigGroup, QuantizationDeclaration, Section
+from exportlm.inspection._ct_args import args_problems
 from exportlm.inspection._finegrained import finegrained_problems
 from exportlm.inspection._loaders import compressed_tensors_formats, modelopt_quant_algos
 
@@ -267,6 +268,28 @@ def _group_problem(group: ConfigGroup, known: frozenset[str]) -> str | None:
     return None
 
 
+def _args_problems(section: Section, where: str) -> list[tuple[str, str, str]]:
+    """``config-field-invalid`` for every args object compressed-tensors' validation refuses."""
+    found = [
+        why
+        for group in sorted(section.config_groups or (), key=lambda group: group.name)
+        for key in ("weights", "input_activations", "output_activations")
+        for why in args_problems(
+            getattr(group, key), f"{where}.config_groups[{group.name!r}].{key}"
+        )
+    ]
+    found += args_problems(section.kv_cache_scheme, f"{where}.kv_cache_scheme")
+    return [
+        (
+            "config-field-invalid",
+            _CONFIG,
+            f"{why}: compressed-tensors' own validation (QuantizationArgs) refuses these "
+            "args, and the loaders of this layout (vLLM, SGLang, transformers) fail at load",
+        )
+        for why in found
+    ]
+
+
 def _ct_problems(section: Section) -> list[tuple[str, str, str]]:
     where = f"{_CONFIG} quantization_config"
     if section.config_groups is None:
@@ -291,7 +314,7 @@ def _ct_problems(section: Section) -> list[tuple[str, str, str]]:
                     "decompress the layers",
                 )
             )
-    return problems
+    return problems + _args_problems(section, where)
 
 
 def quant_config_problems(declaration: QuantizationDeclaration) -> list[tuple[str, str, str]]:
