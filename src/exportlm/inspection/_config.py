@@ -233,13 +233,28 @@ def _algo_problem(algo: Any, where: str, subject: str) -> tuple[str, str, str] |
     )
 
 
+def _group_size_problem(size: Any, where: str, subject: str) -> tuple[str, str, str] | None:
+    """A ModelOpt ``group_size`` that is written and not a positive int."""
+    if size is None or _positive_int(size):
+        return None
+    return (
+        "config-field-invalid",
+        subject,
+        f"{where} group_size is {size!r}, expected a positive int: the loaders size the "
+        "weights' block scales by it (vLLM's NVFP4 divides the input features by it)",
+    )
+
+
 def _modelopt_problems(section: Section, where: str) -> list[Any]:
     subject = section.file
-    found = [_algo_problem(section.quant_algo, where, subject)]
+    found = [
+        _algo_problem(section.quant_algo, where, subject),
+        _group_size_problem(section.group_size, where, subject),
+    ]
     for layer in sorted(section.quantized_layers, key=lambda layer: layer.name):
-        found.append(
-            _algo_problem(layer.quant_algo, f"{where} quantized_layers[{layer.name!r}]", subject)
-        )
+        at = f"{where} quantized_layers[{layer.name!r}]"
+        found.append(_algo_problem(layer.quant_algo, at, subject))
+        found.append(_group_size_problem(layer.group_size, at, subject))
     if section.quantized_layers_invalid is not None:
         found.append(
             (
