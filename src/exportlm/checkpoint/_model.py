@@ -261,6 +261,9 @@ class Section:
         finegrained: ``quant_method: "fp8"``'s fields (``None`` for another method).
         not_converted: ``quant_method: "mxfp4"``'s ``modules_to_not_convert`` as written
             (transformers' ``Mxfp4Config``; vLLM's reads none); ``None``: absent or another method.
+        lists_invalid: ``(key, value as written)`` of each list of module names the loaders
+            require a JSON list of strings and that is not one (``exclude_modules``,
+            ``ignore``; a compressed-tensors group's ``targets``, which it requires).
     """
 
     file: str
@@ -280,6 +283,7 @@ class Section:
     listed: tuple[Listed, ...] = ()
     finegrained: FineGrainedFP8 | None = None
     not_converted: Any = None
+    lists_invalid: tuple[tuple[str, Any], ...] = ()
 
     @property
     def layout(self) -> str:

@@ -127,6 +127,29 @@ def _listed(
     return listed
 
 
+def _lists_invalid(
+    section: Mapping[str, Any], where: str, file: str
+) -> tuple[tuple[str, Any], ...]:
+    """The name lists that are not JSON lists of strings (:attr:`Section.lists_invalid`):
+    ``exclude_modules`` and ``ignore`` where written, a compressed-tensors group's
+    ``targets`` always (its ``QuantizationScheme`` requires them)."""
+    keys = ("exclude_modules", "ignore") if file == CONFIG_NAME else ("exclude_modules",)
+    found = [(f"{where}.{k}", section[k]) for k in keys if section.get(k) is not None]
+    groups = section.get("config_groups")
+    ct = file == CONFIG_NAME and section.get("quant_method") == "compressed-tensors"
+    if ct and isinstance(groups, dict):
+        found += [
+            (f"{where}.config_groups.{name}.targets", group.get("targets"))
+            for name, group in groups.items()
+            if isinstance(group, dict)
+        ]
+    return tuple(
+        (key, value)
+        for key, value in found
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value))
+    )
+
+
 def _finegrained(section: Mapping[str, Any], file: str) -> FineGrainedFP8 | None:
     """``quant_method: "fp8"``'s fields (``None`` for another method or file)."""
     if file != CONFIG_NAME or section.get("quant_method") != "fp8":
@@ -175,6 +198,7 @@ def _section(section: Mapping[str, Any], file: str, source: str, where: str) -> 
         not_converted=section.get("modules_to_not_convert")
         if file == CONFIG_NAME and section.get("quant_method") == "mxfp4"
         else None,
+        lists_invalid=_lists_invalid(section, where, file),
     )
 
 

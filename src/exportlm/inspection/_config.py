@@ -29,6 +29,7 @@ from exportlm.checkpoint import HF_QUANT_CONFIG_NAME, ConfigGroup, QuantizationD
 from exportlm.inspection._ct_args import args_problems
 from exportlm.inspection._finegrained import finegrained_problems
 from exportlm.inspection._loaders import compressed_tensors_formats, modelopt_quant_algos
+from exportlm.inspection._quant_fields import group_size_problem, kv_algo_problem, list_problems
 
 __all__ = ["SIZE_FIELDS", "config_field_problems", "quant_config_problems", "sub_config_problems"]
 
@@ -233,28 +234,17 @@ def _algo_problem(algo: Any, where: str, subject: str) -> tuple[str, str, str] |
     )
 
 
-def _group_size_problem(size: Any, where: str, subject: str) -> tuple[str, str, str] | None:
-    """A ModelOpt ``group_size`` that is written and not a positive int."""
-    if size is None or _positive_int(size):
-        return None
-    return (
-        "config-field-invalid",
-        subject,
-        f"{where} group_size is {size!r}, expected a positive int: the loaders size the "
-        "weights' block scales by it (vLLM's NVFP4 divides the input features by it)",
-    )
-
-
 def _modelopt_problems(section: Section, where: str) -> list[Any]:
     subject = section.file
     found = [
         _algo_problem(section.quant_algo, where, subject),
-        _group_size_problem(section.group_size, where, subject),
+        group_size_problem(section.group_size, where, subject),
+        kv_algo_problem(section.kv_cache_quant_algo, where, subject),
     ]
     for layer in sorted(section.quantized_layers, key=lambda layer: layer.name):
         at = f"{where} quantized_layers[{layer.name!r}]"
         found.append(_algo_problem(layer.quant_algo, at, subject))
-        found.append(_group_size_problem(layer.group_size, at, subject))
+        found.append(group_size_problem(layer.group_size, at, subject))
     if section.quantized_layers_invalid is not None:
         found.append(
             (
@@ -347,6 +337,8 @@ def quant_config_problems(declaration: QuantizationDeclaration) -> list[tuple[st
             )
         )
     section = declaration.config
+    for declared in (declaration.hf_quant, section):
+        problems += list_problems(declared) if declared is not None else []
     if section is None and declaration.config_invalid is None:
         return problems
     if section is None or not isinstance(section.quant_method, str):
