@@ -93,6 +93,7 @@ REFUSED = [
     ("fp8_kv", "hf_quant_config.json", _quantization("exclude_modules", "lm_head"), "config-field-invalid", "quantization.exclude_modules is 'lm_head'"),
     ("fp8_kv", "hf_quant_config.json", _quantization("exclude_modules", [5]), "config-field-invalid", "quantization.exclude_modules is [5]"),
     ("fp8_kv_ct", "config.json", _ct("ignore", "lm_head"), "config-field-invalid", "quantization_config.ignore is 'lm_head'"),
+    ("int4_awq", "config.json", _ct("ignore", "lm_head"), "config-field-invalid", "ignore is 'lm_head', expected a JSON list of module-name strings: vLLM's ModelOpt config"),
     ("fp8_kv_ct", "config.json", _targets("Linear"), "config-field-invalid", "group_0.targets is 'Linear'"),
     ("fp8_kv_ct", "config.json", _targets(None), "config-field-invalid", "group_0.targets is None"),
 ]  # fmt: skip

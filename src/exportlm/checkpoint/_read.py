@@ -131,13 +131,18 @@ def _lists_invalid(
     section: Mapping[str, Any], where: str, file: str
 ) -> tuple[tuple[str, Any], ...]:
     """The name lists that are not JSON lists of strings (:attr:`Section.lists_invalid`):
-    ``exclude_modules`` and ``ignore`` where written, a compressed-tensors group's
-    ``targets`` always (its ``QuantizationScheme`` requires them)."""
-    keys = ("exclude_modules", "ignore") if file == CONFIG_NAME else ("exclude_modules",)
+    the ones the layout's loaders read, where written: ModelOpt's ``exclude_modules``
+    (``hf_quant_config.json``) or ``ignore`` (``config.json``); compressed-tensors'
+    ``ignore``, and each group's ``targets`` always (its ``QuantizationScheme`` requires them)."""
+    method = section.get("quant_method") if file == CONFIG_NAME else "modelopt"
+    keys: tuple[str, ...] = ()
+    if file != CONFIG_NAME:
+        keys = ("exclude_modules",)
+    elif method in ("modelopt", "compressed-tensors"):
+        keys = ("ignore",)
     found = [(f"{where}.{k}", section[k]) for k in keys if section.get(k) is not None]
     groups = section.get("config_groups")
-    ct = file == CONFIG_NAME and section.get("quant_method") == "compressed-tensors"
-    if ct and isinstance(groups, dict):
+    if method == "compressed-tensors" and isinstance(groups, dict):
         found += [
             (f"{where}.config_groups.{name}.targets", group.get("targets"))
             for name, group in groups.items()
