@@ -131,3 +131,32 @@ def test_another_value_is_an_error_and_the_loader_refuses_it(
     with pytest.warns(UnverifiedArtifactWarning), pytest.raises(ExportLMError) as err:
         exportlm.load_exported("hf_checkpoint", edited)
     assert says in str(err.value)
+
+
+@pytest.mark.parametrize("size", [128, 0], ids=["positive", "zero"])
+def test_each_mixed_precision_layer_has_its_group_size_checked(tmp_path: Path, size: int) -> None:
+    """``MIXED_PRECISION``'s ``quantized_layers`` entries carry their own ``group_size``."""
+    from exportlm.checkpoint import MIXED_PRECISION, read_declaration
+    from exportlm.inspection._config import quant_config_problems
+
+    layer = "model.layers.0.self_attn.q_proj"
+    hf_quant = {
+        "quantization": {
+            "quant_algo": MIXED_PRECISION,
+            "quantized_layers": {
+                "model.layers.0.mlp.down_proj": {"quant_algo": "FP8"},
+                layer: {"quant_algo": "W4A16_AWQ", "group_size": size},
+            },
+            "exclude_modules": ["lm_head"],
+        }
+    }
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "quantization_config": {"quant_method": "modelopt"}})
+    )
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+    messages = [m for _, _, m in quant_config_problems(read_declaration(tmp_path))]
+    if size > 0:
+        assert messages == []
+    else:
+        (only,) = messages
+        assert f"quantized_layers[{layer!r}] group_size is 0, expected a positive int" in only
