@@ -50,9 +50,9 @@ def kv_algo_problem(algo: Any, where: str, subject: str) -> Problem | None:
         "quant-algo-unknown",
         subject,
         f"{where} kv_cache_quant_algo is {algo!r}, which is no KV-cache algorithm ModelOpt "
-        f"writes or a registered format declares ({', '.join(sorted(known))}): TensorRT-LLM "
-        "and exportlm's loader take the names as written (vLLM upper-cases it, and refuses "
-        "a non-string)",
+        f"writes or a registered format declares ({', '.join(sorted(known))}), as written: "
+        "TensorRT-LLM's QuantAlgo enum and exportlm's loader refuse it (vLLM upper-cases "
+        "the name and refuses a non-string)",
     )
 
 
