@@ -38,6 +38,16 @@ def test_stream_refuses_what_it_cannot_do(
     assert "only --target hf_checkpoint" in capsys.readouterr().err
     assert _export(src, tmp_path / "b", "--max-memory", "lots") == 2
     assert "--max-memory lots" in capsys.readouterr().err
+    # a budget nothing would follow: a toy model, or another target, runs in memory
+    toy = ["export", "--target", "hf_checkpoint", "--model", "hf:llama", "--out"]
+    assert main([*toy, str(tmp_path / "c"), "--max-memory", "1KB"]) == 2
+    assert "--max-memory: only --target hf_checkpoint" in capsys.readouterr().err
+    assert main([*args, "--max-memory", "8GB"]) == 2
+    assert "--max-memory: only --target hf_checkpoint" in capsys.readouterr().err
+    assert main([*toy, str(tmp_path / "d"), "--max-memory", "0"]) == 2
+    assert "--max-memory 0: memory size '0' must be positive" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+    assert not (tmp_path / "d").exists()
 
 
 def test_a_small_max_memory_sizes_the_shards_instead_of_refusing(

@@ -34,14 +34,6 @@ def wants_streaming(
     ``source`` is the :class:`~exportlm.cli._model.ModelSource` of ``--model``.
     """
     forced, budget = bool(getattr(args, "stream", False)), getattr(args, "max_memory", None)
-    streamable = target == "hf_checkpoint" and source.kind == "directory"
-    if not streamable:
-        if forced:
-            raise UsageError(
-                "--stream: only --target hf_checkpoint with a local model directory (--model DIR) "
-                "streams layer by layer"
-            )
-        return False
     from exportlm.errors import InvalidInputError
     from exportlm.stream import model_bytes, parse_memory, should_stream
 
@@ -50,6 +42,18 @@ def wants_streaming(
             parse_memory(budget)
         except InvalidInputError as err:
             raise UsageError(f"--max-memory {budget}: {err}") from None
+    streamable = target == "hf_checkpoint" and source.kind == "directory"
+    if not streamable:
+        # a budget nothing would follow is refused, as --stream is: a toy model, or another
+        # target, is built and exported in memory whatever the budget says
+        for flag, given in (("--stream", forced), ("--max-memory", budget is not None)):
+            if given:
+                raise UsageError(
+                    f"{flag}: only --target hf_checkpoint with a local model directory "
+                    "(--model DIR) streams layer by layer; any other export runs in memory, "
+                    f"which {flag} cannot change"
+                )
+        return False
     stream = forced or should_stream(source.path, budget)
     if stream and not forced:
         logger.info(
