@@ -158,3 +158,18 @@ def test_an_output_of_the_wrong_kind_is_a_usage_error(
         f"is a directory; target 'torch_export' writes a file: pass a file path such as {tmp_path / 'model.pt2'}"
         in err
     )
+
+
+@pytest.mark.parametrize("size", ["abc", "0", "-1MB"])
+def test_a_bad_shard_size_is_a_usage_error_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], size: str
+) -> None:
+    """It used to surface from the writer, after the model was quantized (minutes of
+    calibration on a real model), as an export failure (1)."""
+    out = tmp_path / "ckpt"
+    argv = ["export", "--target", "hf_checkpoint", "--model", "llama", "--quantize", "fp8"]
+    assert main([*argv, "--out", str(out), "-o", f"max_shard_size={size}"]) == 2
+    err = capsys.readouterr().err
+    assert f"-o max_shard_size={size}: max_shard_size" in err
+    assert "quantiz" not in err  # refused before the recipe ran
+    assert not out.exists()

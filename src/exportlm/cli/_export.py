@@ -130,6 +130,15 @@ def _check_output(plan: ExportPlan, factory: Any) -> None:
     from exportlm.export import get_target_info
 
     out, info = plan.out, get_target_info(plan.target)
+    if plan.target == "hf_checkpoint" and "max_shard_size" in plan.options:
+        # checked before the model is quantized: a bad size would surface only after it
+        from exportlm.errors import InvalidInputError
+        from exportlm.export.hf_checkpoint.shards import parse_size
+
+        try:
+            parse_size(plan.options["max_shard_size"])
+        except InvalidInputError as err:
+            raise UsageError(f"-o max_shard_size={plan.options['max_shard_size']}: {err}") from None
     if out.is_file() and info.artifact == "directory":
         raise UsageError(f"--out {out} is a file; target {plan.target!r} writes a directory")
     if out.is_dir() and info.artifact == "file":
