@@ -22,6 +22,7 @@ from exportlm.inspection import inspect_checkpoint
 from exportlm.inspection._ct_args import args_problems
 from exportlm.models import tiny_hf_model
 from exportlm.quant import quantize
+from tests._malformed import copy_base, edit_json
 
 _FP8 = {"num_bits": 8, "type": "float", "symmetric": True}
 _INT4 = {"num_bits": 4, "type": "int", "symmetric": True}
@@ -108,15 +109,15 @@ def fp8_block(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _edited(source: Path, tmp_path: Path, key: str, value: Any) -> Path:
-    """A copy of ``source`` whose one config group's weights have ``key`` set to ``value``."""
-    out = tmp_path / "edited"
-    out.mkdir()
-    for path in source.iterdir():
-        out.joinpath(path.name).write_bytes(path.read_bytes())
-    config = json.loads((out / "config.json").read_text())
-    (group,) = config["quantization_config"]["config_groups"].values()
-    group["weights"][key] = value
-    (out / "config.json").write_text(json.dumps(config))
+    """An unsigned copy of ``source`` whose one config group's weights have ``key`` set to
+    ``value``."""
+
+    def edit(config: dict[str, Any]) -> None:
+        (group,) = config["quantization_config"]["config_groups"].values()
+        group["weights"][key] = value
+
+    out = copy_base(source, tmp_path / "edited")
+    edit_json(out / "config.json", edit)
     return out
 
 
@@ -146,8 +147,7 @@ def test_the_loader_refuses_the_args_naming_them(fp8_block: Path, tmp_path: Path
     from exportlm.errors import MalformedCheckpointError
     from exportlm.export.guard import UnverifiedArtifactWarning
 
-    edited = _edited(fp8_block, tmp_path, "block_structure", [0, 0])
-    (edited / "exportlm-manifest.json").unlink()  # a third party's checkpoint: unsigned
+    edited = _edited(fp8_block, tmp_path, "block_structure", [0, 0])  # unsigned: a third party's
     with pytest.warns(UnverifiedArtifactWarning), pytest.raises(MalformedCheckpointError) as err:
         exportlm.load_exported("hf_checkpoint", edited)
     assert "block_structure [rows, cols] of two positive ints; got [0, 0]" in str(err.value)

@@ -23,6 +23,7 @@ from exportlm.export.guard import UnverifiedArtifactWarning
 from exportlm.inspection import inspect_checkpoint
 from exportlm.models import tiny_hf_model
 from exportlm.quant import quantize
+from tests._malformed import copy_base, edit_json
 
 
 def _export(root: Path, recipe: str, layout: str) -> Path:
@@ -47,14 +48,8 @@ Edit = Callable[[dict[str, Any]], None]
 
 def _edited(source: Path, tmp_path: Path, file: str, edit: Edit) -> Path:
     """An unsigned copy of ``source`` (a third party's checkpoint) with ``file`` edited."""
-    out = tmp_path / "edited"
-    out.mkdir()
-    for path in source.iterdir():
-        if path.name != "exportlm-manifest.json":
-            out.joinpath(path.name).write_bytes(path.read_bytes())
-    config = json.loads((out / file).read_text())
-    edit(config)
-    (out / file).write_text(json.dumps(config))
+    out = copy_base(source, tmp_path / "edited")
+    edit_json(out / file, edit)
     return out
 
 

@@ -7,7 +7,6 @@ refuse, before any tensor is read (compressed-tensors 0.17, vLLM 0.32's, to 0.20
 ``validate_strategy``, ``validate_model_after``):
 
 * a ``strategy`` that is none of its strategies (matched lower-cased);
-
 * a ``group`` / ``tensor_group`` strategy without a positive ``group_size``, and a
   positive ``group_size`` under any other strategy; a ``group_size`` below -1;
 * a ``block`` strategy without ``block_structure``, a ``block_structure`` under any

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from exportlm.checkpoint import Section
+from exportlm.inspection._declared import _group_size
 
 __all__ = ["group_size_problem", "kv_algo_problem", "list_problems"]
 
@@ -31,7 +32,7 @@ Problem = tuple[str, str, str]
 
 def group_size_problem(size: Any, where: str, subject: str) -> Problem | None:
     """A ModelOpt ``group_size`` that is written and not a positive int."""
-    if size is None or (isinstance(size, int) and not isinstance(size, bool) and size > 0):
+    if size is None or _group_size(size) is not None:
         return None
     return (
         "config-field-invalid",
