@@ -192,6 +192,12 @@ CASES: dict[str, Case] = {
         "config-field-invalid",
         "config.json",
     ),
+    "config-dtype-unknown": Case(  # transformers: AttributeError: no attribute 'float99'
+        "single",
+        lambda d: edit_json(d / "config.json", lambda c: c.update(dtype="float99")),
+        "config-field-invalid",
+        "config.json",
+    ),
     "auto-map": Case(
         "single",
         lambda d: edit_json(

@@ -45,6 +45,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.registry",
         "exportlm._transformers_model",
         "exportlm.hfdir",  # a user's model directory as a family (models/directory.py) is vetted
+        "exportlm.checkpoint",  # ... and refused when it holds a quantized checkpoint
     },
     "exportlm.module_exporters": {"exportlm.errors", "exportlm.registry", "exportlm.quant"},
     "exportlm.modules": {"exportlm.module_exporters"},  # deprecated alias, removed in 0.3

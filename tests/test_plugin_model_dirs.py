@@ -16,7 +16,7 @@ import torch
 
 import exportlm.export
 import exportlm.models
-import exportlm.module_exporters  # noqa: F401
+import exportlm.module_exporters
 import pytest_exportcheck.checks  # noqa: F401
 from exportlm.models import MODEL_REGISTRY, model_names, model_tolerance_scale
 from tests._model_dirs import toy_model_dir
@@ -110,6 +110,17 @@ def test_a_directory_with_code_of_its_own_is_a_usage_error(
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--export-model*custom*auto_map*"])
     assert "ran the directory code" not in result.stdout.str() + result.stderr.str()
+
+
+def test_a_quantized_checkpoint_is_a_usage_error(
+    pytester: pytest.Pytester, model_dir: Path, tmp_path: Path
+) -> None:
+    """Its FP8 codes are no float model whose exports the suite could check (transformers
+    read them as weights, without the scales: a row of garbage, before)."""
+    quantized = exportlm.export_model("hf_checkpoint", model_dir, tmp_path / "fp8", recipe="fp8")
+    result = pytester.runpytest("--export-targets=torch_export", f"--export-model={quantized}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--export-model*holds a quantized checkpoint*"])
 
 
 def test_a_directory_without_config_is_a_usage_error(

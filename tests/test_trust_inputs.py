@@ -139,10 +139,13 @@ def test_transformers_is_never_asked_to_trust_code_even_past_the_refusal(
     """The second wall: with the directory check switched off, ``trust_remote_code=False``
     still makes transformers refuse, without reading the ``y`` on stdin."""
     import exportlm.cli._model as cli_model
+    import exportlm.export.hf_checkpoint.source_model as source_model
+    from exportlm.hfdir import read_config
 
     marker = tmp_path / "marker"
     directory = _code_directory(tmp_path, marker)
     monkeypatch.setattr(cli_model, "_vet_directory", lambda path, argument: None)
+    monkeypatch.setattr(source_model, "vet_model_directory", lambda path, **_: read_config(path))
     stdin = io.StringIO("y\n")
     monkeypatch.setattr(sys, "stdin", stdin)
     code = main([*EXPORT, "--model", str(directory), "--out", str(tmp_path / "m.pt2")])

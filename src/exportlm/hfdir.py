@@ -13,12 +13,21 @@ Torch-free and transformers-free.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from exportlm.errors import CustomCodeRefusedError, MalformedCheckpointError, NotRegularFileError
+from exportlm.errors import (
+    CustomCodeRefusedError,
+    ExportLMError,
+    InvalidConfigError,
+    MalformedCheckpointError,
+    NotRegularFileError,
+)
 from exportlm.safeio import ensure_no_special_files, read_regular_bytes
 
 __all__ = [
@@ -31,8 +40,12 @@ __all__ = [
     "TOKENIZER_FILES",
     "shard_name_problem",
     "tokenizer_files",
+    "check_loading_info",
+    "transformers_errors",
     "vet_model_directory",
 ]
+
+logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
 #: The largest JSON file read whole (an index of a 700B model is a few MB).
@@ -252,3 +265,57 @@ def _tokenizer_file(root: Path, name: str) -> bytes:
         if isinstance(err, NotRegularFileError):
             raise
         raise MalformedCheckpointError(str(err), path=path) from err
+
+
+@contextlib.contextmanager
+def transformers_errors(where: str, action: str) -> Iterator[None]:
+    """A failure of transformers while it ``action``s a vetted directory: one
+    :class:`~exportlm.errors.InvalidConfigError` beginning with ``where``.
+
+    transformers raises what its parsers and validators raise for a directory whose
+    files are wrong: ``OSError``, ``ValueError``, ``KeyError``, safetensors'
+    ``SafetensorError``, huggingface_hub's ``StrictDataclass*Error`` (``hidden_size``
+    not a multiple of the heads), ``RuntimeError`` (weights of other shapes, a garbage
+    ``pytorch_model.bin``), ``AttributeError`` / ``TypeError`` (a field of another
+    type). Its calls here have fixed arguments on a vetted local directory, so a failure
+    inside them is the directory's (or the installed transformers'); ``MemoryError``
+    and exportlm's own errors pass through unchanged.
+    """
+    try:
+        yield
+    except (MemoryError, ExportLMError):
+        raise
+    except Exception as err:
+        detail = " ".join(str(err).split()) or "no message"
+        raise InvalidConfigError(
+            f"{where}: transformers cannot {action} from this directory "
+            f"({type(err).__name__}: {detail})"
+        ) from err
+
+
+def check_loading_info(info: Mapping[str, Any], where: str, model: str) -> None:
+    """Refuse what ``from_pretrained(..., output_loading_info=True)`` initialised at random.
+
+    A weight no shard holds (``missing_keys``) is initialised at random by transformers,
+    with a log line: the model computes garbage. A stored tensor ``model`` (its class
+    name) has no place for (``unexpected_keys``: DeepSeek-V3's multi-token-prediction
+    layers, for one) is left out, and said.
+
+    Raises:
+        InvalidConfigError: a missing weight, named.
+    """
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise InvalidConfigError(
+            f"{where}: no shard holds {len(missing)} weight(s) the config needs "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); transformers "
+            "would initialise them at random. Expected a complete checkpoint as "
+            "save_pretrained writes it"
+        )
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if unexpected:
+        logger.warning(
+            "%s: %d stored tensor(s) are no weight of %s and are left out (%s%s)",
+            where, len(unexpected), model, ", ".join(unexpected[:3]),
+            ", ..." if len(unexpected) > 3 else "",
+        )  # fmt: skip

@@ -28,6 +28,7 @@ from exportlm.checkpoint._read import (
     declaration_of,
     quant_args,
     read_declaration,
+    refuse_quantized_source,
 )
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "declaration_of",
     "quant_args",
     "read_declaration",
+    "refuse_quantized_source",
 ]

@@ -342,6 +342,16 @@ class QuantizationDeclaration:
         return self.hf_quant if self.hf_quant is not None else self.config
 
     @property
+    def declared_in(self) -> tuple[str, ...]:
+        """Where a quantization is declared, valid or not (empty: a float model's configs)."""
+        found = []
+        if self.config is not None or self.config_invalid is not None:
+            found.append("config.json has a quantization_config")
+        if self.hf_quant_present:
+            found.append("it has hf_quant_config.json")
+        return tuple(found)
+
+    @property
     def quant_method(self) -> str | None:
         """``config.json``'s ``quant_method`` as a string (``None`` when absent)."""
         method = self.config.quant_method if self.config is not None else None

@@ -35,7 +35,7 @@ from exportlm.checkpoint._model import (
     QuantizationDeclaration,
     Section,
 )
-from exportlm.errors import MalformedCheckpointError
+from exportlm.errors import InvalidConfigError, MalformedCheckpointError
 from exportlm.hfdir import CONFIG_NAME, read_config, read_json_object
 
 __all__ = [
@@ -267,3 +267,28 @@ def read_declaration(
             root / HF_QUANT_CONFIG_NAME, what="ModelOpt quantization config"
         )
     return declaration_of(config, hf_quant)
+
+
+def refuse_quantized_source(
+    directory: str | os.PathLike[str], config: Mapping[str, Any], where: str
+) -> None:
+    """Refuse a quantized checkpoint where a float model's directory is the input.
+
+    A quantized checkpoint (``quantization_config`` in ``config.json``, or ModelOpt's
+    ``hf_quant_config.json``) is no model to export or quantize: transformers has no
+    ModelOpt quantizer and reads its FP8 codes as plain weights without their scales
+    (measured: the re-export of an exportlm FP8 checkpoint exported without an error,
+    computing garbage), and compressed-tensors' modules fail inside ``quantize``.
+
+    Raises:
+        InvalidConfigError: ``where``, what declares the quantization, and what to pass.
+    """
+    declared = read_declaration(directory, config).declared_in
+    if declared:
+        raise InvalidConfigError(
+            f"{where}: the model directory holds a quantized checkpoint "
+            f"({' and '.join(declared)}); exportlm exports and quantizes a float model: pass "
+            "the directory of the original bfloat16 / float16 / float32 model. To check or run "
+            f"this checkpoint instead: `exportlm inspect {directory}`, `exportlm verify --engine "
+            f"ENGINE {directory}` or exportlm.load_exported({str(directory)!r})"
+        )

@@ -152,13 +152,17 @@ def _vet_directory(path: Path, argument: str) -> None:
     Raises:
         UsageError: a FIFO, device or socket in the directory.
         InvalidConfigError: ``config.json`` is not a JSON object, or names shards
-            outside the directory.
+            outside the directory, or the directory holds a quantized checkpoint (its
+            fields are checked when the model is built, with transformers imported).
         CustomCodeRefusedError: ``auto_map`` or ``*.py`` (the message says what would run).
     """
+    from exportlm.checkpoint import refuse_quantized_source
+
     try:
-        _checked(lambda: vet_model_directory(path), argument)
+        config = _checked(lambda: vet_model_directory(path), argument)
     except (MalformedCheckpointError, FileNotFoundError) as err:
         raise InvalidConfigError(f"--model {argument}: {err}") from err
+    refuse_quantized_source(path, config, f"--model {argument}")
 
 
 def _model_from_json(path: Path, seed: int) -> Any:
@@ -192,25 +196,13 @@ def _model_from_json(path: Path, seed: int) -> Any:
 def _model_from_directory(path: Path) -> Any:
     """The causal LM saved in ``path``, from local files only, never running the directory's code.
 
-    Vetted again here (a :class:`ModelSource` can be made without :func:`resolve_model`).
+    Vetted again (a :class:`ModelSource` can be made without :func:`resolve_model`).
     """
-    _vet_directory(path, str(path))
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
+    from exportlm.export.hf_checkpoint.source_model import load_source_model
 
-    try:
-        with _without_transformers_bars():
-            # Eager attention, as every exportlm runtime and the toy families compute it:
-            # verified against the hf_checkpoint runtime (eager), sdpa alone moved a bfloat16
-            # toy llama's logits by 0.0049 where eager gives 0.0 (tests/test_bf16_directory.py).
-            model = AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, trust_remote_code=False, attn_implementation="eager"
-            )
-    except (OSError, ValueError, KeyError, SafetensorError) as err:  # a garbage weight file too
-        raise InvalidConfigError(
-            f"--model {path}: transformers cannot load a causal LM from this directory: {err}"
-        ) from err
-    return model.eval()
+    _vet_directory(path, str(path))
+    with _without_transformers_bars():
+        return load_source_model(path, f"--model {path}")
 
 
 @contextlib.contextmanager

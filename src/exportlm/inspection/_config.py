@@ -151,12 +151,37 @@ def config_field_problems(config: Mapping[str, Any]) -> list[tuple[str, str]]:
                     "the model's tensors by it",
                 )
             )
+    problems += _dtype_problems(config)
     hints = _annotations(model_type) if isinstance(model_type, str) else {}
     problems += _typed_fields(config, hints, {field for field, _ in problems}, "")
     cls = _config_class(model_type) if isinstance(model_type, str) else None
     if cls is not None:
         flagged = {field for field, _ in problems}
         problems += [p for p in sub_config_problems(config, cls, hints) if p[0] not in flagged]
+    return problems
+
+
+def _dtype_problems(config: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``dtype`` / ``torch_dtype`` naming no floating-point torch dtype.
+
+    transformers' config turns the string into ``getattr(torch, value)``
+    (``AttributeError`` for ``"float99"`` or ``"auto"``); vLLM takes float16,
+    bfloat16 and float32 only. A dict (a dtype per sub-config) is left to the loaders.
+    """
+    problems = []
+    for name in ("dtype", "torch_dtype"):
+        value = config.get(name)
+        if not isinstance(value, str):
+            continue
+        dtype = getattr(torch, value, None)
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            problems.append(
+                (
+                    name,
+                    f"{_CONFIG}: {name} is {value!r}, expected the name of a torch floating-point "
+                    'dtype ("bfloat16", "float16", "float32"): loaders build the model in it',
+                )
+            )
     return problems
 
 

@@ -22,8 +22,9 @@ from typing import Any
 
 from torch import nn
 
-from exportlm.errors import InvalidConfigError, UnknownOptionError
-from exportlm.hfdir import vet_model_directory
+from exportlm.checkpoint import refuse_quantized_source
+from exportlm.errors import UnknownOptionError
+from exportlm.hfdir import check_loading_info, transformers_errors, vet_model_directory
 
 __all__ = ["DirectoryFamily", "directory_family_name", "register_model_directory"]
 
@@ -40,7 +41,9 @@ class DirectoryFamily:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).resolve()
+        self.where = f"model directory {self.path}"
         self.config = vet_model_directory(self.path)  # refused before anything loads
+        refuse_quantized_source(self.path, self.config, self.where)
 
     def __call__(self, seed: int = 0, **overrides: Any) -> nn.Module:
         del seed  # trained weights: nothing to seed
@@ -49,17 +52,20 @@ class DirectoryFamily:
         import torch
         from transformers import AutoModelForCausalLM
 
-        vet_model_directory(self.path)  # again: the directory may have changed since
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                self.path, local_files_only=True, trust_remote_code=False, dtype=torch.float32
+        config = vet_model_directory(self.path)  # again: the directory may have changed since
+        refuse_quantized_source(self.path, config, self.where)
+        with transformers_errors(self.where, "load a causal LM"):
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                self.path,
+                local_files_only=True,
+                trust_remote_code=False,
+                dtype=torch.float32,
+                output_loading_info=True,
             )
-        except (OSError, ValueError, KeyError) as err:
-            raise InvalidConfigError(
-                f"model directory {self.path}: transformers cannot load a causal LM from it: {err}"
-            ) from err
+        model, info = loaded
+        check_loading_info(info, self.where, type(model).__name__)
         model.eval()
-        return model
+        return model  # type: ignore[no-any-return]
 
     @property
     def tolerance_scale(self) -> float:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from exportlm.atomic import check_output_path
-from exportlm.errors import InvalidConfigError, InvalidInputError, OutputExistsError
+from exportlm.errors import InvalidInputError, OutputExistsError
 from exportlm.export.hf_checkpoint._write import CheckpointOptions, export_in_memory
 from exportlm.export.job import ExportRequest
 
@@ -204,24 +204,14 @@ def meta_skeleton(directory: Path) -> Any:
 def _loaded(directory: Path, source: DirectorySource, format: str) -> Any:
     """The directory's model in memory (as saved, eager attention, eval), quantized by
     ``source.recipe`` (as ``exportlm export --model DIR`` loads it)."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
-    from exportlm.hfdir import read_config, vet_model_directory
+    from exportlm.export.hf_checkpoint.source_model import load_source_model
+    from exportlm.hfdir import read_config
     from exportlm.quant import QuantRecipe, check_layout, check_layout_model_type, quantize
 
     if source.recipe is not None:  # a layout that cannot hold it: before the model loads
         check_layout(QuantRecipe.parse(source.recipe).for_layout(format), format)
     check_layout_model_type(read_config(directory).get("model_type"), format, str(directory))
-    vet_model_directory(directory)  # no code of its own, shards confined, before transformers
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            directory, local_files_only=True, trust_remote_code=False, attn_implementation="eager"
-        ).eval()
-    except (OSError, ValueError, KeyError, SafetensorError) as err:  # a garbage weight file too
-        raise InvalidConfigError(
-            f"{directory}: transformers cannot load a causal LM from this directory: {err}"
-        ) from err
+    model = load_source_model(directory, str(directory))
     if source.recipe is None:
         return model
     plan = QuantRecipe.parse(source.recipe).for_layout(format)

@@ -31,7 +31,7 @@ from torch import nn
 from exportlm.errors import InvalidConfigError, MalformedCheckpointError
 from exportlm.export.hf_checkpoint.sink import SAFETENSORS_DTYPES
 from exportlm.export.hf_checkpoint.stream._names import CheckpointNames
-from exportlm.hfdir import CONFIG_NAME, tokenizer_files, vet_model_directory
+from exportlm.hfdir import CONFIG_NAME, read_config, tokenizer_files, vet_model_directory
 
 __all__ = ["CheckpointSource", "DecoderLayout", "meta_model"]
 
@@ -201,6 +201,12 @@ class CheckpointSource:
                 f"{self.directory / shard}: tensor {name!r} has dtype {info.dtype}, "
                 "which a model's weights cannot be read from"
             )
+        if tensor.is_floating_point() and not (stored.is_floating_point and stored.itemsize > 1):
+            raise MalformedCheckpointError(  # a cast would make the codes weights, silently
+                f"{self.directory / shard}: tensor {name!r}{part} is stored as {info.dtype}, "
+                "where the model has a float weight: the codes of a quantized checkpoint, not "
+                "a float model's weights (expected F64, F32, F16 or BF16)"
+            )
         direct = stored == tensor.dtype and tensor.is_contiguous()
         target = tensor if direct else torch.empty(tensor.shape, dtype=stored)
         begin, end = info.offsets
@@ -252,22 +258,26 @@ def meta_model(directory: Path) -> Any:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    try:
+    from exportlm.export.hf_checkpoint.source_config import check_source_config
+    from exportlm.hfdir import transformers_errors
+
+    where = str(directory / CONFIG_NAME)
+    check_source_config(directory, read_config(directory), where)
+    with transformers_errors(where, "build a causal LM"):
         config = AutoConfig.from_pretrained(
             directory, local_files_only=True, trust_remote_code=False
         )
-    except (OSError, ValueError, KeyError) as err:
-        raise InvalidConfigError(f"{directory / CONFIG_NAME}: {err}") from err
-    dtype = getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    with torch.device("meta"):
-        # eager attention, as the in-memory export loads a directory (cli/_model.py)
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=False, attn_implementation="eager"
-        )
+        dtype = getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        with torch.device("meta"):
+            # eager attention, as the in-memory export loads a directory (source_model.py)
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, trust_remote_code=False, attn_implementation="eager"
+            )
     model.tie_weights()  # one parameter for a tied pair, as from_pretrained leaves it
-    _load_generation_config(model, directory)
+    with transformers_errors(str(directory / "generation_config.json"), "read a generation config"):
+        _load_generation_config(model, directory)
     return model.eval()
 
 

@@ -1,0 +1,170 @@
+"""A model directory whose config or weights are not a float model's is refused, naming why.
+
+``exportlm export --model DIR`` and ``export_model("hf_checkpoint", DIR, ...)``, in memory
+and streamed. Each case is a copy of a toy model directory with one thing edited, the way a
+hand-edited config, a partial download or the wrong directory reaches users. Before, the
+in-memory export took most of them: a checkpoint with no decoder layer (``num_hidden_layers:
+-1``), a missing weight initialised at random by transformers, integer codes cast to float
+weights, and an FP8 checkpoint re-exported as if its codes were weights all exported without
+an error; the rest surfaced transformers' or huggingface_hub's own exceptions
+(``StrictDataclassFieldValidationError``, ``RuntimeError``, ``AttributeError``, and a
+``generation_config.json`` transformers refuses: ``ValueError``, ``TypeError``).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import exportlm
+from exportlm.cli import main
+from exportlm.errors import ExportLMError, InvalidConfigError
+from tests._malformed import edit_json, edit_tensors
+from tests._model_dirs import toy_model_dir
+
+SHARD = "model.safetensors"
+DOWN = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return toy_model_dir(tmp_path_factory.mktemp("source") / "llama")
+
+
+@pytest.fixture(scope="module")
+def quantized(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The toy exported as FP8 in each layout: a quantized checkpoint passed as a source."""
+    root = tmp_path_factory.mktemp("quantized")
+    return {
+        layout: exportlm.export_model(
+            "hf_checkpoint", base, root / layout, recipe="fp8", format=layout
+        )
+        for layout in ("modelopt", "compressed-tensors")
+    }
+
+
+def _config(field: str, value: Any) -> Callable[[Path], None]:
+    def edit(directory: Path) -> None:
+        edit_json(directory / "config.json", lambda c: {**c, field: value})
+
+    return edit
+
+
+def _generation(value: Any) -> Callable[[Path], None]:
+    def edit(directory: Path) -> None:
+        edit_json(directory / "generation_config.json", lambda _: value)
+
+    return edit
+
+
+def _tensors(change: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
+    return lambda directory: edit_tensors(directory / SHARD, change)
+
+
+def _as_int32(t: dict[str, torch.Tensor]) -> None:
+    t[DOWN] = (t[DOWN] * 100).to(torch.int32)
+
+
+#: case -> (edit, what the refusal says)
+CASES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "no decoder layer": (
+        _config("num_hidden_layers", -1),
+        "num_hidden_layers is -1, expected a positive int",
+    ),
+    "a size field of the wrong type": (
+        _config("hidden_size", "abc"),
+        "hidden_size is 'abc', expected a positive int",
+    ),
+    "a dtype torch has no name for": (
+        _config("dtype", "float99"),
+        "dtype is 'float99', expected the name of a torch floating-point dtype",
+    ),
+    "a config transformers' own validators refuse": (
+        _config("num_attention_heads", 7),
+        "",  # transformers' words (its version's); the directory is named
+    ),
+    "a vocabulary the weights do not have": (
+        _config("vocab_size", 10),
+        "the config expects [10, ",
+    ),
+    "a generation config transformers refuses": (
+        _generation({"max_new_tokens": -5}),
+        "max_new_tokens",
+    ),
+    "a generation config that is no object": (_generation([1, 2]), "not a mapping"),
+    "a missing weight": (_tensors(lambda t: t.pop(DOWN)), DOWN),
+    "integer codes where a float weight is": (_tensors(_as_int32), "stored as I32"),
+}
+
+
+def _edited(base: Path, root: Path, edit: Callable[[Path], None]) -> Path:
+    directory = root / "edited"
+    shutil.copytree(base, directory)
+    edit(directory)
+    return directory
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_source_that_is_not_its_configs_float_model_is_refused(
+    base: Path, tmp_path: Path, case: str, stream: bool
+) -> None:
+    edit, says = CASES[case]
+    directory = _edited(base, tmp_path, edit)
+    out = tmp_path / "out"
+    with pytest.raises(ExportLMError) as raised:
+        exportlm.export_model("hf_checkpoint", directory, out, recipe="fp8", stream=stream)
+    message = str(raised.value)
+    assert says in message
+    assert str(directory) in message or "config.json" in message
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_cli_refuses_it_as_bad_input_not_a_crash(
+    base: Path, tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    edit, says = CASES[case]
+    directory = _edited(base, tmp_path, edit)
+    args = ["export", "--target", "hf_checkpoint", "--model", str(directory), "--quantize", "fp8"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert says in err
+    assert "(run with -v for the traceback)" not in err  # a dependency's exception, raw
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_a_quantized_checkpoint_is_no_source(
+    quantized: dict[str, Path], tmp_path: Path, layout: str, stream: bool
+) -> None:
+    """Re-quantizing our own FP8 export exported, in memory (ModelOpt layout: transformers
+    read the codes as weights) and streamed (both layouts), without an error."""
+    with pytest.raises(InvalidConfigError, match="holds a quantized checkpoint") as raised:
+        exportlm.export_model(
+            "hf_checkpoint", quantized[layout], tmp_path / "out", recipe="fp8", stream=stream
+        )
+    assert f"exportlm inspect {quantized[layout]}" in str(raised.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stored_tensor_the_model_has_no_place_for_is_named_and_left_out(
+    base: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Checkpoints carry weights transformers does not load (DeepSeek-V3's multi-token
+    prediction layers): not refused, said."""
+    directory = _edited(
+        base, tmp_path, _tensors(lambda t: t.update({"extra.weight": torch.ones(4)}))
+    )
+    with caplog.at_level(logging.WARNING, logger="exportlm"):
+        result = exportlm.export_model("hf_checkpoint", directory, tmp_path / "out", recipe="fp8")
+    assert (result / SHARD).is_file()
+    assert "1 stored tensor(s) are no weight of" in caplog.text
+    assert "extra.weight" in caplog.text
