@@ -100,6 +100,21 @@ def test_exclude_needs_quantize(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "--exclude: only used with --quantize" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("source", ["family", "directory"])
+def test_an_exclude_pattern_that_matches_nothing_is_said_once(
+    tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str], source: str
+) -> None:
+    """A typo in ``--exclude`` left the modules it meant to keep quantized, silently."""
+    model = "llama" if source == "family" else str(model_dir)
+    typo, good = ["--exclude", "*down_porj"], ["--exclude", "*o_proj"]
+    assert main([*_export(model, tmp_path / "out", "--quantize", "fp8"), *typo, *good]) == 0
+    err = capsys.readouterr().err
+    assert err.count("--exclude '*down_porj' matches no module of LlamaForCausalLM") == 1
+    assert "--exclude '*o_proj'" not in err
+    config = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())
+    assert "model.layers.0.self_attn.o_proj" in config["quantization"]["exclude_modules"]
+
+
 @pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
 def test_group_size_option_and_exclude_reach_the_checkpoint(
     model_dir: Path,

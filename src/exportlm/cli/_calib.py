@@ -100,9 +100,11 @@ def quantize_model(
     a weight-only recipe runs no calibration at all. Returns the quantized model and a
     JSON description of the calibration (``export --json`` prints it).
     """
-    from exportlm.cli._recipe import check_recipe_on
+    from exportlm.cli._recipe import check_recipe_on, warn_unmatched_excludes
     from exportlm.quant import is_quantized_module, quantize
 
+    if source.kind != "directory":  # a directory's meta model was asked already
+        warn_unmatched_excludes(model, recipe)
     if check_recipe_on(model, recipe):
         calibrate, report = _calibration(model, request, source)
     else:

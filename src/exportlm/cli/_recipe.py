@@ -21,7 +21,13 @@ from typing import Any
 from exportlm.cli._errors import UsageError
 from exportlm.cli._model import ModelSource
 
-__all__ = ["check_model_layout", "check_model_recipe", "check_recipe_on", "checked_recipe"]
+__all__ = [
+    "check_model_layout",
+    "check_model_recipe",
+    "check_recipe_on",
+    "checked_recipe",
+    "warn_unmatched_excludes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +107,37 @@ def check_model_recipe(source: ModelSource, recipe: Any) -> Any:
     skeleton = meta_skeleton(source.path)  # vetted by resolve_model
     if skeleton is not None:
         check_recipe_on(skeleton, recipe)
+        warn_unmatched_excludes(skeleton, recipe)
     return skeleton
+
+
+def warn_unmatched_excludes(model: Any, recipe: Any) -> None:
+    """Warn of each ``--exclude`` pattern that matches no module name of ``model``.
+
+    Such a pattern excludes nothing, so a typo (``'*down_porj'``) quantized the modules it
+    was meant to keep, and the export said nothing. A warning, not a refusal: a script may
+    pass one list of patterns to models that do not all have every module.
+    """
+    import fnmatch
+
+    from torch import nn
+
+    patterns = tuple(getattr(recipe, "exclude", None) or ())
+    if not patterns:
+        return
+    names = [name for name, _ in model.named_modules() if name]
+    linear = next((n for n, m in model.named_modules() if isinstance(m, nn.Linear)), None)
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            logger.warning(
+                "--exclude %r matches no module of %s, so it excludes nothing; patterns are "
+                "fnmatch patterns of module names%s",
+                pattern,
+                type(model).__name__,
+                f" (such as {linear!r}, matched by '*{linear.rpartition('.')[2]}')"
+                if linear
+                else "",
+            )
 
 
 def check_recipe_on(model: Any, recipe: Any) -> bool:
