@@ -546,3 +546,19 @@ def test_quantizing_twice_is_refused() -> None:
     model = quantize(DecoderModel(num_layers=1), "fp8")
     with pytest.raises(QuantizationError, match="already quantized"):
         quantize(model, "fp8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.int32])
+def test_a_model_whose_weights_are_codes_is_refused_before_anything_converts(
+    dtype: torch.dtype,
+) -> None:
+    """A quantized checkpoint as transformers loads it (compressed-tensors' FP8: plain
+    ``nn.Linear`` with float8_e4m3fn weights) failed inside the conversion with torch's
+    own ``"max_values_cpu" not implemented for 'Float8_e4m3fn'``."""
+    model = DecoderModel(num_layers=1)
+    linear = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    linear.weight = nn.Parameter(linear.weight.detach().to(dtype), requires_grad=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(QuantizationError, match=rf"weight is {dtype}: the model is already"):
+        quantize(model, "fp8")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

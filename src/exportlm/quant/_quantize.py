@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from exportlm.errors import QuantizationError, UnsupportedFormatError
@@ -226,6 +227,7 @@ def _plan(model: nn.Module, recipe: QuantRecipe) -> Iterator[_Conversion]:
         if kind is None:
             refuse_unconvertible(name, module, recipe)
             continue
+        _refuse_stored_codes(name or type(model).__name__, module)
         algo_name = recipe.algo_for(name, default_applies=kind != "embedding")
         algo = resolve_algorithm(algo_name) if algo_name else None
         if kind == "experts" and algo is not None:
@@ -233,6 +235,22 @@ def _plan(model: nn.Module, recipe: QuantRecipe) -> Iterator[_Conversion]:
         kv = recipe.kv_for(name) if kind == "linear" and _kv_role(name) else None
         if algo is not None or kv is not None:
             yield _Conversion(name, module, algo, kv, kind, recipe.kv_cache_min_scale)
+
+
+#: The dtypes a float model's weights have; anything else is a quantized model's codes.
+_FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _refuse_stored_codes(name: str, module: nn.Module) -> None:
+    """Refuse a module whose weights are codes: a quantized checkpoint transformers loaded
+    (compressed-tensors' FP8 as float8_e4m3fn, packed int4 as int32), not a float model."""
+    for leaf, param in module.named_parameters(recurse=False):
+        if param.dtype not in _FLOAT_WEIGHTS:
+            raise QuantizationError(
+                f"{name}.{leaf} is {param.dtype}: the model is already quantized (a "
+                "quantized checkpoint as loaded by transformers); quantize the float model "
+                "it was made from (bfloat16, float16 or float32 weights)"
+            )
 
 
 def _kind(name: str, module: nn.Module, modules: dict[str, nn.Module]) -> str | None:
