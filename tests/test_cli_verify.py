@@ -61,6 +61,31 @@ def test_an_engine_that_cannot_run_is_a_usage_error(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dtype", "fp99"], "argument --dtype: expected bfloat16, float16 or float32"),
+        (["--timeout", "-1"], "argument --timeout: expected a positive number of seconds"),
+        (["--timeout", "0"], "argument --timeout: expected a positive number of seconds"),
+        (["--timeout", "nan"], "argument --timeout: expected a positive number of seconds"),
+    ],
+)
+def test_a_bad_dtype_or_timeout_is_refused_before_the_reference_is_computed(
+    checkpoint: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    message: str,
+) -> None:
+    """Both were taken: ``--dtype fp99`` failed only after the eager reference was computed
+    ("no tolerance stated ... at fp99"), ``--timeout -1`` timed the engine out at once."""
+    import exportlm.engines.compare as compare
+
+    monkeypatch.setattr(compare, "choose_prompts", lambda *a, **k: pytest.fail("computed"))
+    assert main(["verify", str(checkpoint), "--engine", "transformers", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_garbage_is_a_usage_error_naming_what_is_wrong(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

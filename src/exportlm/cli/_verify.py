@@ -48,13 +48,20 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
         "exportlm wrote as exportlm's loader reads it, with its stored scales)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of a toy family's weights (default 0)")
-    p.add_argument("--dtype", help="compute dtype to ask the engine for (default: the artifact's)")
+    p.add_argument(
+        "--dtype",
+        type=_compute_dtype,
+        help="compute dtype to ask the engine for: bfloat16, float16 or float32 (default: the "
+        "artifact's)",
+    )
     p.add_argument(
         "--python",
         metavar="PATH",
         help="the engine's interpreter or venv (default: EXPORTLM_ENGINE_<NAME>, else this one)",
     )
-    p.add_argument("--timeout", type=float, help="seconds the engine may take (default: its own)")
+    p.add_argument(
+        "--timeout", type=_seconds, help="seconds the engine may take (default: its own)"
+    )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -216,3 +223,32 @@ def _print(got: Any) -> None:
     headers = ("engine", "artifact", "dtype", "outcome", "max gap", "tolerance", "tokens equal")
     print_table((*headers, "first divergence"), rows)
     print(got.message)
+
+
+def _compute_dtype(text: str) -> str:
+    """``--dtype``: a spelling of bfloat16, float16 or float32 (``bf16``, ``fp16``...), canonical.
+
+    Checked when the command is parsed: an unknown one was taken, the eager reference
+    computed (seconds to minutes), and only then the engine's tolerance found missing.
+    """
+    from exportlm.cli._options import DTYPE_NAMES
+
+    name = DTYPE_NAMES.get(text.strip().lower())
+    if name is None:
+        raise argparse.ArgumentTypeError(
+            f"expected bfloat16, float16 or float32 ({', '.join(DTYPE_NAMES)}), got {text!r}"
+        )
+    return name
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: a positive, finite number of seconds (``0`` or ``-1`` timed out at once)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
