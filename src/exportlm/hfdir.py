@@ -38,9 +38,9 @@ __all__ = [
     "read_json_object",
     "refuse_custom_code",
     "TOKENIZER_FILES",
+    "check_loading_info",
     "shard_name_problem",
     "tokenizer_files",
-    "check_loading_info",
     "transformers_errors",
     "vet_model_directory",
 ]

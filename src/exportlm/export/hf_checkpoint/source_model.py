@@ -58,11 +58,6 @@ def load_source_model(directory: Path, where: str) -> Any:
     return model.eval()
 
 
-#: The dtypes a float model's weights are stored in; anything else is a quantized
-#: checkpoint's codes (int8, uint8, int32 packs, float8) or no weight at all.
-_FLOAT_STORAGE = ("F64", "F32", "F16", "BF16")
-
-
 def _weights_problem(directory: Path) -> str | None:
     """The first stored tensor that is not the weight ``config.json`` describes, in words.
 
@@ -73,7 +68,7 @@ def _weights_problem(directory: Path) -> str | None:
     transformers converts on load is not compared; ``None`` where nothing differs or
     the model cannot be built (the load itself then says why).
     """
-    from exportlm.export.hf_checkpoint.stream._source import meta_model
+    from exportlm.export.hf_checkpoint.stream._source import meta_model, stored_codes_problem
     from exportlm.inspection import read_safetensors_header
 
     try:
@@ -89,12 +84,9 @@ def _weights_problem(directory: Path) -> str | None:
                         f"config expects {list(want.shape)}; config.json does not describe "
                         "these weights (fix it, or use the config the weights were saved with)"
                     )
-                if want.is_floating_point() and info.dtype not in _FLOAT_STORAGE:
-                    return (
-                        f"tensor {name!r} is stored as {info.dtype} in {shard.name}, where the "
-                        "model has a float weight: the codes of a quantized checkpoint, not a "
-                        f"float model's weights (expected one of {', '.join(_FLOAT_STORAGE)})"
-                    )
+                codes = stored_codes_problem(f"tensor {name!r} in {shard.name}", info.dtype, want)
+                if codes is not None:
+                    return codes
     except (ExportLMError, OSError):
         return None
     return None

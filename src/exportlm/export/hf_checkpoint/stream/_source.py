@@ -33,7 +33,13 @@ from exportlm.export.hf_checkpoint.sink import SAFETENSORS_DTYPES
 from exportlm.export.hf_checkpoint.stream._names import CheckpointNames
 from exportlm.hfdir import CONFIG_NAME, read_config, tokenizer_files, vet_model_directory
 
-__all__ = ["CheckpointSource", "DecoderLayout", "meta_model"]
+__all__ = [
+    "FLOAT_STORAGE",
+    "CheckpointSource",
+    "DecoderLayout",
+    "meta_model",
+    "stored_codes_problem",
+]
 
 _INDEX = "model.safetensors.index.json"
 #: safetensors dtype tag -> torch dtype (the writer's table, inverted).
@@ -201,12 +207,9 @@ class CheckpointSource:
                 f"{self.directory / shard}: tensor {name!r} has dtype {info.dtype}, "
                 "which a model's weights cannot be read from"
             )
-        if tensor.is_floating_point() and not (stored.is_floating_point and stored.itemsize > 1):
-            raise MalformedCheckpointError(  # a cast would make the codes weights, silently
-                f"{self.directory / shard}: tensor {name!r}{part} is stored as {info.dtype}, "
-                "where the model has a float weight: the codes of a quantized checkpoint, not "
-                "a float model's weights (expected F64, F32, F16 or BF16)"
-            )
+        codes = stored_codes_problem(f"tensor {name!r}{part}", info.dtype, tensor)
+        if codes is not None:  # a cast would make the codes weights, silently
+            raise MalformedCheckpointError(f"{self.directory / shard}: {codes}")
         direct = stored == tensor.dtype and tensor.is_contiguous()
         target = tensor if direct else torch.empty(tensor.shape, dtype=stored)
         begin, end = info.offsets
@@ -247,6 +250,23 @@ class CheckpointSource:
             for name in self.saved(state)
             for stored, _, _ in self._names.pieces(name, state[name])
         }
+
+
+#: The safetensors dtypes a float model's weights are stored in; any other is a quantized
+#: checkpoint's codes (int8, uint8, int32 packs, float8) or no weight at all.
+FLOAT_STORAGE = ("F64", "F32", "F16", "BF16")
+
+
+def stored_codes_problem(subject: str, stored: str, want: torch.Tensor) -> str | None:
+    """Why ``subject``, a float parameter like ``want``, cannot be read from a tensor stored
+    as ``stored`` (a safetensors dtype), in words; ``None`` when it can."""
+    if not want.is_floating_point() or stored in FLOAT_STORAGE:
+        return None
+    return (
+        f"{subject} is stored as {stored}, where the model has a float weight: the codes of a "
+        f"quantized checkpoint, not a float model's weights (expected one of "
+        f"{', '.join(FLOAT_STORAGE)})"
+    )
 
 
 def meta_model(directory: Path) -> Any:
