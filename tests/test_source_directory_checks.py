@@ -97,7 +97,13 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         _generation({"max_new_tokens": -5}),
         "max_new_tokens",
     ),
-    "a generation config that is no object": (_generation([1, 2]), "not a mapping"),
+    "a generation config that is no object": (_generation([1, 2]), "holds a JSON list"),
+    # transformers ignores a file it cannot parse: the checkpoint's generation config
+    # would have been made from config.json, with no word
+    "a generation config that is not JSON": (
+        lambda d: (d / "generation_config.json").write_bytes(b'{"eos_token_id": [2, \x00'),
+        "generation_config.json is not valid JSON",
+    ),
     "a missing weight": (_tensors(lambda t: t.pop(DOWN)), DOWN),
     "integer codes where a float weight is": (_tensors(_as_int32), "stored as I32"),
 }

@@ -8,7 +8,10 @@ of the types the architecture's config class declares, ``dtype`` a torch dtype),
 no quantized checkpoint as the source
 (:func:`exportlm.checkpoint.refuse_quantized_source`). transformers takes
 ``num_hidden_layers: -1`` and builds a model with no decoder layer, which exported as a
-checkpoint ``inspect`` then failed: refused here, with inspect's message.
+checkpoint ``inspect`` then failed: refused here, with inspect's message. A
+``generation_config.json`` that is not a JSON object is refused too: transformers'
+``from_pretrained`` ignores it without a word and the checkpoint would get a generation
+config made from ``config.json`` (another end-of-sequence id, no sampling defaults).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from exportlm.checkpoint import refuse_quantized_source
-from exportlm.errors import InvalidConfigError
+from exportlm.errors import InvalidConfigError, MalformedCheckpointError
+from exportlm.hfdir import read_json_object
 from exportlm.inspection import config_field_problems
 
 __all__ = ["check_source_config"]
+
+GENERATION_CONFIG = "generation_config.json"
 
 
 def check_source_config(directory: Path, config: Mapping[str, Any], where: str) -> None:
@@ -35,3 +41,24 @@ def check_source_config(directory: Path, config: Mapping[str, Any], where: str) 
         _, message = problems[0]
         raise InvalidConfigError(f"{where}: {message}; fix config.json")
     refuse_quantized_source(directory, config, where)
+    _check_generation_config(directory)
+
+
+def _check_generation_config(directory: Path) -> None:
+    """Refuse a ``generation_config.json`` that is there but is no JSON object.
+
+    What is in the object (a negative ``max_new_tokens``) transformers' own
+    ``GenerationConfig`` judges where the model is built; a file it cannot read at all
+    it would drop silently, so that is refused here.
+    """
+    path = directory / GENERATION_CONFIG
+    if not path.exists() and not path.is_symlink():
+        return
+    try:
+        read_json_object(path, what="generation config")
+    except MalformedCheckpointError as err:
+        raise InvalidConfigError(
+            f"{err}. transformers would ignore the file and the checkpoint would get a "
+            "generation config made from config.json (its end-of-sequence id and sampling "
+            f"defaults lost): fix {GENERATION_CONFIG} or remove it"
+        ) from err
