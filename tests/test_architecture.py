@@ -31,6 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "exportlm._transformers_model": set(),  # is this a transformers model? stdlib only
     "exportlm.safeio": {"exportlm.errors"},
     "exportlm.hfdir": {"exportlm.errors", "exportlm.safeio"},
+    "exportlm.chat_templates": set(),  # does a chat template compile? jinja2 + stdlib
     # the one reader of a checkpoint's quantization configs: standard library + the floor
     "exportlm.checkpoint": {"exportlm.errors", "exportlm.hfdir"},
     "exportlm.calibration": {
@@ -64,6 +65,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.inspection",  # ... and validates headers with the inspector's own rules
         "exportlm._transformers_model",
         "exportlm.checkpoint",  # the loader reads the quantization configs through it
+        "exportlm.chat_templates",  # a tokenizer whose chat template does not compile
     },
     "exportlm.inspection": {
         "exportlm.errors",
@@ -71,6 +73,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.safeio",
         "exportlm.hfdir",
         "exportlm.checkpoint",  # inspect's rules judge the declaration the reader builds
+        "exportlm.chat_templates",  # chat-template-invalid
     },
     "exportlm.engines": {
         "exportlm.errors",

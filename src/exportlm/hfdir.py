@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -220,8 +220,10 @@ def _check_shard_names(root: Path) -> None:
                 )
 
 
-def tokenizer_files(directory: str | os.PathLike[str]) -> dict[str, bytes]:
-    """The tokenizer files of ``directory`` (:data:`TOKENIZER_FILES`, ``additional_chat_templates/*.jinja``).
+def tokenizer_files(
+    directory: str | os.PathLike[str], names: Sequence[str] = TOKENIZER_FILES
+) -> dict[str, bytes]:
+    """The tokenizer files of ``directory`` (``names``, ``additional_chat_templates/*.jinja``).
 
     ``{relative name: bytes}``, empty when there is none. Each is read as
     :func:`read_json_object` reads (a regular file, at most :data:`MAX_JSON_BYTES`), and a
@@ -236,7 +238,7 @@ def tokenizer_files(directory: str | os.PathLike[str]) -> dict[str, bytes]:
     """
     root = Path(directory)
     refuse_custom_code(root)
-    names = [name for name in TOKENIZER_FILES if os.path.lexists(root / name)]
+    names = [name for name in names if os.path.lexists(root / name)]
     templates = root / _TEMPLATES_FOLDER
     if templates.is_dir() and _outside(root, _TEMPLATES_FOLDER) is None:
         names += [f"{_TEMPLATES_FOLDER}/{p.name}" for p in sorted(templates.glob("*.jinja"))]

@@ -96,6 +96,7 @@ class Finding:
 _E, _W, _I = Severity.ERROR, Severity.WARNING, Severity.INFO
 _VLLM, _SGL, _TRT, _HF, _CT = "vLLM", "SGLang", "TensorRT-LLM", "transformers", "compressed-tensors"
 _SERVING = (_VLLM, _SGL, _TRT)
+_ALL = (*_SERVING, _HF)
 
 _TABLE: tuple[Rule, ...] = (
     # -- files and names
@@ -106,10 +107,7 @@ _TABLE: tuple[Rule, ...] = (
         "Every *.safetensors file has a valid header and holds all the bytes its header declares.",
     ),
     Rule(
-        "shard-dtype-unknown",
-        _E,
-        (_VLLM, _SGL, _TRT, _HF),
-        "Every tensor's dtype in a safetensors header is a safetensors dtype.",
+        "shard-dtype-unknown", _E, _ALL, "Every tensor's dtype in a header is a safetensors dtype."
     ),
     Rule(
         "shard-tensor-malformed",
@@ -195,6 +193,13 @@ _TABLE: tuple[Rule, ...] = (
         "The checkpoint carries its tokenizer (tokenizer.json, tokenizer.model, vocab.json "
         "or vocab.txt): a serving engine reads it, and the chat template, from the same "
         "directory.",
+    ),
+    Rule(
+        "chat-template-invalid",
+        _E,
+        (_VLLM, _SGL, _HF),
+        "Every chat template the checkpoint carries compiles as transformers compiles it "
+        "(chat_template.jinja, additional_chat_templates/, a chat_template field).",
     ),
     Rule(
         "quant-method-unknown",
@@ -320,12 +325,7 @@ _TABLE: tuple[Rule, ...] = (
         (*_SERVING, _CT),
         "Per-tensor scales (weight, input, KV) are > 0; no scale is negative.",
     ),
-    Rule(
-        "scale-zero-entries",
-        _W,
-        (_VLLM, _TRT),
-        "Per-row and per-block scales have no zero entries.",
-    ),
+    Rule("scale-zero-entries", _W, (_VLLM, _TRT), "Per-row and per-block scales have no zeros."),
     Rule(
         "moe-input-scale-shared",
         _W,
@@ -369,8 +369,8 @@ _TABLE: tuple[Rule, ...] = (
         "onnx-external-data",
         _E,
         ("onnxruntime",),
-        "Every external-data file an initializer "
-        "names exists and is long enough for its offset and length.",
+        "Every external-data file an initializer names exists and is long enough for its "
+        "offset and length.",
         "onnx",
     ),
     Rule(

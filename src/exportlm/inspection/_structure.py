@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 
-from exportlm.errors import MalformedCheckpointError
-from exportlm.hfdir import custom_code_reasons
+from exportlm.chat_templates import TEMPLATE_FILES, chat_template_problems
+from exportlm.errors import ExportLMError, MalformedCheckpointError
+from exportlm.hfdir import custom_code_reasons, tokenizer_files
 from exportlm.inspection._completeness import layer_count_of, layer_gap
 from exportlm.inspection._config import config_field_problems, quant_config_problems
 from exportlm.inspection._declared import MIXED_PRECISION, Declared
@@ -327,7 +328,18 @@ _VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.t
 
 
 def _tokenizer(checkpoint: Checkpoint) -> Iterator[Finding]:
-    """``tokenizer-missing``: no vocabulary file beside the weights."""
+    """``chat-template-invalid``; ``tokenizer-missing``: no vocabulary file beside the weights."""
+    try:
+        files = tokenizer_files(checkpoint.directory, TEMPLATE_FILES)
+    except ExportLMError:  # custom code, a link out, a FIFO: their own rules and refusals
+        files = {}
+    for where, problem in chat_template_problems(files):
+        yield RULES["chat-template-invalid"].finding(
+            where.split(":")[0],
+            f"the chat template {where} {problem}: the checkpoint loads, and every chat "
+            "request (transformers' apply_chat_template, vLLM's and SGLang's chat endpoints) "
+            "fails. Fix the template in the source model and export again",
+        )
     if any(os.path.lexists(checkpoint.directory / name) for name in _VOCABULARY_FILES):
         return
     yield RULES["tokenizer-missing"].finding(

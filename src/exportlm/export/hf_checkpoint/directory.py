@@ -133,6 +133,7 @@ def export_directory(
 
     ``tokenizer``: the tokenizer files given, else (``None``) the directory's own.
     """
+    from exportlm.export.hf_checkpoint.tokenizer import refuse_broken_chat_template
     from exportlm.hfdir import tokenizer_files
 
     directory, out = Path(request.model), request.output_path
@@ -141,7 +142,10 @@ def export_directory(
         raise OutputExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     built = request.model.skeleton if isinstance(request.model, ModelDirectory) else None
     skeleton = checked_skeleton(directory, source.recipe, options.format, built)  # before reads
-    files = tokenizer if tokenizer is not None else tokenizer_files(directory)
+    files = tokenizer
+    if files is None:
+        files = tokenizer_files(directory)
+        refuse_broken_chat_template(files, directory)
     options = dataclasses.replace(options, tokenizer_files=files)
     if source.streams(directory):
         from exportlm.export.hf_checkpoint.stream._pipeline import stream_checkpoint

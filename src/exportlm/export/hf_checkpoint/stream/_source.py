@@ -31,6 +31,7 @@ from torch import nn
 from exportlm.errors import InvalidConfigError, MalformedCheckpointError
 from exportlm.export.hf_checkpoint.sink import SAFETENSORS_DTYPES
 from exportlm.export.hf_checkpoint.stream._names import CheckpointNames
+from exportlm.export.hf_checkpoint.tokenizer import refuse_broken_chat_template
 from exportlm.hfdir import CONFIG_NAME, read_config, tokenizer_files, vet_model_directory
 
 __all__ = [
@@ -75,6 +76,7 @@ class CheckpointSource:
         self.directory = Path(directory)
         vet_model_directory(self.directory)
         self.tokenizer_files = tokenizer_files(self.directory)
+        refuse_broken_chat_template(self.tokenizer_files, self.directory)
         # ``model``: this directory's meta_model, already built (and checked against a recipe)
         self.model: Any = meta_model(self.directory) if model is None else model
         self.layout = _decoder_layout(self.model)
