@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import exportlm
 from exportlm.cli import main
@@ -161,16 +162,40 @@ def test_a_quantized_checkpoint_is_no_source(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
 def test_a_stored_tensor_the_model_has_no_place_for_is_named_and_left_out(
-    base: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    base: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, stream: bool
 ) -> None:
     """Checkpoints carry weights transformers does not load (DeepSeek-V3's multi-token
-    prediction layers): not refused, said."""
+    prediction layers): not refused, said, by both paths alike."""
     directory = _edited(
         base, tmp_path, _tensors(lambda t: t.update({"extra.weight": torch.ones(4)}))
     )
     with caplog.at_level(logging.WARNING, logger="exportlm"):
-        result = exportlm.export_model("hf_checkpoint", directory, tmp_path / "out", recipe="fp8")
+        result = exportlm.export_model(
+            "hf_checkpoint", directory, tmp_path / "out", recipe="fp8", stream=stream
+        )
     assert (result / SHARD).is_file()
-    assert "1 stored tensor(s) are no weight of" in caplog.text
-    assert "extra.weight" in caplog.text
+    assert "extra.weight" not in load_file(result / SHARD)
+    (said,) = [r.getMessage() for r in caplog.records if "no weight of" in r.getMessage()]
+    assert said.endswith(
+        "1 stored tensor(s) are no weight of LlamaForCausalLM and are left out (extra.weight)"
+    )
+
+
+def _what_transformers_ignores(t: dict[str, torch.Tensor]) -> None:
+    """What older checkpoints store and transformers drops on purpose, without a word."""
+    t["model.rotary_emb.inv_freq"] = torch.ones(4)  # a non-persistent buffer now
+    t["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # moved to the model
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+def test_what_transformers_ignores_is_left_out_without_a_warning(
+    base: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    directory = _edited(base, tmp_path, _tensors(_what_transformers_ignores))
+    with caplog.at_level(logging.WARNING, logger="exportlm"):
+        exportlm.export_model(
+            "hf_checkpoint", directory, tmp_path / "out", recipe="fp8", stream=stream
+        )
+    assert "no weight of" not in caplog.text

@@ -314,10 +314,13 @@ def check_loading_info(info: Mapping[str, Any], where: str, model: str) -> None:
             "would initialise them at random. Expected a complete checkpoint as "
             "save_pretrained writes it"
         )
-    unexpected = sorted(info.get("unexpected_keys") or ())
-    if unexpected:
+    warn_left_out(sorted(info.get("unexpected_keys") or ()), where, model)
+
+
+def warn_left_out(names: Sequence[str], where: str, model: str) -> None:
+    """Say, once, that the stored tensors ``names`` are no weight of ``model`` and are left out."""
+    if names:
         logger.warning(
             "%s: %d stored tensor(s) are no weight of %s and are left out (%s%s)",
-            where, len(unexpected), model, ", ".join(unexpected[:3]),
-            ", ..." if len(unexpected) > 3 else "",
+            where, len(names), model, ", ".join(names[:3]), ", ..." if len(names) > 3 else "",
         )  # fmt: skip

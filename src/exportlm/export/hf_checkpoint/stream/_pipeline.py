@@ -58,6 +58,7 @@ from exportlm.export.hf_checkpoint.stream._summary import (
 )
 from exportlm.export.hf_checkpoint.stream._work import ActivationStore, WorkArea
 from exportlm.export.job import ExportRequest, export_job
+from exportlm.hfdir import warn_left_out
 from exportlm.inputs import make_input_ids
 from exportlm.module_exporters import ExportFormat, export_quantized_state
 from exportlm.quant import QuantRecipe, check_layout, check_layout_model, resolve_algorithm
@@ -85,6 +86,8 @@ class _Run:
         self.sink = CheckpointSink(source.namer, self.writer, format)
         self.head_names, self.tail_names = shells
         self.stored = source.stored_names()  # before a layer is quantized (check_complete)
+        model = type(source.model).__name__
+        warn_left_out(source.left_out(), str(source.directory), model)  # as in memory
 
     def checkpoint(self, tag: str) -> None:
         """Record progress after a part: spill the open shard, save, drop what it supersedes."""

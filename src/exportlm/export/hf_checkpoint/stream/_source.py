@@ -19,6 +19,7 @@ its region of the fused parameter (see there).
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -252,6 +253,27 @@ class CheckpointSource:
             for name in self.saved(state)
             for stored, _, _ in self._names.pieces(name, state[name])
         }
+
+    def left_out(self) -> list[str]:
+        """The stored tensors the model has no place for, sorted: what ``from_pretrained``
+        reports as unexpected keys (its ignore patterns applied, as its
+        ``_adjust_missing_and_unexpected_keys`` does: the class's
+        ``_keys_to_ignore_on_load_unexpected``, and stored ``rotary_emb.inv_freq`` /
+        ``position_ids`` where the model has such buffers)."""
+        model = self.model
+        buffers = {name for name, _ in model.named_buffers()}
+        known = self.stored_names() | set(model.state_dict(keep_vars=True)) | buffers
+        patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+        if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+            patterns.add(r"rotary_emb\.inv_freq")
+        if any(name.endswith("position_ids") for name in buffers):
+            patterns.add(r"(^|\.)position_ids$")
+        ignored = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+        return sorted(
+            name
+            for name in self.shard_of
+            if name not in known and (ignored is None or ignored.search(name) is None)
+        )
 
 
 #: The safetensors dtypes a float model's weights are stored in; any other is a quantized
