@@ -13,6 +13,7 @@ an error; the rest surfaced transformers' or huggingface_hub's own exceptions
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from collections.abc import Callable
@@ -68,6 +69,19 @@ def _tensors(change: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Pat
     return lambda directory: edit_tensors(directory / SHARD, change)
 
 
+def _index_with_a_missing_shard(directory: Path) -> None:
+    """A sharded checkpoint missing its second shard (a partial download)."""
+    from safetensors.torch import save_file
+
+    tensors = load_file(directory / SHARD)
+    (directory / SHARD).unlink()
+    first = {k: v for k, v in tensors.items() if ".layers.1." not in k}
+    save_file(first, directory / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    weight_map = {k: f"model-0000{1 if k in first else 2}-of-00002.safetensors" for k in tensors}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 def _as_int32(t: dict[str, torch.Tensor]) -> None:
     t[DOWN] = (t[DOWN] * 100).to(torch.int32)
 
@@ -104,6 +118,20 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "a generation config that is not JSON": (
         lambda d: (d / "generation_config.json").write_bytes(b'{"eos_token_id": [2, \x00'),
         "generation_config.json is not valid JSON",
+    ),
+    # built layer by layer by transformers: 10**9 of them took hours (the CLI's recipe
+    # check built them from config.json before anything was read)
+    "layers the shards do not store": (
+        _config("num_hidden_layers", 10**9),
+        "layer(s) 2..999999999 are missing",
+    ),
+    "a size no tensor shape can hold": (  # torch's raw TypeError before
+        _config("hidden_size", 10**30),
+        "expected a positive int (at most 2**40)",
+    ),
+    "an index naming a shard that is not there": (
+        _index_with_a_missing_shard,
+        "names shard 'model-00002-of-00002.safetensors', which is not in the directory",
     ),
     "a missing weight": (_tensors(lambda t: t.pop(DOWN)), DOWN),
     "integer codes where a float weight is": (_tensors(_as_int32), "stored as I32"),
@@ -199,3 +227,39 @@ def test_what_transformers_ignores_is_left_out_without_a_warning(
             "hf_checkpoint", directory, tmp_path / "out", recipe="fp8", stream=stream
         )
     assert "no weight of" not in caplog.text
+
+
+def _lm_head_stored_apart(t: dict[str, torch.Tensor]) -> None:
+    t["lm_head.weight"] = t["model.embed_tokens.weight"] + 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+def test_a_tie_the_config_declares_over_two_different_stored_tensors_is_refused(
+    base: Path, tmp_path: Path, stream: bool
+) -> None:
+    """Two models in one directory: transformers loads both tensors, an engine that ties
+    them one. The streamed export read the embedding for both and wrote one, silently."""
+    from exportlm.errors import TiedWeightsError
+
+    def edit(directory: Path) -> None:
+        _config("tie_word_embeddings", True)(directory)
+        _tensors(_lm_head_stored_apart)(directory)
+
+    directory = _edited(base, tmp_path, edit)
+    out = tmp_path / "out"
+    with pytest.raises(TiedWeightsError, match=r"'lm_head\.weight' is declared tied to"):
+        exportlm.export_model("hf_checkpoint", directory, out, recipe="fp8", stream=stream)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+def test_a_tied_copy_stored_equal_exports(base: Path, tmp_path: Path, stream: bool) -> None:
+    def edit(directory: Path) -> None:
+        _config("tie_word_embeddings", True)(directory)
+        _tensors(lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))(
+            directory
+        )
+
+    directory = _edited(base, tmp_path, edit)
+    out = exportlm.export_model("hf_checkpoint", directory, tmp_path / "out", stream=stream)
+    assert "lm_head.weight" not in load_file(out / SHARD)  # one copy, as save_pretrained writes

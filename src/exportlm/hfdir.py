@@ -66,6 +66,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+#: The weight files transformers reads from a directory: the single file first, else the index.
+SAFETENSORS_SINGLE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 #: The folder transformers saves a tokenizer's further named chat templates into.
 _TEMPLATES_FOLDER = "additional_chat_templates"
 
@@ -204,10 +207,13 @@ def shard_name_problem(directory: str | os.PathLike[str], name: str) -> str | No
 
 
 def _check_shard_names(root: Path) -> None:
-    """Every shard a weight index names is a file of ``root`` (:func:`shard_name_problem`)."""
+    """Every shard a weight index names is a file of ``root`` (:func:`shard_name_problem`),
+    and every shard of the index transformers reads (``model.safetensors.index.json``
+    where there is no ``model.safetensors``, which it would read instead) is there."""
     for index in sorted(root.glob("*.index.json")):
         weight_map = read_json_object(index, what="weight index").get("weight_map", {})
         names = weight_map.values() if isinstance(weight_map, dict) else [weight_map]
+        read = index.name == SAFETENSORS_INDEX and not os.path.lexists(root / SAFETENSORS_SINGLE)
         for name in sorted({str(n) for n in names}):
             why = shard_name_problem(root, name)
             if why is not None:
@@ -215,6 +221,14 @@ def _check_shard_names(root: Path) -> None:
                     f"weight index {index} names shard {name!r}, which is not a file name "
                     f"inside the checkpoint directory ({why}); expected names such as "
                     "model-00001-of-00002.safetensors",
+                    path=index,
+                    field="weight_map",
+                )
+            if read and not os.path.lexists(root / name):
+                raise MalformedCheckpointError(
+                    f"weight index {index} names shard {name!r}, which is not in the "
+                    "directory; expected every shard the index names (a partial download "
+                    "or copy: fetch the missing shard)",
                     path=index,
                     field="weight_map",
                 )

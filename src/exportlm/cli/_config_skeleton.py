@@ -25,8 +25,11 @@ DENSE_LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 def _int(config: dict[str, Any], key: str, default: int | None = None) -> int | None:
+    """A size field, or ``None`` where it is no int in the range the config rules allow."""
     value = config.get(key, default)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 2**40:
+        return value
+    return None
 
 
 def _dims(config: dict[str, Any]) -> dict[str, int] | None:

@@ -182,10 +182,13 @@ def check_model_layout(
 def _config_skeleton(path: Path) -> Any:
     """The linears of a dense Llama-style directory from ``config.json`` alone, else ``None``."""
     from exportlm.cli._config_skeleton import config_skeleton
+    from exportlm.export.hf_checkpoint.source_config import missing_layers
     from exportlm.hfdir import read_config
 
     try:
         config = read_config(path)
     except (OSError, ValueError):  # the full skeleton (then loading) reports it
+        return None
+    if missing_layers(path, config) is not None:  # 10**9 layers: the full skeleton refuses
         return None
     return config_skeleton(config)

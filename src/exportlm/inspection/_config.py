@@ -45,8 +45,13 @@ _HF_QUANT = HF_QUANT_CONFIG_NAME
 _CT_TYPES = ("int", "float")
 
 
+#: Above any model's size field (hidden sizes are below 2**17, vocabularies 2**20, contexts
+#: 2**25), below what a tensor shape can hold: 10**30 made torch fail to unpack a shape.
+_MAX_SIZE = 2**40
+
+
 def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= _MAX_SIZE
 
 
 @functools.cache
@@ -147,8 +152,8 @@ def config_field_problems(config: Mapping[str, Any]) -> list[tuple[str, str]]:
             problems.append(
                 (
                     name,
-                    f"{_CONFIG}: {name} is {value!r}, expected a positive int: loaders size "
-                    "the model's tensors by it",
+                    f"{_CONFIG}: {name} is {value!r}, expected a positive int (at most "
+                    "2**40): loaders size the model's tensors by it",
                 )
             )
     problems += _dtype_problems(config)
@@ -239,7 +244,11 @@ def sub_config_problems(
             sizes = [(f, v) for f in SIZE_FIELDS if (v := value.get(f)) is not None]
             bad = {f for f, v in sizes if not _positive_int(v)}
             problems += [
-                (f"{name}.{f}", f"{_CONFIG}: {name}.{f} is {value[f]!r}, expected a positive int")
+                (
+                    f"{name}.{f}",
+                    f"{_CONFIG}: {name}.{f} is {value[f]!r}, expected a positive int (at most "
+                    "2**40)",
+                )
                 for f in sorted(bad)
             ]
             problems += _typed_fields(value, _class_annotations(sub), bad, f"{name}.")

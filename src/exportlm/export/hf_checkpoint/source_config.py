@@ -21,11 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from exportlm.checkpoint import refuse_quantized_source
-from exportlm.errors import InvalidConfigError, MalformedCheckpointError
-from exportlm.hfdir import read_json_object
-from exportlm.inspection import config_field_problems
+from exportlm.errors import ExportLMError, InvalidConfigError, MalformedCheckpointError
+from exportlm.hfdir import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_json_object
+from exportlm.inspection import (
+    config_field_problems,
+    layer_count_of,
+    layer_gap,
+    read_safetensors_header,
+)
 
-__all__ = ["check_source_config"]
+__all__ = ["check_source_config", "missing_layers"]
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -41,7 +46,40 @@ def check_source_config(directory: Path, config: Mapping[str, Any], where: str) 
         _, message = problems[0]
         raise InvalidConfigError(f"{where}: {message}; fix config.json")
     refuse_quantized_source(directory, config, where)
+    _check_layer_count(directory, config, where)
     _check_generation_config(directory)
+
+
+def _check_layer_count(directory: Path, config: Mapping[str, Any], where: str) -> None:
+    problem = missing_layers(directory, config)
+    if problem is not None:
+        raise InvalidConfigError(f"{where}: {problem}")
+
+
+def missing_layers(directory: Path, config: Mapping[str, Any]) -> str | None:
+    """Why ``config``'s ``num_hidden_layers`` counts layers the weights do not store, else ``None``.
+
+    Read off the tensor names (the index, or the single file's header), before anything
+    is built: transformers would initialise the missing layers at random, and a count
+    like ``10**9`` would have it build layers for hours. Layers stored beyond the count
+    (DeepSeek-V3's multi-token-prediction layer) are left to the load, which warns.
+    """
+    names = _stored_names(directory)
+    gap = layer_gap(layer_count_of(config), names) if names else None
+    return gap.message() if gap is not None and gap.missing else None
+
+
+def _stored_names(directory: Path) -> list[str]:
+    """The tensor names of the weights transformers reads; ``[]`` where they cannot be read
+    here (the load then says why)."""
+    try:
+        if not (directory / SAFETENSORS_SINGLE).is_file():
+            index = read_json_object(directory / SAFETENSORS_INDEX, what="weight index")
+            weight_map = index.get("weight_map")
+            return [str(n) for n in weight_map] if isinstance(weight_map, dict) else []
+        return list(read_safetensors_header(directory / SAFETENSORS_SINGLE))
+    except (ExportLMError, OSError):
+        return []
 
 
 def _check_generation_config(directory: Path) -> None:

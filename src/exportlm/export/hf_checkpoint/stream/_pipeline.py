@@ -50,6 +50,7 @@ from exportlm.export.hf_checkpoint.stream._memory import (
 )
 from exportlm.export.hf_checkpoint.stream._sizing import calibration_algorithms, fit_bound
 from exportlm.export.hf_checkpoint.stream._source import CheckpointSource
+from exportlm.export.hf_checkpoint.stream._stored_extras import left_out
 from exportlm.export.hf_checkpoint.stream._summary import (
     PhaseSink,
     PrefixSink,
@@ -87,7 +88,7 @@ class _Run:
         self.head_names, self.tail_names = shells
         self.stored = source.stored_names()  # before a layer is quantized (check_complete)
         model = type(source.model).__name__
-        warn_left_out(source.left_out(), str(source.directory), model)  # as in memory
+        warn_left_out(left_out(source), str(source.directory), model)  # as in memory
 
     def checkpoint(self, tag: str) -> None:
         """Record progress after a part: spill the open shard, save, drop what it supersedes."""

@@ -19,7 +19,6 @@ its region of the fused parameter (see there).
 from __future__ import annotations
 
 import json
-import re
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -32,8 +31,16 @@ from torch import nn
 from exportlm.errors import InvalidConfigError, MalformedCheckpointError
 from exportlm.export.hf_checkpoint.sink import SAFETENSORS_DTYPES
 from exportlm.export.hf_checkpoint.stream._names import CheckpointNames
+from exportlm.export.hf_checkpoint.stream._stored_extras import check_stored_ties
 from exportlm.export.hf_checkpoint.tokenizer import refuse_broken_chat_template
-from exportlm.hfdir import CONFIG_NAME, read_config, tokenizer_files, vet_model_directory
+from exportlm.hfdir import (
+    CONFIG_NAME,
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SINGLE,
+    read_config,
+    tokenizer_files,
+    vet_model_directory,
+)
 
 __all__ = [
     "FLOAT_STORAGE",
@@ -43,10 +50,8 @@ __all__ = [
     "stored_codes_problem",
 ]
 
-_INDEX = "model.safetensors.index.json"
 #: safetensors dtype tag -> torch dtype (the writer's table, inverted).
 _TORCH_DTYPES = {tag: dtype for dtype, tag in SAFETENSORS_DTYPES.items()}
-_SINGLE = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class CheckpointSource:
         from exportlm.module_exporters import resolve_tied_weights
 
         self._ties = resolve_tied_weights(self.model)  # {dropped name: saved name}
+        check_stored_ties(self, self._ties)
 
     @property
     def namer(self) -> Any:
@@ -254,27 +260,6 @@ class CheckpointSource:
             for stored, _, _ in self._names.pieces(name, state[name])
         }
 
-    def left_out(self) -> list[str]:
-        """The stored tensors the model has no place for, sorted: what ``from_pretrained``
-        reports as unexpected keys (its ignore patterns applied, as its
-        ``_adjust_missing_and_unexpected_keys`` does: the class's
-        ``_keys_to_ignore_on_load_unexpected``, and stored ``rotary_emb.inv_freq`` /
-        ``position_ids`` where the model has such buffers)."""
-        model = self.model
-        buffers = {name for name, _ in model.named_buffers()}
-        known = self.stored_names() | set(model.state_dict(keep_vars=True)) | buffers
-        patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-        if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
-            patterns.add(r"rotary_emb\.inv_freq")
-        if any(name.endswith("position_ids") for name in buffers):
-            patterns.add(r"(^|\.)position_ids$")
-        ignored = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
-        return sorted(
-            name
-            for name in self.shard_of
-            if name not in known and (ignored is None or ignored.search(name) is None)
-        )
-
 
 #: The safetensors dtypes a float model's weights are stored in; any other is a quantized
 #: checkpoint's codes (int8, uint8, int32 packs, float8) or no weight at all.
@@ -355,23 +340,26 @@ def _decoder_layout(model: nn.Module) -> DecoderLayout:
 
 
 def _shard_map(directory: Path) -> dict[str, str]:
-    index = directory / _INDEX
-    if index.is_file():
+    """``{tensor: shard}``: of ``model.safetensors`` where there is one, else of the index,
+    the file transformers' ``from_pretrained`` reads (so both exports read one file)."""
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file() and not (directory / SAFETENSORS_SINGLE).exists():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (ValueError, KeyError, TypeError) as err:
             raise MalformedCheckpointError(f"{index}: no readable weight_map ({err})") from err
         return {str(k): str(v) for k, v in weight_map.items()}
-    single = directory / _SINGLE
+    single = directory / SAFETENSORS_SINGLE
     if not single.is_file():
         raise MalformedCheckpointError(
-            f"{directory}: neither {_INDEX} nor {_SINGLE}; streaming reads safetensors only"
+            f"{directory}: neither {SAFETENSORS_INDEX} nor {SAFETENSORS_SINGLE}; streaming "
+            "reads safetensors only"
         )
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(single), framework="pt", device="cpu") as handle:
-            return dict.fromkeys(handle.keys(), _SINGLE)
+            return dict.fromkeys(handle.keys(), SAFETENSORS_SINGLE)
     except (SafetensorError, OSError) as err:  # a garbage file: never safetensors' own error
         raise MalformedCheckpointError(
             f"{single}: not a readable safetensors file ({err})"
