@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "exportlm._transformers_model": set(),  # is this a transformers model? stdlib only
     "exportlm.safeio": {"exportlm.errors"},
     "exportlm.hfdir": {"exportlm.errors", "exportlm.safeio"},
-    "exportlm.chat_templates": set(),  # does a chat template compile? jinja2 + stdlib
+    "exportlm.tokenizer_checks": set(),  # a tokenizer's JSON files, its chat templates
     # the one reader of a checkpoint's quantization configs: standard library + the floor
     "exportlm.checkpoint": {"exportlm.errors", "exportlm.hfdir"},
     "exportlm.calibration": {
@@ -65,7 +65,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.inspection",  # ... and validates headers with the inspector's own rules
         "exportlm._transformers_model",
         "exportlm.checkpoint",  # the loader reads the quantization configs through it
-        "exportlm.chat_templates",  # a tokenizer whose chat template does not compile
+        "exportlm.tokenizer_checks",  # a tokenizer that would not load or chat
     },
     "exportlm.inspection": {
         "exportlm.errors",
@@ -73,7 +73,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm.safeio",
         "exportlm.hfdir",
         "exportlm.checkpoint",  # inspect's rules judge the declaration the reader builds
-        "exportlm.chat_templates",  # chat-template-invalid
+        "exportlm.tokenizer_checks",  # chat-template-invalid, a tokenizer's unreadable JSON
     },
     "exportlm.engines": {
         "exportlm.errors",

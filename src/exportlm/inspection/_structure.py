@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 
-from exportlm.chat_templates import TEMPLATE_FILES, chat_template_problems
 from exportlm.errors import ExportLMError, MalformedCheckpointError
 from exportlm.hfdir import custom_code_reasons, tokenizer_files
 from exportlm.inspection._completeness import layer_count_of, layer_gap
@@ -25,6 +24,7 @@ from exportlm.inspection._loaders import (
 )
 from exportlm.inspection._names import listed_in, name_problems
 from exportlm.inspection._rules import RULES, Finding
+from exportlm.tokenizer_checks import chat_template_problems, json_problems
 
 __all__ = ["config_findings", "config_file_findings", "file_findings", "kv_findings"]
 
@@ -306,11 +306,12 @@ def config_file_findings(checkpoint: Checkpoint) -> Iterator[Finding]:
     if CONFIG not in checkpoint.config_problems:
         for field, message in config_field_problems(checkpoint.config):
             yield RULES["config-field-invalid"].finding(f"{CONFIG}: {field}", message, field=field)
+    unreadable = None
     try:
         reasons = custom_code_reasons(checkpoint.directory, checkpoint.config)
     except MalformedCheckpointError as err:  # a tokenizer / processor config that is not JSON
         yield RULES["config-unreadable"].finding(str(err.path), str(err))
-        reasons = []
+        reasons, unreadable = [], os.path.basename(str(err.path))
     for reason in reasons:
         yield RULES["custom-code"].finding(
             reason.split(" ")[0],
@@ -320,19 +321,27 @@ def config_file_findings(checkpoint: Checkpoint) -> Iterator[Finding]:
         )
     for rule, subject, message in quant_config_problems(checkpoint.declaration):
         yield RULES[rule].finding(subject, message)
-    yield from _tokenizer(checkpoint)
+    yield from _tokenizer(checkpoint, unreadable)
 
 
 #: The files a tokenizer's vocabulary is read from; one of them makes the checkpoint servable.
 _VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def _tokenizer(checkpoint: Checkpoint) -> Iterator[Finding]:
-    """``chat-template-invalid``; ``tokenizer-missing``: no vocabulary file beside the weights."""
+def _tokenizer(checkpoint: Checkpoint, reported: str | None) -> Iterator[Finding]:
+    """``config-unreadable`` for a tokenizer's JSON file (but ``reported``, already said),
+    ``chat-template-invalid``, ``tokenizer-missing`` (no vocabulary file beside the weights)."""
     try:
-        files = tokenizer_files(checkpoint.directory, TEMPLATE_FILES)
+        files = tokenizer_files(checkpoint.directory)
     except ExportLMError:  # custom code, a link out, a FIFO: their own rules and refusals
         files = {}
+    for name, problem in json_problems(files):
+        if name != reported:
+            yield RULES["config-unreadable"].finding(
+                name,
+                f"the tokenizer file {name} {problem}: transformers, vLLM and SGLang fail "
+                "to load the checkpoint's tokenizer. Copy the source model's file again",
+            )
     for where, problem in chat_template_problems(files):
         yield RULES["chat-template-invalid"].finding(
             where.split(":")[0],

@@ -133,7 +133,7 @@ def export_directory(
 
     ``tokenizer``: the tokenizer files given, else (``None``) the directory's own.
     """
-    from exportlm.export.hf_checkpoint.tokenizer import refuse_broken_chat_template
+    from exportlm.export.hf_checkpoint.tokenizer import refuse_broken_tokenizer
     from exportlm.hfdir import tokenizer_files
 
     directory, out = Path(request.model), request.output_path
@@ -145,7 +145,7 @@ def export_directory(
     files = tokenizer
     if files is None:
         files = tokenizer_files(directory)
-        refuse_broken_chat_template(files, directory)
+        refuse_broken_tokenizer(files, directory)
     options = dataclasses.replace(options, tokenizer_files=files)
     if source.streams(directory):
         from exportlm.export.hf_checkpoint.stream._pipeline import stream_checkpoint

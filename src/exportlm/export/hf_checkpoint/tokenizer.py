@@ -7,9 +7,9 @@ tokenizer object (its ``save_pretrained``) or a directory (its tokenizer files, 
 :func:`exportlm.hfdir.tokenizer_files`: regular files, no link out of the directory, no
 directory that would run code of its own). They are read before the export does any
 work, so a refused tokenizer costs nothing, and written into the staged checkpoint, so
-the manifest lists each with its digest like every file. A chat template that does not
-compile (:func:`exportlm.chat_templates.chat_template_problems`) is refused: the
-checkpoint would load and fail every chat request.
+the manifest lists each with its digest like every file. A JSON file that is no JSON
+object, or a chat template that does not compile (:mod:`exportlm.tokenizer_checks`), is
+refused: the checkpoint's tokenizer would not load, or every chat request would fail.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from exportlm.chat_templates import chat_template_problems
 from exportlm.checkpoint import HF_QUANT_CONFIG_NAME
 from exportlm.errors import InvalidConfigError, InvalidInputError
 from exportlm.hfdir import tokenizer_files
+from exportlm.tokenizer_checks import chat_template_problems, json_problems
 
-__all__ = ["describe_tokenizer", "refuse_broken_chat_template", "tokenizer_payload"]
+__all__ = ["describe_tokenizer", "refuse_broken_tokenizer", "tokenizer_payload"]
 
 #: What the export writes itself: a tokenizer's file never replaces one of these.
 _CHECKPOINT_OWN = ("config.json", "generation_config.json", HF_QUANT_CONFIG_NAME)
@@ -42,7 +42,8 @@ def tokenizer_payload(tokenizer: Any, scratch: Path | None = None) -> dict[str, 
 
     Raises:
         InvalidInputError: ``tokenizer`` is none of these, or names no directory.
-        InvalidConfigError: a chat template among the files does not compile.
+        InvalidConfigError: a JSON file among them is no JSON object, or a chat template
+            does not compile.
     """
     if tokenizer is None:
         return {}
@@ -58,19 +59,24 @@ def tokenizer_payload(tokenizer: Any, scratch: Path | None = None) -> dict[str, 
     else:
         files = _saved(tokenizer, scratch)
     files = {name: data for name, data in files.items() if name not in _CHECKPOINT_OWN}
-    refuse_broken_chat_template(files, describe_tokenizer(tokenizer))
+    refuse_broken_tokenizer(files, describe_tokenizer(tokenizer))
     return files
 
 
-def refuse_broken_chat_template(files: Mapping[str, bytes], source: Any) -> None:
-    """Refuse tokenizer ``files`` (from ``source``) whose chat template does not compile.
+def refuse_broken_tokenizer(files: Mapping[str, bytes], source: Any) -> None:
+    """Refuse tokenizer ``files`` (from ``source``) that would not load, or whose chat
+    template does not compile.
 
     Raises:
-        InvalidConfigError: naming the file, the line and Jinja's reason.
+        InvalidConfigError: naming the file and what is wrong with it.
     """
-    problems = chat_template_problems(files)
-    if problems:
-        where, problem = problems[0]
+    for name, problem in json_problems(files)[:1]:
+        raise InvalidConfigError(
+            f"the tokenizer file {name} of {os.fspath(source)} {problem}: the checkpoint's "
+            "tokenizer would not load (transformers' AutoTokenizer, vLLM and SGLang at "
+            "start-up). Fix the file, or remove it to export the model without it"
+        )
+    for where, problem in chat_template_problems(files)[:1]:
         raise InvalidConfigError(
             f"the chat template {where} of {os.fspath(source)} {problem}: the checkpoint "
             "would load, and every chat request (transformers' apply_chat_template, vLLM's "

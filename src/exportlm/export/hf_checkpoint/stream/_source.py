@@ -32,7 +32,7 @@ from exportlm.errors import InvalidConfigError, MalformedCheckpointError
 from exportlm.export.hf_checkpoint.sink import SAFETENSORS_DTYPES
 from exportlm.export.hf_checkpoint.stream._names import CheckpointNames
 from exportlm.export.hf_checkpoint.stream._stored_extras import check_stored_ties
-from exportlm.export.hf_checkpoint.tokenizer import refuse_broken_chat_template
+from exportlm.export.hf_checkpoint.tokenizer import refuse_broken_tokenizer
 from exportlm.hfdir import (
     CONFIG_NAME,
     SAFETENSORS_INDEX,
@@ -82,7 +82,7 @@ class CheckpointSource:
         self.directory = Path(directory)
         vet_model_directory(self.directory)
         self.tokenizer_files = tokenizer_files(self.directory)
-        refuse_broken_chat_template(self.tokenizer_files, self.directory)
+        refuse_broken_tokenizer(self.tokenizer_files, self.directory)
         # ``model``: this directory's meta_model, already built (and checked against a recipe)
         self.model: Any = meta_model(self.directory) if model is None else model
         self.layout = _decoder_layout(self.model)

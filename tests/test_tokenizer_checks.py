@@ -1,5 +1,8 @@
-"""A chat template that does not compile is found before it is deployed.
+"""A tokenizer that would not load, or a chat template that does not compile, is found
+before it is deployed.
 
+A tokenizer JSON file that is not one (a truncated ``tokenizer.json``) exported as it was
+and failed the tokenizer's load in transformers and vLLM. A broken chat template:
 transformers, vLLM and SGLang load such a checkpoint without a word and fail every chat
 request when they compile the template. Before, the export copied a source's broken
 template into the checkpoint as it was, and ``exportlm inspect`` passed it. Now the
@@ -19,10 +22,10 @@ from typing import Any
 import pytest
 
 import exportlm
-from exportlm.chat_templates import chat_template_problems
 from exportlm.cli import main
 from exportlm.errors import InvalidConfigError
 from exportlm.inspection import Severity, inspect_checkpoint
+from exportlm.tokenizer_checks import chat_template_problems, json_problems
 from tests._model_dirs import toy_model_dir, toy_tokenizer
 
 #: A ChatML template of the kind instruct models ship (SmolLM2's, Qwen's).
@@ -185,3 +188,57 @@ def test_inspect_fails_a_checkpoint_whose_template_does_not_compile(
     assert "Unexpected end of template" in finding.message
     assert main(["inspect", str(broken)]) == 1
     assert "chat-template-invalid" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (b'{"model": {"vocab": ', "is not valid JSON (line 1: Expecting value)"),
+        (b"[1, 2]", "holds a JSON list, expected an object"),
+        (b"\xff\xfe", "is not UTF-8 text"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ],
+    ids=["truncated", "a list", "not UTF-8", "too deep"],
+)
+def test_a_tokenizer_json_file_that_is_no_object_is_named(data: bytes, says: str) -> None:
+    files = {"tokenizer.json": data, "merges.txt": b"a b", "vocab.json": b"{}"}
+    ((name, problem),) = json_problems(files)
+    assert name == "tokenizer.json"
+    assert says in problem
+
+
+@pytest.fixture(scope="module")
+def truncated_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A toy model directory whose tokenizer.json was cut short (a partial copy)."""
+    directory = toy_model_dir(tmp_path_factory.mktemp("truncated") / "llama")
+    data = (directory / "tokenizer.json").read_bytes()
+    (directory / "tokenizer.json").write_bytes(data[: len(data) // 2])
+    return directory
+
+
+@pytest.mark.parametrize("stream", [[], ["--stream"]], ids=["in-memory", "streamed"])
+def test_the_export_refuses_a_tokenizer_that_would_not_load(
+    truncated_dir: Path, tmp_path: Path, stream: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(InvalidConfigError, match=r"the tokenizer file tokenizer\.json of"):
+        exportlm.export_model("hf_checkpoint", truncated_dir, tmp_path / "lib", stream=bool(stream))
+    args = ["export", "--target", "hf_checkpoint", "--model", str(truncated_dir), *stream]
+    assert main([*args, "--out", str(tmp_path / "cli")]) == 2
+    assert "is not valid JSON" in capsys.readouterr().err
+    assert not (tmp_path / "lib").exists()
+    assert not (tmp_path / "cli").exists()
+
+
+def test_inspect_fails_a_checkpoint_whose_tokenizer_would_not_load(tmp_path: Path) -> None:
+    source = toy_model_dir(tmp_path / "source")
+    out = exportlm.export_model("hf_checkpoint", source, tmp_path / "ckpt")
+    (out / "tokenizer.json").write_bytes(b"{")  # edited after the export
+    report = inspect_checkpoint(out)
+    assert not report.ok
+    (finding,) = [f for f in report.findings if f.rule == "config-unreadable"]
+    assert finding.subject == "tokenizer.json"
+    assert "fail to load the checkpoint's tokenizer" in finding.message
+
+    (out / "tokenizer_config.json").write_bytes(b"[]")  # read for auto_map too: said once
+    (finding,) = [f for f in inspect_checkpoint(out).findings if f.rule == "config-unreadable"]
+    assert finding.subject.endswith("tokenizer_config.json")

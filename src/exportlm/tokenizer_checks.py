@@ -1,6 +1,10 @@
-"""Does a tokenizer's chat template compile? Found from its files, without running it.
+"""Will a tokenizer's files load and its chat template compile? Found without running it.
 
-A checkpoint's chat template is Jinja source that transformers' ``apply_chat_template``
+:func:`json_problems`: every JSON file of a tokenizer (``tokenizer.json``, its config,
+the special-tokens and added-tokens maps, ``vocab.json``, ``chat_template.json``) is a
+JSON object, or transformers and vLLM fail to load the tokenizer.
+
+:func:`chat_template_problems`: a checkpoint's chat template is Jinja source that transformers' ``apply_chat_template``
 (and so vLLM's and SGLang's chat endpoints) compiles on the first chat request. One that
 does not compile loads without a word and fails every request. The templates are found
 where transformers reads them: ``chat_template.jinja``, ``additional_chat_templates/*.jinja``,
@@ -21,12 +25,40 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["TEMPLATE_FILES", "chat_template_problems"]
+__all__ = ["JSON_FILES", "TEMPLATE_FILES", "chat_template_problems", "json_problems"]
+
+#: The tokenizer files that hold one JSON object each.
+JSON_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "chat_template.json",
+)
 
 #: The files of a tokenizer that hold chat templates (besides ``additional_chat_templates/``).
 TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
 _FOLDER = "additional_chat_templates/"
+
+
+def json_problems(files: Mapping[str, bytes]) -> list[tuple[str, str]]:
+    """``(file, what is wrong)`` for each of :data:`JSON_FILES` in ``files`` that is no JSON object."""
+    problems = []
+    for name in (n for n in files if n in JSON_FILES):
+        try:
+            value = json.loads(files[name].decode("utf-8"))
+        except UnicodeDecodeError as err:
+            problems.append((name, f"is not UTF-8 text ({err.reason} at byte {err.start})"))
+        except json.JSONDecodeError as err:
+            problems.append((name, f"is not valid JSON (line {err.lineno}: {err.msg})"))
+        except RecursionError:
+            problems.append((name, "is nested too deeply to parse"))
+        else:
+            if not isinstance(value, dict):
+                problems.append((name, f"holds a JSON {type(value).__name__}, expected an object"))
+    return problems
 
 
 def chat_template_problems(files: Mapping[str, bytes]) -> list[tuple[str, str]]:
@@ -35,7 +67,7 @@ def chat_template_problems(files: Mapping[str, bytes]) -> list[tuple[str, str]]:
     Args:
         files: ``{name relative to the directory: bytes}`` of a tokenizer's files (as
             :func:`exportlm.hfdir.tokenizer_files` reads them). A JSON file that does not
-            parse is left to the rules that read it; its templates are not looked for.
+            parse is left to :func:`json_problems`; its templates are not looked for.
 
     Returns:
         One pair per broken template, ``where`` naming the file (and the field or
@@ -70,7 +102,7 @@ def _json_templates(name: str, data: bytes) -> Iterator[tuple[str, Any]]:
     try:
         config = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
-        return  # the file's own readers say what is wrong with it
+        return  # json_problems says what is wrong with it
     if not isinstance(config, dict) or config.get("chat_template") is None:
         return
     value = config["chat_template"]
