@@ -77,6 +77,8 @@ def _export(model: Path | str, out: Path, *extra: str) -> list[str]:
         (["--quantize", "int4_awq:group_sze=64"], "'group_sze'; accepted: group_size"),
         (["--quantize", "int4_awq:group_size=48"], "group_size=48 is not one it takes"),
         (["--quantize", "int4_awq:group_size"], "options are KEY=VALUE"),
+        # which one won was the parser's to choose, silently (the last)
+        (["--quantize", "int4_awq:group_size=64,group_size=128"], "'group_size' is given twice"),
     ],
 )
 def test_refusals_come_before_loading_or_reading_the_calibration_data(

@@ -81,6 +81,10 @@ def split_options(part: str) -> tuple[str, dict[str, OptionValue]]:
                     f"recipe {part!r}: options are KEY=VALUE separated by commas, e.g. "
                     f"'{name.strip()}:group_size=64'; got {item!r}"
                 )
+            if key.strip() in options:  # which one would win is not the user's to guess
+                raise ValueError(
+                    f"recipe {part!r}: option {key.strip()!r} is given twice; give it once"
+                )
             options[key.strip()] = _value(raw.strip())
     return name.strip(), options
 
