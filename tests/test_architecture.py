@@ -32,6 +32,13 @@ ALLOWED: dict[str, set[str]] = {
     "exportlm.safeio": {"exportlm.errors"},
     "exportlm.hfdir": {"exportlm.errors", "exportlm.safeio"},
     "exportlm.tokenizer_checks": set(),  # a tokenizer's JSON files, its chat templates
+    # a model directory from elsewhere held to its config before anything is built
+    "exportlm.source_config": {
+        "exportlm.errors",
+        "exportlm.hfdir",
+        "exportlm.checkpoint",
+        "exportlm.inspection",
+    },
     # the one reader of a checkpoint's quantization configs: standard library + the floor
     "exportlm.checkpoint": {"exportlm.errors", "exportlm.hfdir"},
     "exportlm.calibration": {
@@ -47,6 +54,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm._transformers_model",
         "exportlm.hfdir",  # a user's model directory as a family (models/directory.py) is vetted
         "exportlm.checkpoint",  # ... and refused when it holds a quantized checkpoint
+        "exportlm.source_config",  # ... or a config its weights do not back
     },
     "exportlm.module_exporters": {"exportlm.errors", "exportlm.registry", "exportlm.quant"},
     "exportlm.modules": {"exportlm.module_exporters"},  # deprecated alias, removed in 0.3
@@ -66,6 +74,7 @@ ALLOWED: dict[str, set[str]] = {
         "exportlm._transformers_model",
         "exportlm.checkpoint",  # the loader reads the quantization configs through it
         "exportlm.tokenizer_checks",  # a tokenizer that would not load or chat
+        "exportlm.source_config",  # a model directory's config, before it is built
     },
     "exportlm.inspection": {
         "exportlm.errors",

@@ -123,6 +123,19 @@ def test_a_quantized_checkpoint_is_a_usage_error(
     result.stderr.fnmatch_lines(["*--export-model*holds a quantized checkpoint*"])
 
 
+def test_a_config_its_weights_do_not_back_is_a_usage_error(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """10**9 layers over shards that store 2: transformers built layers until the job's
+    time ran out (the same checks as `exportlm export --model DIR` now run first)."""
+    directory = toy_model_dir(tmp_path / "deep")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
+    result = pytester.runpytest("--export-targets=torch_export", f"--export-model={directory}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--export-model*layer(s) 2..999999999 are missing*"])
+
+
 def test_a_directory_without_config_is_a_usage_error(
     pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
@@ -141,6 +154,8 @@ def test_the_tolerance_grows_with_depth_and_width(tmp_path: Path) -> None:
     config = json.loads((deep_dir / "config.json").read_text())
     config.update(num_hidden_layers=30, hidden_size=576)  # SmolLM2-135M's shape
     (deep_dir / "config.json").write_text(json.dumps(config))
+    # the scale is the config's alone; weights of another shape would be refused
+    (deep_dir / "model.safetensors").unlink()
     deep = register_model_directory(deep_dir)
     assert model_tolerance_scale(deep) == pytest.approx(15 * (576 / 128) ** 0.5)
 

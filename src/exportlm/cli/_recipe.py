@@ -182,8 +182,8 @@ def check_model_layout(
 def _config_skeleton(path: Path) -> Any:
     """The linears of a dense Llama-style directory from ``config.json`` alone, else ``None``."""
     from exportlm.cli._config_skeleton import config_skeleton
-    from exportlm.export.hf_checkpoint.source_config import missing_layers
     from exportlm.hfdir import read_config
+    from exportlm.source_config import missing_layers
 
     try:
         config = read_config(path)

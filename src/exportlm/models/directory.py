@@ -22,9 +22,9 @@ from typing import Any
 
 from torch import nn
 
-from exportlm.checkpoint import refuse_quantized_source
 from exportlm.errors import UnknownOptionError
 from exportlm.hfdir import check_loading_info, transformers_errors, vet_model_directory
+from exportlm.source_config import check_source_config
 
 __all__ = ["DirectoryFamily", "directory_family_name", "register_model_directory"]
 
@@ -43,7 +43,7 @@ class DirectoryFamily:
         self.path = Path(path).resolve()
         self.where = f"model directory {self.path}"
         self.config = vet_model_directory(self.path)  # refused before anything loads
-        refuse_quantized_source(self.path, self.config, self.where)
+        check_source_config(self.path, self.config, self.where)
 
     def __call__(self, seed: int = 0, **overrides: Any) -> nn.Module:
         del seed  # trained weights: nothing to seed
@@ -53,7 +53,7 @@ class DirectoryFamily:
         from transformers import AutoModelForCausalLM
 
         config = vet_model_directory(self.path)  # again: the directory may have changed since
-        refuse_quantized_source(self.path, config, self.where)
+        check_source_config(self.path, config, self.where)
         with transformers_errors(self.where, "load a causal LM"):
             loaded: Any = AutoModelForCausalLM.from_pretrained(
                 self.path,

@@ -3,7 +3,7 @@
 ``exportlm export --model DIR`` and ``export_model("hf_checkpoint", DIR, ...)`` hand a
 directory someone else wrote to transformers. Before it builds anything:
 :func:`~exportlm.hfdir.vet_model_directory` (no code of its own, no FIFO, shards
-confined), :func:`~.source_config.check_source_config` (the config's fields, no
+confined), :func:`exportlm.source_config.check_source_config` (the config's fields, no
 quantized checkpoint), and the shards' headers against the config's model on the
 ``meta`` device (a shape the config does not describe; integer or float8 codes where the
 model has a float weight, which transformers would cast without a word). While it
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from exportlm.errors import ExportLMError, InvalidConfigError
-from exportlm.export.hf_checkpoint.source_config import check_source_config
 from exportlm.hfdir import check_loading_info, transformers_errors, vet_model_directory
+from exportlm.source_config import check_source_config
 
 __all__ = ["load_source_model"]
 

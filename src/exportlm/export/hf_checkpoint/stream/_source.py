@@ -287,8 +287,8 @@ def meta_model(directory: Path) -> Any:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from exportlm.export.hf_checkpoint.source_config import check_source_config
     from exportlm.hfdir import transformers_errors
+    from exportlm.source_config import check_source_config
 
     where = str(directory / CONFIG_NAME)
     check_source_config(directory, read_config(directory), where)
