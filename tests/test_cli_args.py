@@ -176,13 +176,16 @@ def test_dtype_option_is_parsed_to_a_torch_dtype(
             "expected a boolean (true/false, yes/no, on/off, 1/0) or none",
         ),
         ("torchscript", "trace", "-o expects KEY=VALUE, got 'trace'"),
+        # the last one won, silently
+        ("hf_checkpoint", "dtype=fp16 -o dtype=bf16", "-o dtype is given twice"),
     ],
 )
 def test_bad_option_values_name_the_option_and_the_accepted_values(
     target: str, option: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "out"
-    argv = ["export", "--target", target, "--model", "llama", "--out", str(out), "-o", option]
+    options = [arg for one in option.split(" -o ") for arg in ("-o", one)]
+    argv = ["export", "--target", target, "--model", "llama", "--out", str(out), *options]
     assert main(argv) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("exportlm: error: -o ")

@@ -225,8 +225,9 @@ def test_the_budget_decides_whether_to_stream(tmp_path: Path) -> None:
     assert not should_stream(src, max_memory=10 * size)
     assert parse_memory("8GB") == 8 * 10**9
     assert parse_memory("1GiB") == 2**30
-    with pytest.raises(InvalidInputError, match="expected a number and a unit"):
-        parse_memory("lots")
+    for unreadable in ("lots", "nan", "inf", "1e400"):  # inf and 1e400: OverflowError, raw
+        with pytest.raises(InvalidInputError, match="expected a number and a unit"):
+            parse_memory(unreadable)
 
 
 def test_activations_past_the_budget_are_read_back_from_disk_with_the_same_result(

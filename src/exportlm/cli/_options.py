@@ -50,7 +50,7 @@ def parse_target_options(
     """``{name: value}`` of the ``-o KEY=VALUE`` ``pairs`` for the export ``factory`` of ``target``.
 
     Raises:
-        UsageError: a pair without ``=`` or a value that does not parse.
+        UsageError: a pair without ``=``, a key given twice, or a value that does not parse.
         UnknownOptionError: a key the factory does not accept (when it has no ``**kwargs``).
     """
     accepted, takes_any = _keyword_parameters(factory)
@@ -63,6 +63,10 @@ def parse_target_options(
             raise UsageError(f"-o expects KEY=VALUE, got {pair!r}")
         if key not in accepted and not takes_any:
             raise UnknownOptionError(f"export target {target!r}", [key], sorted(accepted))
+        if key in options:  # the last one won, silently
+            raise UsageError(
+                f"-o {key} is given twice ({options[key]!r}, then {raw!r}); give it once"
+            )
         options[key] = coerce_option(key, raw, hints.get(key, Any))
     return options
 

@@ -47,7 +47,7 @@ def parse_memory(text: str | int) -> int:
         unit = raw[len(digits) :]
         try:
             value = int(float(digits) * _UNITS[unit])
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, OverflowError):  # inf and 1e400 overflow int()
             raise InvalidInputError(
                 f"memory size {text!r}: expected a number and a unit such as 8GB, 512MB or 16GiB"
             ) from None
