@@ -68,6 +68,11 @@ def test_an_engine_that_cannot_run_is_a_usage_error(
         (["--timeout", "-1"], "argument --timeout: expected a positive number of seconds"),
         (["--timeout", "0"], "argument --timeout: expected a positive number of seconds"),
         (["--timeout", "nan"], "argument --timeout: expected a positive number of seconds"),
+        # raised as a raw ValueError (exit 1) after the reference model was built
+        (
+            ["--model", "llama", "--quantize", "int4_awq:group_size=7"],
+            "--quantize int4_awq:group_size=7: recipe 'int4_awq': group_size=7 is not one",
+        ),
     ],
 )
 def test_a_bad_dtype_or_timeout_is_refused_before_the_reference_is_computed(
@@ -79,9 +84,11 @@ def test_a_bad_dtype_or_timeout_is_refused_before_the_reference_is_computed(
 ) -> None:
     """Both were taken: ``--dtype fp99`` failed only after the eager reference was computed
     ("no tolerance stated ... at fp99"), ``--timeout -1`` timed the engine out at once."""
+    import exportlm.cli._model as cli_model
     import exportlm.engines.compare as compare
 
     monkeypatch.setattr(compare, "choose_prompts", lambda *a, **k: pytest.fail("computed"))
+    monkeypatch.setattr(cli_model, "resolve_model", lambda *a, **k: pytest.fail("built"))
     assert main(["verify", str(checkpoint), "--engine", "transformers", *argv]) == 2
     assert message in capsys.readouterr().err
 
@@ -204,3 +211,14 @@ def test_the_runtime_computes_a_bf16_checkpoint_in_the_dtype_asked(tmp_path: Pat
     assert exportlm.load_exported("hf_checkpoint", out, dtype="float32")(ids).dtype == torch.float32
     with pytest.raises(InvalidInputError, match="not a torch floating-point dtype"):
         exportlm.load_exported("hf_checkpoint", out, dtype="int8")
+
+
+def test_an_interpreter_that_is_not_one_is_named_by_the_option_given(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The message named the plugin's --export-engine, an option verify does not have."""
+    args = ["verify", str(checkpoint), "--engine", "vllm", "--python", str(tmp_path / "nope")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"vllm: --python names '{tmp_path / 'nope'}', which is not an executable" in err
+    assert "--export-engine" not in err

@@ -25,6 +25,7 @@ __all__ = [
     "check_model_layout",
     "check_model_recipe",
     "check_recipe_on",
+    "parsed_recipe",
     "checked_recipe",
     "warn_unmatched_excludes",
 ]
@@ -46,21 +47,12 @@ def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
     computes the scales as compressed-tensors does, so the checkpoint is the
     calibrated model exactly; a ``scales=`` the command line spells is kept.
     """
-    exclude = list(getattr(args, "exclude", None) or [])
-    if args.quantize is None:
-        if exclude:
-            raise UsageError("--exclude: only used with --quantize RECIPE")
+    recipe = parsed_recipe(args)
+    if recipe is None:
         return None
-    from exportlm.errors import UnknownNameError, UnknownOptionError
-    from exportlm.quant import QuantRecipe, check_layout
+    from exportlm.quant import check_layout
     from exportlm.quant.formats import DEFAULT_LAYOUT, checkpoint_layout
 
-    try:
-        recipe = QuantRecipe.parse(args.quantize, exclude)
-    except (UnknownNameError, UnknownOptionError):
-        raise
-    except ValueError as err:
-        raise UsageError(f"--quantize {args.quantize}: {err}") from err
     if args.target == "hf_checkpoint":
         layout = str(options.get("format", DEFAULT_LAYOUT))
         try:
@@ -87,6 +79,25 @@ def checked_recipe(args: argparse.Namespace, options: dict[str, Any]) -> Any:
             )
         return converted
     return recipe
+
+
+def parsed_recipe(args: argparse.Namespace) -> Any:
+    """``--quantize`` (with ``--exclude``) as a :class:`~exportlm.quant.QuantRecipe`, or
+    ``None`` without it; a recipe that does not parse is a :class:`UsageError` (exit 2)."""
+    exclude = list(getattr(args, "exclude", None) or [])
+    if args.quantize is None:
+        if exclude:
+            raise UsageError("--exclude: only used with --quantize RECIPE")
+        return None
+    from exportlm.errors import UnknownNameError, UnknownOptionError
+    from exportlm.quant import QuantRecipe
+
+    try:
+        return QuantRecipe.parse(args.quantize, exclude)
+    except (UnknownNameError, UnknownOptionError):
+        raise
+    except ValueError as err:
+        raise UsageError(f"--quantize {args.quantize}: {err}") from err
 
 
 def check_model_recipe(source: ModelSource, recipe: Any) -> Any:

@@ -71,7 +71,7 @@ def _engine(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
     engine = get_engine(args.engine)  # UnknownNameError: exit 2, listing the engines
     overrides = {engine.name: args.python} if args.python else {}
     try:
-        found = find_interpreter(engine, overrides)
+        found = find_interpreter(engine, overrides, option="--python")
     except EngineInterpreterError as err:
         raise UsageError(str(err)) from err
     if found.path is None:
@@ -184,8 +184,10 @@ def _stored_reference(path: Path, kind: Any) -> Any:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Run ``exportlm verify``; returns the exit code."""
+    from exportlm.cli._recipe import parsed_recipe
     from exportlm.engines import Outcome, serve_and_compare
 
+    parsed_recipe(args)  # a recipe that does not parse: before the reference is built
     engine, overrides = _engine(args)
     path = Path(os.path.abspath(args.path))
     kind = _kind(path)

@@ -79,8 +79,12 @@ def find_interpreter(
     overrides: Mapping[str, str | os.PathLike[str]] | None = None,
     *,
     environ: Mapping[str, str] | None = None,
+    option: str | None = None,
 ) -> Interpreter:
     """The interpreter that runs ``engine``, or ``path=None`` with the reason.
+
+    ``option``: how messages name the override (``exportlm verify``'s ``--python``;
+    default the plugin's ``--export-engine NAME=``).
 
     Raises :class:`~exportlm.errors.EngineInterpreterError` when a path was given
     (``overrides`` or the environment variable) but is not an executable: a
@@ -89,8 +93,9 @@ def find_interpreter(
     eng = get_engine(engine)
     env = os.environ if environ is None else environ
     var = engine_env_var(eng.name)
+    option = option or f"--export-engine {eng.name}="
     if overrides and eng.name in overrides:
-        where = f"--export-engine {eng.name}="
+        where = option
         return Interpreter(_resolve(eng, overrides[eng.name], where), "option", where)
     if env.get(var):
         return Interpreter(_resolve(eng, env[var], var), "env", var)
@@ -101,7 +106,8 @@ def find_interpreter(
         None,
         None,
         f"{eng.module} does not import in {sys.executable} and neither {var} nor "
-        f"--export-engine {eng.name}=PATH names an interpreter{hint}",
+        f"{option.rstrip('=')}{'=' if option.endswith('=') else ' '}PATH names an "
+        f"interpreter{hint}",
     )
 
 
