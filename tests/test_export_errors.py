@@ -145,6 +145,33 @@ def test_bad_option_values_are_refused(tmp_path: Path) -> None:
         exportlm.export_model("onnx", build_model("decoder"), tmp_path / "x", opset="20")
 
 
+@pytest.mark.parametrize(
+    ("opset", "says"),
+    [
+        (17, "torch's dynamo exporter writes opset 18 or newer"),
+        (99, "opset 99 is newer than any the installed onnx knows"),
+    ],
+)
+def test_an_opset_the_exporter_would_not_write_is_refused(
+    tmp_path: Path, opset: int, says: str
+) -> None:
+    """torch 2.13's dynamo exporter wrote opset 18 for both, without a word."""
+    out = tmp_path / "x.onnx"
+    with pytest.raises(InvalidInputError, match=says):
+        exportlm.export_model("onnx", build_model("decoder"), out, opset=opset)
+    assert not out.exists()
+
+
+def test_an_opset_below_18_is_written_by_the_torchscript_exporter(tmp_path: Path) -> None:
+    import onnx
+
+    out = exportlm.export_model(  # llama: transformers' RMSNorm is plain ops (no aten::rms_norm)
+        "onnx", build_model("llama"), tmp_path / "x.onnx", opset=17, dynamo=False
+    )
+    written = onnx.load(str(out), load_external_data=False).opset_import
+    assert [o.version for o in written if o.domain in ("", "ai.onnx")] == [17]
+
+
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return exportlm.export_model(

@@ -70,6 +70,8 @@ __all__ = [
 #: FLOAT8 initializers for quantized graphs.
 DEFAULT_OPSET = 20
 _MAX_TESTED_OPSET = 22
+#: The oldest opset torch's dynamo exporter writes.
+_DYNAMO_MIN_OPSET = 18
 
 # Tolerance: the onnxruntime CPU kernels reorder float32 reductions. Measured max |diff| of
 # logits vs eager: 6e-8..1.2e-7 on the tiny toy/HF models (dynamo and legacy alike) and 2e-6 on
@@ -119,9 +121,26 @@ def _weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def _check_opset(opset: Any) -> None:
-    if not isinstance(opset, int) or opset < 7:
+def _check_opset(opset: Any, dynamo: bool) -> None:
+    """Refuse an opset the exporter would not write: asked for one below 18 (dynamo) or
+    newer than the installed onnx knows, torch 2.13's exporter wrote opset 18 instead,
+    without a word, and the graph then failed in runtimes that need the opset asked."""
+    if not isinstance(opset, int) or isinstance(opset, bool) or opset < 7:
         raise InvalidInputError(f"opset must be an int ONNX opset version (18-22), got {opset!r}")
+    newest = _newest_opset()
+    if newest is not None and opset > newest:
+        raise InvalidInputError(
+            f"opset {opset} is newer than any the installed onnx knows (up to {newest}); "
+            f"the exporter would write opset {_DYNAMO_MIN_OPSET} instead. Pass an opset from "
+            f"{_DYNAMO_MIN_OPSET} to {_MAX_TESTED_OPSET} (tested)"
+        )
+    if dynamo and opset < _DYNAMO_MIN_OPSET:
+        raise InvalidInputError(
+            f"opset {opset}: torch's dynamo exporter writes opset {_DYNAMO_MIN_OPSET} or newer "
+            f"(asked for an older one, it writes {_DYNAMO_MIN_OPSET}). Pass dynamo=False (the "
+            f"TorchScript exporter, deprecated in torch 2.13) for opset {opset}, or an opset "
+            f"from {_DYNAMO_MIN_OPSET}"
+        )
     if opset > _MAX_TESTED_OPSET:
         warnings.warn(
             f"opset {opset} is above {_MAX_TESTED_OPSET}; onnxruntime 1.32 rejects the "
@@ -129,6 +148,15 @@ def _check_opset(opset: Any) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _newest_opset() -> int | None:
+    """The newest default-domain opset the installed ``onnx`` knows (``None``: no onnx)."""
+    try:
+        import onnx
+    except ImportError:  # _require_exporter says what to install
+        return None
+    return int(onnx.defs.onnx_opset_version())
 
 
 def _require_exporter(dynamo: bool) -> None:
@@ -233,7 +261,9 @@ def export_onnx_target(
         output_path: the ``.onnx`` file to write (atomically).
         example_inputs: ``input_ids`` [batch, seq] or a tuple ``(input_ids, attention_mask)``;
             default: deterministic ids [2, 8] from the model's vocabulary.
-        opset: ONNX opset; 18-22 are tested with onnxruntime.
+        opset: ONNX opset; 18-22 are tested with onnxruntime. The dynamo exporter writes
+            18 or newer (an older one needs ``dynamo=False``); one newer than the installed
+            ``onnx`` knows is refused.
         dynamo: ``True`` uses ``torch.onnx``'s dynamo exporter; ``False`` the legacy
             TorchScript-based exporter (faster; may bake in the sequence length, see
             :class:`~exportlm.export.onnx.LegacyTraceWarning`).
@@ -268,7 +298,7 @@ def export_onnx_target(
             not installed: ``pip install 'exportlm[onnx]'``.
         ExportFailedError: ``torch.onnx.export`` failed (the cause is chained).
     """
-    _check_opset(opset)
+    _check_opset(opset, dynamo)
     request, cast_to = in_dtype(request, dtype)
     model = request.model
     check_kv_cache_options(kv_cache, dynamo=dynamo, dynamic=dynamic, attention_mask=attention_mask)
