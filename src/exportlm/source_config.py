@@ -1,7 +1,8 @@
 """A model directory's ``config.json``, held to what its loaders take before transformers builds it.
 
-Shared by the in-memory source (:mod:`.source_model`) and the streamed one
-(``stream._source.meta_model``): the config's fields by the rules the ``hf_checkpoint``
+Shared by the export's in-memory source (``export.hf_checkpoint.source_model``), its
+streamed one (``stream._source.meta_model``), the CLI's recipe check and the plugin's
+``--export-model`` rows (``models.directory``): the config's fields by the rules the ``hf_checkpoint``
 loader and ``exportlm inspect`` hold a checkpoint's config to
 (:func:`exportlm.inspection.config_field_problems`: size fields positive ints, fields
 of the types the architecture's config class declares, ``dtype`` a torch dtype), and
@@ -9,6 +10,8 @@ no quantized checkpoint as the source
 (:func:`exportlm.checkpoint.refuse_quantized_source`). transformers takes
 ``num_hidden_layers: -1`` and builds a model with no decoder layer, which exported as a
 checkpoint ``inspect`` then failed: refused here, with inspect's message. A
+``num_hidden_layers`` whose layers the shards do not store is refused from the tensor
+names alone (:func:`missing_layers`). A
 ``generation_config.json`` that is not a JSON object is refused too: transformers'
 ``from_pretrained`` ignores it without a word and the checkpoint would get a generation
 config made from ``config.json`` (another end-of-sequence id, no sampling defaults).
@@ -36,7 +39,9 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 def check_source_config(directory: Path, config: Mapping[str, Any], where: str) -> None:
-    """Refuse a source whose ``config.json`` has a field its loaders refuse, or that is quantized.
+    """Refuse a source whose ``config.json`` has a field its loaders refuse, that is
+    quantized, whose layer count the shards do not back, or whose generation config is no
+    JSON object.
 
     Raises:
         InvalidConfigError: ``where`` and the first problem.

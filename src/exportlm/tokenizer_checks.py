@@ -4,12 +4,13 @@
 the special-tokens and added-tokens maps, ``vocab.json``, ``chat_template.json``) is a
 JSON object, or transformers and vLLM fail to load the tokenizer.
 
-:func:`chat_template_problems`: a checkpoint's chat template is Jinja source that transformers' ``apply_chat_template``
-(and so vLLM's and SGLang's chat endpoints) compiles on the first chat request. One that
-does not compile loads without a word and fails every request. The templates are found
-where transformers reads them: ``chat_template.jinja``, ``additional_chat_templates/*.jinja``,
-``chat_template.json``'s ``chat_template`` (a processor's), and ``tokenizer_config.json``'s
-``chat_template`` (a string, or a list of ``{"name", "template"}``).
+:func:`chat_template_problems`: a checkpoint's chat template is Jinja source that
+transformers' ``apply_chat_template`` (and so vLLM's and SGLang's chat endpoints)
+compiles on the first chat request. One that does not compile loads without a word and
+fails every request. The templates are found where transformers reads them:
+``chat_template.jinja``, ``additional_chat_templates/*.jinja``, ``chat_template.json``'s
+``chat_template`` (a processor's), and ``tokenizer_config.json``'s ``chat_template`` (a
+string, or a list of ``{"name", "template"}``).
 
 Each is compiled the way transformers compiles it (a sandboxed environment with
 ``trim_blocks`` / ``lstrip_blocks``, the ``loopcontrols`` extension and its
@@ -25,7 +26,7 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["JSON_FILES", "TEMPLATE_FILES", "chat_template_problems", "json_problems"]
+__all__ = ["JSON_FILES", "chat_template_problems", "json_problems"]
 
 #: The tokenizer files that hold one JSON object each.
 JSON_FILES = (
@@ -36,9 +37,6 @@ JSON_FILES = (
     "vocab.json",
     "chat_template.json",
 )
-
-#: The files of a tokenizer that hold chat templates (besides ``additional_chat_templates/``).
-TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
 _FOLDER = "additional_chat_templates/"
 

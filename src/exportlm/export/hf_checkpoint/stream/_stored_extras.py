@@ -3,12 +3,14 @@
 :func:`left_out`: tensors the model has no place for, which the streamed export names
 as the in-memory one does (transformers' unexpected keys).
 
-:func:`check_stored_ties`: a tied pair stored twice, with different values. A config that ties ``lm_head`` to the embedding, over shards that store both tensors with
+:func:`check_stored_ties`: a tied pair stored twice, with different values. A config
+that ties ``lm_head`` to the embedding, over shards that store both tensors with
 different values, is two models: transformers keeps the stored ``lm_head``, vLLM loads
-one tensor into the tied pair. The in-memory export refuses it (``resolve_tied_weights``: declared
-tied, but they differ); the streamed one read the embedding for both and wrote one
-copy, silently. Compared here, before a layer is read, from the bytes on disk in
-chunks (no tensor of either is held whole): equal bytes are equal tensors.
+one tensor into the tied pair. The in-memory export refuses it
+(``resolve_tied_weights``: declared tied, but they differ); the streamed one read the
+embedding for both and wrote one copy, silently. Compared here, before a layer is read,
+from the bytes on disk in chunks (no tensor of either is held whole): equal bytes are
+equal tensors.
 """
 
 from __future__ import annotations
