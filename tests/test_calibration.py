@@ -56,6 +56,16 @@ def test_a_text_file_gives_one_sample_per_non_blank_line(tmp_path: Path) -> None
     assert load_calibration_texts(path, samples=2) == ["first line", "second  line "]
 
 
+def test_a_byte_order_mark_is_no_part_of_the_first_sample(tmp_path: Path) -> None:
+    """Editors on Windows start UTF-8 files with one: it was calibrated on as text (a
+    text file) or refused as JSON ("Unexpected UTF-8 BOM")."""
+    text, data = tmp_path / "calib.txt", tmp_path / "calib.json"
+    text.write_bytes(b"\xef\xbb\xbffirst\nsecond \xef\xbb\xbf inside\n")
+    assert load_calibration_texts(text) == ["first", "second \ufeff inside"]
+    data.write_bytes(b"\xef\xbb\xbf" + json.dumps(["a"]).encode())
+    assert load_calibration_texts(data) == ["a"]
+
+
 def test_a_json_file_holds_a_list_of_strings(tmp_path: Path) -> None:
     path = tmp_path / "calib.json"
     path.write_text(json.dumps(["a b", "", "c"]))

@@ -26,6 +26,8 @@ from exportlm.safeio import open_regular, read_regular_bytes
 __all__ = ["json_texts", "text_lines"]
 
 _CHUNK = 1 << 16
+#: UTF-8's byte order mark, which some editors put at the start of a text file.
+_BOM = b"\xef\xbb\xbf"
 
 
 def text_lines(path: Path, samples: int | None) -> list[str]:
@@ -34,6 +36,8 @@ def text_lines(path: Path, samples: int | None) -> list[str]:
     try:
         with open_regular(path, what="calibration data") as handle:
             for number, raw in _bounded_lines(handle, path):
+                if number == 1:  # a byte order mark (Windows editors write one) is no text
+                    raw = raw.removeprefix(_BOM)
                 # universal newlines, as text mode reads them: \r\n, \r and \n end a line
                 for part in raw.removesuffix(b"\r").split(b"\r"):
                     text = _decode(part, path, number)
@@ -109,9 +113,8 @@ def json_texts(path: Path) -> list[str]:
 
 def _read_json_text(path: Path) -> str:
     try:
-        return read_regular_bytes(path, what="calibration data", max_bytes=MAX_JSON_BYTES).decode(
-            "utf-8"
-        )
+        data = read_regular_bytes(path, what="calibration data", max_bytes=MAX_JSON_BYTES)
+        return data.removeprefix(_BOM).decode("utf-8")
     except NotRegularFileError as err:
         raise CalibrationDataError(f"{err} ({SOURCES})") from err
     except InputTooLargeError as err:
