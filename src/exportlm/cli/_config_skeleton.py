@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from exportlm.inspection._config import MAX_SIZE
+
 __all__ = ["config_skeleton"]
 
 #: ``model_type`` values whose decoder layers hold exactly these linears, named so.
@@ -27,7 +29,7 @@ DENSE_LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 def _int(config: dict[str, Any], key: str, default: int | None = None) -> int | None:
     """A size field, or ``None`` where it is no int in the range the config rules allow."""
     value = config.get(key, default)
-    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 2**40:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_SIZE:
         return value
     return None
 

@@ -31,7 +31,13 @@ from exportlm.inspection._finegrained import finegrained_problems
 from exportlm.inspection._loaders import compressed_tensors_formats, modelopt_quant_algos
 from exportlm.inspection._quant_fields import group_size_problem, kv_algo_problem, list_problems
 
-__all__ = ["SIZE_FIELDS", "config_field_problems", "quant_config_problems", "sub_config_problems"]
+__all__ = [
+    "MAX_SIZE",
+    "SIZE_FIELDS",
+    "config_field_problems",
+    "quant_config_problems",
+    "sub_config_problems",
+]
 
 #: Size fields every loader divides or allocates by: a positive int where present.
 SIZE_FIELDS = (
@@ -47,11 +53,11 @@ _CT_TYPES = ("int", "float")
 
 #: Above any model's size field (hidden sizes are below 2**17, vocabularies 2**20, contexts
 #: 2**25), below what a tensor shape can hold: 10**30 made torch fail to unpack a shape.
-_MAX_SIZE = 2**40
+MAX_SIZE = 2**40
 
 
 def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= _MAX_SIZE
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_SIZE
 
 
 @functools.cache
