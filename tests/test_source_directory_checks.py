@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import exportlm
 from exportlm.cli import main
@@ -263,3 +263,21 @@ def test_a_tied_copy_stored_equal_exports(base: Path, tmp_path: Path, stream: bo
     directory = _edited(base, tmp_path, edit)
     out = exportlm.export_model("hf_checkpoint", directory, tmp_path / "out", stream=stream)
     assert "lm_head.weight" not in load_file(out / SHARD)  # one copy, as save_pretrained writes
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+def test_a_safetensors_file_transformers_does_not_read_is_not_held_against_it(
+    base: Path, tmp_path: Path, stream: bool
+) -> None:
+    """Only ``model.safetensors`` (else the index's shards) is the model: a stray file beside
+    it (an old run's, a ``consolidated.safetensors``) with a model tensor's name in another
+    shape was refused in memory ("has shape [3, 3] in old-run.safetensors")."""
+
+    def edit(directory: Path) -> None:
+        stray = {"model.embed_tokens.weight": torch.zeros(3, 3)}
+        save_file(stray, str(directory / "old-run.safetensors"))
+
+    directory = _edited(base, tmp_path, edit)
+    out = exportlm.export_model("hf_checkpoint", directory, tmp_path / "out", stream=stream)
+    original = load_file(base / SHARD)["model.embed_tokens.weight"]
+    assert torch.equal(load_file(out / SHARD)["model.embed_tokens.weight"], original)

@@ -157,6 +157,21 @@ def test_the_cli_refuses_it_as_bad_input(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+def test_a_good_tokenizer_given_replaces_the_directory_s_broken_one(
+    broken_dir: Path, tmp_path: Path, stream: bool
+) -> None:
+    """``tokenizer=`` is what the checkpoint gets: the directory's own files are neither
+    written nor held against the export (the streamed path refused them before)."""
+    out = tmp_path / "out"
+    exportlm.export_model(
+        "hf_checkpoint", broken_dir, out, recipe="fp8", stream=stream, tokenizer=toy_tokenizer()
+    )
+    written = (out / "chat_template.jinja").read_text()
+    assert written != UNCLOSED
+    assert chat_template_problems({"chat_template.jinja": written.encode()}) == []
+
+
 def test_a_tokenizer_object_whose_template_does_not_compile_is_refused(tmp_path: Path) -> None:
     from exportlm.models import build_model
 

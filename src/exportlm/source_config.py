@@ -33,7 +33,7 @@ from exportlm.inspection import (
     read_safetensors_header,
 )
 
-__all__ = ["check_source_config", "missing_layers"]
+__all__ = ["check_source_config", "missing_layers", "stored_weight_map"]
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -78,13 +78,42 @@ def _stored_names(directory: Path) -> list[str]:
     """The tensor names of the weights transformers reads; ``[]`` where they cannot be read
     here (the load then says why)."""
     try:
-        if not (directory / SAFETENSORS_SINGLE).is_file():
-            index = read_json_object(directory / SAFETENSORS_INDEX, what="weight index")
-            weight_map = index.get("weight_map")
-            return [str(n) for n in weight_map] if isinstance(weight_map, dict) else []
-        return list(read_safetensors_header(directory / SAFETENSORS_SINGLE))
+        return list(stored_weight_map(directory))
     except (ExportLMError, OSError):
         return []
+
+
+def stored_weight_map(directory: Path) -> dict[str, str]:
+    """``{tensor: shard file}`` of the weights transformers' ``from_pretrained`` reads.
+
+    ``model.safetensors`` where there is one (its header), else the index's
+    ``weight_map``: the in-memory export (transformers), the streamed one and the layer
+    count check all read the one file. Raises
+    :class:`~exportlm.errors.MalformedCheckpointError` when neither is there or the one
+    read is not readable (a header that is not safetensors', an index with no
+    ``weight_map`` object, a FIFO).
+    """
+    single = directory / SAFETENSORS_SINGLE
+    if single.exists() or single.is_symlink():  # a FIFO or dangling link: refused by the read
+        try:
+            return dict.fromkeys(read_safetensors_header(single), SAFETENSORS_SINGLE)
+        except MalformedCheckpointError as err:
+            raise MalformedCheckpointError(
+                f"{single}: not a readable safetensors file ({err})"
+            ) from err
+    index = directory / SAFETENSORS_INDEX
+    if not index.exists():
+        raise MalformedCheckpointError(
+            f"{directory}: neither {SAFETENSORS_SINGLE} nor {SAFETENSORS_INDEX}; the export "
+            "reads safetensors weights only"
+        )
+    weight_map = read_json_object(index, what="weight index").get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise MalformedCheckpointError(
+            f"{index}: no weight_map object (found {type(weight_map).__name__}); an index "
+            "maps each tensor name to its shard file"
+        )
+    return {str(name): str(shard) for name, shard in weight_map.items()}
 
 
 def _check_generation_config(directory: Path) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from exportlm.errors import ExportLMError, InvalidConfigError
 from exportlm.hfdir import check_loading_info, transformers_errors, vet_model_directory
-from exportlm.source_config import check_source_config
+from exportlm.source_config import check_source_config, stored_weight_map
 
 __all__ = ["load_source_model"]
 
@@ -73,7 +73,8 @@ def _weights_problem(directory: Path) -> str | None:
 
     try:
         expected = meta_model(directory).state_dict()
-        for shard in sorted(directory.glob("*.safetensors")):
+        # the files transformers reads: not a stray *.safetensors beside them
+        for shard in sorted({directory / s for s in stored_weight_map(directory).values()}):
             for name, info in sorted(read_safetensors_header(shard).items()):
                 want = expected.get(name)
                 if want is None:

@@ -18,7 +18,6 @@ its region of the fused parameter (see there).
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -32,15 +31,12 @@ from exportlm.errors import InvalidConfigError, MalformedCheckpointError
 from exportlm.export.hf_checkpoint.sink import SAFETENSORS_DTYPES
 from exportlm.export.hf_checkpoint.stream._names import CheckpointNames
 from exportlm.export.hf_checkpoint.stream._stored_extras import check_stored_ties
-from exportlm.export.hf_checkpoint.tokenizer import refuse_broken_tokenizer
 from exportlm.hfdir import (
     CONFIG_NAME,
-    SAFETENSORS_INDEX,
-    SAFETENSORS_SINGLE,
     read_config,
-    tokenizer_files,
     vet_model_directory,
 )
+from exportlm.source_config import stored_weight_map
 
 __all__ = [
     "FLOAT_STORAGE",
@@ -74,19 +70,15 @@ class CheckpointSource:
         model: the causal LM on the ``meta`` device (loaded modules hold CPU tensors).
         layout: where its decoder layers are.
         shard_of: ``{tensor name: shard file}`` from the index (or the single file).
-        tokenizer_files: the directory's tokenizer files (``{name: bytes}``), read up
-            front and written into the checkpoint with its configs.
     """
 
     def __init__(self, directory: Path, model: nn.Module | None = None) -> None:
         self.directory = Path(directory)
         vet_model_directory(self.directory)
-        self.tokenizer_files = tokenizer_files(self.directory)
-        refuse_broken_tokenizer(self.tokenizer_files, self.directory)
         # ``model``: this directory's meta_model, already built (and checked against a recipe)
         self.model: Any = meta_model(self.directory) if model is None else model
         self.layout = _decoder_layout(self.model)
-        self.shard_of = _shard_map(self.directory)
+        self.shard_of = stored_weight_map(self.directory)
         self._names = CheckpointNames(self.model)
         self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
         from exportlm.module_exporters import resolve_tied_weights
@@ -202,7 +194,7 @@ class CheckpointSource:
                 f"{self.directory}: no shard holds tensor {name!r}{part}, which the model's "
                 "config needs; expected a complete checkpoint as save_pretrained writes it"
             )
-        start, infos = self._header(shard)
+        start, infos = self.header(shard)
         info = infos.get(name)
         if info is None or tuple(info.shape) != tuple(tensor.shape):
             found = "no such tensor" if info is None else f"shape {list(info.shape)}"
@@ -234,7 +226,7 @@ class CheckpointSource:
         if not direct:
             tensor.copy_(target)
 
-    def _header(self, shard: str) -> tuple[int, dict[str, Any]]:
+    def header(self, shard: str) -> tuple[int, dict[str, Any]]:
         """Where ``shard``'s data starts and its tensors (validated header, read once)."""
         if shard not in self._headers:
             from exportlm.inspection import read_safetensors_header
@@ -337,33 +329,6 @@ def _decoder_layout(model: nn.Module) -> DecoderLayout:
         )
     name, layers = max(lists, key=lambda item: (len(item[1]), -item[0].count(".")))
     return DecoderLayout(name, len(layers))
-
-
-def _shard_map(directory: Path) -> dict[str, str]:
-    """``{tensor: shard}``: of ``model.safetensors`` where there is one, else of the index,
-    the file transformers' ``from_pretrained`` reads (so both exports read one file)."""
-    index = directory / SAFETENSORS_INDEX
-    if index.is_file() and not (directory / SAFETENSORS_SINGLE).exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise MalformedCheckpointError(f"{index}: no readable weight_map ({err})") from err
-        return {str(k): str(v) for k, v in weight_map.items()}
-    single = directory / SAFETENSORS_SINGLE
-    if not single.is_file():
-        raise MalformedCheckpointError(
-            f"{directory}: neither {SAFETENSORS_INDEX} nor {SAFETENSORS_SINGLE}; streaming "
-            "reads safetensors only"
-        )
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(single), framework="pt", device="cpu") as handle:
-            return dict.fromkeys(handle.keys(), SAFETENSORS_SINGLE)
-    except (SafetensorError, OSError) as err:  # a garbage file: never safetensors' own error
-        raise MalformedCheckpointError(
-            f"{single}: not a readable safetensors file ({err})"
-        ) from err
 
 
 def _rebuild_unsaved_buffers(module: nn.Module, config: Any, recurse: bool) -> None:

@@ -47,7 +47,7 @@ def check_stored_ties(source: Any, ties: dict[str, str]) -> None:
 
 def _difference(source: Any, a: str, b: str) -> str | None:
     """How stored tensors ``a`` and ``b`` differ, ``None`` when their bytes are equal."""
-    (start_a, infos_a), (start_b, infos_b) = (source._header(source.shard_of[n]) for n in (a, b))
+    (start_a, infos_a), (start_b, infos_b) = (source.header(source.shard_of[n]) for n in (a, b))
     info_a, info_b = infos_a.get(a), infos_b.get(b)
     if info_a is None or info_b is None:
         return None  # reading the layer names the tensor missing from its shard
