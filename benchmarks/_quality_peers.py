@@ -41,6 +41,12 @@ recipe                      ModelOpt 0.47                          llm-compresso
                                                                    symmetric int4 group G, FP8 inputs per
                                                                    token at run time
 ==========================  =====================================  ==========================================
+
+An AWQ recipe spelled with ``clip=true`` (``int4_awq:group_size=64,clip=true``) runs
+ModelOpt with ``algorithm: awq_full`` (``awq_lite`` and then its ``awq_clip`` search):
+ModelOpt's counterpart of our clip search, which is on by default; the plain spelling runs
+its ``INT4_AWQ_CFG`` / ``W4A8_AWQ_BETA_CFG`` as shipped (``awq_lite``, no clip).
+llm-compressor 0.14's ``AWQModifier`` has no clip search.
 """
 
 from __future__ import annotations
@@ -132,6 +138,8 @@ def modelopt_config(mtq: Any, recipe: str) -> dict[str, Any]:
         config["quant_cfg"] = [*config["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]]
     if name == "mxfp4":  # weight-only, as gpt-oss ships it (ModelOpt's preset is W4A4)
         config["quant_cfg"] = [_weights_only(entry) for entry in config["quant_cfg"]]
+    if options.get("clip") in ("true", True):  # our clip search: ModelOpt's awq_full
+        config["algorithm"] = {"method": "awq_full", "alpha_step": 0.1}  # awq_lite + awq_clip
     if name in ("int4_gptq", "int8_gptq"):  # ModelOpt 0.47's GPTQCalibConfig
         config["algorithm"] = {"method": "gptq", "perc_damp": options.get("dampening", 0.01)}
     return config

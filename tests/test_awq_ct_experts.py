@@ -110,7 +110,8 @@ def _norm_scale(model: nn.Module, original: nn.Module, family: str) -> torch.Ten
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "llama4"])
 def test_down_scales_fold_into_up_rows_and_gate_up_takes_the_norms_scale(family: str) -> None:
-    model, original, batch = _quantized(family)
+    # the folds alone: the clip search stores the attention weights it clips clamped
+    model, original, batch = _quantized(family, "int4_awq:clip=false")
     experts, before = _layer_experts(model, family), _layer_experts(original, family)
     for proj in ("gate_up_proj", "down_proj"):
         assert experts.input_quantizer_of(proj).pre_quant_scale is None

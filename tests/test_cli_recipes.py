@@ -74,7 +74,7 @@ def _export(model: Path | str, out: Path, *extra: str) -> list[str]:
             ["--quantize", "int8_sq", "-o", "format=compressed-tensors"],
             "cannot be written in the compressed-tensors checkpoint layout",
         ),
-        (["--quantize", "int4_awq:group_sze=64"], "'group_sze'; accepted: group_size"),
+        (["--quantize", "int4_awq:group_sze=64"], "'group_sze'; accepted: clip, group_size"),
         (["--quantize", "int4_awq:group_size=48"], "group_size=48 is not one it takes"),
         (["--quantize", "int4_awq:group_size"], "options are KEY=VALUE"),
         # which one won was the parser's to choose, silently (the last)

@@ -11,7 +11,9 @@ single ``o_proj`` / ``down_proj``) and for each expert of stacked experts:
    (``w``: the mean over the rows of ``|W|`` over its block amax), normalised by
    ``sqrt(max(s) * min(s))``; the loss is the squared error of the quantized layer's
    output ``(x / s) @ Q(W * s)^T`` against the float output ``x @ W^T``;
-3. one scale is chosen and gives ``pre_quant_scale = 1 / s``.
+3. one scale is chosen and gives ``pre_quant_scale = 1 / s``;
+4. each INT4 group's range is searched on the same inputs and the weight kept clipped
+   (:mod:`exportlm.quant._awq_clip`; the recipes' ``clip`` option, on by default).
 
 A group is searched jointly (one loss over the outputs of all its members, so the
 scale finally shared is one that was scored) *and* as ModelOpt does it (each member
@@ -47,6 +49,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from exportlm.quant._awq_clip import (
+    BlockGram,
+    ClipResult,
+    clip_linear,
+    clips,
+    log_clips,
+    shared_weights,
+)
 from exportlm.quant._awq_gram import GramLoss, gram_fits
 from exportlm.quant._awq_search import (
     AWQ_ALPHA,
@@ -67,6 +77,7 @@ __all__ = [
     "AWQPlan",
     "apply_awq",
     "awq_margin",
+    "clip_awq",
     "collect_expert_statistics",
     "plan_awq",
     "search_awq",
@@ -129,6 +140,7 @@ def plan_awq(model: nn.Module, groups: list[list[QuantLinear]]) -> AWQPlan:
                     name="/".join(names[id(m)] for m in members),
                     gram=GramLoss() if gram_fits(members) else None,
                     alphas=CT_AWQ_ALPHAS if ct else AWQ_ALPHAS,
+                    clip=BlockGram(block) if real and block and any(map(clips, members)) else None,
                 )
             plan.linears.append((members, search))
         elif isinstance(module, QuantExperts):
@@ -238,6 +250,8 @@ def _linear_hook(
     def hook(module: nn.Module, args: tuple[object, ...]) -> None:
         if args and isinstance(args[0], torch.Tensor):
             search.score(args[0], index)
+            if search.clip is not None:
+                search.clip.add(args[0])
 
     return hook
 
@@ -299,6 +313,23 @@ def apply_awq(plan: AWQPlan) -> dict[Choice, int]:
         "; ".join(f"{count} took {choice.value}" for choice, count in chosen.items() if count),
     )
     return chosen
+
+
+def clip_awq(model: nn.Module, plan: AWQPlan) -> ClipResult:
+    """The clip search of every linear :func:`~exportlm.quant._awq_clip.clips` names, on
+    its group's calibration inputs, after :func:`apply_awq` set the smoothing scales (and
+    before they are folded: a fold scales whole rows or columns, which the clipped ranges
+    follow). A tied weight is left alone. Returns the decisions, logged at INFO level."""
+    shared = shared_weights(model)
+    results = []
+    for members, search in plan.linears:
+        if search is None or search.clip is None or search.clip.blocks is None:
+            continue
+        for member in members:
+            if clips(member) and id(member.weight) not in shared:
+                results.append(clip_linear(member, search.clip.blocks, PORTABLE_MARGIN))
+        search.clip = None  # the blocks are not needed again
+    return log_clips(results)
 
 
 def _choose(search: ScaleSearch) -> tuple[torch.Tensor, Choice]:

@@ -34,10 +34,23 @@ import torch
 
 from exportlm.quant import _tensor
 
-__all__ = ["GramLoss", "candidate_loss", "gram_fits"]
+__all__ = ["GramLoss", "OncePerInput", "candidate_loss", "gram_fits"]
 
 
-class GramLoss:
+class OncePerInput:
+    """A statistic of a group's input that its members each pass on: counted once."""
+
+    _last: weakref.ref[torch.Tensor] | None = None
+
+    def first_time(self, x: torch.Tensor) -> bool:
+        """False when ``x`` is the tensor the previous call saw (the next member's)."""
+        if self._last is not None and self._last() is x:
+            return False
+        self._last = weakref.ref(x)
+        return True
+
+
+class GramLoss(OncePerInput):
     """``G = sum X^T X`` (and ``H = sum X^T X / tokens``) of one search's inputs, float64."""
 
     def __init__(self) -> None:
@@ -45,14 +58,12 @@ class GramLoss:
         self.mean_gram: torch.Tensor | None = None  # H, once token counts differed
         self.tokens: int | None = None  # every forward's token count while they agree
         self.forwards = 0
-        self._last: weakref.ref[torch.Tensor] | None = None
 
     def add(self, x: torch.Tensor) -> None:
         """Add one forward's input ``x`` (``[..., in]``); the same tensor again (the next
         member of a group that reads it) is counted once."""
-        if self._last is not None and self._last() is x:
+        if not self.first_time(x):
             return
-        self._last = weakref.ref(x)
         rows = x.detach().reshape(-1, x.shape[-1]).double()
         tokens = int(rows.shape[0])
         if tokens == 0:

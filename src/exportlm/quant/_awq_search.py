@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from exportlm.quant import _tensor
+from exportlm.quant._awq_clip import BlockGram
 from exportlm.quant._awq_fake import fake_quant_fresh
 from exportlm.quant._awq_gram import GramLoss, candidate_loss
 from exportlm.quant._quantizer import TensorQuantizer, row_chunks
@@ -202,6 +203,9 @@ class ScaleSearch:
     #: The inputs as a Gram matrix (linear groups): the losses are taken from it once,
     #: by :meth:`settle`, instead of per forward (:mod:`exportlm.quant._awq_gram`).
     gram: GramLoss | None = None
+    #: The diagonal blocks of the inputs' Gram matrix, for the clip search of the
+    #: members' INT4 groups (:mod:`exportlm.quant._awq_clip`); ``None``: no clip.
+    clip: BlockGram | None = None
     count: int = 0
     name: str = ""
     margins: list[tuple[str, float]] = field(default_factory=list)

@@ -14,7 +14,13 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from exportlm.quant._awq import apply_awq, collect_expert_statistics, plan_awq, search_awq
+from exportlm.quant._awq import (
+    apply_awq,
+    clip_awq,
+    collect_expert_statistics,
+    plan_awq,
+    search_awq,
+)
 from exportlm.quant._awq_moe import smooth_moe_inputs, trace_moe_inputs
 from exportlm.quant._calibrate import run_calibration
 from exportlm.quant._expert_modules import QuantExperts
@@ -68,6 +74,7 @@ def calibrate_and_smooth(
             with steps.step("AWQ smoothing and its fold into norms"):
                 static_inputs = keep_channel_amax(model)  # w4a8_awq: FP8 inputs after the scale
                 apply_awq(plan)
+                clip_awq(model, plan)  # each INT4 group's range, on the scaled weight
                 fold_into_norms(model, norms)
                 fold_into_linears(model, blocks)
                 fold_experts(plan)  # compressed-tensors: experts keep no AWQ scale

@@ -12,8 +12,8 @@ the data:
   ``mean(|x|)`` and their forward counts (summed), the per-channel amax (maximum);
 * :func:`reduce_groups`: which linears read one input (the union: a rank that ran no
   forward saw none);
-* :func:`reduce_searches` (AWQ's second pass): each search's Gram matrices and losses
-  (summed) and its counts;
+* :func:`reduce_searches` (AWQ's second pass): each search's Gram matrices (and the
+  clip search's diagonal blocks of them) and losses (summed) and its counts;
 * SmoothQuant's per-channel input ranges: :func:`reduce_ranges` (minimum, maximum).
 
 A maximum is exact in any order. The sums are float64 sums of float32 values (the
@@ -198,6 +198,23 @@ def reduce_searches(searches: Sequence[ScaleSearch]) -> None:
             search.own_loss = _combine([s["own"] for s in states], "sum", search.own_loss.device)
         if search.gram is not None:
             _reduce_gram(search, states)
+        if search.clip is not None:
+            _reduce_blocks(search)
+
+
+def _reduce_blocks(search: ScaleSearch) -> None:
+    """The clip search's diagonal Gram blocks summed in rank order (zeros where a rank
+    ran no forward)."""
+    import torch.distributed as dist
+
+    clip = search.clip
+    assert clip is not None  # pragma: no cover - checked by the caller
+    cols = int(search.act.shape[-1])
+    shape = (cols // clip.block, clip.block, clip.block)
+    local = torch.zeros(shape, dtype=torch.float64) if clip.blocks is None else clip.blocks.cpu()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local.contiguous())
+    clip.blocks = _combine(list(parts), "sum", None)
 
 
 def _search_state(search: ScaleSearch) -> dict[str, Any]:

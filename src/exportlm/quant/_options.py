@@ -15,6 +15,7 @@ option          recipes                                     values
                 scales compressed-tensors computes
                 otherwise (``int8_wo``, ``w8a8``,
                 ``fp8_dynamic``)
+``clip``        AWQ recipes (``int4_awq``, ``w4a8_awq``)    ``true`` (default) or ``false``
 ``actorder``    GPTQ (``int4_gptq``, ``int8_gptq``)         ``weight`` (default) or ``none``
 ``dampening``   GPTQ (``int4_gptq``, ``int8_gptq``)         a number in [0, 1] (default 0.01)
 ==============  ==========================================  ===============================
@@ -35,6 +36,11 @@ Round-to-nearest row and group scales (INT4, ``int8_wo``, ``w8a8``, ``fp8_dynami
 compressed-tensors' own: ``amax / 7.5``, ``/ 127.5``, ``/ 448`` rounded to the weight's dtype,
 the codes rounded from the quotient in that dtype, as llm-compressor computes them; tensor for
 tensor its checkpoint of the same weights (``docs/checkpoint-format.md``).
+
+``clip=true`` searches each INT4 group's range after AWQ's smoothing
+(:mod:`exportlm.quant._awq_clip`, as AutoAWQ and ModelOpt's ``awq_full`` do);
+``clip=false`` leaves the ranges at the groups' amax, as ModelOpt's ``INT4_AWQ_CFG``
+(``awq_lite``) does.
 
 No layout exportlm writes for INT4 has a zero point (ModelOpt's ``W4A16_AWQ`` and
 compressed-tensors' symmetric ``pack-quantized``), so no recipe takes ``symmetric``.
@@ -120,6 +126,8 @@ def known_options(algo: Recipe) -> dict[str, str]:
         known["alpha"] = "a number in [0, 1]"
     if _has_conventions(algo):
         known["scales"] = " / ".join(SCALE_CONVENTIONS)
+    if algo.awq:
+        known["clip"] = "true / false"
     if algo.gptq:
         known["actorder"] = " / ".join(GPTQ_ACTORDERS)
         known["dampening"] = "a number in [0, 1]"
@@ -170,6 +178,13 @@ def apply_options(algo: Recipe, options: Mapping[str, OptionValue]) -> Recipe:
             )
         changes["scales"] = convention
         options = {**options, "scales": convention}
+    if "clip" in options:
+        if not isinstance(options["clip"], bool):
+            raise ValueError(
+                f"recipe {algo.name!r}: clip={options['clip']!r} is not one it takes "
+                f"({known['clip']})"
+            )
+        changes["awq_clip"] = options["clip"]
     changes.update(_gptq_changes(algo, options, known))
     changes["spelled"] = spell(algo.name, options)
     return dataclasses.replace(algo, **changes)  # type: ignore[arg-type]

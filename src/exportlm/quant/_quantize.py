@@ -296,6 +296,7 @@ def _weight_quantizer(algo: Algorithm | None, label: str, per_expert: bool) -> T
     axis = 0 if per_expert else algo.weight_axis
     quantizer = TensorQuantizer(algo.weight, axis=axis, block_size=algo.weight_block, label=label)
     quantizer.recipe = algo.spelling  # what a refusal names: its format may have other recipes
+    quantizer.awq_clip = algo.awq and algo.awq_clip
     return quantizer
 
 

@@ -107,6 +107,9 @@ class TensorQuantizer(ChannelStatistics, nn.Module):
         #: (SmoothQuant stores the smoothed weight, as ModelOpt does), so the weight
         #: quantizer sees the weight as it is.
         self.weight_smoothed = False
+        #: Search this (INT4 weight) quantizer's group ranges after AWQ's smoothing
+        #: (:mod:`exportlm.quant._awq_clip`; the AWQ recipes' ``clip`` option).
+        self.awq_clip = False
         self.register_buffer("amax", None)
         self.register_buffer("pre_quant_scale", None)
         #: An AWQ ``pre_quant_scale`` the preceding norm applies (folded into its

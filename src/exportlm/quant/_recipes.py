@@ -59,6 +59,8 @@ class Recipe:
             among them); empty: ``group_size`` only.
         weight_axis: ``0`` for per-row weight scales (INT8), ``None`` otherwise.
         awq: compute an AWQ ``pre_quant_scale`` from calibration activations.
+        awq_clip: after AWQ's smoothing, search each INT4 group's clipped range on the
+            calibration inputs (:mod:`exportlm.quant._awq_clip`; the ``clip`` option).
         smoothquant_alpha: SmoothQuant's migration strength (the ``alpha`` option),
             ``None`` without smoothing.
         smoothquant_fold: smooth only linears whose scale folds into the norm feeding
@@ -88,6 +90,7 @@ class Recipe:
     group_sizes: tuple[int, ...] = ()
     weight_axis: int | None = None
     awq: bool = False
+    awq_clip: bool = True
     smoothquant_alpha: float | None = None
     smoothquant_fold: bool = False
     symmetric: bool = True
