@@ -334,15 +334,30 @@ def _meta(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     }
 
 
+def split_recipes(text: str) -> list[str]:
+    """The recipes of ``--recipes``: split at commas, where a ``KEY=VALUE`` part with no
+    ``:`` before its ``=`` continues the recipe before it (``a:x=1,y=2,b`` is two)."""
+    recipes: list[str] = []
+    for part in text.split(","):
+        key, eq, _ = part.partition("=")
+        if recipes and eq and ":" not in key:
+            recipes[-1] += "," + part
+        elif part and part != "none":
+            recipes.append(part)
+    return recipes
+
+
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=32, help="calibration samples (lines)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration row")
     p.add_argument(
         "--recipes",
-        type=lambda s: [r for r in s.split(",") if r and r != "none"],
+        type=split_recipes,
         default=list(RECIPES),
-        help="comma-separated recipes ('none' with --memory-row: the memory row alone)",
+        help="comma-separated recipes ('none' with --memory-row: the memory row alone); a "
+        "KEY=VALUE after a comma is one more option of the recipe before it "
+        "('int4_awq:group_size=64,clip=true' is one recipe)",
     )
     p.add_argument("--peers", type=lambda s: s.split(","), default=list(PEERS))
     p.add_argument("--out", type=Path, default=Path("quality-results.json"))

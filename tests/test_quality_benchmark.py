@@ -143,3 +143,22 @@ def test_the_verdict_adds_ours_against_modelopt_s_checkpoint_where_both_were_rea
         "- `int4_awq`: exportlm 29.400, better peer ModelOpt 28.800 (+2.1%): WORSE by more "
         "than 1%; checkpoints: ours 29.300, ModelOpt's 29.500 (-0.7%)"
     ]
+
+
+def test_a_recipe_with_two_options_stays_one_recipe() -> None:
+    """``--recipes int4_awq:group_size=64,clip=true`` is one recipe (it was split into
+    ``int4_awq:group_size=64`` and ``clip=true``, and the peer ran the wrong config)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quality", ROOT / "benchmarks" / "quality.py")
+    assert spec is not None
+    assert spec.loader is not None
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    split = quality.split_recipes
+    assert split("int4_awq:group_size=64,clip=true") == ["int4_awq:group_size=64,clip=true"]
+    assert split("fp8,int8_sq:alpha=0.5,none,w4a8_awq:group_size=64,clip=false") == [
+        "fp8",
+        "int8_sq:alpha=0.5",
+        "w4a8_awq:group_size=64,clip=false",
+    ]
