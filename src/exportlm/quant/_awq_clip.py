@@ -23,7 +23,7 @@ compressed-tensors' ``/ 7.5``) then come from the clipped range, and no layout n
 new tensor. A weight another module also uses (a tied one) is left alone.
 
 On SmolLM2-135M (``int4_awq:group_size=64``, 32 x 512 calibration tokens) the clip
-took the in-memory perplexity from 29.47 to 28.41 (docs/quality.md). ``clip=false``
+took the in-memory perplexity from 29.42 to 27.81 (docs/quality.md). ``clip=false``
 (a recipe option) skips it: ModelOpt's ``INT4_AWQ_CFG`` runs ``awq_lite``, which does
 not clip.
 
