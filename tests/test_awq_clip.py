@@ -94,6 +94,11 @@ def test_block_gram_form_is_each_groups_squared_output_error() -> None:
     form = torch.einsum("rgi,gij,rgj->rg", d, gram.blocks, d)
     brute = _group_losses(delta, x.reshape(-1, 64), 16)
     torch.testing.assert_close(form, brute, rtol=SUM_RTOL, atol=0)
+    rows = x.reshape(-1, 64).double()
+    whole = BlockGram(16)
+    whole.take_from(rows.T @ rows)  # a search that keeps the whole X^T X hands them over
+    assert whole.blocks is not None
+    torch.testing.assert_close(whole.blocks, gram.blocks, rtol=SUM_RTOL, atol=0)
     same = x[:1]
     before = gram.blocks.clone()
     gram.add(same)

@@ -250,7 +250,7 @@ def _linear_hook(
     def hook(module: nn.Module, args: tuple[object, ...]) -> None:
         if args and isinstance(args[0], torch.Tensor):
             search.score(args[0], index)
-            if search.clip is not None:
+            if search.clip is not None and search.gram is None:  # else settle() derives them
                 search.clip.add(args[0])
 
     return hook

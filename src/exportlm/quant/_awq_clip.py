@@ -61,11 +61,22 @@ CLIP_RATIOS: tuple[float, ...] = tuple(round(1 - i / 20, 2) for i in range(11))
 
 
 class BlockGram(OncePerInput):
-    """The diagonal blocks ``[groups, block, block]`` of ``X^T X`` of one input, float64."""
+    """The diagonal blocks ``[groups, block, block]`` of ``X^T X`` of one input, float64.
+
+    A search that keeps the whole ``X^T X`` (:class:`~exportlm.quant._awq_gram.GramLoss`)
+    hands its blocks over (:meth:`take_from`) instead of accumulating them again; the
+    others (``down_proj``) :meth:`add` each forward's input.
+    """
 
     def __init__(self, block: int) -> None:
         self.block = block
         self.blocks: torch.Tensor | None = None
+
+    def take_from(self, gram: torch.Tensor) -> None:
+        """The diagonal blocks of the whole ``X^T X`` (``[in, in]``), copied out of it."""
+        groups = int(gram.shape[0]) // self.block
+        view = gram.reshape(groups, self.block, groups, self.block)
+        self.blocks = view.diagonal(dim1=0, dim2=2).permute(2, 0, 1).clone()
 
     def add(self, x: torch.Tensor) -> None:
         """Add one forward's input ``x`` (``[..., in]``); the same tensor again (the next
@@ -107,7 +118,7 @@ def clips(module: nn.Module) -> bool:
     quantizer = module.weight_quantizer
     searched = quantizer.spec.search_format or quantizer.format  # w4a8: its INT4 stage
     return bool(
-        getattr(quantizer, "awq_clip", False)
+        quantizer.awq_clip
         and quantizer.enabled
         and searched == QuantFormat.INT4
         and quantizer.block_size

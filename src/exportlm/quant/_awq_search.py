@@ -280,6 +280,8 @@ class ScaleSearch:
             if own is None:
                 own = self._form_losses(weight, member, self.own_wscales[member], [mean])[0]
             self.own_loss[member] += own / int(weight.shape[0])  # ModelOpt: the mean
+        if self.clip is not None:  # the clip search's blocks, before G is freed
+            self.clip.take_from(gram.gram)
         gram.release()
 
     def _form_losses(

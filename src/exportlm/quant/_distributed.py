@@ -198,7 +198,7 @@ def reduce_searches(searches: Sequence[ScaleSearch]) -> None:
             search.own_loss = _combine([s["own"] for s in states], "sum", search.own_loss.device)
         if search.gram is not None:
             _reduce_gram(search, states)
-        if search.clip is not None:
+        if search.clip is not None and search.gram is None:  # else taken from the summed G
             _reduce_blocks(search)
 
 
