@@ -173,3 +173,28 @@ def test_a_bad_shard_size_is_a_usage_error_before_any_work(
     assert f"-o max_shard_size={size}: max_shard_size" in err
     assert "quantiz" not in err  # refused before the recipe ran
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("target", "options", "says"),
+    [
+        ("onnx", ["-o", "opset=0"], "opset must be an int ONNX opset version"),
+        ("onnx", ["-o", "layout=bad"], "layout must be one of"),
+        ("torch_export", ["-o", "kv_cache=true", "-o", "dynamic=false"], "needs dynamic=True"),
+        ("hf_checkpoint", ["-o", "tokenizer=no-such-dir"], "is not a directory"),
+        ("hf_checkpoint", ["--quantize", "fp8+"], "has an empty part"),
+        ("hf_checkpoint", ["--quantize", "fp8++fp8_kv"], "has an empty part"),
+    ],
+)
+def test_an_option_value_the_target_or_recipe_refuses_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], target: str, options: list[str], says: str
+) -> None:
+    """The target's own check of its options exited 1 ("the work failed"), as if a rerun
+    could pass; ``fp8+`` was read as ``fp8``. The same command fails until it changes: 2."""
+    out = tmp_path / (
+        "m.onnx" if target == "onnx" else "m.pt2" if target == "torch_export" else "ckpt"
+    )
+    argv = ["export", "--target", target, "--model", "llama", "--out", str(out), *options]
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err
+    assert not out.exists()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import exportlm
-from exportlm.errors import UnknownOptionError, UnsupportedFormatError
+from exportlm.errors import InvalidRecipeError, UnknownOptionError, UnsupportedFormatError
 from exportlm.models import tiny_hf_model
 from exportlm.quant import QuantRecipe, quantize
 
@@ -52,12 +52,20 @@ def test_unknown_options_and_values_are_refused_naming_the_known_ones() -> None:
         QuantRecipe.parse("mxfp4:group_size=64")
     with pytest.raises(UnknownOptionError, match="accepted: scales"):
         QuantRecipe.parse("int8_wo:group_size=64")
-    with pytest.raises(ValueError, match=r"group_size=48 is not one it takes \(32 / 64 / 128\)"):
+    with pytest.raises(
+        InvalidRecipeError, match=r"group_size=48 is not one it takes \(32 / 64 / 128\)"
+    ):
         QuantRecipe.parse("int4_awq:group_size=48")
-    with pytest.raises(ValueError, match="alpha=2 is not in"):
+    with pytest.raises(InvalidRecipeError, match="alpha=2 is not in"):
         QuantRecipe.parse("int8_sq:alpha=2")
-    with pytest.raises(ValueError, match="KEY=VALUE"):
+    with pytest.raises(InvalidRecipeError, match="KEY=VALUE"):
         QuantRecipe.parse("int4_awq:group_size")
+    with pytest.raises(InvalidRecipeError, match=r"'fp8\+' has an empty part"):
+        quantize(_toy(), "fp8+")  # was quantized as 'fp8'
+    with pytest.raises(InvalidRecipeError, match="empty part"):
+        QuantRecipe.parse("fp8++fp8_kv")
+    with pytest.raises(InvalidRecipeError, match="names two weight algorithms"):
+        QuantRecipe.parse("fp8+int8_wo")
 
 
 def test_the_spelled_and_the_keyword_forms_are_one_recipe() -> None:

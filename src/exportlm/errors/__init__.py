@@ -33,6 +33,7 @@ from exportlm.errors._export import (
     ExportFailedError,
     InvalidInputError,
     InvalidModelError,
+    InvalidOptionError,
     LayerTooLargeError,
     OutputExistsError,
     RuntimeOutputError,
@@ -56,6 +57,7 @@ from exportlm.errors._inputs import (
 )
 from exportlm.errors._quant import (
     DistributedCalibrationError,
+    InvalidRecipeError,
     QuantizationError,
     TiedWeightsError,
     UnclaimedModuleError,
@@ -70,6 +72,8 @@ __all__ = [
     "InvalidConfigError",
     "InvalidInputError",
     "InvalidModelError",
+    "InvalidOptionError",
+    "InvalidRecipeError",
     "ArtifactIntegrityError",
     "DistributedCalibrationError",
     "ExportLMError",

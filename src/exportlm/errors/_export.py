@@ -10,6 +10,7 @@ __all__ = [
     "ExportFailedError",
     "InvalidInputError",
     "InvalidModelError",
+    "InvalidOptionError",
     "LayerTooLargeError",
     "OutputExistsError",
     "RuntimeOutputError",
@@ -73,6 +74,12 @@ class InvalidModelError(ExportError, TypeError):
 
 class InvalidInputError(ExportError, TypeError):
     """Example inputs or runtime inputs are not what the target expects."""
+
+
+class InvalidOptionError(InvalidInputError, ValueError):
+    """An export target's option has a value the target does not take, or options that do
+    not go together (``opset=0``, ``layout='bad'``, ``max_shard_size='abc'``); the message
+    names the option and what it accepts. The command line exits with its usage code."""
 
 
 class OutputExistsError(ExportError, FileExistsError):

@@ -8,6 +8,7 @@ from exportlm.errors._inputs import MalformedCheckpointError
 
 __all__ = [
     "DistributedCalibrationError",
+    "InvalidRecipeError",
     "QuantizationError",
     "TiedWeightsError",
     "UnclaimedModuleError",
@@ -27,6 +28,15 @@ class DistributedCalibrationError(QuantizationError):
 
 class UnsupportedFormatError(QuantizationError, ValueError):
     """A quantization format cannot be applied to a module or tensor of this shape."""
+
+
+class InvalidRecipeError(QuantizationError, ValueError):
+    """A quantization recipe that does not parse or asks for what cannot be: an empty part
+    (``'fp8+'``), options not spelled ``KEY=VALUE``, an option's value out of its range, two
+    weight algorithms in one recipe. The message says what is accepted; the command line
+    exits with its usage code. (An unknown recipe or option name is an
+    :class:`~exportlm.errors.UnknownNameError` / :class:`~exportlm.errors.UnknownOptionError`.)
+    """
 
 
 class UnclaimedModuleError(QuantizationError, ExportError):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from exportlm.errors import InvalidInputError, InvalidModelError
+from exportlm.errors import InvalidModelError, InvalidOptionError
 from exportlm.export._fake_cache import fake_tensor_cache_off
 from exportlm.export._past import (
     PastKVWrapper,
@@ -121,7 +121,7 @@ def export_torch_export(
         ExportFailedError: ``torch.export`` or saving failed (the cause is chained).
     """
     if kv_cache and not dynamic:
-        raise InvalidInputError(
+        raise InvalidOptionError(
             "torch_export: kv_cache=True needs dynamic=True (the past length changes at every "
             "decode step); drop dynamic=False"
         )

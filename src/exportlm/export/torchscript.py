@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from exportlm.errors import InvalidInputError
+from exportlm.errors import InvalidOptionError
 from exportlm.export._moe import TRACEABLE_EXPERTS
 from exportlm.export._quiet import CapturedNoise, warn_caller
 from exportlm.export._wrapper import ExportCacheWrapper
@@ -147,7 +147,7 @@ def export_torchscript(
         ExportFailedError: tracing or scripting failed (the cause is chained).
     """
     if method not in ("trace", "script"):
-        raise InvalidInputError(f"method must be 'trace' or 'script', got {method!r}")
+        raise InvalidOptionError(f"method must be 'trace' or 'script', got {method!r}")
     hint = (
         "Scripting needs TorchScript-compatible model source; try method='trace'."
         if method == "script"

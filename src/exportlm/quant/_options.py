@@ -45,7 +45,8 @@ tensor its checkpoint of the same weights (``docs/checkpoint-format.md``).
 No layout exportlm writes for INT4 has a zero point (ModelOpt's ``W4A16_AWQ`` and
 compressed-tensors' symmetric ``pack-quantized``), so no recipe takes ``symmetric``.
 An unknown option is an :class:`~exportlm.errors.UnknownOptionError` naming the known
-ones; a value a recipe cannot take is a ``ValueError`` naming the values it can.
+ones; a value a recipe cannot take is an :class:`~exportlm.errors.InvalidRecipeError` (a
+``ValueError``) naming the values it can.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from exportlm.errors import UnknownOptionError
+from exportlm.errors import InvalidRecipeError, UnknownOptionError
 from exportlm.quant._gptq import ACTORDERS as GPTQ_ACTORDERS
 from exportlm.quant._recipes import Recipe
 from exportlm.quant.formats import get_format
@@ -83,12 +84,12 @@ def split_options(part: str) -> tuple[str, dict[str, OptionValue]]:
         for item in rest.split(","):
             key, eq, raw = item.partition("=")
             if not eq or not key.strip() or not raw.strip():
-                raise ValueError(
+                raise InvalidRecipeError(
                     f"recipe {part!r}: options are KEY=VALUE separated by commas, e.g. "
                     f"'{name.strip()}:group_size=64'; got {item!r}"
                 )
             if key.strip() in options:  # which one would win is not the user's to guess
-                raise ValueError(
+                raise InvalidRecipeError(
                     f"recipe {part!r}: option {key.strip()!r} is given twice; give it once"
                 )
             options[key.strip()] = _value(raw.strip())
@@ -147,7 +148,7 @@ def apply_options(algo: Recipe, options: Mapping[str, OptionValue]) -> Recipe:
 
     Raises:
         UnknownOptionError: an option the recipe does not take, naming those it does.
-        ValueError: a value the option cannot take, naming those it can.
+        InvalidRecipeError: a value the option cannot take, naming those it can.
     """
     known = known_options(algo)
     unknown = [key for key in options if key not in known]
@@ -157,7 +158,7 @@ def apply_options(algo: Recipe, options: Mapping[str, OptionValue]) -> Recipe:
     if "group_size" in options:
         size = options["group_size"]
         if isinstance(size, bool) or size not in algo.allowed_group_sizes:
-            raise ValueError(
+            raise InvalidRecipeError(
                 f"recipe {algo.name!r}: group_size={size!r} is not one it takes "
                 f"({known['group_size']})"
             )
@@ -165,14 +166,16 @@ def apply_options(algo: Recipe, options: Mapping[str, OptionValue]) -> Recipe:
     if "alpha" in options:
         alpha = options["alpha"]
         if isinstance(alpha, bool) or not isinstance(alpha, int | float):
-            raise ValueError(f"recipe {algo.name!r}: alpha={alpha!r} is not a number in [0, 1]")
+            raise InvalidRecipeError(
+                f"recipe {algo.name!r}: alpha={alpha!r} is not a number in [0, 1]"
+            )
         if not (math.isfinite(alpha) and 0.0 <= alpha <= 1.0):
-            raise ValueError(f"recipe {algo.name!r}: alpha={alpha!r} is not in [0, 1]")
+            raise InvalidRecipeError(f"recipe {algo.name!r}: alpha={alpha!r} is not in [0, 1]")
         changes["smoothquant_alpha"] = float(alpha)
     if "scales" in options:
         convention = str(options["scales"]).replace("_", "-")
         if convention not in SCALE_CONVENTIONS:
-            raise ValueError(
+            raise InvalidRecipeError(
                 f"recipe {algo.name!r}: scales={options['scales']!r} is not one it takes "
                 f"({known['scales']})"
             )
@@ -180,7 +183,7 @@ def apply_options(algo: Recipe, options: Mapping[str, OptionValue]) -> Recipe:
         options = {**options, "scales": convention}
     if "clip" in options:
         if not isinstance(options["clip"], bool):
-            raise ValueError(
+            raise InvalidRecipeError(
                 f"recipe {algo.name!r}: clip={options['clip']!r} is not one it takes "
                 f"({known['clip']})"
             )
@@ -198,17 +201,19 @@ def _gptq_changes(
     for key, value in options.items():  # a recipe option, not a checkpoint config's key
         if key == "actorder":
             if str(value) not in GPTQ_ACTORDERS:
-                raise ValueError(
+                raise InvalidRecipeError(
                     f"recipe {algo.name!r}: actorder={value!r} is not one it takes ({known[key]}; "
                     "'group' would need a g_idx tensor neither layout writes)"
                 )
             changes["gptq_actorder"] = str(value)
         elif key == "dampening":
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(
+                raise InvalidRecipeError(
                     f"recipe {algo.name!r}: dampening={value!r} is not a number in [0, 1]"
                 )
             if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-                raise ValueError(f"recipe {algo.name!r}: dampening={value!r} is not in [0, 1]")
+                raise InvalidRecipeError(
+                    f"recipe {algo.name!r}: dampening={value!r} is not in [0, 1]"
+                )
             changes["gptq_dampening"] = float(value)
     return changes

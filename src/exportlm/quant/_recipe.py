@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from exportlm.errors import UnknownNameError, UnknownOptionError
+from exportlm.errors import InvalidRecipeError, UnknownNameError, UnknownOptionError
 from exportlm.quant._options import (
     OptionValue,
     apply_options,
@@ -91,7 +91,8 @@ def resolve_algorithm(spelled: str) -> Recipe:
     """The :class:`~exportlm.quant.Recipe` of a recipe part as spelled, options applied (``"int4_awq:group_size=64"``).
 
     Raises :class:`~exportlm.errors.UnknownNameError` (unknown recipe),
-    :class:`~exportlm.errors.UnknownOptionError` or ``ValueError`` (see
+    :class:`~exportlm.errors.UnknownOptionError` or
+    :class:`~exportlm.errors.InvalidRecipeError` (see
     :func:`~exportlm.quant._options.apply_options`).
     """
     name, options = split_options(spelled)
@@ -159,7 +160,7 @@ class QuantRecipe:
             raise UnknownNameError("quantization recipe", self.kv_cache, recipe_names())
         floor = self.kv_cache_min_scale
         if floor is not None and not (math.isfinite(floor) and floor > 0):
-            raise ValueError(
+            raise InvalidRecipeError(
                 f"kv_cache_min_scale must be a finite positive number or None, got {floor!r}"
             )
 
@@ -198,7 +199,7 @@ class QuantRecipe:
     def with_options(self, options: Mapping[str, OptionValue]) -> QuantRecipe:
         """This recipe with ``options`` added to its default weight recipe's."""
         if self.algo is None:
-            raise ValueError(
+            raise InvalidRecipeError(
                 f"recipe options {dict(options)!r} apply to the default weight recipe, and this "
                 "recipe has none; spell them on a part instead ('int4_awq:group_size=64')"
             )
@@ -257,7 +258,7 @@ class QuantRecipe:
                 continue
             sub_algo, sub_kv = _split_parts(value)
             if sub_kv is not None:
-                raise ValueError(
+                raise InvalidRecipeError(
                     f"recipe pattern {pattern!r}: KV-cache recipes ({sub_kv!r}) apply to the "
                     "whole model; put them under the '*' key, e.g. {'*': 'fp8+fp8_kv'}"
                 )
@@ -301,7 +302,13 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
 
 def _split_parts(recipe: Any) -> tuple[str | None, str | None]:
     if isinstance(recipe, str):
-        parts = [p.strip() for p in recipe.split("+") if p.strip()]
+        parts = [p.strip() for p in recipe.split("+")]
+        if recipe.strip() and not all(parts):  # 'fp8+', 'fp8++fp8_kv': a part left out
+            raise InvalidRecipeError(
+                f"recipe {recipe!r} has an empty part; parts are recipe names joined by '+', "
+                "e.g. 'fp8+fp8_kv'"
+            )
+        parts = [p for p in parts if p]
     elif isinstance(recipe, Sequence):
         parts = [str(p) for p in recipe]
     else:
@@ -320,7 +327,7 @@ def _split_parts(recipe: Any) -> tuple[str | None, str | None]:
         elif name in ALGORITHMS:
             spelled = resolve_algorithm(spell(name, options)).spelling
             if algo is not None and algo != spelled:
-                raise ValueError(
+                raise InvalidRecipeError(
                     f"recipe {recipe!r} names two weight algorithms ({algo!r}, {spelled!r}); "
                     "use a mapping of module patterns for mixed precision"
                 )
@@ -328,5 +335,5 @@ def _split_parts(recipe: Any) -> tuple[str | None, str | None]:
         else:
             raise UnknownNameError("quantization recipe", name, recipe_names())
     if not parts:
-        raise ValueError("empty quantization recipe; expected e.g. 'fp8' or 'fp8+fp8_kv'")
+        raise InvalidRecipeError("empty quantization recipe; expected e.g. 'fp8' or 'fp8+fp8_kv'")
     return algo, kv

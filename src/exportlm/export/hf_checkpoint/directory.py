@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from exportlm.atomic import check_output_path
-from exportlm.errors import InvalidInputError, OutputExistsError
+from exportlm.errors import InvalidOptionError, OutputExistsError
 from exportlm.export.hf_checkpoint._write import CheckpointOptions, export_in_memory
 from exportlm.export.job import ExportRequest
 
@@ -84,9 +84,9 @@ class DirectorySource:
 
     def __post_init__(self) -> None:
         if self.stream not in _STREAM_VALUES:
-            raise InvalidInputError(f"stream must be True, False or 'auto', got {self.stream!r}")
+            raise InvalidOptionError(f"stream must be True, False or 'auto', got {self.stream!r}")
         if self.calibration_inputs not in _INPUTS:
-            raise InvalidInputError(
+            raise InvalidOptionError(
                 f"calibration_inputs must be 'quantized' or 'float', got {self.calibration_inputs!r}"
             )
 
@@ -104,7 +104,7 @@ class DirectorySource:
         """A model in memory takes none of the source options (it is written as it is)."""
         given = [name for name, value in self._given().items() if value]
         if given:
-            raise InvalidInputError(
+            raise InvalidOptionError(
                 f"{', '.join(given)}: only a model directory takes these (it is read, "
                 "quantized and, when it does not fit memory, streamed here); a model in "
                 "memory is written as it is: quantize it with exportlm.quant.quantize "
@@ -151,7 +151,7 @@ def export_directory(
         from exportlm.export.hf_checkpoint.stream._pipeline import stream_checkpoint
 
         if options.is_qlora:
-            raise InvalidInputError(
+            raise InvalidOptionError(
                 "is_qlora: a streamed export writes the directory's modules as they are "
                 "saved; export a model with LoRA adapters in memory (stream=False)"
             )

@@ -34,7 +34,12 @@ from typing import Any
 
 import torch
 
-from exportlm.errors import DuplicateTensorError, ExportFailedError, InvalidInputError
+from exportlm.errors import (
+    DuplicateTensorError,
+    ExportFailedError,
+    InvalidInputError,
+    InvalidOptionError,
+)
 from exportlm.export._digest import digest_bytes
 from exportlm.export.hf_checkpoint.safetensors_file import (
     SAFETENSORS_DTYPES,
@@ -72,7 +77,7 @@ def parse_size(size: int | str) -> int:
     units (KiB, MiB, GiB) powers of 2.
     """
     if isinstance(size, bool) or not isinstance(size, (int, str)):
-        raise InvalidInputError(
+        raise InvalidOptionError(
             f"max_shard_size must be an int (bytes) or a string like '5GB', got {size!r}"
         )
     if isinstance(size, int):
@@ -81,13 +86,13 @@ def parse_size(size: int | str) -> int:
         match = _SIZE_RE.match(size)
         unit = match.group(2).upper() if match else ""
         if match is None or unit not in _UNITS:
-            raise InvalidInputError(
+            raise InvalidOptionError(
                 f"max_shard_size {size!r} is not a size; expected digits and a unit "
                 f"such as '5GB', '500MB' or '64MiB' (units: {', '.join(sorted(u for u in _UNITS if u))})"
             )
         value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise InvalidInputError(f"max_shard_size must be positive, got {size!r}")
+        raise InvalidOptionError(f"max_shard_size must be positive, got {size!r}")
     return value
 
 

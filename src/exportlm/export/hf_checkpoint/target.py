@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from exportlm.errors import InvalidInputError
+from exportlm.errors import InvalidOptionError
 from exportlm.export.declaration import TargetInfo
 from exportlm.export.hf_checkpoint._write import CheckpointOptions, export_in_memory
 from exportlm.export.hf_checkpoint.configs import CHECKPOINT_FORMATS
@@ -160,12 +160,12 @@ def export_hf_checkpoint(
     """
     del example_inputs  # weights only: there is nothing to trace
     if not safe_serialization:
-        raise InvalidInputError(
+        raise InvalidOptionError(
             "hf_checkpoint writes safetensors only (pickle checkpoints can run code on load); "
             "drop safe_serialization=False"
         )
     if format not in CHECKPOINT_FORMATS:
-        raise InvalidInputError(
+        raise InvalidOptionError(
             f"format must be one of {', '.join(CHECKPOINT_FORMATS)}, got {format!r}"
         )
     cast_to: torch.dtype | None = None

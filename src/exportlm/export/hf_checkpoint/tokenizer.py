@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from exportlm.checkpoint import HF_QUANT_CONFIG_NAME
-from exportlm.errors import InvalidConfigError, InvalidInputError
+from exportlm.errors import InvalidConfigError, InvalidOptionError
 from exportlm.hfdir import tokenizer_files
 from exportlm.tokenizer_checks import chat_template_problems, json_problems
 
@@ -41,7 +41,7 @@ def tokenizer_payload(tokenizer: Any, scratch: Path | None = None) -> dict[str, 
         scratch: where that folder is made (default: the system's temporary folder).
 
     Raises:
-        InvalidInputError: ``tokenizer`` is none of these, or names no directory.
+        InvalidOptionError: ``tokenizer`` is none of these, or names no directory.
         InvalidConfigError: a JSON file among them is no JSON object, or a chat template
             does not compile.
     """
@@ -50,7 +50,7 @@ def tokenizer_payload(tokenizer: Any, scratch: Path | None = None) -> dict[str, 
     if isinstance(tokenizer, (str, os.PathLike)):
         path = Path(tokenizer)
         if not path.is_dir():
-            raise InvalidInputError(
+            raise InvalidOptionError(
                 f"tokenizer={os.fspath(tokenizer)!r} is not a directory; expected a folder "
                 "holding the tokenizer's files (as save_pretrained writes them) or a "
                 "tokenizer object"
@@ -88,7 +88,7 @@ def refuse_broken_tokenizer(files: Mapping[str, bytes], source: Any) -> None:
 def _saved(tokenizer: Any, scratch: Path | None) -> dict[str, bytes]:
     save = getattr(tokenizer, "save_pretrained", None)
     if not callable(save):
-        raise InvalidInputError(
+        raise InvalidOptionError(
             f"tokenizer must be a directory or an object with save_pretrained() (a "
             f"transformers tokenizer), got {type(tokenizer).__name__}"
         )

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from exportlm.errors import InvalidInputError, InvalidModelError
+from exportlm.errors import InvalidModelError, InvalidOptionError
 from exportlm.export._fake_cache import fake_tensor_cache_off
 from exportlm.export._past import (
     MaskedPastKVWrapper,
@@ -73,7 +73,7 @@ def check_kv_cache_options(
     if not dynamic:
         refused.append("dynamic=False (the past length changes at every decode step)")
     if refused:
-        raise InvalidInputError(
+        raise InvalidOptionError(
             f"onnx export with kv_cache=True does not take {'; '.join(refused)}; "
             "drop these options, or export without kv_cache"
         )

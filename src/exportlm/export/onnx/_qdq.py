@@ -32,7 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exportlm.errors import InvalidInputError, QuantizationError, UnsupportedFormatError
+from exportlm.errors import (
+    InvalidInputError,
+    InvalidOptionError,
+    QuantizationError,
+    UnsupportedFormatError,
+)
 from exportlm.export.onnx._qdq_ops import QDQ_SCHEMES, qdq_ops, translation_table
 from exportlm.quant import (
     QuantLinear,
@@ -132,7 +137,7 @@ def check_quantized_export(model: Any, *, opset: int, dynamo: bool) -> bool:
 
     Raises:
         UnsupportedFormatError: a quantized module has no QDQ form (:func:`qdq_refusal`).
-        InvalidInputError: ``dynamo=False`` (the legacy exporter folds quantized weights
+        InvalidOptionError: ``dynamo=False`` (the legacy exporter folds quantized weights
             to float), or ``opset`` is below the formats' ``DequantizeLinear`` opset.
         QuantizationError: a calibrated quantizer has no amax (calibrate first).
     """
@@ -145,7 +150,7 @@ def check_quantized_export(model: Any, *, opset: int, dynamo: bool) -> bool:
     if reason:
         raise UnsupportedFormatError(f"onnx export: {reason}")
     if not dynamo:
-        raise InvalidInputError(
+        raise InvalidOptionError(
             "onnx export of a quantized model needs dynamo=True: the legacy exporter "
             "(dynamo=False) cannot keep quantized initializers"
         )

@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from exportlm._transformers_model import is_transformers_model
-from exportlm.errors import InvalidInputError, InvalidModelError
+from exportlm.errors import InvalidModelError, InvalidOptionError
 from exportlm.export._past import PastLayout, flat_past_names
 from exportlm.export.onnx._folder import genai_pad_token_id
 
@@ -58,7 +58,7 @@ def _config(model: nn.Module) -> Any | None:
 def check_serving_options(model: Any, *, layout: str, genai_config: bool, kv_cache: bool) -> None:
     """Refuse ``layout`` / ``genai_config`` values this export cannot honour (before writing)."""
     if layout not in LAYOUTS:
-        raise InvalidInputError(
+        raise InvalidOptionError(
             f"onnx export: layout must be one of {list(LAYOUTS)}, got {layout!r}"
         )
     wanted = [f"layout={layout!r}"] if layout != "file" else []
@@ -66,7 +66,7 @@ def check_serving_options(model: Any, *, layout: str, genai_config: bool, kv_cac
     if not wanted:
         return
     if not kv_cache:
-        raise InvalidInputError(
+        raise InvalidOptionError(
             f"onnx export: {' and '.join(wanted)} need kv_cache=True (Optimum's and "
             "onnxruntime-genai's generation loops feed past key/values); add kv_cache=True"
         )

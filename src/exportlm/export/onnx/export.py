@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from exportlm._transformers_model import is_transformers_model
-from exportlm.errors import InvalidInputError, InvalidModelError
+from exportlm.errors import InvalidModelError, InvalidOptionError
 from exportlm.export._optional import require_modules
 from exportlm.export._wrapper import ExportCacheWrapper, accepts_attention_mask
 from exportlm.export.declaration import TargetInfo
@@ -126,16 +126,16 @@ def _check_opset(opset: Any, dynamo: bool) -> None:
     newer than the installed onnx knows, torch 2.13's exporter wrote opset 18 instead,
     without a word, and the graph then failed in runtimes that need the opset asked."""
     if not isinstance(opset, int) or isinstance(opset, bool) or opset < 7:
-        raise InvalidInputError(f"opset must be an int ONNX opset version (18-22), got {opset!r}")
+        raise InvalidOptionError(f"opset must be an int ONNX opset version (18-22), got {opset!r}")
     newest = _newest_opset()
     if newest is not None and opset > newest:
-        raise InvalidInputError(
+        raise InvalidOptionError(
             f"opset {opset} is newer than any the installed onnx knows (up to {newest}); "
             f"the exporter would write opset {_DYNAMO_MIN_OPSET} instead. Pass an opset from "
             f"{_DYNAMO_MIN_OPSET} to {_MAX_TESTED_OPSET} (tested)"
         )
     if dynamo and opset < _DYNAMO_MIN_OPSET:
-        raise InvalidInputError(
+        raise InvalidOptionError(
             f"opset {opset}: torch's dynamo exporter writes opset {_DYNAMO_MIN_OPSET} or newer "
             f"(asked for an older one, it writes {_DYNAMO_MIN_OPSET}). Pass dynamo=False (the "
             f"TorchScript exporter, deprecated in torch 2.13) for opset {opset}, or an opset "

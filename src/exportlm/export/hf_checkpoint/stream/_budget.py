@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from exportlm.errors import InvalidInputError
+from exportlm.errors import InvalidOptionError
 from exportlm.export.hf_checkpoint.stream._cgroup import cgroup_headroom
 from exportlm.export.hf_checkpoint.stream._memory import MemoryBound
 
@@ -38,7 +38,7 @@ _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_memory(text: str | int) -> int:
-    """Bytes from ``8GB`` / ``512MiB`` / an int; raises :class:`InvalidInputError`."""
+    """Bytes from ``8GB`` / ``512MiB`` / an int; raises :class:`~exportlm.errors.InvalidOptionError`."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
@@ -48,11 +48,11 @@ def parse_memory(text: str | int) -> int:
         try:
             value = int(float(digits) * _UNITS[unit])
         except (KeyError, ValueError, OverflowError):  # inf and 1e400 overflow int()
-            raise InvalidInputError(
+            raise InvalidOptionError(
                 f"memory size {text!r}: expected a number and a unit such as 8GB, 512MB or 16GiB"
             ) from None
     if value <= 0:
-        raise InvalidInputError(f"memory size {text!r} must be positive")
+        raise InvalidOptionError(f"memory size {text!r} must be positive")
     return value
 
 
