@@ -113,6 +113,16 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         "max_new_tokens",
     ),
     "a generation config that is no object": (_generation([1, 2]), "holds a JSON list"),
+    # transformers copies these unchecked: the checkpoint's generate() raised "new():
+    # invalid data type 'str'" / never stopped
+    "an end-of-sequence id that is a string": (
+        _generation({"eos_token_id": "x"}),
+        "eos_token_id is 'x'; expected a token id (an int) or a non-empty list of them",
+    ),
+    "an end-of-sequence id outside the vocabulary": (
+        _generation({"eos_token_id": [2, 10**6]}),
+        "1000000 is not an id of the vocabulary [0, ",
+    ),
     # transformers ignores a file it cannot parse: the checkpoint's generation config
     # would have been made from config.json, with no word
     "a generation config that is not JSON": (

@@ -14,7 +14,8 @@ checkpoint ``inspect`` then failed: refused here, with inspect's message. A
 names alone (:func:`missing_layers`). A
 ``generation_config.json`` that is not a JSON object is refused too: transformers'
 ``from_pretrained`` ignores it without a word and the checkpoint would get a generation
-config made from ``config.json`` (another end-of-sequence id, no sampling defaults).
+config made from ``config.json`` (another end-of-sequence id, no sampling defaults); so is
+one whose ``bos`` / ``eos`` / ``pad_token_id`` is no token id (transformers copies it).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def check_source_config(directory: Path, config: Mapping[str, Any], where: str) 
         raise InvalidConfigError(f"{where}: {message}; fix config.json")
     refuse_quantized_source(directory, config, where)
     _check_layer_count(directory, config, where)
-    _check_generation_config(directory)
+    _check_generation_config(directory, config)
 
 
 def _check_layer_count(directory: Path, config: Mapping[str, Any], where: str) -> None:
@@ -116,21 +117,55 @@ def stored_weight_map(directory: Path) -> dict[str, str]:
     return {str(name): str(shard) for name, shard in weight_map.items()}
 
 
-def _check_generation_config(directory: Path) -> None:
-    """Refuse a ``generation_config.json`` that is there but is no JSON object.
+def _check_generation_config(directory: Path, config: Mapping[str, Any]) -> None:
+    """Refuse a ``generation_config.json`` that is there but is no JSON object, or whose
+    token ids are no token ids.
 
-    What is in the object (a negative ``max_new_tokens``) transformers' own
+    Most of what is in the object (a negative ``max_new_tokens``) transformers' own
     ``GenerationConfig`` judges where the model is built; a file it cannot read at all
-    it would drop silently, so that is refused here.
+    it would drop silently, and token ids of the wrong type it copies unchecked into the
+    checkpoint, whose ``generate()`` then fails (``eos_token_id: "x"``: "new(): invalid
+    data type 'str'") or never stops (an end-of-sequence id outside the vocabulary), so
+    those are refused here.
     """
     path = directory / GENERATION_CONFIG
     if not path.exists() and not path.is_symlink():
         return
     try:
-        read_json_object(path, what="generation config")
+        generation = read_json_object(path, what="generation config")
     except MalformedCheckpointError as err:
         raise InvalidConfigError(
             f"{err}. transformers would ignore the file and the checkpoint would get a "
             "generation config made from config.json (its end-of-sequence id and sampling "
             f"defaults lost): fix {GENERATION_CONFIG} or remove it"
         ) from err
+    vocab = config.get("vocab_size")
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        problem = _token_id_problem(generation.get(field), vocab, signed=field == "pad_token_id")
+        if problem is not None:
+            raise InvalidConfigError(
+                f"{path}: {field} is {generation[field]!r}; {problem}: transformers copies it "
+                f"as it is and the checkpoint's generate() fails or never stops. Fix "
+                f"{GENERATION_CONFIG} (or remove the field)"
+            )
+
+
+def _token_id_problem(value: Any, vocab: Any, *, signed: bool) -> str | None:
+    """What is wrong with ``value`` as a token id (or a list of them), or ``None``.
+
+    ``pad_token_id`` may be negative (-1: "no padding token", as early Llama configs say);
+    the others are ids the model can emit, so at least 0 and below ``vocab_size``.
+    """
+    if value is None:
+        return None
+    ids = value if isinstance(value, list) and value else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return "expected a token id (an int) or a non-empty list of them"
+    if signed:
+        return None
+    limit = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+    bad = [i for i in ids if i < 0 or (limit is not None and i >= limit)]
+    if bad:
+        span = f"[0, {limit})" if limit is not None else "at least 0"
+        return f"{bad[0]} is not an id of the vocabulary {span}"
+    return None
