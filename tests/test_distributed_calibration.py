@@ -41,14 +41,14 @@ def _env() -> dict[str, str]:
 
 
 def _export(
-    out: Path, calib: Path, recipe: str, ranks: int, *extra: str
+    out: Path, calib: Path, recipe: str, ranks: int, *extra: str, model: str = "llama"
 ) -> subprocess.CompletedProcess[str]:
     launcher: list[str] = []
     if ranks > 1:
         launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
         launcher += ["--master-addr=127.0.0.1", f"--master-port={_free_port()}"]
     argv = [sys.executable, *launcher, "-m", "exportlm", "export", "--target", "hf_checkpoint"]
-    argv += ["--model", "llama", "--quantize", recipe, "--calib-data", str(calib)]
+    argv += ["--model", model, "--quantize", recipe, "--calib-data", str(calib)]
     argv += ["--calib-seq-len", "16", "--calib-batch-size", "2", "--out", str(out), *extra]
     return subprocess.run(
         argv, env=_env(), capture_output=True, text=True, timeout=240, check=False
@@ -67,14 +67,16 @@ def calib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _single_and_parallel(tmp_path: Path, calib: Path, recipe: str) -> tuple[Path, Path, str]:
-    single = _export(tmp_path / "single", calib, recipe, 1)
+def _single_and_parallel(
+    tmp_path: Path, calib: Path, recipe: str, model: str = "llama"
+) -> tuple[Path, Path, str]:
+    single = _export(tmp_path / "single", calib, recipe, 1, model=model)
     assert single.returncode == 0, single.stderr
-    parallel = _export(tmp_path / "dp", calib, recipe, 2)
+    parallel = _export(tmp_path / "dp", calib, recipe, 2, model=model)
     assert parallel.returncode == 0, parallel.stderr
     # Each rank calibrated its share, and only rank 0 wrote.
     assert "rank 1: calibrated; rank 0 writes" in parallel.stderr
-    assert parallel.stdout.count("exported llama") == 1
+    assert parallel.stdout.count(f"exported {model}") == 1
     return tmp_path / "single", tmp_path / "dp", parallel.stderr
 
 
@@ -93,14 +95,16 @@ def test_two_ranks_write_the_single_process_fp8_checkpoint_byte_for_byte(
     _assert_same_files(single, dp, ("hf_quant_config.json", "config.json"))
 
 
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
 def test_two_ranks_write_the_single_process_awq_checkpoint_byte_for_byte(
-    tmp_path: Path, calib: Path
+    tmp_path: Path, calib: Path, model: str
 ) -> None:
     """AWQ under two ranks: the ``mean(|x|)`` sums (float64, exact), the search's Gram
     matrices (float64, ~1e-16 relative apart from one process's) and losses are summed
-    over the ranks, so every rank picks one process's scales; the bytes are the same
-    (every decision of this search is decided by far more than the sums' rounding)."""
-    single, dp, _ = _single_and_parallel(tmp_path, calib, "int4_awq:group_size=32")
+    over the ranks, so every rank picks one process's scales and clip ratios (the clip's
+    Gram blocks summed too, per expert for stacked experts); the bytes are the same (every
+    decision of this search is decided by far more than the sums' rounding)."""
+    single, dp, _ = _single_and_parallel(tmp_path, calib, "int4_awq:group_size=32", model)
     _assert_same_files(single, dp, ("hf_quant_config.json", "config.json"))
 
 

@@ -52,8 +52,10 @@ from torch import nn
 from exportlm.quant._awq_clip import (
     BlockGram,
     ClipResult,
+    clip_experts,
     clip_linear,
     clips,
+    clips_experts,
     log_clips,
     shared_weights,
 )
@@ -160,6 +162,7 @@ def _expert_searches(module: QuantExperts, proj: str, name: str) -> list[ScaleSe
     act, real = _statistic(quantizer)
     steps = quantizer.channel_steps
     out: list[ScaleSearch | None] = []
+    clipped = real and clips_experts(module, proj)
     for expert in range(module.num_experts):
         if act is None or (real and steps is not None and float(steps[expert]) == 0):
             out.append(None)  # never routed a token: a neutral scale, as ModelOpt
@@ -174,6 +177,7 @@ def _expert_searches(module: QuantExperts, proj: str, name: str) -> list[ScaleSe
                 awq_weight_scale([weight], weight_q.block_size),
                 real,
                 name=f"{name}.{proj}[{expert}]",
+                clip=BlockGram(int(weight_q.block_size or 0)) if clipped else None,
             )
         )
     return out
@@ -268,6 +272,8 @@ def _experts_hook(
                 search = searches.get(proj, [None] * (expert + 1))[expert]
                 if search is not None and search.from_data:
                     search.score(x, 0)
+                    if search.clip is not None:
+                        search.clip.add(x)
 
     return hook
 
@@ -329,6 +335,13 @@ def clip_awq(model: nn.Module, plan: AWQPlan) -> ClipResult:
             if clips(member) and id(member.weight) not in shared:
                 results.append(clip_linear(member, search.clip.blocks, PORTABLE_MARGIN))
         search.clip = None  # the blocks are not needed again
+    for module, proj, per_expert in plan.experts:
+        grams = [None if s is None or s.clip is None else s.clip.blocks for s in per_expert]
+        if any(g is not None for g in grams) and id(module.get_parameter(proj)) not in shared:
+            results.append(clip_experts(module, proj, grams, PORTABLE_MARGIN))
+        for search in per_expert:
+            if search is not None:
+                search.clip = None
     return log_clips(results)
 
 

@@ -20,7 +20,9 @@ chosen, for every row ``r`` and group ``g`` of a linear's weight and every ratio
 Each (row, group) takes its lowest loss (ratio 1, the weight unchanged, on a tie), and
 the weight is stored clamped: the group scales every layout writes (``amax / 7``,
 compressed-tensors' ``/ 7.5``) then come from the clipped range, and no layout needs a
-new tensor. A weight another module also uses (a tied one) is left alone.
+new tensor. A weight another module also uses (a tied one) is left alone. Stacked experts
+(:func:`clip_experts`) are searched per expert, on the tokens routed to it and that
+expert's AWQ scale, and stored back in the stack's own layout.
 
 On SmolLM2-135M (``int4_awq:group_size=64``, 32 x 512 calibration tokens) the clip
 took the in-memory perplexity from 29.42 to 27.81 (docs/quality.md). ``clip=false``
@@ -47,10 +49,20 @@ from torch import nn
 from exportlm.quant import _tensor
 from exportlm.quant._awq_fake import fake_quant_fresh
 from exportlm.quant._awq_gram import OncePerInput
-from exportlm.quant._modules import QuantLinear, smoothing_of
+from exportlm.quant._expert_modules import QuantExperts
+from exportlm.quant._modules import QuantLinear, replaced_parameter, smoothing_of
+from exportlm.quant._quantizer import TensorQuantizer
 from exportlm.quant._tensor import QuantFormat
 
-__all__ = ["CLIP_RATIOS", "BlockGram", "ClipResult", "clip_linear", "clips"]
+__all__ = [
+    "CLIP_RATIOS",
+    "BlockGram",
+    "ClipResult",
+    "clip_experts",
+    "clip_linear",
+    "clips",
+    "clips_experts",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -143,18 +155,78 @@ def clip_linear(module: QuantLinear, gram: torch.Tensor, margin: float) -> ClipR
     ``gram``: the :class:`BlockGram` blocks of the module's input. ``margin``: the
     relative gap under which a decision counts as within float noise.
     """
+    weight = module.weight
+    pqs = smoothing_of(module.input_quantizer)
+    clipped, result = _clip_weight(module.weight_quantizer, weight, pqs, gram, margin)
+    if clipped is not None:
+        module.weight = nn.Parameter(clipped, requires_grad=weight.requires_grad)
+    return result
+
+
+def clips_experts(module: nn.Module, projection: str) -> bool:
+    """Whether ``projection`` of the stacked experts ``module`` is searched for clipping, as
+    :func:`clips` says of a linear: experts that keep their 3-D parameters (transformers-5
+    fused experts) with an INT4 group quantizer that asks for it."""
+    if not isinstance(module, QuantExperts) or not module.stores_fused_parameters:
+        return False
+    quantizer = module.weight_quantizer_of(projection)
+    searched = quantizer.spec.search_format or quantizer.format
+    block = quantizer.block_size
+    return bool(
+        quantizer.awq_clip
+        and quantizer.enabled
+        and searched == QuantFormat.INT4
+        and block
+        and module.canonical_weight(projection).shape[-1] % block == 0
+    )
+
+
+def clip_experts(
+    module: QuantExperts, projection: str, grams: list[torch.Tensor | None], margin: float
+) -> ClipResult:
+    """:func:`clip_linear` for each expert of ``projection`` that has blocks (``grams[e]``:
+    the :class:`BlockGram` blocks of the tokens routed to expert ``e``; ``None``: an expert
+    no token reached, left as it is), on that expert's AWQ scale. The clipped stack is set
+    as a new ``Parameter`` in the layout the experts store."""
+    result = ClipResult()
+    quantizer = module.weight_quantizer_of(projection)
+    pqs = module.input_quantizer_of(projection).pre_quant_scale
+    stack: torch.Tensor | None = None  # the new parameter's canonical view, once one changes
+    for expert, gram in enumerate(grams):
+        if gram is None:
+            continue
+        scale = None if pqs is None else pqs[expert] if pqs.dim() == 2 else pqs
+        weight = module.canonical_weight(projection)[expert]
+        clipped, own = _clip_weight(quantizer, weight, scale, gram, margin)
+        result.add(own)
+        if clipped is None:
+            continue
+        if stack is None:
+            stored = replaced_parameter(module, projection)
+            stack = stored.transpose(-1, -2) if module.transposed else stored
+        with torch.no_grad():
+            stack[expert].copy_(clipped)
+    return result
+
+
+def _clip_weight(
+    quantizer: TensorQuantizer,
+    weight: torch.Tensor,
+    pqs: torch.Tensor | None,
+    gram: torch.Tensor,
+    margin: float,
+) -> tuple[torch.Tensor | None, ClipResult]:
+    """The clipped ``[out, in]`` ``weight`` (``None``: every group kept its whole range)
+    and the decisions; ``pqs``: the AWQ ``pre_quant_scale`` its input is multiplied by."""
     result = ClipResult()
     result.linears = 1
-    weight = module.weight
-    quantizer = module.weight_quantizer
     block = int(quantizer.block_size or 0)
     rows, cols = weight.shape
-    pqs = smoothing_of(module.input_quantizer)
     scale = None if pqs is None else pqs.to(weight.dtype)
     # slices of an even number of rows: INT4 packs pairs of rows
     step = max(2, _tensor.CHUNK_ELEMENTS // max(cols, 1) // 2 * 2)
     gram = gram.to(weight.device)  # summed over data-parallel ranks on the CPU
-    clipped = torch.empty_like(weight, requires_grad=False)
+    clipped = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         for start in range(0, rows, step):
             part = weight[start : start + step].detach()
@@ -162,13 +234,13 @@ def clip_linear(module: QuantLinear, gram: torch.Tensor, margin: float) -> ClipR
             clipped[start : start + step] = best
             result.close += close
             result.taken += taken
-    if int(result.taken[0]) < int(result.taken.sum()):  # some group took a ratio below 1
-        module.weight = nn.Parameter(clipped, requires_grad=weight.requires_grad)
-    return result
+    if int(result.taken[0]) == int(result.taken.sum()):  # no group took a ratio below 1
+        return None, result
+    return clipped, result
 
 
 def _clip_rows(
-    quantizer: nn.Module,
+    quantizer: TensorQuantizer,
     weight: torch.Tensor,
     scale: torch.Tensor | None,
     gram: torch.Tensor,
@@ -189,7 +261,7 @@ def _clip_rows(
     for ratio in CLIP_RATIOS:
         clamped = weight if ratio == 1.0 else _clamped(weight, amax * ratio, scale, block)
         seen = clamped if scale is None else clamped / scale
-        q = fake_quant_fresh(quantizer, seen)  # type: ignore[arg-type]
+        q = fake_quant_fresh(quantizer, seen)
         d = q.double().reshape(rows, groups, block) * p - original
         loss = torch.einsum("rgi,gij,rgj->rg", d, gram, d)
         if losses:  # strictly lower: a tie keeps the larger ratio

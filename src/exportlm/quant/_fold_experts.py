@@ -25,10 +25,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
 
 from exportlm.quant._awq import AWQPlan
 from exportlm.quant._expert_modules import QuantExperts
+from exportlm.quant._modules import replaced_parameter
 
 __all__ = ["fold_experts", "gate_is_linear_in_up", "prune_expert_searches"]
 
@@ -100,23 +100,15 @@ def fold_experts(plan: AWQPlan) -> int:
 def _fold_down_into_up(module: QuantExperts, scale: torch.Tensor) -> None:
     """``up`` rows (and bias) times ``scale [E, I]``; ``down_proj`` divided by it, as the
     AWQ quotient ``W / s`` of the scale kept would have been (in the weight's dtype)."""
-    gate_up = _replaced(module, "gate_up_proj")
+    gate_up = replaced_parameter(module, "gate_up_proj")
     canonical = gate_up.transpose(-1, -2) if module.transposed else gate_up
     _, up = module.split_gate_up(canonical, dim=-2)  # a view: [E, I, H]
     up.copy_((up.float() * scale.float()[:, :, None]).to(up.dtype))
     bias = module.bias_of("gate_up_proj")
     if bias is not None:
-        new_bias = _replaced(module, "gate_up_proj_bias")
+        new_bias = replaced_parameter(module, "gate_up_proj_bias")
         _, up_bias = module.split_gate_up(new_bias, dim=-1)
         up_bias.copy_((up_bias.float() * scale.float()).to(up_bias.dtype))
-    down = _replaced(module, "down_proj")
+    down = replaced_parameter(module, "down_proj")
     canonical = down.transpose(-1, -2) if module.transposed else down  # [E, H, I]
     canonical.copy_(canonical / scale[:, None, :].to(canonical.dtype))
-
-
-def _replaced(module: nn.Module, attr: str) -> torch.Tensor:
-    """A new ``Parameter`` for ``module.attr`` (a copy of it; the original object is left for a
-    rolled-back ``quantize`` to restore), returned as its data to write into."""
-    param = module.get_parameter(attr)
-    setattr(module, attr, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
-    return module.get_parameter(attr).data

@@ -26,6 +26,7 @@ __all__ = [
     "QuantMoELinear",
     "QuantModule",
     "is_quantized_module",
+    "replaced_parameter",
     "smoothing_of",
 ]
 
@@ -62,6 +63,15 @@ def smoothing_of(quantizer: TensorQuantizer) -> torch.Tensor | None:
     if quantizer.pre_quant_scale is not None:
         return quantizer.pre_quant_scale
     return quantizer.folded_pre_quant_scale
+
+
+def replaced_parameter(module: nn.Module, attr: str) -> torch.Tensor:
+    """A new ``Parameter`` for ``module.attr`` (a copy of it; the original object is left for a
+    rolled-back ``quantize``, which restores parameters by identity), returned as its data to
+    write into."""
+    param = module.get_parameter(attr)
+    setattr(module, attr, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
+    return module.get_parameter(attr).data
 
 
 def is_quantized_module(module: nn.Module) -> bool:
