@@ -152,3 +152,34 @@ def test_the_log_counts_every_expert_clipped(caplog: pytest.LogCaptureFixture) -
         1 for n, m in model.named_modules() if isinstance(m, nn.Linear) and "self_attn" in n
     )
     assert linears < clipped <= linears + experts
+
+
+def test_the_streams_bound_counts_the_blocks_the_clip_search_holds(monkeypatch: Any) -> None:
+    """The stream's memory bound (``clip_bytes``) counts the blocks of ``X^T X`` the clip
+    search holds until it runs, per input and per expert: measured on the blocks the search
+    of this model held (every layer at once in memory; the stream holds one)."""
+    import exportlm.quant._calibration_steps as steps
+    from exportlm.export.hf_checkpoint.stream._sizing import calibration_algorithms, clip_bytes
+    from exportlm.quant import resolve_algorithm
+
+    held: list[int] = []
+    clip_awq = steps.clip_awq
+
+    def measured(model: nn.Module, plan: Any) -> Any:
+        searches = [s for _, s in plan.linears] + [s for *_, per in plan.experts for s in per]
+        held.append(
+            sum(
+                s.clip.blocks.nbytes for s in searches if s and s.clip and s.clip.blocks is not None
+            )
+        )
+        return clip_awq(model, plan)
+
+    monkeypatch.setattr(steps, "clip_awq", measured)
+    model, _ = _quantized("qwen3_moe", "int4_awq")
+    algorithms = calibration_algorithms([resolve_algorithm("int4_awq")])
+    per_layer = clip_bytes(tiny_hf_model("qwen3_moe", seed=0), "model.layers.", algorithms)
+    layers = int(model.config.num_hidden_layers)
+    assert held[0] > 0
+    # at most the bound; the bound counts the router's input and experts no token reached
+    assert held[0] <= layers * per_layer
+    assert held[0] >= 0.5 * layers * per_layer, (held, per_layer)

@@ -212,3 +212,32 @@ def test_a_copy_never_touches_the_original(fails: bool) -> None:
         assert copy is not model
         assert is_quantized_module(copy.layers[0].mlp.up_proj)
     before.assert_unchanged(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_weights_the_awq_clip_clamped_in_place_are_written_back(
+    family: str, monkeypatch: Any
+) -> None:
+    """AWQ's clip search clamps weights in place (a new Parameter kept the old one alive
+    beside it until quantize returned: a streamed MoE layer's peak grew by a layer); a
+    failure after it writes the journaled old values back, into the same objects."""
+    import exportlm.quant._quantize as quantize_module
+
+    model = tiny_hf_model(family, 0)
+    before = Snapshot.of(model)
+    batches = [make_input_ids(int(model.config.vocab_size), 2, 32, seed=s) for s in range(2)]
+    clamped: list[str] = []
+
+    def fail_after_the_clip(m: nn.Module) -> None:
+        for name, value in m.state_dict().items():
+            if name in before.values and _bits(value) != _bits(before.values[name]):
+                clamped.append(name)
+        raise CalibrationBroke("the disk filled up")
+
+    monkeypatch.setattr(quantize_module, "check_calibrated", fail_after_the_clip)
+    with pytest.raises(QuantizationError, match="the disk filled up"):
+        quantize(model, "int4_awq", calibrate=lambda m: [m(b) for b in batches])
+    assert any("proj" in name for name in clamped)  # the clip wrote into the weights
+    if family == "qwen3_moe":
+        assert any(name.endswith("experts.down_proj") for name in clamped)
+    before.assert_unchanged(model)

@@ -101,14 +101,22 @@ def _smallest_budget(src: Path, out: Path, recipe: str) -> int:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/status and glibc's allocator")
-@pytest.mark.parametrize(("recipe", "old_need"), [("int4_gptq", 85), ("int4_awq", 85)])
+@pytest.mark.parametrize(
+    ("recipe", "old_need", "clip"), [("int4_gptq", 85, 0), ("int4_awq", 85, 5)]
+)
 def test_the_stream_calibrates_within_the_smallest_budget_its_bound_accepts(
-    model: Path, recipe_less: dict[str, float], tmp_path: Path, recipe: str, old_need: int
+    model: Path,
+    recipe_less: dict[str, float],
+    tmp_path: Path,
+    recipe: str,
+    old_need: int,
+    clip: int,
 ) -> None:
     budget = _smallest_budget(model, tmp_path / "refused", recipe)
     # one matrix per input (4 x 8.4 MB, and one forward's transient), not one per linear
-    # (7 x 8.4 MB): the tree before refused every budget below old_need MB
-    assert budget < old_need - 20, budget
+    # (7 x 8.4 MB): the tree before refused every budget below old_need MB. AWQ's clip
+    # search adds its blocks of X^T X, one per input: 4 x 1024 x 128 x 8 B = 4.2 MB
+    assert budget < old_need - 20 + clip, budget
     found = _stream(model, tmp_path / "out", recipe, f"{budget}MB")
     # what calibrating adds to the recipe-less stream stays within what the bound adds
     added, counted = (found[k] - recipe_less[k] for k in ("grown", "held"))

@@ -18,11 +18,14 @@ chosen, for every row ``r`` and group ``g`` of a linear's weight and every ratio
   them out).
 
 Each (row, group) takes its lowest loss (ratio 1, the weight unchanged, on a tie), and
-the weight is stored clamped: the group scales every layout writes (``amax / 7``,
+the weight is kept clamped: the group scales every layout writes (``amax / 7``,
 compressed-tensors' ``/ 7.5``) then come from the clipped range, and no layout needs a
 new tensor. A weight another module also uses (a tied one) is left alone. Stacked experts
 (:func:`clip_experts`) are searched per expert, on the tokens routed to it and that
-expert's AWQ scale, and stored back in the stack's own layout.
+expert's AWQ scale. The clamp is written in place, a slice of rows at a time, journaled
+so that a failed ``quantize`` writes the old values back: a new ``Parameter`` would keep
+the old weight alive beside it until ``quantize`` returns (a streamed MoE layer's peak
+grew by a layer).
 
 On SmolLM2-135M (``int4_awq:group_size=64``, 32 x 512 calibration tokens) the clip
 took the in-memory perplexity from 29.42 to 27.81 (docs/quality.md). ``clip=false``
@@ -50,9 +53,10 @@ from exportlm.quant import _tensor
 from exportlm.quant._awq_fake import fake_quant_fresh
 from exportlm.quant._awq_gram import OncePerInput
 from exportlm.quant._expert_modules import QuantExperts
-from exportlm.quant._modules import QuantLinear, replaced_parameter, smoothing_of
+from exportlm.quant._modules import QuantLinear, smoothing_of
 from exportlm.quant._quantizer import TensorQuantizer
 from exportlm.quant._tensor import QuantFormat
+from exportlm.quant._transaction import overwrite
 
 __all__ = [
     "CLIP_RATIOS",
@@ -148,19 +152,15 @@ def shared_weights(model: nn.Module) -> set[int]:
 
 
 def clip_linear(module: QuantLinear, gram: torch.Tensor, margin: float) -> ClipResult:
-    """Search the clip of every (row, group) of ``module``'s weight and set the clipped
-    weight as a new ``Parameter`` (``quantize`` restores parameters by identity on a
-    failure, so the old one is never written into).
+    """Search the clip of every (row, group) of ``module``'s weight and clamp the weight in
+    place (through :func:`~exportlm.quant._transaction.overwrite`: a failed ``quantize``
+    writes the old values back).
 
     ``gram``: the :class:`BlockGram` blocks of the module's input. ``margin``: the
     relative gap under which a decision counts as within float noise.
     """
-    weight = module.weight
     pqs = smoothing_of(module.input_quantizer)
-    clipped, result = _clip_weight(module.weight_quantizer, weight, pqs, gram, margin)
-    if clipped is not None:
-        module.weight = nn.Parameter(clipped, requires_grad=weight.requires_grad)
-    return result
+    return _clip_weight(module.weight_quantizer, module.weight, pqs, gram, margin)
 
 
 def clips_experts(module: nn.Module, projection: str) -> bool:
@@ -186,26 +186,16 @@ def clip_experts(
 ) -> ClipResult:
     """:func:`clip_linear` for each expert of ``projection`` that has blocks (``grams[e]``:
     the :class:`BlockGram` blocks of the tokens routed to expert ``e``; ``None``: an expert
-    no token reached, left as it is), on that expert's AWQ scale. The clipped stack is set
-    as a new ``Parameter`` in the layout the experts store."""
+    no token reached, left as it is), on that expert's AWQ scale, clamped in place in the
+    layout the experts store."""
     result = ClipResult()
     quantizer = module.weight_quantizer_of(projection)
     pqs = module.input_quantizer_of(projection).pre_quant_scale
-    stack: torch.Tensor | None = None  # the new parameter's canonical view, once one changes
     for expert, gram in enumerate(grams):
-        if gram is None:
-            continue
-        scale = None if pqs is None else pqs[expert] if pqs.dim() == 2 else pqs
-        weight = module.canonical_weight(projection)[expert]
-        clipped, own = _clip_weight(quantizer, weight, scale, gram, margin)
-        result.add(own)
-        if clipped is None:
-            continue
-        if stack is None:
-            stored = replaced_parameter(module, projection)
-            stack = stored.transpose(-1, -2) if module.transposed else stored
-        with torch.no_grad():
-            stack[expert].copy_(clipped)
+        if gram is not None:
+            scale = None if pqs is None else pqs[expert] if pqs.dim() == 2 else pqs
+            weight = module.canonical_weight(projection)[expert]  # a view of the stack
+            result.add(_clip_weight(quantizer, weight, scale, gram, margin))
     return result
 
 
@@ -215,9 +205,9 @@ def _clip_weight(
     pqs: torch.Tensor | None,
     gram: torch.Tensor,
     margin: float,
-) -> tuple[torch.Tensor | None, ClipResult]:
-    """The clipped ``[out, in]`` ``weight`` (``None``: every group kept its whole range)
-    and the decisions; ``pqs``: the AWQ ``pre_quant_scale`` its input is multiplied by."""
+) -> ClipResult:
+    """Clip the ``[out, in]`` ``weight`` (a parameter or a view of one) in place, a slice of
+    rows at a time; ``pqs``: the AWQ ``pre_quant_scale`` its input is multiplied by."""
     result = ClipResult()
     result.linears = 1
     block = int(quantizer.block_size or 0)
@@ -226,17 +216,14 @@ def _clip_weight(
     # slices of an even number of rows: INT4 packs pairs of rows
     step = max(2, _tensor.CHUNK_ELEMENTS // max(cols, 1) // 2 * 2)
     gram = gram.to(weight.device)  # summed over data-parallel ranks on the CPU
-    clipped = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         for start in range(0, rows, step):
-            part = weight[start : start + step].detach()
-            best, close, taken = _clip_rows(quantizer, part, scale, gram, block, margin)
-            clipped[start : start + step] = best
+            part = weight[start : start + step]
+            best, close, taken = _clip_rows(quantizer, part.detach(), scale, gram, block, margin)
+            overwrite(part, best)
             result.close += close
             result.taken += taken
-    if int(result.taken[0]) == int(result.taken.sum()):  # no group took a ratio below 1
-        return None, result
-    return clipped, result
+    return result
 
 
 def _clip_rows(

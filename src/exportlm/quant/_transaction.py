@@ -8,16 +8,21 @@ module back exactly as it was: its class, plain attributes, children, parameters
 before) and training flag. The failure is re-raised as a
 :class:`~exportlm.errors.QuantizationError` that names the step that failed.
 
-Parameters are restored by identity, not by value: ``quantize`` never writes into
-a parameter's data, and copying every weight of a large model to guard against a
-``calibrate`` function that does would double its memory. Buffers are small
-(rotary frequencies, position ids, running statistics) and a forward pass may
+Parameters are restored by identity, not by value: copying every weight of a large
+model to guard against a ``calibrate`` function that writes into one would double its
+memory. ``quantize`` itself writes into a parameter's data only through
+:func:`overwrite` (AWQ's clip search clamps a few elements of a weight in place), which
+journals the elements it changes and their old values, so a failure puts them back; a
+weight replaced by a new ``Parameter`` would keep both alive until ``quantize`` returns
+(one more copy of every clipped weight at the peak of a streamed layer). Buffers are
+small (rotary frequencies, position ids, running statistics) and a forward pass may
 update them in place, so their values are copied and put back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -26,7 +31,39 @@ from torch import nn
 
 from exportlm.errors import QuantizationError
 
-__all__ = ["ModelSnapshot", "QuantizeSteps", "quantize_transaction"]
+__all__ = ["ModelSnapshot", "QuantizeSteps", "overwrite", "quantize_transaction"]
+
+#: ``(destination view, coordinates of the changed elements [n, dims], their old values)``
+#: of every :func:`overwrite` of the ``quantize`` call running in this context.
+_Entry = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_JOURNAL: contextvars.ContextVar[list[_Entry] | None] = contextvars.ContextVar(
+    "exportlm_quantize_journal", default=None
+)
+
+
+def overwrite(destination: torch.Tensor, values: torch.Tensor) -> int:
+    """Write ``values`` into ``destination`` (a parameter or a view of one) in place; inside
+    :func:`quantize_transaction` the elements that change are journaled (their coordinates
+    and old values, not the whole tensor), so a failed ``quantize`` writes them back.
+    Returns how many elements changed."""
+    with torch.no_grad():
+        target = destination.detach()
+        where = (target != values).nonzero()
+        if where.numel() == 0:
+            return 0
+        journal = _JOURNAL.get()
+        if journal is not None:
+            journal.append((target, where, target[tuple(where.T)].clone()))
+        target.copy_(values)
+    return int(where.shape[0])
+
+
+def _unwind(journal: list[_Entry]) -> None:
+    with torch.no_grad():
+        for target, where, old in reversed(journal):
+            target[tuple(where.T)] = old
+    journal.clear()
+
 
 _ROLLED_BACK = (
     "quantize() restored the model to its state before the call (module types, "
@@ -148,10 +185,13 @@ def quantize_transaction(model: nn.Module) -> Iterator[QuantizeSteps]:
     """
     snapshot = ModelSnapshot.take(model)
     steps = QuantizeSteps()
+    journal: list[_Entry] = []
+    token = _JOURNAL.set(journal)
     try:
         yield steps
     except Exception as err:
         snapshot.restore()
+        _unwind(journal)
         what = f"quantize() failed during {steps.current}"
         if isinstance(err, QuantizationError):
             err.add_note(f"{what}; {_ROLLED_BACK}.")
@@ -162,4 +202,8 @@ def quantize_transaction(model: nn.Module) -> Iterator[QuantizeSteps]:
         ) from err
     except BaseException:
         snapshot.restore()
+        _unwind(journal)
         raise
+    finally:
+        _JOURNAL.reset(token)
+        journal.clear()  # a success keeps every write

@@ -75,7 +75,8 @@ class MemoryBound:
     #: quantizing one linear: its largest weight in float32 (the AWQ search's weight error,
     #: a fake-quantized copy and its slices' temporaries); 0 without a recipe
     working: int = 0
-    #: what the calibration algorithm holds while a layer calibrates: AWQ's Gram matrices,
+    #: what the calibration algorithm holds while a layer calibrates: AWQ's Gram matrices
+    #: and its clip search's blocks (``_sizing.clip_bytes``),
     #: GPTQ's Hessians (``_sizing.search_bytes``); 0 for the others
     search: int = 0
     #: the largest decoder layer: the modules the calibration matrices are held beside
@@ -109,7 +110,7 @@ class MemoryBound:
             f"+ activations {_mb(self.activations)} "
             f"+ quantizing one linear {_mb(self.working)} (its weight in float32)"
             f" + calibration matrices {_mb(self.beside_modules)} beyond the largest module "
-            f"set ({_mb(self.search)} of AWQ Gram / GPTQ Hessian, held beside a decoder layer "
+            f"set ({_mb(self.search)} of AWQ Gram and clip blocks / GPTQ Hessian, held beside a decoder layer "
             f"of {_mb(self.modules if self.layer is None else self.layer)})"
         )
 

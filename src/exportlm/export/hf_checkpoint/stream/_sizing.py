@@ -6,7 +6,8 @@ largest output shard that fits the budget beside one layer
 (:func:`~exportlm.export.hf_checkpoint.stream._budget.shard_size_within`) and says so when it is smaller
 than ``max_shard_size``. :func:`search_bytes` is the term of a calibration algorithm that
 holds matrices of the inputs while a layer calibrates (AWQ's Gram matrices, GPTQ's
-Hessians), keyed on the recipe records' algorithms (:func:`calibration_algorithms`).
+Hessians), :func:`clip_bytes` that of AWQ's clip search (blocks of ``X^T X`` per input
+and per expert), both keyed on the recipe records' algorithms (:func:`calibration_algorithms`).
 """
 
 from __future__ import annotations
@@ -15,19 +16,22 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from torch import nn
+
 from exportlm.export.hf_checkpoint.sink import parse_size
 from exportlm.export.hf_checkpoint.stream._budget import shard_size_within
 from exportlm.export.hf_checkpoint.stream._memory import MemoryBound
 from exportlm.export.hf_checkpoint.stream._shared_inputs import Groups, shared_inputs
 from exportlm.export.hf_checkpoint.stream._source import CheckpointSource
 
-__all__ = ["bound_of", "calibration_algorithms", "fit_bound", "search_bytes"]
+__all__ = ["bound_of", "calibration_algorithms", "clip_bytes", "fit_bound", "search_bytes"]
 
 logger = logging.getLogger("exportlm.stream")  # the documented logger of the streaming export
 _GPTQ_BLOCK = 128  # GPTQ's columns per block of updates (exportlm.quant._gptq.GPTQ_BLOCK)
 #: AWQ's loss of a candidate from a Gram matrix: a slice of rows (``quant._tensor``'s
 #: ``CHUNK_ELEMENTS``, 2^17) in float64, its product with the matrix and their product
 _LOSS_SLICE = 3 * 8 * (1 << 17)
+_CLIP = "awq_clip:"  # an algorithm of calibration_algorithms: the clip search, its group size
 
 
 def fit_bound(
@@ -100,16 +104,58 @@ def bound_of(
         shard=max(shard, *sizes.values()),
         activations=2 * activations,
         working=4 * linear if quantized else 0,
-        search=search_bytes(state, inside, *search, groups) if quantized else 0,
+        search=search_bytes(state, inside, *search, groups)
+        + clip_bytes(source.model, inside, search[0], groups)
+        if quantized
+        else 0,
         layer=max(layers, default=0),
     )
     return bound, what
 
 
 def calibration_algorithms(recipes: Sequence[Any]) -> frozenset[str]:
-    """The calibration algorithms of recipe records that hold matrices of a layer's inputs."""
+    """The calibration algorithms of recipe records that hold matrices of a layer's inputs:
+    ``awq``, ``gptq``, and ``awq_clip:<group size>`` where AWQ's clip search runs
+    (:func:`clip_bytes`)."""
     found = {"awq" for r in recipes if r.awq}
+    # AWQ's clip search holds its blocks of X^T X per group size
+    found |= {
+        f"{_CLIP}{r.weight_block}" for r in recipes if r.awq and r.awq_clip and r.weight_block
+    }
     return frozenset(found | {"gptq" for r in recipes if getattr(r, "gptq", False)})
+
+
+def clip_bytes(
+    model: Any, inside: str, algorithms: frozenset[str], groups: Groups | None = None
+) -> int:
+    """The most any decoder layer's AWQ clip search holds: the diagonal ``block x block``
+    blocks of ``X^T X`` (float64) of each input its linears read (``in x block``; one per
+    linear where ``groups`` does not say which read one tensor), and of each expert's routed
+    tokens for stacked experts (``E x in x block`` per projection), all held until the clip
+    runs."""
+    blocks = [int(a[len(_CLIP) :]) for a in algorithms if a.startswith(_CLIP)]
+    if not blocks:
+        return 0
+    from exportlm.quant._experts import experts_base  # the quantization stack, when asked
+
+    widths: dict[str, dict[str, int]] = {}  # layer -> {linear: in} or {experts: E * in}
+    for name, module in model.named_modules():
+        if not name.startswith(inside):
+            continue
+        layer, _, rest = name[len(inside) :].partition(".")
+        base = experts_base(module)
+        if base is not None and base.stores_fused_parameters:
+            experts = int(module.get_parameter("gate_up_proj").shape[0])
+            held = sum(experts * inp for _, _, inp in base.weight_dims(module))
+            widths.setdefault(layer, {})[rest] = held
+        elif isinstance(module, nn.Linear):
+            widths.setdefault(layer, {})[rest] = int(module.in_features)
+    most = 0
+    for layer, own in widths.items():
+        traced = _groups_of(own, (groups or {}).get(layer))
+        inputs = [[n] for n in own] if traced is None else traced
+        most = max(most, sum(max(own[n] for n in group) for group in inputs))
+    return 8 * max(blocks) * most
 
 
 def search_bytes(
@@ -174,7 +220,7 @@ def _gptq_transient(shapes: Iterable[tuple[int, int]], widest: int, rows: int) -
 
 
 def _groups_of(
-    shapes: Mapping[str, tuple[int, int]], traced: list[list[str]] | None
+    shapes: Mapping[str, object], traced: list[list[str]] | None
 ) -> list[list[str]] | None:
     """The traced groups of a layer's weights, each weight the trace missed alone."""
     if traced is None:
