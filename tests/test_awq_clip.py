@@ -114,9 +114,10 @@ def _blocks_of(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 #: Linears whose stored weight the compressed-tensors convention's folds leave as clipped:
-#: ``v_proj`` / ``up_proj`` rows absorb the next linear's scale, ``o_proj`` / ``down_proj``
-#: are stored divided by it, so their weights are compared where the search saw them.
-_UNFOLDED = ("q_proj", "k_proj", "gate_proj")
+#: ``v_proj`` / ``up_proj`` rows absorb the next linear's scale, ``down_proj`` is stored
+#: divided by it, so their weights are compared where the search saw them. ``o_proj`` takes
+#: no scale under GQA (this toy: 4 heads, 2 KV heads): round-to-nearest, still clipped.
+_UNFOLDED = ("q_proj", "k_proj", "gate_proj", "o_proj")
 
 
 @pytest.mark.parametrize(
@@ -147,8 +148,31 @@ def test_every_group_adds_no_more_output_error_than_unclipped(recipe: str) -> No
         totals[0] += float(ours.sum())
         totals[1] += float(theirs.sum())
         compared += 1
-    assert compared == (6 if "compressed-tensors" in recipe else 14)
+    assert compared == (8 if "compressed-tensors" in recipe else 14)
     assert totals[0] < 0.9 * totals[1], totals  # measured: 0.70-0.80 on this toy
+
+
+def test_a_linear_without_an_awq_scale_is_clipped_too() -> None:
+    """The compressed-tensors convention drops ``o_proj``'s scale search under GQA (no op
+    before it takes a scale: round-to-nearest); its groups used to keep their whole range."""
+    recipe = "int4_awq:scales=compressed-tensors"
+    clipped, original, batches = _quantized(recipe)
+    plain, _, _ = _quantized(f"{recipe},clip=false")
+    inputs = _inputs(original, batches)
+    for layer in range(int(original.config.num_hidden_layers)):
+        name = f"model.layers.{layer}.self_attn.o_proj"
+        module, other = clipped.get_submodule(name), plain.get_submodule(name)
+        assert isinstance(module, QuantLinear)
+        assert isinstance(other, QuantLinear)
+        assert smoothing_of(module.input_quantizer) is None  # round-to-nearest
+        weight = original.get_submodule(name).weight.detach()
+        assert torch.equal(other.weight, weight)
+        assert not torch.equal(module.weight, weight)
+        block = int(module.weight_quantizer.block_size or 0)
+        ours = _group_losses(_effective(module) - weight, inputs[name], block)
+        theirs = _group_losses(_effective(other) - weight, inputs[name], block)
+        assert bool((ours <= theirs * (1 + 1e-6) + 1e-12).all()), name
+        assert float(ours.sum()) < 0.9 * float(theirs.sum()), name
 
 
 @pytest.mark.parametrize(

@@ -70,7 +70,7 @@ from exportlm.quant._awq_search import (
     awq_weight_scale,
 )
 from exportlm.quant._calibrate import run_transparent_forwards
-from exportlm.quant._distributed import reduce_searches
+from exportlm.quant._distributed import reduce_clip_blocks, reduce_searches
 from exportlm.quant._expert_modules import QuantExperts
 from exportlm.quant._modules import QuantLinear
 from exportlm.quant._quantizer import TensorQuantizer
@@ -102,6 +102,10 @@ class AWQPlan:
 
     linears: list[tuple[list[QuantLinear], ScaleSearch | None]] = field(default_factory=list)
     experts: list[tuple[QuantExperts, str, list[ScaleSearch | None]]] = field(default_factory=list)
+    #: Linears whose scale search was dropped (round-to-nearest: the compressed-tensors
+    #: convention's ``o_proj`` under GQA) but whose INT4 groups are still clipped: the
+    #: blocks of their input gathered in the same pass.
+    clip_only: list[tuple[list[QuantLinear], BlockGram]] = field(default_factory=list)
 
     @property
     def searched(self) -> list[ScaleSearch]:
@@ -226,9 +230,11 @@ def search_awq(
     Every quantizer is transparent during the pass (each layer sees the float
     model's activations). Skipped when no statistic came from data.
     """
-    if not plan.searched:
+    if not plan.searched and not plan.clip_only:
         return
     handles = []
+    for members, clip in plan.clip_only:  # one hook: the members read one tensor
+        handles.append(members[0].register_forward_pre_hook(clip.input_hook))
     for members, search in plan.linears:
         if search is not None and search.from_data:
             for index, member in enumerate(members):
@@ -238,6 +244,8 @@ def search_awq(
         handles.append(module.register_forward_pre_hook(_experts_hook(searches), with_kwargs=True))
     run_transparent_forwards(model, calibrate, handles)
     reduce_searches(plan.searched)  # data-parallel ranks: every rank's share (else a no-op)
+    for members, clip in plan.clip_only:
+        reduce_clip_blocks(clip, members[0].in_features)
     missed = [s for s in plan.searched if s.count == 0]
     if missed:
         logger.warning(
@@ -335,6 +343,14 @@ def clip_awq(model: nn.Module, plan: AWQPlan) -> ClipResult:
             if clips(member) and id(member.weight) not in shared:
                 results.append(clip_linear(member, search.clip.blocks, PORTABLE_MARGIN))
         search.clip = None  # the blocks are not needed again
+    for members, clip in plan.clip_only:  # round-to-nearest: no AWQ scale
+        if clip.blocks is not None:
+            results += [
+                clip_linear(m, clip.blocks, PORTABLE_MARGIN)
+                for m in members
+                if clips(m) and id(m.weight) not in shared
+            ]
+    plan.clip_only.clear()
     for module, proj, per_expert in plan.experts:
         grams = [None if s is None or s.clip is None else s.clip.blocks for s in per_expert]
         if any(g is not None for g in grams) and id(module.get_parameter(proj)) not in shared:

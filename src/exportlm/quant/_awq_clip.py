@@ -94,6 +94,11 @@ class BlockGram(OncePerInput):
         view = gram.reshape(groups, self.block, groups, self.block)
         self.blocks = view.diagonal(dim1=0, dim2=2).permute(2, 0, 1).clone()
 
+    def input_hook(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        """A forward pre-hook that :meth:`add` s the module's input."""
+        if args and isinstance(args[0], torch.Tensor):
+            self.add(args[0])
+
     def add(self, x: torch.Tensor) -> None:
         """Add one forward's input ``x`` (``[..., in]``); the same tensor again (the next
         member of a group that reads it) is counted once."""

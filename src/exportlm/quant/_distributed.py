@@ -32,12 +32,14 @@ from typing import Any
 import torch
 
 from exportlm.errors import DistributedCalibrationError
+from exportlm.quant._awq_clip import BlockGram
 from exportlm.quant._awq_search import ScaleSearch
 from exportlm.quant._quantizer import TensorQuantizer
 
 __all__ = [
     "data_parallel_world",
     "reduce_channel_statistics",
+    "reduce_clip_blocks",
     "reduce_groups",
     "reduce_max_statistics",
     "reduce_ranges",
@@ -199,17 +201,16 @@ def reduce_searches(searches: Sequence[ScaleSearch]) -> None:
         if search.gram is not None:
             _reduce_gram(search, states)
         if search.clip is not None and search.gram is None:  # else taken from the summed G
-            _reduce_blocks(search)
+            reduce_clip_blocks(search.clip, int(search.act.shape[-1]))
 
 
-def _reduce_blocks(search: ScaleSearch) -> None:
-    """The clip search's diagonal Gram blocks summed in rank order (zeros where a rank
-    ran no forward)."""
+def reduce_clip_blocks(clip: BlockGram, cols: int) -> None:
+    """A clip search's diagonal Gram blocks (of a ``cols``-wide input) summed over the ranks
+    in rank order (zeros where a rank ran no forward); a no-op for one process."""
+    if data_parallel_world() is None:
+        return
     import torch.distributed as dist
 
-    clip = search.clip
-    assert clip is not None  # pragma: no cover - checked by the caller
-    cols = int(search.act.shape[-1])
     shape = (cols // clip.block, clip.block, clip.block)
     local = torch.zeros(shape, dtype=torch.float64) if clip.blocks is None else clip.blocks.cpu()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]

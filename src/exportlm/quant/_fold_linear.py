@@ -183,7 +183,7 @@ def _predecessor(trace: BlockTrace, name: str, cons: QuantLinear) -> str | None:
 def prune_unfoldable(model: nn.Module, plan: AWQPlan, norms: NormTrace, trace: BlockTrace) -> None:
     """Under the convention, search only the scales a norm or a linear can take."""
     names = {id(m): n for n, m in model.named_modules()}
-    for index, (members, _search) in enumerate(plan.linears):
+    for index, (members, search) in enumerate(plan.linears):
         if not all(map(_convention, members)):
             continue
         member_names = [names[id(m)] for m in members]
@@ -195,6 +195,8 @@ def prune_unfoldable(model: nn.Module, plan: AWQPlan, norms: NormTrace, trace: B
             continue
         logger.info("AWQ: %s: no op before it takes a scale; round-to-nearest", member_names)
         plan.linears[index] = (members, None)
+        if search is not None and search.clip is not None:  # its groups are still clipped
+            plan.clip_only.append((members, search.clip))
 
 
 def _foldable_into(model: nn.Module, trace: BlockTrace, name: str, cons: QuantLinear) -> bool:
