@@ -34,12 +34,7 @@ from typing import Any
 
 import torch
 
-from exportlm.errors import (
-    DuplicateTensorError,
-    ExportFailedError,
-    InvalidInputError,
-    InvalidOptionError,
-)
+from exportlm.errors import DuplicateTensorError, ExportFailedError, InvalidOptionError
 from exportlm.export._digest import digest_bytes
 from exportlm.export.hf_checkpoint.safetensors_file import (
     SAFETENSORS_DTYPES,
@@ -175,7 +170,7 @@ class ShardedSafetensorsWriter:
         expected_bytes: int = 0,
     ) -> None:
         if write_threads < 1:
-            raise InvalidInputError(f"write_threads must be at least 1, got {write_threads}")
+            raise InvalidOptionError(f"write_threads must be at least 1, got {write_threads}")
         self.directory = Path(directory)
         self.max_shard_size = parse_size(max_shard_size)
         self.metadata = {"format": "pt", **(metadata or {})}
