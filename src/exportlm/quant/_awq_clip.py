@@ -134,17 +134,22 @@ def clips(module: nn.Module) -> bool:
     """Whether ``module``'s weight is searched for clipping: a :class:`QuantLinear` whose
     weight quantizer is INT4 by groups (W4A8: searched as its INT4 stage, as AWQ searches
     it) and asks for it (the recipe's ``clip`` option)."""
-    if not isinstance(module, QuantLinear):
+    if not isinstance(module, QuantLinear) or module.weight.dim() != 2:
         return False
-    quantizer = module.weight_quantizer
+    return _clips_with(module.weight_quantizer, int(module.weight.shape[-1]))
+
+
+def _clips_with(quantizer: TensorQuantizer, in_features: int) -> bool:
+    """Whether a weight of ``in_features`` columns that ``quantizer`` quantizes is clipped:
+    INT4 by groups that divide it (W4A8: its INT4 stage), the recipe's ``clip`` on."""
     searched = quantizer.spec.search_format or quantizer.format  # w4a8: its INT4 stage
+    block = quantizer.block_size
     return bool(
         quantizer.awq_clip
         and quantizer.enabled
         and searched == QuantFormat.INT4
-        and quantizer.block_size
-        and module.weight.dim() == 2
-        and module.weight.shape[-1] % quantizer.block_size == 0
+        and block
+        and in_features % block == 0
     )
 
 
@@ -174,16 +179,8 @@ def clips_experts(module: nn.Module, projection: str) -> bool:
     fused experts) with an INT4 group quantizer that asks for it."""
     if not isinstance(module, QuantExperts) or not module.stores_fused_parameters:
         return False
-    quantizer = module.weight_quantizer_of(projection)
-    searched = quantizer.spec.search_format or quantizer.format
-    block = quantizer.block_size
-    return bool(
-        quantizer.awq_clip
-        and quantizer.enabled
-        and searched == QuantFormat.INT4
-        and block
-        and module.canonical_weight(projection).shape[-1] % block == 0
-    )
+    in_features = int(module.canonical_weight(projection).shape[-1])
+    return _clips_with(module.weight_quantizer_of(projection), in_features)
 
 
 def clip_experts(
