@@ -144,6 +144,12 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         "names shard 'model-00002-of-00002.safetensors', which is not in the directory",
     ),
     "a missing weight": (_tensors(lambda t: t.pop(DOWN)), DOWN),
+    # transformers builds from model_type, vLLM from architectures: exported as llama
+    # while the engines would have read the source as qwen2
+    "architectures of another model type": (
+        _config("architectures", ["Qwen2ForCausalLM"]),
+        "architectures names Qwen2ForCausalLM, a 'qwen2' model, but its model_type is 'llama'",
+    ),
     "integer codes where a float weight is": (_tensors(_as_int32), "stored as I32"),
 }
 
@@ -291,3 +297,34 @@ def test_a_safetensors_file_transformers_does_not_read_is_not_held_against_it(
     out = exportlm.export_model("hf_checkpoint", directory, tmp_path / "out", stream=stream)
     original = load_file(base / SHARD)["model.embed_tokens.weight"]
     assert torch.equal(load_file(out / SHARD)["model.embed_tokens.weight"], original)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+@pytest.mark.parametrize(
+    ("architecture", "says"),
+    [
+        ("LlamaForSequenceClassification", "architectures names LlamaForSequenceClassification; "),
+        (
+            "NoSuchModelForCausalLM",
+            "architectures names NoSuchModelForCausalLM, which transformers",
+        ),
+    ],
+)
+def test_an_architecture_of_the_same_model_type_exports_as_the_causal_lm_said_once(
+    base: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    stream: bool,
+    architecture: str,
+    says: str,
+) -> None:
+    directory = _edited(base, tmp_path, _config("architectures", [architecture]))
+    with caplog.at_level(logging.WARNING, logger="exportlm"):
+        out = exportlm.export_model(
+            "hf_checkpoint", directory, tmp_path / "out", recipe="fp8", stream=stream
+        )
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    said = [r.getMessage() for r in caplog.records if says in r.getMessage()]
+    assert len(said) == 1, caplog.text  # the export checks the config three times
+    assert "exporting the causal LM" in said[0]
+    assert "LlamaForCausalLM" in said[0]

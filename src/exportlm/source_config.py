@@ -16,10 +16,13 @@ names alone (:func:`missing_layers`). A
 ``from_pretrained`` ignores it without a word and the checkpoint would get a generation
 config made from ``config.json`` (another end-of-sequence id, no sampling defaults); so is
 one whose ``bos`` / ``eos`` / ``pad_token_id`` is no token id (transformers copies it).
+An ``architectures`` naming a model of another ``model_type`` is refused: transformers
+builds the model from ``model_type``, vLLM and TensorRT-LLM from ``architectures``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,10 @@ __all__ = ["check_source_config", "missing_layers", "stored_weight_map"]
 
 GENERATION_CONFIG = "generation_config.json"
 
+logger = logging.getLogger(__name__)
+
+_WARNED: set[tuple[str, str]] = set()  # the architecture warning, once per directory and process
+
 
 def check_source_config(directory: Path, config: Mapping[str, Any], where: str) -> None:
     """Refuse a source whose ``config.json`` has a field its loaders refuse, that is
@@ -51,9 +58,63 @@ def check_source_config(directory: Path, config: Mapping[str, Any], where: str) 
     if problems:
         _, message = problems[0]
         raise InvalidConfigError(f"{where}: {message}; fix config.json")
+    _check_architecture(directory, config, where)
     refuse_quantized_source(directory, config, where)
     _check_layer_count(directory, config, where)
     _check_generation_config(directory, config)
+
+
+def _check_architecture(directory: Path, config: Mapping[str, Any], where: str) -> None:
+    """Refuse an ``architectures`` class of another model type than ``model_type``.
+
+    transformers' ``AutoModelForCausalLM`` builds the class ``model_type`` maps to and
+    never reads ``architectures``; vLLM and TensorRT-LLM pick their model class from
+    ``architectures``. A config whose two fields disagree (``model_type: llama`` with
+    ``Qwen2ForCausalLM``) exported as one model while the engines would have read the
+    source as another; the checkpoint names the class exported. A class of the same model
+    type (``LlamaForSequenceClassification``) or one this transformers does not have is
+    exported as the causal LM, with a warning.
+    """
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch, model_type = config["architectures"][0], config["model_type"]
+    if not where.endswith("config.json"):
+        where = f"{where}: config.json"
+    built = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if built is None or arch == built:  # no causal LM: the load says so
+        return
+    named = getattr(transformers, arch, None)
+    if not (isinstance(named, type) and issubclass(named, transformers.PreTrainedModel)):
+        _warn_once(
+            (str(directory), arch),
+            f"{where}: architectures names {arch}, which transformers "
+            f"{transformers.__version__} does not have; exporting the causal LM of model_type "
+            f"{model_type!r}, {built}",
+        )
+        return
+    named_type = getattr(named.config_class, "model_type", None)
+    built_type = getattr(getattr(transformers, built).config_class, "model_type", None)
+    if named_type in (model_type, built_type):
+        _warn_once(
+            (str(directory), arch),
+            f"{where}: architectures names {arch}; exporting the causal LM {built} that "
+            f"model_type {model_type!r} gives (the checkpoint names {built})",
+        )
+        return
+    raise InvalidConfigError(
+        f"{where}: architectures names {arch}, a {named_type!r} model, but its "
+        f"model_type is {model_type!r}, from which transformers builds {built}; vLLM and "
+        f"TensorRT-LLM pick the class by architectures and would read this directory as "
+        f"another model than the one exported. Fix config.json: the model_type and "
+        f"architectures of the model the weights belong to"
+    )
+
+
+def _warn_once(key: tuple[str, str], message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message)
 
 
 def _check_layer_count(directory: Path, config: Mapping[str, Any], where: str) -> None:
