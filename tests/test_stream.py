@@ -186,6 +186,9 @@ def test_a_layer_larger_than_the_budget_is_a_clear_error(tmp_path: Path) -> None
     ):
         export_streaming(src, tmp_path / "out", recipe="fp8", max_memory="100KB")
     assert not (tmp_path / "out").exists()
+    # a budget of a few bytes is said as such: it read "the 0.00 MB budget"
+    with pytest.raises(LayerTooLargeError, match=r"more than the budget of 1000 bytes; expected"):
+        export_streaming(src, tmp_path / "out", recipe="fp8", max_memory="1KB")
 
 
 def test_the_budget_bounds_what_the_stream_holds_beyond_the_process(

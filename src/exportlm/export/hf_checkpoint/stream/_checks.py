@@ -86,11 +86,14 @@ def check_fits(budget: int | None, bound: MemoryBound, what: str) -> None:
             f"{_size(bound.modules)}, one output shard {_size(bound.shard)}, quantizing one "
             f"linear {_size(bound.working)}, calibration matrices {_size(bound.search)} "
             f"held beside a decoder layer: {_size(bound.beside_modules)} more), more than "
-            f"the {_size(budget)} budget; expected "
+            f"the budget of {_size(budget)}; expected "
             f"at least {_size(need)} (the output shard is already its largest tensor alone). "
             "Raise --max-memory"
         )
 
 
 def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 10**9 else f"{n / 1e6:.2f} MB"
+    """``n`` bytes in words: ``--max-memory 1KB`` read "the 0.00 MB budget"."""
+    if n >= 10**9:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.2f} MB" if n >= 10**4 else f"{n} bytes"
