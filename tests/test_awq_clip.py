@@ -20,30 +20,16 @@ from exportlm.quant import (
 )
 from exportlm.quant._awq_clip import CLIP_RATIOS, BlockGram
 from exportlm.quant._modules import smoothing_of
+from tests._clip_checks import group_losses, quantized_tiny
 
 #: Float64 sums of the same products in two orders agree to ~1e-15 relative.
 SUM_RTOL = 1e-9
 
 
-def _batches(vocab: int) -> list[torch.Tensor]:
-    return [
-        torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(i))
-        for i in range(4)
-    ]
-
-
 def _quantized(recipe: str, family: str = "llama") -> tuple[nn.Module, nn.Module, list[Any]]:
     """(the quantized tiny model, the same model unquantized, its calibration batches)."""
-    model = tiny_hf_model(family, seed=0).eval()
-    original = tiny_hf_model(family, seed=0).eval()
-    batches = _batches(model.config.vocab_size)
-
-    def calibrate(m: nn.Module) -> None:
-        for batch in batches:
-            m(batch)
-
-    quantize(model, recipe, calibrate=calibrate)
-    return model, original, batches
+    model, batches = quantized_tiny(family, recipe)
+    return model, tiny_hf_model(family, seed=0).eval(), batches
 
 
 def _inputs(original: nn.Module, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -74,14 +60,6 @@ def _effective(module: QuantLinear) -> torch.Tensor:
     return quantized if pqs is None else quantized * pqs.to(quantized.dtype)
 
 
-def _group_losses(delta: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
-    """``sum_t (x_t,g . delta_r,g)^2`` per row ``r`` and group ``g``, by brute force."""
-    rows, cols = delta.shape
-    xs = x.double().reshape(-1, cols // block, block)  # [T, G, B]
-    ds = delta.double().reshape(rows, cols // block, block)  # [R, G, B]
-    return torch.einsum("tgb,rgb->trg", xs, ds).pow(2).sum(dim=0)
-
-
 def test_block_gram_form_is_each_groups_squared_output_error() -> None:
     torch.manual_seed(0)
     x, delta = torch.randn(3, 7, 64), torch.randn(5, 64)
@@ -92,7 +70,7 @@ def test_block_gram_form_is_each_groups_squared_output_error() -> None:
     assert gram.blocks.shape == (4, 16, 16)
     d = delta.double().reshape(5, 4, 16)
     form = torch.einsum("rgi,gij,rgj->rg", d, gram.blocks, d)
-    brute = _group_losses(delta, x.reshape(-1, 64), 16)
+    brute = group_losses(delta, x.reshape(-1, 64), 16)
     torch.testing.assert_close(form, brute, rtol=SUM_RTOL, atol=0)
     rows = x.reshape(-1, 64).double()
     whole = BlockGram(16)
@@ -142,8 +120,8 @@ def test_every_group_adds_no_more_output_error_than_unclipped(recipe: str) -> No
         weight = original.get_submodule(name).weight.detach()
         block = int(module.weight_quantizer.block_size or 0)
         x = inputs[name]
-        ours = _group_losses(_effective(module) - weight, x, block)
-        theirs = _group_losses(_effective(other) - weight, x, block)
+        ours = group_losses(_effective(module) - weight, x, block)
+        theirs = group_losses(_effective(other) - weight, x, block)
         assert bool((ours <= theirs * (1 + 1e-6) + 1e-12).all()), name
         totals[0] += float(ours.sum())
         totals[1] += float(theirs.sum())
@@ -169,8 +147,8 @@ def test_a_linear_without_an_awq_scale_is_clipped_too() -> None:
         assert torch.equal(other.weight, weight)
         assert not torch.equal(module.weight, weight)
         block = int(module.weight_quantizer.block_size or 0)
-        ours = _group_losses(_effective(module) - weight, inputs[name], block)
-        theirs = _group_losses(_effective(other) - weight, inputs[name], block)
+        ours = group_losses(_effective(module) - weight, inputs[name], block)
+        theirs = group_losses(_effective(other) - weight, inputs[name], block)
         assert bool((ours <= theirs * (1 + 1e-6) + 1e-12).all()), name
         assert float(ours.sum()) < 0.9 * float(theirs.sum()), name
 

@@ -11,30 +11,12 @@ import torch
 from torch import nn
 
 from exportlm.models import tiny_hf_model
-from exportlm.quant import QuantExperts, quantize
+from exportlm.quant import QuantExperts
+from tests._clip_checks import group_losses, quantized_tiny
 
 #: Two layouts: Qwen3-MoE stores ``[E, out, in]`` (gate rows then up rows), GPT-OSS
 #: ``[E, in, out]`` with gate / up columns interleaved.
 FAMILIES = ("qwen3_moe", "gpt_oss")
-
-
-def _batches(vocab: int) -> list[torch.Tensor]:
-    return [
-        torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(i))
-        for i in range(4)
-    ]
-
-
-def _quantized(family: str, recipe: str) -> tuple[nn.Module, list[torch.Tensor]]:
-    model = tiny_hf_model(family, seed=0).eval()
-    batches = _batches(model.config.vocab_size)
-
-    def calibrate(m: nn.Module) -> None:
-        for batch in batches:
-            m(batch)
-
-    quantize(model, recipe, calibrate=calibrate)
-    return model, batches
 
 
 def _experts(model: nn.Module) -> dict[str, QuantExperts]:
@@ -77,20 +59,13 @@ def _effective(module: QuantExperts, projection: str, expert: int) -> torch.Tens
     return quantized * row.to(quantized.dtype)
 
 
-def _group_losses(delta: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
-    rows, cols = delta.shape
-    xs = x.double().reshape(-1, cols // block, block)
-    ds = delta.double().reshape(rows, cols // block, block)
-    return torch.einsum("tgb,rgb->trg", xs, ds).pow(2).sum(dim=0)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_experts_groups_add_no_more_output_error_than_unclipped(family: str) -> None:
     """Per expert, projection, row and group: the squared error the weight adds to that
     expert's output over the tokens routed to it is at most the unclipped one's, and lower
     in total. Before, the clip search left stacked experts at round-to-nearest ranges."""
-    clipped, batches = _quantized(family, "int4_awq")
-    plain, _ = _quantized(family, "int4_awq:clip=false")
+    clipped, batches = quantized_tiny(family, "int4_awq")
+    plain, _ = quantized_tiny(family, "int4_awq:clip=false")
     original = tiny_hf_model(family, seed=0).eval()
     totals = [0.0, 0.0]
     compared = 0
@@ -108,8 +83,8 @@ def test_every_experts_groups_add_no_more_output_error_than_unclipped(family: st
                 if x is None:
                     continue  # no token reached it: left as it is
                 weight = weights[expert]
-                ours = _group_losses(_effective(module, projection, expert) - weight, x, block)
-                theirs = _group_losses(_effective(other, projection, expert) - weight, x, block)
+                ours = group_losses(_effective(module, projection, expert) - weight, x, block)
+                theirs = group_losses(_effective(other, projection, expert) - weight, x, block)
                 assert bool((ours <= theirs * (1 + 1e-6) + 1e-12).all()), (name, projection)
                 totals[0] += float(ours.sum())
                 totals[1] += float(theirs.sum())
@@ -120,8 +95,8 @@ def test_every_experts_groups_add_no_more_output_error_than_unclipped(family: st
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_experts_are_clamped_in_their_layout_and_clip_false_changes_none(family: str) -> None:
-    clipped, _ = _quantized(family, "int4_awq")
-    plain, _ = _quantized(family, "int4_awq:clip=false")
+    clipped, _ = quantized_tiny(family, "int4_awq")
+    plain, _ = quantized_tiny(family, "int4_awq:clip=false")
     original = tiny_hf_model(family, seed=0).eval()
     changed = 0
     for name, module in _experts(clipped).items():
@@ -143,7 +118,7 @@ def test_the_log_counts_every_expert_clipped(caplog: pytest.LogCaptureFixture) -
     """Qwen3-MoE's toy: 2 layers of 7 linears, and each layer's experts (both projections
     of every expert a token reached)."""
     with caplog.at_level(logging.INFO, logger="exportlm.quant._awq_clip"):
-        model, _ = _quantized("qwen3_moe", "int4_awq")
+        model, _ = quantized_tiny("qwen3_moe", "int4_awq")
     lines = [r.getMessage() for r in caplog.records if r.name == "exportlm.quant._awq_clip"]
     assert len(lines) == 1
     experts = sum(2 * m.num_experts for m in _experts(model).values())
@@ -175,7 +150,7 @@ def test_the_streams_bound_counts_the_blocks_the_clip_search_holds(monkeypatch: 
         return clip_awq(model, plan)
 
     monkeypatch.setattr(steps, "clip_awq", measured)
-    model, _ = _quantized("qwen3_moe", "int4_awq")
+    model, _ = quantized_tiny("qwen3_moe", "int4_awq")
     algorithms = calibration_algorithms([resolve_algorithm("int4_awq")])
     per_layer = clip_bytes(tiny_hf_model("qwen3_moe", seed=0), "model.layers.", algorithms)
     layers = int(model.config.num_hidden_layers)

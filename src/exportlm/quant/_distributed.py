@@ -209,13 +209,20 @@ def reduce_clip_blocks(clip: BlockGram, cols: int) -> None:
     in rank order (zeros where a rank ran no forward); a no-op for one process."""
     if data_parallel_world() is None:
         return
+    clip.blocks = _summed_float64(clip.blocks, (cols // clip.block, clip.block, clip.block))
+
+
+def _summed_float64(mine: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """A float64 statistic summed over the ranks in rank order; a rank that has none
+    (it ran no forward) gives zeros of ``shape``."""
     import torch.distributed as dist
 
-    shape = (cols // clip.block, clip.block, clip.block)
-    local = torch.zeros(shape, dtype=torch.float64) if clip.blocks is None else clip.blocks.cpu()
+    local = torch.zeros(shape, dtype=torch.float64) if mine is None else mine.cpu()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local.contiguous())
-    clip.blocks = _combine(list(parts), "sum", None)
+    summed = _combine(list(parts), "sum", None)
+    assert summed is not None  # pragma: no cover - every part is a tensor
+    return summed
 
 
 def _search_state(search: ScaleSearch) -> dict[str, Any]:
@@ -231,8 +238,6 @@ def _search_state(search: ScaleSearch) -> dict[str, Any]:
 
 def _reduce_gram(search: ScaleSearch, states: list[dict[str, Any]]) -> None:
     """``G`` (and ``H`` where the forwards' token counts differ) summed in rank order."""
-    import torch.distributed as dist
-
     gram = search.gram
     assert gram is not None  # pragma: no cover - checked by the caller
     if not any(s["forwards"] for s in states):
@@ -241,12 +246,7 @@ def _reduce_gram(search: ScaleSearch, states: list[dict[str, Any]]) -> None:
     counts = {s["tokens"] for s in states if s["forwards"]}
     uniform = len(counts) == 1 and -1 not in counts
     mine = [gram.gram] + ([] if uniform else [gram.per_forward_mean()])
-    combined = []
-    for matrix in mine:
-        local = torch.zeros(size, size, dtype=torch.float64) if matrix is None else matrix.cpu()
-        parts = [torch.empty_like(local) for _ in states]
-        dist.all_gather(parts, local.contiguous())
-        combined.append(_combine(list(parts), "sum", None))
+    combined = [_summed_float64(matrix, (size, size)) for matrix in mine]
     gram.gram = combined[0]
     gram.mean_gram = None if uniform else combined[1]
     gram.tokens = next(iter(counts)) if uniform else None
