@@ -18,10 +18,14 @@ def calibration_batches(vocab: int) -> list[torch.Tensor]:
     ]
 
 
-def quantized_tiny(family: str, recipe: str) -> tuple[nn.Module, list[torch.Tensor]]:
-    """``family``'s tiny model (seed 0) quantized with ``recipe`` on
+def quantized_tiny(
+    family: str, recipe: str, dtype: torch.dtype | None = None
+) -> tuple[nn.Module, list[torch.Tensor]]:
+    """``family``'s tiny model (seed 0, cast to ``dtype``) quantized with ``recipe`` on
     :func:`calibration_batches`, and those batches."""
     model = tiny_hf_model(family, seed=0).eval()
+    if dtype is not None:
+        model = model.to(dtype)
     batches = calibration_batches(model.config.vocab_size)
 
     def calibrate(m: nn.Module) -> None:

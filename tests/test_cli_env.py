@@ -32,6 +32,7 @@ def test_env_json_reports_versions_cpu_cuda_variables_and_registries(
     facts = report["torch"]
     assert facts["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert facts["intra_op_threads"] == torch.get_num_threads()
+    assert facts["calibration_half_matmuls"].startswith("calibration's in ")
     assert facts["cuda_available"] == torch.cuda.is_available()
     assert len(facts["cuda_devices"]) == (
         torch.cuda.device_count() if facts["cuda_available"] else 0
@@ -55,4 +56,5 @@ def test_env_text_is_readable(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"\n{heading}\n" in out
     assert "  torch " in out
     assert f"CPU capability  {torch.backends.cpu.get_cpu_capability()}" in out
+    assert "bf16 matmuls    calibration's in " in out
     assert "Plugins that failed to load: none" in out

@@ -96,9 +96,12 @@ def _torch_facts() -> dict[str, Any]:
         import torch
     except ImportError as err:
         return {"error": f"cannot import torch: {err}"}
+    from exportlm.quant._gemm import describe
+
     cuda = torch.cuda.is_available()
     return {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "calibration_half_matmuls": describe(),
         "intra_op_threads": torch.get_num_threads(),
         "inter_op_threads": torch.get_num_interop_threads(),
         "cpu_count": os.cpu_count(),
@@ -121,6 +124,7 @@ def _torch_rows(facts: dict[str, Any]) -> list[tuple[str, str]]:
         cuda = f"not available (torch built with CUDA {facts['cuda_version']}, no device found)"
     return [
         ("CPU capability", str(facts["cpu_capability"])),
+        ("bf16 matmuls", str(facts["calibration_half_matmuls"])),
         ("threads", f"{facts['intra_op_threads']} intra-op, {facts['inter_op_threads']} inter-op"),
         ("CPUs", str(facts["cpu_count"])),
         ("CUDA", cuda),

@@ -22,6 +22,8 @@ from exportlm.quant._calibration_steps import calibrate_and_smooth, init_weight_
 from exportlm.quant._conventions import apply_convention
 from exportlm.quant._expert_modules import QuantExperts
 from exportlm.quant._experts import experts_base, quant_experts_class
+from exportlm.quant._gemm import check_setting as check_gemm_setting
+from exportlm.quant._gemm import float32_matmuls
 from exportlm.quant._gptq_apply import mark_gptq
 from exportlm.quant._kv import route_kv_cache_to_attention
 from exportlm.quant._modules import (
@@ -121,6 +123,7 @@ def quantize(
     is never modified.
     """
     plan = QuantRecipe.parse(recipe, exclude, options)
+    check_gemm_setting()
     if not inplace:
         model = copy.deepcopy(model)
     conversions = _checked_plan(model, plan)
@@ -133,7 +136,8 @@ def quantize(
         groups: list[list[QuantLinear]] = []
         if _calibrates(conversions):
             awq = any(c.algo is not None and c.algo.awq for c in conversions)
-            groups = calibrate_and_smooth(model, calibrate, steps, awq)
+            with float32_matmuls(model):  # a bf16 model on an AVX2 CPU: 9x faster
+                groups = calibrate_and_smooth(model, calibrate, steps, awq)
         else:
             logger.info("weight-only recipe: every scale comes from the weights; no calibration")
         with steps.step("amax unification"):

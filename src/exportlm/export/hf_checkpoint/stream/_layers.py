@@ -112,9 +112,14 @@ def _without_cache(value: Any) -> Any:
 def run_layer(
     layer: nn.Module, hidden: Sequence[torch.Tensor], kwargs: Sequence[dict[str, Any]]
 ) -> list[torch.Tensor]:
-    """``layer``'s output hidden states for every batch (no gradients)."""
+    """``layer``'s output hidden states for every batch (no gradients), its half-precision
+    matmuls as :func:`~exportlm.quant.quantize`'s calibration runs them (float32 on a CPU
+    without a half-precision GEMM): in memory the next layer's calibration inputs come
+    from that calibration's forward."""
+    from exportlm.quant._gemm import float32_matmuls
+
     outputs = []
-    with torch.no_grad():
+    with torch.no_grad(), float32_matmuls(layer):
         for h, kw in zip(hidden, kwargs, strict=True):
             out = layer(h, **kw)
             outputs.append((out[0] if isinstance(out, tuple) else out).detach())
