@@ -124,22 +124,18 @@ WEIGHT_CHUNK = 1 << 20
 def float32_product(func: Callable[..., Any], args: tuple[Any, ...]) -> torch.Tensor:
     """``func(*args)`` on float32 copies of its tensor operands, rounded to their dtype;
     ``F.linear``'s weight cast a slice of rows at a time."""
-    dtype = args[0].dtype
     if func is F.linear:
         return _linear(args[0], args[1], args[2] if len(args) > 2 else None)
     cast = tuple(a.float() if isinstance(a, torch.Tensor) else a for a in args)
     out: torch.Tensor = func(*cast)
-    return out.to(dtype)
+    return out.to(args[0].dtype)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows, cols = weight.shape
     step = max(1, WEIGHT_CHUNK // max(cols, 1))
     xf = x.float()
-    if rows <= step:
-        out = F.linear(xf, weight.float(), None if bias is None else bias.float())
-        return out.to(x.dtype)
-    result = x.new_empty((*x.shape[:-1], rows))
+    result = x.new_empty((*x.shape[:-1], rows))  # each slice's product rounded into it
     for start in range(0, rows, step):
         end = min(rows, start + step)
         part = bias[start:end].float() if bias is not None else None
