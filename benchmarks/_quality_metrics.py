@@ -20,6 +20,7 @@ or the callable :func:`exportlm.load_exported` returns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -74,9 +75,26 @@ def agreement(logits_fn: LogitsFn, prompts: list[torch.Tensor], answers: list[li
 def measure(logits_fn: LogitsFn, data: dict[str, Any]) -> dict[str, float]:
     """``{"ppl", "agree", "eval_s"}`` of one model on the run's evaluation data."""
     start = time.perf_counter()
-    ppl = perplexity(logits_fn, data["eval_ids"], data["window"])
-    agree = agreement(logits_fn, data["prompts"], data["answers"])
+    with float32_matmuls():
+        ppl = perplexity(logits_fn, data["eval_ids"], data["window"])
+        agree = agreement(logits_fn, data["prompts"], data["answers"])
     return {"ppl": ppl, "agree": agree, "eval_s": time.perf_counter() - start}
+
+
+#: Set to ``1`` by ``quality.py --float32-matmuls`` for itself and every child.
+FLOAT32_MATMULS = "QUALITY_FLOAT32_MATMULS"
+
+
+def float32_matmuls() -> contextlib.AbstractContextManager[None]:
+    """With ``--float32-matmuls``: the CPU bfloat16 matmuls run inside on float32 copies,
+    each product rounded to bfloat16 (exportlm's ``float32_matmuls``: a bfloat16 GEMM's
+    arithmetic up to accumulation order), for every producer's calibration and every
+    evaluation alike. Without: nothing changes (and exportlm is not imported)."""
+    if os.environ.get(FLOAT32_MATMULS) != "1":
+        return contextlib.nullcontext()
+    from exportlm.quant._gemm import float32_matmuls as matmuls  # EXPORTLM_FLOAT32_GEMM=1 too
+
+    return matmuls()
 
 
 def load_data(path: str | Path) -> dict[str, Any]:

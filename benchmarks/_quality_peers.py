@@ -63,6 +63,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _quality_metrics import (
     export_done,
+    float32_matmuls,
     guarded,
     hf_logits,
     load_data,
@@ -179,7 +180,8 @@ def run_modelopt(args: argparse.Namespace, data: dict[str, Any], result: dict[st
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mtq.quantize(model, modelopt_config(mtq, args.recipe), forward_loop=forward_loop)
+        with float32_matmuls():  # quality.py --float32-matmuls (else nothing)
+            mtq.quantize(model, modelopt_config(mtq, args.recipe), forward_loop=forward_loop)
         # Measured before the export, which replaces the weights by their quantized bytes.
         evaluate(args, data, result, model)
         export_hf_checkpoint(model, export_dir=args.out)

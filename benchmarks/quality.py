@@ -19,6 +19,12 @@ Prejudice*, one 511-token sample a line, so N samples are N rows of 512 tokens).
 
 ``--memory-row`` adds the FP8 export at ``--memory-samples`` x ``--memory-seq-len``
 (128 x 512) by each producer, export only: seconds and peak RSS.
+``--float32-matmuls`` runs every producer's calibration and every evaluation with
+exportlm's float32 matmuls forced (``EXPORTLM_FLOAT32_GEMM=1``): each CPU bfloat16 matmul
+on float32 copies, rounded to bfloat16. On a CPU without AVX512-BF16 or AMX, where a
+bfloat16 GEMM is about 9x slower than a float32 one, ModelOpt's calibration otherwise takes
+hours; with it, every producer computes with the same arithmetic (not llm-compressor,
+whose venv has no exportlm: refused).
 ``--markdown results.json`` prints the table of docs/quality.md from a finished run.
 
 Usage::
@@ -48,7 +54,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
-from _quality_metrics import hf_logits, load_data, measure, write_result  # noqa: E402
+from _quality_metrics import (  # noqa: E402
+    FLOAT32_MATMULS,
+    float32_matmuls,
+    hf_logits,
+    load_data,
+    measure,
+    write_result,
+)
 from _quality_peers import supports  # noqa: E402
 from _quality_report import markdown  # noqa: E402
 
@@ -129,7 +142,8 @@ def prepare(args: argparse.Namespace, model_dir: Path, work: Path) -> dict[str, 
     baseline = None
     if args.recipes:  # the bf16 reference answers and row (not needed by the memory row)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-        data["answers"] = [_greedy_answer(model, p) for p in prompts]
+        with float32_matmuls():
+            data["answers"] = [_greedy_answer(model, p) for p in prompts]
         baseline = measure(hf_logits(model), data)
     torch.save(data, work / "run.pt")
     if args.memory_row:
@@ -285,6 +299,8 @@ def run(args: argparse.Namespace) -> None:
 
     model_dir = Path(real_model_dir())
     started = time.time()
+    if args.float32_matmuls:  # this process's evaluations, and every child's (inherited)
+        os.environ.update({FLOAT32_MATMULS: "1", "EXPORTLM_FLOAT32_GEMM": "1"})
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)  # a fresh path: made, not a traceback
     with tempfile.TemporaryDirectory(prefix="quality-", dir=args.workdir) as tmp:
@@ -329,6 +345,7 @@ def _meta(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "memory_seq_len": args.memory_seq_len if args.memory_row else None,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
         "load_at_start": os.getloadavg()[0],
+        "float32_matmuls": args.float32_matmuls,
         "versions": versions,
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
@@ -383,7 +400,20 @@ def _args() -> argparse.Namespace:
         help="reuse another run's data (RUN.json beside it: its results, for the bf16 row)",
     )
     p.add_argument("--workdir", type=Path, default=None, help="where checkpoints go (a temp dir)")
-    return p.parse_args()
+    p.add_argument(
+        "--float32-matmuls",
+        action="store_true",
+        help="every producer's calibration and every evaluation multiplies bf16 matrices on "
+        "float32 copies rounded to bf16 (exportlm's float32 matmuls, forced): on a CPU "
+        "without AVX512-BF16 or AMX the peers' bf16 calibrations take hours without it",
+    )
+    args = p.parse_args()
+    if args.float32_matmuls and "llmcompressor" in args.peers:
+        p.error(
+            "--float32-matmuls runs exportlm's float32 matmuls inside each producer, and "
+            "llm-compressor's venv has no exportlm: pass --peers exportlm,modelopt"
+        )
+    return args
 
 
 def _child_args() -> argparse.Namespace:

@@ -162,3 +162,65 @@ def test_a_recipe_with_two_options_stays_one_recipe() -> None:
         "int8_sq:alpha=0.5",
         "w4a8_awq:group_size=64,clip=false",
     ]
+
+
+def _metrics_module():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    path = ROOT / "benchmarks" / "_quality_metrics.py"
+    spec = importlib.util.spec_from_file_location("_quality_metrics", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_float32_matmuls_apply_to_every_evaluation_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--float32-matmuls``: a bf16 product inside ``measure`` is the float32 product
+    rounded to bf16 (counted through exportlm's helper); without the flag, the model's own
+    bf16 matmul runs."""
+    import torch
+
+    from exportlm.quant import _gemm
+
+    metrics = _metrics_module()
+    calls: list[object] = []
+    real = _gemm.float32_product
+    monkeypatch.setattr(_gemm, "float32_product", lambda f, a: calls.append(f) or real(f, a))
+    weight = torch.randn(32, 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+    data = {
+        "eval_ids": torch.arange(9) % 32,
+        "window": 8,
+        "prompts": [torch.tensor([1, 2])],
+        "answers": [[3, 4]],
+    }
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.one_hot(ids, 16).bfloat16()
+        return torch.nn.functional.linear(x, weight)
+
+    monkeypatch.delenv(metrics.FLOAT32_MATMULS, raising=False)
+    monkeypatch.setenv("EXPORTLM_FLOAT32_GEMM", "0")
+    plain = metrics.measure(logits, data)
+    assert calls == []
+    monkeypatch.setenv(metrics.FLOAT32_MATMULS, "1")  # as quality.py sets both
+    monkeypatch.setenv("EXPORTLM_FLOAT32_GEMM", "1")
+    forced = metrics.measure(logits, data)
+    assert calls, "the flag did not run the evaluation's bf16 matmuls in float32"
+    assert forced["ppl"] == pytest.approx(plain["ppl"], rel=1e-2)  # one-hot rows: same bf16
+
+
+def test_float32_matmuls_refuse_a_peer_without_exportlm() -> None:
+    """llm-compressor's venv has no exportlm, so the flag cannot reach its calibration:
+    refused with what to pass, before anything runs."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--float32-matmuls"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--peers exportlm,modelopt" in proc.stderr

@@ -169,10 +169,11 @@ class _Float32Matmuls(TorchFunctionMode):
 
 
 @contextmanager
-def float32_matmuls(module: nn.Module) -> Iterator[None]:
+def float32_matmuls(module: nn.Module | None = None) -> Iterator[None]:
     """Inside, the half-precision matmuls on the CPU run in float32 where :func:`wanted`
-    says so for ``module`` (else nothing changes)."""
-    if not wanted(module):
+    says so for ``module`` (else nothing changes); with no module, where the setting and
+    the CPU say so."""
+    if not (_wanted_here() if module is None else wanted(module)):
         yield
         return
     with _Float32Matmuls():
