@@ -112,7 +112,12 @@ def markdown(results: dict[str, Any]) -> str:
         else [
             f"Calibration: {calib['rows']} rows x {meta['seq_len']} tokens ({calib['tokens']} "
             f"tokens); perplexity on {meta['eval_tokens']} tokens; run started {meta['started']}, "
-            f"{meta['wall_s'] / 60:.0f} min wall.",
+            f"{meta['wall_s'] / 60:.0f} min wall."
+            + (
+                " Every calibration and evaluation in float32 matmuls (`--float32-matmuls`)."
+                if meta.get("float32_matmuls")
+                else ""
+            ),
             "",
             _table(header, rows),
         ]

@@ -91,6 +91,9 @@ def test_the_markdown_table_shows_absent_failed_and_worse_cells(tmp_path: Path) 
     )
     assert "| exportlm | 30 | 1.50 |  |" in lines
     assert any(line.startswith("- `w8a8`") and "WORSE by more than 1%" in line for line in lines)
+    assert not any("--float32-matmuls" in line for line in lines)
+    results["meta"]["float32_matmuls"] = True  # a run that forced them says so
+    assert any("(`--float32-matmuls`)" in line for line in _markdown(tmp_path, results))
 
 
 def test_a_peer_whose_in_memory_model_failed_is_judged_by_its_checkpoint(tmp_path: Path) -> None:
