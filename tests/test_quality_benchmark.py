@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -64,6 +66,16 @@ def _markdown(tmp_path: Path, results: dict[str, object]) -> list[str]:
         capture_output=True, text=True, check=True, cwd=ROOT,
     )  # fmt: skip
     return done.stdout.splitlines()
+
+
+def _benchmark_module(name: str) -> ModuleType:
+    """``benchmarks/NAME.py`` imported from its file (the benchmarks are no package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _row(recipe: str, producer: str, **fields: object) -> dict[str, object]:
@@ -151,32 +163,13 @@ def test_the_verdict_adds_ours_against_modelopt_s_checkpoint_where_both_were_rea
 def test_a_recipe_with_two_options_stays_one_recipe() -> None:
     """``--recipes int4_awq:group_size=64,clip=true`` is one recipe (it was split into
     ``int4_awq:group_size=64`` and ``clip=true``, and the peer ran the wrong config)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("quality", ROOT / "benchmarks" / "quality.py")
-    assert spec is not None
-    assert spec.loader is not None
-    quality = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quality)
-    split = quality.split_recipes
+    split = _benchmark_module("quality").split_recipes
     assert split("int4_awq:group_size=64,clip=true") == ["int4_awq:group_size=64,clip=true"]
     assert split("fp8,int8_sq:alpha=0.5,none,w4a8_awq:group_size=64,clip=false") == [
         "fp8",
         "int8_sq:alpha=0.5",
         "w4a8_awq:group_size=64,clip=false",
     ]
-
-
-def _metrics_module():  # type: ignore[no-untyped-def]
-    import importlib.util
-
-    path = ROOT / "benchmarks" / "_quality_metrics.py"
-    spec = importlib.util.spec_from_file_location("_quality_metrics", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_float32_matmuls_apply_to_every_evaluation_only_when_asked(
@@ -189,7 +182,7 @@ def test_float32_matmuls_apply_to_every_evaluation_only_when_asked(
 
     from exportlm.quant import _gemm
 
-    metrics = _metrics_module()
+    metrics = _benchmark_module("_quality_metrics")
     calls: list[object] = []
     real = _gemm.float32_product
     monkeypatch.setattr(_gemm, "float32_product", lambda f, a: calls.append(f) or real(f, a))
